@@ -1,0 +1,57 @@
+/* Event layouts shared by the BPF programs and the collector.
+ *
+ * This header is the single definition: profinfer/layout.py parses these structs into numpy
+ * dtypes, so keep to the field types it knows (u16 u32 s32 u64 s64 char) and to fields
+ * aligned to their size (no implicit padding).
+ */
+#define PI_NAME_LEN 64
+#define PI_OP_BATCH 32
+
+#define PI_EV_TOKEN 1
+#define PI_EV_GRAPH 2
+#define PI_EV_OPS 3
+
+/* One llama_decode call, sent at its return. */
+struct pi_token_event {
+    u32 kind;
+    u32 tid;
+    u64 start_ns;
+    u64 end_ns;
+    s32 n_tokens;
+    s32 ret;
+};
+
+/* One backend graph compute, sent at its return. */
+struct pi_graph_event {
+    u32 kind;
+    u32 tid;
+    u64 start_ns;
+    u64 end_ns;
+    u64 name_fn;   /* backend->iface.get_name: symbolized in user space to the backend name */
+    u64 graph;
+    s32 n_nodes;
+    u32 probe;     /* index of the probed function in the probe pack */
+};
+
+/* One graph node computed by one thread. */
+struct pi_op_event {
+    u64 start_ns;
+    u64 end_ns;          /* entry of the last ggml_barrier before the next node */
+    u64 barrier_end_ns;  /* next node's start on this thread (user space caps it at graph end) */
+    u64 tensor;
+    s64 ne[4];
+    u32 tid;
+    u32 cpu;
+    s32 op;
+    s32 fused_op;        /* op of the second fused node, -1 when not fused */
+    s32 type;
+    u32 n_barriers;      /* barriers entered during the node: >1 means the op waited inside */
+    char name[PI_NAME_LEN];
+};
+
+/* Op events travel in per-thread batches: one ring-buffer record, one wakeup per batch. */
+struct pi_op_batch {
+    u32 kind;
+    u32 count;
+    struct pi_op_event ev[PI_OP_BATCH];
+};

@@ -1,0 +1,1 @@
+"""Writers that turn a Profile into files: JSON summary, Perfetto and Chrome traces."""

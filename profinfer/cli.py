@@ -1,0 +1,207 @@
+"""Command line: attach, record, report, demo, doctor.
+
+Every failure the user can act on ends as one line on stderr and a non-zero exit code.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+
+import click
+
+from . import discovery
+from .errors import ProfinferError
+from .model import Profile
+from .probepack import LEVELS
+
+DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+def _levels(value: str) -> set[str]:
+    levels = {v.strip() for v in value.split(",") if v.strip()}
+    bad = levels - set(LEVELS)
+    if bad or not levels:
+        raise click.BadParameter(f"unknown level(s) {', '.join(sorted(bad)) or '(none)'}; "
+                                 f"choose from {','.join(LEVELS)}")
+    return levels
+
+
+def _warn(msg: str) -> None:
+    click.echo(f"profinfer: warning: {msg}", err=True)
+
+
+def output_options(f):
+    f = click.option("--json", "json_path", type=click.Path(dir_okay=False),
+                     help="Write a machine-readable summary (JSON) to this file.")(f)
+    f = click.option("-o", "--output", type=click.Path(dir_okay=False),
+                     help="Write the timeline: .pftrace (Perfetto protobuf) or .json (Chrome JSON).")(f)
+    f = click.option("--quiet", is_flag=True, help="Do not print the operator view.")(f)
+    return f
+
+
+def probe_options(f):
+    f = click.option("--levels", default=",".join(LEVELS), show_default=True,
+                     help="Comma-separated levels: token, graph, op.")(f)
+    f = click.option("--duration", type=click.FloatRange(min=0.01),
+                     help="Stop after this many seconds (default: until Ctrl-C or target exit).")(f)
+    f = click.option("--tensor-layout", help="Skip DWARF and decode ggml_tensor with this known layout "
+                     "(validated on live data).")(f)
+    return f
+
+
+def _emit(profile: Profile, output: str | None, json_path: str | None, quiet: bool) -> None:
+    from .exporters import json_summary, perfetto
+    from .viewers import optable
+    if output:
+        if output.endswith(".json"):
+            perfetto.write_chrome_json(profile, output)
+        else:
+            perfetto.write_perfetto(profile, output)
+        click.echo(f"profinfer: wrote {output}", err=True)
+    if json_path:
+        json_summary.write_json(profile, json_path)
+        click.echo(f"profinfer: wrote {json_path}", err=True)
+    if not quiet:
+        optable.render(profile)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="profinfer")
+def cli():
+    """profinfer: eBPF profiler for LLM inference engines (llama.cpp)."""
+
+
+@cli.command()
+@click.option("-p", "--pid", type=int, required=True, help="Process to profile.")
+@probe_options
+@output_options
+def attach(pid, levels, duration, tensor_layout, output, json_path, quiet):
+    """Profile a running llama.cpp process, without restarting it."""
+    from .session import profile_process
+    profile = profile_process(pid, _levels(levels), duration, tensor_layout=tensor_layout, warn=_warn)
+    _emit(profile, output, json_path, quiet)
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@probe_options
+@output_options
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def record(levels, duration, tensor_layout, output, json_path, quiet, command):
+    """Run COMMAND under the profiler, attached before its first instruction."""
+    profile, code = record_command(list(command), _levels(levels), duration, tensor_layout)
+    _emit(profile, output, json_path, quiet)
+    if code:
+        _warn(f"{command[0]} exited with status {code}")
+
+
+def record_command(command: list[str], levels: set[str], duration: float | None,
+                   tensor_layout: str | None = None, env: dict[str, str] | None = None):
+    """Start `command` stopped before exec, attach, then let it run. Returns (profile, exit code)."""
+    from .session import profile_process
+    exe = shutil.which(command[0], path=(env or os.environ).get("PATH"))
+    if not exe:
+        raise ProfinferError(f"command not found: {command[0]}")
+    from .kernel import require_root
+    require_root()
+    libs = discovery.command_libraries(exe, env)
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: wait until the probes are in, then become the command
+        os.close(go_w)
+        if os.read(go_r, 1) != b"g":
+            os._exit(125)
+        try:
+            os.execve(exe, command, env if env is not None else os.environ)
+        except OSError as e:
+            os.write(2, f"profinfer: cannot run {exe}: {e.strerror}\n".encode())
+            os._exit(127)
+    os.close(go_r)
+    released = []
+
+    def release():
+        os.write(go_w, b"g")
+        os.close(go_w)
+        released.append(True)
+
+    status: list[int] = []
+    try:
+        profile = profile_process(pid, levels, duration, lib_paths=libs, child_status=status,
+                                  on_attached=release, tensor_layout=tensor_layout, warn=_warn)
+    finally:
+        if not released:
+            os.close(go_w)  # the child reads EOF and exits without running the command
+        if not status:  # stopped before the command ended: it does not outlive its profiler
+            try:
+                os.kill(pid, signal.SIGTERM)
+                _, st = os.waitpid(pid, 0)
+                status.append(os.waitstatus_to_exitcode(st))
+            except ChildProcessError:
+                pass
+    return profile, (status[0] if status else 0)
+
+
+@cli.command()
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the JSON summary.")
+def report(trace, json_path):
+    """Operator view of a saved trace (.pftrace written by profinfer)."""
+    from .exporters.trace_reader import TraceFormatError, read_trace
+    if not os.path.exists(trace):
+        raise ProfinferError(f"no such file: {trace}")
+    try:
+        profile = read_trace(trace)
+    except TraceFormatError as e:
+        raise ProfinferError(f"{trace}: {e}") from None
+    _emit(profile, None, json_path, False)
+
+
+@cli.command()
+@click.option("--model", type=click.Choice(["tiny", "llama-1.5b"]), default="tiny", show_default=True)
+@click.option("-n", "--tokens", default=32, show_default=True, help="Tokens to generate.")
+@click.option("-t", "--threads", default=2, show_default=True)
+@click.option("--levels", default=",".join(LEVELS), show_default=True)
+@output_options
+def demo(model, tokens, threads, levels, output, json_path, quiet):
+    """Build (once, cached) and profile the bundled llama.cpp workload."""
+    from . import workload
+    build = workload.ensure_llama_build()
+    gguf = workload.ensure_model(model)
+    cmd = workload.completion_command(build, gguf, DEFAULT_PROMPT, tokens, threads)
+    click.echo(f"profinfer: recording {' '.join(cmd)}", err=True)
+    profile, code = record_command(cmd, _levels(levels), None, env=workload.llama_env(build))
+    _emit(profile, output or "demo.pftrace", json_path, quiet)
+    if code:
+        raise ProfinferError(f"the workload exited with status {code}")
+
+
+@cli.command()
+def doctor():
+    """What works on this machine, and how to fix what doesn't."""
+    from .doctor import run_doctor
+    sys.exit(run_doctor())
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="profinfer", standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.UsageError as e:
+        click.echo(f"profinfer: error: {e.format_message()}", err=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        click.echo(f"profinfer: error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+    except ProfinferError as e:
+        click.echo(f"profinfer: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

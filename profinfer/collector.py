@@ -1,0 +1,328 @@
+"""Attach the probe pack to one process, collect its events, detach, build the Profile.
+
+The hot path is in the kernel: op events are batched per thread in BPF and reach user space
+32 at a time; here each ring-buffer record is only copied, and parsed in bulk with numpy
+between polls.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import re
+import time
+from importlib import resources
+
+import numpy as np
+
+from . import discovery, ggml, kernel, layout
+from .errors import ProfinferError
+from .model import GraphCall, OpSlice, Profile, TokenCall
+from .probepack import Pack, ResolvedProbe, engine_libraries, graph_handlers_c, resolve
+from .symbols import ElfInfo, load_elf
+
+VALIDATE_OPS = 64   # op events checked before a table layout is trusted
+
+
+class Collector:
+    def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[str],
+                 root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 512):
+        self.pid = pid
+        self.levels = set(levels)
+        self.pack = pack
+        self.lib_paths = lib_paths
+        self.root = root
+        self.forced_layout = tensor_layout
+        self.ringbuf_pages = ringbuf_pages
+        self.bpf = None
+        self.warnings: list[str] = []
+        self.attach_s = 0.0
+        self._raw: list[bytes] = []
+        self._tokens: list[np.ndarray] = []
+        self._graphs: list[np.ndarray] = []
+        self._ops: list[np.ndarray] = []
+        self.n_events = 0
+        self.n_decode_tokens = 0
+        self.thread_names: dict[int, str] = {}
+        self.maps: list[discovery.MappedFile] = []
+        self._maps_raw: str = ""
+        self._layout_trusted = True
+        consts, self.dt = layout.parse()
+        self.batch_len = consts["PI_OP_BATCH"]
+        self.kind_token, self.kind_graph, self.kind_ops = (
+            consts["PI_EV_TOKEN"], consts["PI_EV_GRAPH"], consts["PI_EV_OPS"])
+
+    # ---- attach ----
+
+    def attach(self) -> None:
+        t0 = time.monotonic()
+        kernel.require_root()
+        bcc = kernel.import_bcc()
+        self.headers = kernel.prepare_bcc_environment()
+        self.elfs = engine_libraries(self.pack, self.lib_paths, self.root)
+        if not self.elfs:
+            raise ProfinferError(f"no {self.pack.engine} in process {self.pid} "
+                                 f"(none of {', '.join(self.pack.libraries)} is mapped, "
+                                 f"and the executable does not define {self.pack.marker})")
+        levels = set(self.levels)
+        if "op" in levels:
+            levels.add("graph")   # graph ends bound each thread's last barrier wait
+        self.probes, self.warnings = resolve(self.pack, self.elfs, levels)
+        self.layout = ggml.KNOWN_LAYOUTS[0]
+        self.op_names: list[str] = []
+        if "op" in levels:
+            self._decode_structures()
+        text = (resources.files("profinfer.bpf").joinpath(self.pack.bpf).read_text()
+                .replace("GRAPH_HANDLERS", graph_handlers_c(self.probes)))
+        lay = self.layout
+        cflags = [f"-I{resources.files('profinfer.bpf')}",
+                  f"-DT_OFF_TYPE={lay.type}", f"-DT_OFF_NE={lay.ne}", f"-DT_OFF_OP={lay.op}",
+                  f"-DT_OFF_NAME={lay.name_off}", "-DCG_OFF_N_NODES=4",
+                  # At entry sp points at the return address; the by-value batch follows it.
+                  "-DTOKEN_SP_OFF=8", f"-DRINGBUF_PAGES={self.ringbuf_pages}"]
+        try:
+            self.bpf = bcc.BPF(text=text, cflags=cflags)
+        except Exception as e:  # BCC raises bare Exception on compile/load failure
+            raise ProfinferError(f"BPF program failed to compile or load ({self.headers}): "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        for p in self.probes:
+            try:
+                if p.entry_fn:
+                    self.bpf.attach_uprobe(name=p.elf.path, addr=p.symbol.vaddr + p.place.offset,
+                                           fn_name=p.entry_fn, pid=self.pid)
+                if p.return_fn:
+                    self.bpf.attach_uretprobe(name=p.elf.path, addr=p.symbol.vaddr,
+                                              fn_name=p.return_fn, pid=self.pid)
+            except Exception as e:
+                self.detach()
+                raise ProfinferError(f"cannot attach to {p.symbol.name} in {p.elf.path}: {e}") from None
+        self.bpf["events"].open_ring_buffer(self._on_event)
+        self.attach_s = time.monotonic() - t0
+
+    def _decode_structures(self) -> None:
+        base = next((e for e in self.elfs if e.find("ggml_op_name")), None)
+        if base is None:
+            raise ProfinferError("ggml_op_name not found in the engine's libraries: "
+                                 "cannot name ops in this build")
+        self.op_names = ggml.op_names(base)
+        if self.forced_layout:
+            self.layout = ggml.layout_by_name(self.forced_layout)
+            self._layout_trusted = False
+            return
+        for elf in [base] + [e for e in self.elfs if e is not base]:
+            if elf.dwarf_path:
+                found = ggml.tensor_layout_from_dwarf(elf.dwarf_path, elf.build_id)
+                if found:
+                    self.layout = found
+                    return
+        self.layout = ggml.KNOWN_LAYOUTS[0]
+        self._layout_trusted = False
+        self.warnings.append(f"no DWARF for ggml_tensor: using the {self.layout.name} layout, "
+                             "validated on the first ops")
+
+    # ---- collect ----
+
+    def _on_event(self, ctx, data, size):
+        self._raw.append(ctypes.string_at(data, size))
+
+    def poll(self, timeout_ms: int = 100) -> None:
+        self.bpf.ring_buffer_poll(timeout_ms)
+        self._parse_raw()
+
+    def _parse_raw(self) -> None:
+        raw, self._raw = self._raw, []
+        for rec in raw:
+            kind = int.from_bytes(rec[:4], "little")
+            if kind == self.kind_ops:
+                batch = np.frombuffer(rec, self.dt["pi_op_batch"], count=1)[0]
+                ops = batch["ev"][: batch["count"]].copy()
+                if not self._layout_trusted:
+                    self._validate(ops)
+                self._ops.append(ops)
+                self.n_events += len(ops)
+            elif kind == self.kind_token:
+                ev = np.frombuffer(rec, self.dt["pi_token_event"], count=1)
+                self._tokens.append(ev)
+                self.n_decode_tokens += int(ev["n_tokens"][0] == 1)
+                self.n_events += 1
+            elif kind == self.kind_graph:
+                self._graphs.append(np.frombuffer(rec, self.dt["pi_graph_event"], count=1))
+                self.n_events += 1
+
+    def _validate(self, ops: np.ndarray) -> None:
+        seen = np.concatenate(self._ops + [ops])[:VALIDATE_OPS]
+        good = sum(ggml.plausible(int(o["op"]), int(o["type"]), o["ne"], bytes(o["name"]),
+                                  len(self.op_names)) for o in seen)
+        if good < 0.9 * len(seen):
+            raise ProfinferError(
+                f"unknown ggml_tensor layout: the {self.layout.name} layout decodes "
+                f"{len(seen) - good} of {len(seen)} ops as garbage; this build needs DWARF "
+                "(build with -g) or a newer profinfer")
+        if len(seen) >= VALIDATE_OPS:
+            self._layout_trusted = True
+
+    def refresh_process_info(self) -> None:
+        """Thread names and mappings change while the target runs; keep the latest."""
+        names = discovery.thread_names(self.pid)
+        if names:
+            self.thread_names.update(names)
+        try:
+            with open(f"/proc/{self.pid}/maps") as f:
+                self._maps_raw = f.read()
+        except OSError:
+            pass
+
+    def lost(self) -> int:
+        return int(self.bpf["lost"][ctypes.c_int(0)].value) if self.bpf else 0
+
+    # ---- finish ----
+
+    def finish(self) -> Profile:
+        """Drain everything still in flight, detach, and build the Profile."""
+        self.bpf.ring_buffer_consume()
+        self._parse_raw()
+        self._drain_threads()
+        lost = self.lost()
+        self.detach()
+        return self._build_profile(lost)
+
+    def _drain_threads(self) -> None:
+        """Ops still batched or in progress in the per-thread BPF state at the end."""
+        op_dt = self.dt["pi_op_event"]
+        batch_size = self.dt["pi_op_batch"].itemsize
+        for _, st in self.bpf["op_threads"].items():
+            raw = bytes(st)
+            batch = np.frombuffer(raw[:batch_size], self.dt["pi_op_batch"], count=1)[0]
+            parts = [batch["ev"][: batch["count"]].copy()]
+            cur = np.frombuffer(raw[batch_size: batch_size + op_dt.itemsize], op_dt).copy()
+            has_cur = int.from_bytes(raw[batch_size + op_dt.itemsize: batch_size + op_dt.itemsize + 4], "little")
+            if has_cur:
+                parts.append(cur)
+            for p in parts:
+                if len(p):
+                    if not self._layout_trusted:
+                        self._validate(p)
+                    self._ops.append(p)
+
+    def detach(self) -> None:
+        if self.bpf is not None:
+            try:
+                self.bpf.cleanup()
+            finally:
+                self.bpf = None
+
+    def _build_profile(self, lost: int) -> Profile:
+        prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or
+                       self.thread_names.get(self.pid, ""), lost_events=lost)
+        prof.thread_names = dict(self.thread_names)
+        prof.meta = self._meta()
+        if self._tokens:
+            t = np.concatenate(self._tokens)
+            prof.tokens = [TokenCall(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
+                                     int(r["n_tokens"]), bool(r["n_tokens"] > 1), int(r["ret"]))
+                           for r in np.sort(t, order="start_ns")]
+        graph_probe_names = [p.symbol.name for p in self.probes if p.spec.graph_backend is not None]
+        graph_probe_backend = [p.spec.graph_backend for p in self.probes if p.spec.graph_backend is not None]
+        backend_cache: dict[int, str] = {}
+        if self._graphs:
+            g = np.sort(np.concatenate(self._graphs), order="start_ns")
+            for r in g:
+                probe = int(r["probe"])
+                if graph_probe_backend[probe]:
+                    fn = int(r["name_fn"])
+                    if fn not in backend_cache:
+                        backend_cache[fn] = self._backend_name(fn)
+                    backend = backend_cache[fn]
+                else:
+                    backend = "sched"
+                prof.graphs.append(GraphCall(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
+                                             backend, int(r["n_nodes"]), graph_probe_names[probe]))
+        if self._ops:
+            prof.ops = self._op_slices(np.concatenate(self._ops), prof.graphs)
+        if "graph" not in self.levels:
+            prof.graphs = []
+        return prof
+
+    def _op_slices(self, ops: np.ndarray, graphs: list[GraphCall]) -> list[OpSlice]:
+        ops = np.sort(ops, order="start_ns")
+        start = ops["start_ns"].astype(np.int64)
+        end = ops["end_ns"].astype(np.int64)
+        bend = ops["barrier_end_ns"].astype(np.int64)
+        # A thread's last node of a graph is completed only when its next graph starts:
+        # its barrier wait ends, at the latest, when the graph that contains it ends.
+        backend_graphs = [g for g in graphs if g.backend != "sched"] or graphs
+        if backend_graphs:
+            gs = np.array([g.start_ns for g in backend_graphs], dtype=np.int64)
+            ge = np.array([g.end_ns for g in backend_graphs], dtype=np.int64)
+            idx = np.searchsorted(gs, start, side="right") - 1
+            inside = (idx >= 0) & (start <= ge[np.clip(idx, 0, None)])
+            cap = np.where(inside, ge[np.clip(idx, 0, None)], np.iinfo(np.int64).max)
+        else:
+            cap = np.full(len(ops), np.iinfo(np.int64).max, dtype=np.int64)
+        end = np.where(end == 0, np.minimum(cap, bend if bend.any() else cap), end)
+        bend = np.where(bend == 0, cap, np.minimum(bend, cap))
+        bend = np.where(bend == np.iinfo(np.int64).max, end, np.maximum(bend, end))
+        end = np.where(end == np.iinfo(np.int64).max, start, end)
+        names = self.op_names
+        n_names = len(names)
+
+        def op_name(op: int, fused: int) -> str:
+            base = names[op] if 0 <= op < n_names else f"OP{op}"
+            if fused >= 0:
+                return base + "+" + (names[fused] if fused < n_names else f"OP{fused}")
+            return base
+
+        name_cache: dict[bytes, str] = {}
+        out = []
+        for i, r in enumerate(ops):
+            raw_name = bytes(r["name"])
+            tname = name_cache.get(raw_name)
+            if tname is None:
+                tname = name_cache[raw_name] = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
+            out.append(OpSlice(int(r["tid"]), int(r["cpu"]), int(start[i]), int(end[i]), int(bend[i]),
+                               op_name(int(r["op"]), int(r["fused_op"])), tname,
+                               tuple(int(x) for x in r["ne"]),
+                               ggml.GGML_TYPES.get(int(r["type"]), f"type{int(r['type'])}"),
+                               int(r["tensor"])))
+        return out
+
+    def _backend_name(self, fn_addr: int) -> str:
+        """Name of the backend whose get_name function is at fn_addr in the target."""
+        for line in self._maps_raw.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) < 6:
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if not lo <= fn_addr < hi:
+                continue
+            path = parts[5].replace(" (deleted)", "")
+            file_off = fn_addr - lo + int(parts[2], 16)
+            try:
+                elf = load_elf(discovery.host_path(self.pid, path, int(parts[4]), parts[0],
+                                                    parts[5].endswith("(deleted)")), self.root)
+                for s in elf.symbols.values():
+                    if s.file_offset <= file_off < s.file_offset + max(s.size, 1):
+                        m = re.match(r"ggml_backend_(\w+?)_(?:get_)?name$", s.name)
+                        if m:
+                            return m.group(1).upper()
+            except ProfinferError:
+                pass
+            m = re.match(r"libggml-(\w+)", os.path.basename(path))
+            return m.group(1).upper() if m else os.path.basename(path)
+        return "unknown"
+
+    def _meta(self) -> dict[str, str]:
+        meta = {"engine": self.pack.engine, "levels": ",".join(sorted(self.levels)),
+                "kernel": platform.release(), "tensor_layout": self.layout.name,
+                "attach_s": f"{self.attach_s:.3f}"}
+        for e in self.elfs:
+            name = os.path.basename(e.path) if "/map_files/" not in e.path else e.path
+            meta[f"build_id:{name}"] = e.build_id
+        for line in self._maps_raw.splitlines():
+            if line.endswith(".gguf"):
+                meta["model"] = line.split(None, 5)[5]
+                break
+        for p in self.probes:
+            meta[f"probe:{p.symbol.name}"] = (f"+{p.place.offset} {p.place.instruction}"
+                                              if p.place.emulated else "+0 single-stepped")
+        return meta

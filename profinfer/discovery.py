@@ -1,0 +1,104 @@
+"""Find the inference engine's libraries inside a target process.
+
+The target may live in another mount namespace (containers) and may map files that were
+deleted and replaced on disk (upgrades): every path returned here is one the kernel resolves
+to the very inode the process has mapped, so uprobes land in the code that actually runs.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ProfinferError
+
+
+@dataclass(frozen=True)
+class MappedFile:
+    path: str         # path as the target sees it (inside its mount namespace)
+    host_path: str    # path we open and attach to (resolves to the mapped inode)
+    inode: int
+    deleted: bool
+
+
+def process_exists(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}/status")
+
+
+def process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    names = {}
+    try:
+        for t in os.listdir(f"/proc/{pid}/task"):
+            try:
+                names[int(t)] = Path(f"/proc/{pid}/task/{t}/comm").read_text().strip()
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return names
+
+
+_MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ (\d+)\s+(.*)$")
+
+
+def mapped_files(pid: int) -> list[MappedFile]:
+    """Executable file mappings of `pid`, one entry per file."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except FileNotFoundError:
+        raise ProfinferError(f"no process with PID {pid}") from None
+    except PermissionError:
+        raise ProfinferError(f"cannot read /proc/{pid}/maps: permission denied (run as root)") from None
+    seen: dict[str, MappedFile] = {}
+    for line in lines:
+        m = _MAPS_LINE.match(line)
+        if not m or "x" not in m.group(3):
+            continue
+        start, end, _, inode, path = m.groups()
+        if not path.startswith("/"):
+            continue
+        deleted = path.endswith(" (deleted)")
+        if deleted:
+            path = path[: -len(" (deleted)")]
+        if path in seen:
+            continue
+        seen[path] = MappedFile(path, host_path(pid, path, int(inode), f"{start}-{end}", deleted),
+                                int(inode), deleted)
+    return list(seen.values())
+
+
+def host_path(pid: int, path: str, inode: int, span: str, deleted: bool) -> str:
+    # Through the target's root, a container's file is visible at the same path it uses.
+    via_root = f"/proc/{pid}/root{path}"
+    if not deleted:
+        try:
+            if os.stat(via_root).st_ino == inode:
+                return via_root
+        except OSError:
+            pass
+    # Deleted or replaced since it was mapped: map_files names the mapped inode itself.
+    return f"/proc/{pid}/map_files/{span}"
+
+
+def command_libraries(executable: str, env: dict[str, str] | None = None) -> list[str]:
+    """Shared objects a not-yet-started command will load (via the dynamic loader's trace mode)."""
+    try:
+        out = subprocess.run(["ldd", executable], capture_output=True, text=True, env=env,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return [executable]
+    libs = [executable]
+    for line in out.splitlines():
+        m = re.search(r"=>\s+(/\S+)", line) or re.match(r"\s*(/\S+)", line)
+        if m:
+            libs.append(os.path.realpath(m.group(1)))
+    return libs

@@ -1,0 +1,43 @@
+"""numpy dtypes for the BPF event structs, parsed from bpf/events.h (their single definition)."""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from importlib import resources
+
+import numpy as np
+
+_TYPES = {"u16": "<u2", "u32": "<u4", "s32": "<i4", "u64": "<u8", "s64": "<i8", "char": "S1"}
+_STRUCT = re.compile(r"struct\s+(\w+)\s*\{(.*?)\};", re.S)
+_FIELD = re.compile(r"^\s*(?:struct\s+)?(\w+)\s+(\w+)(?:\[(\w+)\])?\s*;")
+_DEFINE = re.compile(r"^#define\s+(\w+)\s+(\d+)\s*$", re.M)
+
+
+def header_text() -> str:
+    return resources.files("profinfer.bpf").joinpath("events.h").read_text()
+
+
+@lru_cache(maxsize=1)
+def parse(text: str | None = None) -> tuple[dict[str, int], dict[str, np.dtype]]:
+    """Return (#define constants, {struct name: dtype}) from the header."""
+    text = text if text is not None else header_text()
+    consts = {k: int(v) for k, v in _DEFINE.findall(text)}
+    dtypes: dict[str, np.dtype] = {}
+    for name, body in _STRUCT.findall(re.sub(r"/\*.*?\*/", "", text, flags=re.S)):
+        fields = []
+        for line in body.splitlines():
+            m = _FIELD.match(line)
+            if not m:
+                continue
+            ctype, fname, count = m.groups()
+            base = dtypes[ctype] if ctype in dtypes else np.dtype(_TYPES[ctype])
+            n = int(consts.get(count, count)) if count else 0
+            if ctype == "char":
+                fields.append((fname, f"S{n or 1}"))
+            else:
+                fields.append((fname, base, (n,)) if n else (fname, base))
+        dt = np.dtype(fields, align=True)
+        if dt.itemsize != sum(dt.fields[f][0].itemsize for f in dt.names):
+            raise ValueError(f"struct {name} in events.h has implicit padding")
+        dtypes[name] = dt
+    return consts, dtypes

@@ -1,0 +1,74 @@
+"""The profile model: what one profiling run observed, independent of how it was collected.
+
+Every exporter and viewer reads this; the collector and the trace reader build it.
+Times are CLOCK_MONOTONIC nanoseconds (what bpf_ktime_get_ns returns).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenCall:
+    """One llama_decode call."""
+    tid: int
+    start_ns: int
+    end_ns: int
+    n_tokens: int        # batch size (tokens submitted in this call)
+    prefill: bool        # True for a prompt batch (n_tokens > 1 or first call of a sequence)
+    ret: int = 0         # llama_decode's return value
+
+    @property
+    def dur_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(slots=True)
+class GraphCall:
+    """One backend graph compute."""
+    tid: int
+    start_ns: int
+    end_ns: int
+    backend: str         # e.g. "CPU"
+    n_nodes: int
+    function: str = ""   # probed function, e.g. ggml_backend_sched_graph_compute_async
+
+    @property
+    def dur_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(slots=True)
+class OpSlice:
+    """One graph node computed by one worker thread."""
+    tid: int
+    cpu: int
+    start_ns: int
+    end_ns: int          # node work done (entry of the barrier that follows)
+    barrier_end_ns: int  # thread free again (next node starts, or the graph ends)
+    op: str              # "MUL_MAT", "RMS_NORM+MUL" for fused nodes
+    name: str            # tensor name, e.g. "attn_norm-3"
+    ne: tuple[int, int, int, int]
+    dtype: str           # "f32", "f16", "q4_0", ...
+    tensor: int = 0      # tensor address (identifies the node within a graph)
+
+    @property
+    def dur_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+    @property
+    def barrier_ns(self) -> int:
+        return self.barrier_end_ns - self.end_ns
+
+
+@dataclass
+class Profile:
+    pid: int
+    process_name: str = ""
+    thread_names: dict[int, str] = field(default_factory=dict)
+    tokens: list[TokenCall] = field(default_factory=list)
+    graphs: list[GraphCall] = field(default_factory=list)
+    ops: list[OpSlice] = field(default_factory=list)
+    lost_events: int = 0
+    # engine, library paths and build ids, model path, levels, profinfer version, ...
+    meta: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,127 @@
+"""Load a probe pack (probes/*.toml) and resolve it against a target's libraries."""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+
+from . import placement
+from .errors import ProfinferError
+from .symbols import ElfInfo, Symbol, load_elf
+
+LEVELS = ("token", "graph", "op")
+
+
+@dataclass
+class ProbeSpec:
+    level: str
+    function: str | None = None
+    pattern: str | None = None
+    entry: str | None = None
+    ret: str | None = None
+    args: tuple[int, ...] = ()
+    graph_backend: bool | None = None   # graph probes: does arg 1 point to a ggml_backend?
+    required: bool = False
+
+
+@dataclass
+class Pack:
+    engine: str
+    bpf: str
+    libraries: list[str]
+    marker: str
+    probes: list[ProbeSpec] = field(default_factory=list)
+
+
+def load_pack(name: str = "llamacpp") -> Pack:
+    raw = tomllib.loads(resources.files("profinfer.probes").joinpath(f"{name}.toml").read_text())
+    probes = []
+    for p in raw["probe"]:
+        graph = p.get("graph")
+        probes.append(ProbeSpec(
+            level=p["level"], function=p.get("function"), pattern=p.get("pattern"),
+            entry=p.get("entry"), ret=p.get("return"), args=tuple(p.get("args", ())),
+            graph_backend=None if graph is None else graph["backend"],
+            required=p.get("required", False)))
+    return Pack(raw["engine"], raw["bpf"], raw["libraries"], raw["marker"], probes)
+
+
+@dataclass
+class ResolvedProbe:
+    spec: ProbeSpec
+    elf: ElfInfo
+    symbol: Symbol
+    place: placement.Placement
+    entry_fn: str | None
+    return_fn: str | None
+
+
+def engine_libraries(pack: Pack, paths: list[str], root: str = "/") -> list[ElfInfo]:
+    """The engine's ELF files among `paths` (host paths), most specific first."""
+    found = []
+    for path in paths:
+        base = os.path.basename(os.path.realpath(path)) if "/map_files/" not in path else path
+        if any(os.path.basename(base).startswith(prefix) for prefix in pack.libraries):
+            found.append(load_elf(path, root))
+    if not found:
+        # A statically linked engine: the executable itself defines the marker function.
+        for path in paths:
+            try:
+                elf = load_elf(path, root)
+            except ProfinferError:
+                continue
+            if elf.find(pack.marker):
+                found.append(elf)
+                break
+    return found
+
+
+def resolve(pack: Pack, elfs: list[ElfInfo], levels: set[str]) -> tuple[list[ResolvedProbe], list[str]]:
+    """Resolve every probe of the chosen levels; returns (probes, warnings)."""
+    out: list[ResolvedProbe] = []
+    warnings: list[str] = []
+    graph_index = 0
+    for spec in pack.probes:
+        if spec.level not in levels:
+            continue
+        matches: list[tuple[ElfInfo, Symbol]] = []
+        for elf in elfs:
+            if spec.function:
+                sym = elf.find(spec.function)
+                if sym:
+                    matches.append((elf, sym))
+                    break
+            else:
+                rx = re.compile(spec.pattern)
+                matches.extend((elf, s) for n, s in sorted(elf.symbols.items()) if rx.match(n))
+        if not matches:
+            what = spec.function or spec.pattern
+            if spec.required:
+                stripped = [e.path for e in elfs if not e.has_symtab]
+                hint = f" (stripped: {', '.join(stripped)})" if stripped else ""
+                raise ProfinferError(f"{pack.engine}: {what} not found, the {spec.level} level "
+                                     f"cannot work with this build{hint}")
+            if spec.function:
+                warnings.append(f"{spec.function} not found: {spec.level} level partly degraded")
+            continue
+        for elf, sym in matches:
+            entry, ret = spec.entry, spec.ret
+            if spec.graph_backend is not None:
+                entry, ret = f"graph_enter_{graph_index}", f"graph_return_{graph_index}"
+            place = placement.choose(elf.code_bytes(sym, 64), spec.args)
+            out.append(ResolvedProbe(spec, elf, sym, place, entry, ret))
+            if spec.graph_backend is not None:
+                graph_index += 1
+    return out, warnings
+
+
+def graph_handlers_c(probes: list[ResolvedProbe]) -> str:
+    """C wrappers giving each graph probe its own index (BPF entry points take no arguments)."""
+    lines = []
+    for i, p in enumerate(pr for pr in probes if pr.spec.graph_backend is not None):
+        b = 1 if p.spec.graph_backend else 0
+        lines.append(f"int graph_enter_{i}(struct pt_regs *ctx) {{ return graph_enter(ctx, {i}, {b}); }}")
+        lines.append(f"int graph_return_{i}(struct pt_regs *ctx) {{ return graph_return(ctx, {i}); }}")
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""One profiling session: attach, poll until told to stop, always detach, return the Profile.
+
+Stops on --duration, SIGINT, SIGTERM, or the target's exit. Detaching happens in a finally
+block, and BCC creates uprobes through the perf uprobe PMU, so even a SIGKILL of profinfer
+leaves nothing behind: the kernel drops the probes with our file descriptors.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import sys
+import time
+from typing import Callable
+
+from . import discovery, kernel
+from .collector import Collector
+from .errors import ProfinferError
+from .model import Profile
+from .probepack import load_pack
+
+
+def _alive(pid: int, child_status: list[int] | None) -> bool:
+    if child_status is not None:
+        if child_status:
+            return False
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if done:
+            child_status.append(os.waitstatus_to_exitcode(status))
+        return done == 0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+class StatusLine:
+    """A live one-line status on stderr (only on a terminal)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.t0 = time.monotonic()
+        self.last = 0.0
+
+    def update(self, coll: Collector, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.5 and not force):
+            return
+        self.last = now
+        el = now - self.t0
+        rate = coll.n_decode_tokens / el if el > 0 else 0.0
+        sys.stderr.write(f"\rprofinfer: {el:6.1f} s | {rate:7.2f} tok/s | "
+                         f"{coll.n_events:>10,} events | {coll.lost():,} lost ")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def profile_process(pid: int, levels: set[str], duration: float | None = None,
+                    lib_paths: list[str] | None = None, child_status: list[int] | None = None,
+                    on_attached: Callable[[], None] | None = None,
+                    tensor_layout: str | None = None, status: bool | None = None,
+                    warn: Callable[[str], None] = lambda m: None) -> Profile:
+    """Profile `pid` until stopped. With child_status (a list), pid is our child: its exit
+    code is appended there when it ends."""
+    kernel.require_root()
+    if child_status is None and not discovery.process_exists(pid):
+        raise ProfinferError(f"no process with PID {pid}")
+    if lib_paths is None:
+        lib_paths = [m.host_path for m in discovery.mapped_files(pid)]
+    coll = Collector(pid, levels, load_pack(), lib_paths, root=f"/proc/{pid}/root",
+                     tensor_layout=tensor_layout)
+    stop_reason: list[str] = []
+
+    def on_signal(signum, _frame):
+        stop_reason.append(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    line = StatusLine(sys.stderr.isatty() if status is None else status)
+    try:
+        coll.attach()
+        for w in coll.warnings:
+            warn(w)
+        coll.refresh_process_info()
+        if on_attached:
+            on_attached()
+        deadline = time.monotonic() + duration if duration else None
+        last_refresh = 0.0
+        while not stop_reason:
+            coll.poll(100)
+            now = time.monotonic()
+            if now - last_refresh > 0.5:
+                coll.refresh_process_info()
+                last_refresh = now
+            line.update(coll)
+            if deadline and now >= deadline:
+                break
+            if not _alive(pid, child_status):
+                break
+        line.update(coll, force=True)
+        profile = coll.finish()
+        profile.meta["events"] = str(coll.n_events)
+        profile.meta["wall_s"] = f"{time.monotonic() - line.t0:.3f}"
+        # ru_maxrss is in KiB on Linux: the collector's own peak, not the target's.
+        profile.meta["collector_max_rss_kb"] = str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        return profile
+    finally:
+        line.close()
+        coll.detach()
+        for s, h in old.items():
+            signal.signal(s, h)
