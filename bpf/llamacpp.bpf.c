@@ -4,6 +4,7 @@
  *   T_OFF_TYPE T_OFF_NE T_OFF_OP T_OFF_NAME   ggml_tensor fields (DWARF or a validated table)
  *   CG_OFF_N_NODES                            ggml_cgraph.n_nodes
  *   TOKEN_SP_OFF                              where llama_batch sits relative to sp at the probe
+ *   BEXT_OFF_TOKENS BEXT_TOKEN_SIZE           llama_batch_ext.tokens (a std::vector) and its element size
  *   RINGBUF_PAGES
  * Per-thread state lives in hash maps keyed by TID, so no two threads ever share a slot
  * (uprobe programs may be preempted, so per-CPU scratch would not be safe).
@@ -51,6 +52,21 @@ int token_enter(struct pt_regs *ctx)
     ev.start_ns = bpf_ktime_get_ns();
     /* The batch struct is passed by value in memory; n_tokens is its first field. */
     bpf_probe_read_user(&ev.n_tokens, sizeof(ev.n_tokens), (void *)(PT_REGS_SP(ctx) + TOKEN_SP_OFF));
+    token_open.update(&tid, &ev);
+    return 0;
+}
+
+/* llama_context::decode(const llama_batch_ext &): n_tokens is tokens.size(). */
+int token_enter_ext(struct pt_regs *ctx)
+{
+    u32 tid = current_tid();
+    struct pi_token_event ev = {};
+    u64 vec[2] = {};   /* std::vector: begin, end */
+    ev.kind = PI_EV_TOKEN;
+    ev.tid = tid;
+    ev.start_ns = bpf_ktime_get_ns();
+    bpf_probe_read_user(vec, sizeof(vec), (void *)(PT_REGS_PARM2(ctx) + BEXT_OFF_TOKENS));
+    ev.n_tokens = vec[1] > vec[0] ? (s32)((vec[1] - vec[0]) / BEXT_TOKEN_SIZE) : 0;
     token_open.update(&tid, &ev);
     return 0;
 }

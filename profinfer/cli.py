@@ -153,7 +153,7 @@ def report(trace, json_path):
     try:
         profile = read_trace(trace)
     except TraceFormatError as e:
-        raise ProfinferError(f"{trace}: {e}") from None
+        raise ProfinferError(str(e)) from None
     _emit(profile, None, json_path, False)
 
 

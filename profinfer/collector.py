@@ -15,13 +15,15 @@ from importlib import resources
 
 import numpy as np
 
-from . import discovery, ggml, kernel, layout
+from . import discovery, dwarf, ggml, kernel, layout
 from .errors import ProfinferError
 from .model import GraphCall, OpSlice, Profile, TokenCall
 from .probepack import Pack, ResolvedProbe, engine_libraries, graph_handlers_c, resolve
 from .symbols import ElfInfo, load_elf
 
 VALIDATE_OPS = 64   # op events checked before a table layout is trusted
+KNOWN_BATCH_EXT = (64, 96)   # llama_batch_ext.tokens offset, token size (b11434)
+MAX_BATCH = 1 << 20
 
 
 class Collector:
@@ -47,6 +49,7 @@ class Collector:
         self.maps: list[discovery.MappedFile] = []
         self._maps_raw: str = ""
         self._layout_trusted = True
+        self._batch_trusted = True
         consts, self.dt = layout.parse()
         self.batch_len = consts["PI_OP_BATCH"]
         self.kind_token, self.kind_graph, self.kind_ops = (
@@ -72,6 +75,7 @@ class Collector:
         self.op_names: list[str] = []
         if "op" in levels:
             self._decode_structures()
+        bext = self._batch_ext_layout()
         text = (resources.files("profinfer.bpf").joinpath(self.pack.bpf).read_text()
                 .replace("GRAPH_HANDLERS", graph_handlers_c(self.probes)))
         lay = self.layout
@@ -79,7 +83,8 @@ class Collector:
                   f"-DT_OFF_TYPE={lay.type}", f"-DT_OFF_NE={lay.ne}", f"-DT_OFF_OP={lay.op}",
                   f"-DT_OFF_NAME={lay.name_off}", "-DCG_OFF_N_NODES=4",
                   # At entry sp points at the return address; the by-value batch follows it.
-                  "-DTOKEN_SP_OFF=8", f"-DRINGBUF_PAGES={self.ringbuf_pages}"]
+                  "-DTOKEN_SP_OFF=8", f"-DRINGBUF_PAGES={self.ringbuf_pages}",
+                  f"-DBEXT_OFF_TOKENS={bext[0]}", f"-DBEXT_TOKEN_SIZE={bext[1]}"]
         try:
             self.bpf = bcc.BPF(text=text, cflags=cflags)
         except Exception as e:  # BCC raises bare Exception on compile/load failure
@@ -98,6 +103,20 @@ class Collector:
                 raise ProfinferError(f"cannot attach to {p.symbol.name} in {p.elf.path}: {e}") from None
         self.bpf["events"].open_ring_buffer(self._on_event)
         self.attach_s = time.monotonic() - t0
+
+    def _batch_ext_layout(self) -> tuple[int, int]:
+        """(offset of llama_batch_ext.tokens, sizeof one token) for the ext decode probe."""
+        probe = next((p for p in self.probes if p.entry_fn == "token_enter_ext"), None)
+        if probe is None:
+            return 0, 1
+        found = dwarf.struct_layout(probe.elf.dwarf_path, probe.elf.build_id, "llama_batch_ext") \
+            if probe.elf.dwarf_path else None
+        if found and "tokens" in found["members"] and "token" in found["nested"]:
+            return found["members"]["tokens"], found["nested"]["token"]
+        self._batch_trusted = False
+        self.warnings.append("no DWARF for llama_batch_ext: using the b11434 layout, "
+                             "validated on the first batches")
+        return KNOWN_BATCH_EXT
 
     def _decode_structures(self) -> None:
         base = next((e for e in self.elfs if e.find("ggml_op_name")), None)
@@ -142,6 +161,9 @@ class Collector:
                 self.n_events += len(ops)
             elif kind == self.kind_token:
                 ev = np.frombuffer(rec, self.dt["pi_token_event"], count=1)
+                if not self._batch_trusted and not 1 <= int(ev["n_tokens"][0]) <= MAX_BATCH:
+                    raise ProfinferError("unknown llama_batch_ext layout: a batch decodes as "
+                                         f"{int(ev['n_tokens'][0])} tokens; this build needs DWARF")
                 self._tokens.append(ev)
                 self.n_decode_tokens += int(ev["n_tokens"][0] == 1)
                 self.n_events += 1
@@ -205,11 +227,23 @@ class Collector:
                     self._ops.append(p)
 
     def detach(self) -> None:
-        if self.bpf is not None:
-            try:
-                self.bpf.cleanup()
-            finally:
-                self.bpf = None
+        """Close every probe, then free maps and programs.
+
+        BCC's own cleanup also asks tracefs to delete each uprobe event and fails when tracefs
+        is not mounted; uprobes made through the perf uprobe PMU vanish when their fd closes,
+        so tracefs is consulted only where it exists (BCC's legacy path needs it).
+        """
+        if self.bpf is None:
+            return
+        bpf, self.bpf = self.bpf, None
+        from bcc import libbcc
+        tracefs = kernel.tracefs_mounted()
+        for ev_name, fd in list(bpf.uprobe_fds.items()):
+            libbcc.lib.bpf_close_perf_event_fd(fd)
+            if tracefs:
+                libbcc.lib.bpf_detach_uprobe(ev_name)
+            del bpf.uprobe_fds[ev_name]
+        bpf.cleanup()
 
     def _build_profile(self, lost: int) -> Profile:
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or
@@ -259,10 +293,12 @@ class Collector:
             cap = np.where(inside, ge[np.clip(idx, 0, None)], np.iinfo(np.int64).max)
         else:
             cap = np.full(len(ops), np.iinfo(np.int64).max, dtype=np.int64)
-        end = np.where(end == 0, np.minimum(cap, bend if bend.any() else cap), end)
-        bend = np.where(bend == 0, cap, np.minimum(bend, cap))
-        bend = np.where(bend == np.iinfo(np.int64).max, end, np.maximum(bend, end))
-        end = np.where(end == np.iinfo(np.int64).max, start, end)
+        has_cap = cap != np.iinfo(np.int64).max
+        # Still in progress when we stopped (no barrier yet): it ran until its graph ended.
+        end = np.where(end == 0, np.where(has_cap, cap, start), end)
+        # Completed by the thread's next node, or drained at the end: bounded by the graph.
+        bend = np.where(bend == 0, np.where(has_cap, cap, end), np.minimum(bend, cap))
+        bend = np.maximum(bend, end)
         names = self.op_names
         n_names = len(names)
 

@@ -8,15 +8,14 @@
 """
 from __future__ import annotations
 
-import json
-import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import capstone
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
+from . import dwarf
 from .errors import ProfinferError
 from .symbols import ElfInfo
 
@@ -59,51 +58,17 @@ def layout_by_name(name: str) -> TensorLayout:
                          + ", ".join(l.name for l in KNOWN_LAYOUTS))
 
 
-def _cache_dir() -> str:
-    base = os.environ.get("PROFINFER_CACHE") or os.path.expanduser("~/.cache/profinfer")
-    return os.path.join(base, "layouts")
-
-
 def tensor_layout_from_dwarf(path: str, build_id: str) -> TensorLayout | None:
-    """struct ggml_tensor member offsets from DWARF, cached by build id (parsing takes seconds)."""
-    cache = os.path.join(_cache_dir(), f"{build_id or os.path.basename(path)}.json")
-    if build_id and os.path.exists(cache):
-        with open(cache) as f:
-            d = json.load(f)
-        return TensorLayout(**d) if d else None
-    lay = _parse_dwarf(path)
-    if build_id:
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        with open(cache, "w") as f:
-            json.dump(asdict(lay) if lay else None, f)
-    return lay
-
-
-def _parse_dwarf(path: str) -> TensorLayout | None:
-    with open(path, "rb") as f:
-        elf = ELFFile(f)
-        if not elf.has_dwarf_info():
-            return None
-        dwarf = elf.get_dwarf_info()
-        for cu in dwarf.iter_CUs():
-            for die in cu.get_top_DIE().iter_children():
-                if die.tag != "DW_TAG_structure_type":
-                    continue
-                name = die.attributes.get("DW_AT_name")
-                if not name or name.value != b"ggml_tensor" or "DW_AT_declaration" in die.attributes:
-                    continue
-                members = {}
-                for m in die.iter_children():
-                    if m.tag == "DW_TAG_member" and "DW_AT_data_member_location" in m.attributes:
-                        members[m.attributes["DW_AT_name"].value.decode()] = \
-                            m.attributes["DW_AT_data_member_location"].value
-                try:
-                    return TensorLayout("dwarf", type=members["type"], ne=members["ne"],
-                                        op=members["op"], src=members["src"],
-                                        name_off=members["name"])
-                except KeyError:
-                    return None
-    return None
+    """struct ggml_tensor member offsets from the file's DWARF."""
+    found = dwarf.struct_layout(path, build_id, "ggml_tensor")
+    if not found:
+        return None
+    m = found["members"]
+    try:
+        return TensorLayout("dwarf", type=m["type"], ne=m["ne"], op=m["op"], src=m["src"],
+                            name_off=m["name"])
+    except KeyError:
+        return None
 
 
 _NAME_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")

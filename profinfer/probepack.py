@@ -24,6 +24,7 @@ class ProbeSpec:
     args: tuple[int, ...] = ()
     graph_backend: bool | None = None   # graph probes: does arg 1 point to a ggml_backend?
     required: bool = False
+    group: str | None = None             # probes of one group are alternatives: first found wins
 
 
 @dataclass
@@ -44,7 +45,7 @@ def load_pack(name: str = "llamacpp") -> Pack:
             level=p["level"], function=p.get("function"), pattern=p.get("pattern"),
             entry=p.get("entry"), ret=p.get("return"), args=tuple(p.get("args", ())),
             graph_backend=None if graph is None else graph["backend"],
-            required=p.get("required", False)))
+            required=p.get("required", False), group=p.get("group")))
     return Pack(raw["engine"], raw["bpf"], raw["libraries"], raw["marker"], probes)
 
 
@@ -83,8 +84,9 @@ def resolve(pack: Pack, elfs: list[ElfInfo], levels: set[str]) -> tuple[list[Res
     out: list[ResolvedProbe] = []
     warnings: list[str] = []
     graph_index = 0
+    groups_done: set[str] = set()
     for spec in pack.probes:
-        if spec.level not in levels:
+        if spec.level not in levels or spec.group in groups_done:
             continue
         matches: list[tuple[ElfInfo, Symbol]] = []
         for elf in elfs:
@@ -96,6 +98,11 @@ def resolve(pack: Pack, elfs: list[ElfInfo], levels: set[str]) -> tuple[list[Res
             else:
                 rx = re.compile(spec.pattern)
                 matches.extend((elf, s) for n, s in sorted(elf.symbols.items()) if rx.match(n))
+        if not matches and spec.group and any(
+                p.group == spec.group for p in pack.probes[pack.probes.index(spec) + 1:]):
+            continue  # an alternative of the same group comes next
+        if matches and spec.group:
+            groups_done.add(spec.group)
         if not matches:
             what = spec.function or spec.pattern
             if spec.required:

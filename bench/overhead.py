@@ -1,0 +1,101 @@
+"""Overhead benchmark: decode tokens/s without profiling vs each probe level.
+
+Runs are interleaved (every round runs every configuration, in a rotated order) because this
+machine is noisy; the report gives medians and the ratio to the unprofiled median. Decode
+speed is llama.cpp's own figure (llama_perf_context_print "eval"), so the profiler's attach
+and teardown are not counted against it. For profiled runs it also reports attach time,
+events/s, lost events and the collector's peak RSS (from profinfer's --json summary).
+
+    .venv/bin/python bench/overhead.py --models tiny,llama-1.5b --rounds 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from profinfer import workload
+
+CONFIGS = {"none": None, "token": "token", "token+graph": "token,graph",
+           "token+graph+op": "token,graph,op"}
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
+EVAL = re.compile(r"llama_perf_context_print:\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs")
+
+
+def run_once(cmd: list[str], levels: str | None, env: dict) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        js = Path(tmp) / "s.json"
+        full = cmd if levels is None else [sys.executable, "-m", "profinfer.cli", "record", "--quiet",
+                                           "--levels", levels, "--json", str(js), "--", *cmd]
+        p = subprocess.run(full, capture_output=True, text=True, env=env, timeout=1800)
+        if p.returncode != 0:
+            raise SystemExit(f"run failed ({' '.join(full[:6])} ...):\n{p.stderr[-2000:]}")
+        m = EVAL.search(p.stderr)
+        ms, runs = float(m.group(1)), int(m.group(2))
+        row = {"decode_tok_s": runs / (ms / 1e3)}
+        if levels is not None:
+            s = json.loads(js.read_text())
+            meta = s.get("meta", {})
+            row.update(attach_s=float(meta.get("attach_s", "nan")), lost=s["lost_events"],
+                       events=int(meta.get("events", 0)), wall_s=float(meta.get("wall_s", "nan")),
+                       rss_mb=int(meta.get("collector_max_rss_kb", 0)) / 1024)
+        return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="tiny,llama-1.5b")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", default="tiny=256,llama-1.5b=24",
+                    help="decode tokens per run, per model")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).with_name("results.md")))
+    args = ap.parse_args()
+    ntok = dict(kv.split("=") for kv in args.tokens.split(","))
+    build = workload.ensure_llama_build()
+    env = {**os.environ, **workload.llama_env(build)}
+    lines = [f"# profinfer overhead benchmark", "",
+             f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, llama.cpp b{workload.LLAMA_VERSION}, "
+             f"{args.threads} threads, {args.rounds} interleaved rounds, medians.", ""]
+    results = {}
+    for model in args.models.split(","):
+        gguf = workload.ensure_model(model)
+        cmd = workload.completion_command(build, gguf, PROMPT, int(ntok.get(model, 32)), args.threads)
+        rows: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+        names = list(CONFIGS)
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for c in order:
+                rows[c].append(run_once(cmd, CONFIGS[c], env))
+                print(f"{model} round {r + 1} {c}: {rows[c][-1]['decode_tok_s']:.2f} tok/s", file=sys.stderr)
+        base = statistics.median(x["decode_tok_s"] for x in rows["none"])
+        lines += [f"## {model} ({ntok.get(model, 32)} decode tokens per run)", "",
+                  "| levels | decode tok/s (median) | vs none | slowdown | attach s | events/s | lost | collector RSS MB |",
+                  "|---|---|---|---|---|---|---|---|"]
+        results[model] = {}
+        for c in names:
+            med = statistics.median(x["decode_tok_s"] for x in rows[c])
+            ratio = med / base
+            extra = ["", "", "", ""]
+            if c != "none":
+                med_of = lambda k: statistics.median(x[k] for x in rows[c])
+                evs = statistics.median(x["events"] / x["wall_s"] for x in rows[c])
+                extra = [f"{med_of('attach_s'):.3f}", f"{evs:,.0f}", f"{max(x['lost'] for x in rows[c])}",
+                         f"{max(x['rss_mb'] for x in rows[c]):.0f}"]
+            lines.append(f"| {c} | {med:.2f} | {ratio:.4f} | {100 * (1 - ratio):+.2f}% | " + " | ".join(extra) + " |")
+            results[model][c] = {"median_tok_s": med, "ratio": ratio, "runs": rows[c]}
+        lines.append("")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

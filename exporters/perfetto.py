@@ -1,0 +1,372 @@
+"""Timeline export: native Perfetto protobuf trace, and Chrome trace-event JSON as a fallback.
+
+Protobuf layout (trace_reader.py reads exactly this back into a Profile):
+- sequence 1: a ClockSnapshot making CLOCK_MONOTONIC the trace clock (our timestamps are
+  bpf_ktime_get_ns), the process and thread TrackDescriptors, and as the very last packet a
+  TraceAttributes packet (profinfer.format, profinfer.lost_events, meta.<key> per Profile.meta).
+  trace_processor lists those in its metadata table as trace_attribute.*; the UI shows them in
+  the trace overview. Being last, it also tells the reader the file was not cut short.
+- one sequence per thread (2, 3, ...): its first packet clears incremental state, sets packet
+  defaults (track = the thread's track, clock = sequence clock 64) and snapshots clock 64 as an
+  incremental nanosecond clock equal to MONOTONIC. Then TrackEvent slice BEGIN/END packets in
+  time order whose timestamps are deltas, with interned names, categories, argument names and
+  string values. This keeps an op (4 packets with its barrier) to a few dozen bytes.
+- slices, by category: llama_decode (name prefill/decode; n_tokens, ret when nonzero) >
+  graph (name graph_compute; backend, n_nodes, function when set) > op (name = op type;
+  tensor, shape "ne0×ne1×ne2×ne3", dtype, cpu, addr when set), each op followed on the same
+  track by a "barrier" slice (op end to barrier end) unless that wait is zero.
+- slices on one track must nest strictly; where the data overlaps (clock rounding, a next op
+  starting before the previous barrier ended) the slice is cut short and its END carries the
+  true end_ns / barrier_end_ns, so nothing is lost.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import (
+    BuiltinClock, InternedData, TracePacket, TrackEvent,
+)
+from perfetto.trace_builder.proto_builder import TraceProtoBuilder
+
+from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+
+FORMAT_VERSION = 1
+MAIN_SEQUENCE = 1
+SEQ_CLOCK = 64                       # first sequence-scoped clock id
+MONOTONIC = BuiltinClock.BUILTIN_CLOCK_MONOTONIC
+CAT_TOKEN, CAT_GRAPH, CAT_OP, CAT_BARRIER = "llama_decode", "graph", "op", "barrier"
+GRAPH_NAME, BARRIER_NAME = "graph_compute", "barrier"
+SHAPE_SEP = "×"
+ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX = "profinfer.format", "profinfer.lost_events", "meta."
+
+# interned-data table per kind of string
+INTERN_TABLES = {"cat": "event_categories", "name": "event_names",
+                 "arg": "debug_annotation_names", "str": "debug_annotation_string_values"}
+
+_TOKEN, _GRAPH, _OP = 0, 1, 2        # nesting levels on a thread track
+_INT, _STR, _PTR = 0, 1, 2           # argument value kinds
+
+
+def process_uuid(pid: int) -> int:
+    return (2 << 40) | pid
+
+
+def thread_uuid(tid: int) -> int:
+    return (1 << 40) | tid
+
+
+def shape_str(ne) -> str:
+    return SHAPE_SEP.join(str(n) for n in ne)
+
+
+# --------------------------------------------------------------------------- slice planning
+
+def thread_items(profile: Profile) -> dict[int, list[tuple]]:
+    """Per thread, (start, level, seq, obj) sorted so parents precede children at equal starts."""
+    by_tid: dict[int, list[tuple]] = defaultdict(list)
+    seq = 0
+    for level, objs in ((_TOKEN, profile.tokens), (_GRAPH, profile.graphs), (_OP, profile.ops)):
+        for o in objs:
+            by_tid[o.tid].append((o.start_ns, level, seq, o))
+            seq += 1
+    for items in by_tid.values():
+        items.sort()
+    return by_tid
+
+
+def plan(items: list[tuple]) -> Iterator[tuple]:
+    """Turn one thread's items into a strictly nested, time-ordered slice event stream.
+
+    Yields ("B", ts, obj), ("E", ts, obj, raw) with raw = {field: true value} for ends that had
+    to be cut (or None), and ("b", ts, op) / ("e", ts, op) for an op's barrier slice.
+    Starts are never moved; only ends are clamped, to the parent's end or the next sibling's start.
+    """
+    stack: list[list] = []           # [level, obj, latest allowed end]
+    for start, level, _, obj in items:
+        while stack and (stack[-1][2] <= start or stack[-1][0] >= level):
+            top = stack.pop()
+            yield from _close(top[0], top[1], min(top[2], start))
+        extent = max(obj.end_ns, obj.barrier_end_ns) if level == _OP else obj.end_ns
+        if stack:
+            extent = min(extent, stack[-1][2])
+        yield ("B", start, obj)
+        stack.append([level, obj, max(start, extent)])
+    while stack:
+        top = stack.pop()
+        yield from _close(top[0], top[1], top[2])
+
+
+def _close(level: int, obj, at: int) -> Iterator[tuple]:
+    if level != _OP:
+        yield ("E", at, obj, None if at == obj.end_ns else {"end_ns": obj.end_ns})
+        return
+    op_end = min(max(obj.end_ns, obj.start_ns), at)
+    barrier_end = min(max(obj.barrier_end_ns, op_end), at)
+    raw = {}
+    if op_end != obj.end_ns:
+        raw["end_ns"] = obj.end_ns
+    if barrier_end != obj.barrier_end_ns:
+        raw["barrier_end_ns"] = obj.barrier_end_ns
+    yield ("E", op_end, obj, raw or None)
+    if barrier_end > op_end:
+        yield ("b", op_end, obj)
+        yield ("e", barrier_end, obj)
+
+
+def begin_fields(obj) -> tuple[str, str, tuple]:
+    """(category, name, args) of the slice for a model object; args are (key, kind, value)."""
+    if isinstance(obj, OpSlice):
+        shape = _shapes.get(obj.ne)
+        if shape is None:
+            shape = _shapes[obj.ne] = shape_str(obj.ne)
+        args = (("tensor", _STR, obj.name), ("shape", _STR, shape),
+                ("dtype", _STR, obj.dtype), ("cpu", _INT, obj.cpu))
+        if obj.tensor:
+            args += (("addr", _PTR, obj.tensor),)
+        return CAT_OP, obj.op, args
+    if isinstance(obj, GraphCall):
+        args = (("backend", _STR, obj.backend), ("n_nodes", _INT, obj.n_nodes))
+        if obj.function:
+            args += (("function", _STR, obj.function),)
+        return CAT_GRAPH, GRAPH_NAME, args
+    if isinstance(obj, TokenCall):
+        args = (("n_tokens", _INT, obj.n_tokens),)
+        if obj.ret:
+            args += (("ret", _INT, obj.ret),)
+        return CAT_TOKEN, "prefill" if obj.prefill else "decode", args
+    raise TypeError(f"not a profile slice: {obj!r}")
+
+
+_shapes: dict[tuple, str] = {}       # ne -> "ne0×ne1×ne2×ne3"; few distinct shapes, many ops
+
+
+# --------------------------------------------------------------------------- protobuf writer
+#
+# Structural packets are built with TraceProtoBuilder. The millions of slice packets are framed
+# by hand around TrackEvent bodies that protobuf serialized once and that are reused from a cache:
+# a thread repeats the same nodes token after token, and building a message per packet made
+# export take ~35 µs per op.
+
+_SMALL_VARINTS = [bytes([i]) for i in range(128)]
+
+
+def varint(v: int) -> bytes:
+    if 0 <= v < 128:
+        return _SMALL_VARINTS[v]
+    v &= (1 << 64) - 1               # negative int64: ten-byte two's complement, as protobuf does
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+# TracePacket / TrackEvent wire tags used on the hot path
+TAG_PACKET = b"\x0a"                 # Trace.packet = 1, length-delimited
+TAG_TIMESTAMP = b"\x40"              # TracePacket.timestamp = 8, varint
+TAG_SEQUENCE_ID = b"\x50"            # TracePacket.trusted_packet_sequence_id = 10, varint
+TAG_TRACK_EVENT = b"\x5a"            # TracePacket.track_event = 11, length-delimited
+TAG_INTERNED_DATA = b"\x62"          # TracePacket.interned_data = 12, length-delimited
+_END_BODY = TrackEvent(type=TrackEvent.TYPE_SLICE_END).SerializeToString()
+_CACHE_LIMIT = 200_000               # distinct BEGIN bodies kept per thread (shapes can grow with the KV cache)
+_FLUSH_PARTS = 65_536
+
+
+class _ThreadSequence:
+    """One packet sequence = one thread track, with its own interning and delta clock."""
+
+    def __init__(self, parts: list[bytes], flush, seq_id: int, tid: int, t0: int):
+        self.parts, self.flush, self.last_ts = parts, flush, t0
+        self.seq_field = TAG_SEQUENCE_ID + varint(seq_id)
+        self.iids: dict[str, dict[str, int]] = {k: {} for k in INTERN_TABLES}
+        self.begin_cache: dict[tuple, bytes] = {}     # (cat, name, args) -> framed track_event field
+        builder = TraceProtoBuilder()
+        pkt = builder.add_packet()
+        pkt.trusted_packet_sequence_id = seq_id
+        pkt.sequence_flags = TracePacket.SEQ_INCREMENTAL_STATE_CLEARED
+        pkt.first_packet_on_sequence = True
+        pkt.trace_packet_defaults.timestamp_clock_id = SEQ_CLOCK
+        pkt.trace_packet_defaults.track_event_defaults.track_uuid = thread_uuid(tid)
+        mono = pkt.clock_snapshot.clocks.add()
+        mono.clock_id, mono.timestamp = MONOTONIC, t0
+        seq_clock = pkt.clock_snapshot.clocks.add()
+        seq_clock.clock_id, seq_clock.timestamp, seq_clock.is_incremental = SEQ_CLOCK, t0, True
+        parts.append(builder.serialize())
+
+    def _iid(self, interned: InternedData, table: str, s: str) -> int:
+        ids = self.iids[table]
+        iid = ids.get(s)
+        if iid is None:
+            iid = ids[s] = len(ids) + 1
+            entry = getattr(interned, INTERN_TABLES[table]).add()
+            entry.iid = iid
+            if table == "str":
+                entry.str = s.encode()
+            else:
+                entry.name = s
+        return iid
+
+    def _track_event(self, etype: int, cat: str | None, name: str | None,
+                     args: tuple) -> tuple[bytes, bytes]:
+        """Framed track_event field, and the framed interned_data field its new strings need (or b"")."""
+        interned = InternedData()
+        te = TrackEvent(type=etype)
+        if cat is not None:
+            te.category_iids.append(self._iid(interned, "cat", cat))
+            te.name_iid = self._iid(interned, "name", name)
+        for key, kind, value in args:
+            ann = te.debug_annotations.add()
+            ann.name_iid = self._iid(interned, "arg", key)
+            if kind == _STR:
+                ann.string_value_iid = self._iid(interned, "str", value)
+            elif kind == _PTR:
+                ann.pointer_value = value
+            else:
+                ann.int_value = value
+        body, extra = te.SerializeToString(), interned.SerializeToString()
+        return (TAG_TRACK_EVENT + varint(len(body)) + body,
+                TAG_INTERNED_DATA + varint(len(extra)) + extra if extra else b"")
+
+    def _packet(self, ts: int, fields: bytes) -> None:
+        delta = ts - self.last_ts
+        assert delta >= 0, "slice planner emitted events out of time order"
+        self.last_ts = ts
+        # timestamp always present, even 0: a packet without one is not a delta on our clock
+        body = self.seq_field + TAG_TIMESTAMP + (_SMALL_VARINTS[delta] if delta < 128 else varint(delta)) \
+            + fields
+        n = len(body)
+        self.parts.append(TAG_PACKET + (_SMALL_VARINTS[n] if n < 128 else varint(n)) + body)
+
+    def _begin(self, ts: int, cat: str, name: str, args: tuple) -> None:
+        key = (cat, name, args)
+        fields = self.begin_cache.get(key)
+        if fields is None:
+            fields, interned = self._track_event(TrackEvent.TYPE_SLICE_BEGIN, cat, name, args)
+            if len(self.begin_cache) >= _CACHE_LIMIT:
+                self.begin_cache.clear()
+            self.begin_cache[key] = fields
+            fields += interned
+        self._packet(ts, fields)
+
+    def write(self, items: list[tuple]) -> None:
+        end_plain = TAG_TRACK_EVENT + varint(len(_END_BODY)) + _END_BODY
+        for ev in plan(items):
+            kind, ts = ev[0], ev[1]
+            if kind == "B":
+                self._begin(ts, *begin_fields(ev[2]))
+            elif kind == "E" and ev[3]:
+                self._packet(ts, b"".join(self._track_event(
+                    TrackEvent.TYPE_SLICE_END, None, None, tuple((k, _INT, v) for k, v in ev[3].items()))))
+            elif kind == "b":
+                self._begin(ts, CAT_BARRIER, BARRIER_NAME, ())
+            else:
+                self._packet(ts, end_plain)
+            if len(self.parts) >= _FLUSH_PARTS:
+                self.flush()
+
+
+def write_perfetto(profile: Profile, path: str | Path) -> None:
+    """Write `profile` as a native Perfetto trace (open it in ui.perfetto.dev or trace_processor)."""
+    by_tid = thread_items(profile)
+    t_min = min((items[0][0] for items in by_tid.values()), default=0)
+
+    header = TraceProtoBuilder()
+    pkt = header.add_packet()
+    pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
+    pkt.sequence_flags = TracePacket.SEQ_INCREMENTAL_STATE_CLEARED
+    pkt.first_packet_on_sequence = True
+    clock = pkt.clock_snapshot.clocks.add()
+    clock.clock_id, clock.timestamp = MONOTONIC, t_min
+    pkt.clock_snapshot.primary_trace_clock = MONOTONIC   # trace time = our timestamps, unconverted
+    pkt = header.add_packet()
+    pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
+    pkt.track_descriptor.uuid = process_uuid(profile.pid)
+    pkt.track_descriptor.process.pid = profile.pid
+    pkt.track_descriptor.process.process_name = profile.process_name
+    for tid in sorted(set(by_tid) | set(profile.thread_names)):
+        pkt = header.add_packet()
+        pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
+        desc = pkt.track_descriptor
+        desc.uuid = thread_uuid(tid)
+        desc.thread.pid = profile.pid
+        desc.thread.tid = tid
+        if tid in profile.thread_names:
+            desc.thread.thread_name = profile.thread_names[tid]
+
+    footer = TraceProtoBuilder()
+    pkt = footer.add_packet()
+    pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
+    for key, value in [(ATTR_FORMAT, FORMAT_VERSION), (ATTR_LOST, profile.lost_events),
+                       *((ATTR_META_PREFIX + k, str(v)) for k, v in profile.meta.items())]:
+        attr = pkt.trace_attributes.attribute.add()
+        attr.key = key
+        if isinstance(value, str):
+            attr.string_value = value
+        else:
+            attr.long_value = value
+
+    with open(path, "wb") as f:
+        parts: list[bytes] = [header.serialize()]
+
+        def flush() -> None:
+            f.write(b"".join(parts))
+            parts.clear()
+
+        for seq_id, tid in enumerate(sorted(by_tid), start=MAIN_SEQUENCE + 1):
+            items = by_tid[tid]
+            _ThreadSequence(parts, flush, seq_id, tid, items[0][0]).write(items)
+        parts.append(footer.serialize())
+        flush()
+
+
+# --------------------------------------------------------------------------- Chrome JSON
+
+def _chrome_args(args: list[tuple]) -> dict:
+    return {k: (hex(v) if kind == _PTR else v) for k, kind, v in args}
+
+
+def chrome_events(profile: Profile) -> Iterator[dict]:
+    """Chrome trace events: process/thread name metadata, then one "X" event per slice (ts in µs)."""
+    pid = profile.pid
+    yield {"ph": "M", "pid": pid, "tid": pid, "name": "process_name",
+           "args": {"name": profile.process_name}}
+    for tid, name in sorted(profile.thread_names.items()):
+        yield {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+    for tid, items in sorted(thread_items(profile).items()):
+        open_begins: list[int] = []
+        for ev in plan(items):
+            kind, ts, obj = ev[0], ev[1], ev[2]
+            if kind in ("B", "b"):
+                open_begins.append(ts)
+                continue
+            start = open_begins.pop()
+            if kind == "E":
+                cat, name, args = begin_fields(obj)
+                args = _chrome_args(args)
+                if ev[3]:
+                    args.update(ev[3])
+            else:
+                cat, name, args = CAT_BARRIER, BARRIER_NAME, {}
+            yield {"ph": "X", "pid": pid, "tid": tid, "name": name, "cat": cat,
+                   "ts": start / 1000, "dur": (ts - start) / 1000, "args": args}
+
+
+def write_chrome_json(profile: Profile, path: str | Path) -> None:
+    """Write Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev); streamed, one event a line.
+
+    No displayTimeUnit key: trace_processor takes it as the unit of "ts", which is µs here.
+    Non-ASCII stays raw UTF-8 because trace_processor's JSON reader rejects \\u escapes.
+    """
+    metadata = {"profinfer.format": FORMAT_VERSION, "lost_events": profile.lost_events,
+                **{ATTR_META_PREFIX + k: v for k, v in profile.meta.items()}}
+    with open(path, "w", encoding="utf-8") as f:
+        f.write('{"traceEvents": [\n')
+        sep = ""
+        for ev in chrome_events(profile):
+            f.write(sep + json.dumps(ev, ensure_ascii=False))
+            sep = ",\n"
+        f.write('\n],\n"metadata": ' + json.dumps(metadata, ensure_ascii=False) + "}\n")

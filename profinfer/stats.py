@@ -1,0 +1,300 @@
+"""Derived numbers for a Profile: phases, latency (TTFT/TPOT), per-thread and per-op totals.
+
+Pure logic, no I/O. Ops are turned into numpy arrays once (profiles can hold millions).
+All times are nanoseconds.
+
+Definitions:
+- phase: a llama_decode call is "prefill" when TokenCall.prefill is True, else "decode".
+  An op belongs to the phase of the llama_decode call whose [start, end] contains its start;
+  ops outside every call fall into phase "other".
+- sequence: a prefill call that follows a decode call (or opens the profile) starts one;
+  consecutive prefill calls are its prompt chain (chunked prompt). Decode calls before any
+  prefill form a sequence without prefill (profiler attached mid-generation).
+- TTFT = end of the last prefill call of the chain - start of its first.
+- TPOT = (end of the last decode call - end of the prefill chain) / decode tokens; for a
+  sequence without prefill the start of its first decode call stands for the prefill end.
+- graph_ns of a thread: sum of the durations (entry to return of the innermost graph-compute
+  call) of the graphs it ran ops in, so (op_ns + barrier_ns) / graph_ns is the share of its
+  graph time the probes explain; planning, thread wake-up and gaps are what is left. The
+  thread that issued a graph but ran none of its ops (GPU backend) counts the whole graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import median
+
+import numpy as np
+
+from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+
+PHASES = ("prefill", "decode", "other")
+_PREFILL, _DECODE, _OTHER = 0, 1, 2
+
+
+@dataclass(slots=True)
+class OpStats:
+    op: str
+    count: int
+    total_ns: int
+    mean_ns: float
+    p50_ns: float
+    p99_ns: float
+    share: float          # of all op time in the same scope (0..1)
+
+
+@dataclass(slots=True)
+class ThreadStats:
+    tid: int
+    name: str
+    graph_ns: int
+    op_ns: int
+    barrier_ns: int
+
+    @property
+    def coverage(self) -> float | None:
+        """Share of graph time explained by op work and barrier waits (gaps are probe loss/overhead)."""
+        return (self.op_ns + self.barrier_ns) / self.graph_ns if self.graph_ns else None
+
+
+@dataclass(slots=True)
+class PhaseStats:
+    phase: str
+    calls: int = 0
+    tokens: int = 0
+    time_ns: int = 0      # sum of llama_decode durations
+    op_ns: int = 0
+    barrier_ns: int = 0
+    ops: list[OpStats] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / (self.time_ns / 1e9) if self.time_ns else None
+
+
+@dataclass(slots=True)
+class SequenceStats:
+    start_ns: int
+    prefill_calls: int = 0
+    prefill_tokens: int = 0
+    prefill_end_ns: int | None = None
+    decode_calls: int = 0
+    decode_tokens: int = 0
+    end_ns: int | None = None     # end of the last decode call
+
+    @property
+    def ttft_ns(self) -> int | None:
+        return None if self.prefill_end_ns is None else self.prefill_end_ns - self.start_ns
+
+    @property
+    def tpot_ns(self) -> float | None:
+        if not self.decode_tokens or self.end_ns is None:
+            return None
+        anchor = self.prefill_end_ns if self.prefill_end_ns is not None else self.start_ns
+        return (self.end_ns - anchor) / self.decode_tokens
+
+
+@dataclass(slots=True)
+class ProfileStats:
+    decode_calls: int
+    graphs: int
+    lost_events: int
+    phases: dict[str, PhaseStats]       # "prefill", "decode" always; "other" when ops fall outside calls
+    sequences: list[SequenceStats]
+    threads: list[ThreadStats]
+    ops: list[OpStats]                  # sorted by total_ns, descending
+    op_total_ns: int
+    barrier_total_ns: int
+
+    @property
+    def ttft_ns(self) -> int | None:
+        """Median TTFT over sequences that had a prefill."""
+        vals = [s.ttft_ns for s in self.sequences if s.ttft_ns is not None]
+        return int(median(vals)) if vals else None
+
+    @property
+    def tpot_ns(self) -> float | None:
+        """Median TPOT over sequences that decoded."""
+        vals = [s.tpot_ns for s in self.sequences if s.tpot_ns is not None]
+        return float(median(vals)) if vals else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode throughput: decode tokens / time spent in decode calls."""
+        return self.phases["decode"].tokens_per_s
+
+
+@dataclass(slots=True)
+class OpArrays:
+    """Column view of Profile.ops; `code` indexes `names`."""
+    tid: np.ndarray
+    cpu: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    barrier_end: np.ndarray
+    code: np.ndarray
+    names: list[str]
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    @property
+    def dur(self) -> np.ndarray:
+        return self.end - self.start
+
+    @property
+    def barrier(self) -> np.ndarray:
+        return self.barrier_end - self.end
+
+
+def op_arrays(ops: list[OpSlice]) -> OpArrays:
+    n = len(ops)
+
+    def col(attr: str) -> np.ndarray:
+        return np.fromiter((getattr(o, attr) for o in ops), np.int64, n)
+
+    index: dict[str, int] = {}
+    code = np.fromiter((index.setdefault(o.op, len(index)) for o in ops), np.int64, n)
+    return OpArrays(col("tid"), col("cpu"), col("start_ns"), col("end_ns"), col("barrier_end_ns"),
+                    code, list(index))
+
+
+def op_table(durs: np.ndarray, codes: np.ndarray, names: list[str]) -> list[OpStats]:
+    """Per-op-type count/total/mean/p50/p99/share, sorted by total descending."""
+    if not len(durs):
+        return []
+    order = np.lexsort((durs, codes))           # by op type, then duration: groups come out sorted
+    sorted_codes, sorted_durs = codes[order], durs[order]
+    bounds = np.searchsorted(sorted_codes, np.arange(len(names) + 1))
+    grand = int(durs.sum())
+    rows = []
+    for k, name in enumerate(names):
+        seg = sorted_durs[bounds[k]:bounds[k + 1]]
+        if not len(seg):
+            continue
+        total = int(seg.sum())
+        p50, p99 = np.percentile(seg, [50, 99])
+        rows.append(OpStats(name, len(seg), total, total / len(seg), float(p50), float(p99),
+                            total / grand if grand else 0.0))
+    rows.sort(key=lambda r: (-r.total_ns, r.op))
+    return rows
+
+
+def sequences(tokens: list[TokenCall]) -> list[SequenceStats]:
+    seqs: list[SequenceStats] = []
+    cur: SequenceStats | None = None
+    for t in sorted(tokens, key=lambda t: (t.start_ns, t.tid)):
+        if t.prefill:
+            if cur is None or cur.decode_calls:   # a prompt after generation: new sequence
+                cur = SequenceStats(t.start_ns)
+                seqs.append(cur)
+            cur.prefill_calls += 1
+            cur.prefill_tokens += t.n_tokens
+            cur.prefill_end_ns = t.end_ns
+        else:
+            if cur is None:
+                cur = SequenceStats(t.start_ns)
+                seqs.append(cur)
+            cur.decode_calls += 1
+            cur.decode_tokens += t.n_tokens
+            cur.end_ns = t.end_ns
+    return seqs
+
+
+def op_phases(arr: OpArrays, tokens: list[TokenCall]) -> np.ndarray:
+    """Phase code (_PREFILL/_DECODE/_OTHER) per op: the call containing the op's start."""
+    phase = np.full(len(arr), _OTHER, np.int8)
+    if not tokens or not len(arr):
+        return phase
+    toks = sorted(tokens, key=lambda t: t.start_ns)
+    t_start = np.fromiter((t.start_ns for t in toks), np.int64, len(toks))
+    t_end = np.fromiter((t.end_ns for t in toks), np.int64, len(toks))
+    t_phase = np.fromiter((_PREFILL if t.prefill else _DECODE for t in toks), np.int8, len(toks))
+    idx = np.searchsorted(t_start, arr.start, side="right") - 1
+    safe = np.maximum(idx, 0)
+    inside = (idx >= 0) & (arr.start <= t_end[safe])
+    phase[inside] = t_phase[safe[inside]]
+    return phase
+
+
+def innermost_graphs(graphs: list[GraphCall]) -> list[GraphCall]:
+    """Graphs that contain no other graph of their thread, sorted by start.
+
+    The scheduler's compute of a whole graph encloses each backend's compute of its split;
+    counting both would count the same time twice.
+    """
+    by_tid: dict[int, list[GraphCall]] = {}
+    for g in sorted(graphs, key=lambda g: (g.start_ns, -g.end_ns)):
+        by_tid.setdefault(g.tid, []).append(g)
+    out = []
+    for gs in by_tid.values():
+        out += [g for g, nxt in zip(gs, gs[1:] + [None])
+                if nxt is None or nxt.start_ns >= g.end_ns]
+    return sorted(out, key=lambda g: g.start_ns)
+
+
+def thread_totals(profile: Profile, arr: OpArrays) -> list[ThreadStats]:
+    tids = sorted(set(arr.tid.tolist()) | {g.tid for g in profile.graphs}
+                  | {t.tid for t in profile.tokens})
+    pos = {tid: i for i, tid in enumerate(tids)}
+    n = len(tids)
+    graph_ns = np.zeros(n, np.int64)
+    op_ns = np.zeros(n, np.int64)
+    barrier_ns = np.zeros(n, np.int64)
+    if len(arr):
+        t_idx = np.searchsorted(np.asarray(tids, np.int64), arr.tid)
+        np.add.at(op_ns, t_idx, arr.dur)
+        np.add.at(barrier_ns, t_idx, arr.barrier)
+    graphs = innermost_graphs(profile.graphs)
+    if graphs:
+        g_start = np.fromiter((g.start_ns for g in graphs), np.int64, len(graphs))
+        g_end = np.fromiter((g.end_ns for g in graphs), np.int64, len(graphs))
+        g_owner = np.fromiter((pos[g.tid] for g in graphs), np.int64, len(graphs))
+        owner_idle = np.ones(len(graphs), bool)       # graphs in which the issuing thread ran no op
+        if len(arr):
+            gi = np.searchsorted(g_start, arr.start, side="right") - 1
+            safe = np.maximum(gi, 0)
+            sel = (gi >= 0) & (arr.start <= g_end[safe])
+            key = safe[sel] * n + t_idx[sel]             # one group per (graph, thread)
+            starts = arr.start[sel]
+            order = np.lexsort((starts, key))
+            key, starts = key[order], starts[order]
+            first = np.ones(len(key), bool)
+            first[1:] = key[1:] != key[:-1]
+            g, t = np.divmod(key[first], n)
+            np.add.at(graph_ns, t, g_end[g] - g_start[g])
+            owner_idle[g[t == g_owner[g]]] = False
+        # e.g. a GPU backend: the issuing thread waits in the graph without running ops itself
+        np.add.at(graph_ns, g_owner[owner_idle], (g_end - g_start)[owner_idle])
+    return [ThreadStats(tid, profile.thread_names.get(tid, ""), int(graph_ns[i]), int(op_ns[i]),
+                        int(barrier_ns[i])) for i, tid in enumerate(tids)]
+
+
+def compute(profile: Profile) -> ProfileStats:
+    arr = op_arrays(profile.ops)
+    durs, barriers = arr.dur, arr.barrier
+    phases = {p: PhaseStats(p) for p in PHASES[:2]}
+    for t in profile.tokens:
+        ph = phases["prefill" if t.prefill else "decode"]
+        ph.calls += 1
+        ph.tokens += t.n_tokens
+        ph.time_ns += t.dur_ns
+    op_phase = op_phases(arr, profile.tokens)
+    for code, name in enumerate(PHASES):
+        mask = op_phase == code
+        if name == "other" and not mask.any():
+            continue
+        ph = phases.setdefault(name, PhaseStats(name))
+        ph.op_ns = int(durs[mask].sum())
+        ph.barrier_ns = int(barriers[mask].sum())
+        ph.ops = op_table(durs[mask], arr.code[mask], arr.names)
+    return ProfileStats(
+        decode_calls=len(profile.tokens),
+        graphs=len(profile.graphs),
+        lost_events=profile.lost_events,
+        phases=phases,
+        sequences=sequences(profile.tokens),
+        threads=thread_totals(profile, arr),
+        ops=op_table(durs, arr.code, arr.names),
+        op_total_ns=int(durs.sum()),
+        barrier_total_ns=int(barriers.sum()),
+    )

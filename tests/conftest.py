@@ -1,0 +1,89 @@
+"""Shared fixtures: the real workload (llama.cpp + GGUF models) and a way to run profinfer."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from profinfer import workload
+
+PROFINFER = [sys.executable, "-m", "profinfer.cli"]
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
+
+
+@pytest.fixture(scope="session")
+def llama_build() -> Path:
+    return workload.ensure_llama_build()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return workload.ensure_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def big_model() -> Path:
+    return workload.ensure_model("llama-1.5b")
+
+
+@pytest.fixture(scope="session")
+def llama_env(llama_build) -> dict[str, str]:
+    return {**os.environ, **workload.llama_env(llama_build)}
+
+
+def completion_cmd(build: Path, model: Path, n: int = 24, threads: int = 2, prompt: str = PROMPT,
+                   extra: tuple[str, ...] = ()) -> list[str]:
+    return workload.completion_command(build, model, prompt, n, threads, extra=extra)
+
+
+@dataclass
+class Run:
+    rc: int
+    stdout: str
+    stderr: str
+    summary: dict | None
+
+
+def run_profinfer(args: list[str], env=None, timeout=600, tmp_path: Path | None = None,
+                  json_summary: bool = True) -> Run:
+    cmd = list(PROFINFER)
+    out = None
+    if json_summary and tmp_path is not None:
+        out = tmp_path / "summary.json"
+        cmd += [args[0], "--json", str(out), *args[1:]]
+    else:
+        cmd += args
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    summary = json.loads(out.read_text()) if out is not None and out.exists() else None
+    return Run(p.returncode, p.stdout, p.stderr, summary)
+
+
+_PERF = re.compile(r"(?:llama_perf_context_print|common_perf_print):\s+(prompt eval|eval) time =\s+([\d.]+) ms /\s+(\d+) (tokens|runs)")
+
+
+def llama_perf(text: str) -> dict[str, tuple[float, int]]:
+    """llama.cpp's own numbers: {"prompt eval": (ms, tokens), "eval": (ms, runs)}."""
+    return {m.group(1): (float(m.group(2)), int(m.group(3))) for m in _PERF.finditer(text)}
+
+
+def our_bpf_programs() -> list[str]:
+    """Names of loaded BPF programs that belong to profinfer's llama.cpp pack."""
+    out = subprocess.run(["bpftool", "prog", "show", "--json"], capture_output=True, text=True).stdout
+    ours = ("token_enter", "token_return", "op_start", "op_start_fused", "op_barrier")
+    return [p.get("name", "") for p in json.loads(out or "[]")
+            if p.get("name", "").startswith(ours + ("graph_enter_", "graph_return_"))]
+
+
+def leftover_uprobe_events() -> list[str]:
+    """uprobe events registered through tracefs (BCC's fallback path), if tracefs is mounted."""
+    for mnt in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
+        p = Path(mnt) / "uprobe_events"
+        if p.exists():
+            return [l for l in p.read_text().splitlines() if l.strip()]
+    return []

@@ -1,0 +1,388 @@
+"""Exporters on synthetic profiles: JSON summary, Perfetto trace (round trip, structure, damage),
+Chrome JSON."""
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+
+import pytest
+from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import BuiltinClock, Trace, TracePacket, TrackEvent
+from perfetto.trace_builder.proto_builder import TraceProtoBuilder
+
+from profinfer.exporters.json_summary import summary, write_json
+from profinfer.exporters.perfetto import write_chrome_json, write_perfetto
+from profinfer.exporters.trace_reader import TraceFormatError, read_trace
+from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+
+OPS = ["MUL_MAT", "RMS_NORM+MUL", "ADD", "ROPE", "SOFT_MAX", "GET_ROWS"]
+
+
+def synth(n_tokens=6, n_threads=3, n_nodes=12, seed=0, prompt=2, messy=False) -> Profile:
+    """A llama.cpp-like run: per token a llama_decode call on the main thread, one graph inside
+    it, and per node one op per thread ending in a shared barrier. `messy` adds the data defects
+    the exporter must survive: overlapping ops, ops past their graph, zero-length ops and waits."""
+    rnd = random.Random(seed)
+    main = 1000
+    p = Profile(pid=main, process_name="llama-cli",
+                thread_names={main: "llama-cli", **{main + i: f"w{i}" for i in range(1, n_threads)},
+                              4242: "idle-thread"},
+                lost_events=3, meta={"engine": "llama.cpp", "model": "/m/ünï.gguf", "build_id.libggml": "ab12"})
+    t = 5_000_000_000
+    for k in range(n_tokens):
+        prefill = k < prompt
+        tok_start = t
+        t += rnd.randint(1000, 5000)
+        g_start = t
+        t += 100
+        for node in range(n_nodes):
+            node_start, ends = t, []
+            for th in range(n_threads):
+                s = node_start + rnd.randint(0, 50)
+                e = s + rnd.choice([0, rnd.randint(1, 3000)]) if messy else s + rnd.randint(1, 3000)
+                ends.append(e)
+                p.ops.append(OpSlice(tid=main + th, cpu=rnd.randint(0, 7), start_ns=s, end_ns=e, barrier_end_ns=0,
+                                     op=OPS[node % len(OPS)], name=f"blk.{node}", ne=(4096, node + 1, 1, 1),
+                                     dtype=rnd.choice(["f32", "f16", "q4_0"]),
+                                     tensor=0x7F0000 + 64 * node if node % 3 else 0))
+            barrier_end = max(ends) + rnd.randint(0, 100)
+            for o in p.ops[-n_threads:]:
+                o.barrier_end_ns = o.end_ns if messy and rnd.random() < 0.2 else barrier_end
+                if messy and rnd.random() < 0.1:     # next op starts before this barrier ends
+                    o.barrier_end_ns = barrier_end + 500
+            t = barrier_end
+        t += 100
+        g_end = t - (300 if messy and k % 2 else 0)   # messy: the last ops run past the graph end
+        p.graphs.append(GraphCall(tid=main, start_ns=g_start, end_ns=g_end, backend="CPU", n_nodes=n_nodes,
+                                  function="ggml_backend_sched_graph_compute_async" if k % 2 else ""))
+        t += rnd.randint(100, 1000)
+        p.tokens.append(TokenCall(tid=main, start_ns=tok_start, end_ns=t, n_tokens=7 if prefill else 1,
+                                  prefill=prefill, ret=-1 if k == 3 else 0))
+        t += rnd.randint(0, 10000)
+    return sorted_profile(p)
+
+
+def sorted_profile(p: Profile) -> Profile:
+    """read_trace returns each list sorted by (start_ns, tid), stably."""
+    key = lambda x: (x.start_ns, x.tid)  # noqa: E731
+    p.tokens.sort(key=key)
+    p.graphs.sort(key=key)
+    p.ops.sort(key=key)
+    return p
+
+
+# --------------------------------------------------------------------------- JSON summary
+
+def _plain(x) -> bool:
+    if isinstance(x, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in x.items())
+    if isinstance(x, list):
+        return all(_plain(v) for v in x)
+    return x is None or type(x) in (int, float, str)
+
+
+def test_summary_keys_and_values(tmp_path):
+    p = Profile(pid=7, tokens=[TokenCall(7, 0, 100, 5, True), TokenCall(7, 200, 250, 1, False)],
+                graphs=[GraphCall(7, 10, 90, "CPU", 2)],
+                ops=[OpSlice(7, 0, 20, 50, 60, "MUL_MAT", "a", (1, 2, 3, 4), "f16"),
+                     OpSlice(8, 1, 30, 40, 60, "ADD", "b", (1, 1, 1, 1), "f32")],
+                lost_events=2, thread_names={7: "main"}, meta={"engine": "llama.cpp"})
+    s = summary(p)
+    assert _plain(s)
+    assert s["decode_calls"] == 2
+    assert s["tokens"] == {"prefill": 5, "decode": 1}
+    assert s["time_ns"] == {"prefill": 100, "decode": 50}
+    assert s["lost_events"] == 2
+    assert s["threads"] == [{"tid": 7, "name": "main", "graph_ns": 70, "op_ns": 30, "barrier_ns": 10},
+                            {"tid": 8, "name": "", "graph_ns": 60, "op_ns": 10, "barrier_ns": 20}]
+    assert [(o["op"], o["count"], o["total_ns"]) for o in s["ops"]] == [("MUL_MAT", 1, 30), ("ADD", 1, 10)]
+    assert s["ops"][0]["share"] == pytest.approx(0.75)
+    assert s["ttft_ns"] == 100 and s["tpot_ns"] == 150 and s["tokens_per_s"] == pytest.approx(1 / 50e-9)
+    assert s["graphs"] == 1 and s["meta"] == {"engine": "llama.cpp"}
+    assert s["phases"]["prefill"]["ops"] == [{"op": "MUL_MAT", "count": 1, "total_ns": 30},
+                                             {"op": "ADD", "count": 1, "total_ns": 10}]
+    out = tmp_path / "s.json"
+    write_json(p, out)
+    assert json.loads(out.read_text()) == s
+
+
+def test_summary_of_empty_profile_is_plain():
+    s = summary(Profile(pid=1))
+    assert _plain(s) and s["ttft_ns"] is None and s["ops"] == [] and s["tokens"] == {"prefill": 0, "decode": 0}
+
+
+# --------------------------------------------------------------------------- Perfetto: round trip
+
+@pytest.mark.parametrize("messy", [False, True])
+def test_perfetto_round_trip_is_exact(tmp_path, messy):
+    p = synth(messy=messy)
+    path = tmp_path / "run.pftrace"
+    write_perfetto(p, path)
+    assert read_trace(path) == p
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_perfetto_round_trip_random_overlaps(tmp_path, seed):
+    """Arbitrary intervals on few threads: whatever overlaps, the file nests and reads back exactly."""
+    rnd = random.Random(seed)
+    tids = [10, 11, 12]
+
+    def interval():
+        s = rnd.randint(0, 2000)
+        return s, s + rnd.choice([0, rnd.randint(0, 300)])
+
+    tokens = [TokenCall(rnd.choice(tids), *interval(), rnd.randint(1, 9), rnd.random() < 0.5) for _ in range(15)]
+    graphs = [GraphCall(rnd.choice(tids), *interval(), "CPU", rnd.randint(1, 99)) for _ in range(20)]
+    ops = []
+    for _ in range(300):
+        s, e = interval()
+        ops.append(OpSlice(rnd.choice(tids), rnd.randint(0, 3), s, e, e + rnd.choice([0, rnd.randint(0, 200)]),
+                           rnd.choice(OPS), f"n{rnd.randint(0, 5)}", (rnd.randint(1, 9), 1, 1, 1), "f32"))
+    ops.append(OpSlice(10, 0, 500, 400, 300, "ADD", "backwards", (1, 1, 1, 1), "f32"))   # end < start
+    p = sorted_profile(Profile(pid=10, tokens=tokens, graphs=graphs, ops=ops))
+    path = tmp_path / "r.pftrace"
+    write_perfetto(p, path)
+    check_trace_structure(path)
+    assert read_trace(path) == p
+
+
+def test_perfetto_empty_profile_round_trip(tmp_path):
+    p = Profile(pid=5, process_name="", meta={"k": "v"}, lost_events=0)
+    write_perfetto(p, tmp_path / "e.pftrace")
+    assert read_trace(tmp_path / "e.pftrace") == p
+
+
+# --------------------------------------------------------------------------- Perfetto: structure
+
+def check_trace_structure(path) -> dict:
+    """Interpret the file the way trace_processor does (sequence state, packet defaults, interning,
+    incremental clock, slice stacks per track) and assert what it needs. Returns what it saw."""
+    trace = Trace.FromString(path.read_bytes())
+    seqs: dict[int, dict] = {}
+    tracks: dict[int, object] = {}
+    stacks: dict[int, list] = defaultdict(list)
+    slices = []
+    primary_clock = None
+    attrs = {}
+    for pkt in trace.packet:
+        sid = pkt.trusted_packet_sequence_id
+        assert sid, "every packet needs a sequence id (interning and defaults are per sequence)"
+        if sid not in seqs:
+            assert pkt.sequence_flags & TracePacket.SEQ_INCREMENTAL_STATE_CLEARED, \
+                "the first packet of a sequence must clear incremental state"
+            seqs[sid] = {"tables": defaultdict(dict), "clock": 0, "track": 0, "clocks": {}, "last": None}
+        st = seqs[sid]
+        if pkt.HasField("trace_packet_defaults"):
+            st["clock"] = pkt.trace_packet_defaults.timestamp_clock_id
+            st["track"] = pkt.trace_packet_defaults.track_event_defaults.track_uuid
+        for field in ("event_categories", "event_names", "debug_annotation_names"):
+            for e in getattr(pkt.interned_data, field):
+                assert e.iid not in st["tables"][field], "interned ids are never redefined"
+                st["tables"][field][e.iid] = e.name
+        for e in pkt.interned_data.debug_annotation_string_values:
+            st["tables"]["strings"][e.iid] = e.str.decode()
+        kind = pkt.WhichOneof("data")
+        if kind == "clock_snapshot":
+            clocks = {c.clock_id: c for c in pkt.clock_snapshot.clocks}
+            assert BuiltinClock.BUILTIN_CLOCK_MONOTONIC in clocks
+            if pkt.clock_snapshot.primary_trace_clock:
+                primary_clock = pkt.clock_snapshot.primary_trace_clock
+            for cid, c in clocks.items():
+                if cid >= 64:
+                    assert cid < 128 and c.is_incremental
+                    # sequence clock == MONOTONIC: deltas convert to trace time without offset
+                    assert c.timestamp == clocks[BuiltinClock.BUILTIN_CLOCK_MONOTONIC].timestamp
+                    st["clocks"][cid] = c.timestamp
+        elif kind == "track_descriptor":
+            tracks[pkt.track_descriptor.uuid] = pkt.track_descriptor
+        elif kind == "trace_attributes":
+            attrs.update({a.key: a for a in pkt.trace_attributes.attribute})
+        elif kind == "track_event":
+            assert pkt.HasField("timestamp") and pkt.timestamp < 2 ** 63
+            clock = pkt.timestamp_clock_id or st["clock"]
+            assert clock in st["clocks"], "events use the sequence clock, snapshotted before them"
+            st["clocks"][clock] += pkt.timestamp
+            ts = st["clocks"][clock]
+            te = pkt.track_event
+            uuid = te.track_uuid if te.HasField("track_uuid") else st["track"]
+            assert uuid in tracks and tracks[uuid].HasField("thread"), "slices go on known thread tracks"
+            stack = stacks[uuid]
+            if te.type == TrackEvent.TYPE_SLICE_BEGIN:
+                cat = st["tables"]["event_categories"][te.category_iids[0]]
+                name = st["tables"]["event_names"][te.name_iid]
+                args = {}
+                for a in te.debug_annotations:
+                    key = st["tables"]["debug_annotation_names"][a.name_iid]
+                    args[key] = (st["tables"]["strings"][a.string_value_iid]
+                                 if a.WhichOneof("value") == "string_value_iid" else getattr(a, a.WhichOneof("value")))
+                stack.append((ts, cat, name, args))
+            else:
+                assert te.type == TrackEvent.TYPE_SLICE_END and stack, "END must close an open slice"
+                begin, cat, name, args = stack.pop()
+                assert ts >= begin
+                if stack:                   # strictly nested: inside the parent, which is still open
+                    assert begin >= stack[-1][0]
+                slices.append({"track": uuid, "ts": begin, "dur": ts - begin, "cat": cat, "name": name,
+                               "args": args, "depth": len(stack)})
+    assert primary_clock == BuiltinClock.BUILTIN_CLOCK_MONOTONIC
+    assert not any(stacks.values()), "no slice may stay open"
+    return {"slices": slices, "tracks": tracks, "attrs": attrs}
+
+
+def test_perfetto_structure(tmp_path):
+    p = synth(messy=True)
+    path = tmp_path / "run.pftrace"
+    write_perfetto(p, path)
+    seen = check_trace_structure(path)
+    slices = seen["slices"]
+    by_cat = defaultdict(list)
+    for s in slices:
+        by_cat[s["cat"]].append(s)
+    assert len(by_cat["llama_decode"]) == len(p.tokens)
+    assert len(by_cat["graph"]) == len(p.graphs)
+    assert len(by_cat["op"]) == len(p.ops)
+    # a barrier is cut (possibly to nothing) where the next op starts before it ends
+    assert 0 < len(by_cat["barrier"]) <= sum(1 for o in p.ops if o.barrier_end_ns > o.end_ns)
+    # main thread nests token > graph > op
+    main_track = next(u for u, d in seen["tracks"].items() if d.HasField("thread") and d.thread.tid == p.pid)
+    assert {s["depth"] for s in by_cat["llama_decode"]} == {0}
+    assert {s["depth"] for s in by_cat["graph"]} == {1}
+    assert {s["depth"] for s in by_cat["op"] if s["track"] == main_track} == {2}
+    tok = sorted(by_cat["llama_decode"], key=lambda s: s["ts"])[0]
+    assert tok["name"] == "prefill" and tok["args"] == {"n_tokens": 7}
+    op = next(s for s in by_cat["op"] if s["args"].get("addr"))
+    assert set(op["args"]) == {"tensor", "shape", "dtype", "cpu", "addr"}
+    assert op["args"]["shape"].count("×") == 3
+    # names and metadata that the UI shows
+    threads = {d.thread.tid: d.thread.thread_name for d in seen["tracks"].values() if d.HasField("thread")}
+    assert threads[p.pid] == "llama-cli" and threads[4242] == "idle-thread"
+    procs = [d.process for d in seen["tracks"].values() if d.HasField("process")]
+    assert [(x.pid, x.process_name) for x in procs] == [(p.pid, "llama-cli")]
+    attrs = seen["attrs"]
+    assert attrs["meta.model"].string_value == "/m/ünï.gguf"
+    assert attrs["profinfer.lost_events"].long_value == 3
+
+
+def test_perfetto_clean_profile_has_every_barrier(tmp_path):
+    p = synth()
+    path = tmp_path / "run.pftrace"
+    write_perfetto(p, path)
+    barriers = [s for s in check_trace_structure(path)["slices"] if s["cat"] == "barrier"]
+    assert sorted(s["dur"] for s in barriers) == sorted(o.barrier_ns for o in p.ops if o.barrier_ns > 0)
+
+
+def test_perfetto_is_compact(tmp_path):
+    p = synth(n_tokens=10, n_threads=4, n_nodes=100)
+    path = tmp_path / "run.pftrace"
+    write_perfetto(p, path)
+    assert path.stat().st_size / len(p.ops) < 120     # bytes per op, barrier included
+
+
+# --------------------------------------------------------------------------- Perfetto: damage
+
+def _expect_format_error(path):
+    with pytest.raises(TraceFormatError) as e:
+        read_trace(path)
+    msg = str(e.value)
+    assert str(path) in msg and "\n" not in msg
+    return msg
+
+
+def test_corrupt_files_raise_trace_format_error(tmp_path):
+    good = tmp_path / "good.pftrace"
+    write_perfetto(synth(), good)
+    data = good.read_bytes()
+    cases = {
+        "empty": b"",
+        "text": b"hello, this is not a trace\n" * 20,
+        "cli": b"\x0a\xff\xff\xff\x0fnot a trace at all" * 10,
+        "random": random.Random(1).randbytes(5000),
+        "cut_mid_packet": data[: len(data) // 2],
+        "cut_before_footer": data[: data.rfind(b"\x0a", 0, len(data) - 20)],
+    }
+    for name, content in cases.items():
+        bad = tmp_path / f"{name}.pftrace"
+        bad.write_bytes(content)
+        _expect_format_error(bad)
+
+
+def test_cut_at_packet_boundary_is_detected(tmp_path):
+    """Dropping whole packets at the end (lost footer) must not read as a shorter profile."""
+    good = tmp_path / "good.pftrace"
+    write_perfetto(synth(), good)
+    trace = Trace.FromString(good.read_bytes())
+    del trace.packet[-1]
+    bad = tmp_path / "cut.pftrace"
+    bad.write_bytes(trace.SerializeToString())
+    assert "profinfer.format" in _expect_format_error(bad)
+
+
+def test_foreign_perfetto_trace_is_rejected(tmp_path):
+    b = TraceProtoBuilder()
+    pkt = b.add_packet()
+    pkt.trusted_packet_sequence_id = 1
+    pkt.timestamp = 10
+    pkt.track_event.type = TrackEvent.TYPE_INSTANT
+    pkt.track_event.name = "x"
+    path = tmp_path / "foreign.pftrace"
+    path.write_bytes(b.serialize())
+    _expect_format_error(path)
+
+
+def test_mutated_files_never_raise_other_exceptions(tmp_path):
+    good = tmp_path / "good.pftrace"
+    write_perfetto(synth(n_tokens=3, n_nodes=4), good)
+    data = bytearray(good.read_bytes())
+    rnd = random.Random(7)
+    bad = tmp_path / "bad.pftrace"
+    for _ in range(300):
+        mutated = bytearray(data)
+        for _ in range(rnd.randint(1, 4)):
+            mutated[rnd.randrange(len(mutated))] = rnd.randrange(256)
+        bad.write_bytes(bytes(mutated))
+        try:
+            assert isinstance(read_trace(bad), Profile)
+        except TraceFormatError:
+            pass
+
+
+def test_missing_file_is_an_os_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_trace(tmp_path / "none.pftrace")
+
+
+# --------------------------------------------------------------------------- Chrome JSON
+
+def test_chrome_json(tmp_path):
+    p = synth(messy=True)
+    path = tmp_path / "run.json"
+    write_chrome_json(p, path)
+    text = path.read_text(encoding="utf-8")
+    # trace_processor reads displayTimeUnit as the unit of ts, and rejects \\u escapes
+    assert "displayTimeUnit" not in text and "\\u" not in text and "ünï" in text
+    doc = json.loads(text)
+    assert doc["metadata"]["meta.engine"] == "llama.cpp" and doc["metadata"]["lost_events"] == 3
+    events = doc["traceEvents"]
+    names = {(e["tid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert (p.pid, "llama-cli") in names
+    xs = [e for e in events if e["ph"] == "X"]
+    cats = defaultdict(int)
+    for e in xs:
+        cats[e["cat"]] += 1
+        assert e["dur"] >= 0
+    assert cats["llama_decode"] == len(p.tokens) and cats["graph"] == len(p.graphs)
+    assert cats["op"] == len(p.ops)
+    first_tok = min((e for e in xs if e["cat"] == "llama_decode"), key=lambda e: e["ts"])
+    assert first_tok["ts"] == pytest.approx(p.tokens[0].start_ns / 1000)
+    assert first_tok["args"]["n_tokens"] == 7
+    # per thread, X events nest: sort by (start, -dur) and check with a stack
+    by_tid = defaultdict(list)
+    for e in xs:
+        by_tid[e["tid"]].append((round(e["ts"] * 1000), round((e["ts"] + e["dur"]) * 1000)))
+    for spans in by_tid.values():
+        stack = []
+        for s, e in sorted(spans, key=lambda x: (x[0], -x[1])):
+            while stack and stack[-1] <= s:
+                stack.pop()
+            assert not stack or e <= stack[-1] + 1     # +1: µs float rounding
+            stack.append(e)

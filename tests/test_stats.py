@@ -1,0 +1,120 @@
+"""profinfer.stats on small hand-built profiles whose numbers are worked out by hand."""
+from __future__ import annotations
+
+import pytest
+
+from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.stats import compute, op_arrays, op_table, sequences
+
+
+def op(tid, start, end, barrier_end, name="MUL_MAT", cpu=0):
+    return OpSlice(tid=tid, cpu=cpu, start_ns=start, end_ns=end, barrier_end_ns=barrier_end, op=name,
+                   name="t", ne=(1, 1, 1, 1), dtype="f32")
+
+
+def scenario() -> Profile:
+    """Two sequences: chunked prompt (A, B) + 2 decodes (C, D); prompt E + 1 decode F.
+    Graph G1 inside A, G2 inside C; threads 1 (main), 2 (worker), 3 (an op outside everything)."""
+    tokens = [
+        TokenCall(1, 0, 100, 5, True),          # A
+        TokenCall(1, 110, 200, 3, True),        # B: same prompt chain
+        TokenCall(1, 300, 350, 1, False),       # C
+        TokenCall(1, 400, 460, 1, False),       # D
+        TokenCall(1, 1000, 1100, 4, True),      # E: new sequence
+        TokenCall(1, 1200, 1250, 1, False),     # F
+    ]
+    graphs = [GraphCall(1, 10, 90, "CPU", 2), GraphCall(1, 310, 340, "CPU", 1)]
+    ops = [
+        op(1, 20, 50, 60), op(1, 60, 70, 80, "ADD"),
+        op(2, 30, 60, 60), op(2, 65, 75, 80, "ADD"),
+        op(2, 320, 330, 335),
+        op(3, 2000, 2010, 2010, "SOFT_MAX"),
+    ]
+    return Profile(pid=1, thread_names={1: "main", 2: "worker"}, tokens=tokens, graphs=graphs,
+                   ops=ops, lost_events=7)
+
+
+def test_phase_totals_and_calls():
+    st = compute(scenario())
+    assert st.decode_calls == 6
+    pre, dec = st.phases["prefill"], st.phases["decode"]
+    assert (pre.calls, pre.tokens, pre.time_ns) == (3, 12, 290)
+    assert (dec.calls, dec.tokens, dec.time_ns) == (3, 3, 160)
+    assert st.tokens_per_s == pytest.approx(3 / 160e-9)
+    assert pre.tokens_per_s == pytest.approx(12 / 290e-9)
+    assert st.graphs == 2 and st.lost_events == 7
+
+
+def test_sequences_ttft_tpot():
+    st = compute(scenario())
+    s1, s2 = st.sequences
+    assert (s1.prefill_calls, s1.prefill_tokens, s1.decode_tokens) == (2, 8, 2)
+    assert s1.ttft_ns == 200                      # start of A .. end of B
+    assert s1.tpot_ns == pytest.approx((460 - 200) / 2)
+    assert s2.ttft_ns == 100 and s2.tpot_ns == pytest.approx(150)
+    assert st.ttft_ns == 150                      # medians over sequences
+    assert st.tpot_ns == pytest.approx(140)
+
+
+def test_decode_only_sequence_uses_first_decode_start():
+    seqs = sequences([TokenCall(1, 100, 150, 1, False), TokenCall(1, 200, 260, 1, False)])
+    assert len(seqs) == 1
+    assert seqs[0].ttft_ns is None
+    assert seqs[0].tpot_ns == pytest.approx((260 - 100) / 2)
+
+
+def test_thread_totals():
+    st = compute(scenario())
+    th = {t.tid: t for t in st.threads}
+    # main: G1 (10..90) ran its ops; G2 has no op of its own -> counted as the issuer (30)
+    assert (th[1].graph_ns, th[1].op_ns, th[1].barrier_ns) == (80 + 30, 40, 20)
+    # worker: ran ops in both graphs, each counted whole
+    assert (th[2].graph_ns, th[2].op_ns, th[2].barrier_ns) == (80 + 30, 50, 10)
+    assert (th[3].graph_ns, th[3].op_ns, th[3].barrier_ns) == (0, 10, 0)
+    assert th[1].name == "main" and th[3].name == ""
+    assert th[2].coverage == pytest.approx(60 / 110) and th[3].coverage is None
+
+
+def test_op_table():
+    st = compute(scenario())
+    assert [o.op for o in st.ops] == ["MUL_MAT", "ADD", "SOFT_MAX"]
+    mm = st.ops[0]
+    assert (mm.count, mm.total_ns) == (3, 70)
+    assert mm.mean_ns == pytest.approx(70 / 3)
+    assert mm.p50_ns == 30 and mm.p99_ns == pytest.approx(30)
+    assert mm.share == pytest.approx(0.7)
+    assert st.op_total_ns == 100 and st.barrier_total_ns == 30
+
+
+def test_percentiles_match_numpy():
+    import numpy as np
+    durs = list(range(1, 201))
+    ops = [op(1, 0, d, d, "A" if d % 2 else "B") for d in durs]
+    arr = op_arrays(ops)
+    rows = {r.op: r for r in op_table(arr.dur, arr.code, arr.names)}
+    odd = [d for d in durs if d % 2]
+    assert rows["A"].p99_ns == pytest.approx(np.percentile(odd, 99))
+    assert rows["A"].p50_ns == pytest.approx(np.percentile(odd, 50))
+    assert rows["A"].count == 100 and rows["A"].total_ns == sum(odd)
+
+
+def test_per_phase_ops():
+    st = compute(scenario())
+    pre, dec, other = st.phases["prefill"], st.phases["decode"], st.phases["other"]
+    assert pre.op_ns == 80 and {o.op: o.total_ns for o in pre.ops} == {"MUL_MAT": 60, "ADD": 20}
+    assert dec.op_ns == 10 and {o.op: o.count for o in dec.ops} == {"MUL_MAT": 1}
+    assert other.op_ns == 10 and [o.op for o in other.ops] == ["SOFT_MAX"]
+    assert pre.barrier_ns == 10 + 10 + 0 + 5 and dec.barrier_ns == 5
+
+
+def test_no_other_phase_when_all_ops_attributed():
+    p = scenario()
+    p.ops = p.ops[:-1]
+    assert "other" not in compute(p).phases
+
+
+def test_empty_profile():
+    st = compute(Profile(pid=1))
+    assert st.decode_calls == 0 and st.ops == [] and st.threads == []
+    assert st.ttft_ns is None and st.tpot_ns is None and st.tokens_per_s is None
+    assert st.phases["prefill"].tokens == 0 and st.op_total_ns == 0

@@ -1,0 +1,62 @@
+"""Acceptance on the real workload: real eBPF on a real llama.cpp."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import (completion_cmd, leftover_uprobe_events, llama_perf, our_bpf_programs,
+                      run_profinfer)
+
+
+def test_counts_and_times_match_llama_perf(llama_build, tiny_model, llama_env, tmp_path):
+    """Acceptance 1: llama_decode calls, prefill/decode tokens exact; phase times within 5%."""
+    trace = tmp_path / "run.pftrace"
+    r = run_profinfer(["record", "-o", str(trace), "--", *completion_cmd(llama_build, tiny_model, n=48)],
+                      env=llama_env, tmp_path=tmp_path)
+    assert r.rc == 0, r.stderr
+    perf = llama_perf(r.stderr)
+    prompt_ms, prompt_tokens = perf["prompt eval"]
+    eval_ms, eval_runs = perf["eval"]
+    s = r.summary
+    assert s["tokens"]["prefill"] == prompt_tokens
+    assert s["tokens"]["decode"] == eval_runs
+    prefill_calls = s["decode_calls"] - eval_runs
+    assert prefill_calls >= 1 and s["decode_calls"] == prefill_calls + eval_runs
+    assert s["time_ns"]["prefill"] == pytest.approx(prompt_ms * 1e6, rel=0.05)
+    assert s["time_ns"]["decode"] == pytest.approx(eval_ms * 1e6, rel=0.05)
+    assert s["lost_events"] == 0
+    assert trace.stat().st_size > 0
+    assert our_bpf_programs() == [] and leftover_uprobe_events() == []
+
+
+def test_ops_cover_graph_time_on_big_model(llama_build, big_model, llama_env, tmp_path):
+    """Acceptance 2: per compute thread, op + barrier time covers >= 95% of graph time,
+    and MUL_MAT dominates as it must for a 1.5B F16 model."""
+    r = run_profinfer(["record", "--", *completion_cmd(llama_build, big_model, n=4)],
+                      env=llama_env, tmp_path=tmp_path)
+    assert r.rc == 0, r.stderr
+    s = r.summary
+    compute_threads = [t for t in s["threads"] if t["op_ns"] > 0]
+    assert len(compute_threads) == 2
+    for t in compute_threads:
+        assert (t["op_ns"] + t["barrier_ns"]) / t["graph_ns"] >= 0.95, t
+    ops = {o["op"]: o for o in s["ops"]}
+    total = sum(o["total_ns"] for o in s["ops"])
+    assert "MUL_MAT" in ops
+    assert ops["MUL_MAT"]["total_ns"] / total > 0.8
+
+
+def test_generated_text_is_byte_identical(llama_build, tiny_model, llama_env, tmp_path):
+    """Acceptance 3: profiling does not change what the engine computes."""
+    cmd = completion_cmd(llama_build, tiny_model, n=32)
+    plain = subprocess.run(cmd, capture_output=True, env=llama_env, timeout=300)
+    assert plain.returncode == 0
+    profiled = subprocess.run([*__import__("conftest").PROFINFER, "record", "--quiet", "--", *cmd],
+                              capture_output=True, env=llama_env, timeout=300)
+    assert profiled.returncode == 0, profiled.stderr.decode()
+    assert len(plain.stdout) > len(b"The quick brown fox")
+    assert profiled.stdout == plain.stdout
