@@ -32,6 +32,10 @@ def _warn(msg: str) -> None:
     click.echo(f"profinfer: warning: {msg}", err=True)
 
 
+def _note(msg: str) -> None:
+    click.echo(f"profinfer: {msg}", err=True)
+
+
 def output_options(f):
     f = click.option("--json", "json_path", type=click.Path(dir_okay=False),
                      help="Write a machine-readable summary (JSON) to this file.")(f)
@@ -80,7 +84,7 @@ def cli():
 def attach(pid, levels, duration, tensor_layout, output, json_path, quiet):
     """Profile a running llama.cpp process, without restarting it."""
     from .session import profile_process
-    profile = profile_process(pid, _levels(levels), duration, tensor_layout=tensor_layout, warn=_warn)
+    profile = profile_process(pid, _levels(levels), duration, tensor_layout=tensor_layout, warn=_warn, note=_note)
     _emit(profile, output, json_path, quiet)
 
 
@@ -105,7 +109,7 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
         raise ProfinferError(f"command not found: {command[0]}")
     from .kernel import require_root
     require_root()
-    libs = discovery.command_libraries(exe, env)
+    libs = [(p, p) for p in discovery.command_libraries(exe, env)]
     go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: wait until the probes are in, then become the command
@@ -128,7 +132,7 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
     status: list[int] = []
     try:
         profile = profile_process(pid, levels, duration, lib_paths=libs, child_status=status,
-                                  on_attached=release, tensor_layout=tensor_layout, warn=_warn)
+                                  on_attached=release, tensor_layout=tensor_layout, warn=_warn, note=_note)
     finally:
         if not released:
             os.close(go_w)  # the child reads EOF and exits without running the command

@@ -27,12 +27,12 @@ MAX_BATCH = 1 << 20
 
 
 class Collector:
-    def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[str],
+    def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 512):
         self.pid = pid
         self.levels = set(levels)
         self.pack = pack
-        self.lib_paths = lib_paths
+        self.lib_paths = lib_paths   # (path to open, path inside the target)
         self.root = root
         self.forced_layout = tensor_layout
         self.ringbuf_pages = ringbuf_pages
@@ -62,7 +62,8 @@ class Collector:
         kernel.require_root()
         bcc = kernel.import_bcc()
         self.headers = kernel.prepare_bcc_environment()
-        self.elfs = engine_libraries(self.pack, self.lib_paths, self.root)
+        self.elfs = engine_libraries(self.pack, [h for h, _ in self.lib_paths], self.root,
+                                     [n for _, n in self.lib_paths])
         if not self.elfs:
             raise ProfinferError(f"no {self.pack.engine} in process {self.pid} "
                                  f"(none of {', '.join(self.pack.libraries)} is mapped, "
@@ -90,6 +91,9 @@ class Collector:
         except Exception as e:  # BCC raises bare Exception on compile/load failure
             raise ProfinferError(f"BPF program failed to compile or load ({self.headers}): "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        # Clang's heap from the compile is garbage now: hand it back to the kernel, or the
+        # collector would carry ~100 MB it never touches again.
+        ctypes.CDLL(None).malloc_trim(0)
         for p in self.probes:
             try:
                 if p.entry_fn:
@@ -102,6 +106,7 @@ class Collector:
                 self.detach()
                 raise ProfinferError(f"cannot attach to {p.symbol.name} in {p.elf.path}: {e}") from None
         self.bpf["events"].open_ring_buffer(self._on_event)
+        self.n_probes = sum(bool(p.entry_fn) + bool(p.return_fn) for p in self.probes)
         self.attach_s = time.monotonic() - t0
 
     def _batch_ext_layout(self) -> tuple[int, int]:

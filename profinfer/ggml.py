@@ -133,5 +133,7 @@ def plausible(op: int, dtype: int, ne, name: bytes, n_ops: int) -> bool:
         return False
     if any(not (1 <= int(n) < (1 << 40)) for n in ne):
         return False
+    # llama.cpp names every node it computes ("Qcur-0", "ffn_out-3"): an empty name means
+    # the name field is not where this layout says.
     text = name.split(b"\0", 1)[0]
-    return all(32 <= c < 127 for c in text)
+    return bool(text) and all(32 <= c < 127 for c in text)

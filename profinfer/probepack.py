@@ -1,6 +1,7 @@
 """Load a probe pack (probes/*.toml) and resolve it against a target's libraries."""
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import tomllib
@@ -59,12 +60,13 @@ class ResolvedProbe:
     return_fn: str | None
 
 
-def engine_libraries(pack: Pack, paths: list[str], root: str = "/") -> list[ElfInfo]:
-    """The engine's ELF files among `paths` (host paths), most specific first."""
+def engine_libraries(pack: Pack, paths: list[str], root: str = "/",
+                     names: list[str] | None = None) -> list[ElfInfo]:
+    """The engine's ELF files among `paths` (host paths to open); `names` are the same files'
+    paths as the target sees them (what their file names are matched on)."""
     found = []
-    for path in paths:
-        base = os.path.basename(os.path.realpath(path)) if "/map_files/" not in path else path
-        if any(os.path.basename(base).startswith(prefix) for prefix in pack.libraries):
+    for path, name in zip(paths, names or paths):
+        if any(fnmatch.fnmatch(os.path.basename(name), pattern) for pattern in pack.libraries):
             found.append(load_elf(path, root))
     if not found:
         # A statically linked engine: the executable itself defines the marker function.

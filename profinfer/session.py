@@ -63,17 +63,18 @@ class StatusLine:
 
 
 def profile_process(pid: int, levels: set[str], duration: float | None = None,
-                    lib_paths: list[str] | None = None, child_status: list[int] | None = None,
+                    lib_paths: list[tuple[str, str]] | None = None, child_status: list[int] | None = None,
                     on_attached: Callable[[], None] | None = None,
                     tensor_layout: str | None = None, status: bool | None = None,
-                    warn: Callable[[str], None] = lambda m: None) -> Profile:
+                    warn: Callable[[str], None] = lambda m: None,
+                    note: Callable[[str], None] = lambda m: None) -> Profile:
     """Profile `pid` until stopped. With child_status (a list), pid is our child: its exit
     code is appended there when it ends."""
     kernel.require_root()
     if child_status is None and not discovery.process_exists(pid):
         raise ProfinferError(f"no process with PID {pid}")
     if lib_paths is None:
-        lib_paths = [m.host_path for m in discovery.mapped_files(pid)]
+        lib_paths = [(m.host_path, m.path) for m in discovery.mapped_files(pid)]
     coll = Collector(pid, levels, load_pack(), lib_paths, root=f"/proc/{pid}/root",
                      tensor_layout=tensor_layout)
     stop_reason: list[str] = []
@@ -87,6 +88,8 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
         coll.attach()
         for w in coll.warnings:
             warn(w)
+        note(f"attached {coll.n_probes} probes to PID {pid} in {coll.attach_s:.2f} s "
+             f"(levels {','.join(sorted(levels))})")
         coll.refresh_process_info()
         if on_attached:
             on_attached()

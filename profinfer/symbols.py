@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import SymbolTableSection
 
 from .errors import ProfinferError
 
@@ -54,32 +54,37 @@ def _build_id(elf: ELFFile) -> str:
     return ""
 
 
-def _vaddr_to_offset(elf: ELFFile, vaddr: int) -> int | None:
-    for seg in elf.iter_segments():
-        h = seg.header
-        if h.p_type == "PT_LOAD" and h.p_vaddr <= vaddr < h.p_vaddr + h.p_filesz:
-            return vaddr - h.p_vaddr + h.p_offset
-    return None
+# Elf64_Sym, parsed in bulk: a C++ library has tens of thousands of symbols, and decoding
+# them one by one through pyelftools takes seconds.
+_SYM64 = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
+                   ("value", "<u8"), ("size", "<u8")])
+_STT_FUNC, _STT_GNU_IFUNC = 2, 10
 
 
 def _read_symbols(elf: ELFFile, into: dict[str, Symbol], offsets_from: ELFFile) -> bool:
     found_symtab = False
+    loads = [(h.p_vaddr, h.p_vaddr + h.p_filesz, h.p_offset) for h in
+             (seg.header for seg in offsets_from.iter_segments()) if h.p_type == "PT_LOAD"]
     for sec in elf.iter_sections():
-        if not isinstance(sec, SymbolTableSection):
+        if sec.header.sh_type not in ("SHT_SYMTAB", "SHT_DYNSYM") or sec.header.sh_type == "SHT_NOBITS":
             continue
         found_symtab |= sec.name == ".symtab"
-        for s in sec.iter_symbols():
-            if s["st_info"]["type"] not in ("STT_FUNC", "STT_GNU_IFUNC") or not s["st_value"]:
-                continue
-            if s["st_shndx"] == "SHN_UNDEF":
-                continue
+        strtab = elf.get_section(sec.header.sh_link).data()
+        syms = np.frombuffer(sec.data(), _SYM64)
+        kind = syms["info"] & 0xF
+        syms = syms[((kind == _STT_FUNC) | (kind == _STT_GNU_IFUNC)) & (syms["value"] != 0)
+                    & (syms["shndx"] != 0)]
+        for name_off, value, size in zip(syms["name"].tolist(), syms["value"].tolist(),
+                                         syms["size"].tolist()):
+            end = strtab.find(b"\0", name_off)
             # .dynsym names may carry a version suffix in some toolchains' output ("f@@V1").
-            name = s.name.split("@", 1)[0]
+            name = strtab[name_off:end].split(b"@", 1)[0].decode("utf-8", "replace")
             if name in into:
                 continue
-            off = _vaddr_to_offset(offsets_from, s["st_value"])
-            if off is not None:
-                into[name] = Symbol(name, s["st_value"], s["st_size"], off)
+            for lo, hi, off in loads:
+                if lo <= value < hi:
+                    into[name] = Symbol(name, value, size, value - lo + off)
+                    break
     return found_symtab
 
 

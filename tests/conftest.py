@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,3 +88,48 @@ def leftover_uprobe_events() -> list[str]:
         if p.exists():
             return [l for l in p.read_text().splitlines() if l.strip()]
     return []
+
+
+def endless_cmd(build: Path, model: Path, threads: int = 2) -> list[str]:
+    """A generation that runs until killed (context shift, EOS ignored)."""
+    return workload.completion_command(build, model, PROMPT, -1, threads,
+                                       extra=("--context-shift", "--ignore-eos", "-c", "256"))
+
+
+class Target:
+    """A llama.cpp process generating in the background, for attach tests."""
+
+    def __init__(self, cmd: list[str], env):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        time.sleep(1.0)  # past model load: generating
+        assert self.proc.poll() is None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def cpu_ticks(self) -> int:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+
+    def still_generating(self) -> bool:
+        before = self.cpu_ticks()
+        time.sleep(0.5)
+        return self.alive() and self.cpu_ticks() > before
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def start_profinfer(args: list[str], env=None) -> subprocess.Popen:
+    """Start profinfer in the background and wait until its probes are attached."""
+    p = subprocess.Popen([*PROFINFER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    err = []
+    for line in p.stderr:
+        err.append(line)
+        if "attached" in line or line.startswith("profinfer: error"):
+            break
+    assert "attached" in "".join(err), "".join(err)
+    p.early_stderr = "".join(err)
+    return p
