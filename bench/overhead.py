@@ -45,7 +45,8 @@ def run_once(cmd: list[str], levels: str | None, env: dict) -> dict:
             meta = s.get("meta", {})
             row.update(attach_s=float(meta.get("attach_s", "nan")), lost=s["lost_events"],
                        events=int(meta.get("events", 0)), wall_s=float(meta.get("wall_s", "nan")),
-                       rss_mb=int(meta.get("collector_max_rss_kb", 0)) / 1024)
+                       rss_mb=int(meta.get("collector_rss_kb", 0)) / 1024,
+                       peak_rss_mb=int(meta.get("collector_max_rss_kb", 0)) / 1024)
         return row
 
 
@@ -77,7 +78,7 @@ def main() -> None:
                 print(f"{model} round {r + 1} {c}: {rows[c][-1]['decode_tok_s']:.2f} tok/s", file=sys.stderr)
         base = statistics.median(x["decode_tok_s"] for x in rows["none"])
         lines += [f"## {model} ({ntok.get(model, 32)} decode tokens per run)", "",
-                  "| levels | decode tok/s (median) | vs none | slowdown | attach s | events/s | lost | collector RSS MB |",
+                  "| levels | decode tok/s (median) | vs none | slowdown | attach s | events/s | lost | collector RSS MB (peak) |",
                   "|---|---|---|---|---|---|---|---|"]
         results[model] = {}
         for c in names:
@@ -88,7 +89,7 @@ def main() -> None:
                 med_of = lambda k: statistics.median(x[k] for x in rows[c])
                 evs = statistics.median(x["events"] / x["wall_s"] for x in rows[c])
                 extra = [f"{med_of('attach_s'):.3f}", f"{evs:,.0f}", f"{max(x['lost'] for x in rows[c])}",
-                         f"{max(x['rss_mb'] for x in rows[c]):.0f}"]
+                         f"{max(x['rss_mb'] for x in rows[c]):.0f} ({max(x['peak_rss_mb'] for x in rows[c]):.0f})"]
             lines.append(f"| {c} | {med:.2f} | {ratio:.4f} | {100 * (1 - ratio):+.2f}% | " + " | ".join(extra) + " |")
             results[model][c] = {"median_tok_s": med, "ratio": ratio, "runs": rows[c]}
         lines.append("")

@@ -38,6 +38,11 @@ def _alive(pid: int, child_status: list[int] | None) -> bool:
         return False
 
 
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
+
+
 class StatusLine:
     """A live one-line status on stderr (only on a terminal)."""
 
@@ -107,11 +112,14 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
             if not _alive(pid, child_status):
                 break
         line.update(coll, force=True)
+        collecting_rss_kb = _rss_kb()
         profile = coll.finish()
         profile.meta["events"] = str(coll.n_events)
         profile.meta["wall_s"] = f"{time.monotonic() - line.t0:.3f}"
-        # ru_maxrss is in KiB on Linux: the collector's own peak, not the target's.
+        # The collector's own memory, not the target's: the peak (ru_maxrss, KiB, includes
+        # BCC's compile) and the resident size while collecting ended.
         profile.meta["collector_max_rss_kb"] = str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        profile.meta["collector_rss_kb"] = str(collecting_rss_kb)
         return profile
     finally:
         line.close()

@@ -1,0 +1,36 @@
+"""Acceptance 6: profiling works without headers for the running kernel and without tracefs.
+
+Both conditions are forced in a private mount namespace, so the test means the same on a
+machine that has headers or a mounted tracefs, and the host is left untouched.
+"""
+from __future__ import annotations
+
+import platform
+import shlex
+import subprocess
+
+from conftest import PROFINFER, completion_cmd, llama_perf
+
+
+def test_no_headers_for_running_kernel_and_no_tracefs(llama_build, tiny_model, llama_env, tmp_path):
+    out = tmp_path / "s.json"
+    inner = " ".join(shlex.quote(a) for a in [*PROFINFER, "record", "--quiet", "--json", str(out), "--",
+                                              *completion_cmd(llama_build, tiny_model, n=16)])
+    script = f"""
+        set -e
+        mount -t tmpfs none /lib/modules            # no /lib/modules/$(uname -r)/build
+        for t in /sys/kernel/tracing /sys/kernel/debug/tracing; do
+            if mountpoint -q $t; then umount $t; fi
+        done
+        test ! -e /lib/modules/{platform.release()}/build
+        test ! -e /sys/kernel/tracing/uprobe_events
+        COLUMNS=250 {PROFINFER[0]} -m profinfer.cli doctor | grep -q 'using /usr/src/linux-headers'
+        exec {inner}
+    """
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", script],
+                       capture_output=True, text=True, env=llama_env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    import json
+    s = json.loads(out.read_text())
+    assert s["tokens"]["decode"] == llama_perf(p.stderr)["eval"][1]
+    assert any(o["op"] == "MUL_MAT" for o in s["ops"])
