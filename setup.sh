@@ -27,6 +27,10 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import bcc.libbcc" 2>/dev
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
 
-# The bundled workload: llama.cpp (debug info) and the models.
+# The bundled workload: llama.cpp (debug info) and the models; then an older llama.cpp as a
+# plain Release build, which the tests profile to show that a build profinfer was not
+# written against works without code changes.
 .venv/bin/python -m profinfer.workload --models "${PROFINFER_MODELS:-tiny,llama-1.5b}"
+.venv/bin/python -m profinfer.workload --models "" --release-build \
+    --version "$(.venv/bin/python -c 'from profinfer.workload import OTHER_VERSION as v; print(v)')"
 echo "setup: done" >&2

@@ -26,7 +26,7 @@ from profinfer import workload
 CONFIGS = {"none": None, "token": "token", "token+graph": "token,graph",
            "token+graph+op": "token,graph,op"}
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
-EVAL = re.compile(r"llama_perf_context_print:\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs")
+EVAL = re.compile(r"(?:llama_perf_context_print|common_perf_print):\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs")
 
 
 def run_once(cmd: list[str], levels: str | None, env: dict) -> dict:

@@ -5,7 +5,7 @@
  *   CG_OFF_N_NODES                            ggml_cgraph.n_nodes
  *   TOKEN_SP_OFF                              where llama_batch sits relative to sp at the probe
  *   BEXT_OFF_TOKENS BEXT_TOKEN_SIZE           llama_batch_ext.tokens (a std::vector) and its element size
- *   RINGBUF_PAGES
+ *   RINGBUF_PAGES RINGBUF_WAKE_BYTES          ring size; fill level that wakes the collector early
  * Per-thread state lives in hash maps keyed by TID, so no two threads ever share a slot
  * (uprobe programs may be preempted, so per-CPU scratch would not be safe).
  */
@@ -34,6 +34,22 @@ static __always_inline void count_lost(u64 n)
     u64 *v = lost.lookup(&k);
     if (v)
         __sync_fetch_and_add(v, n);
+}
+
+/* Wake the collector only when the ring is filling up: it drains the ring on a timer, and a
+ * wakeup per record would preempt an inference thread on a busy machine every time.
+ * unread_bytes counts what was submitted since the collector's last drain (it zeroes it). */
+BPF_ARRAY(unread_bytes, u64, 1);
+
+static __always_inline u64 wakeup_flag(u64 size)
+{
+    int k = 0;
+    u64 *v = unread_bytes.lookup(&k);
+    if (!v)
+        return 0;
+    u64 before = __sync_fetch_and_add(v, size);
+    return before < RINGBUF_WAKE_BYTES && before + size >= RINGBUF_WAKE_BYTES
+        ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
 }
 
 static __always_inline u32 current_tid(void)
@@ -79,7 +95,7 @@ int token_return(struct pt_regs *ctx)
         return 0;
     ev->end_ns = bpf_ktime_get_ns();
     ev->ret = (s32)PT_REGS_RC(ctx);
-    if (events.ringbuf_output(ev, sizeof(*ev), 0))
+    if (events.ringbuf_output(ev, sizeof(*ev), wakeup_flag(sizeof(*ev))))
         count_lost(1);
     token_open.delete(&tid);
     return 0;
@@ -114,7 +130,7 @@ static __always_inline int graph_return(struct pt_regs *ctx, u32 probe)
     if (!ev)
         return 0;
     ev->end_ns = bpf_ktime_get_ns();
-    if (events.ringbuf_output(ev, sizeof(*ev), 0))
+    if (events.ringbuf_output(ev, sizeof(*ev), wakeup_flag(sizeof(*ev))))
         count_lost(1);
     graph_open.delete(&key);
     return 0;
@@ -145,7 +161,7 @@ static __always_inline void op_finish(struct op_thread *st, u64 now)
     st->batch.count = i + 1;
     if (i + 1 == PI_OP_BATCH) {
         st->batch.kind = PI_EV_OPS;
-        if (events.ringbuf_output(&st->batch, sizeof(st->batch), 0))
+        if (events.ringbuf_output(&st->batch, sizeof(st->batch), wakeup_flag(sizeof(st->batch))))
             count_lost(PI_OP_BATCH);
         st->batch.count = 0;
     }

@@ -28,7 +28,7 @@ MAX_BATCH = 1 << 20
 
 class Collector:
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
-                 root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 512):
+                 root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024):
         self.pid = pid
         self.levels = set(levels)
         self.pack = pack
@@ -85,6 +85,8 @@ class Collector:
                   f"-DT_OFF_NAME={lay.name_off}", "-DCG_OFF_N_NODES=4",
                   # At entry sp points at the return address; the by-value batch follows it.
                   "-DTOKEN_SP_OFF=8", f"-DRINGBUF_PAGES={self.ringbuf_pages}",
+                  # wake the collector early once a quarter of the ring is in use
+                  f"-DRINGBUF_WAKE_BYTES={self.ringbuf_pages * 4096 // 4}",
                   f"-DBEXT_OFF_TOKENS={bext[0]}", f"-DBEXT_TOKEN_SIZE={bext[1]}"]
         try:
             self.bpf = bcc.BPF(text=text, cflags=cflags)
@@ -106,6 +108,8 @@ class Collector:
                 self.detach()
                 raise ProfinferError(f"cannot attach to {p.symbol.name} in {p.elf.path}: {e}") from None
         self.bpf["events"].open_ring_buffer(self._on_event)
+        self._unread = self.bpf["unread_bytes"]
+        self._zero_key, self._zero_value = self._unread.Key(0), self._unread.Leaf(0)
         self.n_probes = sum(bool(p.entry_fn) + bool(p.return_fn) for p in self.probes)
         self.attach_s = time.monotonic() - t0
 
@@ -150,7 +154,12 @@ class Collector:
         self._raw.append(ctypes.string_at(data, size))
 
     def poll(self, timeout_ms: int = 100) -> None:
+        """Wait up to timeout_ms (less when BPF forces a wakeup), then drain the ring.
+
+        Records are submitted without wakeups, so the drain must not depend on one."""
         self.bpf.ring_buffer_poll(timeout_ms)
+        self._unread[self._zero_key] = self._zero_value
+        self.bpf.ring_buffer_consume()
         self._parse_raw()
 
     def _parse_raw(self) -> None:

