@@ -38,6 +38,8 @@ def run_once(cmd: list[str], levels: str | None, env: dict) -> dict:
         if p.returncode != 0:
             raise SystemExit(f"run failed ({' '.join(full[:6])} ...):\n{p.stderr[-2000:]}")
         m = EVAL.search(p.stderr)
+        if m is None:
+            raise SystemExit(f"no decode speed in the output of {' '.join(full[:6])} ...:\n{p.stderr[-2000:]}")
         ms, runs = float(m.group(1)), int(m.group(2))
         row = {"decode_tok_s": runs / (ms / 1e3)}
         if levels is not None:
