@@ -50,7 +50,9 @@ def _run(cmd: list[str], levels: str | None, env: dict) -> dict:
             raise SystemExit(f"run failed ({' '.join(full[:6])} ...):\n{p.stderr[-2000:]}")
         m = EVAL.search(p.stderr)
         if m is None:
-            raise LookupError(f"no decode speed in the output of {' '.join(full[:6])} ...:\n{p.stderr[-500:]}")
+            stopped = json.loads(js.read_text())["meta"].get("stopped_by") if js.exists() else "?"
+            raise LookupError(f"no decode speed in the output of {' '.join(full[:6])} ... "
+                              f"(profinfer stopped by: {stopped}):\n{p.stderr[-500:]}")
         ms, runs = float(m.group(1)), int(m.group(2))
         row = {"decode_tok_s": runs / (ms / 1e3)}
         if levels is not None:

@@ -108,12 +108,13 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                 last_refresh = now
             line.update(coll)
             if deadline and now >= deadline:
-                break
-            if not _alive(pid, child_status):
-                break
+                stop_reason.append("duration")
+            elif not _alive(pid, child_status):
+                stop_reason.append("target exited" + (f" ({child_status[0]})" if child_status else ""))
         line.update(coll, force=True)
         collecting_rss_kb = _rss_kb()
         profile = coll.finish()
+        profile.meta["stopped_by"] = stop_reason[0] if stop_reason else ""
         profile.meta["events"] = str(coll.n_events)
         profile.meta["wall_s"] = f"{time.monotonic() - line.t0:.3f}"
         # The collector's own memory, not the target's: the peak (ru_maxrss, KiB, includes
