@@ -16,7 +16,7 @@ def one_line_error(p: subprocess.CompletedProcess, child_output: bool = False) -
     assert "Traceback" not in p.stderr
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     if child_output:
-        lines = [l for l in lines if l.startswith("profinfer")]
+        lines = [l for l in lines if l.startswith("profinfer: error")]
     assert len(lines) == 1, p.stderr
     assert lines[0].startswith("profinfer: error: ")
     return lines[0]
