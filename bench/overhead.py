@@ -69,7 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="tiny,llama-1.5b")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--tokens", default="tiny=256,llama-1.5b=24",
+    ap.add_argument("--tokens", default="tiny=256,llama-1.5b=64",
                     help="decode tokens per run, per model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).with_name("results.md")))

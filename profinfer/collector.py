@@ -26,6 +26,27 @@ KNOWN_BATCH_EXT = (64, 96)   # llama_batch_ext.tokens offset, token size (b11434
 MAX_BATCH = 1 << 20
 
 
+_MADV_PAGEOUT = 21
+_COMPILER_LIBS = re.compile(r"/lib(LLVM|clang)[-\w.]*\.so")
+
+
+def _release_compiler_memory() -> None:
+    """The BPF program is compiled and loaded: the compiler is never used again here.
+
+    Clang's heap goes back to the kernel (malloc_trim), and the pages of LLVM and clang's
+    libraries that compiling touched (~80 MB, file-backed) are evicted with MADV_PAGEOUT,
+    so the collector's resident size is what collecting needs, not what compiling did.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.malloc_trim(0)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if _COMPILER_LIBS.search(line):
+                lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+                libc.madvise(lo, hi - lo, _MADV_PAGEOUT)   # advisory: failure changes nothing
+
+
 class Collector:
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024):
@@ -93,9 +114,7 @@ class Collector:
         except Exception as e:  # BCC raises bare Exception on compile/load failure
             raise ProfinferError(f"BPF program failed to compile or load ({self.headers}): "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        # Clang's heap from the compile is garbage now: hand it back to the kernel, or the
-        # collector would carry ~100 MB it never touches again.
-        ctypes.CDLL(None).malloc_trim(0)
+        _release_compiler_memory()
         for p in self.probes:
             try:
                 if p.entry_fn:
