@@ -12,7 +12,6 @@
 #include <uapi/linux/ptrace.h>
 #include "events.h"
 
-BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_ARRAY(lost, u64, 1);
 
 BPF_HASH(token_open, u32, struct pi_token_event, 4096);
@@ -36,6 +35,14 @@ static __always_inline void count_lost(u64 n)
         __sync_fetch_and_add(v, n);
 }
 
+#ifdef PI_PERF_BUFFER
+/* Kernels before 5.8 have no ring buffer: per-CPU perf buffers, whose wakeups user space
+ * batches with wakeup_events. */
+BPF_PERF_OUTPUT(events);
+#else
+BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+#endif
+
 /* Wake the collector only when the ring is filling up: it drains the ring on a timer, and a
  * wakeup per record would preempt an inference thread on a busy machine every time.
  * unread_bytes counts what was submitted since the collector's last drain (it zeroes it). */
@@ -50,6 +57,16 @@ static __always_inline u64 wakeup_flag(u64 size)
     u64 before = __sync_fetch_and_add(v, size);
     return before < RINGBUF_WAKE_BYTES && before + size >= RINGBUF_WAKE_BYTES
         ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
+}
+
+/* Send one record to user space; 0 on success. */
+static __always_inline int emit(struct pt_regs *ctx, void *data, u32 size)
+{
+#ifdef PI_PERF_BUFFER
+    return events.perf_submit(ctx, data, size);
+#else
+    return events.ringbuf_output(data, size, wakeup_flag(size));
+#endif
 }
 
 static __always_inline u32 current_tid(void)
@@ -95,7 +112,7 @@ int token_return(struct pt_regs *ctx)
         return 0;
     ev->end_ns = bpf_ktime_get_ns();
     ev->ret = (s32)PT_REGS_RC(ctx);
-    if (events.ringbuf_output(ev, sizeof(*ev), wakeup_flag(sizeof(*ev))))
+    if (emit(ctx, ev, sizeof(*ev)))
         count_lost(1);
     token_open.delete(&tid);
     return 0;
@@ -130,7 +147,7 @@ static __always_inline int graph_return(struct pt_regs *ctx, u32 probe)
     if (!ev)
         return 0;
     ev->end_ns = bpf_ktime_get_ns();
-    if (events.ringbuf_output(ev, sizeof(*ev), wakeup_flag(sizeof(*ev))))
+    if (emit(ctx, ev, sizeof(*ev)))
         count_lost(1);
     graph_open.delete(&key);
     return 0;
@@ -146,7 +163,7 @@ GRAPH_HANDLERS
  * only when the thread's next node starts (or user space drains the map at the end).
  */
 
-static __always_inline void op_finish(struct op_thread *st, u64 now)
+static __always_inline void op_finish(struct pt_regs *ctx, struct op_thread *st, u64 now)
 {
     if (!st->has_cur)
         return;
@@ -161,13 +178,13 @@ static __always_inline void op_finish(struct op_thread *st, u64 now)
     st->batch.count = i + 1;
     if (i + 1 == PI_OP_BATCH) {
         st->batch.kind = PI_EV_OPS;
-        if (events.ringbuf_output(&st->batch, sizeof(st->batch), wakeup_flag(sizeof(st->batch))))
+        if (emit(ctx, &st->batch, sizeof(st->batch)))
             count_lost(PI_OP_BATCH);
         st->batch.count = 0;
     }
 }
 
-static __always_inline int op_begin(const void *t, const void *fused_with)
+static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const void *fused_with)
 {
     u64 now = bpf_ktime_get_ns();
     u32 tid = current_tid();
@@ -182,7 +199,7 @@ static __always_inline int op_begin(const void *t, const void *fused_with)
         if (!st)
             return 0;
     }
-    op_finish(st, now);
+    op_finish(ctx, st, now);
 
     struct pi_op_event *ev = &st->cur;
     ev->start_ns = now;
@@ -205,12 +222,12 @@ static __always_inline int op_begin(const void *t, const void *fused_with)
 
 int op_start(struct pt_regs *ctx)
 {
-    return op_begin((const void *)PT_REGS_PARM2(ctx), 0);
+    return op_begin(ctx, (const void *)PT_REGS_PARM2(ctx), 0);
 }
 
 int op_start_fused(struct pt_regs *ctx)
 {
-    return op_begin((const void *)PT_REGS_PARM2(ctx), (const void *)PT_REGS_PARM3(ctx));
+    return op_begin(ctx, (const void *)PT_REGS_PARM2(ctx), (const void *)PT_REGS_PARM3(ctx));
 }
 
 int op_barrier(struct pt_regs *ctx)

@@ -52,6 +52,9 @@ def probe_options(f):
                      help="Stop after this many seconds (default: until Ctrl-C or target exit).")(f)
     f = click.option("--tensor-layout", help="Skip DWARF and decode ggml_tensor with this known layout "
                      "(validated on live data).")(f)
+    f = click.option("--buffer", type=click.Choice(["auto", "ring", "perf"]), default="auto",
+                     show_default=True, help="BPF-to-user transport: ring buffer (Linux 5.8+) "
+                     "or per-CPU perf buffers.")(f)
     return f
 
 
@@ -81,10 +84,11 @@ def cli():
 @click.option("-p", "--pid", type=int, required=True, help="Process to profile.")
 @probe_options
 @output_options
-def attach(pid, levels, duration, tensor_layout, output, json_path, quiet):
+def attach(pid, levels, duration, tensor_layout, buffer, output, json_path, quiet):
     """Profile a running llama.cpp process, without restarting it."""
     from .session import profile_process
-    profile = profile_process(pid, _levels(levels), duration, tensor_layout=tensor_layout, warn=_warn, note=_note)
+    profile = profile_process(pid, _levels(levels), duration, tensor_layout=tensor_layout,
+                              buffer=buffer, warn=_warn, note=_note)
     _emit(profile, output, json_path, quiet)
 
 
@@ -92,16 +96,18 @@ def attach(pid, levels, duration, tensor_layout, output, json_path, quiet):
 @probe_options
 @output_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def record(levels, duration, tensor_layout, output, json_path, quiet, command):
+def record(levels, duration, tensor_layout, buffer, output, json_path, quiet, command):
     """Run COMMAND under the profiler, attached before its first instruction."""
-    profile, code = record_command(list(command), _levels(levels), duration, tensor_layout)
+    profile, code = record_command(list(command), _levels(levels), duration, tensor_layout,
+                                   buffer=buffer)
     _emit(profile, output, json_path, quiet)
     if code:
         _warn(f"{command[0]} exited with status {code}")
 
 
 def record_command(command: list[str], levels: set[str], duration: float | None,
-                   tensor_layout: str | None = None, env: dict[str, str] | None = None):
+                   tensor_layout: str | None = None, env: dict[str, str] | None = None,
+                   buffer: str = "auto"):
     """Start `command` stopped before exec, attach, then let it run. Returns (profile, exit code)."""
     from .session import profile_process
     exe = shutil.which(command[0], path=(env or os.environ).get("PATH"))
@@ -132,7 +138,8 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
     status: list[int] = []
     try:
         profile = profile_process(pid, levels, duration, lib_paths=libs, child_status=status,
-                                  on_attached=release, tensor_layout=tensor_layout, warn=_warn, note=_note)
+                                  on_attached=release, tensor_layout=tensor_layout, buffer=buffer,
+                                  warn=_warn, note=_note)
     finally:
         if not released:
             os.close(go_w)  # the child reads EOF and exits without running the command

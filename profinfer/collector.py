@@ -22,6 +22,8 @@ from .probepack import Pack, ResolvedProbe, engine_libraries, graph_handlers_c, 
 from .symbols import ElfInfo, load_elf
 
 VALIDATE_OPS = 64   # op events checked before a table layout is trusted
+PERF_PAGES_PER_CPU = 256
+PERF_WAKEUP_EVENTS = 64
 KNOWN_BATCH_EXT = (64, 96)   # llama_batch_ext.tokens offset, token size (b11434)
 MAX_BATCH = 1 << 20
 
@@ -49,7 +51,8 @@ def _release_compiler_memory() -> None:
 
 class Collector:
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
-                 root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024):
+                 root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
+                 buffer: str = "auto"):
         self.pid = pid
         self.levels = set(levels)
         self.pack = pack
@@ -57,6 +60,7 @@ class Collector:
         self.root = root
         self.forced_layout = tensor_layout
         self.ringbuf_pages = ringbuf_pages
+        self.buffer = kernel.event_buffer_kind(buffer)
         self.bpf = None
         self.warnings: list[str] = []
         self.attach_s = 0.0
@@ -109,6 +113,8 @@ class Collector:
                   # wake the collector early once a quarter of the ring is in use
                   f"-DRINGBUF_WAKE_BYTES={self.ringbuf_pages * 4096 // 4}",
                   f"-DBEXT_OFF_TOKENS={bext[0]}", f"-DBEXT_TOKEN_SIZE={bext[1]}"]
+        if self.buffer == "perf":
+            cflags.append("-DPI_PERF_BUFFER")
         try:
             self.bpf = bcc.BPF(text=text, cflags=cflags)
         except Exception as e:  # BCC raises bare Exception on compile/load failure
@@ -126,7 +132,14 @@ class Collector:
             except Exception as e:
                 self.detach()
                 raise ProfinferError(f"cannot attach to {p.symbol.name} in {p.elf.path}: {e}") from None
-        self.bpf["events"].open_ring_buffer(self._on_event)
+        if self.buffer == "perf":
+            # One wakeup per PERF_WAKEUP_EVENTS records; the timer drains the rest.
+            self.bpf["events"].open_perf_buffer(self._on_perf_event, page_cnt=PERF_PAGES_PER_CPU,
+                                                lost_cb=self._on_perf_lost,
+                                                wakeup_events=PERF_WAKEUP_EVENTS)
+        else:
+            self.bpf["events"].open_ring_buffer(self._on_event)
+        self._perf_lost = 0
         self._unread = self.bpf["unread_bytes"]
         self._zero_key, self._zero_value = self._unread.Key(0), self._unread.Leaf(0)
         self.n_probes = sum(bool(p.entry_fn) + bool(p.return_fn) for p in self.probes)
@@ -172,13 +185,24 @@ class Collector:
     def _on_event(self, ctx, data, size):
         self._raw.append(ctypes.string_at(data, size))
 
+    def _on_perf_event(self, cpu, data, size):
+        self._raw.append(ctypes.string_at(data, size))
+
+    def _on_perf_lost(self, count):
+        # A lost perf record may be a batch of PI_OP_BATCH ops: count records, say so.
+        self._perf_lost += count
+
     def poll(self, timeout_ms: int = 100) -> None:
         """Wait up to timeout_ms (less when BPF forces a wakeup), then drain the ring.
 
         Records are submitted without wakeups, so the drain must not depend on one."""
-        self.bpf.ring_buffer_poll(timeout_ms)
-        self._unread[self._zero_key] = self._zero_value
-        self.bpf.ring_buffer_consume()
+        if self.buffer == "perf":
+            self.bpf.perf_buffer_poll(timeout_ms)
+            self.bpf.perf_buffer_consume()
+        else:
+            self.bpf.ring_buffer_poll(timeout_ms)
+            self._unread[self._zero_key] = self._zero_value
+            self.bpf.ring_buffer_consume()
         self._parse_raw()
 
     def _parse_raw(self) -> None:
@@ -228,13 +252,18 @@ class Collector:
             pass
 
     def lost(self) -> int:
-        return int(self.bpf["lost"][ctypes.c_int(0)].value) if self.bpf else 0
+        """Events BPF could not submit, plus perf-buffer records the kernel dropped."""
+        in_bpf = int(self.bpf["lost"][ctypes.c_int(0)].value) if self.bpf else 0
+        return in_bpf + getattr(self, "_perf_lost", 0)
 
     # ---- finish ----
 
     def finish(self) -> Profile:
         """Drain everything still in flight, detach, and build the Profile."""
-        self.bpf.ring_buffer_consume()
+        if self.buffer == "perf":
+            self.bpf.perf_buffer_consume()
+        else:
+            self.bpf.ring_buffer_consume()
         self._parse_raw()
         self._drain_threads()
         lost = self.lost()
@@ -382,6 +411,7 @@ class Collector:
 
     def _meta(self) -> dict[str, str]:
         meta = {"engine": self.pack.engine, "levels": ",".join(sorted(self.levels)),
+                "event_buffer": self.buffer,
                 "kernel": platform.release(), "tensor_layout": self.layout.name,
                 "attach_s": f"{self.attach_s:.3f}"}
         for e in self.elfs:

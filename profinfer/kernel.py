@@ -87,6 +87,21 @@ def uprobe_pmu() -> bool:
     return os.path.exists(UPROBE_PMU)
 
 
+def ring_buffer_supported() -> bool:
+    """BPF ring buffers arrived in Linux 5.8."""
+    nums = re.match(r"(\d+)\.(\d+)", platform.release())
+    return bool(nums) and (int(nums.group(1)), int(nums.group(2))) >= (5, 8)
+
+
+def event_buffer_kind(choice: str) -> str:
+    """"ring" or "perf" for --buffer auto|ring|perf."""
+    if choice == "auto":
+        return "ring" if ring_buffer_supported() else "perf"
+    if choice == "ring" and not ring_buffer_supported():
+        raise ProfinferError(f"kernel {platform.release()} has no BPF ring buffer (5.8+): use --buffer perf")
+    return choice
+
+
 def import_bcc():
     try:
         import bcc  # Debian's python3-bpfcc; never the unrelated PyPI package named bcc

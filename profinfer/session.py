@@ -70,7 +70,8 @@ class StatusLine:
 def profile_process(pid: int, levels: set[str], duration: float | None = None,
                     lib_paths: list[tuple[str, str]] | None = None, child_status: list[int] | None = None,
                     on_attached: Callable[[], None] | None = None,
-                    tensor_layout: str | None = None, status: bool | None = None,
+                    tensor_layout: str | None = None, buffer: str = "auto",
+                    status: bool | None = None,
                     warn: Callable[[str], None] = lambda m: None,
                     note: Callable[[str], None] = lambda m: None) -> Profile:
     """Profile `pid` until stopped. With child_status (a list), pid is our child: its exit
@@ -81,7 +82,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     if lib_paths is None:
         lib_paths = [(m.host_path, m.path) for m in discovery.mapped_files(pid)]
     coll = Collector(pid, levels, load_pack(), lib_paths, root=f"/proc/{pid}/root",
-                     tensor_layout=tensor_layout)
+                     tensor_layout=tensor_layout, buffer=buffer)
     stop_reason: list[str] = []
 
     def on_signal(signum, _frame):
@@ -91,6 +92,8 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     line = StatusLine(sys.stderr.isatty() if status is None else status)
     try:
         coll.attach()
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        cpu_at_attach = ru.ru_utime + ru.ru_stime
         for w in coll.warnings:
             warn(w)
         note(f"attached {coll.n_probes} probes to PID {pid} in {coll.attach_s:.2f} s "
@@ -113,6 +116,8 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                 stop_reason.append("target exited" + (f" ({child_status[0]})" if child_status else ""))
         line.update(coll, force=True)
         collecting_rss_kb = _rss_kb()
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        collecting_cpu_s = ru.ru_utime + ru.ru_stime - cpu_at_attach
         profile = coll.finish()
         profile.meta["stopped_by"] = stop_reason[0] if stop_reason else ""
         profile.meta["events"] = str(coll.n_events)
@@ -121,6 +126,9 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
         # BCC's compile) and the resident size while collecting ended.
         profile.meta["collector_max_rss_kb"] = str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
         profile.meta["collector_rss_kb"] = str(collecting_rss_kb)
+        # CPU the collector itself used while the target ran (on a small machine it is taken
+        # from the inference threads): the part of the overhead that is ours, not the probes'.
+        profile.meta["collector_cpu_s"] = f"{collecting_cpu_s:.3f}"
         return profile
     finally:
         line.close()
