@@ -25,8 +25,8 @@ def parse(text: str | None = None) -> tuple[dict[str, int], dict[str, np.dtype]]
     dtypes: dict[str, np.dtype] = {}
     for name, body in _STRUCT.findall(re.sub(r"/\*.*?\*/", "", text, flags=re.S)):
         fields = []
-        for line in body.splitlines():
-            m = _FIELD.match(line)
+        for decl in body.split(";"):
+            m = _FIELD.match(decl + ";")
             if not m:
                 continue
             ctype, fname, count = m.groups()

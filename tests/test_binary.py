@@ -1,0 +1,62 @@
+"""Facts read from the target binary: symbols, op-name table, struct layouts, probe offsets."""
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from profinfer import dwarf, ggml, layout, placement
+from profinfer.symbols import load_elf
+
+
+def lib(build, name):
+    return load_elf(str(next((build / "bin").glob(name + ".so.*.*"))))
+
+
+def test_symbol_offsets_match_nm(llama_build):
+    elf = lib(llama_build, "libggml-cpu")
+    nm = subprocess.run(["nm", "--defined-only", elf.path], capture_output=True, text=True).stdout
+    want = {l.split()[2]: int(l.split()[0], 16) for l in nm.splitlines()
+            if len(l.split()) == 3 and l.split()[1] in "Tt"}
+    for name in ("ggml_barrier", "ggml_cpu_extra_compute_forward", "ggml_compute_forward_rms_norm_mul_fused"):
+        assert elf.find(name).vaddr == want[name]
+
+
+def test_op_names_equal_the_enum_in_the_source(llama_build):
+    """The table read from the binary (through ggml_op_name's lea) is exactly enum ggml_op."""
+    header = (llama_build.parent / "src" / "ggml" / "include" / "ggml.h").read_text()
+    body = header[header.index("enum ggml_op {"):]
+    body = body[: re.search(r"GGML_OP_COUNT\s*,", body).start()]
+    enum = [m.group(1) for m in re.finditer(r"^\s*GGML_OP_(\w+)\s*[,=]", body, re.M)]
+    assert ggml.op_names(lib(llama_build, "libggml-base")) == enum
+
+
+def test_dwarf_layouts(llama_build):
+    base = lib(llama_build, "libggml-base")
+    t = ggml.tensor_layout_from_dwarf(base.dwarf_path, base.build_id)
+    assert (t.type, t.ne, t.op, t.src, t.name_off) == (0, 16, 80, 152, 256)
+    assert ggml.KNOWN_LAYOUTS[0].op == t.op and ggml.KNOWN_LAYOUTS[0].name_off == t.name_off
+    llama = lib(llama_build, "libllama")
+    b = dwarf.struct_layout(llama.dwarf_path, llama.build_id, "llama_batch_ext")
+    assert "tokens" in b["members"] and b["nested"]["token"] > 0
+
+
+@pytest.mark.parametrize("code,args,offset,emulated", [
+    (bytes.fromhex("4155" "4154"), (2,), 0, True),                        # push r13
+    (bytes.fromhex("8b4768" "6683f801" "7407" "c3"), (), 7, True),         # mov; cmp; je
+    (bytes.fromhex("4889fb" "53" "c3"), (1,), 3, True),                    # mov rbx,rdi keeps rdi
+    (bytes.fromhex("bf05000000" "53" "c3"), (1,), 0, False),               # mov edi,5 clobbers arg 1
+    (bytes.fromhex("4883ec08" "53" "c3"), (), 0, False),                   # sub rsp moves the stack
+    (bytes.fromhex("4885ff" "7403" "c3"), (1, 2), 3, True),                # test; je
+])
+def test_probe_placement(code, args, offset, emulated):
+    p = placement.choose(code, args)
+    assert (p.offset, p.emulated) == (offset, emulated)
+
+
+def test_event_layout_rejects_implicit_padding():
+    consts, dts = layout.parse("#define N 2\nstruct ok { u64 a; u32 b[N]; };\n")
+    assert dts["ok"].itemsize == 16
+    with pytest.raises(ValueError):
+        layout.parse("struct bad { u32 a; u64 b; };\n")
