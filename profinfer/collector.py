@@ -71,12 +71,11 @@ class Collector:
         self.n_events = 0
         self.n_decode_tokens = 0
         self.thread_names: dict[int, str] = {}
-        self.maps: list[discovery.MappedFile] = []
         self._maps_raw: str = ""
         self._layout_trusted = True
         self._batch_trusted = True
+        self._perf_lost = 0
         consts, self.dt = layout.parse()
-        self.batch_len = consts["PI_OP_BATCH"]
         self.kind_token, self.kind_graph, self.kind_ops = (
             consts["PI_EV_TOKEN"], consts["PI_EV_GRAPH"], consts["PI_EV_OPS"])
 
@@ -131,6 +130,8 @@ class Collector:
                                               fn_name=p.return_fn, pid=self.pid)
             except Exception as e:
                 self.detach()
+                if not discovery.process_exists(self.pid):
+                    raise ProfinferError(f"process {self.pid} exited while probes were being attached") from None
                 raise ProfinferError(f"cannot attach to {p.symbol.name} in {p.elf.path}: {e}") from None
         if self.buffer == "perf":
             # One wakeup per PERF_WAKEUP_EVENTS records; the timer drains the rest.
@@ -139,7 +140,6 @@ class Collector:
                                                 wakeup_events=PERF_WAKEUP_EVENTS)
         else:
             self.bpf["events"].open_ring_buffer(self._on_event)
-        self._perf_lost = 0
         self._unread = self.bpf["unread_bytes"]
         self._zero_key, self._zero_value = self._unread.Key(0), self._unread.Leaf(0)
         self.n_probes = sum(bool(p.entry_fn) + bool(p.return_fn) for p in self.probes)
@@ -254,7 +254,7 @@ class Collector:
     def lost(self) -> int:
         """Events BPF could not submit, plus perf-buffer records the kernel dropped."""
         in_bpf = int(self.bpf["lost"][ctypes.c_int(0)].value) if self.bpf else 0
-        return in_bpf + getattr(self, "_perf_lost", 0)
+        return in_bpf + self._perf_lost
 
     # ---- finish ----
 
