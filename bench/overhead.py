@@ -93,19 +93,26 @@ def main() -> None:
                 print(f"{model} round {r + 1} {c}: {rows[c][-1]['decode_tok_s']:.2f} tok/s", file=sys.stderr)
         base = statistics.median(x["decode_tok_s"] for x in rows["none"])
         lines += [f"## {model} ({ntok.get(model, 32)} decode tokens per run)", "",
-                  "| levels | decode tok/s (median) | vs none | slowdown | attach s | events/s | lost | collector RSS MB (peak) |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| levels | decode tok/s (median) | vs none | slowdown | paired slowdown (median, range) | attach s | events/s | lost | collector RSS MB (peak) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         results[model] = {}
         for c in names:
             med = statistics.median(x["decode_tok_s"] for x in rows[c])
             ratio = med / base
+            # Each round ran every configuration back to back: the ratio to that round's
+            # unprofiled run cancels slow drifts of the machine.
+            paired = [x["decode_tok_s"] / n["decode_tok_s"] for x, n in zip(rows[c], rows["none"])]
+            pslow = [100 * (1 - p) for p in paired]
+            paired_cell = (f"{statistics.median(pslow):+.2f}% ({min(pslow):+.1f} .. {max(pslow):+.1f})"
+                           if c != "none" else "")
             extra = ["", "", "", ""]
             if c != "none":
                 med_of = lambda k: statistics.median(x[k] for x in rows[c])
                 evs = statistics.median(x["events"] / x["wall_s"] for x in rows[c])
                 extra = [f"{med_of('attach_s'):.3f}", f"{evs:,.0f}", f"{max(x['lost'] for x in rows[c])}",
                          f"{max(x['rss_mb'] for x in rows[c]):.0f} ({max(x['peak_rss_mb'] for x in rows[c]):.0f})"]
-            lines.append(f"| {c} | {med:.2f} | {ratio:.4f} | {100 * (1 - ratio):+.2f}% | " + " | ".join(extra) + " |")
+            lines.append(f"| {c} | {med:.2f} | {ratio:.4f} | {100 * (1 - ratio):+.2f}% | {paired_cell} | "
+                         + " | ".join(extra) + " |")
             results[model][c] = {"median_tok_s": med, "ratio": ratio, "runs": rows[c]}
         lines.append("")
     Path(args.out).write_text("\n".join(lines) + "\n")
