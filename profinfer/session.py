@@ -50,15 +50,19 @@ class StatusLine:
         self.enabled = enabled
         self.t0 = time.monotonic()
         self.last = 0.0
+        self.last_tokens = 0
+        self.rate = 0.0
 
     def update(self, coll: Collector, force: bool = False) -> None:
         now = time.monotonic()
         if not self.enabled or (now - self.last < 0.5 and not force):
             return
-        self.last = now
+        if now - self.last >= 0.5:
+            # Current decode rate: tokens since the previous update, not since attach.
+            self.rate = (coll.n_decode_tokens - self.last_tokens) / (now - self.last) if self.last else 0.0
+            self.last, self.last_tokens = now, coll.n_decode_tokens
         el = now - self.t0
-        rate = coll.n_decode_tokens / el if el > 0 else 0.0
-        sys.stderr.write(f"\rprofinfer: {el:6.1f} s | {rate:7.2f} tok/s | "
+        sys.stderr.write(f"\rprofinfer: {el:6.1f} s | {self.rate:7.2f} tok/s | "
                          f"{coll.n_events:>10,} events | {coll.lost():,} lost ")
         sys.stderr.flush()
 
