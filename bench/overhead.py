@@ -32,12 +32,15 @@ EVAL = re.compile(r"(?:llama_perf_context_print|common_perf_print):\s+eval time 
 def run_once(cmd: list[str], levels: str | None, env: dict, tries: int = 2) -> dict:
     """One run; a run whose llama.cpp log lost its final lines (seen once in ~100 runs) is
     repeated rather than guessed."""
-    for attempt in range(tries):
+    for _ in range(tries - 1):
         try:
             return _run(cmd, levels, env)
         except LookupError as e:
             print(f"retrying: {e}", file=sys.stderr)
-    raise SystemExit(str(e))
+    try:
+        return _run(cmd, levels, env)
+    except LookupError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _run(cmd: list[str], levels: str | None, env: dict) -> dict:
@@ -77,7 +80,7 @@ def main() -> None:
     ntok = dict(kv.split("=") for kv in args.tokens.split(","))
     build = workload.ensure_llama_build()
     env = {**os.environ, **workload.llama_env(build)}
-    lines = [f"# profinfer overhead benchmark", "",
+    lines = ["# profinfer overhead benchmark", "",
              f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, llama.cpp b{workload.LLAMA_VERSION}, "
              f"{args.threads} threads, {args.rounds} interleaved rounds, medians.", ""]
     results = {}

@@ -18,8 +18,8 @@ import numpy as np
 from . import discovery, dwarf, ggml, kernel, layout
 from .errors import ProfinferError
 from .model import GraphCall, OpSlice, Profile, TokenCall
-from .probepack import Pack, ResolvedProbe, engine_libraries, graph_handlers_c, resolve
-from .symbols import ElfInfo, load_elf
+from .probepack import Pack, engine_libraries, graph_handlers_c, resolve
+from .symbols import load_elf
 
 VALIDATE_OPS = 64   # op events checked before a table layout is trusted
 PERF_PAGES_PER_CPU = 256

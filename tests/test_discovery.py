@@ -3,7 +3,6 @@ mapped them (an upgrade under a running server) are still probed, through
 /proc/PID/map_files, in the code that actually runs."""
 from __future__ import annotations
 
-import os
 import shutil
 
 from conftest import Target, endless_cmd, our_bpf_programs, run_profinfer

@@ -3,7 +3,6 @@ and leave nothing behind (no uprobe, no BPF program), with the target still runn
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 

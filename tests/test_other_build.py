@@ -2,6 +2,8 @@
 code changes: structures come from the known-layout table, validated on live data."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from conftest import completion_cmd, llama_perf, run_profinfer
@@ -17,7 +19,7 @@ def release_build():
 def test_release_build_of_other_version(release_build, tiny_model, tmp_path):
     libs = list((release_build / "bin").glob("libggml-base.so*"))
     assert libs and all(load_elf(str(p)).dwarf_path is None for p in libs), "must be a build without DWARF"
-    env = {**__import__("os").environ, **workload.llama_env(release_build)}
+    env = {**os.environ, **workload.llama_env(release_build)}
     r = run_profinfer(["record", "--quiet", "--", *completion_cmd(release_build, tiny_model, n=16)],
                       env=env, tmp_path=tmp_path)
     assert r.rc == 0, r.stderr[-2000:]

@@ -1,14 +1,11 @@
 """Acceptance on the real workload: real eBPF on a real llama.cpp."""
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import time
 
 import pytest
 
-from conftest import (completion_cmd, leftover_uprobe_events, llama_perf, our_bpf_programs,
+from conftest import (PROFINFER, completion_cmd, leftover_uprobe_events, llama_perf, our_bpf_programs,
                       run_profinfer)
 
 
@@ -58,7 +55,7 @@ def test_generated_text_is_byte_identical(llama_build, tiny_model, llama_env, tm
     cmd = completion_cmd(llama_build, tiny_model, n=32)
     plain = subprocess.run(cmd, capture_output=True, env=llama_env, timeout=300)
     assert plain.returncode == 0
-    profiled = subprocess.run([*__import__("conftest").PROFINFER, "record", "--quiet", "--", *cmd],
+    profiled = subprocess.run([*PROFINFER, "record", "--quiet", "--", *cmd],
                               capture_output=True, env=llama_env, timeout=300)
     assert profiled.returncode == 0, profiled.stderr.decode()
     assert len(plain.stdout) > len(b"The quick brown fox")
