@@ -30,7 +30,8 @@ EVAL = re.compile(r"(?:llama_perf_context_print|common_perf_print):\s+eval time 
 
 
 def run_once(cmd: list[str], levels: str | None, env: dict, tries: int = 2) -> dict:
-    """One run; a run whose llama.cpp log lost its final lines (seen once in ~100 runs) is
+    """One run. llama-completion's asynchronous logger is not flushed at exit (upstream
+    issue 22142) and loses its last lines under load, profiler or not; such a run is
     repeated rather than guessed."""
     for _ in range(tries - 1):
         try:

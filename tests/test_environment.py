@@ -9,7 +9,7 @@ import platform
 import shlex
 import subprocess
 
-from conftest import PROFINFER, completion_cmd, llama_perf
+from conftest import PROFINFER, completion_cmd, llama_perf, with_llama_log
 
 
 def test_no_headers_for_running_kernel_and_no_tracefs(llama_build, tiny_model, llama_env, tmp_path):
@@ -27,8 +27,9 @@ def test_no_headers_for_running_kernel_and_no_tracefs(llama_build, tiny_model, l
         COLUMNS=250 {PROFINFER[0]} -m profinfer.cli doctor | grep -q 'using /usr/src/linux-headers'
         exec {inner}
     """
-    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", script],
-                       capture_output=True, text=True, env=llama_env, timeout=300)
+    p = with_llama_log(lambda: subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "bash", "-c", script],
+        capture_output=True, text=True, env=llama_env, timeout=300))
     assert p.returncode == 0, p.stderr[-3000:]
     import json
     s = json.loads(out.read_text())

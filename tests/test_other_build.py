@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import completion_cmd, llama_perf, run_profinfer
+from conftest import completion_cmd, llama_perf, run_profinfer, with_llama_log
 from profinfer import workload
 from profinfer.symbols import load_elf
 
@@ -20,8 +20,9 @@ def test_release_build_of_other_version(release_build, tiny_model, tmp_path):
     libs = list((release_build / "bin").glob("libggml-base.so*"))
     assert libs and all(load_elf(str(p)).dwarf_path is None for p in libs), "must be a build without DWARF"
     env = {**os.environ, **workload.llama_env(release_build)}
-    r = run_profinfer(["record", "--quiet", "--", *completion_cmd(release_build, tiny_model, n=16)],
-                      env=env, tmp_path=tmp_path)
+    r = with_llama_log(lambda: run_profinfer(
+        ["record", "--quiet", "--", *completion_cmd(release_build, tiny_model, n=16)],
+        env=env, tmp_path=tmp_path))
     assert r.rc == 0, r.stderr[-2000:]
     assert "validated on the first" in r.stderr          # it said it used a table layout
     perf = llama_perf(r.stderr)
