@@ -422,6 +422,6 @@ class Collector:
                 meta["model"] = line.split(None, 5)[5]
                 break
         for p in self.probes:
-            meta[f"probe:{p.symbol.name}"] = (f"+{p.place.offset} {p.place.instruction}"
-                                              if p.place.emulated else "+0 single-stepped")
+            meta[f"probe:{p.symbol.name}+{p.place.offset}"] = (p.place.instruction if p.place.emulated
+                                                                else "single-stepped")
         return meta

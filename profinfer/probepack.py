@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from . import placement
+from .callsites import call_sites
 from .errors import ProfinferError
 from .symbols import ElfInfo, Symbol, load_elf
 
@@ -26,6 +27,7 @@ class ProbeSpec:
     graph_backend: bool | None = None   # graph probes: does arg 1 point to a ggml_backend?
     required: bool = False
     group: str | None = None             # probes of one group are alternatives: first found wins
+    callers: str | None = None           # probe the calls of `function` in these functions instead
 
 
 @dataclass
@@ -46,7 +48,7 @@ def load_pack(name: str = "llamacpp") -> Pack:
             level=p["level"], function=p.get("function"), pattern=p.get("pattern"),
             entry=p.get("entry"), ret=p.get("return"), args=tuple(p.get("args", ())),
             graph_backend=None if graph is None else graph["backend"],
-            required=p.get("required", False), group=p.get("group")))
+            required=p.get("required", False), group=p.get("group"), callers=p.get("callers")))
     return Pack(raw["engine"], raw["bpf"], raw["libraries"], raw["marker"], probes)
 
 
@@ -115,6 +117,14 @@ def resolve(pack: Pack, elfs: list[ElfInfo], levels: set[str]) -> tuple[list[Res
             if spec.function:
                 warnings.append(f"{spec.function} not found: {spec.level} level partly degraded")
             continue
+        if spec.callers and not spec.ret:
+            sites = [(elf, site) for elf in elfs for site in call_sites(elf, spec.callers, spec.function)]
+            if sites:
+                for elf, (caller, offset) in sites:
+                    out.append(ResolvedProbe(spec, elf, elf.find(caller),
+                                             placement.Placement(offset, True, f"call {spec.function}"),
+                                             spec.entry, None))
+                continue
         for elf, sym in matches:
             entry, ret = spec.entry, spec.ret
             if spec.graph_backend is not None:

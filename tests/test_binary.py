@@ -60,3 +60,17 @@ def test_event_layout_rejects_implicit_padding():
     assert dts["ok"].itemsize == 16
     with pytest.raises(ValueError):
         layout.parse("struct bad { u32 a; u64 b; };\n")
+
+
+def test_barrier_call_sites_in_the_graph_loop(llama_build):
+    """The op-end probe sits on the graph loop's calls of ggml_barrier (through the PLT),
+    not on ggml_barrier itself, which exported MUL_MAT also calls."""
+    from profinfer.callsites import call_sites
+    cpu = lib(llama_build, "libggml-cpu")
+    sites = call_sites(cpu, r"^ggml_graph_compute(_thread)?[._]", "ggml_barrier")
+    assert sites and all(name.startswith("ggml_graph_compute") for name, _ in sites)
+    everywhere = call_sites(cpu, r".", "ggml_barrier")
+    assert any(name == "ggml_compute_forward_mul_mat" for name, _ in everywhere)
+    for name, off in sites:
+        code = cpu.code_bytes(cpu.find(name), off + 5)[off:]
+        assert code[0] == 0xE8      # call rel32: emulated by the kernel, no single-step

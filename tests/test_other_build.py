@@ -52,5 +52,7 @@ def test_fully_stripped_libraries(release_build, tiny_model, tmp_path):
     assert r.rc == 0, r.stderr[-2000:]
     s = r.summary
     assert s["tokens"]["decode"] == llama_perf(r.stderr)["eval"][1]
-    assert "probe:ggml_backend_graph_compute_async" in s["meta"]
+    assert any(k.startswith("probe:ggml_backend_graph_compute_async+") for k in s["meta"])
+    # no symbol table, so no graph-loop call sites: the barrier is probed at its entry
+    assert any(k.startswith("probe:ggml_barrier+") for k in s["meta"])
     assert {"MUL_MAT", "ROPE"} <= {o["op"] for o in s["ops"]}

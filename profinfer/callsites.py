@@ -1,0 +1,61 @@
+"""Call sites of a function inside given callers: a uprobe on `call f` in the caller fires
+only for that caller's calls, where one on f's entry fires for every caller."""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+import capstone
+from capstone import x86_const as X
+from elftools.elf.elffile import ELFFile
+from elftools.elf.relocation import RelocationSection
+
+from .symbols import ElfInfo
+
+_md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+_md.detail = True
+
+
+@lru_cache(maxsize=16)
+def plt_stubs(path: str) -> dict[int, str]:
+    """{PLT stub address: name of the function it jumps to} (.plt and .plt.sec)."""
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        slots: dict[int, str] = {}
+        rela = elf.get_section_by_name(".rela.plt")
+        if isinstance(rela, RelocationSection):
+            symtab = elf.get_section(rela.header.sh_link)
+            for r in rela.iter_relocations():
+                slots[r["r_offset"]] = symtab.get_symbol(r["r_info_sym"]).name
+        stubs: dict[int, str] = {}
+        for name in (".plt.sec", ".plt"):
+            sec = elf.get_section_by_name(name)
+            if sec is None:
+                continue
+            for insn in _md.disasm(sec.data(), sec.header.sh_addr):
+                if insn.id != X.X86_INS_JMP or not insn.operands:
+                    continue
+                op = insn.operands[0]
+                if op.type == X.X86_OP_MEM and op.mem.base == X.X86_REG_RIP:
+                    target = slots.get(insn.address + insn.size + op.mem.disp)
+                    if target:
+                        # A stub starts 16-aligned; endbr64 may precede the jmp.
+                        stubs.setdefault(insn.address & ~0xF, target)
+        return stubs
+
+
+def call_sites(elf: ElfInfo, callers: str, target: str) -> list[tuple[str, int]]:
+    """(caller symbol, offset in it) of every `call target` in functions matching `callers`."""
+    rx = re.compile(callers)
+    direct = elf.find(target)
+    stubs = {a for a, n in plt_stubs(elf.path).items() if n == target}
+    wanted = stubs | ({direct.vaddr} if direct else set())
+    sites = []
+    for name, sym in sorted(elf.symbols.items()):
+        if not rx.match(name) or not sym.size:
+            continue
+        for insn in _md.disasm(elf.code_bytes(sym, sym.size), sym.vaddr):
+            if (insn.id == X.X86_INS_CALL and insn.operands and insn.operands[0].type == X.X86_OP_IMM
+                    and insn.operands[0].imm in wanted):
+                sites.append((name, insn.address - sym.vaddr))
+    return sites
