@@ -29,7 +29,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there wa
 EVAL = re.compile(r"(?:llama_perf_context_print|common_perf_print):\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs")
 
 
-def run_once(cmd: list[str], levels: str | None, env: dict, tries: int = 2) -> dict:
+def run_once(cmd: list[str], levels: str | None, env: dict, tries: int = 6) -> dict:
     """One run. llama-completion's asynchronous logger is not flushed at exit (upstream
     issue 22142) and loses its last lines under load, profiler or not; such a run is
     repeated rather than guessed."""
