@@ -317,14 +317,14 @@ class Collector:
             prof.tokens = [TokenCall(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
                                      int(r["n_tokens"]), bool(r["n_tokens"] > 1), int(r["ret"]))
                            for r in np.sort(t, order="start_ns")]
-        graph_probe_names = [p.symbol.name for p in self.probes if p.spec.graph_backend is not None]
-        graph_probe_backend = [p.spec.graph_backend for p in self.probes if p.spec.graph_backend is not None]
+        # Index = the probe number BPF put in each graph event (graph_handlers_c's order).
+        graph_probes = [p for p in self.probes if p.spec.graph_backend is not None]
         backend_cache: dict[int, str] = {}
         if self._graphs:
             g = np.sort(np.concatenate(self._graphs), order="start_ns")
             for r in g:
                 probe = int(r["probe"])
-                if graph_probe_backend[probe]:
+                if graph_probes[probe].spec.graph_backend:
                     fn = int(r["name_fn"])
                     if fn not in backend_cache:
                         backend_cache[fn] = self._backend_name(fn)
@@ -332,7 +332,7 @@ class Collector:
                 else:
                     backend = "sched"
                 prof.graphs.append(GraphCall(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
-                                             backend, int(r["n_nodes"]), graph_probe_names[probe]))
+                                             backend, int(r["n_nodes"]), graph_probes[probe].symbol.name))
         if self._ops:
             prof.ops = self._op_slices(np.concatenate(self._ops), prof.graphs)
         if "graph" not in self.levels:
