@@ -55,3 +55,21 @@ struct pi_op_batch {
     u32 count;
     struct pi_op_event ev[PI_OP_BATCH];
 };
+
+/* Facts about the target, fixed before the programs load (the object's .rodata): offsets
+ * from DWARF or a validated table, so one precompiled object serves every build. */
+#define PI_MAX_GRAPH_PROBES 8
+
+struct pi_config {
+    u64 t_off_type;        /* ggml_tensor fields */
+    u64 t_off_ne;
+    u64 t_off_op;
+    u64 t_off_name;
+    u64 cg_off_n_nodes;    /* ggml_cgraph.n_nodes */
+    u64 token_sp_off;      /* llama_batch (by value) relative to sp at llama_decode's probe */
+    u64 bext_off_tokens;   /* llama_batch_ext.tokens (a std::vector) */
+    u64 bext_token_size;   /* its element size */
+    u64 ring_wake_bytes;   /* unread bytes that wake the collector early */
+    u32 graph_has_backend; /* bit i: graph probe i's first argument is a ggml_backend */
+    u32 pad;
+};

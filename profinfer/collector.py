@@ -11,14 +11,13 @@ import os
 import platform
 import re
 import time
-from importlib import resources
 
 import numpy as np
 
-from . import discovery, dwarf, ggml, kernel, layout
+from . import bpfobj, discovery, dwarf, ggml, kernel, layout, libbpf
 from .errors import ProfinferError
 from .model import GraphCall, OpSlice, Profile, TokenCall
-from .probepack import Pack, engine_libraries, graph_handlers_c, resolve
+from .probepack import Pack, engine_libraries, resolve
 from .symbols import load_elf
 
 VALIDATE_OPS = 64   # op events checked before a table layout is trusted
@@ -26,27 +25,8 @@ PERF_PAGES_PER_CPU = 256
 PERF_WAKEUP_EVENTS = 64
 KNOWN_BATCH_EXT = (64, 96)   # llama_batch_ext.tokens offset, token size (b11434)
 MAX_BATCH = 1 << 20
-
-
-_MADV_PAGEOUT = 21
-_COMPILER_LIBS = re.compile(r"/lib(LLVM|clang)[-\w.]*\.so")
-
-
-def _release_compiler_memory() -> None:
-    """The BPF program is compiled and loaded: the compiler is never used again here.
-
-    Clang's heap goes back to the kernel (malloc_trim), and the pages of LLVM and clang's
-    libraries that compiling touched (~80 MB, file-backed) are evicted with MADV_PAGEOUT,
-    so the collector's resident size is what collecting needs, not what compiling did.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.malloc_trim(0)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if _COMPILER_LIBS.search(line):
-                lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
-                libc.madvise(lo, hi - lo, _MADV_PAGEOUT)   # advisory: failure changes nothing
+_ZERO_U32 = bytes(4)
+_ZERO_U64 = bytes(8)
 
 
 class Collector:
@@ -61,7 +41,7 @@ class Collector:
         self.forced_layout = tensor_layout
         self.ringbuf_pages = ringbuf_pages
         self.buffer = kernel.event_buffer_kind(buffer)
-        self.bpf = None
+        self.obj: libbpf.BpfObject | None = None
         self.warnings: list[str] = []
         self.attach_s = 0.0
         self._raw: list[bytes] = []
@@ -75,17 +55,16 @@ class Collector:
         self._layout_trusted = True
         self._batch_trusted = True
         self._perf_lost = 0
-        consts, self.dt = layout.parse()
+        self.consts, self.dt = layout.parse()
         self.kind_token, self.kind_graph, self.kind_ops = (
-            consts["PI_EV_TOKEN"], consts["PI_EV_GRAPH"], consts["PI_EV_OPS"])
+            self.consts["PI_EV_TOKEN"], self.consts["PI_EV_GRAPH"], self.consts["PI_EV_OPS"])
 
     # ---- attach ----
 
     def attach(self) -> None:
         t0 = time.monotonic()
         kernel.require_root()
-        bcc = kernel.import_bcc()
-        self.headers = kernel.prepare_bcc_environment()
+        obj_path = bpfobj.object_path(self.pack.bpf, self.buffer)
         self.elfs = engine_libraries(self.pack, [h for h, _ in self.lib_paths], self.root,
                                      [n for _, n in self.lib_paths])
         if not self.elfs:
@@ -100,50 +79,52 @@ class Collector:
         self.op_names: list[str] = []
         if "op" in levels:
             self._decode_structures()
-        bext = self._batch_ext_layout()
-        text = (resources.files("profinfer.bpf").joinpath(self.pack.bpf).read_text()
-                .replace("GRAPH_HANDLERS", graph_handlers_c(self.probes)))
-        lay = self.layout
-        cflags = [f"-I{resources.files('profinfer.bpf')}",
-                  f"-DT_OFF_TYPE={lay.type}", f"-DT_OFF_NE={lay.ne}", f"-DT_OFF_OP={lay.op}",
-                  f"-DT_OFF_NAME={lay.name_off}", "-DCG_OFF_N_NODES=4",
-                  # At entry sp points at the return address; the by-value batch follows it.
-                  "-DTOKEN_SP_OFF=8", f"-DRINGBUF_PAGES={self.ringbuf_pages}",
-                  # wake the collector early once a quarter of the ring is in use
-                  f"-DRINGBUF_WAKE_BYTES={self.ringbuf_pages * 4096 // 4}",
-                  f"-DBEXT_OFF_TOKENS={bext[0]}", f"-DBEXT_TOKEN_SIZE={bext[1]}"]
-        if self.buffer == "perf":
-            cflags.append("-DPI_PERF_BUFFER")
+        self.obj = libbpf.BpfObject(obj_path)
         try:
-            self.bpf = bcc.BPF(text=text, cflags=cflags)
-        except Exception as e:  # BCC raises bare Exception on compile/load failure
-            raise ProfinferError(f"BPF program failed to compile or load ({self.headers}): "
-                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        _release_compiler_memory()
-        for p in self.probes:
-            try:
+            self.obj.set_rodata(self._config().tobytes())
+            if self.buffer == "ring":
+                self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
+            self.obj.load({fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn})
+            for p in self.probes:
+                offset = p.symbol.file_offset
                 if p.entry_fn:
-                    self.bpf.attach_uprobe(name=p.elf.path, addr=p.symbol.vaddr + p.place.offset,
-                                           fn_name=p.entry_fn, pid=self.pid)
+                    self.obj.attach_uprobe(p.entry_fn, p.elf.path, offset + p.place.offset, self.pid)
                 if p.return_fn:
-                    self.bpf.attach_uretprobe(name=p.elf.path, addr=p.symbol.vaddr,
-                                              fn_name=p.return_fn, pid=self.pid)
-            except Exception as e:
-                self.detach()
-                if not discovery.process_exists(self.pid):
-                    raise ProfinferError(f"process {self.pid} exited while probes were being attached") from None
-                raise ProfinferError(f"cannot attach to {p.symbol.name} in {p.elf.path}: {e}") from None
-        if self.buffer == "perf":
-            # One wakeup per PERF_WAKEUP_EVENTS records; the timer drains the rest.
-            self.bpf["events"].open_perf_buffer(self._on_perf_event, page_cnt=PERF_PAGES_PER_CPU,
-                                                lost_cb=self._on_perf_lost,
-                                                wakeup_events=PERF_WAKEUP_EVENTS)
-        else:
-            self.bpf["events"].open_ring_buffer(self._on_event)
-        self._unread = self.bpf["unread_bytes"]
-        self._zero_key, self._zero_value = self._unread.Key(0), self._unread.Leaf(0)
-        self.n_probes = sum(bool(p.entry_fn) + bool(p.return_fn) for p in self.probes)
+                    self.obj.attach_uprobe(p.return_fn, p.elf.path, offset, self.pid, retprobe=True)
+            if self.buffer == "perf":
+                # One wakeup per PERF_WAKEUP_EVENTS records; the timer drains the rest.
+                self._buf = self.obj.perf_buffer("events", PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS,
+                                                 self._on_record, self._on_perf_lost)
+            else:
+                self._buf = self.obj.ring_buffer("events", self._on_record)
+                self._unread_fd = self.obj.map_fd("unread_bytes")
+            self._lost_fd = self.obj.map_fd("lost")
+        except ProfinferError as e:
+            self.detach()
+            if not discovery.process_exists(self.pid):
+                raise ProfinferError(f"process {self.pid} exited while probes were being attached") from None
+            raise e from None
+        self.n_probes = self.obj.n_links
         self.attach_s = time.monotonic() - t0
+
+    def _config(self) -> np.ndarray:
+        """The object's `cfg`: this target's struct offsets and the buffer's wakeup level."""
+        graph_probes = [p for p in self.probes if p.spec.graph_backend is not None]
+        if len(graph_probes) > self.consts["PI_MAX_GRAPH_PROBES"]:
+            raise ProfinferError(f"{len(graph_probes)} graph probes resolved; the BPF object has "
+                                 f"{self.consts['PI_MAX_GRAPH_PROBES']}")
+        bext = self._batch_ext_layout()
+        lay = self.layout
+        cfg = np.zeros(1, self.dt["pi_config"])
+        cfg["t_off_type"], cfg["t_off_ne"], cfg["t_off_op"], cfg["t_off_name"] = (
+            lay.type, lay.ne, lay.op, lay.name_off)
+        cfg["cg_off_n_nodes"] = 4
+        cfg["token_sp_off"] = 8   # at entry sp points at the return address; the batch follows
+        cfg["bext_off_tokens"], cfg["bext_token_size"] = bext
+        # wake the collector early once a quarter of the ring is in use
+        cfg["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
+        cfg["graph_has_backend"] = sum(1 << i for i, p in enumerate(graph_probes) if p.spec.graph_backend)
+        return cfg
 
     def _batch_ext_layout(self) -> tuple[int, int]:
         """(offset of llama_batch_ext.tokens, sizeof one token) for the ext decode probe."""
@@ -182,10 +163,7 @@ class Collector:
 
     # ---- collect ----
 
-    def _on_event(self, ctx, data, size):
-        self._raw.append(ctypes.string_at(data, size))
-
-    def _on_perf_event(self, cpu, data, size):
+    def _on_record(self, data, size):
         self._raw.append(ctypes.string_at(data, size))
 
     def _on_perf_lost(self, count):
@@ -196,13 +174,10 @@ class Collector:
         """Wait up to timeout_ms (less when BPF forces a wakeup), then drain the ring.
 
         Records are submitted without wakeups, so the drain must not depend on one."""
-        if self.buffer == "perf":
-            self.bpf.perf_buffer_poll(timeout_ms)
-            self.bpf.perf_buffer_consume()
-        else:
-            self.bpf.ring_buffer_poll(timeout_ms)
-            self._unread[self._zero_key] = self._zero_value
-            self.bpf.ring_buffer_consume()
+        self._buf.poll(timeout_ms)
+        if self.buffer == "ring":
+            libbpf.map_update(self._unread_fd, _ZERO_U32, _ZERO_U64)
+        self._buf.consume()
         self._parse_raw()
 
     def _parse_raw(self) -> None:
@@ -253,17 +228,14 @@ class Collector:
 
     def lost(self) -> int:
         """Events BPF could not submit, plus perf-buffer records the kernel dropped."""
-        in_bpf = int(self.bpf["lost"][ctypes.c_int(0)].value) if self.bpf else 0
-        return in_bpf + self._perf_lost
+        raw = libbpf.map_lookup(self._lost_fd, _ZERO_U32, 8) if self.obj else None
+        return (int.from_bytes(raw, "little") if raw else 0) + self._perf_lost
 
     # ---- finish ----
 
     def finish(self) -> Profile:
         """Drain everything still in flight, detach, and build the Profile."""
-        if self.buffer == "perf":
-            self.bpf.perf_buffer_consume()
-        else:
-            self.bpf.ring_buffer_consume()
+        self._buf.consume()
         self._parse_raw()
         self._drain_threads()
         lost = self.lost()
@@ -274,8 +246,8 @@ class Collector:
         """Ops still batched or in progress in the per-thread BPF state at the end."""
         op_dt = self.dt["pi_op_event"]
         batch_size = self.dt["pi_op_batch"].itemsize
-        for _, st in self.bpf["op_threads"].items():
-            raw = bytes(st)
+        state_size = batch_size + op_dt.itemsize + 8   # struct op_thread in the BPF program
+        for _, raw in libbpf.map_items(self.obj.map_fd("op_threads"), 4, state_size):
             batch = np.frombuffer(raw[:batch_size], self.dt["pi_op_batch"], count=1)[0]
             parts = [batch["ev"][: batch["count"]].copy()]
             cur = np.frombuffer(raw[batch_size: batch_size + op_dt.itemsize], op_dt).copy()
@@ -289,23 +261,14 @@ class Collector:
                     self._ops.append(p)
 
     def detach(self) -> None:
-        """Close every probe, then free maps and programs.
+        """Close every probe, then free buffers, maps and programs.
 
-        BCC's own cleanup also asks tracefs to delete each uprobe event and fails when tracefs
-        is not mounted; uprobes made through the perf uprobe PMU vanish when their fd closes,
-        so tracefs is consulted only where it exists (BCC's legacy path needs it).
-        """
-        if self.bpf is None:
+        Uprobes made through the perf uprobe PMU vanish when their fd closes, so nothing of
+        ours survives even a SIGKILL; libbpf's legacy tracefs path is used only without it."""
+        if self.obj is None:
             return
-        bpf, self.bpf = self.bpf, None
-        from bcc import libbcc
-        tracefs = kernel.tracefs_mounted()
-        for ev_name, fd in list(bpf.uprobe_fds.items()):
-            libbcc.lib.bpf_close_perf_event_fd(fd)
-            if tracefs:
-                libbcc.lib.bpf_detach_uprobe(ev_name)
-            del bpf.uprobe_fds[ev_name]
-        bpf.cleanup()
+        obj, self.obj = self.obj, None
+        obj.close()
 
     def _build_profile(self, lost: int) -> Profile:
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or
@@ -317,7 +280,7 @@ class Collector:
             prof.tokens = [TokenCall(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
                                      int(r["n_tokens"]), bool(r["n_tokens"] > 1), int(r["ret"]))
                            for r in np.sort(t, order="start_ns")]
-        # Index = the probe number BPF put in each graph event (graph_handlers_c's order).
+        # Index = the probe number BPF put in each graph event (the pack's order of graph probes, as resolve() numbered them).
         graph_probes = [p for p in self.probes if p.spec.graph_backend is not None]
         backend_cache: dict[int, str] = {}
         if self._graphs:

@@ -134,13 +134,3 @@ def resolve(pack: Pack, elfs: list[ElfInfo], levels: set[str]) -> tuple[list[Res
             if spec.graph_backend is not None:
                 graph_index += 1
     return out, warnings
-
-
-def graph_handlers_c(probes: list[ResolvedProbe]) -> str:
-    """C wrappers giving each graph probe its own index (BPF entry points take no arguments)."""
-    lines = []
-    for i, p in enumerate(pr for pr in probes if pr.spec.graph_backend is not None):
-        b = 1 if p.spec.graph_backend else 0
-        lines.append(f"int graph_enter_{i}(struct pt_regs *ctx) {{ return graph_enter(ctx, {i}, {b}); }}")
-        lines.append(f"int graph_return_{i}(struct pt_regs *ctx) {{ return graph_return(ctx, {i}); }}")
-    return "\n".join(lines)

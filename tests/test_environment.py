@@ -1,7 +1,8 @@
 """Acceptance 6: profiling works without headers for the running kernel and without tracefs.
 
-Both conditions are forced in a private mount namespace, so the test means the same on a
-machine that has headers or a mounted tracefs, and the host is left untouched.
+The BPF object is compiled ahead of time, so attaching needs neither kernel headers (of any
+release) nor a compiler. All of that is hidden in a private mount namespace, so the test
+means the same on a machine that has them, and the host is left untouched.
 """
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ def test_no_headers_for_running_kernel_and_no_tracefs(llama_build, tiny_model, l
     script = f"""
         set -e
         mount -t tmpfs none /lib/modules            # no /lib/modules/$(uname -r)/build
+        mount -t tmpfs none /usr/src                # no header tree of any release
+        for d in /usr/lib/llvm-*; do mount -t tmpfs none $d; done   # no clang
+        ! command -v clang-14 >/dev/null || ! clang-14 --version >/dev/null 2>&1
         for t in /sys/kernel/tracing /sys/kernel/debug/tracing; do
             if mountpoint -q $t; then umount $t; fi
         done
         test ! -e /lib/modules/{platform.release()}/build
         test ! -e /sys/kernel/tracing/uprobe_events
-        COLUMNS=250 {PROFINFER[0]} -m profinfer.cli doctor | grep -q 'using /usr/src/linux-headers'
+        COLUMNS=250 {PROFINFER[0]} -m profinfer.cli doctor | grep -q 'loads and verifies'
         exec {inner}
     """
     p = with_llama_log(lambda: subprocess.run(

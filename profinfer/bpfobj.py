@@ -1,0 +1,90 @@
+"""Build the BPF objects ahead of time, once, cached by content.
+
+Compiling at attach time (BCC's way) cost 1.6-1.9 s of every attach; a precompiled object
+loads in milliseconds. The object depends only on the program source, events.h, the
+compiler and the architecture, never on the target: target facts go into its .rodata at
+load time. setup.sh builds both variants; an attach on a machine where they are missing
+builds them then (a fraction of a second with clang) and says nothing else changes.
+
+    python -m profinfer.bpfobj            # build (or find) every variant, print their paths
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+from importlib import resources
+
+from .errors import ProfinferError
+
+VARIANTS = {"ring": [], "perf": ["-DPI_PERF_BUFFER"]}
+_ARCH = {"x86_64": "x86", "aarch64": "arm64"}
+
+
+def cache_dir() -> str:
+    base = os.environ.get("PROFINFER_CACHE") or os.path.expanduser("~/.cache/profinfer")
+    return os.path.join(base, "bpf")
+
+
+def find_clang() -> str | None:
+    for name in ["clang"] + [f"clang-{v}" for v in range(20, 13, -1)]:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _multiarch_include() -> str:
+    multiarch = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
+    return f"/usr/include/{multiarch}"
+
+
+def object_path(source: str, variant: str = "ring") -> str:
+    """Path of the compiled object for `source` (a file in profinfer.bpf), building it if needed."""
+    src_dir = resources.files("profinfer.bpf")
+    text = src_dir.joinpath(source).read_bytes() + src_dir.joinpath("events.h").read_bytes()
+    arch = _ARCH.get(platform.machine())
+    if arch is None:
+        raise ProfinferError(f"no BPF register mapping for {platform.machine()} in this profinfer")
+    key = hashlib.sha256(text + repr((VARIANTS[variant], arch)).encode()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.splitext(source)[0])[0]
+    out = os.path.join(cache_dir(), f"{stem}-{variant}-{key}.o")
+    if os.path.exists(out):
+        return out
+    clang = find_clang()
+    if clang is None:
+        raise ProfinferError("the BPF object is not built and there is no clang to build it: "
+                             "apt-get install clang libbpf-dev, or run setup.sh")
+    if not os.path.exists("/usr/include/bpf/bpf_helpers.h"):
+        raise ProfinferError("the BPF object is not built and libbpf's headers are missing: "
+                             "apt-get install libbpf-dev")
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    cmd = [clang, "-O2", "-g", "-target", "bpf", f"-D__TARGET_ARCH_{arch}", *VARIANTS[variant],
+           f"-I{src_dir}", f"-I{_multiarch_include()}", "-c", str(src_dir.joinpath(source)), "-o", tmp]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        first = next((l for l in done.stderr.splitlines() if "error" in l), done.stderr.strip()[:300])
+        raise ProfinferError(f"building {source} failed: {first}")
+    os.replace(tmp, out)   # atomic: a concurrent attach sees a whole object or none
+    return out
+
+
+def main(argv: list[str]) -> int:
+    sources = argv or ["llamacpp.bpf.c"]
+    try:
+        for s in sources:
+            for v in VARIANTS:
+                print(object_path(s, v))
+    except ProfinferError as e:
+        print(f"profinfer: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,281 @@
+"""A small ctypes binding of the system's libbpf (Debian libbpf1): load a precompiled BPF
+object, attach its uprobes, read its maps, and drain its ring or perf buffer.
+
+libbpf's own messages (verifier logs included) are captured rather than printed: the last
+ones become the text of the error that is raised, so a failure is one clear line.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import ctypes.util
+import os
+
+from .errors import ProfinferError
+
+_vp = ctypes.c_void_p
+_SAMPLE_FN = ctypes.CFUNCTYPE(ctypes.c_int, _vp, _vp, ctypes.c_size_t)
+_PERF_EVENT_FN = ctypes.CFUNCTYPE(ctypes.c_int, _vp, ctypes.c_int, _vp)
+_PRINT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_char_p, _vp)
+
+_PERF_RECORD_LOST = 2
+_PERF_RECORD_SAMPLE = 9
+_LIBBPF_PERF_EVENT_CONT = -2
+_LIBBPF_WARN = 0
+
+_messages: collections.deque[str] = collections.deque(maxlen=40)
+_lib = None
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _on_print(level, fmt, ap):
+    buf = ctypes.create_string_buffer(1024)
+    _libc.vsnprintf(buf, len(buf), fmt, _vp(ap))
+    text = buf.value.decode("utf-8", "replace").rstrip()
+    if text:
+        _messages.append(text)
+    return 0
+
+
+_print_cb = _PRINT_FN(_on_print)
+
+
+def lib() -> ctypes.CDLL:
+    global _lib
+    if _lib is not None:
+        return _lib
+    name = ctypes.util.find_library("bpf") or "libbpf.so.1"
+    try:
+        L = ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        raise ProfinferError("libbpf is missing: apt-get install libbpf1") from None
+    sigs = {
+        "libbpf_set_print": (_vp, [_PRINT_FN]),
+        "libbpf_version_string": (ctypes.c_char_p, []),
+        "bpf_object__open_file": (_vp, [ctypes.c_char_p, _vp]),
+        "bpf_object__load": (ctypes.c_int, [_vp]),
+        "bpf_object__close": (None, [_vp]),
+        "bpf_object__find_map_by_name": (_vp, [_vp, ctypes.c_char_p]),
+        "bpf_object__find_program_by_name": (_vp, [_vp, ctypes.c_char_p]),
+        "bpf_object__next_program": (_vp, [_vp, _vp]),
+        "bpf_program__name": (ctypes.c_char_p, [_vp]),
+        "bpf_program__set_autoload": (ctypes.c_int, [_vp, ctypes.c_bool]),
+        "bpf_program__attach_uprobe": (_vp, [_vp, ctypes.c_bool, ctypes.c_int, ctypes.c_char_p,
+                                             ctypes.c_size_t]),
+        "bpf_link__destroy": (ctypes.c_int, [_vp]),
+        "bpf_map__fd": (ctypes.c_int, [_vp]),
+        "bpf_map__set_max_entries": (ctypes.c_int, [_vp, ctypes.c_uint32]),
+        "bpf_map__initial_value": (_vp, [_vp, ctypes.POINTER(ctypes.c_size_t)]),
+        "bpf_map_lookup_elem": (ctypes.c_int, [ctypes.c_int, _vp, _vp]),
+        "bpf_map_update_elem": (ctypes.c_int, [ctypes.c_int, _vp, _vp, ctypes.c_uint64]),
+        "bpf_map_get_next_key": (ctypes.c_int, [ctypes.c_int, _vp, _vp]),
+        "ring_buffer__new": (_vp, [ctypes.c_int, _SAMPLE_FN, _vp, _vp]),
+        "ring_buffer__poll": (ctypes.c_int, [_vp, ctypes.c_int]),
+        "ring_buffer__consume": (ctypes.c_int, [_vp]),
+        "ring_buffer__free": (None, [_vp]),
+        "perf_buffer__new_raw": (_vp, [ctypes.c_int, ctypes.c_size_t, _vp, _PERF_EVENT_FN, _vp, _vp]),
+        "perf_buffer__poll": (ctypes.c_int, [_vp, ctypes.c_int]),
+        "perf_buffer__consume": (ctypes.c_int, [_vp]),
+        "perf_buffer__free": (None, [_vp]),
+    }
+    for fn, (res, args) in sigs.items():
+        f = getattr(L, fn)
+        f.restype, f.argtypes = res, args
+    L.libbpf_set_print(_print_cb)
+    _lib = L
+    return L
+
+
+def version() -> str:
+    return lib().libbpf_version_string().decode()
+
+
+def _failure(what: str) -> ProfinferError:
+    err = ctypes.get_errno()
+    detail = os.strerror(err) if err else "failed"
+    # The verifier's verdict is usually the last message before libbpf's own summary.
+    logs = [m for m in _messages if m and not m.startswith("libbpf: prog '") or "failed" in m]
+    tail = f" [{logs[-1][:300]}]" if logs else ""
+    return ProfinferError(f"{what}: {detail}{tail}")
+
+
+class BpfObject:
+    """One BPF object file: configure, load, attach; close() undoes everything."""
+
+    def __init__(self, path: str):
+        L = lib()
+        _messages.clear()
+        self._obj = L.bpf_object__open_file(path.encode(), None)
+        if not self._obj:
+            raise _failure(f"cannot open BPF object {path}")
+        self._links: list[int] = []
+        self._buffers: list = []
+
+    def _map(self, name: str) -> int:
+        m = lib().bpf_object__find_map_by_name(self._obj, name.encode())
+        if not m:
+            raise ProfinferError(f"BPF object has no map {name}")
+        return m
+
+    def program_names(self) -> list[str]:
+        L, out, prog = lib(), [], None
+        while True:
+            prog = L.bpf_object__next_program(self._obj, prog)
+            if not prog:
+                return out
+            out.append(L.bpf_program__name(prog).decode())
+
+    def set_rodata(self, data: bytes) -> None:
+        """Write the object's read-only globals (its `const volatile` configuration)."""
+        size = ctypes.c_size_t()
+        ptr = lib().bpf_map__initial_value(self._map(".rodata"), ctypes.byref(size))
+        if not ptr or size.value != len(data):
+            raise ProfinferError(f"BPF object's .rodata is {size.value} bytes, configuration is "
+                                 f"{len(data)}: object and events.h disagree (rebuild it)")
+        ctypes.memmove(ptr, data, len(data))
+
+    def set_max_entries(self, map_name: str, n: int) -> None:
+        if lib().bpf_map__set_max_entries(self._map(map_name), n):
+            raise _failure(f"cannot size BPF map {map_name}")
+
+    def load(self, programs: set[str]) -> None:
+        """Load only `programs` (the verifier's time is spent on what is attached)."""
+        L, prog = lib(), None
+        while True:
+            prog = L.bpf_object__next_program(self._obj, prog)
+            if not prog:
+                break
+            L.bpf_program__set_autoload(prog, L.bpf_program__name(prog).decode() in programs)
+        _messages.clear()
+        if L.bpf_object__load(self._obj):
+            raise _failure("the kernel refused the BPF programs")
+
+    def attach_uprobe(self, program: str, path: str, file_offset: int, pid: int,
+                      retprobe: bool = False) -> None:
+        L = lib()
+        prog = L.bpf_object__find_program_by_name(self._obj, program.encode())
+        if not prog:
+            raise ProfinferError(f"BPF object has no program {program}")
+        _messages.clear()
+        link = L.bpf_program__attach_uprobe(prog, retprobe, pid, path.encode(), file_offset)
+        if not link:
+            raise _failure(f"uprobe {program} at {path}+{file_offset:#x}")
+        self._links.append(link)
+
+    @property
+    def n_links(self) -> int:
+        return len(self._links)
+
+    def map_fd(self, name: str) -> int:
+        return lib().bpf_map__fd(self._map(name))
+
+    def ring_buffer(self, map_name: str, on_record) -> "RingBuffer":
+        rb = RingBuffer(self.map_fd(map_name), on_record)
+        self._buffers.append(rb)
+        return rb
+
+    def perf_buffer(self, map_name: str, pages_per_cpu: int, wakeup_events: int,
+                    on_record, on_lost) -> "PerfBuffer":
+        pb = PerfBuffer(self.map_fd(map_name), pages_per_cpu, wakeup_events, on_record, on_lost)
+        self._buffers.append(pb)
+        return pb
+
+    def close(self) -> None:
+        """Detach every probe (perf-event uprobes vanish with their fds), free buffers and maps."""
+        L = lib()
+        for link in self._links:
+            L.bpf_link__destroy(link)
+        self._links = []
+        for b in self._buffers:
+            b.free()
+        self._buffers = []
+        if self._obj:
+            L.bpf_object__close(self._obj)
+            self._obj = None
+
+
+class RingBuffer:
+    def __init__(self, map_fd: int, on_record):
+        self._cb = _SAMPLE_FN(lambda ctx, data, size: on_record(data, size) or 0)
+        self._rb = lib().ring_buffer__new(map_fd, self._cb, None, None)
+        if not self._rb:
+            raise _failure("cannot open the BPF ring buffer")
+
+    def poll(self, timeout_ms: int) -> None:
+        lib().ring_buffer__poll(self._rb, timeout_ms)
+
+    def consume(self) -> None:
+        lib().ring_buffer__consume(self._rb)
+
+    def free(self) -> None:
+        if self._rb:
+            lib().ring_buffer__free(self._rb)
+            self._rb = None
+
+
+class _PerfEventAttr(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
+                ("sample_period", ctypes.c_uint64), ("sample_type", ctypes.c_uint64),
+                ("read_format", ctypes.c_uint64), ("flags", ctypes.c_uint64),
+                ("wakeup_events", ctypes.c_uint32), ("rest", ctypes.c_uint8 * 76)]
+
+
+class PerfBuffer:
+    """Per-CPU perf buffers that wake the reader once per `wakeup_events` records."""
+
+    def __init__(self, map_fd: int, pages_per_cpu: int, wakeup_events: int, on_record, on_lost):
+        attr = _PerfEventAttr()
+        attr.type = 1                 # PERF_TYPE_SOFTWARE
+        attr.size = 112               # PERF_ATTR_SIZE_VER5: known to every kernel with BPF output
+        attr.config = 10              # PERF_COUNT_SW_BPF_OUTPUT
+        attr.sample_period = 1
+        attr.sample_type = 1 << 10    # PERF_SAMPLE_RAW
+        attr.wakeup_events = wakeup_events
+
+        def on_event(ctx, cpu, header):
+            kind = ctypes.c_uint32.from_address(header).value
+            if kind == _PERF_RECORD_SAMPLE:
+                size = ctypes.c_uint32.from_address(header + 8).value
+                on_record(header + 12, size)
+            elif kind == _PERF_RECORD_LOST:
+                on_lost(ctypes.c_uint64.from_address(header + 16).value)
+            return _LIBBPF_PERF_EVENT_CONT
+
+        self._cb = _PERF_EVENT_FN(on_event)
+        self._pb = lib().perf_buffer__new_raw(map_fd, pages_per_cpu, ctypes.byref(attr),
+                                              self._cb, None, None)
+        if not self._pb:
+            raise _failure("cannot open the BPF perf buffers")
+
+    def poll(self, timeout_ms: int) -> None:
+        lib().perf_buffer__poll(self._pb, timeout_ms)
+
+    def consume(self) -> None:
+        lib().perf_buffer__consume(self._pb)
+
+    def free(self) -> None:
+        if self._pb:
+            lib().perf_buffer__free(self._pb)
+            self._pb = None
+
+
+def map_lookup(fd: int, key: bytes, value_size: int) -> bytes | None:
+    value = ctypes.create_string_buffer(value_size)
+    if lib().bpf_map_lookup_elem(fd, key, value):
+        return None
+    return value.raw
+
+
+def map_update(fd: int, key: bytes, value: bytes) -> None:
+    if lib().bpf_map_update_elem(fd, key, value, 0):
+        raise _failure("BPF map update")
+
+
+def map_items(fd: int, key_size: int, value_size: int):
+    """(key, value) pairs of a hash map, as bytes."""
+    key, nxt = None, ctypes.create_string_buffer(key_size)
+    while lib().bpf_map_get_next_key(fd, key, nxt) == 0:
+        key = nxt.raw
+        value = map_lookup(fd, key, value_size)
+        if value is not None:
+            yield key, value
