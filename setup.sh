@@ -30,4 +30,6 @@ fi
 .venv/bin/python -m profinfer.workload --models "${PROFINFER_MODELS:-tiny,llama-1.5b}"
 .venv/bin/python -m profinfer.workload --models "" --release-build \
     --version "$(.venv/bin/python -c 'from profinfer.workload import OTHER_VERSION as v; print(v)')"
+# This machine's roofs (memory bandwidth, f32 FMA peak) for the roofline verdicts; cached.
+.venv/bin/profinfer calibrate >&2
 echo "setup: done" >&2

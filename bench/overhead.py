@@ -23,32 +23,36 @@ from pathlib import Path
 
 from profinfer import workload
 
-CONFIGS = {"none": None, "token": "token", "token+graph": "token,graph",
-           "token+graph+op": "token,graph,op"}
+# profinfer options per configuration (None: no profiler)
+CONFIGS = {"none": None, "token": ["--levels", "token"], "token+graph": ["--levels", "token,graph"],
+           "token+graph+op": ["--levels", "token,graph,op"],
+           # issue 3: op level with its structure (sources' shapes) and two counters, and sched
+           "op+2 counters": ["--levels", "token,graph,op", "--counters", "task-clock,page-faults"],
+           "op+sched": ["--levels", "token,graph,op,sched"]}
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
 EVAL = re.compile(r"(?:llama_perf_context_print|common_perf_print):\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs")
 
 
-def run_once(cmd: list[str], levels: str | None, env: dict, tries: int = 6) -> dict:
+def run_once(cmd: list[str], options: list[str] | None, env: dict, tries: int = 6) -> dict:
     """One run. llama-completion's asynchronous logger is not flushed at exit (upstream
     issue 22142) and loses its last lines under load, profiler or not; such a run is
     repeated rather than guessed."""
     for _ in range(tries - 1):
         try:
-            return _run(cmd, levels, env)
+            return _run(cmd, options, env)
         except LookupError as e:
             print(f"retrying: {e}", file=sys.stderr)
     try:
-        return _run(cmd, levels, env)
+        return _run(cmd, options, env)
     except LookupError as e:
         raise SystemExit(str(e)) from None
 
 
-def _run(cmd: list[str], levels: str | None, env: dict) -> dict:
+def _run(cmd: list[str], options: list[str] | None, env: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         js = Path(tmp) / "s.json"
-        full = cmd if levels is None else [sys.executable, "-m", "profinfer.cli", "record", "--quiet",
-                                           "--levels", levels, "--json", str(js), "--", *cmd]
+        full = cmd if options is None else [sys.executable, "-m", "profinfer.cli", "record", "--quiet",
+                                           *options, "--json", str(js), "--", *cmd]
         p = subprocess.run(full, capture_output=True, text=True, env=env, timeout=1800)
         if p.returncode != 0:
             raise SystemExit(f"run failed ({' '.join(full[:6])} ...):\n{p.stderr[-2000:]}")
@@ -59,7 +63,7 @@ def _run(cmd: list[str], levels: str | None, env: dict) -> dict:
                               f"(profinfer stopped by: {stopped}):\n{p.stderr[-500:]}")
         ms, runs = float(m.group(1)), int(m.group(2))
         row = {"decode_tok_s": runs / (ms / 1e3)}
-        if levels is not None:
+        if options is not None:
             s = json.loads(js.read_text())
             meta = s.get("meta", {})
             row.update(attach_s=float(meta.get("attach_s", "nan")), lost=s["lost_events"],
@@ -76,8 +80,11 @@ def main() -> None:
     ap.add_argument("--tokens", default="tiny=256,llama-1.5b=64",
                     help="decode tokens per run, per model")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="configurations to run (none is always run)")
     ap.add_argument("--out", default=str(Path(__file__).with_name("results.md")))
     args = ap.parse_args()
+    chosen = ["none"] + [c for c in args.configs.split(",") if c in CONFIGS and c != "none"]
     ntok = dict(kv.split("=") for kv in args.tokens.split(","))
     build = workload.ensure_llama_build()
     env = {**os.environ, **workload.llama_env(build)}
@@ -88,8 +95,8 @@ def main() -> None:
     for model in args.models.split(","):
         gguf = workload.ensure_model(model)
         cmd = workload.completion_command(build, gguf, PROMPT, int(ntok.get(model, 32)), args.threads)
-        rows: dict[str, list[dict]] = {c: [] for c in CONFIGS}
-        names = list(CONFIGS)
+        rows: dict[str, list[dict]] = {c: [] for c in chosen}
+        names = chosen
         for r in range(args.rounds):
             order = names[r % len(names):] + names[: r % len(names)]
             for c in order:

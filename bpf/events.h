@@ -10,6 +10,8 @@
 #define PI_EV_TOKEN 1
 #define PI_EV_GRAPH 2
 #define PI_EV_OPS 3
+#define PI_EV_SWITCH 4
+#define PI_EV_WAKEUP 5
 
 /* One llama_decode call, sent at its return. */
 struct pi_token_event {
@@ -34,18 +36,33 @@ struct pi_graph_event {
 };
 
 /* One graph node computed by one thread. */
+#define PI_MAX_COUNTERS 4
+#define PI_OP_MIGRATED 1      /* the thread changed CPU inside the op: counter deltas dropped */
+#define PI_OP_CTR_FAILED 2    /* a counter could not be read: deltas dropped */
+#define PI_OP_UNFINISHED 4    /* set by user space: still running when collection ended */
+
 struct pi_op_event {
     u64 start_ns;
     u64 end_ns;          /* entry of the last ggml_barrier before the next node */
     u64 barrier_end_ns;  /* next node's start on this thread (user space caps it at graph end) */
     u64 tensor;
     s64 ne[4];
+    u64 src[3];          /* source tensors: the graph's edges */
+    s64 src0_ne[4];      /* shapes and types of the first two sources: FLOPs and bytes moved */
+    s64 src1_ne[4];
+    u64 ctr[PI_MAX_COUNTERS];          /* perf counter deltas over [start, end], unscaled */
+    u32 ctr_enabled[PI_MAX_COUNTERS];  /* ns each counter was enabled / running meanwhile: */
+    u32 ctr_running[PI_MAX_COUNTERS];  /* scale = enabled / running when multiplexed */
     u32 tid;
     u32 cpu;
     s32 op;
     s32 fused_op;        /* op of the second fused node, -1 when not fused */
     s32 type;
     u32 n_barriers;      /* barriers entered during the node: >1 means the op waited inside */
+    s32 src0_type;       /* -1: no such source */
+    s32 src1_type;
+    u32 flags;           /* PI_OP_* */
+    u32 pad;
     char name[PI_NAME_LEN];
 };
 
@@ -54,6 +71,24 @@ struct pi_op_batch {
     u32 kind;
     u32 count;
     struct pi_op_event ev[PI_OP_BATCH];
+};
+
+/* A context switch or wakeup involving one of the target's threads (sched level).
+ * Switch: prev left the CPU in prev_state (0: still runnable, i.e. preempted) for next.
+ * Wakeup: prev (the waker, current task) made next runnable. */
+#define PI_COMM_LEN 16
+
+struct pi_sched_event {
+    u32 kind;
+    u32 cpu;
+    u64 ts_ns;
+    s64 prev_state;
+    u32 prev_tid;
+    u32 prev_tgid;
+    u32 next_tid;
+    u32 next_tgid;
+    char prev_comm[PI_COMM_LEN];
+    char next_comm[PI_COMM_LEN];
 };
 
 /* Facts about the target, fixed before the programs load (the object's .rodata): offsets
@@ -70,6 +105,11 @@ struct pi_config {
     u64 bext_off_tokens;   /* llama_batch_ext.tokens (a std::vector) */
     u64 bext_token_size;   /* its element size */
     u64 ring_wake_bytes;   /* unread bytes that wake the collector early */
+    u64 t_off_src;         /* ggml_tensor.src[] */
     u32 graph_has_backend; /* bit i: graph probe i's first argument is a ggml_backend */
+    u32 n_counters;        /* perf counters in `counters`, at index counter * n_cpus + cpu */
+    u32 n_cpus;
+    u32 target_tgid;       /* sched level: the process whose threads are followed */
+    u32 switch_state_arg;  /* sched_switch passes prev_state as its 4th argument (5.18+) */
     u32 pad;
 };

@@ -13,6 +13,7 @@
 #include <linux/ptrace.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
 
 typedef __u16 u16;
 typedef __u32 u32;
@@ -52,6 +53,8 @@ struct op_thread {
     struct pi_op_event cur;     /* the node this thread is computing */
     u32 has_cur;
     u32 pad;
+    struct bpf_perf_event_value ctr_start[PI_MAX_COUNTERS];   /* at the node's start */
+    struct bpf_perf_event_value ctr_end[PI_MAX_COUNTERS];     /* at its latest barrier */
 };
 
 struct {
@@ -60,6 +63,16 @@ struct {
     __type(key, u32);
     __type(value, struct op_thread);
 } op_threads SEC(".maps");
+
+/* Per-CPU perf counters (opened by user space): counter i of CPU c at i * n_cpus + c.
+ * Counting is per CPU, not per thread, so a node whose thread changes CPU has no valid
+ * delta: it is flagged PI_OP_MIGRATED and user space counts it instead of summing it. */
+struct {
+    __uint(type, BPF_MAP_TYPE_PERF_EVENT_ARRAY);
+    __uint(key_size, sizeof(u32));
+    __uint(value_size, sizeof(u32));
+    __uint(max_entries, 1);
+} counters SEC(".maps");
 
 /* Zeroed template for a thread's first op: too large for the BPF stack. */
 struct {
@@ -86,7 +99,7 @@ struct {
     __uint(value_size, sizeof(u32));
 } events SEC(".maps");
 
-static __always_inline int emit(struct pt_regs *ctx, void *data, u32 size)
+static __always_inline int emit(void *ctx, void *data, u32 size)
 {
     return bpf_perf_event_output(ctx, &events, BPF_F_CURRENT_CPU, data, size);
 }
@@ -119,7 +132,7 @@ static __always_inline u64 wakeup_flag(u64 size)
 }
 
 /* Send one record to user space; 0 on success. */
-static __always_inline int emit(struct pt_regs *ctx, void *data, u32 size)
+static __always_inline int emit(void *ctx, void *data, u32 size)
 {
     return bpf_ringbuf_output(&events, data, size, wakeup_flag(size));
 }
@@ -233,14 +246,68 @@ GRAPH_PROBE(4) GRAPH_PROBE(5) GRAPH_PROBE(6) GRAPH_PROBE(7)
  * only when the thread's next node starts (or user space drains the map at the end).
  */
 
-static __always_inline void op_finish(struct pt_regs *ctx, struct op_thread *st, u64 now)
+/* Read every configured counter of this CPU into v; 0 when all reads succeeded. */
+static __always_inline int read_counters(struct bpf_perf_event_value *v, u32 cpu)
+{
+    int failed = 0;
+#pragma unroll
+    for (u32 i = 0; i < PI_MAX_COUNTERS; i++) {
+        if (i >= cfg.n_counters)
+            break;
+        if (bpf_perf_event_read_value(&counters, (u64)(i * cfg.n_cpus + cpu), &v[i], sizeof(v[i])))
+            failed = 1;
+    }
+    return failed;
+}
+
+/* The node's end on this thread, as far as counters go: re-read them unless it moved CPU. */
+static __always_inline void counters_at_end(struct op_thread *st)
+{
+    if (!cfg.n_counters || (st->cur.flags & (PI_OP_MIGRATED | PI_OP_CTR_FAILED)))
+        return;
+    if (bpf_get_smp_processor_id() != st->cur.cpu) {
+        st->cur.flags |= PI_OP_MIGRATED;
+        return;
+    }
+    if (read_counters(st->ctr_end, st->cur.cpu))
+        st->cur.flags |= PI_OP_CTR_FAILED;
+}
+
+static __always_inline u32 ns32(u64 ns)
+{
+    return ns > 0xffffffffULL ? 0xffffffffU : (u32)ns;
+}
+
+/* `now` and `reads` (this CPU's counters, read together with `now`) end the node if it
+ * met no barrier. */
+static __always_inline void op_finish(struct pt_regs *ctx, struct op_thread *st, u64 now,
+                                      struct bpf_perf_event_value *reads, int reads_failed)
 {
     if (!st->has_cur)
         return;
     st->has_cur = 0;
     st->cur.barrier_end_ns = now;
-    if (st->cur.n_barriers == 0)          /* no barrier seen: the node ran to here */
+    if (st->cur.n_barriers == 0) {        /* no barrier seen: the node ran to here */
         st->cur.end_ns = now;
+        if (cfg.n_counters && !(st->cur.flags & (PI_OP_MIGRATED | PI_OP_CTR_FAILED))) {
+            if (bpf_get_smp_processor_id() != st->cur.cpu)
+                st->cur.flags |= PI_OP_MIGRATED;
+            else if (reads_failed)
+                st->cur.flags |= PI_OP_CTR_FAILED;
+            else
+                __builtin_memcpy(st->ctr_end, reads, sizeof(st->ctr_end));
+        }
+    }
+    if (cfg.n_counters && !(st->cur.flags & (PI_OP_MIGRATED | PI_OP_CTR_FAILED))) {
+#pragma unroll
+        for (u32 i = 0; i < PI_MAX_COUNTERS; i++) {
+            if (i >= cfg.n_counters)
+                break;
+            st->cur.ctr[i] = st->ctr_end[i].counter - st->ctr_start[i].counter;
+            st->cur.ctr_enabled[i] = ns32(st->ctr_end[i].enabled - st->ctr_start[i].enabled);
+            st->cur.ctr_running[i] = ns32(st->ctr_end[i].running - st->ctr_start[i].running);
+        }
+    }
     u32 i = st->batch.count;
     if (i >= PI_OP_BATCH)                 /* cannot happen; keeps the verifier's bounds */
         return;
@@ -254,9 +321,23 @@ static __always_inline void op_finish(struct pt_regs *ctx, struct op_thread *st,
     }
 }
 
+/* type (at offset 0 in every layout) and ne[4] of a source tensor. */
+static __always_inline void read_source(u64 src, s32 *type, s64 *ne)
+{
+    *type = -1;
+    if (!src)
+        return;
+    bpf_probe_read_user(type, sizeof(*type), (void *)(src + cfg.t_off_type));
+    bpf_probe_read_user(ne, 4 * sizeof(s64), (void *)(src + cfg.t_off_ne));
+}
+
 static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const void *fused_with)
 {
+    /* Counters are read next to the clock: what the handler does after this (~1.4 µs here)
+     * must fall on the same side of both, or short ops lose a third of their count. */
+    struct bpf_perf_event_value reads[PI_MAX_COUNTERS] = {};
     u64 now = bpf_ktime_get_ns();
+    int reads_failed = cfg.n_counters ? read_counters(reads, bpf_get_smp_processor_id()) : 0;
     u32 tid = current_tid();
     struct op_thread *st = bpf_map_lookup_elem(&op_threads, &tid);
     if (!st) {
@@ -269,7 +350,7 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
         if (!st)
             return 0;
     }
-    op_finish(ctx, st, now);
+    op_finish(ctx, st, now, reads, reads_failed);
 
     struct pi_op_event *ev = &st->cur;
     ev->start_ns = now;
@@ -279,13 +360,25 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
     ev->tid = tid;
     ev->cpu = bpf_get_smp_processor_id();
     ev->n_barriers = 0;
+    ev->flags = 0;
     bpf_probe_read_user(&ev->op, sizeof(ev->op), t + cfg.t_off_op);
     bpf_probe_read_user(&ev->type, sizeof(ev->type), t + cfg.t_off_type);
     bpf_probe_read_user(ev->ne, sizeof(ev->ne), t + cfg.t_off_ne);
     bpf_probe_read_user(ev->name, sizeof(ev->name), t + cfg.t_off_name);
+    bpf_probe_read_user(ev->src, sizeof(ev->src), t + cfg.t_off_src);
+    read_source(ev->src[0], &ev->src0_type, ev->src0_ne);
+    read_source(ev->src[1], &ev->src1_type, ev->src1_ne);
     ev->fused_op = -1;
     if (fused_with)
         bpf_probe_read_user(&ev->fused_op, sizeof(ev->fused_op), fused_with + cfg.t_off_op);
+    if (cfg.n_counters) {
+        __builtin_memset(ev->ctr, 0, sizeof(ev->ctr));
+        __builtin_memset(ev->ctr_enabled, 0, sizeof(ev->ctr_enabled));
+        __builtin_memset(ev->ctr_running, 0, sizeof(ev->ctr_running));
+        __builtin_memcpy(st->ctr_start, reads, sizeof(st->ctr_start));
+        if (reads_failed)
+            ev->flags |= PI_OP_CTR_FAILED;
+    }
     st->has_cur = 1;
     return 0;
 }
@@ -311,5 +404,79 @@ int op_barrier(struct pt_regs *ctx)
         return 0;
     st->cur.end_ns = bpf_ktime_get_ns();
     st->cur.n_barriers++;
+    counters_at_end(st);
+    return 0;
+}
+
+/* ---- sched level: raw tracepoints (no tracefs needed), kernel-filtered to the target ----
+ * The few task_struct fields are read with CO-RE: libbpf relocates their offsets against
+ * the running kernel's BTF, so no kernel headers are involved. */
+
+struct task_struct {
+    int pid;
+    int tgid;
+    char comm[16];
+    unsigned int __state;
+} __attribute__((preserve_access_index));
+
+struct task_struct___pre514 {   /* before 5.14 the field was `long state` */
+    long state;
+} __attribute__((preserve_access_index));
+
+static __always_inline void fill_task(struct task_struct *t, u32 *tid, u32 *tgid, char *comm)
+{
+    *tid = BPF_CORE_READ(t, pid);
+    *tgid = BPF_CORE_READ(t, tgid);
+    /* not BPF_CORE_READ_STR_INTO: it sizes the copy by *dst, one char here */
+    bpf_core_read_str(comm, PI_COMM_LEN, &t->comm);
+}
+
+SEC("raw_tp/sched_switch")
+int sched_switch(struct bpf_raw_tracepoint_args *ctx)
+{
+    struct task_struct *prev = (struct task_struct *)ctx->args[1];
+    struct task_struct *next = (struct task_struct *)ctx->args[2];
+    u32 prev_tgid = BPF_CORE_READ(prev, tgid);
+    u32 next_tgid = BPF_CORE_READ(next, tgid);
+    if (prev_tgid != cfg.target_tgid && next_tgid != cfg.target_tgid)
+        return 0;
+    struct pi_sched_event ev = {};
+    ev.kind = PI_EV_SWITCH;
+    ev.cpu = bpf_get_smp_processor_id();
+    ev.ts_ns = bpf_ktime_get_ns();
+    fill_task(prev, &ev.prev_tid, &ev.prev_tgid, ev.prev_comm);
+    fill_task(next, &ev.next_tid, &ev.next_tgid, ev.next_comm);
+    if (ctx->args[0]) {
+        ev.prev_state = 0;            /* preempted: still runnable, whatever it was about to do */
+    } else if (cfg.switch_state_arg) {
+        ev.prev_state = (s64)(u32)ctx->args[3];
+    } else if (bpf_core_field_exists(prev->__state)) {
+        ev.prev_state = BPF_CORE_READ(prev, __state);
+    } else {
+        struct task_struct___pre514 *old = (void *)prev;
+        ev.prev_state = BPF_CORE_READ(old, state);
+    }
+    if (emit(ctx, &ev, sizeof(ev)))
+        count_lost(1);
+    return 0;
+}
+
+SEC("raw_tp/sched_wakeup")
+int sched_wakeup(struct bpf_raw_tracepoint_args *ctx)
+{
+    struct task_struct *woken = (struct task_struct *)ctx->args[0];
+    if ((u32)BPF_CORE_READ(woken, tgid) != cfg.target_tgid)
+        return 0;
+    struct pi_sched_event ev = {};
+    ev.kind = PI_EV_WAKEUP;
+    ev.cpu = bpf_get_smp_processor_id();
+    ev.ts_ns = bpf_ktime_get_ns();
+    u64 id = bpf_get_current_pid_tgid();
+    ev.prev_tid = (u32)id;
+    ev.prev_tgid = id >> 32;
+    bpf_get_current_comm(ev.prev_comm, sizeof(ev.prev_comm));
+    fill_task(woken, &ev.next_tid, &ev.next_tgid, ev.next_comm);
+    if (emit(ctx, &ev, sizeof(ev)))
+        count_lost(1);
     return 0;
 }

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from profinfer import calibrate, counterstats, roofline, schedstats
+from profinfer.counterstats import CounterRow
 from profinfer.model import Profile
 from profinfer.stats import OpStats, compute
 
@@ -47,7 +49,57 @@ def summary(profile: Profile) -> dict:
                           "ops": [{"op": o.op, "count": o.count, "total_ns": o.total_ns} for o in ph.ops]}
                    for name, ph in st.phases.items()},
         "meta": {str(k): str(v) for k, v in profile.meta.items()},
-    }
+    } | _counters(profile) | _roofline(profile) | _sched(profile)
+
+
+def _sched(profile: Profile) -> dict:
+    ss = schedstats.compute(profile)
+    if ss is None:
+        return {}
+    return {"sched": {
+        "switches": ss.switches, "wakeups": ss.wakeups,
+        "threads": [{"tid": t.tid, "name": t.name, "on_cpu_ns": t.on_cpu_ns,
+                     "runnable_ns": t.runnable_ns, "preempted_ns": t.preempted_ns,
+                     "sleeping_ns": t.sleeping_ns, "preemptions": t.preemptions,
+                     "preempted_by": [{"comm": c, "ns": ns} for c, ns in
+                                      sorted(t.preempted_by.items(), key=lambda x: -x[1])]}
+                    for t in ss.threads],
+        "ops": [{"op": o.op, "count": o.count, "op_ns": o.op_ns, "preempted_ns": o.preempted_ns,
+                 "runnable_ns": o.runnable_ns, "sleeping_ns": o.sleeping_ns} for o in ss.ops],
+    }}
+
+
+def _roofline(profile: Profile) -> dict:
+    if not profile.ops:
+        return {}
+    roofs = calibrate.cached_roofs(len({o.tid for o in profile.ops}))
+    if roofs is None:
+        return {"roofline": None}
+    return {"roofline": {
+        "roofs": {"peak_gflops": roofs.peak_gflops, "peak_gbps": roofs.peak_gbps, "ridge": roofs.ridge},
+        "verdicts": [{"scope": v.scope, "nodes": v.nodes, "time_ns": v.time_ns, "flops": v.flops,
+                      "bytes": v.bytes, "gflops": v.gflops, "gbps": v.gbps, "intensity": v.intensity,
+                      "bound": v.bound, "roof_share": v.roof_share}
+                     for v in roofline.verdicts(profile, roofs)]}}
+
+
+def _counters(profile: Profile) -> dict:
+    cs = counterstats.compute(profile)
+    if cs is None:
+        return {}
+
+    def row(r: CounterRow) -> dict:
+        return {"counted": r.counted, "dur_ns": r.dur_ns, "totals": r.totals, "derived": r.derived}
+
+    return {"counters": {
+        "names": cs.names,
+        "dropped_ops": {k: profile.counter_dropped.get(k, 0)
+                        for k in ("migrated", "unreadable", "not running", "unfinished")},
+        "ops": [{"op": r.scope} | row(r) for r in cs.by_op],
+        "phases": {p: row(r) for p, r in cs.by_phase.items()},
+        "per_token": cs.per_token,
+        "notes": cs.notes,
+    }}
 
 
 def write_json(profile: Profile, path: str | Path) -> None:

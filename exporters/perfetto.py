@@ -13,8 +13,17 @@ Protobuf layout (trace_reader.py reads exactly this back into a Profile):
   string values. This keeps an op (4 packets with its barrier) to a few dozen bytes.
 - slices, by category: llama_decode (name prefill/decode; n_tokens, ret when nonzero) >
   graph (name graph_compute; backend, n_nodes, function when set) > op (name = op type;
-  tensor, shape "ne0×ne1×ne2×ne3", dtype, cpu, addr when set), each op followed on the same
-  track by a "barrier" slice (op end to barrier end) unless that wait is zero.
+  tensor, shape "ne0×ne1×ne2×ne3", dtype, cpu, addr when set; src0..src2 addresses and
+  src0/src1 shape and dtype when known), each op followed on the same track by a "barrier"
+  slice (op end to barrier end) unless that wait is zero.
+- perf counters (Profile.counter_names, attribute profinfer.counters): an op's scaled deltas
+  are "ctr:<name>" double arguments of its END event, and each thread has one counter track
+  per counter (child of the thread track) holding the op's delta from its start to its end.
+  The attributes profinfer.counter_dropped.<reason> carry the dropped-op counts.
+- scheduler events (sched level) as ftrace sched_switch / sched_wakeup events in
+  FtraceEventBundles per CPU on sequence 1, so trace_processor builds thread states and
+  CPU tracks from them as from a kernel trace. Ftrace timestamps are BOOTTIME: the header's
+  clock snapshot relates it to MONOTONIC (offset Profile.meta["boottime_offset_ns"]).
 - slices on one track must nest strictly; where the data overlaps (clock rounding, a next op
   starting before the previous barrier ended) the slice is cut short and its END carries the
   true end_ns / barrier_end_ns, so nothing is lost.
@@ -37,17 +46,23 @@ FORMAT_VERSION = 1
 MAIN_SEQUENCE = 1
 SEQ_CLOCK = 64                       # first sequence-scoped clock id
 MONOTONIC = BuiltinClock.BUILTIN_CLOCK_MONOTONIC
+BOOTTIME = BuiltinClock.BUILTIN_CLOCK_BOOTTIME
+META_BOOT_OFFSET = "boottime_offset_ns"
+DEFAULT_PRIO = 120
+_FTRACE_BUNDLE = 1000                # events per FtraceEventBundle
 CAT_TOKEN, CAT_GRAPH, CAT_OP, CAT_BARRIER = "llama_decode", "graph", "op", "barrier"
 GRAPH_NAME, BARRIER_NAME = "graph_compute", "barrier"
 SHAPE_SEP = "×"
 ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX = "profinfer.format", "profinfer.lost_events", "meta."
+ATTR_COUNTERS, ATTR_DROPPED_PREFIX = "profinfer.counters", "profinfer.counter_dropped."
+COUNTER_ARG_PREFIX = "ctr:"
 
 # interned-data table per kind of string
 INTERN_TABLES = {"cat": "event_categories", "name": "event_names",
                  "arg": "debug_annotation_names", "str": "debug_annotation_string_values"}
 
 _TOKEN, _GRAPH, _OP = 0, 1, 2        # nesting levels on a thread track
-_INT, _STR, _PTR = 0, 1, 2           # argument value kinds
+_INT, _STR, _PTR, _DBL = 0, 1, 2, 3  # argument value kinds
 
 
 def process_uuid(pid: int) -> int:
@@ -56,6 +71,10 @@ def process_uuid(pid: int) -> int:
 
 def thread_uuid(tid: int) -> int:
     return (1 << 40) | tid
+
+
+def counter_track_uuid(tid: int, index: int) -> int:
+    return (3 << 48) | (index << 40) | tid
 
 
 def shape_str(ne) -> str:
@@ -126,6 +145,13 @@ def begin_fields(obj) -> tuple[str, str, tuple]:
                 ("dtype", _STR, obj.dtype), ("cpu", _INT, obj.cpu))
         if obj.tensor:
             args += (("addr", _PTR, obj.tensor),)
+        for i, src in enumerate(obj.srcs):
+            args += ((f"src{i}", _PTR, src),)
+        for i, (ne, dtype) in enumerate(zip(obj.src_ne, obj.src_dtypes)):
+            shape = _shapes.get(ne)
+            if shape is None:
+                shape = _shapes[ne] = shape_str(ne)
+            args += ((f"src{i}_shape", _STR, shape), (f"src{i}_dtype", _STR, dtype))
         return CAT_OP, obj.op, args
     if isinstance(obj, GraphCall):
         args = (("backend", _STR, obj.backend), ("n_nodes", _INT, obj.n_nodes))
@@ -225,6 +251,8 @@ class _ThreadSequence:
                 ann.string_value_iid = self._iid(interned, "str", value)
             elif kind == _PTR:
                 ann.pointer_value = value
+            elif kind == _DBL:
+                ann.double_value = value
             else:
                 ann.int_value = value
         body, extra = te.SerializeToString(), interned.SerializeToString()
@@ -252,15 +280,35 @@ class _ThreadSequence:
             fields += interned
         self._packet(ts, fields)
 
-    def write(self, items: list[tuple]) -> None:
+    def _counter(self, ts: int, uuid: int, value: float) -> None:
+        body = TrackEvent(type=TrackEvent.TYPE_COUNTER, track_uuid=uuid,
+                          double_counter_value=value).SerializeToString()
+        self._packet(ts, TAG_TRACK_EVENT + varint(len(body)) + body)
+
+    def write(self, items: list[tuple], counter_names: list[str], tid: int) -> None:
         end_plain = TAG_TRACK_EVENT + varint(len(_END_BODY)) + _END_BODY
+        tracks = [counter_track_uuid(tid, i) for i in range(len(counter_names))]
+        arg_names = [COUNTER_ARG_PREFIX + n for n in counter_names]
         for ev in plan(items):
             kind, ts = ev[0], ev[1]
             if kind == "B":
-                self._begin(ts, *begin_fields(ev[2]))
-            elif kind == "E" and ev[3]:
-                self._packet(ts, b"".join(self._track_event(
-                    TrackEvent.TYPE_SLICE_END, None, None, tuple((k, _INT, v) for k, v in ev[3].items()))))
+                obj = ev[2]
+                self._begin(ts, *begin_fields(obj))
+                if tracks and isinstance(obj, OpSlice) and obj.counters is not None:
+                    for uuid, v in zip(tracks, obj.counters):
+                        self._counter(ts, uuid, v)
+            elif kind == "E":
+                obj, args = ev[2], tuple((k, _INT, v) for k, v in (ev[3] or {}).items())
+                counted = tracks and isinstance(obj, OpSlice) and obj.counters is not None
+                if counted:
+                    args += tuple((n, _DBL, float(v)) for n, v in zip(arg_names, obj.counters))
+                if args:
+                    self._packet(ts, b"".join(self._track_event(TrackEvent.TYPE_SLICE_END, None, None, args)))
+                else:
+                    self._packet(ts, end_plain)
+                if counted:
+                    for uuid in tracks:
+                        self._counter(ts, uuid, 0.0)
             elif kind == "b":
                 self._begin(ts, CAT_BARRIER, BARRIER_NAME, ())
             else:
@@ -281,6 +329,9 @@ def write_perfetto(profile: Profile, path: str | Path) -> None:
     pkt.first_packet_on_sequence = True
     clock = pkt.clock_snapshot.clocks.add()
     clock.clock_id, clock.timestamp = MONOTONIC, t_min
+    boot = pkt.clock_snapshot.clocks.add()
+    boot_offset = int(profile.meta.get(META_BOOT_OFFSET, 0))
+    boot.clock_id, boot.timestamp = BOOTTIME, t_min + boot_offset
     pkt.clock_snapshot.primary_trace_clock = MONOTONIC   # trace time = our timestamps, unconverted
     pkt = header.add_packet()
     pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
@@ -296,11 +347,24 @@ def write_perfetto(profile: Profile, path: str | Path) -> None:
         desc.thread.tid = tid
         if tid in profile.thread_names:
             desc.thread.thread_name = profile.thread_names[tid]
+    op_tids = sorted({o.tid for o in profile.ops}) if profile.counter_names else []
+    for tid in op_tids:
+        for i, name in enumerate(profile.counter_names):
+            pkt = header.add_packet()
+            pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
+            desc = pkt.track_descriptor
+            desc.uuid = counter_track_uuid(tid, i)
+            desc.parent_uuid = thread_uuid(tid)
+            desc.name = name
+            desc.counter.SetInParent()
 
     footer = TraceProtoBuilder()
     pkt = footer.add_packet()
     pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
+    counter_attrs = [(ATTR_COUNTERS, ",".join(profile.counter_names))] if profile.counter_names else []
+    counter_attrs += [(ATTR_DROPPED_PREFIX + k, v) for k, v in profile.counter_dropped.items()]
     for key, value in [(ATTR_FORMAT, FORMAT_VERSION), (ATTR_LOST, profile.lost_events),
+                       *counter_attrs,
                        *((ATTR_META_PREFIX + k, str(v)) for k, v in profile.meta.items())]:
         attr = pkt.trace_attributes.attribute.add()
         attr.key = key
@@ -316,11 +380,45 @@ def write_perfetto(profile: Profile, path: str | Path) -> None:
             f.write(b"".join(parts))
             parts.clear()
 
+        for bundle in _ftrace_packets(profile, boot_offset):
+            parts.append(bundle)
         for seq_id, tid in enumerate(sorted(by_tid), start=MAIN_SEQUENCE + 1):
             items = by_tid[tid]
-            _ThreadSequence(parts, flush, seq_id, tid, items[0][0]).write(items)
+            _ThreadSequence(parts, flush, seq_id, tid, items[0][0]).write(
+                items, profile.counter_names, tid)
         parts.append(footer.serialize())
         flush()
+
+
+def _ftrace_packets(profile: Profile, boot_offset: int) -> Iterator[bytes]:
+    """Serialized packets of FtraceEventBundles (one CPU each, time-ordered) for the sched events."""
+    by_cpu: dict[int, list[tuple]] = defaultdict(list)
+    for sw in profile.switches:
+        by_cpu[sw.cpu].append((sw.ts_ns, 0, sw))
+    for w in profile.wakeups:
+        by_cpu[w.cpu].append((w.ts_ns, 1, w))
+    for cpu in sorted(by_cpu):
+        evs = sorted(by_cpu[cpu], key=lambda e: (e[0], e[1]))
+        for i in range(0, len(evs), _FTRACE_BUNDLE):
+            builder = TraceProtoBuilder()
+            pkt = builder.add_packet()
+            pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
+            pkt.ftrace_events.cpu = cpu
+            for ts, kind, obj in evs[i:i + _FTRACE_BUNDLE]:
+                ev = pkt.ftrace_events.event.add()
+                ev.timestamp = ts + boot_offset
+                if kind == 0:
+                    ev.pid = obj.prev_tid
+                    sw = ev.sched_switch
+                    sw.prev_comm, sw.prev_pid, sw.prev_prio, sw.prev_state = (
+                        obj.prev_comm, obj.prev_tid, DEFAULT_PRIO, obj.prev_state)
+                    sw.next_comm, sw.next_pid, sw.next_prio = obj.next_comm, obj.next_tid, DEFAULT_PRIO
+                else:
+                    ev.pid = obj.waker_tid
+                    wk = ev.sched_wakeup
+                    wk.comm, wk.pid, wk.prio, wk.success, wk.target_cpu = (
+                        obj.comm, obj.tid, DEFAULT_PRIO, 1, cpu)
+            yield builder.serialize()
 
 
 # --------------------------------------------------------------------------- Chrome JSON
@@ -349,6 +447,8 @@ def chrome_events(profile: Profile) -> Iterator[dict]:
                 args = _chrome_args(args)
                 if ev[3]:
                     args.update(ev[3])
+                if isinstance(obj, OpSlice) and obj.counters is not None:
+                    args.update((COUNTER_ARG_PREFIX + n, v) for n, v in zip(profile.counter_names, obj.counters))
             else:
                 cat, name, args = CAT_BARRIER, BARRIER_NAME, {}
             yield {"ph": "X", "pid": pid, "tid": tid, "name": name, "cat": cat,

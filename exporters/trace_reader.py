@@ -12,12 +12,14 @@ from google.protobuf.message import DecodeError
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, TrackEvent
 
 from profinfer.exporters.perfetto import (
-    ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX, CAT_BARRIER, CAT_GRAPH, CAT_OP, CAT_TOKEN,
-    FORMAT_VERSION, INTERN_TABLES, SEQ_CLOCK, SHAPE_SEP,
+    ATTR_COUNTERS, ATTR_DROPPED_PREFIX, ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX, CAT_BARRIER,
+    BOOTTIME, CAT_GRAPH, CAT_OP, CAT_TOKEN, COUNTER_ARG_PREFIX, FORMAT_VERSION, INTERN_TABLES,
+    MONOTONIC, SEQ_CLOCK,
+    SHAPE_SEP,
 )
-from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.model import GraphCall, OpSlice, Profile, SchedSwitch, SchedWakeup, TokenCall
 
-_BEGIN, _END = TrackEvent.TYPE_SLICE_BEGIN, TrackEvent.TYPE_SLICE_END
+_BEGIN, _END, _COUNTER = TrackEvent.TYPE_SLICE_BEGIN, TrackEvent.TYPE_SLICE_END, TrackEvent.TYPE_COUNTER
 _DECODE_CACHE_LIMIT = 200_000
 
 
@@ -65,6 +67,10 @@ class _Reader:
         self.tokens: list[TokenCall] = []
         self.graphs: list[GraphCall] = []
         self.ops: list[OpSlice] = []
+        self.op_counters: list[tuple[OpSlice, dict]] = []
+        self.boot_offset = 0
+        self.switches: list[SchedSwitch] = []
+        self.wakeups: list[SchedWakeup] = []
 
     def read(self, data: bytes) -> None:
         """Walk the Trace framing. Slice packets (sequence id, timestamp and track_event, nothing
@@ -133,6 +139,20 @@ class _Reader:
             clocks = {c.clock_id: c.timestamp for c in pkt.clock_snapshot.clocks}
             if SEQ_CLOCK in clocks:
                 seq.ts = clocks[SEQ_CLOCK]
+            if MONOTONIC in clocks and BOOTTIME in clocks:
+                self.boot_offset = clocks[BOOTTIME] - clocks[MONOTONIC]
+        elif data == "ftrace_events":
+            cpu = pkt.ftrace_events.cpu
+            for ev in pkt.ftrace_events.event:
+                ts = ev.timestamp - self.boot_offset
+                kind = ev.WhichOneof("event")
+                if kind == "sched_switch":
+                    sw = ev.sched_switch
+                    self.switches.append(SchedSwitch(ts, cpu, sw.prev_pid, sw.prev_comm, sw.prev_state,
+                                                     sw.next_pid, sw.next_comm))
+                elif kind == "sched_wakeup":
+                    wk = ev.sched_wakeup
+                    self.wakeups.append(SchedWakeup(ts, cpu, wk.pid, wk.comm, ev.pid))
         elif data == "track_descriptor":
             desc = pkt.track_descriptor
             if desc.HasField("process"):
@@ -160,6 +180,10 @@ class _Reader:
             return te.type, None, None, args, None
         if "shape" in args:          # parsed once per distinct event body, not per op
             args["ne"] = tuple(int(x) for x in args["shape"].split(SHAPE_SEP))
+            args["srcs"] = tuple(args[f"src{i}"] for i in range(3) if f"src{i}" in args)
+            args["src_ne"] = tuple(tuple(int(x) for x in args[f"src{i}_shape"].split(SHAPE_SEP))
+                                   for i in range(2) if f"src{i}_shape" in args)
+            args["src_dtypes"] = tuple(args[f"src{i}_dtype"] for i in range(2) if f"src{i}_dtype" in args)
         uuid = te.track_uuid if te.HasField("track_uuid") else seq.track_uuid
         return (te.type, seq.tables["cat"][te.category_iids[0]], seq.tables["name"][te.name_iid],
                 args, self.track_tid[uuid])
@@ -175,6 +199,8 @@ class _Reader:
                 seq.decoded.clear()
             seq.decoded[te_bytes] = decoded
         etype, cat, name, args, tid = decoded
+        if etype == _COUNTER:        # counter tracks repeat the ops' END arguments
+            return
         if etype == _BEGIN:
             seq.open.append((ts, cat, name, args, tid))
             return
@@ -189,7 +215,12 @@ class _Reader:
                          barrier_end_ns=args.get("barrier_end_ns", ts), op=name,
                          name=begin_args["tensor"],
                          ne=begin_args["ne"],
-                         dtype=begin_args["dtype"], tensor=begin_args.get("addr", 0))
+                         dtype=begin_args["dtype"], tensor=begin_args.get("addr", 0),
+                         srcs=begin_args["srcs"], src_ne=begin_args["src_ne"],
+                         src_dtypes=begin_args["src_dtypes"])
+            if any(k.startswith(COUNTER_ARG_PREFIX) for k in args):
+                # the counter names are in the attributes packet, which comes last
+                self.op_counters.append((op, args))
             self.ops.append(op)
             seq.last_op, seq.last_op_barrier_fixed = op, "barrier_end_ns" in args
         elif cat == CAT_BARRIER:
@@ -220,6 +251,18 @@ class _Reader:
         if any(s.open for s in self.seqs.values()):
             raise TraceFormatError("slices left open at the end of the trace")
 
+        names = [n for n in str(self.attrs.get(ATTR_COUNTERS, "")).split(",") if n]
+        for op, args in self.op_counters:
+            try:
+                op.counters = tuple(float(args[COUNTER_ARG_PREFIX + n]) for n in names)
+            except KeyError as e:
+                raise TraceFormatError(f"op counter {e} not among the trace's counters {names}") from None
+
+        ours = set(self.track_tid.values())
+        for sw in self.switches:     # process ids are implied by our thread tracks
+            sw.prev_pid = self.pid if sw.prev_tid in ours else 0
+            sw.next_pid = self.pid if sw.next_tid in ours else 0
+
         def key(x):
             return x.start_ns, x.tid
 
@@ -227,6 +270,11 @@ class _Reader:
             pid=self.pid, process_name=self.process_name, thread_names=self.thread_names,
             tokens=sorted(self.tokens, key=key), graphs=sorted(self.graphs, key=key),
             ops=sorted(self.ops, key=key), lost_events=int(self.attrs.get(ATTR_LOST, 0)),
+            counter_names=names,
+            switches=sorted(self.switches, key=lambda e: (e.ts_ns, e.cpu)),
+            wakeups=sorted(self.wakeups, key=lambda e: (e.ts_ns, e.cpu)),
+            counter_dropped={k[len(ATTR_DROPPED_PREFIX):]: int(v) for k, v in self.attrs.items()
+                             if k.startswith(ATTR_DROPPED_PREFIX)},
             meta={k[len(ATTR_META_PREFIX):]: str(v) for k, v in self.attrs.items()
                   if k.startswith(ATTR_META_PREFIX)})
 

@@ -14,18 +14,29 @@ import click
 from . import discovery
 from .errors import ProfinferError
 from .model import Profile
-from .probepack import LEVELS
+from .probepack import KERNEL_LEVELS, LEVELS
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
 def _levels(value: str) -> set[str]:
     levels = {v.strip() for v in value.split(",") if v.strip()}
-    bad = levels - set(LEVELS)
+    bad = levels - set(LEVELS + KERNEL_LEVELS)
     if bad or not levels:
         raise click.BadParameter(f"unknown level(s) {', '.join(sorted(bad)) or '(none)'}; "
-                                 f"choose from {','.join(LEVELS)}")
+                                 f"choose from {','.join(LEVELS + KERNEL_LEVELS)}")
     return levels
+
+
+def _counters(value: str | None) -> list[str]:
+    from . import counters
+    names = [v.strip() for v in (value or "").split(",") if v.strip()]
+    for n in names:
+        try:
+            counters.parse(n)
+        except ProfinferError as e:
+            raise click.BadParameter(str(e), param_hint="--counters") from None
+    return names
 
 
 def _warn(msg: str) -> None:
@@ -47,7 +58,8 @@ def output_options(f):
 
 def probe_options(f):
     f = click.option("--levels", default=",".join(LEVELS), show_default=True,
-                     help="Comma-separated levels: token, graph, op.")(f)
+                     help="Comma-separated levels: token, graph, op, and sched (context switches "
+                     "and wakeups of the target's threads: preempted and sleeping time per op).")(f)
     f = click.option("--duration", type=click.FloatRange(min=0.01),
                      help="Stop after this many seconds (default: until Ctrl-C or target exit).")(f)
     f = click.option("--tensor-layout", help="Skip DWARF and decode ggml_tensor with this known layout "
@@ -55,6 +67,9 @@ def probe_options(f):
     f = click.option("--buffer", type=click.Choice(["auto", "ring", "perf"]), default="auto",
                      show_default=True, help="BPF-to-user transport: ring buffer (Linux 5.8+) "
                      "or per-CPU perf buffers.")(f)
+    f = click.option("--counters", metavar="EVENTS", help="perf counters read at each op's start "
+                     "and end, perf's names: cycles,instructions,cache-misses,task-clock,"
+                     "page-faults,LLC-load-misses,r01a3,... (at most 4; needs the op level).")(f)
     return f
 
 
@@ -84,11 +99,11 @@ def cli():
 @click.option("-p", "--pid", type=int, required=True, help="Process to profile.")
 @probe_options
 @output_options
-def attach(pid, levels, duration, tensor_layout, buffer, output, json_path, quiet):
+def attach(pid, levels, duration, tensor_layout, buffer, counters, output, json_path, quiet):
     """Profile a running llama.cpp process, without restarting it."""
     from .session import profile_process
     profile = profile_process(pid, _levels(levels), duration, tensor_layout=tensor_layout,
-                              buffer=buffer, warn=_warn, note=_note)
+                              buffer=buffer, counters=_counters(counters), warn=_warn, note=_note)
     _emit(profile, output, json_path, quiet)
 
 
@@ -96,10 +111,10 @@ def attach(pid, levels, duration, tensor_layout, buffer, output, json_path, quie
 @probe_options
 @output_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def record(levels, duration, tensor_layout, buffer, output, json_path, quiet, command):
+def record(levels, duration, tensor_layout, buffer, counters, output, json_path, quiet, command):
     """Run COMMAND under the profiler, attached before its first instruction."""
     profile, code = record_command(list(command), _levels(levels), duration, tensor_layout,
-                                   buffer=buffer)
+                                   buffer=buffer, counters=_counters(counters))
     _emit(profile, output, json_path, quiet)
     if code:
         _warn(f"{command[0]} exited with status {code}")
@@ -107,7 +122,7 @@ def record(levels, duration, tensor_layout, buffer, output, json_path, quiet, co
 
 def record_command(command: list[str], levels: set[str], duration: float | None,
                    tensor_layout: str | None = None, env: dict[str, str] | None = None,
-                   buffer: str = "auto"):
+                   buffer: str = "auto", counters: list[str] | None = None):
     """Start `command` stopped before exec, attach, then let it run. Returns (profile, exit code)."""
     from .session import profile_process
     exe = shutil.which(command[0], path=(env or os.environ).get("PATH"))
@@ -139,6 +154,7 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
     try:
         profile = profile_process(pid, levels, duration, lib_paths=libs, child_status=status,
                                   on_attached=release, tensor_layout=tensor_layout, buffer=buffer,
+                                  counters=counters,
                                   warn=_warn, note=_note)
     finally:
         if not released:
@@ -173,18 +189,32 @@ def report(trace, json_path):
 @click.option("-n", "--tokens", default=32, show_default=True, help="Tokens to generate.")
 @click.option("-t", "--threads", default=2, show_default=True)
 @click.option("--levels", default=",".join(LEVELS), show_default=True)
+@click.option("--counters", metavar="EVENTS", help="perf counters per op, as for record.")
 @output_options
-def demo(model, tokens, threads, levels, output, json_path, quiet):
+def demo(model, tokens, threads, levels, counters, output, json_path, quiet):
     """Build (once, cached) and profile the bundled llama.cpp workload."""
     from . import workload
     build = workload.ensure_llama_build()
     gguf = workload.ensure_model(model)
     cmd = workload.completion_command(build, gguf, DEFAULT_PROMPT, tokens, threads)
     click.echo(f"profinfer: recording {' '.join(cmd)}", err=True)
-    profile, code = record_command(cmd, _levels(levels), None, env=workload.llama_env(build))
+    profile, code = record_command(cmd, _levels(levels), None, env=workload.llama_env(build),
+                                   counters=_counters(counters))
     _emit(profile, output or "demo.pftrace", json_path, quiet)
     if code:
         raise ProfinferError(f"the workload exited with status {code}")
+
+
+@cli.command(name="calibrate")
+@click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: all CPUs).")
+@click.option("--force", is_flag=True, help="Measure again even if cached.")
+def calibrate_cmd(threads, force):
+    """Measure this machine's roofs (memory bandwidth, f32 FMA peak) for roofline verdicts."""
+    from .calibrate import calibrate
+    r = calibrate(threads, force)
+    click.echo(f"threads {r['threads']}: read {r['read_gbps']:.1f} GB/s, triad {r['triad_gbps']:.1f} GB/s, "
+               f"f32 FMA {r['fma_gflops']:.1f} GFLOP/s "
+               f"(ridge {r['fma_gflops'] / r['read_gbps']:.1f} FLOP/byte)")
 
 
 @cli.command()

@@ -15,8 +15,9 @@ import time
 import numpy as np
 
 from . import bpfobj, discovery, dwarf, ggml, kernel, layout, libbpf
+from . import counters as perfcounters
 from .errors import ProfinferError
-from .model import GraphCall, OpSlice, Profile, TokenCall
+from .model import GraphCall, OpSlice, Profile, SchedSwitch, SchedWakeup, TokenCall
 from .probepack import Pack, engine_libraries, resolve
 from .symbols import load_elf
 
@@ -26,13 +27,14 @@ PERF_WAKEUP_EVENTS = 64
 KNOWN_BATCH_EXT = (64, 96)   # llama_batch_ext.tokens offset, token size (b11434)
 MAX_BATCH = 1 << 20
 _ZERO_U32 = bytes(4)
+SCHED_PROGRAMS = ("sched_switch", "sched_wakeup")
 _ZERO_U64 = bytes(8)
 
 
 class Collector:
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
-                 buffer: str = "auto"):
+                 buffer: str = "auto", counters: list[str] | None = None):
         self.pid = pid
         self.levels = set(levels)
         self.pack = pack
@@ -42,6 +44,9 @@ class Collector:
         self.ringbuf_pages = ringbuf_pages
         self.buffer = kernel.event_buffer_kind(buffer)
         self.obj: libbpf.BpfObject | None = None
+        self.counter_request = list(counters or [])
+        self.counters: perfcounters.OpenCounters | None = None
+        self.counter_dropped: dict[str, int] = {}
         self.warnings: list[str] = []
         self.attach_s = 0.0
         self._raw: list[bytes] = []
@@ -58,6 +63,8 @@ class Collector:
         self.consts, self.dt = layout.parse()
         self.kind_token, self.kind_graph, self.kind_ops = (
             self.consts["PI_EV_TOKEN"], self.consts["PI_EV_GRAPH"], self.consts["PI_EV_OPS"])
+        self.kind_switch, self.kind_wakeup = self.consts["PI_EV_SWITCH"], self.consts["PI_EV_WAKEUP"]
+        self._sched: list[np.ndarray] = []
 
     # ---- attach ----
 
@@ -79,18 +86,42 @@ class Collector:
         self.op_names: list[str] = []
         if "op" in levels:
             self._decode_structures()
+        if self.counter_request:
+            if "op" not in self.levels:
+                raise ProfinferError("--counters are read per op: add the op level")
+            self.counters = perfcounters.open_counters(self.counter_request,
+                                                       self.consts["PI_MAX_COUNTERS"])
+            if self.counters.notice:
+                self.warnings.append(self.counters.notice)
+        if "sched" in self.levels and not os.path.exists("/sys/kernel/btf/vmlinux"):
+            raise ProfinferError("the sched level needs kernel BTF (/sys/kernel/btf/vmlinux, "
+                                 "CONFIG_DEBUG_INFO_BTF): this kernel has none")
+        self.n_cpus = perfcounters.possible_cpus()
         self.obj = libbpf.BpfObject(obj_path)
         try:
             self.obj.set_rodata(self._config().tobytes())
             if self.buffer == "ring":
                 self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
-            self.obj.load({fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn})
+            self.obj.set_max_entries("counters", self.consts["PI_MAX_COUNTERS"] * self.n_cpus)
+            programs = {fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn}
+            if "sched" in self.levels:
+                programs |= set(SCHED_PROGRAMS)
+            self.obj.load(programs)
+            if self.counters:
+                fd = self.obj.map_fd("counters")
+                for i, per_cpu in enumerate(self.counters.fds):
+                    for cpu, event_fd in per_cpu.items():
+                        libbpf.map_update(fd, (i * self.n_cpus + cpu).to_bytes(4, "little"),
+                                          event_fd.to_bytes(4, "little"))
             for p in self.probes:
                 offset = p.symbol.file_offset
                 if p.entry_fn:
                     self.obj.attach_uprobe(p.entry_fn, p.elf.path, offset + p.place.offset, self.pid)
                 if p.return_fn:
                     self.obj.attach_uprobe(p.return_fn, p.elf.path, offset, self.pid, retprobe=True)
+            if "sched" in self.levels:
+                for prog in SCHED_PROGRAMS:
+                    self.obj.attach(prog)
             if self.buffer == "perf":
                 # One wakeup per PERF_WAKEUP_EVENTS records; the timer drains the rest.
                 self._buf = self.obj.perf_buffer("events", PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS,
@@ -123,6 +154,11 @@ class Collector:
         cfg["bext_off_tokens"], cfg["bext_token_size"] = bext
         # wake the collector early once a quarter of the ring is in use
         cfg["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
+        cfg["t_off_src"] = lay.src
+        cfg["n_counters"] = len(self.counters.counters) if self.counters else 0
+        cfg["n_cpus"] = self.n_cpus
+        cfg["target_tgid"] = self.pid
+        cfg["switch_state_arg"] = int(kernel.release_at_least(5, 18))
         cfg["graph_has_backend"] = sum(1 << i for i, p in enumerate(graph_probes) if p.spec.graph_backend)
         return cfg
 
@@ -202,6 +238,9 @@ class Collector:
             elif kind == self.kind_graph:
                 self._graphs.append(np.frombuffer(rec, self.dt["pi_graph_event"], count=1))
                 self.n_events += 1
+            elif kind == self.kind_switch or kind == self.kind_wakeup:
+                self._sched.append(np.frombuffer(rec, self.dt["pi_sched_event"], count=1))
+                self.n_events += 1
 
     def _validate(self, ops: np.ndarray) -> None:
         seen = np.concatenate(self._ops + [ops])[:VALIDATE_OPS]
@@ -246,13 +285,15 @@ class Collector:
         """Ops still batched or in progress in the per-thread BPF state at the end."""
         op_dt = self.dt["pi_op_event"]
         batch_size = self.dt["pi_op_batch"].itemsize
-        state_size = batch_size + op_dt.itemsize + 8   # struct op_thread in the BPF program
-        for _, raw in libbpf.map_items(self.obj.map_fd("op_threads"), 4, state_size):
+        # struct op_thread in the BPF program starts with the batch, then the current op
+        for _, raw in self.obj.map_items("op_threads"):
             batch = np.frombuffer(raw[:batch_size], self.dt["pi_op_batch"], count=1)[0]
             parts = [batch["ev"][: batch["count"]].copy()]
             cur = np.frombuffer(raw[batch_size: batch_size + op_dt.itemsize], op_dt).copy()
-            has_cur = int.from_bytes(raw[batch_size + op_dt.itemsize: batch_size + op_dt.itemsize + 4], "little")
+            at = batch_size + op_dt.itemsize
+            has_cur = int.from_bytes(raw[at: at + 4], "little")
             if has_cur:
+                self._finish_counters(cur, raw[at + 8:])
                 parts.append(cur)
             for p in parts:
                 if len(p):
@@ -260,15 +301,32 @@ class Collector:
                         self._validate(p)
                     self._ops.append(p)
 
+    def _finish_counters(self, cur: np.ndarray, values: bytes) -> None:
+        """Counter deltas of a node still open at the end (BPF computes them when the next
+        node starts): from the start and latest-barrier reads kept in its thread's state."""
+        if not self.counters:
+            return
+        n_max = self.consts["PI_MAX_COUNTERS"]
+        reads = np.frombuffer(values[: 2 * n_max * 24], "<u8").reshape(2, n_max, 3)
+        op = cur[0]
+        if op["n_barriers"] == 0:
+            op["flags"] |= self.consts["PI_OP_UNFINISHED"]
+            return
+        delta = reads[1] - reads[0]          # counter, enabled, running
+        op["ctr"][:] = delta[:, 0]
+        op["ctr_enabled"][:] = np.minimum(delta[:, 1], 0xFFFFFFFF)
+        op["ctr_running"][:] = np.minimum(delta[:, 2], 0xFFFFFFFF)
+
     def detach(self) -> None:
         """Close every probe, then free buffers, maps and programs.
 
         Uprobes made through the perf uprobe PMU vanish when their fd closes, so nothing of
         ours survives even a SIGKILL; libbpf's legacy tracefs path is used only without it."""
-        if self.obj is None:
-            return
-        obj, self.obj = self.obj, None
-        obj.close()
+        if self.obj is not None:
+            obj, self.obj = self.obj, None
+            obj.close()
+        if self.counters:
+            self.counters.close()
 
     def _build_profile(self, lost: int) -> Profile:
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or
@@ -298,9 +356,31 @@ class Collector:
                                              backend, int(r["n_nodes"]), graph_probes[probe].symbol.name))
         if self._ops:
             prof.ops = self._op_slices(np.concatenate(self._ops), prof.graphs)
+        if self.counters:
+            prof.counter_names = [c.name for c in self.counters.counters]
+            prof.counter_dropped = dict(self.counter_dropped)
         if "graph" not in self.levels:
             prof.graphs = []
+        if self._sched:
+            self._sched_events(np.sort(np.concatenate(self._sched), order="ts_ns"), prof)
         return prof
+
+    def _sched_events(self, evs: np.ndarray, prof: Profile) -> None:
+        def text(b) -> str:
+            return bytes(b).split(b"\0", 1)[0].decode("utf-8", "replace")
+
+        def ours(tgid) -> int:
+            return self.pid if int(tgid) == self.pid else 0
+
+        for e in evs:
+            if int(e["kind"]) == self.kind_switch:
+                prof.switches.append(SchedSwitch(
+                    int(e["ts_ns"]), int(e["cpu"]), int(e["prev_tid"]), text(e["prev_comm"]),
+                    int(e["prev_state"]), int(e["next_tid"]), text(e["next_comm"]),
+                    ours(e["prev_tgid"]), ours(e["next_tgid"])))
+            else:
+                prof.wakeups.append(SchedWakeup(int(e["ts_ns"]), int(e["cpu"]), int(e["next_tid"]),
+                                                text(e["next_comm"]), int(e["prev_tid"])))
 
     def _op_slices(self, ops: np.ndarray, graphs: list[GraphCall]) -> list[OpSlice]:
         ops = np.sort(ops, order="start_ns")
@@ -333,6 +413,8 @@ class Collector:
                 return base + "+" + (names[fused] if fused < n_names else f"OP{fused}")
             return base
 
+        counted = self._counter_values(ops)
+        types = ggml.GGML_TYPES
         name_cache: dict[bytes, str] = {}
         out = []
         for i, r in enumerate(ops):
@@ -340,12 +422,41 @@ class Collector:
             tname = name_cache.get(raw_name)
             if tname is None:
                 tname = name_cache[raw_name] = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
+            srcs = tuple(int(x) for x in r["src"] if x)
+            src_ne, src_dtypes = [], []
+            for ne_key, type_key in (("src0_ne", "src0_type"), ("src1_ne", "src1_type")):
+                t = int(r[type_key])
+                if t >= 0:
+                    src_ne.append(tuple(int(x) for x in r[ne_key]))
+                    src_dtypes.append(types.get(t, f"type{t}"))
             out.append(OpSlice(int(r["tid"]), int(r["cpu"]), int(start[i]), int(end[i]), int(bend[i]),
                                op_name(int(r["op"]), int(r["fused_op"])), tname,
                                tuple(int(x) for x in r["ne"]),
-                               ggml.GGML_TYPES.get(int(r["type"]), f"type{int(r['type'])}"),
-                               int(r["tensor"])))
+                               types.get(int(r["type"]), f"type{int(r['type'])}"),
+                               int(r["tensor"]), srcs, tuple(src_ne), tuple(src_dtypes),
+                               counted[i] if counted is not None else None))
         return out
+
+    def _counter_values(self, ops: np.ndarray) -> list | None:
+        """Per op, the counter deltas scaled for multiplexing, or None where dropped."""
+        if not self.counters:
+            return None
+        n = len(self.counters.counters)
+        ctr = ops["ctr"][:, :n].astype(np.float64)
+        en = ops["ctr_enabled"][:, :n].astype(np.float64)
+        run = ops["ctr_running"][:, :n].astype(np.float64)
+        scaled = np.where(run > 0, ctr * np.where(run > 0, en / np.maximum(run, 1), 0), 0)
+        flags = ops["flags"]
+        migrated = (flags & self.consts["PI_OP_MIGRATED"]) != 0
+        failed = ((flags & self.consts["PI_OP_CTR_FAILED"]) != 0) & ~migrated
+        unfinished = ((flags & self.consts["PI_OP_UNFINISHED"]) != 0) & ~migrated & ~failed
+        # A counter that did not run at all during the op (multiplexed out) has no value.
+        idle = ~migrated & ~failed & ~unfinished & (run == 0).any(axis=1) & (en > 0).any(axis=1)
+        self.counter_dropped = {"migrated": int(migrated.sum()), "unreadable": int(failed.sum()),
+                                "not running": int(idle.sum()), "unfinished": int(unfinished.sum())}
+        keep = ~(migrated | failed | idle | unfinished)
+        rows = scaled.tolist()
+        return [tuple(v) if k else None for v, k in zip(rows, keep.tolist())]
 
     def _backend_name(self, fn_addr: int) -> str:
         """Name of the backend whose get_name function is at fn_addr in the target."""
@@ -374,6 +485,9 @@ class Collector:
 
     def _meta(self) -> dict[str, str]:
         meta = {"engine": self.pack.engine, "levels": ",".join(sorted(self.levels)),
+                # relates BPF's CLOCK_MONOTONIC to the BOOTTIME of ftrace events in a trace
+                "boottime_offset_ns": str(time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+                                          - time.clock_gettime_ns(time.CLOCK_MONOTONIC)),
                 "event_buffer": self.buffer,
                 "kernel": platform.release(), "tensor_layout": self.layout.name,
                 "attach_s": f"{self.attach_s:.3f}"}

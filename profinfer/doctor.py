@@ -1,7 +1,6 @@
 """`profinfer doctor`: check each thing profiling depends on and say how to fix it."""
 from __future__ import annotations
 
-import ctypes
 import os
 import platform
 
@@ -9,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import bpfobj, kernel, libbpf
+from . import counters as perfcounters
 from .errors import ProfinferError
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -40,19 +40,18 @@ def _check_object():
 
 
 def _check_hw_pmu():
-    # perf_event_open(PERF_TYPE_HARDWARE, PERF_COUNT_HW_CPU_CYCLES) on this thread, any CPU.
-    class Attr(ctypes.Structure):
-        _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
-                    ("rest", ctypes.c_uint8 * 112)]
-    attr = Attr(0, ctypes.sizeof(Attr), 0)
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.syscall(298, ctypes.byref(attr), 0, -1, -1, 0)
+    fd = perfcounters._open(perfcounters.parse("cycles"), 0)
     if fd >= 0:
         os.close(fd)
         return OK, "hardware counters (cycles) open"
-    err = ctypes.get_errno()
-    return WARN, (f"no hardware PMU ({os.strerror(err)}): only software perf events; "
-                  "op-level hardware counters unavailable on this machine")
+    return WARN, (f"no hardware PMU ({os.strerror(-fd)}): --counters falls back to software "
+                  "events (task-clock, page-faults, context-switches, ...)")
+
+
+def _check_btf():
+    if os.path.exists("/sys/kernel/btf/vmlinux"):
+        return OK, "/sys/kernel/btf/vmlinux present (the sched level relocates task_struct with it)"
+    return WARN, "no kernel BTF: token/graph/op levels work; the sched level does not"
 
 
 def checks() -> list[tuple[str, str, str]]:
@@ -60,8 +59,7 @@ def checks() -> list[tuple[str, str, str]]:
     rows.append(("root", *((OK, "running as root") if os.geteuid() == 0 else
                            (FAIL, "not root: run with sudo"))))
     rows.append(("libbpf", *_check_libbpf()))
-    rows.append(("BTF", *((OK, "/sys/kernel/btf/vmlinux present") if os.path.exists("/sys/kernel/btf/vmlinux")
-                          else (WARN, "no kernel BTF: fine for uprobes"))))
+    rows.append(("BTF", *_check_btf()))
     rows.append(("event buffer", *((OK, "BPF ring buffer") if kernel.ring_buffer_supported() else
                                    (WARN, "no BPF ring buffer (kernel < 5.8): per-CPU perf buffers"))))
     rows.append(("uprobe PMU", *((OK, "uprobes via perf_event_open: no tracefs needed, "

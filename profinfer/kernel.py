@@ -28,10 +28,14 @@ def uprobe_pmu() -> bool:
     return os.path.exists(UPROBE_PMU)
 
 
+def release_at_least(major: int, minor: int) -> bool:
+    nums = re.match(r"(\d+)\.(\d+)", platform.release())
+    return bool(nums) and (int(nums.group(1)), int(nums.group(2))) >= (major, minor)
+
+
 def ring_buffer_supported() -> bool:
     """BPF ring buffers arrived in Linux 5.8."""
-    nums = re.match(r"(\d+)\.(\d+)", platform.release())
-    return bool(nums) and (int(nums.group(1)), int(nums.group(2))) >= (5, 8)
+    return release_at_least(5, 8)
 
 
 def event_buffer_kind(choice: str) -> str:

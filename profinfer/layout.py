@@ -10,7 +10,7 @@ import numpy as np
 _TYPES = {"u16": "<u2", "u32": "<u4", "s32": "<i4", "u64": "<u8", "s64": "<i8", "char": "S1"}
 _STRUCT = re.compile(r"struct\s+(\w+)\s*\{(.*?)\};", re.S)
 _FIELD = re.compile(r"^\s*(?:struct\s+)?(\w+)\s+(\w+)(?:\[(\w+)\])?\s*;")
-_DEFINE = re.compile(r"^#define\s+(\w+)\s+(\d+)\s*$", re.M)
+_DEFINE = re.compile(r"^#define\s+(\w+)\s+(\d+)\s*(?:/\*.*?\*/)?\s*$", re.M)
 
 
 def header_text() -> str:

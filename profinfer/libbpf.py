@@ -62,8 +62,11 @@ def lib() -> ctypes.CDLL:
         "bpf_program__set_autoload": (ctypes.c_int, [_vp, ctypes.c_bool]),
         "bpf_program__attach_uprobe": (_vp, [_vp, ctypes.c_bool, ctypes.c_int, ctypes.c_char_p,
                                              ctypes.c_size_t]),
+        "bpf_program__attach": (_vp, [_vp]),
         "bpf_link__destroy": (ctypes.c_int, [_vp]),
         "bpf_map__fd": (ctypes.c_int, [_vp]),
+        "bpf_map__key_size": (ctypes.c_uint32, [_vp]),
+        "bpf_map__value_size": (ctypes.c_uint32, [_vp]),
         "bpf_map__set_max_entries": (ctypes.c_int, [_vp, ctypes.c_uint32]),
         "bpf_map__initial_value": (_vp, [_vp, ctypes.POINTER(ctypes.c_size_t)]),
         "bpf_map_lookup_elem": (ctypes.c_int, [ctypes.c_int, _vp, _vp]),
@@ -162,12 +165,33 @@ class BpfObject:
             raise _failure(f"uprobe {program} at {path}+{file_offset:#x}")
         self._links.append(link)
 
+    def attach(self, program: str) -> None:
+        """Attach where the program's section says (raw tracepoints: by name, no tracefs)."""
+        L = lib()
+        prog = L.bpf_object__find_program_by_name(self._obj, program.encode())
+        if not prog:
+            raise ProfinferError(f"BPF object has no program {program}")
+        _messages.clear()
+        link = L.bpf_program__attach(prog)
+        if not link:
+            raise _failure(f"cannot attach {program}")
+        self._links.append(link)
+
     @property
     def n_links(self) -> int:
         return len(self._links)
 
     def map_fd(self, name: str) -> int:
         return lib().bpf_map__fd(self._map(name))
+
+    def map_sizes(self, name: str) -> tuple[int, int]:
+        """(key size, value size) as the kernel has them: buffers are sized from these."""
+        m = self._map(name)
+        return lib().bpf_map__key_size(m), lib().bpf_map__value_size(m)
+
+    def map_items(self, name: str):
+        key_size, value_size = self.map_sizes(name)
+        return map_items(self.map_fd(name), key_size, value_size)
 
     def ring_buffer(self, map_name: str, on_record) -> "RingBuffer":
         rb = RingBuffer(self.map_fd(map_name), on_record)

@@ -51,6 +51,12 @@ class OpSlice:
     ne: tuple[int, int, int, int]
     dtype: str           # "f32", "f16", "q4_0", ...
     tensor: int = 0      # tensor address (identifies the node within a graph)
+    srcs: tuple[int, ...] = ()            # source tensor addresses (the graph's edges)
+    src_ne: tuple[tuple[int, ...], ...] = ()   # shapes of the first two sources
+    src_dtypes: tuple[str, ...] = ()
+    # perf counter deltas over [start, end], scaled for multiplexing, in Profile.counter_names
+    # order; None when not counted (no counters, or dropped: see Profile.counter_dropped)
+    counters: tuple[float, ...] | None = None
 
     @property
     def dur_ns(self) -> int:
@@ -61,6 +67,30 @@ class OpSlice:
         return self.barrier_end_ns - self.end_ns
 
 
+@dataclass(slots=True)
+class SchedSwitch:
+    """A context switch on `cpu` in which a thread of the target left or took the CPU."""
+    ts_ns: int
+    cpu: int
+    prev_tid: int
+    prev_comm: str
+    prev_state: int      # 0: still runnable (preempted); else sleeping/blocked (TASK_* bits)
+    next_tid: int
+    next_comm: str
+    prev_pid: int = 0    # the target's pid when prev is one of its threads, else 0
+    next_pid: int = 0    # likewise for next
+
+
+@dataclass(slots=True)
+class SchedWakeup:
+    """A thread of the target made runnable by the `waker_tid` task (running on `cpu`)."""
+    ts_ns: int
+    cpu: int
+    tid: int
+    comm: str
+    waker_tid: int
+
+
 @dataclass
 class Profile:
     pid: int
@@ -69,6 +99,12 @@ class Profile:
     tokens: list[TokenCall] = field(default_factory=list)
     graphs: list[GraphCall] = field(default_factory=list)
     ops: list[OpSlice] = field(default_factory=list)
+    switches: list[SchedSwitch] = field(default_factory=list)
+    wakeups: list[SchedWakeup] = field(default_factory=list)
     lost_events: int = 0
+    counter_names: list[str] = field(default_factory=list)
+    # ops whose counter deltas were dropped, by reason ("migrated": the thread changed CPU
+    # inside the op; "unreadable"; "not running": multiplexed out the whole op)
+    counter_dropped: dict[str, int] = field(default_factory=dict)
     # engine, library paths and build ids, model path, levels, profinfer version, ...
     meta: dict[str, str] = field(default_factory=dict)

@@ -13,7 +13,8 @@ from .callsites import call_sites
 from .errors import ProfinferError
 from .symbols import ElfInfo, Symbol, load_elf
 
-LEVELS = ("token", "graph", "op")
+LEVELS = ("token", "graph", "op")           # probed in the engine (the default set)
+KERNEL_LEVELS = ("sched",)                  # kernel tracepoints, filtered to the target: opt-in
 
 
 @dataclass

@@ -75,7 +75,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                     lib_paths: list[tuple[str, str]] | None = None, child_status: list[int] | None = None,
                     on_attached: Callable[[], None] | None = None,
                     tensor_layout: str | None = None, buffer: str = "auto",
-                    status: bool | None = None,
+                    counters: list[str] | None = None, status: bool | None = None,
                     warn: Callable[[str], None] = lambda m: None,
                     note: Callable[[str], None] = lambda m: None) -> Profile:
     """Profile `pid` until stopped. With child_status (a list), pid is our child: its exit
@@ -86,7 +86,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     if lib_paths is None:
         lib_paths = [(m.host_path, m.path) for m in discovery.mapped_files(pid)]
     coll = Collector(pid, levels, load_pack(), lib_paths, root=f"/proc/{pid}/root",
-                     tensor_layout=tensor_layout, buffer=buffer)
+                     tensor_layout=tensor_layout, buffer=buffer, counters=counters)
     stop_reason: list[str] = []
 
     def on_signal(signum, _frame):

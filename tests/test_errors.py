@@ -68,6 +68,8 @@ def test_missing_trace(tmp_path):
 
 @pytest.mark.parametrize("args", [["attach", "--pid", "1", "--bogus"], ["attach"],
                                   ["attach", "--pid", "1", "--levels", "token,frobs"],
+                                  ["attach", "--pid", "1", "--counters", "cycles,frobs"],
+                                  ["attach", "--pid", "1", "--counters", "a,b,c,d,e"],
                                   ["frobnicate"]])
 def test_bad_options(args):
     one_line_error(run(args))

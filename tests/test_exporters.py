@@ -18,7 +18,7 @@ from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
 OPS = ["MUL_MAT", "RMS_NORM+MUL", "ADD", "ROPE", "SOFT_MAX", "GET_ROWS"]
 
 
-def synth(n_tokens=6, n_threads=3, n_nodes=12, seed=0, prompt=2, messy=False) -> Profile:
+def synth(n_tokens=6, n_threads=3, n_nodes=12, seed=0, prompt=2, messy=False, counters=False) -> Profile:
     """A llama.cpp-like run: per token a llama_decode call on the main thread, one graph inside
     it, and per node one op per thread ending in a shared barrier. `messy` adds the data defects
     the exporter must survive: overlapping ops, ops past their graph, zero-length ops and waits."""
@@ -44,7 +44,12 @@ def synth(n_tokens=6, n_threads=3, n_nodes=12, seed=0, prompt=2, messy=False) ->
                 p.ops.append(OpSlice(tid=main + th, cpu=rnd.randint(0, 7), start_ns=s, end_ns=e, barrier_end_ns=0,
                                      op=OPS[node % len(OPS)], name=f"blk.{node}", ne=(4096, node + 1, 1, 1),
                                      dtype=rnd.choice(["f32", "f16", "q4_0"]),
-                                     tensor=0x7F0000 + 64 * node if node % 3 else 0))
+                                     tensor=0x7F0000 + 64 * node if node % 3 else 0,
+                                     srcs=(0x7E0000 + node, 0x7F0000 + 64 * (node - 1))[:node % 3],
+                                     src_ne=((4096, 4096, 1, 1),) if node % 3 else (),
+                                     src_dtypes=("f16",) if node % 3 else (),
+                                     counters=(float(e - s), rnd.random() * 1e6)
+                                     if counters and rnd.random() < 0.9 else None))
             barrier_end = max(ends) + rnd.randint(0, 100)
             for o in p.ops[-n_threads:]:
                 o.barrier_end_ns = o.end_ns if messy and rnd.random() < 0.2 else barrier_end
@@ -59,6 +64,9 @@ def synth(n_tokens=6, n_threads=3, n_nodes=12, seed=0, prompt=2, messy=False) ->
         p.tokens.append(TokenCall(tid=main, start_ns=tok_start, end_ns=t, n_tokens=7 if prefill else 1,
                                   prefill=prefill, ret=-1 if k == 3 else 0))
         t += rnd.randint(0, 10000)
+    if counters:
+        p.counter_names = ["task-clock", "r01a3"]
+        p.counter_dropped = {"migrated": sum(o.counters is None for o in p.ops), "unreadable": 0}
     return sorted_profile(p)
 
 
@@ -115,8 +123,9 @@ def test_summary_of_empty_profile_is_plain():
 # --------------------------------------------------------------------------- Perfetto: round trip
 
 @pytest.mark.parametrize("messy", [False, True])
-def test_perfetto_round_trip_is_exact(tmp_path, messy):
-    p = synth(messy=messy)
+@pytest.mark.parametrize("counters", [False, True])
+def test_perfetto_round_trip_is_exact(tmp_path, messy, counters):
+    p = synth(messy=messy, counters=counters)
     path = tmp_path / "run.pftrace"
     write_perfetto(p, path)
     assert read_trace(path) == p
@@ -252,7 +261,9 @@ def test_perfetto_structure(tmp_path):
     tok = sorted(by_cat["llama_decode"], key=lambda s: s["ts"])[0]
     assert tok["name"] == "prefill" and tok["args"] == {"n_tokens": 7}
     op = next(s for s in by_cat["op"] if s["args"].get("addr"))
-    assert set(op["args"]) == {"tensor", "shape", "dtype", "cpu", "addr"}
+    assert {"tensor", "shape", "dtype", "cpu", "addr"} <= set(op["args"])
+    assert set(op["args"]) - {"tensor", "shape", "dtype", "cpu", "addr"} <= {
+        "src0", "src1", "src0_shape", "src0_dtype"}
     assert op["args"]["shape"].count("×") == 3
     # names and metadata that the UI shows
     threads = {d.thread.tid: d.thread.thread_name for d in seen["tracks"].values() if d.HasField("thread")}
@@ -387,3 +398,27 @@ def test_chrome_json(tmp_path):
                 stack.pop()
             assert not stack or e <= stack[-1] + 1     # +1: µs float rounding
             stack.append(e)
+
+
+def test_perfetto_counter_tracks(tmp_path):
+    """Each op thread gets one counter track per counter under its thread track, and each
+    counted op sets the counter to its delta at its start and back to 0 at its end."""
+    p = synth(counters=True)
+    path = tmp_path / "c.pftrace"
+    write_perfetto(p, path)
+    trace = Trace.FromString(path.read_bytes())
+    tracks = {pk.track_descriptor.uuid: pk.track_descriptor for pk in trace.packet
+              if pk.HasField("track_descriptor")}
+    threads = {d.uuid: d.thread.tid for d in tracks.values() if d.HasField("thread")}
+    counters = {u: d for u, d in tracks.items() if d.HasField("counter")}
+    assert {(threads[d.parent_uuid], d.name) for d in counters.values()} == {
+        (tid, n) for tid in {o.tid for o in p.ops} for n in p.counter_names}
+    values = [pk.track_event.double_counter_value for pk in trace.packet
+              if pk.HasField("track_event") and pk.track_event.type == TrackEvent.TYPE_COUNTER]
+    counted = [o for o in p.ops if o.counters is not None]
+    assert len(values) == 2 * len(counted) * len(p.counter_names)
+    assert sorted(v for v in values if v) == sorted(v for o in counted for v in o.counters if v)
+    attrs = {a.key: a for pk in trace.packet if pk.HasField("trace_attributes")
+             for a in pk.trace_attributes.attribute}
+    assert attrs["profinfer.counters"].string_value == "task-clock,r01a3"
+    assert attrs["profinfer.counter_dropped.migrated"].long_value == sum(o.counters is None for o in p.ops)

@@ -4,7 +4,11 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from profinfer import calibrate, counterstats, roofline, schedstats
+from profinfer.counterstats import CounterStats
 from profinfer.model import Profile
+from profinfer.roofline import Roofs, Verdict
+from profinfer.schedstats import SchedStats
 from profinfer.stats import ProfileStats, compute
 
 
@@ -58,6 +62,65 @@ def thread_table(st: ProfileStats) -> Table:
     return t
 
 
+def _count(v: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(v) >= div:
+            return f"{v / div:,.2f}{unit}"
+    return f"{v:,.0f}"
+
+
+def counter_table(cs: CounterStats) -> Table:
+    t = Table(title="Counters per op (scaled for multiplexing; counted ops only)", title_justify="left")
+    t.add_column("op")
+    t.add_column("counted", justify="right")
+    for n in cs.names:
+        t.add_column(n, justify="right")
+    metrics = [m for m in dict.fromkeys(k for r in cs.by_op for k in r.derived)]
+    for m in metrics:
+        t.add_column(m, justify="right")
+    for r in cs.by_op:
+        t.add_row(r.scope, f"{r.counted:,}", *(_count(r.totals[n]) for n in cs.names),
+                  *(f"{r.derived[m]:,.2f}" if m in r.derived else "-" for m in metrics))
+    return t
+
+
+def roofline_table(vs: list[Verdict], roofs: Roofs) -> Table:
+    t = Table(title=f"Roofline (roofs: {roofs.peak_gbps:,.1f} GB/s read, {roofs.peak_gflops:,.1f} "
+              f"GFLOP/s f32 FMA; ridge {roofs.ridge:,.1f} FLOP/B)", title_justify="left")
+    t.add_column("phase op")
+    for col in ("nodes", "time ms", "GFLOP/s", "GB/s", "FLOP/B"):
+        t.add_column(col, justify="right")
+    t.add_column("verdict")
+    t.add_column("% of roof", justify="right")
+    for v in vs:
+        t.add_row(v.scope, f"{v.nodes:,}", _ms(v.time_ns), f"{v.gflops:,.2f}", f"{v.gbps:,.2f}",
+                  f"{v.intensity:,.2f}", v.bound + ("" if v.bound == "neither" else "-bound"),
+                  f"{100 * v.roof_share:.0f}")
+    return t
+
+
+def sched_tables(ss: SchedStats) -> tuple[Table, Table]:
+    t = Table(title=f"Scheduler ({ss.switches:,} switches, {ss.wakeups:,} wakeups)", title_justify="left")
+    t.add_column("tid", justify="right")
+    t.add_column("name")
+    for col in ("on CPU ms", "preempted ms", "preemptions", "wakeup wait ms", "sleeping ms"):
+        t.add_column(col, justify="right")
+    t.add_column("preempted by")
+    for th in ss.threads:
+        top = sorted(th.preempted_by.items(), key=lambda x: -x[1])[:2]
+        t.add_row(str(th.tid), th.name, _ms(th.on_cpu_ns), _ms(th.preempted_ns), f"{th.preemptions:,}",
+                  _ms(th.waking_ns), _ms(th.sleeping_ns),
+                  ", ".join(f"{c} {_ms(ns)} ms" for c, ns in top) or "-")
+    o = Table(title="Ops while not running", title_justify="left")
+    o.add_column("op")
+    for col in ("count", "op ms", "preempted ms", "runnable ms", "sleeping ms", "preempted %"):
+        o.add_column(col, justify="right")
+    for r in ss.ops[:12]:
+        o.add_row(r.op, f"{r.count:,}", _ms(r.op_ns), _ms(r.preempted_ns), _ms(r.runnable_ns),
+                  _ms(r.sleeping_ns), _pct(r.preempted_ns / r.op_ns if r.op_ns else None))
+    return t, o
+
+
 def latency_line(st: ProfileStats) -> str:
     tps = st.tokens_per_s
     return (f"TTFT {_ms(st.ttft_ns)} ms   TPOT {_ms(st.tpot_ns)} ms   "
@@ -73,6 +136,27 @@ def render(profile: Profile, console: Console | None = None) -> ProfileStats:
     console.print(phase_table(st))
     console.print(latency_line(st))
     console.print(thread_table(st))
+    if profile.ops:
+        roofs = calibrate.cached_roofs(len({o.tid for o in profile.ops}))
+        if roofs is None:
+            console.print("roofline: no calibration for this machine yet: run `profinfer calibrate` once")
+        else:
+            vs = roofline.verdicts(profile, roofs)
+            if vs:
+                console.print(roofline_table(vs[:12], roofs))
+    ss = schedstats.compute(profile)
+    if ss:
+        for table in sched_tables(ss):
+            console.print(table)
+    cs = counterstats.compute(profile)
+    if cs:
+        console.print(counter_table(cs))
+        per_tok = ", ".join(f"{p}: " + " ".join(f"{n} {_count(v)}" for n, v in vals.items())
+                            for p, vals in cs.per_token.items())
+        if per_tok:
+            console.print(f"per token: {per_tok}")
+        for note in cs.notes:
+            console.print(f"[yellow]counters: {note}[/]")
     if st.lost_events:
         console.print(f"[yellow]warning: {st.lost_events:,} events were lost; totals are lower bounds[/]")
     return st

@@ -1,0 +1,98 @@
+"""Per-op perf counter totals and the metrics derived from them (pure logic).
+
+Each op carries its counter deltas (already scaled for multiplexing) or None when they were
+dropped (the thread migrated CPU inside the op, ...). Totals are over counted ops only, and
+the number of dropped ops is reported beside them, never hidden.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .model import Profile
+from .stats import PHASES, op_arrays, op_phases
+
+_ALIASES = {"cpu-cycles": "cycles", "branch-instructions": "branches"}
+CACHE_LINE = 64
+
+# (metric, numerator, denominator, scale): value = scale * num / den
+DERIVED = [
+    ("IPC", "instructions", "cycles", 1.0),
+    ("cache miss %", "cache-misses", "cache-references", 100.0),
+    ("branch miss %", "branch-misses", "branches", 100.0),
+    ("L1d load miss %", "L1-dcache-load-misses", "L1-dcache-loads", 100.0),
+    ("LLC load miss %", "LLC-load-misses", "LLC-loads", 100.0),
+    ("CPU util %", "task-clock", "_dur_ns", 100.0),
+]
+
+
+@dataclass
+class CounterRow:
+    scope: str                   # op type, or phase name
+    counted: int                 # ops whose deltas are in the totals
+    dur_ns: int                  # their summed duration
+    totals: dict[str, float]
+    derived: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class CounterStats:
+    names: list[str]
+    dropped: dict[str, int]
+    by_op: list[CounterRow]                  # sorted by duration, descending
+    by_phase: dict[str, CounterRow]
+    per_token: dict[str, dict[str, float]]   # phase -> counter -> total per token
+    notes: list[str]
+
+
+def canonical(name: str) -> str:
+    return _ALIASES.get(name, name)
+
+
+def derive(totals: dict[str, float], dur_ns: int) -> dict[str, float]:
+    vals = {canonical(k): v for k, v in totals.items()}
+    vals["_dur_ns"] = float(dur_ns)
+    out = {}
+    for metric, num, den, scale in DERIVED:
+        if num in vals and den in vals and vals[den] > 0:
+            out[metric] = scale * vals[num] / vals[den]
+    if "LLC-load-misses" in vals:
+        # each miss that leaves the last-level cache reads one line from DRAM (prefetches and
+        # writebacks are not in it: a lower bound)
+        out["DRAM read GB/s (LLC misses, lower bound)"] = (
+            vals["LLC-load-misses"] * CACHE_LINE / dur_ns if dur_ns else 0.0)
+    return out
+
+
+def compute(profile: Profile) -> CounterStats | None:
+    names = profile.counter_names
+    if not names or not profile.ops:
+        return None
+    arr = op_arrays(profile.ops)
+    counted = np.fromiter((o.counters is not None for o in profile.ops), bool, len(profile.ops))
+    values = np.array([o.counters if o.counters is not None else (0.0,) * len(names)
+                       for o in profile.ops], np.float64).reshape(len(profile.ops), len(names))
+    durs = arr.dur
+
+    def row(scope: str, mask: np.ndarray) -> CounterRow:
+        m = mask & counted
+        totals = {n: float(values[m, i].sum()) for i, n in enumerate(names)}
+        dur = int(durs[m].sum())
+        return CounterRow(scope, int(m.sum()), dur, totals, derive(totals, dur))
+
+    by_op = [row(name, arr.code == k) for k, name in enumerate(arr.names)]
+    by_op.sort(key=lambda r: -r.dur_ns)
+    phase = op_phases(arr, profile.tokens)
+    by_phase = {p: row(p, phase == k) for k, p in enumerate(PHASES) if (phase == k).any()}
+    tokens = {"prefill": 0, "decode": 0}
+    for t in profile.tokens:
+        tokens["prefill" if t.prefill else "decode"] += t.n_tokens
+    per_token = {p: {n: v / tokens[p] for n, v in by_phase[p].totals.items()}
+                 for p in ("prefill", "decode") if p in by_phase and tokens[p]}
+    notes = []
+    dropped = {k: v for k, v in profile.counter_dropped.items() if v}
+    if dropped:
+        notes.append(f"{sum(dropped.values())} of {len(profile.ops)} ops not counted ("
+                     + ", ".join(f"{v} {k}" for k, v in dropped.items()) + ")")
+    return CounterStats(list(names), dropped, by_op, by_phase, per_token, notes)

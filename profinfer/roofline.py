@@ -1,0 +1,160 @@
+"""Roofline without a PMU: each node's FLOPs and bytes from its shapes and types (pure logic).
+
+With the node's measured time this gives achieved GFLOP/s and GB/s, and against the
+machine's calibrated roofs (profinfer calibrate) a verdict:
+- memory-bound: arithmetic intensity below the ridge point and at least MIN_ROOF_SHARE of
+  the bandwidth roof reached;
+- compute-bound: intensity above the ridge and at least MIN_ROOF_SHARE of the compute roof;
+- neither (latency/overhead-bound): far from the roof its intensity points at (synchronisation,
+  dispatch, too little work per thread).
+
+The byte counts are what the op must move at least once (sources read, result written);
+re-reads of data that does not stay in cache are not in them, so achieved GB/s is a lower
+bound and a memory-bound verdict is conservative.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+from .nodes import NodeRun
+
+MIN_ROOF_SHARE = 0.4
+
+# ggml block formats: (elements per block, bytes per block); from ggml's type traits.
+TYPE_BLOCK = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "f64": (1, 8), "i8": (1, 1), "i16": (1, 2),
+    "i32": (1, 4), "i64": (1, 8),
+    "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
+    "q8_1": (32, 36), "iq4_nl": (32, 18), "mxfp4": (32, 17),
+    "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144), "q5_k": (256, 176),
+    "q6_k": (256, 210), "q8_k": (256, 292), "iq2_xxs": (256, 66), "iq2_xs": (256, 74),
+    "iq3_xxs": (256, 98), "iq1_s": (256, 50), "iq3_s": (256, 110), "iq2_s": (256, 82),
+    "iq4_xs": (256, 136), "iq1_m": (256, 56), "tq1_0": (256, 54), "tq2_0": (256, 66),
+}
+
+# FLOPs per output element of element-wise and row ops (a small constant: they are
+# memory-bound whatever it is exactly).
+_ELEMENTWISE_FLOPS = {"ADD": 1, "SUB": 1, "MUL": 1, "DIV": 1, "SCALE": 1, "SQR": 1, "SQRT": 1,
+                      "SILU": 4, "GELU": 8, "GLU": 5, "UNARY": 4, "RMS_NORM": 3, "NORM": 5,
+                      "ROPE": 6, "SOFT_MAX": 5, "ADD1": 1, "ACC": 1, "CLAMP": 1}
+
+
+def nbytes(ne: tuple[int, ...], dtype: str) -> float:
+    per_block, block_bytes = TYPE_BLOCK.get(dtype, (1, 4))
+    return prod(max(int(n), 1) for n in ne) * block_bytes / per_block
+
+
+@dataclass(slots=True)
+class Cost:
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else 0.0
+
+
+def node_cost(n: NodeRun) -> Cost | None:
+    """FLOPs and minimum bytes moved for one node, or None when its sources are unknown."""
+    base = n.op.split("+", 1)[0]
+    out = prod(max(int(x), 1) for x in n.ne)
+    out_bytes = nbytes(n.ne, n.dtype)
+    srcs = list(zip(n.src_ne, n.src_dtypes))
+    if base in ("MUL_MAT", "MUL_MAT_ID", "FLASH_ATTN_EXT") and len(srcs) < 2:
+        return None
+    if base == "MUL_MAT":
+        (a_ne, a_t), (b_ne, b_t) = srcs[0], srcs[1]
+        k = a_ne[0]
+        return Cost(2.0 * k * out, nbytes(a_ne, a_t) + nbytes(b_ne, b_t) + out_bytes)
+    if base == "MUL_MAT_ID":
+        # experts [K, M, n_expert]; dst [M, n_used, n_tokens]: each used expert's weights once
+        (a_ne, a_t), (b_ne, b_t) = srcs[0], srcs[1]
+        k, m, n_expert = a_ne[0], a_ne[1], max(a_ne[2], 1)
+        routed = max(n.ne[1], 1) * max(n.ne[2], 1)
+        experts_read = min(n_expert, routed)
+        return Cost(2.0 * k * out, experts_read * nbytes((k, m), a_t) + nbytes(b_ne, b_t) + out_bytes)
+    if base == "FLASH_ATTN_EXT":
+        # q [D, n_q, H]; k [D, n_kv, H_kv]; v like k: QK^T and PV, 2 FLOPs per multiply-add
+        (q_ne, q_t), (k_ne, k_t) = srcs[0], srcs[1]
+        d, n_q, heads = q_ne[0], q_ne[1], max(q_ne[2], 1) * max(q_ne[3], 1)
+        n_kv = k_ne[1]
+        return Cost(4.0 * d * n_q * n_kv * heads,
+                    nbytes(q_ne, q_t) + 2 * nbytes(k_ne, k_t) + out_bytes)
+    if base == "GET_ROWS":
+        # reads only the selected rows of src0
+        row_type = srcs[0][1] if srcs else n.dtype
+        return Cost(0.0, nbytes(n.ne, row_type) + out_bytes)
+    if base in ("SET_ROWS", "CPY", "CONT", "DUP"):
+        # writes as many elements as src0 has (dst of SET_ROWS is the whole cache)
+        if not srcs:
+            return Cost(0.0, 2 * out_bytes)
+        src_ne, src_t = srcs[0]
+        written = prod(max(int(x), 1) for x in src_ne) * nbytes((1,), n.dtype)
+        return Cost(0.0, nbytes(src_ne, src_t) + written)
+    flops = _ELEMENTWISE_FLOPS.get(base, 1) * out
+    if "+" in n.op:
+        flops += out          # the fused second op (MUL, ADD): one more per element
+    return Cost(float(flops), sum(nbytes(ne, t) for ne, t in srcs) + out_bytes)
+
+
+@dataclass(slots=True)
+class Roofs:
+    peak_gflops: float       # compute roof (f32 FMA, all threads)
+    peak_gbps: float         # memory roof (read bandwidth, all threads)
+
+    @property
+    def ridge(self) -> float:
+        return self.peak_gflops / self.peak_gbps
+
+
+@dataclass(slots=True)
+class Verdict:
+    scope: str
+    nodes: int
+    time_ns: int
+    flops: float
+    bytes: float
+    gflops: float
+    gbps: float
+    intensity: float
+    bound: str               # "memory", "compute" or "neither"
+    roof_share: float        # achieved / the roof its intensity points at
+    notes: list[str] = field(default_factory=list)
+
+
+def judge(scope: str, runs: list[NodeRun], roofs: Roofs) -> Verdict | None:
+    """One verdict for a set of node runs (e.g. decode MUL_MAT): totals, then the roof."""
+    flops = bytes_ = 0.0
+    time_ns = 0
+    counted = 0
+    for r in runs:
+        c = node_cost(r)
+        if c is None or r.dur_ns <= 0:
+            continue
+        flops += c.flops
+        bytes_ += c.bytes
+        time_ns += r.dur_ns
+        counted += 1
+    if not counted or not time_ns:
+        return None
+    gflops, gbps = flops / time_ns, bytes_ / time_ns       # per ns = G per s
+    intensity = flops / bytes_ if bytes_ else float("inf")
+    if intensity < roofs.ridge:
+        side, share = "memory", gbps / roofs.peak_gbps
+    else:
+        side, share = "compute", gflops / roofs.peak_gflops
+    bound = side if share >= MIN_ROOF_SHARE else "neither"
+    return Verdict(scope, counted, time_ns, flops, bytes_, gflops, gbps, intensity, bound, share)
+
+
+def verdicts(profile, roofs: Roofs) -> list[Verdict]:
+    """Verdicts per (phase, op type), largest time first. Scope is "decode MUL_MAT" etc."""
+    from .nodes import node_runs, phase_of
+    runs, _ = node_runs(profile)
+    groups: dict[str, list[NodeRun]] = {}
+    for r, phase in zip(runs, phase_of(runs, profile.tokens)):
+        groups.setdefault(f"{phase} {r.op}", []).append(r)
+    out = [v for scope, rs in groups.items() if (v := judge(scope, rs, roofs)) is not None]
+    out.sort(key=lambda v: -v.time_ns)
+    return out

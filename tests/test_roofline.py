@@ -1,0 +1,93 @@
+"""Roofline: cost model and verdicts (pure), then the physics on the real 1.5B model
+(issue 3, acceptance 2): batch-1 decode MUL_MAT is memory-bound, a 512-token prefill's is not."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import completion_cmd, run_profinfer, with_llama_log
+from profinfer import calibrate
+from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.nodes import node_runs
+from profinfer.roofline import Roofs, judge, nbytes, node_cost
+
+
+def run(op, ne, srcs, dtype="f32", dur=1000):
+    from profinfer.nodes import NodeRun
+    return NodeRun(0, 1, op, "t", ne, dtype, (), tuple(s[0] for s in srcs),
+                   tuple(s[1] for s in srcs), 0, dur, 1, dur)
+
+
+def test_block_formats():
+    assert nbytes((4096, 4096), "f16") == 4096 * 4096 * 2
+    assert nbytes((4096, 1), "q4_0") == 4096 / 32 * 18
+    assert nbytes((256,), "q4_k") == 144
+
+
+def test_matmul_cost():
+    # W [K=2048, M=8192] f16 times x [2048, N] f32
+    for n in (1, 512):
+        c = node_cost(run("MUL_MAT", (8192, n, 1, 1), [((2048, 8192, 1, 1), "f16"), ((2048, n, 1, 1), "f32")]))
+        assert c.flops == 2 * 2048 * 8192 * n
+        assert c.bytes == 2048 * 8192 * 2 + 2048 * n * 4 + 8192 * n * 4
+    assert node_cost(run("MUL_MAT", (8192, 1, 1, 1), [])) is None   # sources unknown: no guess
+
+
+def test_flash_attention_and_rows_costs():
+    c = node_cost(run("FLASH_ATTN_EXT", (64, 32, 1, 1), [((64, 1, 32, 1), "f32"), ((64, 256, 8, 1), "f16")]))
+    assert c.flops == 4 * 64 * 1 * 256 * 32
+    # SET_ROWS writes src0's rows into the cache, not the whole cache
+    c = node_cost(run("SET_ROWS", (512, 2048, 1, 1), [((512, 1, 1, 1), "f32")], dtype="f16"))
+    assert c.bytes == 512 * 4 + 512 * 2
+
+
+def test_verdicts():
+    roofs = Roofs(peak_gflops=100.0, peak_gbps=10.0)             # ridge 10 FLOP/B
+    mm = [((2048, 8192, 1, 1), "f16"), ((2048, 1, 1, 1), "f32")]
+    w_bytes = 2048 * 8192 * 2
+    fast = run("MUL_MAT", (8192, 1, 1, 1), mm, dur=int(w_bytes / 9.0))       # ~9 GB/s
+    slow = run("MUL_MAT", (8192, 1, 1, 1), mm, dur=int(w_bytes / 1.0))       # ~1 GB/s
+    assert judge("d", [fast], roofs).bound == "memory"
+    assert judge("d", [slow], roofs).bound == "neither"
+    mm512 = [((2048, 8192, 1, 1), "f16"), ((2048, 512, 1, 1), "f32")]
+    flops = 2 * 2048 * 8192 * 512
+    big = run("MUL_MAT", (8192, 512, 1, 1), mm512, dur=int(flops / 80.0))    # 80 GFLOP/s
+    v = judge("p", [big], roofs)
+    assert v.bound == "compute" and 0.75 < v.roof_share < 0.85 and v.intensity > roofs.ridge
+
+
+def test_node_runs_merge_threads_within_a_graph():
+    g = [GraphCall(1, 0, 100, "CPU", 2), GraphCall(1, 200, 300, "CPU", 2)]
+    ops = [OpSlice(1, 0, 10, 30, 40, "MUL_MAT", "a", (1, 1, 1, 1), "f32", tensor=0xA),
+           OpSlice(2, 1, 12, 35, 40, "MUL_MAT", "a", (1, 1, 1, 1), "f32", tensor=0xA),
+           OpSlice(1, 0, 40, 50, 60, "ADD", "b", (1, 1, 1, 1), "f32", tensor=0xB),
+           OpSlice(1, 0, 210, 230, 240, "MUL_MAT", "a", (1, 1, 1, 1), "f32", tensor=0xA)]
+    runs, graphs = node_runs(Profile(pid=1, graphs=g, ops=ops, tokens=[TokenCall(1, 0, 400, 1, False)]))
+    assert [(r.graph, r.tensor, r.start_ns, r.end_ns, r.threads, r.thread_ns) for r in runs] == [
+        (0, 0xA, 10, 35, 2, 43), (0, 0xB, 40, 50, 1, 10), (1, 0xA, 210, 230, 1, 20)]
+
+
+@pytest.fixture(scope="session")
+def roofs():
+    calibrate.calibrate(2)
+    return calibrate.cached_roofs(2)
+
+
+def test_calibrated_roofs_are_physical(roofs):
+    assert 1 < roofs.peak_gbps < 2000 and 1 < roofs.peak_gflops < 100_000
+
+
+def test_decode_matmul_memory_bound_prefill_not(llama_build, big_model, llama_env, tmp_path, roofs):
+    """Acceptance 2 on the 1.5B F16 model: 2 threads, a prompt of at least 512 tokens, 8 decodes."""
+    words = "the and of to in is that it for on with as was at by this from".split()
+    prompt = " ".join(words[i % len(words)] for i in range(560))   # one token a word in our vocab
+    r = with_llama_log(lambda: run_profinfer(
+        ["record", "--quiet", "--", *completion_cmd(llama_build, big_model, n=8, prompt=prompt,
+                                                    extra=("-b", "512", "-ub", "512"))],
+        env=llama_env, tmp_path=tmp_path, timeout=900))
+    assert r.rc == 0, r.stderr[-2000:]
+    s = r.summary
+    assert s["tokens"]["prefill"] >= 512
+    v = {x["scope"]: x for x in s["roofline"]["verdicts"]}
+    dec, pre = v["decode MUL_MAT"], v["prefill MUL_MAT"]
+    assert dec["bound"] == "memory", dec
+    assert pre["bound"] != "memory" and pre["intensity"] > s["roofline"]["roofs"]["ridge"], pre
