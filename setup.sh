@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-need=(libbpf1 libbpf-dev clang bpftool python3-venv python3-pip cmake ninja-build gcc g++)
+need=(libbpf1 libbpf-dev clang bpftool graphviz python3-venv python3-pip cmake ninja-build gcc g++)
 missing=()
 for p in "${need[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -27,7 +27,7 @@ fi
 # The bundled workload: llama.cpp (debug info) and the models; then an older llama.cpp as a
 # plain Release build, which the tests profile to show that a build profinfer was not
 # written against works without code changes.
-.venv/bin/python -m profinfer.workload --models "${PROFINFER_MODELS:-tiny,llama-1.5b}"
+.venv/bin/python -m profinfer.workload --models "${PROFINFER_MODELS:-tiny,tiny-moe,llama-1.5b}"
 .venv/bin/python -m profinfer.workload --models "" --release-build \
     --version "$(.venv/bin/python -c 'from profinfer.workload import OTHER_VERSION as v; print(v)')"
 # This machine's roofs (memory bandwidth, f32 FMA peak) for the roofline verdicts; cached.

@@ -12,6 +12,7 @@
 #define PI_EV_OPS 3
 #define PI_EV_SWITCH 4
 #define PI_EV_WAKEUP 5
+#define PI_EV_EXPERTS 6
 
 /* One llama_decode call, sent at its return. */
 struct pi_token_event {
@@ -48,6 +49,8 @@ struct pi_op_event {
     u64 tensor;
     s64 ne[4];
     u64 src[3];          /* source tensors: the graph's edges */
+    u64 src_view[3];     /* each source's view_src: the computed tensor a view looks into */
+    u64 fused_tensor;    /* the second node of a fused pair (its output is the op's result) */
     s64 src0_ne[4];      /* shapes and types of the first two sources: FLOPs and bytes moved */
     s64 src1_ne[4];
     u64 ctr[PI_MAX_COUNTERS];          /* perf counter deltas over [start, end], unscaled */
@@ -71,6 +74,24 @@ struct pi_op_batch {
     u32 kind;
     u32 count;
     struct pi_op_event ev[PI_OP_BATCH];
+};
+
+/* MoE routing: the expert ids a MUL_MAT_ID node read (its src[2]), one row per token,
+ * PI_EXPERT_SLOTS slots per row of which the first n_used are meaningful. Sent at the node's
+ * start by every thread that computes it, only the rows it holds (size varies). */
+#define PI_MAX_EXPERT_ROWS 128
+#define PI_EXPERT_SLOTS 8
+#define PI_EXPERT_IDS 1024   /* PI_MAX_EXPERT_ROWS * PI_EXPERT_SLOTS */
+
+struct pi_experts_event {
+    u32 kind;
+    u32 tid;
+    u64 start_ns;        /* the op's start: joins it to its op event */
+    u64 tensor;          /* the MUL_MAT_ID node */
+    u64 ids_tensor;
+    s32 n_used;          /* experts per token (ne0 of the ids) */
+    s32 n_tokens;        /* rows in the ids (ne1); rows sent: min(n_tokens, PI_MAX_EXPERT_ROWS) */
+    s32 ids[PI_EXPERT_IDS];
 };
 
 /* A context switch or wakeup involving one of the target's threads (sched level).
@@ -106,6 +127,11 @@ struct pi_config {
     u64 bext_token_size;   /* its element size */
     u64 ring_wake_bytes;   /* unread bytes that wake the collector early */
     u64 t_off_src;         /* ggml_tensor.src[] */
+    u64 t_off_view_src;    /* ggml_tensor.view_src */
+    u64 t_off_nb;          /* ggml_tensor.nb[] (byte strides) */
+    u64 t_off_data;        /* ggml_tensor.data */
+    s32 op_mul_mat_id;     /* GGML_OP_MUL_MAT_ID in this build's numbering (-1: none) */
+    u32 pad2;
     u32 graph_has_backend; /* bit i: graph probe i's first argument is a ggml_backend */
     u32 n_counters;        /* perf counters in `counters`, at index counter * n_cpus + cpu */
     u32 n_cpus;

@@ -55,6 +55,7 @@ struct op_thread {
     u32 pad;
     struct bpf_perf_event_value ctr_start[PI_MAX_COUNTERS];   /* at the node's start */
     struct bpf_perf_event_value ctr_end[PI_MAX_COUNTERS];     /* at its latest barrier */
+    struct pi_experts_event experts;                          /* MoE routing being sent */
 };
 
 struct {
@@ -321,7 +322,7 @@ static __always_inline void op_finish(struct pt_regs *ctx, struct op_thread *st,
     }
 }
 
-/* type (at offset 0 in every layout) and ne[4] of a source tensor. */
+/* type and ne[4] of a source tensor. */
 static __always_inline void read_source(u64 src, s32 *type, s64 *ne)
 {
     *type = -1;
@@ -329,6 +330,47 @@ static __always_inline void read_source(u64 src, s32 *type, s64 *ne)
         return;
     bpf_probe_read_user(type, sizeof(*type), (void *)(src + cfg.t_off_type));
     bpf_probe_read_user(ne, 4 * sizeof(s64), (void *)(src + cfg.t_off_ne));
+}
+
+/* A source that is a view (of the KV cache, a reshape of a node) names through view_src the
+ * tensor that holds its data; ggml keeps view_src pointing at the root, never at a view. */
+static __always_inline u64 view_root(u64 src)
+{
+    u64 root = 0;
+    if (src)
+        bpf_probe_read_user(&root, sizeof(root), (void *)(src + cfg.t_off_view_src));
+    return root;
+}
+
+/* The expert ids of a MUL_MAT_ID node (a view of the router's top-k: rows strided by nb[1]). */
+static __always_inline void send_experts(void *ctx, struct op_thread *st, u64 ids)
+{
+    struct pi_experts_event *ex = &st->experts;
+    s64 ne[2] = {};
+    u64 nb1 = 0, data = 0;
+    bpf_probe_read_user(ne, sizeof(ne), (void *)(ids + cfg.t_off_ne));
+    bpf_probe_read_user(&nb1, sizeof(nb1), (void *)(ids + cfg.t_off_nb + 8));
+    bpf_probe_read_user(&data, sizeof(data), (void *)(ids + cfg.t_off_data));
+    ex->kind = PI_EV_EXPERTS;
+    ex->tid = st->cur.tid;
+    ex->start_ns = st->cur.start_ns;
+    ex->tensor = st->cur.tensor;
+    ex->ids_tensor = ids;
+    ex->n_used = (s32)ne[0];
+    ex->n_tokens = (s32)ne[1];
+    u32 rows = 0;
+    for (u32 r = 0; r < PI_MAX_EXPERT_ROWS; r++) {
+        if ((s64)r >= ne[1])
+            break;
+        bpf_probe_read_user(&ex->ids[r * PI_EXPERT_SLOTS], PI_EXPERT_SLOTS * sizeof(s32),
+                            (void *)(data + r * nb1));
+        rows = r + 1;
+    }
+    u64 size = sizeof(*ex) - sizeof(ex->ids) + (u64)rows * PI_EXPERT_SLOTS * sizeof(s32);
+    if (size > sizeof(*ex))
+        return;
+    if (emit(ctx, ex, size))
+        count_lost(1);
 }
 
 static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const void *fused_with)
@@ -368,9 +410,15 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
     bpf_probe_read_user(ev->src, sizeof(ev->src), t + cfg.t_off_src);
     read_source(ev->src[0], &ev->src0_type, ev->src0_ne);
     read_source(ev->src[1], &ev->src1_type, ev->src1_ne);
+    ev->src_view[0] = view_root(ev->src[0]);
+    ev->src_view[1] = view_root(ev->src[1]);
+    ev->src_view[2] = view_root(ev->src[2]);
     ev->fused_op = -1;
+    ev->fused_tensor = (u64)fused_with;
     if (fused_with)
         bpf_probe_read_user(&ev->fused_op, sizeof(ev->fused_op), fused_with + cfg.t_off_op);
+    if (cfg.op_mul_mat_id >= 0 && ev->op == cfg.op_mul_mat_id && ev->src[2])
+        send_experts(ctx, st, ev->src[2]);
     if (cfg.n_counters) {
         __builtin_memset(ev->ctr, 0, sizeof(ev->ctr));
         __builtin_memset(ev->ctr_enabled, 0, sizeof(ev->ctr_enabled));

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from profinfer import calibrate, counterstats, roofline, schedstats
+from profinfer import calibrate, counterstats, layers, moe, roofline, schedstats
 from profinfer.counterstats import CounterRow
 from profinfer.model import Profile
 from profinfer.stats import OpStats, compute
@@ -49,7 +49,27 @@ def summary(profile: Profile) -> dict:
                           "ops": [{"op": o.op, "count": o.count, "total_ns": o.total_ns} for o in ph.ops]}
                    for name, ph in st.phases.items()},
         "meta": {str(k): str(v) for k, v in profile.meta.items()},
-    } | _counters(profile) | _roofline(profile) | _sched(profile)
+    } | _counters(profile) | _roofline(profile) | _sched(profile) | _layers(profile) | _moe(profile)
+
+
+def _moe(profile: Profile) -> dict:
+    ms = moe.compute(profile)
+    if ms is None:
+        return {}
+    return {"moe": {"n_experts": ms.n_experts, "n_used": ms.n_used, "layers": ms.layers,
+                    "activations": ms.total, "routed_tokens": ms.tokens,
+                    "counts": ms.counts.tolist(),
+                    "by_phase": {p: c.tolist() for p, c in ms.by_phase.items()}}}
+
+
+def _layers(profile: Profile) -> dict:
+    if not profile.ops or not profile.graphs:
+        return {}
+    return {"layers": [{"layer": r.layer, "phase": r.phase, "nodes": r.nodes, "time_ns": r.time_ns}
+                       for r in layers.layer_times(profile)],
+            "decode_by_context": [{"kv_len": r.kv_len, "calls": r.calls, "mean_call_ns": r.mean_call_ns,
+                                   "mean_attention_ns": r.mean_attention_ns}
+                                  for r in layers.decode_by_context(profile)]}
 
 
 def _sched(profile: Profile) -> dict:

@@ -13,13 +13,14 @@ Protobuf layout (trace_reader.py reads exactly this back into a Profile):
   string values. This keeps an op (4 packets with its barrier) to a few dozen bytes.
 - slices, by category: llama_decode (name prefill/decode; n_tokens, ret when nonzero) >
   graph (name graph_compute; backend, n_nodes, function when set) > op (name = op type;
-  tensor, shape "ne0×ne1×ne2×ne3", dtype, cpu, addr when set; src0..src2 addresses and
-  src0/src1 shape and dtype when known), each op followed on the same track by a "barrier"
+  tensor, shape "ne0×ne1×ne2×ne3", dtype, cpu, addr when set; src0..src2 addresses,
+  srcN_view_of for sources that are views, fused_tensor, src0/src1 shape and dtype when known), each op followed on the same track by a "barrier"
   slice (op end to barrier end) unless that wait is zero.
 - perf counters (Profile.counter_names, attribute profinfer.counters): an op's scaled deltas
   are "ctr:<name>" double arguments of its END event, and each thread has one counter track
   per counter (child of the thread track) holding the op's delta from its start to its end.
   The attributes profinfer.counter_dropped.<reason> carry the dropped-op counts.
+- MoE routing: a MUL_MAT_ID op's END carries "experts" = "e,e|e,e|..." (per token).
 - scheduler events (sched level) as ftrace sched_switch / sched_wakeup events in
   FtraceEventBundles per CPU on sequence 1, so trace_processor builds thread states and
   CPU tracks from them as from a kernel trace. Ftrace timestamps are BOOTTIME: the header's
@@ -79,6 +80,15 @@ def counter_track_uuid(tid: int, index: int) -> int:
 
 def shape_str(ne) -> str:
     return SHAPE_SEP.join(str(n) for n in ne)
+
+
+def experts_str(experts: tuple[tuple[int, ...], ...]) -> str:
+    """MoE routing as an argument: tokens separated by "|", a token's experts by ","."""
+    return "|".join(",".join(str(e) for e in row) for row in experts)
+
+
+def parse_experts(text: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(e) for e in row.split(",")) for row in text.split("|")) if text else ()
 
 
 # --------------------------------------------------------------------------- slice planning
@@ -147,6 +157,11 @@ def begin_fields(obj) -> tuple[str, str, tuple]:
             args += (("addr", _PTR, obj.tensor),)
         for i, src in enumerate(obj.srcs):
             args += ((f"src{i}", _PTR, src),)
+        for i, view in enumerate(obj.src_views):
+            if view:
+                args += ((f"src{i}_view_of", _PTR, view),)
+        if obj.fused_tensor:
+            args += (("fused_tensor", _PTR, obj.fused_tensor),)
         for i, (ne, dtype) in enumerate(zip(obj.src_ne, obj.src_dtypes)):
             shape = _shapes.get(ne)
             if shape is None:
@@ -302,6 +317,8 @@ class _ThreadSequence:
                 counted = tracks and isinstance(obj, OpSlice) and obj.counters is not None
                 if counted:
                     args += tuple((n, _DBL, float(v)) for n, v in zip(arg_names, obj.counters))
+                if isinstance(obj, OpSlice) and obj.experts is not None:
+                    args += (("experts", _STR, experts_str(obj.experts)),)
                 if args:
                     self._packet(ts, b"".join(self._track_event(TrackEvent.TYPE_SLICE_END, None, None, args)))
                 else:
@@ -449,6 +466,8 @@ def chrome_events(profile: Profile) -> Iterator[dict]:
                     args.update(ev[3])
                 if isinstance(obj, OpSlice) and obj.counters is not None:
                     args.update((COUNTER_ARG_PREFIX + n, v) for n, v in zip(profile.counter_names, obj.counters))
+                if isinstance(obj, OpSlice) and obj.experts is not None:
+                    args["experts"] = experts_str(obj.experts)
             else:
                 cat, name, args = CAT_BARRIER, BARRIER_NAME, {}
             yield {"ph": "X", "pid": pid, "tid": tid, "name": name, "cat": cat,

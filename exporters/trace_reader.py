@@ -14,8 +14,7 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, Track
 from profinfer.exporters.perfetto import (
     ATTR_COUNTERS, ATTR_DROPPED_PREFIX, ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX, CAT_BARRIER,
     BOOTTIME, CAT_GRAPH, CAT_OP, CAT_TOKEN, COUNTER_ARG_PREFIX, FORMAT_VERSION, INTERN_TABLES,
-    MONOTONIC, SEQ_CLOCK,
-    SHAPE_SEP,
+    MONOTONIC, SEQ_CLOCK, SHAPE_SEP, parse_experts,
 )
 from profinfer.model import GraphCall, OpSlice, Profile, SchedSwitch, SchedWakeup, TokenCall
 
@@ -181,6 +180,7 @@ class _Reader:
         if "shape" in args:          # parsed once per distinct event body, not per op
             args["ne"] = tuple(int(x) for x in args["shape"].split(SHAPE_SEP))
             args["srcs"] = tuple(args[f"src{i}"] for i in range(3) if f"src{i}" in args)
+            args["src_views"] = tuple(args.get(f"src{i}_view_of", 0) for i in range(len(args["srcs"])))
             args["src_ne"] = tuple(tuple(int(x) for x in args[f"src{i}_shape"].split(SHAPE_SEP))
                                    for i in range(2) if f"src{i}_shape" in args)
             args["src_dtypes"] = tuple(args[f"src{i}_dtype"] for i in range(2) if f"src{i}_dtype" in args)
@@ -216,8 +216,11 @@ class _Reader:
                          name=begin_args["tensor"],
                          ne=begin_args["ne"],
                          dtype=begin_args["dtype"], tensor=begin_args.get("addr", 0),
-                         srcs=begin_args["srcs"], src_ne=begin_args["src_ne"],
+                         srcs=begin_args["srcs"], src_views=begin_args["src_views"],
+                         fused_tensor=begin_args.get("fused_tensor", 0), src_ne=begin_args["src_ne"],
                          src_dtypes=begin_args["src_dtypes"])
+            if "experts" in args:
+                op.experts = parse_experts(args["experts"])
             if any(k.startswith(COUNTER_ARG_PREFIX) for k in args):
                 # the counter names are in the attributes packet, which comes last
                 self.op_counters.append((op, args))

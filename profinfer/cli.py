@@ -174,14 +174,17 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the JSON summary.")
 def report(trace, json_path):
     """Operator view of a saved trace (.pftrace written by profinfer)."""
+    _emit(_load_trace(trace), None, json_path, False)
+
+
+def _load_trace(trace: str) -> Profile:
     from .exporters.trace_reader import TraceFormatError, read_trace
     if not os.path.exists(trace):
         raise ProfinferError(f"no such file: {trace}")
     try:
-        profile = read_trace(trace)
+        return read_trace(trace)
     except TraceFormatError as e:
         raise ProfinferError(str(e)) from None
-    _emit(profile, None, json_path, False)
 
 
 @cli.command()
@@ -203,6 +206,25 @@ def demo(model, tokens, threads, levels, counters, output, json_path, quiet):
     _emit(profile, output or "demo.pftrace", json_path, quiet)
     if code:
         raise ProfinferError(f"the workload exited with status {code}")
+
+
+@cli.command(name="graph")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Write the graph: .svg/.png/.pdf (Graphviz) or .dot.")
+@click.option("--phase", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True)
+@click.option("--no-collapse", is_flag=True, help="Keep every transformer layer's nodes.")
+def graph_cmd(trace, output, phase, no_collapse):
+    """The computation graph (DAG) of a saved trace, with time shares and verdicts."""
+    from . import calibrate, dag as dagmod
+    from .viewers import dagview
+    profile = _load_trace(trace)
+    roofs = calibrate.cached_roofs(len({o.tid for o in profile.ops}) or 1)
+    dag = dagmod.build(profile, phase, collapse=not no_collapse, roofs=roofs)
+    dagview.render(dag)
+    if output:
+        dagmod.write(dag, output)
+        click.echo(f"profinfer: wrote {output}", err=True)
 
 
 @cli.command(name="calibrate")

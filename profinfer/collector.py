@@ -47,6 +47,7 @@ class Collector:
         self.counter_request = list(counters or [])
         self.counters: perfcounters.OpenCounters | None = None
         self.counter_dropped: dict[str, int] = {}
+        self.experts_truncated = 0   # MUL_MAT_ID reads with more rows or slots than BPF keeps
         self.warnings: list[str] = []
         self.attach_s = 0.0
         self._raw: list[bytes] = []
@@ -64,6 +65,8 @@ class Collector:
         self.kind_token, self.kind_graph, self.kind_ops = (
             self.consts["PI_EV_TOKEN"], self.consts["PI_EV_GRAPH"], self.consts["PI_EV_OPS"])
         self.kind_switch, self.kind_wakeup = self.consts["PI_EV_SWITCH"], self.consts["PI_EV_WAKEUP"]
+        self.kind_experts = self.consts["PI_EV_EXPERTS"]
+        self._experts: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
         self._sched: list[np.ndarray] = []
 
     # ---- attach ----
@@ -155,6 +158,11 @@ class Collector:
         # wake the collector early once a quarter of the ring is in use
         cfg["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
         cfg["t_off_src"] = lay.src
+        cfg["t_off_view_src"] = lay.view_src
+        cfg["t_off_nb"] = lay.nb
+        cfg["t_off_data"] = lay.data
+        cfg["op_mul_mat_id"] = (self.op_names.index("MUL_MAT_ID") if "MUL_MAT_ID" in self.op_names
+                                else -1)
         cfg["n_counters"] = len(self.counters.counters) if self.counters else 0
         cfg["n_cpus"] = self.n_cpus
         cfg["target_tgid"] = self.pid
@@ -238,9 +246,26 @@ class Collector:
             elif kind == self.kind_graph:
                 self._graphs.append(np.frombuffer(rec, self.dt["pi_graph_event"], count=1))
                 self.n_events += 1
+            elif kind == self.kind_experts:
+                self._add_experts(rec)
             elif kind == self.kind_switch or kind == self.kind_wakeup:
                 self._sched.append(np.frombuffer(rec, self.dt["pi_sched_event"], count=1))
                 self.n_events += 1
+
+    def _add_experts(self, rec: bytes) -> None:
+        dt = self.dt["pi_experts_event"]
+        ev = np.frombuffer(rec.ljust(dt.itemsize, b"\0"), dt, count=1)[0]
+        slots = self.consts["PI_EXPERT_SLOTS"]
+        n_used, n_tokens = int(ev["n_used"]), int(ev["n_tokens"])
+        rows = min(n_tokens, self.consts["PI_MAX_EXPERT_ROWS"])
+        if not 0 < n_used <= slots or rows <= 0:
+            self.experts_truncated += 1
+            return
+        if rows < n_tokens:
+            self.experts_truncated += 1
+        ids = ev["ids"][: rows * slots].reshape(rows, slots)[:, :n_used]
+        self._experts[(int(ev["tid"]), int(ev["start_ns"]))] = tuple(map(tuple, ids.tolist()))
+        self.n_events += 1
 
     def _validate(self, ops: np.ndarray) -> None:
         seen = np.concatenate(self._ops + [ops])[:VALIDATE_OPS]
@@ -355,7 +380,11 @@ class Collector:
                 prof.graphs.append(GraphCall(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
                                              backend, int(r["n_nodes"]), graph_probes[probe].symbol.name))
         if self._ops:
-            prof.ops = self._op_slices(np.concatenate(self._ops), prof.graphs)
+            raw, self._ops = np.concatenate(self._ops), []   # the batches are not needed twice
+            prof.ops = self._op_slices(raw, prof.graphs)
+            del raw
+        if self.experts_truncated:
+            prof.meta["experts_truncated"] = str(self.experts_truncated)
         if self.counters:
             prof.counter_names = [c.name for c in self.counters.counters]
             prof.counter_dropped = dict(self.counter_dropped)
@@ -415,26 +444,39 @@ class Collector:
 
         counted = self._counter_values(ops)
         types = ggml.GGML_TYPES
-        name_cache: dict[bytes, str] = {}
+        # Columns go to Python once (tolist), and equal tuples and strings are shared: the
+        # same nodes repeat token after token, so a long run holds few distinct values.
+        shared: dict = {}
+
+        def share(x):
+            return shared.setdefault(x, x)
+
+        cols = {k: ops[k].tolist() for k in ("tid", "cpu", "op", "fused_op", "type", "tensor",
+                                             "fused_tensor", "src0_type", "src1_type", "start_ns")}
+        ne, src, src_view = ops["ne"].tolist(), ops["src"].tolist(), ops["src_view"].tolist()
+        src0_ne, src1_ne = ops["src0_ne"].tolist(), ops["src1_ne"].tolist()
+        names_raw = ops["name"].tolist()
+        start_l, end_l, bend_l = start.tolist(), end.tolist(), bend.tolist()
+        experts = self._experts
         out = []
-        for i, r in enumerate(ops):
-            raw_name = bytes(r["name"])
-            tname = name_cache.get(raw_name)
+        for i in range(len(ops)):
+            tname = shared.get(names_raw[i])
             if tname is None:
-                tname = name_cache[raw_name] = raw_name.split(b"\0", 1)[0].decode("utf-8", "replace")
-            srcs = tuple(int(x) for x in r["src"] if x)
-            src_ne, src_dtypes = [], []
-            for ne_key, type_key in (("src0_ne", "src0_type"), ("src1_ne", "src1_type")):
-                t = int(r[type_key])
-                if t >= 0:
-                    src_ne.append(tuple(int(x) for x in r[ne_key]))
-                    src_dtypes.append(types.get(t, f"type{t}"))
-            out.append(OpSlice(int(r["tid"]), int(r["cpu"]), int(start[i]), int(end[i]), int(bend[i]),
-                               op_name(int(r["op"]), int(r["fused_op"])), tname,
-                               tuple(int(x) for x in r["ne"]),
-                               types.get(int(r["type"]), f"type{int(r['type'])}"),
-                               int(r["tensor"]), srcs, tuple(src_ne), tuple(src_dtypes),
-                               counted[i] if counted is not None else None))
+                tname = shared[names_raw[i]] = names_raw[i].split(b"\0", 1)[0].decode("utf-8", "replace")
+            srcs_i = src[i]
+            n_src = next((k for k in range(3, 0, -1) if srcs_i[k - 1]), 0)
+            t0, t1 = cols["src0_type"][i], cols["src1_type"][i]
+            src_ne = share(tuple(share(tuple(x)) for x, t in ((src0_ne[i], t0), (src1_ne[i], t1)) if t >= 0))
+            src_dtypes = share(tuple(types.get(t, f"type{t}") for t in (t0, t1) if t >= 0))
+            t = cols["type"][i]
+            out.append(OpSlice(cols["tid"][i], cols["cpu"][i], start_l[i], end_l[i], bend_l[i],
+                               share(op_name(cols["op"][i], cols["fused_op"][i])), tname,
+                               share(tuple(ne[i])), types.get(t, f"type{t}"),
+                               cols["tensor"][i], share(tuple(srcs_i[:n_src])),
+                               share(tuple(src_view[i][:n_src])), cols["fused_tensor"][i],
+                               src_ne, src_dtypes,
+                               counted[i] if counted is not None else None,
+                               experts.get((cols["tid"][i], cols["start_ns"][i]))))
         return out
 
     def _counter_values(self, ops: np.ndarray) -> list | None:

@@ -37,16 +37,25 @@ class TensorLayout:
     op: int
     src: int
     name_off: int
+    view_src: int
+    data: int
     name_len: int = 64
+
+    @property
+    def nb(self) -> int:
+        return self.ne + 32      # int64_t ne[4] is followed by size_t nb[4] in every version
 
 
 # Known ggml_tensor layouts, newest first. Used only when the binary has no DWARF, and then
 # only after the live data looks right (see plausible()).
 KNOWN_LAYOUTS = [
     # Sept 2024 on (grad fields removed): type, buffer, ne, nb, op, op_params[16], flags, src[10]...
-    TensorLayout("ggml-2024.09", type=0, ne=16, op=80, src=152, name_off=256),
+    # ... view_src (the root tensor a view looks into), view_offs, data, name.
+    TensorLayout("ggml-2024.09", type=0, ne=16, op=80, src=152, name_off=256, view_src=232,
+                 data=248),
     # Before: a grad pointer after flags (and the backend field before buffer in older ones).
-    TensorLayout("ggml-2024.06", type=0, ne=16, op=80, src=160, name_off=264),
+    TensorLayout("ggml-2024.06", type=0, ne=16, op=80, src=160, name_off=264, view_src=240,
+                 data=256),
 ]
 
 
@@ -66,7 +75,7 @@ def tensor_layout_from_dwarf(path: str, build_id: str) -> TensorLayout | None:
     m = found["members"]
     try:
         return TensorLayout("dwarf", type=m["type"], ne=m["ne"], op=m["op"], src=m["src"],
-                            name_off=m["name"])
+                            name_off=m["name"], view_src=m["view_src"], data=m["data"])
     except KeyError:
         return None
 

@@ -52,11 +52,15 @@ class OpSlice:
     dtype: str           # "f32", "f16", "q4_0", ...
     tensor: int = 0      # tensor address (identifies the node within a graph)
     srcs: tuple[int, ...] = ()            # source tensor addresses (the graph's edges)
+    src_views: tuple[int, ...] = ()       # per source: the tensor it is a view of, or 0
+    fused_tensor: int = 0                 # second node of a fused pair (RMS_NORM+MUL: the MUL)
     src_ne: tuple[tuple[int, ...], ...] = ()   # shapes of the first two sources
     src_dtypes: tuple[str, ...] = ()
     # perf counter deltas over [start, end], scaled for multiplexing, in Profile.counter_names
     # order; None when not counted (no counters, or dropped: see Profile.counter_dropped)
     counters: tuple[float, ...] | None = None
+    # MUL_MAT_ID: the experts each token was routed to (one tuple per token), as read at its start
+    experts: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def dur_ns(self) -> int:

@@ -23,6 +23,8 @@ class NodeRun:
     ne: tuple[int, ...]
     dtype: str
     srcs: tuple[int, ...]
+    src_views: tuple[int, ...]
+    fused_tensor: int
     src_ne: tuple[tuple[int, ...], ...]
     src_dtypes: tuple[str, ...]
     start_ns: int
@@ -36,7 +38,17 @@ class NodeRun:
 
 
 def node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
-    """(node runs sorted by start, the innermost graphs they index)."""
+    """(node runs sorted by start, the innermost graphs they index); computed once per
+    profile (the report's views all start from them)."""
+    cached = profile.__dict__.get("_node_runs")
+    if cached is not None and cached[0] == (len(profile.ops), len(profile.graphs)):
+        return cached[1]
+    result = _node_runs(profile)
+    profile.__dict__["_node_runs"] = ((len(profile.ops), len(profile.graphs)), result)
+    return result
+
+
+def _node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
     graphs = innermost_graphs(profile.graphs)
     ops = profile.ops
     if not ops:
@@ -57,8 +69,9 @@ def node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
         key = (g, o.tensor) if o.tensor else (g, -len(order) - 1)
         r = runs.get(key)
         if r is None:
-            runs[key] = NodeRun(g, o.tensor, o.op, o.name, o.ne, o.dtype, o.srcs, o.src_ne,
-                                o.src_dtypes, o.start_ns, o.end_ns, 1, o.dur_ns)
+            runs[key] = NodeRun(g, o.tensor, o.op, o.name, o.ne, o.dtype, o.srcs, o.src_views,
+                                o.fused_tensor, o.src_ne, o.src_dtypes, o.start_ns, o.end_ns, 1,
+                                o.dur_ns)
             order.append(key)
         else:
             r.start_ns = min(r.start_ns, o.start_ns)

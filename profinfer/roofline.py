@@ -15,6 +15,7 @@ bound and a memory-bound verdict is conservative.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import prod
 
 from .nodes import NodeRun
@@ -45,7 +46,7 @@ def nbytes(ne: tuple[int, ...], dtype: str) -> float:
     return prod(max(int(n), 1) for n in ne) * block_bytes / per_block
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Cost:
     flops: float
     bytes: float
@@ -57,10 +58,15 @@ class Cost:
 
 def node_cost(n: NodeRun) -> Cost | None:
     """FLOPs and minimum bytes moved for one node, or None when its sources are unknown."""
-    base = n.op.split("+", 1)[0]
-    out = prod(max(int(x), 1) for x in n.ne)
-    out_bytes = nbytes(n.ne, n.dtype)
-    srcs = list(zip(n.src_ne, n.src_dtypes))
+    return _cost(n.op, n.ne, n.dtype, n.src_ne, n.src_dtypes)
+
+
+@lru_cache(maxsize=1 << 16)      # a run repeats the same few hundred shapes many times
+def _cost(op: str, ne: tuple, dtype: str, src_ne: tuple, src_dtypes: tuple) -> Cost | None:
+    base = op.split("+", 1)[0]
+    out = prod(max(int(x), 1) for x in ne)
+    out_bytes = nbytes(ne, dtype)
+    srcs = list(zip(src_ne, src_dtypes))
     if base in ("MUL_MAT", "MUL_MAT_ID", "FLASH_ATTN_EXT") and len(srcs) < 2:
         return None
     if base == "MUL_MAT":
@@ -71,7 +77,7 @@ def node_cost(n: NodeRun) -> Cost | None:
         # experts [K, M, n_expert]; dst [M, n_used, n_tokens]: each used expert's weights once
         (a_ne, a_t), (b_ne, b_t) = srcs[0], srcs[1]
         k, m, n_expert = a_ne[0], a_ne[1], max(a_ne[2], 1)
-        routed = max(n.ne[1], 1) * max(n.ne[2], 1)
+        routed = max(ne[1], 1) * max(ne[2], 1)
         experts_read = min(n_expert, routed)
         return Cost(2.0 * k * out, experts_read * nbytes((k, m), a_t) + nbytes(b_ne, b_t) + out_bytes)
     if base == "FLASH_ATTN_EXT":
@@ -83,17 +89,17 @@ def node_cost(n: NodeRun) -> Cost | None:
                     nbytes(q_ne, q_t) + 2 * nbytes(k_ne, k_t) + out_bytes)
     if base == "GET_ROWS":
         # reads only the selected rows of src0
-        row_type = srcs[0][1] if srcs else n.dtype
-        return Cost(0.0, nbytes(n.ne, row_type) + out_bytes)
+        row_type = srcs[0][1] if srcs else dtype
+        return Cost(0.0, nbytes(ne, row_type) + out_bytes)
     if base in ("SET_ROWS", "CPY", "CONT", "DUP"):
         # writes as many elements as src0 has (dst of SET_ROWS is the whole cache)
         if not srcs:
             return Cost(0.0, 2 * out_bytes)
-        src_ne, src_t = srcs[0]
-        written = prod(max(int(x), 1) for x in src_ne) * nbytes((1,), n.dtype)
-        return Cost(0.0, nbytes(src_ne, src_t) + written)
+        s_ne, src_t = srcs[0]
+        written = prod(max(int(x), 1) for x in s_ne) * nbytes((1,), dtype)
+        return Cost(0.0, nbytes(s_ne, src_t) + written)
     flops = _ELEMENTWISE_FLOPS.get(base, 1) * out
-    if "+" in n.op:
+    if "+" in op:
         flops += out          # the fused second op (MUL, ADD): one more per element
     return Cost(float(flops), sum(nbytes(ne, t) for ne, t in srcs) + out_bytes)
 

@@ -224,6 +224,8 @@ class ModelSpec:
     n_ctx: int
     rope_freq_base: float
     seed: int
+    n_expert: int = 0          # MoE: experts per layer (0: dense FFN)
+    n_expert_used: int = 0     # experts each token is routed to
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -234,6 +236,9 @@ MODELS: dict[str, ModelSpec] = {
     # a realistic per-token workload.
     "llama-1.5b": ModelSpec(n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_ff=8192, n_vocab=128256,
                             n_ctx=131072, rope_freq_base=500000.0, seed=2),
+    # Mixtral-style MoE at test size: 8 experts per layer, 2 used per token.
+    "tiny-moe": ModelSpec(n_embd=256, n_layer=4, n_head=8, n_head_kv=4, n_ff=512, n_vocab=512,
+                          n_ctx=2048, rope_freq_base=10000.0, seed=3, n_expert=8, n_expert_used=2),
 }
 
 _WEIGHT_STD = 0.02        # small random weights keep activations finite through every layer
@@ -295,10 +300,20 @@ def _tensor_shapes(s: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
             (f"blk.{i}.attn_v.weight", (n_embd_kv, s.n_embd)),
             (f"blk.{i}.attn_output.weight", (s.n_embd, s.n_embd)),
             (f"blk.{i}.ffn_norm.weight", (s.n_embd,)),
-            (f"blk.{i}.ffn_gate.weight", (s.n_ff, s.n_embd)),
-            (f"blk.{i}.ffn_up.weight", (s.n_ff, s.n_embd)),
-            (f"blk.{i}.ffn_down.weight", (s.n_embd, s.n_ff)),
         ]
+        if s.n_expert:
+            shapes += [
+                (f"blk.{i}.ffn_gate_inp.weight", (s.n_expert, s.n_embd)),   # the router
+                (f"blk.{i}.ffn_gate_exps.weight", (s.n_expert, s.n_ff, s.n_embd)),
+                (f"blk.{i}.ffn_up_exps.weight", (s.n_expert, s.n_ff, s.n_embd)),
+                (f"blk.{i}.ffn_down_exps.weight", (s.n_expert, s.n_embd, s.n_ff)),
+            ]
+        else:
+            shapes += [
+                (f"blk.{i}.ffn_gate.weight", (s.n_ff, s.n_embd)),
+                (f"blk.{i}.ffn_up.weight", (s.n_ff, s.n_embd)),
+                (f"blk.{i}.ffn_down.weight", (s.n_embd, s.n_ff)),
+            ]
     shapes += [("output_norm.weight", (s.n_embd,)), ("output.weight", (s.n_vocab, s.n_embd))]
     return shapes
 
@@ -338,6 +353,9 @@ def _write_model(name: str, spec: ModelSpec, path: Path) -> None:
     writer.add_rope_dimension_count(spec.n_embd // spec.n_head)
     writer.add_rope_freq_base(spec.rope_freq_base)
     writer.add_vocab_size(spec.n_vocab)
+    if spec.n_expert:
+        writer.add_expert_count(spec.n_expert)
+        writer.add_expert_used_count(spec.n_expert_used)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
 
     tokens, scores, types = _spm_vocab(spec.n_vocab)

@@ -151,3 +151,8 @@ def start_profinfer(args: list[str], env=None) -> subprocess.Popen:
     assert "attached" in "".join(err), "".join(err)
     p.early_stderr = "".join(err)
     return p
+
+
+@pytest.fixture(scope="session")
+def moe_model() -> Path:
+    return workload.ensure_model("tiny-moe")

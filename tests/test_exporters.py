@@ -46,10 +46,13 @@ def synth(n_tokens=6, n_threads=3, n_nodes=12, seed=0, prompt=2, messy=False, co
                                      dtype=rnd.choice(["f32", "f16", "q4_0"]),
                                      tensor=0x7F0000 + 64 * node if node % 3 else 0,
                                      srcs=(0x7E0000 + node, 0x7F0000 + 64 * (node - 1))[:node % 3],
+                                     src_views=(0x7D0000, 0)[:node % 3],
+                                     fused_tensor=0x7C0000 + node if node % 4 == 1 else 0,
                                      src_ne=((4096, 4096, 1, 1),) if node % 3 else (),
                                      src_dtypes=("f16",) if node % 3 else (),
                                      counters=(float(e - s), rnd.random() * 1e6)
-                                     if counters and rnd.random() < 0.9 else None))
+                                     if counters and rnd.random() < 0.9 else None,
+                                     experts=((1, 5), (7, 0)) if node % 5 == 2 else None))
             barrier_end = max(ends) + rnd.randint(0, 100)
             for o in p.ops[-n_threads:]:
                 o.barrier_end_ns = o.end_ns if messy and rnd.random() < 0.2 else barrier_end
@@ -263,7 +266,7 @@ def test_perfetto_structure(tmp_path):
     op = next(s for s in by_cat["op"] if s["args"].get("addr"))
     assert {"tensor", "shape", "dtype", "cpu", "addr"} <= set(op["args"])
     assert set(op["args"]) - {"tensor", "shape", "dtype", "cpu", "addr"} <= {
-        "src0", "src1", "src0_shape", "src0_dtype"}
+        "src0", "src1", "src0_shape", "src0_dtype", "src0_view_of", "fused_tensor"}
     assert op["args"]["shape"].count("×") == 3
     # names and metadata that the UI shows
     threads = {d.thread.tid: d.thread.thread_name for d in seen["tracks"].values() if d.HasField("thread")}

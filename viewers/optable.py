@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer import calibrate, counterstats, roofline, schedstats
+from profinfer import calibrate, counterstats, layers, moe, roofline, schedstats
 from profinfer.counterstats import CounterStats
 from profinfer.model import Profile
 from profinfer.roofline import Roofs, Verdict
@@ -121,6 +121,54 @@ def sched_tables(ss: SchedStats) -> tuple[Table, Table]:
     return t, o
 
 
+def layer_table(rows: list[layers.LayerRow]) -> Table:
+    by_layer: dict = {}
+    phases = sorted({r.phase for r in rows})
+    for r in rows:
+        by_layer.setdefault(r.layer, {})[r.phase] = r
+    t = Table(title="Per layer (node time: first start to last end across threads)",
+              title_justify="left")
+    t.add_column("layer", justify="right")
+    for ph in phases:
+        t.add_column(f"{ph} ms", justify="right")
+        t.add_column(f"{ph} %", justify="right")
+    totals = {ph: sum(r.time_ns for r in rows if r.phase == ph) or 1 for ph in phases}
+    order = sorted(by_layer, key=lambda l: (l is None, l if l is not None else 0))
+    for layer in order:
+        cells = []
+        for ph in phases:
+            r = by_layer[layer].get(ph)
+            cells += [_ms(r.time_ns) if r else "-", _pct(r.time_ns / totals[ph]) if r else "-"]
+        t.add_row("outside layers" if layer is None else str(layer), *cells)
+    return t
+
+
+def context_table(rows: list[layers.ContextRow]) -> Table:
+    t = Table(title="Decode time vs context (KV length read by attention)", title_justify="left")
+    for col in ("KV length", "calls", "ms / call", "attention ms / call", "attention %"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(f"{r.kv_len:,}", f"{r.calls:,}", _ms(r.mean_call_ns), _ms(r.mean_attention_ns),
+                  _pct(r.mean_attention_ns / r.mean_call_ns if r.mean_call_ns else None))
+    return t
+
+
+def moe_heatmap(ms: moe.MoeStats) -> Table:
+    t = Table(title=f"MoE expert activations ({ms.total:,}: {sum(ms.tokens.values()):,} routed tokens × "
+              f"{ms.n_used} experts × {len(ms.layers)} layers)", title_justify="left")
+    t.add_column("layer", justify="right")
+    for e in range(ms.n_experts):
+        t.add_column(f"e{e}", justify="right")
+    peak = max(int(ms.counts.max()), 1)
+    for i, layer in enumerate(ms.layers):
+        cells = []
+        for v in ms.counts[i].tolist():
+            heat = int(255 * (1 - v / peak))
+            cells.append(f"[on rgb(255,{heat},{heat})]{v:,}[/]")
+        t.add_row(str(layer), *cells)
+    return t
+
+
 def latency_line(st: ProfileStats) -> str:
     tps = st.tokens_per_s
     return (f"TTFT {_ms(st.ttft_ns)} ms   TPOT {_ms(st.tpot_ns)} ms   "
@@ -144,6 +192,16 @@ def render(profile: Profile, console: Console | None = None) -> ProfileStats:
             vs = roofline.verdicts(profile, roofs)
             if vs:
                 console.print(roofline_table(vs[:12], roofs))
+    if profile.ops and profile.graphs:
+        lrows = layers.layer_times(profile)
+        if any(r.layer is not None for r in lrows):
+            console.print(layer_table(lrows))
+        crows = layers.decode_by_context(profile)
+        if crows:
+            console.print(context_table(crows))
+    ms = moe.compute(profile)
+    if ms:
+        console.print(moe_heatmap(ms))
     ss = schedstats.compute(profile)
     if ss:
         for table in sched_tables(ss):

@@ -1,0 +1,37 @@
+"""Per-layer breakdown and decode time against context length (issue 3)."""
+from __future__ import annotations
+
+from conftest import completion_cmd, run_profinfer, with_llama_log
+from profinfer.dag import node_layers
+from profinfer.nodes import NodeRun
+
+
+def _run(name: str) -> NodeRun:
+    return NodeRun(0, 1, "ADD", name, (1,), "f32", (), (), 0, (), (), 0, 1, 1, 1)
+
+
+def test_layer_of_nodes_by_name_and_span():
+    names = ["embd", "norm-0", "Qcur-0", "cache_k_l0 (view)", "node_7", "l_out-0",
+             "norm-1", "node_9", "l_out-1", "node_12", "result_norm"]
+    assert node_layers([_run(n) for n in names]) == [None, 0, 0, 0, 0, 0, 1, 1, 1, None, None]
+
+
+def test_layers_and_context_staircase(llama_build, tiny_model, llama_env, tmp_path):
+    """A prompt that ends just below a KV padding step (256) and a generation that crosses
+    it: decode calls fall in exactly two KV-length groups, split where the context passes 256.
+    (How much more the longer one costs is a measurement for the report, not a test.)"""
+    words = "the and of to in is that it for on with as was at by this from".split()
+    prompt = " ".join(words[i % len(words)] for i in range(236))
+    r = with_llama_log(lambda: run_profinfer(
+        ["record", "--quiet", "--", *completion_cmd(llama_build, tiny_model, n=48, prompt=prompt)],
+        env=llama_env, tmp_path=tmp_path))
+    assert r.rc == 0, r.stderr[-2000:]
+    s = r.summary
+    layers = {(row["layer"], row["phase"]) for row in s["layers"]}
+    assert {(l, "decode") for l in range(4)} <= layers          # the tiny model has 4 layers
+    ctx = s["decode_by_context"]
+    assert [c["kv_len"] for c in ctx] == [256, 512]
+    assert sum(c["calls"] for c in ctx) == s["tokens"]["decode"]
+    # the context reaches 256 after 256 - prompt tokens decodes: those read a 256-long KV
+    assert ctx[0]["calls"] == 256 - s["tokens"]["prefill"]
+    assert all(c["mean_attention_ns"] > 0 for c in ctx)
