@@ -27,6 +27,7 @@ PERF_WAKEUP_EVENTS = 64
 KNOWN_BATCH_EXT = (64, 96)   # llama_batch_ext.tokens offset, token size (b11434)
 MAX_BATCH = 1 << 20
 _ZERO_U32 = bytes(4)
+OP_CHUNK = 8192          # ops turned into OpSlices at a time
 SCHED_PROGRAMS = ("sched_switch", "sched_wakeup")
 _ZERO_U64 = bytes(8)
 
@@ -412,7 +413,7 @@ class Collector:
                                                 text(e["next_comm"]), int(e["prev_tid"])))
 
     def _op_slices(self, ops: np.ndarray, graphs: list[GraphCall]) -> list[OpSlice]:
-        ops = np.sort(ops, order="start_ns")
+        ops.sort(order="start_ns")          # in place: the raw events are not needed unsorted
         start = ops["start_ns"].astype(np.int64)
         end = ops["end_ns"].astype(np.int64)
         bend = ops["barrier_end_ns"].astype(np.int64)
@@ -451,14 +452,23 @@ class Collector:
         def share(x):
             return shared.setdefault(x, x)
 
+        experts = self._experts
+        out = []
+        # In chunks: the Python lists of one chunk's columns are transient, not the whole run's.
+        for lo in range(0, len(ops), OP_CHUNK):
+            self._op_chunk(ops[lo:lo + OP_CHUNK], start[lo:lo + OP_CHUNK], end[lo:lo + OP_CHUNK],
+                           bend[lo:lo + OP_CHUNK], counted[lo:lo + OP_CHUNK] if counted is not None else None,
+                           op_name, share, shared, types, experts, out)
+        return out
+
+    @staticmethod
+    def _op_chunk(ops, start, end, bend, counted, op_name, share, shared, types, experts, out) -> None:
         cols = {k: ops[k].tolist() for k in ("tid", "cpu", "op", "fused_op", "type", "tensor",
                                              "fused_tensor", "src0_type", "src1_type", "start_ns")}
         ne, src, src_view = ops["ne"].tolist(), ops["src"].tolist(), ops["src_view"].tolist()
         src0_ne, src1_ne = ops["src0_ne"].tolist(), ops["src1_ne"].tolist()
         names_raw = ops["name"].tolist()
         start_l, end_l, bend_l = start.tolist(), end.tolist(), bend.tolist()
-        experts = self._experts
-        out = []
         for i in range(len(ops)):
             tname = shared.get(names_raw[i])
             if tname is None:
@@ -477,7 +487,6 @@ class Collector:
                                src_ne, src_dtypes,
                                counted[i] if counted is not None else None,
                                experts.get((cols["tid"][i], cols["start_ns"][i]))))
-        return out
 
     def _counter_values(self, ops: np.ndarray) -> list | None:
         """Per op, the counter deltas scaled for multiplexing, or None where dropped."""
