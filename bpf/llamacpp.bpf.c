@@ -4,35 +4,14 @@
  * milliseconds; what differs between targets (struct offsets, ring size) is in `cfg`, written
  * into the object's .rodata before it loads, so the verifier sees constants.
  * Build with -DPI_PERF_BUFFER for kernels without the BPF ring buffer (before 5.8).
+ * No CO-RE here: this object loads on kernels without BTF.
  *
  * Per-thread state lives in hash maps keyed by TID, so no two threads ever share a slot
  * (uprobe programs may be preempted, so per-CPU scratch would not be safe).
  */
-#include <linux/types.h>
-#include <linux/bpf.h>
-#include <linux/ptrace.h>
-#include <bpf/bpf_helpers.h>
-#include <bpf/bpf_tracing.h>
-#include <bpf/bpf_core_read.h>
-
-typedef __u16 u16;
-typedef __u32 u32;
-typedef __s32 s32;
-typedef __u64 u64;
-typedef __s64 s64;
-
-#include "events.h"
+#include "common.bpf.h"
 
 char LICENSE[] SEC("license") = "GPL";
-
-const volatile struct pi_config cfg = {};
-
-struct {
-    __uint(type, BPF_MAP_TYPE_ARRAY);
-    __uint(max_entries, 1);
-    __type(key, u32);
-    __type(value, u64);
-} lost SEC(".maps");
 
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
@@ -82,67 +61,6 @@ struct {
     __type(key, u32);
     __type(value, struct op_thread);
 } op_thread_zero SEC(".maps");
-
-static __always_inline void count_lost(u64 n)
-{
-    u32 k = 0;
-    u64 *v = bpf_map_lookup_elem(&lost, &k);
-    if (v)
-        __sync_fetch_and_add(v, n);
-}
-
-#ifdef PI_PERF_BUFFER
-/* Kernels before 5.8 have no ring buffer: per-CPU perf buffers, whose wakeups user space
- * batches with wakeup_events. */
-struct {
-    __uint(type, BPF_MAP_TYPE_PERF_EVENT_ARRAY);
-    __uint(key_size, sizeof(u32));
-    __uint(value_size, sizeof(u32));
-} events SEC(".maps");
-
-static __always_inline int emit(void *ctx, void *data, u32 size)
-{
-    return bpf_perf_event_output(ctx, &events, BPF_F_CURRENT_CPU, data, size);
-}
-#else
-/* max_entries (the ring's size) is set by the collector before loading. */
-struct {
-    __uint(type, BPF_MAP_TYPE_RINGBUF);
-    __uint(max_entries, 4096);
-} events SEC(".maps");
-
-/* Wake the collector only when the ring is filling up: it drains the ring on a timer, and a
- * wakeup per record would preempt an inference thread on a busy machine every time.
- * unread_bytes counts what was submitted since the collector's last drain (it zeroes it). */
-struct {
-    __uint(type, BPF_MAP_TYPE_ARRAY);
-    __uint(max_entries, 1);
-    __type(key, u32);
-    __type(value, u64);
-} unread_bytes SEC(".maps");
-
-static __always_inline u64 wakeup_flag(u64 size)
-{
-    u32 k = 0;
-    u64 *v = bpf_map_lookup_elem(&unread_bytes, &k);
-    if (!v)
-        return 0;
-    u64 before = __sync_fetch_and_add(v, size);
-    return before < cfg.ring_wake_bytes && before + size >= cfg.ring_wake_bytes
-        ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
-}
-
-/* Send one record to user space; 0 on success. */
-static __always_inline int emit(void *ctx, void *data, u32 size)
-{
-    return bpf_ringbuf_output(&events, data, size, wakeup_flag(size));
-}
-#endif
-
-static __always_inline u32 current_tid(void)
-{
-    return (u32)bpf_get_current_pid_tgid();
-}
 
 /* ---- token level ---- */
 
@@ -453,78 +371,5 @@ int op_barrier(struct pt_regs *ctx)
     st->cur.end_ns = bpf_ktime_get_ns();
     st->cur.n_barriers++;
     counters_at_end(st);
-    return 0;
-}
-
-/* ---- sched level: raw tracepoints (no tracefs needed), kernel-filtered to the target ----
- * The few task_struct fields are read with CO-RE: libbpf relocates their offsets against
- * the running kernel's BTF, so no kernel headers are involved. */
-
-struct task_struct {
-    int pid;
-    int tgid;
-    char comm[16];
-    unsigned int __state;
-} __attribute__((preserve_access_index));
-
-struct task_struct___pre514 {   /* before 5.14 the field was `long state` */
-    long state;
-} __attribute__((preserve_access_index));
-
-static __always_inline void fill_task(struct task_struct *t, u32 *tid, u32 *tgid, char *comm)
-{
-    *tid = BPF_CORE_READ(t, pid);
-    *tgid = BPF_CORE_READ(t, tgid);
-    /* not BPF_CORE_READ_STR_INTO: it sizes the copy by *dst, one char here */
-    bpf_core_read_str(comm, PI_COMM_LEN, &t->comm);
-}
-
-SEC("raw_tp/sched_switch")
-int sched_switch(struct bpf_raw_tracepoint_args *ctx)
-{
-    struct task_struct *prev = (struct task_struct *)ctx->args[1];
-    struct task_struct *next = (struct task_struct *)ctx->args[2];
-    u32 prev_tgid = BPF_CORE_READ(prev, tgid);
-    u32 next_tgid = BPF_CORE_READ(next, tgid);
-    if (prev_tgid != cfg.target_tgid && next_tgid != cfg.target_tgid)
-        return 0;
-    struct pi_sched_event ev = {};
-    ev.kind = PI_EV_SWITCH;
-    ev.cpu = bpf_get_smp_processor_id();
-    ev.ts_ns = bpf_ktime_get_ns();
-    fill_task(prev, &ev.prev_tid, &ev.prev_tgid, ev.prev_comm);
-    fill_task(next, &ev.next_tid, &ev.next_tgid, ev.next_comm);
-    if (ctx->args[0]) {
-        ev.prev_state = 0;            /* preempted: still runnable, whatever it was about to do */
-    } else if (cfg.switch_state_arg) {
-        ev.prev_state = (s64)(u32)ctx->args[3];
-    } else if (bpf_core_field_exists(prev->__state)) {
-        ev.prev_state = BPF_CORE_READ(prev, __state);
-    } else {
-        struct task_struct___pre514 *old = (void *)prev;
-        ev.prev_state = BPF_CORE_READ(old, state);
-    }
-    if (emit(ctx, &ev, sizeof(ev)))
-        count_lost(1);
-    return 0;
-}
-
-SEC("raw_tp/sched_wakeup")
-int sched_wakeup(struct bpf_raw_tracepoint_args *ctx)
-{
-    struct task_struct *woken = (struct task_struct *)ctx->args[0];
-    if ((u32)BPF_CORE_READ(woken, tgid) != cfg.target_tgid)
-        return 0;
-    struct pi_sched_event ev = {};
-    ev.kind = PI_EV_WAKEUP;
-    ev.cpu = bpf_get_smp_processor_id();
-    ev.ts_ns = bpf_ktime_get_ns();
-    u64 id = bpf_get_current_pid_tgid();
-    ev.prev_tid = (u32)id;
-    ev.prev_tgid = id >> 32;
-    bpf_get_current_comm(ev.prev_comm, sizeof(ev.prev_comm));
-    fill_task(woken, &ev.next_tid, &ev.next_tgid, ev.next_comm);
-    if (emit(ctx, &ev, sizeof(ev)))
-        count_lost(1);
     return 0;
 }

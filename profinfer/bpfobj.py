@@ -46,7 +46,9 @@ def _multiarch_include() -> str:
 def object_path(source: str, variant: str = "ring") -> str:
     """Path of the compiled object for `source` (a file in profinfer.bpf), building it if needed."""
     src_dir = resources.files("profinfer.bpf")
-    text = src_dir.joinpath(source).read_bytes() + src_dir.joinpath("events.h").read_bytes()
+    headers = sorted(p.name for p in src_dir.iterdir() if p.name.endswith(".h"))
+    text = src_dir.joinpath(source).read_bytes() + b"".join(src_dir.joinpath(h).read_bytes()
+                                                            for h in headers)
     arch = _ARCH.get(platform.machine())
     if arch is None:
         raise ProfinferError(f"no BPF register mapping for {platform.machine()} in this profinfer")
@@ -74,8 +76,11 @@ def object_path(source: str, variant: str = "ring") -> str:
     return out
 
 
+SOURCES = ("llamacpp.bpf.c", "sched.bpf.c")
+
+
 def main(argv: list[str]) -> int:
-    sources = argv or ["llamacpp.bpf.c"]
+    sources = argv or list(SOURCES)
     try:
         for s in sources:
             for v in VARIANTS:

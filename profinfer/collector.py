@@ -29,6 +29,7 @@ MAX_BATCH = 1 << 20
 _ZERO_U32 = bytes(4)
 OP_CHUNK = 8192          # ops turned into OpSlices at a time
 SCHED_PROGRAMS = ("sched_switch", "sched_wakeup")
+SHARED_MAPS = ("events", "lost")     # one transport and one lost counter for both objects
 _ZERO_U64 = bytes(8)
 
 
@@ -45,6 +46,7 @@ class Collector:
         self.ringbuf_pages = ringbuf_pages
         self.buffer = kernel.event_buffer_kind(buffer)
         self.obj: libbpf.BpfObject | None = None
+        self.sched_obj: libbpf.BpfObject | None = None
         self.counter_request = list(counters or [])
         self.counters: perfcounters.OpenCounters | None = None
         self.counter_dropped: dict[str, int] = {}
@@ -103,14 +105,12 @@ class Collector:
         self.n_cpus = perfcounters.possible_cpus()
         self.obj = libbpf.BpfObject(obj_path)
         try:
-            self.obj.set_rodata(self._config().tobytes())
+            cfg = self._config().tobytes()
+            self.obj.set_rodata(cfg)
             if self.buffer == "ring":
                 self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
             self.obj.set_max_entries("counters", self.consts["PI_MAX_COUNTERS"] * self.n_cpus)
-            programs = {fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn}
-            if "sched" in self.levels:
-                programs |= set(SCHED_PROGRAMS)
-            self.obj.load(programs)
+            self.obj.load({fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn})
             if self.counters:
                 fd = self.obj.map_fd("counters")
                 for i, per_cpu in enumerate(self.counters.fds):
@@ -124,8 +124,7 @@ class Collector:
                 if p.return_fn:
                     self.obj.attach_uprobe(p.return_fn, p.elf.path, offset, self.pid, retprobe=True)
             if "sched" in self.levels:
-                for prog in SCHED_PROGRAMS:
-                    self.obj.attach(prog)
+                self._attach_sched(cfg)
             if self.buffer == "perf":
                 # One wakeup per PERF_WAKEUP_EVENTS records; the timer drains the rest.
                 self._buf = self.obj.perf_buffer("events", PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS,
@@ -139,8 +138,18 @@ class Collector:
             if not discovery.process_exists(self.pid):
                 raise ProfinferError(f"process {self.pid} exited while probes were being attached") from None
             raise e from None
-        self.n_probes = self.obj.n_links
+        self.n_probes = self.obj.n_links + (self.sched_obj.n_links if self.sched_obj else 0)
         self.attach_s = time.monotonic() - t0
+
+    def _attach_sched(self, cfg: bytes) -> None:
+        """The sched object (CO-RE, needs kernel BTF) shares the main object's event maps."""
+        self.sched_obj = libbpf.BpfObject(bpfobj.object_path("sched.bpf.c", self.buffer))
+        self.sched_obj.set_rodata(cfg)
+        for name in SHARED_MAPS + (("unread_bytes",) if self.buffer == "ring" else ()):
+            self.sched_obj.reuse_map(name, self.obj.map_fd(name))
+        self.sched_obj.load(set(SCHED_PROGRAMS))
+        for prog in SCHED_PROGRAMS:
+            self.sched_obj.attach(prog)
 
     def _config(self) -> np.ndarray:
         """The object's `cfg`: this target's struct offsets and the buffer's wakeup level."""
@@ -348,6 +357,9 @@ class Collector:
 
         Uprobes made through the perf uprobe PMU vanish when their fd closes, so nothing of
         ours survives even a SIGKILL; libbpf's legacy tracefs path is used only without it."""
+        if self.sched_obj is not None:
+            sched_obj, self.sched_obj = self.sched_obj, None
+            sched_obj.close()
         if self.obj is not None:
             obj, self.obj = self.obj, None
             obj.close()

@@ -29,14 +29,22 @@ def _check_object():
         return FAIL, str(e)
     try:
         kernel.require_root()
-        obj = libbpf.BpfObject(path)
-        try:
-            obj.load(set(obj.program_names()))
-        finally:
-            obj.close()
+        paths = [path]
+        if os.path.exists("/sys/kernel/btf/vmlinux"):     # the sched object is CO-RE
+            paths.append(bpfobj.object_path("sched.bpf.c", kernel.event_buffer_kind("auto")))
+        programs = 0
+        for p in paths:
+            obj = libbpf.BpfObject(p)
+            try:
+                names = set(obj.program_names())
+                obj.load(names)
+                programs += len(names)
+            finally:
+                obj.close()
     except ProfinferError as e:
         return FAIL, str(e)
-    return OK, f"{path} loads and verifies (no compiler or kernel headers needed at attach)"
+    return OK, (f"{len(paths)} objects in {os.path.dirname(path)}: {programs} programs load and "
+                "verify (no compiler or kernel headers needed at attach)")
 
 
 def _check_hw_pmu():

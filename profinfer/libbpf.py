@@ -68,6 +68,7 @@ def lib() -> ctypes.CDLL:
         "bpf_map__key_size": (ctypes.c_uint32, [_vp]),
         "bpf_map__value_size": (ctypes.c_uint32, [_vp]),
         "bpf_map__set_max_entries": (ctypes.c_int, [_vp, ctypes.c_uint32]),
+        "bpf_map__reuse_fd": (ctypes.c_int, [_vp, ctypes.c_int]),
         "bpf_map__initial_value": (_vp, [_vp, ctypes.POINTER(ctypes.c_size_t)]),
         "bpf_map_lookup_elem": (ctypes.c_int, [ctypes.c_int, _vp, _vp]),
         "bpf_map_update_elem": (ctypes.c_int, [ctypes.c_int, _vp, _vp, ctypes.c_uint64]),
@@ -136,6 +137,11 @@ class BpfObject:
             raise ProfinferError(f"BPF object's .rodata is {size.value} bytes, configuration is "
                                  f"{len(data)}: object and events.h disagree (rebuild it)")
         ctypes.memmove(ptr, data, len(data))
+
+    def reuse_map(self, map_name: str, fd: int) -> None:
+        """Use another loaded object's map (by fd) for this object's map of the same name."""
+        if lib().bpf_map__reuse_fd(self._map(map_name), fd):
+            raise _failure(f"cannot share BPF map {map_name}")
 
     def set_max_entries(self, map_name: str, n: int) -> None:
         if lib().bpf_map__set_max_entries(self._map(map_name), n):

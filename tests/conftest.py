@@ -94,7 +94,8 @@ def with_llama_log(run, tries: int = 4):
 def our_bpf_programs() -> list[str]:
     """Names of loaded BPF programs that belong to profinfer's llama.cpp pack."""
     out = subprocess.run(["bpftool", "prog", "show", "--json"], capture_output=True, text=True).stdout
-    ours = ("token_enter", "token_return", "op_start", "op_start_fused", "op_barrier")
+    ours = ("token_enter", "token_return", "op_start", "op_start_fused", "op_barrier",
+            "sched_switch", "sched_wakeup")
     return [p.get("name", "") for p in json.loads(out or "[]")
             if p.get("name", "").startswith(ours + ("graph_enter_", "graph_return_"))]
 

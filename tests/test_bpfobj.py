@@ -16,11 +16,13 @@ def test_object_builds_caches_and_verifies(tmp_path, monkeypatch):
     mtime = os.path.getmtime(paths["ring"])
     assert bpfobj.object_path("llamacpp.bpf.c", "ring") == paths["ring"]   # cached, not rebuilt
     assert os.path.getmtime(paths["ring"]) == mtime
-    for path in paths.values():
+    sched = {v: bpfobj.object_path("sched.bpf.c", v) for v in bpfobj.VARIANTS}
+    for path in [*paths.values(), *sched.values()]:
         obj = libbpf.BpfObject(path)
         try:
             names = obj.program_names()
-            assert {"token_enter", "token_return", "op_start", "op_barrier", "graph_enter_7"} <= set(names)
+            assert ({"sched_switch", "sched_wakeup"} if "sched" in path else
+                    {"token_enter", "token_return", "op_start", "op_barrier", "graph_enter_7"}) <= set(names)
             obj.load(set(names))   # the kernel's verifier accepts every program
         finally:
             obj.close()

@@ -2,15 +2,18 @@
 layer, 2 used per token, 4 layers."""
 from __future__ import annotations
 
+import pytest
+
 from conftest import completion_cmd, llama_perf, run_profinfer, with_llama_log
 from profinfer.exporters.trace_reader import read_trace
 from profinfer.moe import compute
 
 
-def test_expert_activations_are_exact(llama_build, moe_model, llama_env, tmp_path):
+@pytest.mark.parametrize("buffer", ["ring", "perf"])
+def test_expert_activations_are_exact(llama_build, moe_model, llama_env, tmp_path, buffer):
     trace = tmp_path / "moe.pftrace"
     r = with_llama_log(lambda: run_profinfer(
-        ["record", "--quiet", "-o", str(trace), "--",
+        ["record", "--quiet", "--buffer", buffer, "-o", str(trace), "--",
          *completion_cmd(llama_build, moe_model, n=12)], env=llama_env, tmp_path=tmp_path))
     assert r.rc == 0, r.stderr[-2000:]
     perf = llama_perf(r.stderr)

@@ -12,10 +12,12 @@ from conftest import (PROFINFER, completion_cmd, leftover_uprobe_events, llama_p
 @pytest.mark.parametrize("buffer", ["ring", "perf"])
 def test_counts_and_times_match_llama_perf(llama_build, tiny_model, llama_env, tmp_path, buffer):
     """Acceptance 1: llama_decode calls, prefill/decode tokens exact; phase times within 5%.
-    Both transports: the ring buffer, and the perf buffers used on kernels before 5.8."""
+    Both transports: the ring buffer, and the perf buffers used on kernels before 5.8; every
+    kind of record goes through each (sched events and op counters too)."""
     trace = tmp_path / "run.pftrace"
-    r = with_llama_log(lambda: run_profinfer(["record", "--buffer", buffer, "-o", str(trace), "--",
-                                              *completion_cmd(llama_build, tiny_model, n=48)],
+    r = with_llama_log(lambda: run_profinfer(["record", "--buffer", buffer, "-o", str(trace),
+                                              "--levels", "token,graph,op,sched", "--counters", "task-clock",
+                                              "--", *completion_cmd(llama_build, tiny_model, n=48)],
                                              env=llama_env, tmp_path=tmp_path))
     assert r.rc == 0, r.stderr
     perf = llama_perf(r.stderr)
@@ -29,6 +31,7 @@ def test_counts_and_times_match_llama_perf(llama_build, tiny_model, llama_env, t
     assert s["time_ns"]["prefill"] == pytest.approx(prompt_ms * 1e6, rel=0.05)
     assert s["time_ns"]["decode"] == pytest.approx(eval_ms * 1e6, rel=0.05)
     assert s["lost_events"] == 0 and s["meta"]["event_buffer"] == buffer
+    assert s["sched"]["switches"] > 0 and s["counters"]["names"] == ["task-clock"]
     assert trace.stat().st_size > 0
     assert our_bpf_programs() == [] and leftover_uprobe_events() == []
 

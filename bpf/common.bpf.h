@@ -1,0 +1,90 @@
+/* What every profinfer BPF object shares: types, the configuration in .rodata, the event
+ * transport (ring buffer, or perf buffers before 5.8), the lost-event counter.
+ * A second object (sched.bpf.c) is loaded with these maps reused from the first
+ * (bpf_map__reuse_fd), so all events arrive in one buffer in one order. */
+#pragma once
+
+#include <linux/types.h>
+#include <linux/bpf.h>
+#include <linux/ptrace.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+
+typedef __u16 u16;
+typedef __u32 u32;
+typedef __s32 s32;
+typedef __u64 u64;
+typedef __s64 s64;
+
+#include "events.h"
+
+const volatile struct pi_config cfg = {};
+
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, u32);
+    __type(value, u64);
+} lost SEC(".maps");
+
+static __always_inline void count_lost(u64 n)
+{
+    u32 k = 0;
+    u64 *v = bpf_map_lookup_elem(&lost, &k);
+    if (v)
+        __sync_fetch_and_add(v, n);
+}
+
+#ifdef PI_PERF_BUFFER
+/* Kernels before 5.8 have no ring buffer: per-CPU perf buffers, whose wakeups user space
+ * batches with wakeup_events. */
+struct {
+    __uint(type, BPF_MAP_TYPE_PERF_EVENT_ARRAY);
+    __uint(key_size, sizeof(u32));
+    __uint(value_size, sizeof(u32));
+} events SEC(".maps");
+
+static __always_inline int emit(void *ctx, void *data, u32 size)
+{
+    return bpf_perf_event_output(ctx, &events, BPF_F_CURRENT_CPU, data, size);
+}
+#else
+/* max_entries (the ring's size) is set by the collector before loading. */
+struct {
+    __uint(type, BPF_MAP_TYPE_RINGBUF);
+    __uint(max_entries, 4096);
+} events SEC(".maps");
+
+/* Wake the collector only when the ring is filling up: it drains the ring on a timer, and a
+ * wakeup per record would preempt an inference thread on a busy machine every time.
+ * unread_bytes counts what was submitted since the collector's last drain (it zeroes it). */
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, u32);
+    __type(value, u64);
+} unread_bytes SEC(".maps");
+
+static __always_inline u64 wakeup_flag(u64 size)
+{
+    u32 k = 0;
+    u64 *v = bpf_map_lookup_elem(&unread_bytes, &k);
+    if (!v)
+        return 0;
+    u64 before = __sync_fetch_and_add(v, size);
+    return before < cfg.ring_wake_bytes && before + size >= cfg.ring_wake_bytes
+        ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
+}
+
+/* Send one record to user space; 0 on success. */
+static __always_inline int emit(void *ctx, void *data, u32 size)
+{
+    return bpf_ringbuf_output(&events, data, size, wakeup_flag(size));
+}
+#endif
+
+static __always_inline u32 current_tid(void)
+{
+    return (u32)bpf_get_current_pid_tgid();
+}
+
