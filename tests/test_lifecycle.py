@@ -66,8 +66,11 @@ def test_target_exit_ends_profiling(llama_build, tiny_model, llama_env, tmp_path
 
 
 def test_kill_9_leaves_nothing(target):
-    p = start_profinfer(["attach", "--pid", str(target.proc.pid), "--quiet"])
-    assert our_bpf_programs() != []          # the check below can see our programs
+    """Every kind of attachment: uprobes, raw tracepoints (sched), per-CPU perf counters."""
+    p = start_profinfer(["attach", "--pid", str(target.proc.pid), "--quiet",
+                         "--levels", "token,graph,op,sched", "--counters", "task-clock"])
+    progs = our_bpf_programs()
+    assert "op_start" in progs and "sched_switch" in progs   # the check below can see them
     p.kill()
     p.wait()
     deadline = time.time() + 10
