@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from . import bpfobj, discovery, dwarf, ggml, kernel, layout, libbpf
+from . import assemble, bpfobj, discovery, dwarf, ggml, kernel, layout, libbpf
 from . import counters as perfcounters
 from .errors import ProfinferError
-from .model import GraphCall, OpSlice, Profile, SchedSwitch, SchedWakeup, TokenCall
+from .model import GraphCall, Profile, TokenCall
 from .probepack import Pack, engine_libraries, resolve
 from .symbols import load_elf
 
@@ -27,7 +27,6 @@ PERF_WAKEUP_EVENTS = 64
 KNOWN_BATCH_EXT = (64, 96)   # llama_batch_ext.tokens offset, token size (b11434)
 MAX_BATCH = 1 << 20
 _ZERO_U32 = bytes(4)
-OP_CHUNK = 8192          # ops turned into OpSlices at a time
 SCHED_PROGRAMS = ("sched_switch", "sched_wakeup")
 SHARED_MAPS = ("events", "lost")     # one transport and one lost counter for both objects
 _ZERO_U64 = bytes(8)
@@ -394,7 +393,12 @@ class Collector:
                                              backend, int(r["n_nodes"]), graph_probes[probe].symbol.name))
         if self._ops:
             raw, self._ops = np.concatenate(self._ops), []   # the batches are not needed twice
-            prof.ops = self._op_slices(raw, prof.graphs)
+            raw.sort(order="start_ns")
+            counted = None
+            if self.counters:
+                counted, self.counter_dropped = assemble.counter_values(
+                    raw, len(self.counters.counters), self.consts)
+            prof.ops = assemble.op_slices(raw, prof.graphs, self.op_names, counted, self._experts)
             del raw
         if self.experts_truncated:
             prof.meta["experts_truncated"] = str(self.experts_truncated)
@@ -404,122 +408,9 @@ class Collector:
         if "graph" not in self.levels:
             prof.graphs = []
         if self._sched:
-            self._sched_events(np.sort(np.concatenate(self._sched), order="ts_ns"), prof)
+            prof.switches, prof.wakeups = assemble.sched_events(
+                np.sort(np.concatenate(self._sched), order="ts_ns"), self.pid, self.kind_switch)
         return prof
-
-    def _sched_events(self, evs: np.ndarray, prof: Profile) -> None:
-        def text(b) -> str:
-            return bytes(b).split(b"\0", 1)[0].decode("utf-8", "replace")
-
-        def ours(tgid) -> int:
-            return self.pid if int(tgid) == self.pid else 0
-
-        for e in evs:
-            if int(e["kind"]) == self.kind_switch:
-                prof.switches.append(SchedSwitch(
-                    int(e["ts_ns"]), int(e["cpu"]), int(e["prev_tid"]), text(e["prev_comm"]),
-                    int(e["prev_state"]), int(e["next_tid"]), text(e["next_comm"]),
-                    ours(e["prev_tgid"]), ours(e["next_tgid"])))
-            else:
-                prof.wakeups.append(SchedWakeup(int(e["ts_ns"]), int(e["cpu"]), int(e["next_tid"]),
-                                                text(e["next_comm"]), int(e["prev_tid"])))
-
-    def _op_slices(self, ops: np.ndarray, graphs: list[GraphCall]) -> list[OpSlice]:
-        ops.sort(order="start_ns")          # in place: the raw events are not needed unsorted
-        start = ops["start_ns"].astype(np.int64)
-        end = ops["end_ns"].astype(np.int64)
-        bend = ops["barrier_end_ns"].astype(np.int64)
-        # A thread's last node of a graph is completed only when its next graph starts:
-        # its barrier wait ends, at the latest, when the graph that contains it ends.
-        backend_graphs = [g for g in graphs if g.backend != "sched"] or graphs
-        if backend_graphs:
-            gs = np.array([g.start_ns for g in backend_graphs], dtype=np.int64)
-            ge = np.array([g.end_ns for g in backend_graphs], dtype=np.int64)
-            idx = np.searchsorted(gs, start, side="right") - 1
-            inside = (idx >= 0) & (start <= ge[np.clip(idx, 0, None)])
-            cap = np.where(inside, ge[np.clip(idx, 0, None)], np.iinfo(np.int64).max)
-        else:
-            cap = np.full(len(ops), np.iinfo(np.int64).max, dtype=np.int64)
-        has_cap = cap != np.iinfo(np.int64).max
-        # Still in progress when we stopped (no barrier yet): it ran until its graph ended.
-        end = np.where(end == 0, np.where(has_cap, cap, start), end)
-        # Completed by the thread's next node, or drained at the end: bounded by the graph.
-        bend = np.where(bend == 0, np.where(has_cap, cap, end), np.minimum(bend, cap))
-        bend = np.maximum(bend, end)
-        names = self.op_names
-        n_names = len(names)
-
-        def op_name(op: int, fused: int) -> str:
-            base = names[op] if 0 <= op < n_names else f"OP{op}"
-            if fused >= 0:
-                return base + "+" + (names[fused] if fused < n_names else f"OP{fused}")
-            return base
-
-        counted = self._counter_values(ops)
-        types = ggml.GGML_TYPES
-        # Columns go to Python once (tolist), and equal tuples and strings are shared: the
-        # same nodes repeat token after token, so a long run holds few distinct values.
-        shared: dict = {}
-
-        def share(x):
-            return shared.setdefault(x, x)
-
-        experts = self._experts
-        out = []
-        # In chunks: the Python lists of one chunk's columns are transient, not the whole run's.
-        for lo in range(0, len(ops), OP_CHUNK):
-            self._op_chunk(ops[lo:lo + OP_CHUNK], start[lo:lo + OP_CHUNK], end[lo:lo + OP_CHUNK],
-                           bend[lo:lo + OP_CHUNK], counted[lo:lo + OP_CHUNK] if counted is not None else None,
-                           op_name, share, shared, types, experts, out)
-        return out
-
-    @staticmethod
-    def _op_chunk(ops, start, end, bend, counted, op_name, share, shared, types, experts, out) -> None:
-        cols = {k: ops[k].tolist() for k in ("tid", "cpu", "op", "fused_op", "type", "tensor",
-                                             "fused_tensor", "src0_type", "src1_type", "start_ns")}
-        ne, src, src_view = ops["ne"].tolist(), ops["src"].tolist(), ops["src_view"].tolist()
-        src0_ne, src1_ne = ops["src0_ne"].tolist(), ops["src1_ne"].tolist()
-        names_raw = ops["name"].tolist()
-        start_l, end_l, bend_l = start.tolist(), end.tolist(), bend.tolist()
-        for i in range(len(ops)):
-            tname = shared.get(names_raw[i])
-            if tname is None:
-                tname = shared[names_raw[i]] = names_raw[i].split(b"\0", 1)[0].decode("utf-8", "replace")
-            srcs_i = src[i]
-            n_src = next((k for k in range(3, 0, -1) if srcs_i[k - 1]), 0)
-            t0, t1 = cols["src0_type"][i], cols["src1_type"][i]
-            src_ne = share(tuple(share(tuple(x)) for x, t in ((src0_ne[i], t0), (src1_ne[i], t1)) if t >= 0))
-            src_dtypes = share(tuple(types.get(t, f"type{t}") for t in (t0, t1) if t >= 0))
-            t = cols["type"][i]
-            out.append(OpSlice(cols["tid"][i], cols["cpu"][i], start_l[i], end_l[i], bend_l[i],
-                               share(op_name(cols["op"][i], cols["fused_op"][i])), tname,
-                               share(tuple(ne[i])), types.get(t, f"type{t}"),
-                               cols["tensor"][i], share(tuple(srcs_i[:n_src])),
-                               share(tuple(src_view[i][:n_src])), cols["fused_tensor"][i],
-                               src_ne, src_dtypes,
-                               counted[i] if counted is not None else None,
-                               experts.get((cols["tid"][i], cols["start_ns"][i]))))
-
-    def _counter_values(self, ops: np.ndarray) -> list | None:
-        """Per op, the counter deltas scaled for multiplexing, or None where dropped."""
-        if not self.counters:
-            return None
-        n = len(self.counters.counters)
-        ctr = ops["ctr"][:, :n].astype(np.float64)
-        en = ops["ctr_enabled"][:, :n].astype(np.float64)
-        run = ops["ctr_running"][:, :n].astype(np.float64)
-        scaled = np.where(run > 0, ctr * np.where(run > 0, en / np.maximum(run, 1), 0), 0)
-        flags = ops["flags"]
-        migrated = (flags & self.consts["PI_OP_MIGRATED"]) != 0
-        failed = ((flags & self.consts["PI_OP_CTR_FAILED"]) != 0) & ~migrated
-        unfinished = ((flags & self.consts["PI_OP_UNFINISHED"]) != 0) & ~migrated & ~failed
-        # A counter that did not run at all during the op (multiplexed out) has no value.
-        idle = ~migrated & ~failed & ~unfinished & (run == 0).any(axis=1) & (en > 0).any(axis=1)
-        self.counter_dropped = {"migrated": int(migrated.sum()), "unreadable": int(failed.sum()),
-                                "not running": int(idle.sum()), "unfinished": int(unfinished.sum())}
-        keep = ~(migrated | failed | idle | unfinished)
-        rows = scaled.tolist()
-        return [tuple(v) if k else None for v, k in zip(rows, keep.tolist())]
 
     def _backend_name(self, fn_addr: int) -> str:
         """Name of the backend whose get_name function is at fn_addr in the target."""
