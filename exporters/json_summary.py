@@ -99,7 +99,8 @@ def _roofline(profile: Profile) -> dict:
         "roofs": {"peak_gflops": roofs.peak_gflops, "peak_gbps": roofs.peak_gbps, "ridge": roofs.ridge},
         "verdicts": [{"scope": v.scope, "nodes": v.nodes, "time_ns": v.time_ns, "flops": v.flops,
                       "bytes": v.bytes, "gflops": v.gflops, "gbps": v.gbps, "intensity": v.intensity,
-                      "bound": v.bound, "roof_share": v.roof_share}
+                      "bound": v.bound, "roof_share": v.roof_share,
+                      "measured_gbps": v.measured_gbps}
                      for v in roofline.verdicts(profile, roofs)]}}
 
 

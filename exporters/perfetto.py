@@ -18,7 +18,8 @@ Protobuf layout (trace_reader.py reads exactly this back into a Profile):
   slice (op end to barrier end) unless that wait is zero.
 - perf counters (Profile.counter_names, attribute profinfer.counters): an op's scaled deltas
   are "ctr:<name>" double arguments of its END event, and each thread has one counter track
-  per counter (child of the thread track) holding the op's delta from its start to its end.
+  per counter (child of the thread track) holding the op's delta from its start to its end,
+  and one per derived metric the counters allow (IPC, miss rates, CPU util %).
   The attributes profinfer.counter_dropped.<reason> carry the dropped-op counts.
 - MoE routing: a MUL_MAT_ID op's END carries "experts" = "e,e|e,e|..." (per token).
 - scheduler events (sched level) as ftrace sched_switch / sched_wakeup events in
@@ -41,6 +42,7 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import (
 )
 from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
+from profinfer.counterstats import derived_tracks, derived_values
 from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
 
 FORMAT_VERSION = 1
@@ -302,7 +304,8 @@ class _ThreadSequence:
 
     def write(self, items: list[tuple], counter_names: list[str], tid: int) -> None:
         end_plain = TAG_TRACK_EVENT + varint(len(_END_BODY)) + _END_BODY
-        tracks = [counter_track_uuid(tid, i) for i in range(len(counter_names))]
+        derived = derived_tracks(counter_names)
+        tracks = [counter_track_uuid(tid, i) for i in range(len(counter_names) + len(derived))]
         arg_names = [COUNTER_ARG_PREFIX + n for n in counter_names]
         for ev in plan(items):
             kind, ts = ev[0], ev[1]
@@ -310,7 +313,8 @@ class _ThreadSequence:
                 obj = ev[2]
                 self._begin(ts, *begin_fields(obj))
                 if tracks and isinstance(obj, OpSlice) and obj.counters is not None:
-                    for uuid, v in zip(tracks, obj.counters):
+                    values = list(obj.counters) + derived_values(obj.counters, obj.dur_ns, derived)
+                    for uuid, v in zip(tracks, values):
                         self._counter(ts, uuid, v)
             elif kind == "E":
                 obj, args = ev[2], tuple((k, _INT, v) for k, v in (ev[3] or {}).items())
@@ -365,8 +369,9 @@ def write_perfetto(profile: Profile, path: str | Path) -> None:
         if tid in profile.thread_names:
             desc.thread.thread_name = profile.thread_names[tid]
     op_tids = sorted({o.tid for o in profile.ops}) if profile.counter_names else []
+    track_names = profile.counter_names + [m for m, *_ in derived_tracks(profile.counter_names)]
     for tid in op_tids:
-        for i, name in enumerate(profile.counter_names):
+        for i, name in enumerate(track_names):
             pkt = header.add_packet()
             pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
             desc = pkt.track_descriptor

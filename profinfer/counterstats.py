@@ -50,6 +50,26 @@ def canonical(name: str) -> str:
     return _ALIASES.get(name, name)
 
 
+def derived_tracks(names: list[str]) -> list[tuple[str, int, int, float]]:
+    """(metric, numerator index, denominator index or -1 for the op's duration, scale) for the
+    derived metrics the counters in `names` allow, e.g. IPC from instructions and cycles."""
+    canon = [canonical(n) for n in names]
+    out = []
+    for metric, num, den, scale in DERIVED:
+        if num in canon and (den == "_dur_ns" or den in canon):
+            out.append((metric, canon.index(num), -1 if den == "_dur_ns" else canon.index(den), scale))
+    return out
+
+
+def derived_values(values: tuple[float, ...], dur_ns: int, tracks) -> list[float]:
+    """One op's derived metrics, in derived_tracks() order (0 where the denominator is 0)."""
+    out = []
+    for _, num, den, scale in tracks:
+        d = dur_ns if den < 0 else values[den]
+        out.append(scale * values[num] / d if d else 0.0)
+    return out
+
+
 def derive(totals: dict[str, float], dur_ns: int) -> dict[str, float]:
     vals = {canonical(k): v for k, v in totals.items()}
     vals["_dur_ns"] = float(dur_ns)

@@ -31,6 +31,9 @@ class NodeRun:
     end_ns: int
     threads: int
     thread_ns: int           # summed slice durations (CPU time spent on the node)
+    # counter deltas summed over its slices (Profile.counter_names order); None unless every
+    # slice was counted
+    counters: list[float] | None = None
 
     @property
     def dur_ns(self) -> int:
@@ -71,13 +74,18 @@ def _node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
         if r is None:
             runs[key] = NodeRun(g, o.tensor, o.op, o.name, o.ne, o.dtype, o.srcs, o.src_views,
                                 o.fused_tensor, o.src_ne, o.src_dtypes, o.start_ns, o.end_ns, 1,
-                                o.dur_ns)
+                                o.dur_ns, list(o.counters) if o.counters is not None else None)
             order.append(key)
         else:
             r.start_ns = min(r.start_ns, o.start_ns)
             r.end_ns = max(r.end_ns, o.end_ns)
             r.threads += 1
             r.thread_ns += o.dur_ns
+            if r.counters is not None:
+                if o.counters is None:
+                    r.counters = None
+                else:
+                    r.counters = [a + b for a, b in zip(r.counters, o.counters)]
     out = [runs[k] for k in order]
     out.sort(key=lambda r: r.start_ns)
     return out, graphs

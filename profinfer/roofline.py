@@ -126,14 +126,23 @@ class Verdict:
     intensity: float
     bound: str               # "memory", "compute" or "neither"
     roof_share: float        # achieved / the roof its intensity points at
+    # cross-check where the PMU counts LLC load misses: DRAM read bandwidth they imply
+    # (lines × 64 B over the counted nodes' time); None without that counter
+    measured_gbps: float | None = None
     notes: list[str] = field(default_factory=list)
 
 
-def judge(scope: str, runs: list[NodeRun], roofs: Roofs) -> Verdict | None:
-    """One verdict for a set of node runs (e.g. decode MUL_MAT): totals, then the roof."""
+LINE_BYTES = 64
+
+
+def judge(scope: str, runs: list[NodeRun], roofs: Roofs, llc_miss_index: int | None = None
+          ) -> Verdict | None:
+    """One verdict for a set of node runs (e.g. decode MUL_MAT): totals, then the roof.
+    `llc_miss_index`: position of LLC-load-misses in the runs' counters, for the cross-check."""
     flops = bytes_ = 0.0
     time_ns = 0
     counted = 0
+    miss_lines, miss_ns = 0.0, 0
     for r in runs:
         c = node_cost(r)
         if c is None or r.dur_ns <= 0:
@@ -142,6 +151,9 @@ def judge(scope: str, runs: list[NodeRun], roofs: Roofs) -> Verdict | None:
         bytes_ += c.bytes
         time_ns += r.dur_ns
         counted += 1
+        if llc_miss_index is not None and r.counters is not None:
+            miss_lines += r.counters[llc_miss_index]
+            miss_ns += r.dur_ns
     if not counted or not time_ns:
         return None
     gflops, gbps = flops / time_ns, bytes_ / time_ns       # per ns = G per s
@@ -151,7 +163,9 @@ def judge(scope: str, runs: list[NodeRun], roofs: Roofs) -> Verdict | None:
     else:
         side, share = "compute", gflops / roofs.peak_gflops
     bound = side if share >= MIN_ROOF_SHARE else "neither"
-    return Verdict(scope, counted, time_ns, flops, bytes_, gflops, gbps, intensity, bound, share)
+    measured = miss_lines * LINE_BYTES / miss_ns if miss_ns else None
+    return Verdict(scope, counted, time_ns, flops, bytes_, gflops, gbps, intensity, bound, share,
+                   measured)
 
 
 def verdicts(profile, roofs: Roofs) -> list[Verdict]:
@@ -161,6 +175,8 @@ def verdicts(profile, roofs: Roofs) -> list[Verdict]:
     groups: dict[str, list[NodeRun]] = {}
     for r, phase in zip(runs, phase_of(runs, profile.tokens)):
         groups.setdefault(f"{phase} {r.op}", []).append(r)
-    out = [v for scope, rs in groups.items() if (v := judge(scope, rs, roofs)) is not None]
+    names = profile.counter_names
+    llc = names.index("LLC-load-misses") if "LLC-load-misses" in names else None
+    out = [v for scope, rs in groups.items() if (v := judge(scope, rs, roofs, llc)) is not None]
     out.sort(key=lambda v: -v.time_ns)
     return out

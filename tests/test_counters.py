@@ -102,3 +102,12 @@ def test_only_hardware_counters_fall_back_to_task_clock(llama_build, tiny_model,
     assert r.rc == 0, r.stderr[-2000:]
     assert "counting task-clock instead" in r.stderr
     assert r.summary["counters"]["names"] == ["task-clock"]
+
+
+def test_derived_tracks_follow_the_counters():
+    from profinfer.counterstats import derived_tracks, derived_values
+    tracks = derived_tracks(["instructions", "cpu-cycles", "task-clock"])
+    assert [(m, n, d) for m, n, d, _ in tracks] == [("IPC", 0, 1), ("CPU util %", 2, -1)]
+    assert derived_values((300.0, 100.0, 50.0), 100, tracks) == [3.0, 50.0]
+    assert derived_values((300.0, 0.0, 50.0), 0, tracks) == [0.0, 0.0]   # no division by zero
+    assert derived_tracks(["page-faults"]) == []

@@ -414,13 +414,19 @@ def test_perfetto_counter_tracks(tmp_path):
               if pk.HasField("track_descriptor")}
     threads = {d.uuid: d.thread.tid for d in tracks.values() if d.HasField("thread")}
     counters = {u: d for u, d in tracks.items() if d.HasField("counter")}
+    # task-clock also gives a derived track: CPU util % = task-clock / op duration
+    names = p.counter_names + ["CPU util %"]
     assert {(threads[d.parent_uuid], d.name) for d in counters.values()} == {
-        (tid, n) for tid in {o.tid for o in p.ops} for n in p.counter_names}
-    values = [pk.track_event.double_counter_value for pk in trace.packet
+        (tid, n) for tid in {o.tid for o in p.ops} for n in names}
+    values = [(pk.track_event.track_uuid, pk.track_event.double_counter_value) for pk in trace.packet
               if pk.HasField("track_event") and pk.track_event.type == TrackEvent.TYPE_COUNTER]
     counted = [o for o in p.ops if o.counters is not None]
-    assert len(values) == 2 * len(counted) * len(p.counter_names)
-    assert sorted(v for v in values if v) == sorted(v for o in counted for v in o.counters if v)
+    assert len(values) == 2 * len(counted) * len(names)
+    raw = [v for u, v in values if v and counters[u].name in p.counter_names]
+    assert sorted(raw) == sorted(v for o in counted for v in o.counters if v)
+    util = sorted(v for u, v in values if v and counters[u].name == "CPU util %")
+    assert util == pytest.approx(sorted(100 * o.counters[0] / o.dur_ns for o in counted
+                                        if o.counters[0] and o.dur_ns))
     attrs = {a.key: a for pk in trace.packet if pk.HasField("trace_attributes")
              for a in pk.trace_attributes.attribute}
     assert attrs["profinfer.counters"].string_value == "task-clock,r01a3"

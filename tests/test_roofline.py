@@ -91,3 +91,23 @@ def test_decode_matmul_memory_bound_prefill_not(llama_build, big_model, llama_en
     dec, pre = v["decode MUL_MAT"], v["prefill MUL_MAT"]
     assert dec["bound"] == "memory", dec
     assert pre["bound"] != "memory" and pre["intensity"] > s["roofline"]["roofs"]["ridge"], pre
+
+
+def test_cross_check_with_llc_misses():
+    """Where the PMU counts LLC load misses, each verdict carries the DRAM bandwidth they imply."""
+    from profinfer.roofline import verdicts
+    mm = dict(srcs=(0xA, 0xB), src_views=(0, 0), src_ne=((2048, 8192, 1, 1), (2048, 1, 1, 1)),
+              src_dtypes=("f16", "f32"))
+    ops = [OpSlice(1, 0, 0, 1_000_000, 1_000_000, "MUL_MAT", "x-0", (8192, 1, 1, 1), "f32", 0xC,
+                   counters=(100_000.0, 5.0), **mm),
+           OpSlice(2, 1, 0, 800_000, 1_000_000, "MUL_MAT", "x-0", (8192, 1, 1, 1), "f32", 0xC,
+                   counters=(50_000.0, 1.0), **mm)]
+    p = Profile(pid=1, graphs=[GraphCall(1, 0, 2_000_000, "CPU", 1)], ops=ops,
+                tokens=[TokenCall(1, 0, 2_000_000, 1, False)],
+                counter_names=["LLC-load-misses", "page-faults"])
+    (v,) = verdicts(p, Roofs(peak_gflops=100.0, peak_gbps=10.0))
+    assert v.scope == "decode MUL_MAT"
+    assert v.measured_gbps == pytest.approx(150_000 * 64 / 1_000_000)   # lines × 64 B / node time
+    p.counter_names = ["task-clock", "page-faults"]
+    p.__dict__.pop("_node_runs", None)
+    assert verdicts(p, Roofs(100.0, 10.0))[0].measured_gbps is None

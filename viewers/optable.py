@@ -92,10 +92,14 @@ def roofline_table(vs: list[Verdict], roofs: Roofs) -> Table:
         t.add_column(col, justify="right")
     t.add_column("verdict")
     t.add_column("% of roof", justify="right")
+    measured = any(v.measured_gbps is not None for v in vs)
+    if measured:     # cross-check: DRAM reads the PMU saw (LLC load misses)
+        t.add_column("GB/s (LLC misses)", justify="right")
     for v in vs:
+        extra = ([f"{v.measured_gbps:,.2f}" if v.measured_gbps is not None else "-"] if measured else [])
         t.add_row(v.scope, f"{v.nodes:,}", _ms(v.time_ns), f"{v.gflops:,.2f}", f"{v.gbps:,.2f}",
                   f"{v.intensity:,.2f}", v.bound + ("" if v.bound == "neither" else "-bound"),
-                  f"{100 * v.roof_share:.0f}")
+                  f"{100 * v.roof_share:.0f}", *extra)
     return t
 
 
