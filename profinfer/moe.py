@@ -30,16 +30,10 @@ class MoeStats:
 
 
 def compute(profile: Profile) -> MoeStats | None:
-    with_experts = {(o.tid, o.start_ns): o.experts for o in profile.ops if o.experts}
-    if not with_experts:
+    if not any(o.experts for o in profile.ops):
         return None
     runs, _ = node_runs(profile)
     phases = phase_of(runs, profile.tokens)
-    # a node run's experts: from any of its slices (every thread read the same ids)
-    by_op = {}
-    for o in profile.ops:
-        if o.experts:
-            by_op.setdefault(o.tensor, []).append(o)
     graphs: dict[int, list] = {}
     for r, ph in zip(runs, phases):
         graphs.setdefault(r.graph, []).append((r, ph))
@@ -47,12 +41,8 @@ def compute(profile: Profile) -> MoeStats | None:
     for g, members in graphs.items():
         nodes = [r for r, _ in members]
         for (r, ph), layer in zip(members, node_layers(nodes)):
-            if not r.op.startswith("MUL_MAT_ID") or len(r.srcs) < 3:
-                continue
-            slices = [o for o in by_op.get(r.tensor, []) if r.start_ns <= o.start_ns <= r.end_ns]
-            if not slices:
-                continue
-            decisions.setdefault((g, r.srcs[2]), (layer if layer is not None else -1, ph, slices[0].experts))
+            if r.experts and len(r.srcs) >= 3:
+                decisions.setdefault((g, r.srcs[2]), (layer if layer is not None else -1, ph, r.experts))
     layers = sorted({d[0] for d in decisions.values()})
     n_experts = 1 + max(e for _, _, ex in decisions.values() for row in ex for e in row)
     n_used = max(len(row) for _, _, ex in decisions.values() for row in ex)

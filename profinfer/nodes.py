@@ -34,6 +34,8 @@ class NodeRun:
     # counter deltas summed over its slices (Profile.counter_names order); None unless every
     # slice was counted
     counters: list[float] | None = None
+    # MUL_MAT_ID: the expert ids its slices read (every thread reads the same ids)
+    experts: tuple | None = None
 
     @property
     def dur_ns(self) -> int:
@@ -74,9 +76,12 @@ def _node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
         if r is None:
             runs[key] = NodeRun(g, o.tensor, o.op, o.name, o.ne, o.dtype, o.srcs, o.src_views,
                                 o.fused_tensor, o.src_ne, o.src_dtypes, o.start_ns, o.end_ns, 1,
-                                o.dur_ns, list(o.counters) if o.counters is not None else None)
+                                o.dur_ns, list(o.counters) if o.counters is not None else None,
+                                o.experts)
             order.append(key)
         else:
+            if r.experts is None:
+                r.experts = o.experts
             r.start_ns = min(r.start_ns, o.start_ns)
             r.end_ns = max(r.end_ns, o.end_ns)
             r.threads += 1
