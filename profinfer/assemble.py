@@ -17,12 +17,12 @@ _NO_CAP = np.iinfo(np.int64).max
 def op_slices(ops: np.ndarray, graphs: list[GraphCall], op_names: list[str],
               counted: list | None = None,
               experts: dict[tuple[int, int], tuple] | None = None) -> list[OpSlice]:
-    """OpSlices sorted by start. `ops` (pi_op_event records) is sorted in place.
+    """OpSlices, one per pi_op_event record of `ops`, which the caller sorted by start_ns
+    (counter_values() must see the same order).
 
-    `counted`: per op (in start order), counter values or None (counter_values()).
+    `counted`: per op, counter values or None (counter_values()).
     `experts`: MoE routing by (tid, op start).
     """
-    ops.sort(order="start_ns")          # in place: the raw events are not needed unsorted
     start = ops["start_ns"].astype(np.int64)
     end = ops["end_ns"].astype(np.int64)
     bend = ops["barrier_end_ns"].astype(np.int64)
@@ -74,7 +74,7 @@ class _SliceBuilder:
     def add(self, ops, start, end, bend, counted, out: list[OpSlice]) -> None:
         share, types, shared, experts = self.share, ggml.GGML_TYPES, self.shared, self.experts
         cols = {k: ops[k].tolist() for k in ("tid", "cpu", "op", "fused_op", "type", "tensor",
-                                             "fused_tensor", "src0_type", "src1_type", "start_ns")}
+                                             "fused_tensor", "src0_type", "src1_type")}
         ne, src, src_view = ops["ne"].tolist(), ops["src"].tolist(), ops["src_view"].tolist()
         src0_ne, src1_ne = ops["src0_ne"].tolist(), ops["src1_ne"].tolist()
         names_raw = ops["name"].tolist()
@@ -96,7 +96,7 @@ class _SliceBuilder:
                                share(tuple(src_view[i][:n_src])), cols["fused_tensor"][i],
                                src_ne, src_dtypes,
                                counted[i] if counted is not None else None,
-                               experts.get((cols["tid"][i], cols["start_ns"][i]))))
+                               experts.get((cols["tid"][i], start_l[i]))))
 
 
 def counter_values(ops: np.ndarray, n_counters: int, consts: dict[str, int]

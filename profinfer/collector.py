@@ -393,7 +393,7 @@ class Collector:
                                              backend, int(r["n_nodes"]), graph_probes[probe].symbol.name))
         if self._ops:
             raw, self._ops = np.concatenate(self._ops), []   # the batches are not needed twice
-            raw.sort(order="start_ns")
+            raw.sort(order="start_ns")          # in place: the raw events are not needed unsorted
             counted = None
             if self.counters:
                 counted, self.counter_dropped = assemble.counter_values(

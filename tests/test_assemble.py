@@ -23,6 +23,7 @@ def test_open_ends_are_capped_by_the_graph():
     a = ops({"start_ns": 100, "end_ns": 150, "barrier_end_ns": 0, "tid": 1, "op": 1, "name": b"a-0"},
             {"start_ns": 200, "end_ns": 0, "barrier_end_ns": 0, "tid": 1, "op": 2, "name": b"b-0"},
             {"start_ns": 120, "end_ns": 130, "barrier_end_ns": 900, "tid": 2, "op": 1, "name": b"a-0"})
+    a.sort(order="start_ns")
     out = assemble.op_slices(a, [GraphCall(1, 50, 500, "CPU", 2)], ["NONE", "MUL_MAT", "ADD"])
     assert [(o.start_ns, o.end_ns, o.barrier_end_ns, o.op) for o in out] == [
         (100, 150, 500, "MUL_MAT"),     # no next node: its wait ends with the graph
