@@ -65,11 +65,15 @@ def parse(name: str) -> Counter:
                          "event such as r01a3")
 
 
-class _Attr(ctypes.Structure):
+class PerfEventAttr(ctypes.Structure):
+    """struct perf_event_attr, as far as profinfer sets it (the rest stays zero). Also used
+    by libbpf.PerfBuffer for its BPF-output events."""
     _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
                 ("sample_period", ctypes.c_uint64), ("sample_type", ctypes.c_uint64),
                 ("read_format", ctypes.c_uint64), ("flags", ctypes.c_uint64),
-                ("rest", ctypes.c_uint8 * 80)]
+                ("wakeup_events", ctypes.c_uint32), ("rest", ctypes.c_uint8 * 76)]
+
+    SIZE_VER5 = 112     # PERF_ATTR_SIZE_VER5: known to every kernel that has BPF
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -77,7 +81,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 def _open(counter: Counter, cpu: int) -> int:
     """perf_event_open for every task on `cpu`; returns the fd, or -errno."""
-    attr = _Attr(counter.type, 112, counter.config)
+    attr = PerfEventAttr(counter.type, PerfEventAttr.SIZE_VER5, counter.config)
     nr = _SYS_PERF_EVENT_OPEN.get(os.uname().machine)
     if nr is None:
         return -errno.ENOSYS

@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import os
 
+from .counters import PERF_TYPE_SOFTWARE, PerfEventAttr
 from .errors import ProfinferError
 
 _vp = ctypes.c_void_p
@@ -243,20 +244,13 @@ class RingBuffer:
             self._rb = None
 
 
-class _PerfEventAttr(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
-                ("sample_period", ctypes.c_uint64), ("sample_type", ctypes.c_uint64),
-                ("read_format", ctypes.c_uint64), ("flags", ctypes.c_uint64),
-                ("wakeup_events", ctypes.c_uint32), ("rest", ctypes.c_uint8 * 76)]
-
-
 class PerfBuffer:
     """Per-CPU perf buffers that wake the reader once per `wakeup_events` records."""
 
     def __init__(self, map_fd: int, pages_per_cpu: int, wakeup_events: int, on_record, on_lost):
-        attr = _PerfEventAttr()
-        attr.type = 1                 # PERF_TYPE_SOFTWARE
-        attr.size = 112               # PERF_ATTR_SIZE_VER5: known to every kernel with BPF output
+        attr = PerfEventAttr()
+        attr.type = PERF_TYPE_SOFTWARE
+        attr.size = PerfEventAttr.SIZE_VER5
         attr.config = 10              # PERF_COUNT_SW_BPF_OUTPUT
         attr.sample_period = 1
         attr.sample_type = 1 << 10    # PERF_SAMPLE_RAW
