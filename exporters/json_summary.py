@@ -11,6 +11,7 @@ from pathlib import Path
 from profinfer import calibrate, counterstats, layers, moe, roofline, schedstats
 from profinfer.counterstats import CounterRow
 from profinfer.model import Profile
+from profinfer.opcolumns import as_columns
 from profinfer.stats import OpStats, compute
 
 
@@ -92,7 +93,7 @@ def _sched(profile: Profile) -> dict:
 def _roofline(profile: Profile) -> dict:
     if not profile.ops:
         return {}
-    roofs = calibrate.cached_roofs(len({o.tid for o in profile.ops}))
+    roofs = calibrate.cached_roofs(len(as_columns(profile.ops).thread_ids()))
     if roofs is None:
         return {"roofline": None}
     return {"roofline": {

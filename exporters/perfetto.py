@@ -32,11 +32,13 @@ Protobuf layout (trace_reader.py reads exactly this back into a Profile):
 """
 from __future__ import annotations
 
+import heapq
 import json
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import (
     BuiltinClock, InternedData, TracePacket, TrackEvent,
 )
@@ -44,6 +46,7 @@ from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
 from profinfer.counterstats import derived_tracks, derived_values
 from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.opcolumns import OpColumns, as_columns
 
 FORMAT_VERSION = 1
 MAIN_SEQUENCE = 1
@@ -95,17 +98,42 @@ def parse_experts(text: str) -> tuple[tuple[int, ...], ...]:
 
 # --------------------------------------------------------------------------- slice planning
 
-def thread_items(profile: Profile) -> dict[int, list[tuple]]:
-    """Per thread, (start, level, seq, obj) sorted so parents precede children at equal starts."""
-    by_tid: dict[int, list[tuple]] = defaultdict(list)
+class ThreadItems:
+    """One thread's slices as (start, level, seq, obj), sorted so parents precede children at
+    equal starts. Its ops are made one at a time as they are written (a profile's ops are
+    columns; a whole run of them as objects would not fit in the collector's memory)."""
+
+    def __init__(self, calls: list[tuple], ops: OpColumns, seq0: int):
+        self.calls = sorted(calls)          # tokens and graphs: few
+        self.ops = ops
+        self.seq0 = seq0
+        firsts = [self.calls[0][0]] if self.calls else []
+        if len(ops):
+            firsts.append(int(ops.start[0]))
+        self.first_ns = min(firsts)
+
+    def __iter__(self) -> Iterator[tuple]:
+        ops = ((o.start_ns, _OP, self.seq0 + k, o) for k, o in enumerate(self.ops))
+        return heapq.merge(self.calls, ops)
+
+
+def thread_items(profile: Profile) -> dict[int, ThreadItems]:
+    calls: dict[int, list[tuple]] = defaultdict(list)
     seq = 0
-    for level, objs in ((_TOKEN, profile.tokens), (_GRAPH, profile.graphs), (_OP, profile.ops)):
+    for level, objs in ((_TOKEN, profile.tokens), (_GRAPH, profile.graphs)):
         for o in objs:
-            by_tid[o.tid].append((o.start_ns, level, seq, o))
+            calls[o.tid].append((o.start_ns, level, seq, o))
             seq += 1
-    for items in by_tid.values():
-        items.sort()
-    return by_tid
+    cols = as_columns(profile.ops)
+    # each thread's ops by start; equal starts in the profile's order
+    order = np.lexsort((np.arange(len(cols)), cols.start, cols.tid))
+    tids = cols.tid[order]
+    bounds = np.flatnonzero(np.r_[True, tids[1:] != tids[:-1]]) if len(order) else []
+    op_runs = {int(tids[lo]): order[lo:hi] for lo, hi in zip(bounds, list(bounds[1:]) + [len(order)])}
+    empty = cols.take(np.zeros(0, np.int64))
+    return {tid: ThreadItems(calls.get(tid, []),
+                             cols.take(op_runs[tid]) if tid in op_runs else empty, seq)
+            for tid in sorted(set(calls) | set(op_runs))}
 
 
 def plan(items: list[tuple]) -> Iterator[tuple]:
@@ -302,7 +330,7 @@ class _ThreadSequence:
                           double_counter_value=value).SerializeToString()
         self._packet(ts, TAG_TRACK_EVENT + varint(len(body)) + body)
 
-    def write(self, items: list[tuple], counter_names: list[str], tid: int) -> None:
+    def write(self, items: ThreadItems, counter_names: list[str], tid: int) -> None:
         end_plain = TAG_TRACK_EVENT + varint(len(_END_BODY)) + _END_BODY
         derived = derived_tracks(counter_names)
         tracks = [counter_track_uuid(tid, i) for i in range(len(counter_names) + len(derived))]
@@ -341,7 +369,7 @@ class _ThreadSequence:
 def write_perfetto(profile: Profile, path: str | Path) -> None:
     """Write `profile` as a native Perfetto trace (open it in ui.perfetto.dev or trace_processor)."""
     by_tid = thread_items(profile)
-    t_min = min((items[0][0] for items in by_tid.values()), default=0)
+    t_min = min((items.first_ns for items in by_tid.values()), default=0)
 
     header = TraceProtoBuilder()
     pkt = header.add_packet()
@@ -368,7 +396,7 @@ def write_perfetto(profile: Profile, path: str | Path) -> None:
         desc.thread.tid = tid
         if tid in profile.thread_names:
             desc.thread.thread_name = profile.thread_names[tid]
-    op_tids = sorted({o.tid for o in profile.ops}) if profile.counter_names else []
+    op_tids = as_columns(profile.ops).thread_ids() if profile.counter_names else []
     track_names = profile.counter_names + [m for m, *_ in derived_tracks(profile.counter_names)]
     for tid in op_tids:
         for i, name in enumerate(track_names):
@@ -406,7 +434,7 @@ def write_perfetto(profile: Profile, path: str | Path) -> None:
             parts.append(bundle)
         for seq_id, tid in enumerate(sorted(by_tid), start=MAIN_SEQUENCE + 1):
             items = by_tid[tid]
-            _ThreadSequence(parts, flush, seq_id, tid, items[0][0]).write(
+            _ThreadSequence(parts, flush, seq_id, tid, items.first_ns).write(
                 items, profile.counter_names, tid)
         parts.append(footer.serialize())
         flush()

@@ -17,6 +17,7 @@ from profinfer.exporters.perfetto import (
     MONOTONIC, SEQ_CLOCK, SHAPE_SEP, parse_experts,
 )
 from profinfer.model import GraphCall, OpSlice, Profile, SchedSwitch, SchedWakeup, TokenCall
+from profinfer.opcolumns import OpColumns
 
 _BEGIN, _END, _COUNTER = TrackEvent.TYPE_SLICE_BEGIN, TrackEvent.TYPE_SLICE_END, TrackEvent.TYPE_COUNTER
 _DECODE_CACHE_LIMIT = 200_000
@@ -272,7 +273,7 @@ class _Reader:
         return Profile(
             pid=self.pid, process_name=self.process_name, thread_names=self.thread_names,
             tokens=sorted(self.tokens, key=key), graphs=sorted(self.graphs, key=key),
-            ops=sorted(self.ops, key=key), lost_events=int(self.attrs.get(ATTR_LOST, 0)),
+            ops=OpColumns.from_slices(sorted(self.ops, key=key)), lost_events=int(self.attrs.get(ATTR_LOST, 0)),
             counter_names=names,
             switches=sorted(self.switches, key=lambda e: (e.ts_ns, e.cpu)),
             wakeups=sorted(self.wakeups, key=lambda e: (e.ts_ns, e.cpu)),

@@ -1,31 +1,121 @@
 """Raw BPF event records (numpy arrays in events.h's layouts) into profile objects.
 
-Pure functions of the arrays and a few facts from the target (op names, graph calls): the
-collector gathers records and calls these when collection ends.
+Functions of the arrays and a few facts from the target (op names, graph calls): the
+collector hands records over as they arrive (ops, kept compact) or when collection ends.
 """
 from __future__ import annotations
 
 import numpy as np
+import numpy.lib.recfunctions as rfn
 
 from . import ggml
-from .model import GraphCall, OpSlice, SchedSwitch, SchedWakeup
+from .model import GraphCall, SchedSwitch, SchedWakeup
+from .opcolumns import NodeDesc, OpColumns
 
-OP_CHUNK = 8192          # ops turned into OpSlices at a time
+OP_CHUNK = 8192          # raw ops compacted at a time
 _NO_CAP = np.iinfo(np.int64).max
+# the fields of pi_op_event that describe the node (equal for every run of it), not the run
+DESC_FIELDS = ("tensor", "ne", "src", "src_view", "fused_tensor", "src0_ne", "src1_ne",
+               "op", "fused_op", "type", "src0_type", "src1_type", "name")
 
 
-def op_slices(ops: np.ndarray, graphs: list[GraphCall], op_names: list[str],
-              counted: list | None = None,
-              experts: dict[tuple[int, int], tuple] | None = None) -> list[OpSlice]:
-    """OpSlices, one per pi_op_event record of `ops`, which the caller sorted by start_ns
-    (counter_values() must see the same order).
+class OpAssembler:
+    """Takes pi_op_event arrays as they arrive and keeps them compact (OpColumns' layout):
+    a node's descriptor once, its runs as rows of numbers. Raw records wait only until
+    OP_CHUNK of them have arrived, so memory grows by ~50 bytes per op, not ~330."""
 
-    `counted`: per op, counter values or None (counter_values()).
-    `experts`: MoE routing by (tid, op start).
-    """
-    start = ops["start_ns"].astype(np.int64)
-    end = ops["end_ns"].astype(np.int64)
-    bend = ops["barrier_end_ns"].astype(np.int64)
+    def __init__(self, op_names: list[str], n_counters: int = 0, consts: dict | None = None):
+        self.names = op_names
+        self.n_counters = n_counters
+        self.consts = consts or {}
+        self.pending: list[np.ndarray] = []
+        self.n_pending = 0
+        self.n_ops = 0
+        self.index: dict[bytes, int] = {}
+        self.descs: list[NodeDesc] = []
+        self.shared: dict = {}               # equal tuples and strings shared between descs
+        self.chunks: list[tuple] = []
+        self.dropped = {"migrated": 0, "unreadable": 0, "not running": 0, "unfinished": 0}
+
+    def add(self, ops: np.ndarray) -> None:
+        self.pending.append(ops)
+        self.n_pending += len(ops)
+        self.n_ops += len(ops)
+        if self.n_pending >= OP_CHUNK:
+            self._compact()
+
+    def _compact(self) -> None:
+        if not self.pending:
+            return
+        raw = np.concatenate(self.pending)
+        self.pending, self.n_pending = [], 0
+        packed = np.ascontiguousarray(rfn.repack_fields(raw[list(DESC_FIELDS)]))
+        keys = packed.view(np.dtype((np.void, packed.dtype.itemsize))).ravel()
+        uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        ids = np.empty(len(uniq), np.int32)
+        for j, (key, i) in enumerate(zip(uniq, first.tolist())):
+            b = key.tobytes()
+            d = self.index.get(b)
+            if d is None:
+                d = self.index[b] = len(self.descs)
+                self.descs.append(self._describe(raw[i]))
+            ids[j] = d
+        counters = None
+        if self.n_counters:
+            counters, dropped = counter_values(raw, self.n_counters, self.consts)
+            for k, v in dropped.items():
+                self.dropped[k] += v
+        self.chunks.append((raw["tid"].astype(np.int64), raw["cpu"].astype(np.int32),
+                            raw["start_ns"].astype(np.int64), raw["end_ns"].astype(np.int64),
+                            raw["barrier_end_ns"].astype(np.int64), ids[inverse.ravel()],
+                            counters))
+
+    def _share(self, x):
+        return self.shared.setdefault(x, x)
+
+    def _op_name(self, op: int, fused: int) -> str:
+        names, n = self.names, len(self.names)
+        base = names[op] if 0 <= op < n else f"OP{op}"
+        if fused >= 0:
+            return base + "+" + (names[fused] if fused < n else f"OP{fused}")
+        return base
+
+    def _describe(self, r) -> NodeDesc:
+        share, types = self._share, ggml.GGML_TYPES
+        srcs = r["src"].tolist()
+        n_src = next((k for k in range(3, 0, -1) if srcs[k - 1]), 0)
+        t0, t1 = int(r["src0_type"]), int(r["src1_type"])
+        src_ne = share(tuple(share(tuple(x)) for x, t in ((r["src0_ne"].tolist(), t0),
+                                                          (r["src1_ne"].tolist(), t1)) if t >= 0))
+        src_dtypes = share(tuple(types.get(t, f"type{t}") for t in (t0, t1) if t >= 0))
+        t = int(r["type"])
+        return NodeDesc(share(self._op_name(int(r["op"]), int(r["fused_op"]))),
+                        share(bytes(r["name"]).split(b"\0", 1)[0].decode("utf-8", "replace")),
+                        share(tuple(r["ne"].tolist())), types.get(t, f"type{t}"), int(r["tensor"]),
+                        share(tuple(srcs[:n_src])), share(tuple(r["src_view"].tolist()[:n_src])),
+                        int(r["fused_tensor"]), src_ne, src_dtypes)
+
+    def finish(self, graphs: list[GraphCall], experts: dict | None = None) -> OpColumns:
+        """All ops as OpColumns sorted by start, with open ends closed against `graphs`."""
+        self._compact()
+        if not self.chunks:
+            return OpColumns.empty()
+        cols = [np.concatenate([c[k] for c in self.chunks]) for k in range(6)]
+        counters = (np.concatenate([c[6] for c in self.chunks])
+                    if self.chunks[0][6] is not None else None)
+        self.chunks = []
+        order = np.argsort(cols[2], kind="stable")
+        tid, cpu, start, end, bend, desc = (c[order] for c in cols)
+        if counters is not None:
+            counters = counters[order]
+        end, bend = close_ends(start, end, bend, graphs)
+        return OpColumns(tid, cpu, start, end, bend, desc, self.descs, counters, experts)
+
+
+def close_ends(start: np.ndarray, end: np.ndarray, bend: np.ndarray, graphs: list[GraphCall]
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Ends of ops still open when collection stopped (0), and barrier ends bounded by the
+    graph that contains the op."""
     # A thread's last node of a graph is completed only when its next graph starts:
     # its barrier wait ends, at the latest, when the graph that contains it ends.
     backend_graphs = [g for g in graphs if g.backend != "sched"] or graphs
@@ -36,73 +126,19 @@ def op_slices(ops: np.ndarray, graphs: list[GraphCall], op_names: list[str],
         inside = (idx >= 0) & (start <= ge[np.clip(idx, 0, None)])
         cap = np.where(inside, ge[np.clip(idx, 0, None)], _NO_CAP)
     else:
-        cap = np.full(len(ops), _NO_CAP, dtype=np.int64)
+        cap = np.full(len(start), _NO_CAP, dtype=np.int64)
     has_cap = cap != _NO_CAP
     # Still in progress when we stopped (no barrier yet): it ran until its graph ended.
     end = np.where(end == 0, np.where(has_cap, cap, start), end)
     # Completed by the thread's next node, or drained at the end: bounded by the graph.
     bend = np.where(bend == 0, np.where(has_cap, cap, end), np.minimum(bend, cap))
-    bend = np.maximum(bend, end)
-    builder = _SliceBuilder(op_names, experts or {})
-    out: list[OpSlice] = []
-    # In chunks: the Python lists of one chunk's columns are transient, not the whole run's.
-    for lo in range(0, len(ops), OP_CHUNK):
-        hi = lo + OP_CHUNK
-        builder.add(ops[lo:hi], start[lo:hi], end[lo:hi], bend[lo:hi],
-                    counted[lo:hi] if counted is not None else None, out)
-    return out
-
-
-class _SliceBuilder:
-    """Equal tuples and strings are shared between slices: the same nodes repeat token after
-    token, so a long run holds few distinct values."""
-
-    def __init__(self, op_names: list[str], experts: dict):
-        self.names, self.experts = op_names, experts
-        self.shared: dict = {}
-
-    def share(self, x):
-        return self.shared.setdefault(x, x)
-
-    def op_name(self, op: int, fused: int) -> str:
-        names, n = self.names, len(self.names)
-        base = names[op] if 0 <= op < n else f"OP{op}"
-        if fused >= 0:
-            return base + "+" + (names[fused] if fused < n else f"OP{fused}")
-        return base
-
-    def add(self, ops, start, end, bend, counted, out: list[OpSlice]) -> None:
-        share, types, shared, experts = self.share, ggml.GGML_TYPES, self.shared, self.experts
-        cols = {k: ops[k].tolist() for k in ("tid", "cpu", "op", "fused_op", "type", "tensor",
-                                             "fused_tensor", "src0_type", "src1_type")}
-        ne, src, src_view = ops["ne"].tolist(), ops["src"].tolist(), ops["src_view"].tolist()
-        src0_ne, src1_ne = ops["src0_ne"].tolist(), ops["src1_ne"].tolist()
-        names_raw = ops["name"].tolist()
-        start_l, end_l, bend_l = start.tolist(), end.tolist(), bend.tolist()
-        for i in range(len(ops)):
-            tname = shared.get(names_raw[i])
-            if tname is None:
-                tname = shared[names_raw[i]] = names_raw[i].split(b"\0", 1)[0].decode("utf-8", "replace")
-            srcs_i = src[i]
-            n_src = next((k for k in range(3, 0, -1) if srcs_i[k - 1]), 0)
-            t0, t1 = cols["src0_type"][i], cols["src1_type"][i]
-            src_ne = share(tuple(share(tuple(x)) for x, t in ((src0_ne[i], t0), (src1_ne[i], t1)) if t >= 0))
-            src_dtypes = share(tuple(types.get(t, f"type{t}") for t in (t0, t1) if t >= 0))
-            t = cols["type"][i]
-            out.append(OpSlice(cols["tid"][i], cols["cpu"][i], start_l[i], end_l[i], bend_l[i],
-                               share(self.op_name(cols["op"][i], cols["fused_op"][i])), tname,
-                               share(tuple(ne[i])), types.get(t, f"type{t}"),
-                               cols["tensor"][i], share(tuple(srcs_i[:n_src])),
-                               share(tuple(src_view[i][:n_src])), cols["fused_tensor"][i],
-                               src_ne, src_dtypes,
-                               counted[i] if counted is not None else None,
-                               experts.get((cols["tid"][i], start_l[i]))))
+    return end, np.maximum(bend, end)
 
 
 def counter_values(ops: np.ndarray, n_counters: int, consts: dict[str, int]
-                   ) -> tuple[list, dict[str, int]]:
-    """Per op, the counter deltas scaled for multiplexing, or None where dropped; and the
-    number of dropped ops by reason. `ops` must already be in the order op_slices uses."""
+                   ) -> tuple[np.ndarray, dict[str, int]]:
+    """Per op, the counter deltas scaled for multiplexing (a NaN row where dropped); and
+    the number of dropped ops by reason."""
     n = n_counters
     ctr = ops["ctr"][:, :n].astype(np.float64)
     en = ops["ctr_enabled"][:, :n].astype(np.float64)
@@ -116,8 +152,8 @@ def counter_values(ops: np.ndarray, n_counters: int, consts: dict[str, int]
     idle = ~migrated & ~failed & ~unfinished & (run == 0).any(axis=1) & (en > 0).any(axis=1)
     dropped = {"migrated": int(migrated.sum()), "unreadable": int(failed.sum()),
                "not running": int(idle.sum()), "unfinished": int(unfinished.sum())}
-    keep = ~(migrated | failed | idle | unfinished)
-    return [tuple(v) if k else None for v, k in zip(scaled.tolist(), keep.tolist())], dropped
+    scaled[migrated | failed | idle | unfinished] = np.nan
+    return scaled, dropped
 
 
 def sched_events(evs: np.ndarray, pid: int, kind_switch: int

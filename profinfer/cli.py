@@ -14,6 +14,7 @@ import click
 from . import discovery
 from .errors import ProfinferError
 from .model import Profile
+from .opcolumns import as_columns
 from .probepack import KERNEL_LEVELS, LEVELS
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
@@ -219,7 +220,7 @@ def graph_cmd(trace, output, phase, no_collapse):
     from . import calibrate, dag as dagmod
     from .viewers import dagview
     profile = _load_trace(trace)
-    roofs = calibrate.cached_roofs(len({o.tid for o in profile.ops}) or 1)
+    roofs = calibrate.cached_roofs(len(as_columns(profile.ops).thread_ids()) or 1)
     dag = dagmod.build(profile, phase, collapse=not no_collapse, roofs=roofs)
     dagview.render(dag)
     if output:

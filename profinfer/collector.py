@@ -55,7 +55,8 @@ class Collector:
         self._raw: list[bytes] = []
         self._tokens: list[np.ndarray] = []
         self._graphs: list[np.ndarray] = []
-        self._ops: list[np.ndarray] = []
+        self._op_asm: assemble.OpAssembler | None = None   # made once op names are known
+        self._first_ops: list[np.ndarray] = []              # checked before a table layout is trusted
         self.n_events = 0
         self.n_decode_tokens = 0
         self.thread_names: dict[int, str] = {}
@@ -240,9 +241,7 @@ class Collector:
             if kind == self.kind_ops:
                 batch = np.frombuffer(rec, self.dt["pi_op_batch"], count=1)[0]
                 ops = batch["ev"][: batch["count"]].copy()
-                if not self._layout_trusted:
-                    self._validate(ops)
-                self._ops.append(ops)
+                self._add_ops(ops)
                 self.n_events += len(ops)
             elif kind == self.kind_token:
                 ev = np.frombuffer(rec, self.dt["pi_token_event"], count=1)
@@ -276,8 +275,17 @@ class Collector:
         self._experts[(int(ev["tid"]), int(ev["start_ns"]))] = tuple(map(tuple, ids.tolist()))
         self.n_events += 1
 
+    def _add_ops(self, ops: np.ndarray) -> None:
+        if not self._layout_trusted:
+            self._validate(ops)
+        if self._op_asm is None:
+            self._op_asm = assemble.OpAssembler(
+                self.op_names, len(self.counters.counters) if self.counters else 0, self.consts)
+        self._op_asm.add(ops)
+
     def _validate(self, ops: np.ndarray) -> None:
-        seen = np.concatenate(self._ops + [ops])[:VALIDATE_OPS]
+        self._first_ops.append(ops)
+        seen = np.concatenate(self._first_ops)[:VALIDATE_OPS]
         good = sum(ggml.plausible(int(o["op"]), int(o["type"]), o["ne"], bytes(o["name"]),
                                   len(self.op_names)) for o in seen)
         if good < 0.9 * len(seen):
@@ -287,6 +295,7 @@ class Collector:
                 "(build with -g) or a newer profinfer")
         if len(seen) >= VALIDATE_OPS:
             self._layout_trusted = True
+            self._first_ops = []
 
     def refresh_process_info(self) -> None:
         """Thread names and mappings change while the target runs; keep the latest."""
@@ -331,9 +340,7 @@ class Collector:
                 parts.append(cur)
             for p in parts:
                 if len(p):
-                    if not self._layout_trusted:
-                        self._validate(p)
-                    self._ops.append(p)
+                    self._add_ops(p)
 
     def _finish_counters(self, cur: np.ndarray, values: bytes) -> None:
         """Counter deltas of a node still open at the end (BPF computes them when the next
@@ -391,15 +398,10 @@ class Collector:
                     backend = "sched"
                 prof.graphs.append(GraphCall(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
                                              backend, int(r["n_nodes"]), graph_probes[probe].symbol.name))
-        if self._ops:
-            raw, self._ops = np.concatenate(self._ops), []   # the batches are not needed twice
-            raw.sort(order="start_ns")          # in place: the raw events are not needed unsorted
-            counted = None
-            if self.counters:
-                counted, self.counter_dropped = assemble.counter_values(
-                    raw, len(self.counters.counters), self.consts)
-            prof.ops = assemble.op_slices(raw, prof.graphs, self.op_names, counted, self._experts)
-            del raw
+        if self._op_asm is not None:
+            prof.ops = self._op_asm.finish(prof.graphs, self._experts)
+            self.counter_dropped = self._op_asm.dropped
+            self._op_asm = None
         if self.experts_truncated:
             prof.meta["experts_truncated"] = str(self.experts_truncated)
         if self.counters:

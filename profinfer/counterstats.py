@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .model import Profile
+from .opcolumns import as_columns
 from .stats import PHASES, op_arrays, op_phases
 
 _ALIASES = {"cpu-cycles": "cycles", "branch-instructions": "branches"}
@@ -89,10 +90,11 @@ def compute(profile: Profile) -> CounterStats | None:
     names = profile.counter_names
     if not names or not profile.ops:
         return None
-    arr = op_arrays(profile.ops)
-    counted = np.fromiter((o.counters is not None for o in profile.ops), bool, len(profile.ops))
-    values = np.array([o.counters if o.counters is not None else (0.0,) * len(names)
-                       for o in profile.ops], np.float64).reshape(len(profile.ops), len(names))
+    cols = as_columns(profile.ops)
+    arr = op_arrays(cols)
+    counted = cols.counted()
+    values = (np.nan_to_num(cols.counters[:, :len(names)]) if cols.counters is not None
+              else np.zeros((len(cols), len(names))))
     durs = arr.dur
 
     def row(scope: str, mask: np.ndarray) -> CounterRow:

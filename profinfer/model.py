@@ -5,6 +5,7 @@ Times are CLOCK_MONOTONIC nanoseconds (what bpf_ktime_get_ns returns).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -102,7 +103,8 @@ class Profile:
     thread_names: dict[int, str] = field(default_factory=dict)
     tokens: list[TokenCall] = field(default_factory=list)
     graphs: list[GraphCall] = field(default_factory=list)
-    ops: list[OpSlice] = field(default_factory=list)
+    # a list of OpSlice, or OpColumns (a collected profile: the same ops, stored compactly)
+    ops: Sequence[OpSlice] = field(default_factory=list)
     switches: list[SchedSwitch] = field(default_factory=list)
     wakeups: list[SchedWakeup] = field(default_factory=list)
     lost_events: int = 0

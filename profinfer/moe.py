@@ -12,6 +12,7 @@ import numpy as np
 
 from .dag import node_layers
 from .model import Profile
+from .opcolumns import as_columns
 from .nodes import node_runs, phase_of
 
 
@@ -30,7 +31,7 @@ class MoeStats:
 
 
 def compute(profile: Profile) -> MoeStats | None:
-    if not any(o.experts for o in profile.ops):
+    if not any(as_columns(profile.ops).experts.values()):
         return None
     runs, _ = node_runs(profile)
     phases = phase_of(runs, profile.tokens)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .model import Profile
+from .opcolumns import OpColumns, as_columns
 from .stats import innermost_graphs
 
 
@@ -55,10 +56,11 @@ def node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
 
 def _node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
     graphs = innermost_graphs(profile.graphs)
-    ops = profile.ops
-    if not ops:
+    ops = as_columns(profile.ops)
+    n = len(ops)
+    if not n:
         return [], graphs
-    starts = np.fromiter((o.start_ns for o in ops), np.int64, len(ops))
+    starts = ops.start
     if graphs:
         g_start = np.array([g.start_ns for g in graphs], np.int64)
         g_end = np.array([g.end_ns for g in graphs], np.int64)
@@ -66,35 +68,56 @@ def _node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
         safe = np.maximum(gi, 0)
         gi = np.where((gi >= 0) & (starts <= g_end[safe]), gi, -1)
     else:
-        gi = np.full(len(ops), -1, np.int64)
-    runs: dict[tuple[int, int], NodeRun] = {}
-    order: list[tuple[int, int]] = []
-    for g, o in zip(gi.tolist(), ops):
-        # Without a tensor address (traces of old versions) a slice is its own node.
-        key = (g, o.tensor) if o.tensor else (g, -len(order) - 1)
-        r = runs.get(key)
-        if r is None:
-            runs[key] = NodeRun(g, o.tensor, o.op, o.name, o.ne, o.dtype, o.srcs, o.src_views,
-                                o.fused_tensor, o.src_ne, o.src_dtypes, o.start_ns, o.end_ns, 1,
-                                o.dur_ns, list(o.counters) if o.counters is not None else None,
-                                o.experts)
-            order.append(key)
-        else:
-            if r.experts is None:
-                r.experts = o.experts
-            r.start_ns = min(r.start_ns, o.start_ns)
-            r.end_ns = max(r.end_ns, o.end_ns)
-            r.threads += 1
-            r.thread_ns += o.dur_ns
-            if r.counters is not None:
-                if o.counters is None:
-                    r.counters = None
-                else:
-                    r.counters = [a + b for a, b in zip(r.counters, o.counters)]
-    out = [runs[k] for k in order]
-    out.sort(key=lambda r: r.start_ns)
-    return out, graphs
+        gi = np.full(n, -1, np.int64)
+    tensor = ops.per_desc("tensor")[ops.desc]
+    # Without a tensor address (traces of old versions) a slice is its own node.
+    key = np.where(tensor != 0, tensor, -1 - np.arange(n))
+    # group by (graph, tensor); within a group by start, and ops are sorted by start, so the
+    # index breaks ties as the ops' order does
+    order = np.lexsort((np.arange(n), starts, key, gi))
+    k_g, k_t = gi[order], key[order]
+    first = np.ones(n, bool)
+    first[1:] = (k_g[1:] != k_g[:-1]) | (k_t[1:] != k_t[:-1])
+    bounds = np.flatnonzero(first)
+    lead = order[bounds]                       # each group's earliest slice
+    run_start = starts[lead]
+    run_end = np.maximum.reduceat(ops.end[order], bounds)
+    threads = np.diff(np.append(bounds, n))
+    thread_ns = np.add.reduceat((ops.end - starts)[order], bounds)
+    counters = None
+    if ops.counters is not None:
+        # NaN (an uncounted slice) makes the node's sum NaN: not counted
+        counters = np.add.reduceat(ops.counters[order], bounds)
+    experts: dict[int, tuple] = {}
+    if ops.experts:
+        # the first slice (by start) of each group that read expert ids
+        tid_o, start_o = ops.tid[order].tolist(), starts[order].tolist()
+        group = np.cumsum(first) - 1
+        for j in np.flatnonzero(np.isin(ops.desc[order], _moe_descs(ops))).tolist():
+            g = int(group[j])
+            if g not in experts:
+                ex = ops.experts.get((tid_o[j], start_o[j]))
+                if ex:
+                    experts[g] = ex
+    descs = ops.descs
+    ctrs = None
+    if counters is not None:
+        ok = ~np.isnan(counters).any(axis=1)
+        ctrs = [c if k else None for c, k in zip(counters.tolist(), ok.tolist())]
+    cols = [x.tolist() for x in (gi[lead], ops.desc[lead], run_start, run_end, threads, thread_ns)]
+    runs = []
+    # by start; equal starts in the order of their first slice
+    for g in np.lexsort((lead, run_start)).tolist():
+        graph, d, s, e, th, tns = (c[g] for c in cols)
+        d = descs[d]
+        runs.append(NodeRun(graph, d.tensor, d.op, d.name, d.ne, d.dtype, d.srcs, d.src_views,
+                            d.fused_tensor, d.src_ne, d.src_dtypes, s, e, th, tns,
+                            ctrs[g] if ctrs is not None else None, experts.get(g)))
+    return runs, graphs
 
+
+def _moe_descs(ops: OpColumns) -> np.ndarray:
+    return np.array([i for i, d in enumerate(ops.descs) if d.op.startswith("MUL_MAT_ID")], np.int32)
 
 
 def phase_of(runs: list[NodeRun], tokens) -> list[str]:

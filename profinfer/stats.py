@@ -20,12 +20,14 @@ Definitions:
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import median
 
 import numpy as np
 
 from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.opcolumns import as_columns
 
 PHASES = ("prefill", "decode", "other")
 _PREFILL, _DECODE, _OTHER = 0, 1, 2
@@ -146,16 +148,10 @@ class OpArrays:
         return self.barrier_end - self.end
 
 
-def op_arrays(ops: list[OpSlice]) -> OpArrays:
-    n = len(ops)
-
-    def col(attr: str) -> np.ndarray:
-        return np.fromiter((getattr(o, attr) for o in ops), np.int64, n)
-
-    index: dict[str, int] = {}
-    code = np.fromiter((index.setdefault(o.op, len(index)) for o in ops), np.int64, n)
-    return OpArrays(col("tid"), col("cpu"), col("start_ns"), col("end_ns"), col("barrier_end_ns"),
-                    code, list(index))
+def op_arrays(ops: Sequence[OpSlice]) -> OpArrays:
+    cols = as_columns(ops)
+    code, names = cols.op_codes()
+    return OpArrays(cols.tid, cols.cpu, cols.start, cols.end, cols.barrier_end, code, names)
 
 
 def op_table(durs: np.ndarray, codes: np.ndarray, names: list[str]) -> list[OpStats]:

@@ -23,8 +23,9 @@ def test_open_ends_are_capped_by_the_graph():
     a = ops({"start_ns": 100, "end_ns": 150, "barrier_end_ns": 0, "tid": 1, "op": 1, "name": b"a-0"},
             {"start_ns": 200, "end_ns": 0, "barrier_end_ns": 0, "tid": 1, "op": 2, "name": b"b-0"},
             {"start_ns": 120, "end_ns": 130, "barrier_end_ns": 900, "tid": 2, "op": 1, "name": b"a-0"})
-    a.sort(order="start_ns")
-    out = assemble.op_slices(a, [GraphCall(1, 50, 500, "CPU", 2)], ["NONE", "MUL_MAT", "ADD"])
+    asm = assemble.OpAssembler(["NONE", "MUL_MAT", "ADD"])
+    asm.add(a)
+    out = list(asm.finish([GraphCall(1, 50, 500, "CPU", 2)]))
     assert [(o.start_ns, o.end_ns, o.barrier_end_ns, o.op) for o in out] == [
         (100, 150, 500, "MUL_MAT"),     # no next node: its wait ends with the graph
         (120, 130, 500, "MUL_MAT"),     # a later "next node" is cut to the graph's end
@@ -35,7 +36,9 @@ def test_open_ends_are_capped_by_the_graph():
 def test_sources_views_and_fused():
     a = ops({"start_ns": 1, "end_ns": 2, "op": 1, "fused_op": 2, "fused_tensor": 0xF, "src": [0xA, 0xB, 0],
              "src_view": [0, 0xC, 0], "src0_type": 1, "src0_ne": [4, 8, 1, 1], "name": b"n"})
-    (o,) = assemble.op_slices(a, [], ["NONE", "RMS_NORM", "MUL"])
+    asm = assemble.OpAssembler(["NONE", "RMS_NORM", "MUL"])
+    asm.add(a)
+    (o,) = asm.finish([])
     assert o.op == "RMS_NORM+MUL" and o.fused_tensor == 0xF
     assert o.srcs == (0xA, 0xB) and o.src_views == (0, 0xC)
     assert o.src_ne == ((4, 8, 1, 1),) and o.src_dtypes == ("f16",)
@@ -47,5 +50,43 @@ def test_counter_values_scale_and_drop():
             {"flags": CONSTS["PI_OP_UNFINISHED"]},
             {"ctr": [7, 7, 0, 0], "ctr_enabled": [100, 100, 0, 0], "ctr_running": [100, 0, 0, 0]})
     values, dropped = assemble.counter_values(a, 2, CONSTS)
-    assert values == [(100.0, 20.0), None, None, None]     # 10 counted in half the time: 20
+    assert values[0].tolist() == [100.0, 20.0]             # 10 counted in half the time: 20
+    assert np.isnan(values[1:]).all()                      # dropped: not counted
     assert dropped == {"migrated": 1, "unreadable": 0, "not running": 1, "unfinished": 1}
+
+
+def test_ops_arriving_in_chunks_share_descriptors_and_come_out_sorted(monkeypatch):
+    monkeypatch.setattr(assemble, "OP_CHUNK", 4)
+    asm = assemble.OpAssembler(["NONE", "MUL_MAT", "ADD"], n_counters=1, consts=CONSTS)
+    rows = []
+    for tok in range(5):            # five tokens of the same two nodes on two threads, shuffled
+        for tid in (1, 2):
+            for k, (op, name) in enumerate(((1, b"mm-0"), (2, b"add-0"))):
+                t = 1000 * tok + 100 * k + tid
+                rows.append({"start_ns": t, "end_ns": t + 50, "barrier_end_ns": t + 60, "tid": tid,
+                             "op": op, "name": name, "tensor": 0xA0 + k, "ne": [4, 2, 1, 1],
+                             "ctr": [tid], "ctr_enabled": [1], "ctr_running": [1]})
+    rng = np.random.default_rng(0)
+    rng.shuffle(rows)
+    for lo in range(0, len(rows), 3):
+        asm.add(ops(*rows[lo:lo + 3]))
+    cols = asm.finish([])
+    assert len(cols) == 20 and len(cols.descs) == 2          # two distinct nodes, 20 runs
+    assert cols.start.tolist() == sorted(r["start_ns"] for r in rows)
+    out = list(cols)
+    assert [o.op for o in out[:4]] == ["MUL_MAT", "MUL_MAT", "ADD", "ADD"]
+    assert all(o.counters == (float(o.tid),) for o in out)
+    assert out[0].ne is out[4].ne and out[0].name is out[4].name
+
+
+def test_columns_round_trip_slices():
+    from profinfer.model import OpSlice
+    from profinfer.opcolumns import OpColumns
+    slices = [OpSlice(1, 0, 10, 20, 25, "MUL_MAT", "a-0", (4, 2, 1, 1), "f32", 0xA, (0xB,), (0,),
+                      0, ((4, 4, 1, 1),), ("f16",), (1.0, 2.0), None),
+              OpSlice(2, 1, 11, 19, 25, "MUL_MAT_ID", "m-0", (4, 2, 1, 1), "f32", 0xC, (0xB,), (0,),
+                      0, (), (), None, ((1, 3),))]
+    cols = OpColumns.from_slices(slices)
+    assert list(cols) == slices and cols[1] == slices[1] and cols[-1] == slices[1]
+    assert list(cols[1:]) == slices[1:]
+    assert cols.counted().tolist() == [True, False]

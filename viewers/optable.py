@@ -7,6 +7,7 @@ from rich.table import Table
 from profinfer import calibrate, counterstats, layers, moe, roofline, schedstats
 from profinfer.counterstats import CounterStats
 from profinfer.model import Profile
+from profinfer.opcolumns import as_columns
 from profinfer.roofline import Roofs, Verdict
 from profinfer.schedstats import SchedStats
 from profinfer.stats import ProfileStats, compute
@@ -189,7 +190,7 @@ def render(profile: Profile, console: Console | None = None) -> ProfileStats:
     console.print(latency_line(st))
     console.print(thread_table(st))
     if profile.ops:
-        roofs = calibrate.cached_roofs(len({o.tid for o in profile.ops}))
+        roofs = calibrate.cached_roofs(len(as_columns(profile.ops).thread_ids()))
         if roofs is None:
             console.print("roofline: no calibration for this machine yet: run `profinfer calibrate` once")
         else:
