@@ -6,6 +6,12 @@ speed is llama.cpp's own figure (llama_perf_context_print "eval"), so the profil
 and teardown are not counted against it. For profiled runs it also reports attach time,
 events/s, lost events and the collector's peak RSS (from profinfer's --json summary).
 
+On a shared 2-core VM one unprofiled run differs from the next by several percent, so the
+timed comparison cannot resolve 0.1% or 1%. The cost accounting can: the kernel counts our
+BPF programs' runs and run time, `profinfer calibrate` measures what one probe hit's trap
+costs here, and both are set against the CPU time the target used (profinfer's
+"profiler_cost"); the collector's own CPU time is the other part of the overhead.
+
     .venv/bin/python bench/overhead.py --models tiny,llama-1.5b --rounds 5
 """
 from __future__ import annotations
@@ -70,7 +76,25 @@ def _run(cmd: list[str], options: list[str] | None, env: dict) -> dict:
                        events=int(meta.get("events", 0)), wall_s=float(meta.get("wall_s", "nan")),
                        rss_mb=int(meta.get("collector_rss_kb", 0)) / 1024,
                        peak_rss_mb=int(meta.get("collector_max_rss_kb", 0)) / 1024)
+            cost = s.get("profiler_cost") or {}
+            row.update(in_target=cost.get("in_target_share"), collector=cost.get("collector_share"),
+                       hits=sum((cost.get("probe_hits") or {}).values()), calls=s["decode_calls"],
+                       bpf_ns_per_run=cost.get("bpf_ns", 0) / max(cost.get("bpf_runs", 0), 1))
         return row
+
+
+def _cost_cells(runs: list[dict]) -> list[str]:
+    """Medians of the cost accounting: probe hits per llama_decode call, BPF ns per run, the probes' share of the
+    target's CPU time, the collector's, and their sum."""
+    shares = [(x["in_target"], x["collector"]) for x in runs
+              if x.get("in_target") is not None and x.get("collector") is not None]
+    if not shares:
+        return ["", "", "n/a (not calibrated)", "", ""]
+    med = statistics.median
+    return [f"{med(x['hits'] / max(x['calls'], 1) for x in runs):,.0f}",
+            f"{med(x['bpf_ns_per_run'] for x in runs):,.0f}",
+            f"{100 * med(a for a, _ in shares):.3f}%", f"{100 * med(b for _, b in shares):.3f}%",
+            f"{100 * med(a + b for a, b in shares):.3f}%"]
 
 
 def main() -> None:
@@ -104,8 +128,9 @@ def main() -> None:
                 print(f"{model} round {r + 1} {c}: {rows[c][-1]['decode_tok_s']:.2f} tok/s", file=sys.stderr)
         base = statistics.median(x["decode_tok_s"] for x in rows["none"])
         lines += [f"## {model} ({ntok.get(model, 32)} decode tokens per run)", "",
-                  "| levels | decode tok/s (median) | vs none | slowdown | paired slowdown (median, range) | attach s | events/s | lost | collector RSS MB (peak) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| levels | decode tok/s (median) | vs none | slowdown | paired slowdown (median, range) | attach s | events/s | lost | collector RSS MB (peak) "
+                  "| probe hits per llama_decode | BPF ns/run | cost in target | collector CPU | cost total |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         results[model] = {}
         for c in names:
             med = statistics.median(x["decode_tok_s"] for x in rows[c])
@@ -116,12 +141,13 @@ def main() -> None:
             pslow = [100 * (1 - p) for p in paired]
             paired_cell = (f"{statistics.median(pslow):+.2f}% ({min(pslow):+.1f} .. {max(pslow):+.1f})"
                            if c != "none" else "")
-            extra = ["", "", "", ""]
+            extra = [""] * 9
             if c != "none":
                 med_of = lambda k: statistics.median(x[k] for x in rows[c])
                 evs = statistics.median(x["events"] / x["wall_s"] for x in rows[c])
                 extra = [f"{med_of('attach_s'):.3f}", f"{evs:,.0f}", f"{max(x['lost'] for x in rows[c])}",
                          f"{max(x['rss_mb'] for x in rows[c]):.0f} ({max(x['peak_rss_mb'] for x in rows[c]):.0f})"]
+                extra += _cost_cells(rows[c])
             lines.append(f"| {c} | {med:.2f} | {ratio:.4f} | {100 * (1 - ratio):+.2f}% | {paired_cell} | "
                          + " | ".join(extra) + " |")
             results[model][c] = {"median_tok_s": med, "ratio": ratio, "runs": rows[c]}

@@ -10,6 +10,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 
+typedef __u8 u8;
 typedef __u16 u16;
 typedef __u32 u32;
 typedef __s32 s32;

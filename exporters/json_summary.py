@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from profinfer import calibrate, counterstats, layers, moe, roofline, schedstats
+from profinfer import calibrate, counterstats, layers, moe, probecost, roofline, schedstats, selfcost
 from profinfer.counterstats import CounterRow
 from profinfer.model import Profile
 from profinfer.opcolumns import as_columns
@@ -50,7 +50,19 @@ def summary(profile: Profile) -> dict:
                           "ops": [{"op": o.op, "count": o.count, "total_ns": o.total_ns} for o in ph.ops]}
                    for name, ph in st.phases.items()},
         "meta": {str(k): str(v) for k, v in profile.meta.items()},
-    } | _counters(profile) | _roofline(profile) | _sched(profile) | _layers(profile) | _moe(profile)
+    } | (_counters(profile) | _roofline(profile) | _sched(profile) | _layers(profile) | _moe(profile)
+         | _profiler_cost(profile))
+
+
+def _profiler_cost(profile: Profile) -> dict:
+    c = selfcost.compute(profile, probecost.cached())
+    if c is None:
+        return {}
+    return {"profiler_cost": {
+        "bpf_ns": c.bpf_ns, "bpf_runs": c.bpf_runs, "probe_hits": c.hits,
+        "hit_costs_ns": c.hit_costs_ns, "trap_ns": _int(c.trap_ns),
+        "collector_cpu_ns": c.collector_cpu_ns, "target_cpu_ns": c.target_cpu_ns,
+        "in_target_share": c.in_target_share, "collector_share": c.collector_share}}
 
 
 def _moe(profile: Profile) -> dict:

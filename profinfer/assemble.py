@@ -50,16 +50,17 @@ class OpAssembler:
         raw = np.concatenate(self.pending)
         self.pending, self.n_pending = [], 0
         packed = np.ascontiguousarray(rfn.repack_fields(raw[list(DESC_FIELDS)]))
-        keys = packed.view(np.dtype((np.void, packed.dtype.itemsize))).ravel()
-        uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        ids = np.empty(len(uniq), np.int32)
-        for j, (key, i) in enumerate(zip(uniq, first.tolist())):
-            b = key.tobytes()
-            d = self.index.get(b)
-            if d is None:
-                d = self.index[b] = len(self.descs)
-                self.descs.append(self._describe(raw[i]))
-            ids[j] = d
+        keys = packed.view(np.dtype((np.void, packed.dtype.itemsize))).ravel().tolist()
+        index = self.index
+        new: dict[bytes, int] = {}               # nodes not seen before: their first row
+        for i, key in enumerate(keys):
+            if key not in index and key not in new:
+                new[key] = i
+        if new:
+            for key, desc in zip(new, self._describe(raw[list(new.values())])):
+                index[key] = len(self.descs)
+                self.descs.append(desc)
+        ids = np.fromiter(map(index.__getitem__, keys), np.int32, len(keys))
         counters = None
         if self.n_counters:
             counters, dropped = counter_values(raw, self.n_counters, self.consts)
@@ -67,7 +68,7 @@ class OpAssembler:
                 self.dropped[k] += v
         self.chunks.append((raw["tid"].astype(np.int64), raw["cpu"].astype(np.int32),
                             raw["start_ns"].astype(np.int64), raw["end_ns"].astype(np.int64),
-                            raw["barrier_end_ns"].astype(np.int64), ids[inverse.ravel()],
+                            raw["barrier_end_ns"].astype(np.int64), ids,
                             counters))
 
     def _share(self, x):
@@ -80,20 +81,26 @@ class OpAssembler:
             return base + "+" + (names[fused] if fused < n else f"OP{fused}")
         return base
 
-    def _describe(self, r) -> NodeDesc:
+    def _describe(self, rows: np.ndarray) -> list[NodeDesc]:
+        """NodeDescs of raw op records (columns converted at once: this runs per new node)."""
         share, types = self._share, ggml.GGML_TYPES
-        srcs = r["src"].tolist()
-        n_src = next((k for k in range(3, 0, -1) if srcs[k - 1]), 0)
-        t0, t1 = int(r["src0_type"]), int(r["src1_type"])
-        src_ne = share(tuple(share(tuple(x)) for x, t in ((r["src0_ne"].tolist(), t0),
-                                                          (r["src1_ne"].tolist(), t1)) if t >= 0))
-        src_dtypes = share(tuple(types.get(t, f"type{t}") for t in (t0, t1) if t >= 0))
-        t = int(r["type"])
-        return NodeDesc(share(self._op_name(int(r["op"]), int(r["fused_op"]))),
-                        share(bytes(r["name"]).split(b"\0", 1)[0].decode("utf-8", "replace")),
-                        share(tuple(r["ne"].tolist())), types.get(t, f"type{t}"), int(r["tensor"]),
-                        share(tuple(srcs[:n_src])), share(tuple(r["src_view"].tolist()[:n_src])),
-                        int(r["fused_tensor"]), src_ne, src_dtypes)
+        col = {f: rows[f].tolist() for f in DESC_FIELDS}
+        out = []
+        for i in range(len(rows)):
+            srcs = col["src"][i]
+            n_src = next((k for k in range(3, 0, -1) if srcs[k - 1]), 0)
+            t0, t1 = col["src0_type"][i], col["src1_type"][i]
+            src_ne = share(tuple(share(tuple(x)) for x, t in ((col["src0_ne"][i], t0),
+                                                              (col["src1_ne"][i], t1)) if t >= 0))
+            src_dtypes = share(tuple(types.get(t, f"type{t}") for t in (t0, t1) if t >= 0))
+            t = col["type"][i]
+            out.append(NodeDesc(
+                share(self._op_name(col["op"][i], col["fused_op"][i])),
+                share(col["name"][i].split(b"\0", 1)[0].decode("utf-8", "replace")),
+                share(tuple(col["ne"][i])), types.get(t, f"type{t}"), col["tensor"][i],
+                share(tuple(srcs[:n_src])), share(tuple(col["src_view"][i][:n_src])),
+                col["fused_tensor"][i], src_ne, src_dtypes))
+        return out
 
     def finish(self, graphs: list[GraphCall], experts: dict | None = None) -> OpColumns:
         """All ops as OpColumns sorted by start, with open ends closed against `graphs`."""

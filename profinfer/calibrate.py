@@ -11,19 +11,13 @@ on an otherwise idle machine (a busy one gives lower roofs and so flattering ver
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import subprocess
-from importlib import resources
 
+from . import nativebuild
 from .errors import ProfinferError
 from .roofline import Roofs
-
-
-def _cache_dir() -> str:
-    return os.environ.get("PROFINFER_CACHE") or os.path.expanduser("~/.cache/profinfer")
 
 
 def cpu_model() -> str:
@@ -41,28 +35,9 @@ def _key(threads: int) -> str:
     return f"{cpu_model()}|{os.cpu_count()} cpus|{threads} threads"
 
 
-def _binary() -> str:
-    src = resources.files("profinfer").joinpath("native/roofs.c")
-    text = src.read_bytes()
-    out = os.path.join(_cache_dir(), "bin", f"roofs-{hashlib.sha256(text).hexdigest()[:12]}")
-    if os.path.exists(out):
-        return out
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise ProfinferError("calibrate needs a C compiler: apt-get install gcc")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = f"{out}.{os.getpid()}"
-    done = subprocess.run([cc, "-O3", "-march=native", "-ffast-math", "-fopenmp", str(src), "-o", tmp],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise ProfinferError(f"building the roofline microbenchmark failed: "
-                             f"{(done.stderr.strip().splitlines() or ['?'])[0]}")
-    os.replace(tmp, out)
-    return out
-
-
 def measure(threads: int, mib: int = 256) -> dict:
-    done = subprocess.run([_binary(), str(threads), str(mib)], capture_output=True, text=True,
+    done = subprocess.run([nativebuild.build("roofs.c", ["-O3", "-march=native", "-ffast-math", "-fopenmp"]),
+                           str(threads), str(mib)], capture_output=True, text=True,
                           timeout=300)
     if done.returncode != 0:
         raise ProfinferError(f"roofline microbenchmark failed (exit {done.returncode})")
@@ -73,7 +48,7 @@ def measure(threads: int, mib: int = 256) -> dict:
 
 def _load() -> dict:
     try:
-        with open(os.path.join(_cache_dir(), "roofs.json")) as f:
+        with open(os.path.join(nativebuild.cache_dir(), "roofs.json")) as f:
             return json.load(f)
     except (OSError, ValueError):
         return {}
@@ -87,8 +62,8 @@ def calibrate(threads: int | None = None, force: bool = False) -> dict:
         return cache[key]
     result = measure(threads)
     cache[key] = result
-    os.makedirs(_cache_dir(), exist_ok=True)
-    with open(os.path.join(_cache_dir(), "roofs.json"), "w") as f:
+    os.makedirs(nativebuild.cache_dir(), exist_ok=True)
+    with open(os.path.join(nativebuild.cache_dir(), "roofs.json"), "w") as f:
         json.dump(cache, f, indent=2)
     return result
 

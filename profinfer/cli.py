@@ -232,12 +232,19 @@ def graph_cmd(trace, output, phase, no_collapse):
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: all CPUs).")
 @click.option("--force", is_flag=True, help="Measure again even if cached.")
 def calibrate_cmd(threads, force):
-    """Measure this machine's roofs (memory bandwidth, f32 FMA peak) for roofline verdicts."""
+    """Measure this machine's roofs (memory bandwidth, f32 FMA peak) for roofline verdicts,
+    and what a uprobe hit costs here (for the profiler-cost line)."""
+    from . import kernel, probecost
     from .calibrate import calibrate
     r = calibrate(threads, force)
     click.echo(f"threads {r['threads']}: read {r['read_gbps']:.1f} GB/s, triad {r['triad_gbps']:.1f} GB/s, "
                f"f32 FMA {r['fma_gflops']:.1f} GFLOP/s "
                f"(ridge {r['fma_gflops'] / r['read_gbps']:.1f} FLOP/byte)")
+    kernel.require_root()     # a uprobe's cost is measured by placing one
+    c = probecost.calibrate(force)
+    click.echo(f"uprobe hit: {c['emulated_ns'] / 1e3:.2f} µs on an emulated instruction, "
+               f"{c['stepped_ns'] / 1e3:.2f} µs single-stepped, "
+               f"+{c['uretprobe_extra_ns'] / 1e3:.2f} µs for a uretprobe's return")
 
 
 @cli.command()

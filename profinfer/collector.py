@@ -48,6 +48,8 @@ class Collector:
         self.sched_obj: libbpf.BpfObject | None = None
         self.counter_request = list(counters or [])
         self.counters: perfcounters.OpenCounters | None = None
+        self._stats_fd = -1                      # BPF run-time statistics on while open
+        self.bpf_stats: dict[str, int] = {}
         self.counter_dropped: dict[str, int] = {}
         self.experts_truncated = 0   # MUL_MAT_ID reads with more rows or slots than BPF keeps
         self.warnings: list[str] = []
@@ -59,6 +61,7 @@ class Collector:
         self._first_ops: list[np.ndarray] = []              # checked before a table layout is trusted
         self.n_events = 0
         self.n_decode_tokens = 0
+        self.n_token_calls = 0
         self.thread_names: dict[int, str] = {}
         self._maps_raw: str = ""
         self._layout_trusted = True
@@ -117,6 +120,8 @@ class Collector:
                     for cpu, event_fd in per_cpu.items():
                         libbpf.map_update(fd, (i * self.n_cpus + cpu).to_bytes(4, "little"),
                                           event_fd.to_bytes(4, "little"))
+            # what our programs cost, counted by the kernel from the first probe on
+            self._stats_fd = libbpf.enable_run_time_stats()
             for p in self.probes:
                 offset = p.symbol.file_offset
                 if p.entry_fn:
@@ -249,6 +254,7 @@ class Collector:
                     raise ProfinferError("unknown llama_batch_ext layout: a batch decodes as "
                                          f"{int(ev['n_tokens'][0])} tokens; this build needs DWARF")
                 self._tokens.append(ev)
+                self.n_token_calls += 1
                 self.n_decode_tokens += int(ev["n_tokens"][0] == 1)
                 self.n_events += 1
             elif kind == self.kind_graph:
@@ -321,6 +327,7 @@ class Collector:
         self._parse_raw()
         self._drain_threads()
         lost = self.lost()
+        self.bpf_stats = self._program_stats()
         self.detach()
         return self._build_profile(lost)
 
@@ -341,6 +348,31 @@ class Collector:
             for p in parts:
                 if len(p):
                     self._add_ops(p)
+
+    def _program_stats(self) -> dict[str, int]:
+        """The kernel's count of our BPF programs' runs and run time, and the probe hits
+        behind them by what each costs (see probecost): a uprobe on an emulated or a
+        single-stepped instruction, and what a uretprobe adds on return."""
+        if self._stats_fd < 0:
+            return {}
+        stats = dict(self.obj.program_stats())
+        if self.sched_obj is not None:
+            stats.update(self.sched_obj.program_stats())
+        out = {"bpf_ns": sum(ns for ns, _ in stats.values()),
+               "bpf_runs": sum(n for _, n in stats.values()),
+               "hits_emulated": 0, "hits_stepped": 0, "hits_return": 0}
+        # A program attached at several places is counted as costly as its costliest place.
+        stepped = {p.entry_fn for p in self.probes if p.entry_fn and not p.place.emulated}
+        entry_at_start = {p.return_fn for p in self.probes
+                          if p.return_fn and p.entry_fn and p.place.offset == 0}
+        for fn in {p.entry_fn for p in self.probes if p.entry_fn}:
+            out["hits_stepped" if fn in stepped else "hits_emulated"] += stats.get(fn, (0, 0))[1]
+        for fn in {p.return_fn for p in self.probes if p.return_fn}:
+            runs = stats.get(fn, (0, 0))[1]
+            out["hits_return"] += runs
+            if fn not in entry_at_start:     # the uretprobe's own entry trap is a hit too
+                out["hits_stepped"] += runs
+        return out
 
     def _finish_counters(self, cur: np.ndarray, values: bytes) -> None:
         """Counter deltas of a node still open at the end (BPF computes them when the next
@@ -371,6 +403,9 @@ class Collector:
             obj.close()
         if self.counters:
             self.counters.close()
+        if self._stats_fd >= 0:
+            os.close(self._stats_fd)
+            self._stats_fd = -1
 
     def _build_profile(self, lost: int) -> Profile:
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or
@@ -454,6 +489,7 @@ class Collector:
             if line.endswith(".gguf"):
                 meta["model"] = line.split(None, 5)[5]
                 break
+        meta.update((f"cost:{k}", str(v)) for k, v in self.bpf_stats.items())
         for p in self.probes:
             meta[f"probe:{p.symbol.name}+{p.place.offset}"] = (p.place.instruction if p.place.emulated
                                                                 else "single-stepped")

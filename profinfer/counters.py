@@ -71,7 +71,10 @@ class PerfEventAttr(ctypes.Structure):
     _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
                 ("sample_period", ctypes.c_uint64), ("sample_type", ctypes.c_uint64),
                 ("read_format", ctypes.c_uint64), ("flags", ctypes.c_uint64),
-                ("wakeup_events", ctypes.c_uint32), ("rest", ctypes.c_uint8 * 76)]
+                ("wakeup_events", ctypes.c_uint32), ("bp_type", ctypes.c_uint32),
+                # uprobe PMU: config1 = pointer to the file's path, config2 = file offset
+                ("config1", ctypes.c_uint64), ("config2", ctypes.c_uint64),
+                ("rest", ctypes.c_uint8 * 56)]
 
     SIZE_VER5 = 112     # PERF_ATTR_SIZE_VER5: known to every kernel that has BPF
 
@@ -79,14 +82,18 @@ class PerfEventAttr(ctypes.Structure):
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _open(counter: Counter, cpu: int) -> int:
-    """perf_event_open for every task on `cpu`; returns the fd, or -errno."""
-    attr = PerfEventAttr(counter.type, PerfEventAttr.SIZE_VER5, counter.config)
+def perf_event_open(attr: PerfEventAttr, pid: int, cpu: int) -> int:
+    """The perf_event_open syscall; returns the fd, or -errno."""
     nr = _SYS_PERF_EVENT_OPEN.get(os.uname().machine)
     if nr is None:
         return -errno.ENOSYS
-    fd = _libc.syscall(nr, ctypes.byref(attr), -1, cpu, -1, _PERF_FLAG_FD_CLOEXEC)
+    fd = _libc.syscall(nr, ctypes.byref(attr), pid, cpu, -1, _PERF_FLAG_FD_CLOEXEC)
     return fd if fd >= 0 else -ctypes.get_errno()
+
+
+def _open(counter: Counter, cpu: int) -> int:
+    """perf_event_open for every task on `cpu`; returns the fd, or -errno."""
+    return perf_event_open(PerfEventAttr(counter.type, PerfEventAttr.SIZE_VER5, counter.config), -1, cpu)
 
 
 def _cpu_list(path: str) -> list[int]:

@@ -10,6 +10,7 @@ import collections
 import ctypes
 import ctypes.util
 import os
+import struct
 
 from .counters import PERF_TYPE_SOFTWARE, PerfEventAttr
 from .errors import ProfinferError
@@ -61,6 +62,9 @@ def lib() -> ctypes.CDLL:
         "bpf_object__next_program": (_vp, [_vp, _vp]),
         "bpf_program__name": (ctypes.c_char_p, [_vp]),
         "bpf_program__set_autoload": (ctypes.c_int, [_vp, ctypes.c_bool]),
+        "bpf_program__fd": (ctypes.c_int, [_vp]),
+        "bpf_enable_stats": (ctypes.c_int, [ctypes.c_int]),
+        "bpf_obj_get_info_by_fd": (ctypes.c_int, [ctypes.c_int, _vp, ctypes.POINTER(ctypes.c_uint32)]),
         "bpf_program__attach_uprobe": (_vp, [_vp, ctypes.c_bool, ctypes.c_int, ctypes.c_char_p,
                                              ctypes.c_size_t]),
         "bpf_program__attach": (_vp, [_vp]),
@@ -89,6 +93,19 @@ def lib() -> ctypes.CDLL:
     L.libbpf_set_print(_print_cb)
     _lib = L
     return L
+
+
+# struct bpf_prog_info (linux/bpf.h, append-only ABI): run_time_ns and run_cnt, since 5.1
+_PROG_INFO_RUN_TIME = 192
+_PROG_INFO_SIZE = 208
+_BPF_STATS_RUN_TIME = 0
+
+
+def enable_run_time_stats() -> int:
+    """Make the kernel count every BPF program's run time (system-wide, a few ns a run) until
+    the returned fd is closed; -1 where it refuses (before 5.8, or not permitted)."""
+    fd = lib().bpf_enable_stats(_BPF_STATS_RUN_TIME)
+    return fd if fd >= 0 else -1
 
 
 def version() -> str:
@@ -183,6 +200,23 @@ class BpfObject:
         if not link:
             raise _failure(f"cannot attach {program}")
         self._links.append(link)
+
+    def program_stats(self) -> dict[str, tuple[int, int]]:
+        """Per loaded program, (ns run, runs) as the kernel counts them while run-time
+        statistics are enabled (enable_run_time_stats); zeros when they are not."""
+        L, out, prog = lib(), {}, None
+        while True:
+            prog = L.bpf_object__next_program(self._obj, prog)
+            if not prog:
+                return out
+            fd = L.bpf_program__fd(prog)
+            if fd < 0:
+                continue
+            info = ctypes.create_string_buffer(_PROG_INFO_SIZE)
+            size = ctypes.c_uint32(_PROG_INFO_SIZE)
+            if L.bpf_obj_get_info_by_fd(fd, info, ctypes.byref(size)) == 0 and size.value >= _PROG_INFO_SIZE:
+                run_ns, runs = struct.unpack_from("<QQ", info.raw, _PROG_INFO_RUN_TIME)
+                out[L.bpf_program__name(prog).decode()] = (run_ns, runs)
 
     @property
     def n_links(self) -> int:

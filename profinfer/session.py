@@ -19,23 +19,44 @@ from .errors import ProfinferError
 from .model import Profile
 from .probepack import load_pack
 
+# The collector sleeps this long between drains unless BPF wakes it (the ring buffer past
+# its wakeup level; perf buffers every PERF_WAKEUP_EVENTS records): each drain costs CPU
+# that, on a machine the inference threads fill, is taken from them.
+POLL_MS = 250
 
-def _alive(pid: int, child_status: list[int] | None) -> bool:
+
+def _alive(pid: int, child_status: list[int] | None, child_cpu: list[float]) -> bool:
     if child_status is not None:
         if child_status:
             return False
         try:
-            done, status = os.waitpid(pid, os.WNOHANG)
+            done, status, usage = os.wait4(pid, os.WNOHANG)
         except ChildProcessError:
             return False
         if done:
             child_status.append(os.waitstatus_to_exitcode(status))
+            child_cpu.append(usage.ru_utime + usage.ru_stime)
         return done == 0
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU time (user + system, all threads) `pid` has used so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _own_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _rss_kb() -> int:
@@ -96,8 +117,12 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     line = StatusLine(sys.stderr.isatty() if status is None else status)
     try:
         coll.attach()
-        ru = resource.getrusage(resource.RUSAGE_SELF)
-        cpu_at_attach = ru.ru_utime + ru.ru_stime
+        cpu_at_attach = _own_cpu_s()
+        # The target's CPU time, and ours, are counted from its first llama_decode (seen at
+        # the first poll after it), so that loading a model does not dilute the shares.
+        target_cpu_from, own_cpu_from = _cpu_s(pid), cpu_at_attach
+        counting_from_decode = False
+        child_cpu: list[float] = []
         for w in coll.warnings:
             warn(w)
         note(f"attached {coll.n_probes} probes to PID {pid} in {coll.attach_s:.2f} s "
@@ -108,7 +133,9 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
         deadline = time.monotonic() + duration if duration else None
         last_refresh = 0.0
         while not stop_reason:
-            coll.poll(100)
+            coll.poll(POLL_MS)
+            if coll.n_token_calls and not counting_from_decode:
+                target_cpu_from, own_cpu_from, counting_from_decode = _cpu_s(pid), _own_cpu_s(), True
             now = time.monotonic()
             if now - last_refresh > 2.0:
                 coll.refresh_process_info()
@@ -116,12 +143,15 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
             line.update(coll)
             if deadline and now >= deadline:
                 stop_reason.append("duration")
-            elif not _alive(pid, child_status):
+            elif not _alive(pid, child_status, child_cpu):
                 stop_reason.append("target exited" + (f" ({child_status[0]})" if child_status else ""))
         line.update(coll, force=True)
         collecting_rss_kb = _rss_kb()
-        ru = resource.getrusage(resource.RUSAGE_SELF)
-        collecting_cpu_s = ru.ru_utime + ru.ru_stime - cpu_at_attach
+        own_cpu = _own_cpu_s()
+        # the target's CPU time while probed: what the probes' cost is a share of
+        target_cpu = child_cpu[0] if child_cpu else _cpu_s(pid)
+        if target_cpu is not None and target_cpu_from is not None:
+            target_cpu -= target_cpu_from
         profile = coll.finish()
         profile.meta["stopped_by"] = stop_reason[0] if stop_reason else ""
         profile.meta["events"] = str(coll.n_events)
@@ -132,7 +162,10 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
         profile.meta["collector_rss_kb"] = str(collecting_rss_kb)
         # CPU the collector itself used while the target ran (on a small machine it is taken
         # from the inference threads): the part of the overhead that is ours, not the probes'.
-        profile.meta["collector_cpu_s"] = f"{collecting_cpu_s:.3f}"
+        profile.meta["collector_cpu_s"] = f"{own_cpu - cpu_at_attach:.3f}"
+        profile.meta["collector_cpu_decoding_s"] = f"{own_cpu - own_cpu_from:.3f}"
+        if target_cpu is not None:
+            profile.meta["target_cpu_s"] = f"{target_cpu:.3f}"
         return profile
     finally:
         line.close()

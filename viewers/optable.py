@@ -4,7 +4,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer import calibrate, counterstats, layers, moe, roofline, schedstats
+from profinfer import (calibrate, counterstats, layers, moe, probecost, roofline, schedstats,
+                       selfcost)
 from profinfer.counterstats import CounterStats
 from profinfer.model import Profile
 from profinfer.opcolumns import as_columns
@@ -220,6 +221,24 @@ def render(profile: Profile, console: Console | None = None) -> ProfileStats:
             console.print(f"per token: {per_tok}")
         for note in cs.notes:
             console.print(f"[yellow]counters: {note}[/]")
+    cost = selfcost.compute(profile, probecost.cached())
+    if cost:
+        console.print(cost_line(cost))
     if st.lost_events:
         console.print(f"[yellow]warning: {st.lost_events:,} events were lost; totals are lower bounds[/]")
     return st
+
+
+def cost_line(c: selfcost.SelfCost) -> str:
+    """What profiling cost: probe hits and BPF time in the target, the collector's CPU."""
+    hits = sum(c.hits.values())
+    bpf = f"BPF {c.bpf_ns / max(c.bpf_runs, 1):,.0f} ns/run"
+    if c.trap_ns is None:
+        probes = f"{hits:,} probe hits ({bpf}; trap cost not measured: run `profinfer calibrate`)"
+    else:
+        share = c.in_target_share
+        probes = (f"{hits:,} probe hits x {c.trap_ns / max(hits, 1) / 1e3:.2f} µs trap + {bpf}"
+                  + ("" if share is None else f" = {share:.2%} of the target's CPU time"))
+    coll = c.collector_share
+    return ("profiler cost: " + probes
+            + ("" if coll is None else f"; collector {coll:.2%}"))

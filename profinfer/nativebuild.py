@@ -1,0 +1,34 @@
+"""Build profinfer's C microbenchmarks (profinfer/native/*.c) once, cached by content."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from importlib import resources
+
+from .errors import ProfinferError
+
+
+def cache_dir() -> str:
+    return os.environ.get("PROFINFER_CACHE") or os.path.expanduser("~/.cache/profinfer")
+
+
+def build(source: str, flags: list[str]) -> str:
+    """Path of the binary built from native/`source` with `flags` (gcc)."""
+    src = resources.files("profinfer").joinpath(f"native/{source}")
+    digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    out = os.path.join(cache_dir(), "bin", f"{os.path.splitext(source)[0]}-{digest}")
+    if os.path.exists(out):
+        return out
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise ProfinferError("calibrate needs a C compiler: apt-get install gcc")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = f"{out}.{os.getpid()}"
+    done = subprocess.run([cc, *flags, str(src), "-o", tmp], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ProfinferError(f"building the microbenchmark {source} failed: "
+                             f"{(done.stderr.strip().splitlines() or ['?'])[0]}")
+    os.replace(tmp, out)
+    return out
