@@ -6,7 +6,6 @@ collector hands records over as they arrive (ops, kept compact) or when collecti
 from __future__ import annotations
 
 import numpy as np
-import numpy.lib.recfunctions as rfn
 
 from . import ggml
 from .model import GraphCall, SchedSwitch, SchedWakeup
@@ -31,8 +30,9 @@ class OpAssembler:
         self.pending: list[np.ndarray] = []
         self.n_pending = 0
         self.n_ops = 0
-        self.index: dict[bytes, int] = {}
         self.descs: list[NodeDesc] = []
+        self.index: dict[bytes, int] = {}        # descriptor bytes -> index in descs
+        self._spans: list[list[int]] | None = None
         self.shared: dict = {}               # equal tuples and strings shared between descs
         self.chunks: list[tuple] = []
         self.dropped = {"migrated": 0, "unreadable": 0, "not running": 0, "unfinished": 0}
@@ -49,18 +49,7 @@ class OpAssembler:
             return
         raw = np.concatenate(self.pending)
         self.pending, self.n_pending = [], 0
-        packed = np.ascontiguousarray(rfn.repack_fields(raw[list(DESC_FIELDS)]))
-        keys = packed.view(np.dtype((np.void, packed.dtype.itemsize))).ravel().tolist()
-        index = self.index
-        new: dict[bytes, int] = {}               # nodes not seen before: their first row
-        for i, key in enumerate(keys):
-            if key not in index and key not in new:
-                new[key] = i
-        if new:
-            for key, desc in zip(new, self._describe(raw[list(new.values())])):
-                index[key] = len(self.descs)
-                self.descs.append(desc)
-        ids = np.fromiter(map(index.__getitem__, keys), np.int32, len(keys))
+        ids = self._node_ids(raw)
         counters = None
         if self.n_counters:
             counters, dropped = counter_values(raw, self.n_counters, self.consts)
@@ -70,6 +59,39 @@ class OpAssembler:
                             raw["start_ns"].astype(np.int64), raw["end_ns"].astype(np.int64),
                             raw["barrier_end_ns"].astype(np.int64), ids,
                             counters))
+
+    def _node_ids(self, raw: np.ndarray) -> np.ndarray:
+        """Per record, the index of its node's descriptor in self.descs (new ones added),
+        found by the bytes of its descriptor fields."""
+        keys = self._key_bytes(raw)
+        rows = keys.view(np.dtype((np.void, keys.shape[1]))).ravel().tolist()
+        index = self.index
+        new: dict[bytes, int] = {}               # nodes not seen before: their first row
+        for i, key in enumerate(rows):
+            if key not in index and key not in new:
+                new[key] = i
+        if new:
+            for key, desc in zip(new, self._describe(raw[list(new.values())])):
+                index[key] = len(self.descs)
+                self.descs.append(desc)
+        return np.fromiter(map(index.__getitem__, rows), np.int32, len(rows))
+
+    def _key_bytes(self, raw: np.ndarray) -> np.ndarray:
+        """(rows, K) uint8: the descriptor fields' bytes of each record (contiguous runs of
+        fields copied at once)."""
+        if self._spans is None:
+            dt = raw.dtype
+            spans: list[list[int]] = []
+            for lo, hi in sorted((dt.fields[f][1], dt.fields[f][1] + dt.fields[f][0].itemsize)
+                                 for f in DESC_FIELDS):
+                if spans and lo <= spans[-1][1]:
+                    spans[-1][1] = max(spans[-1][1], hi)
+                else:
+                    spans.append([lo, hi])
+            self._spans = spans
+        b = raw.view(np.uint8).reshape(len(raw), raw.dtype.itemsize)
+        parts = [b[:, lo:hi] for lo, hi in self._spans]
+        return np.concatenate(parts, axis=1)
 
     def _share(self, x):
         return self.shared.setdefault(x, x)

@@ -241,13 +241,14 @@ class Collector:
 
     def _parse_raw(self) -> None:
         raw, self._raw = self._raw, []
+        batch_dt = self.dt["pi_op_batch"]
+        batch_size = batch_dt.itemsize
+        op_batches = []
         for rec in raw:
             kind = int.from_bytes(rec[:4], "little")
             if kind == self.kind_ops:
-                batch = np.frombuffer(rec, self.dt["pi_op_batch"], count=1)[0]
-                ops = batch["ev"][: batch["count"]].copy()
-                self._add_ops(ops)
-                self.n_events += len(ops)
+                # perf-buffer records may carry padding after the batch
+                op_batches.append(rec if len(rec) == batch_size else rec[:batch_size])
             elif kind == self.kind_token:
                 ev = np.frombuffer(rec, self.dt["pi_token_event"], count=1)
                 if not self._batch_trusted and not 1 <= int(ev["n_tokens"][0]) <= MAX_BATCH:
@@ -265,6 +266,14 @@ class Collector:
             elif kind == self.kind_switch or kind == self.kind_wakeup:
                 self._sched.append(np.frombuffer(rec, self.dt["pi_sched_event"], count=1))
                 self.n_events += 1
+        if op_batches:
+            # all batches of this drain parsed at once: one array of batches, the filled
+            # slots of each taken with one mask
+            batches = np.frombuffer(b"".join(op_batches), batch_dt)
+            filled = np.arange(batches["ev"].shape[1]) < batches["count"][:, None]
+            ops = batches["ev"][filled]
+            self._add_ops(ops)
+            self.n_events += len(ops)
 
     def _add_experts(self, rec: bytes) -> None:
         dt = self.dt["pi_experts_event"]

@@ -62,6 +62,19 @@ def _check_btf():
     return WARN, "no kernel BTF: token/graph/op levels work; the sched level does not"
 
 
+def _check_cost_accounting():
+    from . import libbpf, probecost
+    fd = libbpf.enable_run_time_stats() if os.geteuid() == 0 else -1
+    if fd < 0:
+        return WARN, "BPF run-time statistics refused (kernel < 5.8?): no profiler-cost line"
+    os.close(fd)
+    costs = probecost.cached()
+    if costs is None:
+        return WARN, "BPF run time is counted; probe trap cost not measured: run `profinfer calibrate`"
+    return OK, (f"BPF run time counted; a probe hit costs {costs['emulated_ns'] / 1e3:.2f} µs "
+                f"(emulated), {costs['stepped_ns'] / 1e3:.2f} µs (single-stepped) here")
+
+
 def checks() -> list[tuple[str, str, str]]:
     rows = []
     rows.append(("root", *((OK, "running as root") if os.geteuid() == 0 else
@@ -79,6 +92,7 @@ def checks() -> list[tuple[str, str, str]]:
                                                 ": mount -t tracefs nodev /sys/kernel/tracing")))))
     rows.append(("BPF object", *_check_object()))
     rows.append(("hardware PMU", *_check_hw_pmu()))
+    rows.append(("profiler cost", *_check_cost_accounting()))
     rows.append(("kernel", OK, platform.release()))
     return rows
 

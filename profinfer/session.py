@@ -1,7 +1,7 @@
 """One profiling session: attach, poll until told to stop, always detach, return the Profile.
 
 Stops on --duration, SIGINT, SIGTERM, or the target's exit. Detaching happens in a finally
-block, and BCC creates uprobes through the perf uprobe PMU, so even a SIGKILL of profinfer
+block, and libbpf creates uprobes through the perf uprobe PMU, so even a SIGKILL of profinfer
 leaves nothing behind: the kernel drops the probes with our file descriptors.
 """
 from __future__ import annotations

@@ -90,3 +90,4 @@ def test_columns_round_trip_slices():
     assert list(cols) == slices and cols[1] == slices[1] and cols[-1] == slices[1]
     assert list(cols[1:]) == slices[1:]
     assert cols.counted().tolist() == [True, False]
+
