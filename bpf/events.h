@@ -13,6 +13,7 @@
 #define PI_EV_SWITCH 4
 #define PI_EV_WAKEUP 5
 #define PI_EV_EXPERTS 6
+#define PI_EV_NODE 7
 
 /* One llama_decode call, sent at its return. */
 struct pi_token_event {
@@ -42,10 +43,9 @@ struct pi_graph_event {
 #define PI_OP_CTR_FAILED 2    /* a counter could not be read: deltas dropped */
 #define PI_OP_UNFINISHED 4    /* set by user space: still running when collection ended */
 
-struct pi_op_event {
-    u64 start_ns;
-    u64 end_ns;          /* entry of the last ggml_barrier before the next node */
-    u64 barrier_end_ns;  /* next node's start on this thread (user space caps it at graph end) */
+/* What describes a node: the same for every run of it. Sent once per thread and node as a
+ * pi_node_event, and again when it changes; op events refer to it by number. */
+struct pi_node_desc {
     u64 tensor;
     s64 ne[4];
     u64 src[3];          /* source tensors: the graph's edges */
@@ -53,20 +53,36 @@ struct pi_op_event {
     u64 fused_tensor;    /* the second node of a fused pair (its output is the op's result) */
     s64 src0_ne[4];      /* shapes and types of the first two sources: FLOPs and bytes moved */
     s64 src1_ne[4];
+    s32 op;
+    s32 fused_op;        /* op of the second fused node, -1 when not fused */
+    s32 type;
+    s32 src0_type;       /* -1: no such source */
+    s32 src1_type;
+    u32 pad;
+    char name[PI_NAME_LEN];
+};
+
+struct pi_node_event {
+    u32 kind;
+    u32 tid;
+    u32 node;            /* this thread's number for the node (op events carry it) */
+    u32 pad;
+    struct pi_node_desc desc;
+};
+
+struct pi_op_event {
+    u64 start_ns;
+    u64 end_ns;          /* entry of the last ggml_barrier before the next node */
+    u64 barrier_end_ns;  /* next node's start on this thread (user space caps it at graph end) */
     u64 ctr[PI_MAX_COUNTERS];          /* perf counter deltas over [start, end], unscaled */
     u32 ctr_enabled[PI_MAX_COUNTERS];  /* ns each counter was enabled / running meanwhile: */
     u32 ctr_running[PI_MAX_COUNTERS];  /* scale = enabled / running when multiplexed */
     u32 tid;
     u32 cpu;
-    s32 op;
-    s32 fused_op;        /* op of the second fused node, -1 when not fused */
-    s32 type;
+    u32 node;            /* the node's number on this thread (pi_node_event) */
     u32 n_barriers;      /* barriers entered during the node: >1 means the op waited inside */
-    s32 src0_type;       /* -1: no such source */
-    s32 src1_type;
     u32 flags;           /* PI_OP_* */
     u32 pad;
-    char name[PI_NAME_LEN];
 };
 
 /* Op events travel in per-thread batches: one ring-buffer record, one wakeup per batch. */

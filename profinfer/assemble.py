@@ -13,15 +13,21 @@ from .opcolumns import NodeDesc, OpColumns
 
 OP_CHUNK = 8192          # raw ops compacted at a time
 _NO_CAP = np.iinfo(np.int64).max
-# the fields of pi_op_event that describe the node (equal for every run of it), not the run
+# the fields of pi_node_desc
 DESC_FIELDS = ("tensor", "ne", "src", "src_view", "fused_tensor", "src0_ne", "src1_ne",
                "op", "fused_op", "type", "src0_type", "src1_type", "name")
 
 
+def node_key(tid, node):
+    """A thread's node number as one int64 (BPF numbers nodes per thread)."""
+    return (np.asarray(tid, np.int64) << 32) | np.asarray(node, np.int64)
+
+
 class OpAssembler:
-    """Takes pi_op_event arrays as they arrive and keeps them compact (OpColumns' layout):
-    a node's descriptor once, its runs as rows of numbers. Raw records wait only until
-    OP_CHUNK of them have arrived, so memory grows by ~50 bytes per op, not ~330."""
+    """Takes pi_node_event and pi_op_event arrays as they arrive and keeps them compact
+    (OpColumns' layout): each distinct node's descriptor once, its runs as rows of numbers
+    (~50 bytes an op). BPF describes a node once per thread (and again when it changes) and
+    numbers it; op events carry (thread, number), resolved to descriptors at the end."""
 
     def __init__(self, op_names: list[str], n_counters: int = 0, consts: dict | None = None):
         self.names = op_names
@@ -32,10 +38,25 @@ class OpAssembler:
         self.n_ops = 0
         self.descs: list[NodeDesc] = []
         self.index: dict[bytes, int] = {}        # descriptor bytes -> index in descs
-        self._spans: list[list[int]] | None = None
+        self.nodes: dict[int, int] = {}          # node_key(tid, number) -> index in descs
         self.shared: dict = {}               # equal tuples and strings shared between descs
         self.chunks: list[tuple] = []
         self.dropped = {"migrated": 0, "unreadable": 0, "not running": 0, "unfinished": 0}
+
+    def add_nodes(self, events: np.ndarray) -> None:
+        """pi_node_event records: a thread's number for a node, and what the node is."""
+        desc = np.ascontiguousarray(events["desc"])
+        rows = desc.view(np.dtype((np.void, desc.dtype.itemsize))).ravel().tolist()
+        new: dict[bytes, int] = {}
+        for i, key in enumerate(rows):
+            if key not in self.index and key not in new:
+                new[key] = i
+        if new:
+            for key, d in zip(new, self._describe(desc[list(new.values())])):
+                self.index[key] = len(self.descs)
+                self.descs.append(d)
+        for k, key in zip(node_key(events["tid"], events["node"]).tolist(), rows):
+            self.nodes[k] = self.index[key]
 
     def add(self, ops: np.ndarray) -> None:
         self.pending.append(ops)
@@ -49,7 +70,6 @@ class OpAssembler:
             return
         raw = np.concatenate(self.pending)
         self.pending, self.n_pending = [], 0
-        ids = self._node_ids(raw)
         counters = None
         if self.n_counters:
             counters, dropped = counter_values(raw, self.n_counters, self.consts)
@@ -57,41 +77,22 @@ class OpAssembler:
                 self.dropped[k] += v
         self.chunks.append((raw["tid"].astype(np.int64), raw["cpu"].astype(np.int32),
                             raw["start_ns"].astype(np.int64), raw["end_ns"].astype(np.int64),
-                            raw["barrier_end_ns"].astype(np.int64), ids,
-                            counters))
+                            raw["barrier_end_ns"].astype(np.int64),
+                            node_key(raw["tid"], raw["node"]), counters))
 
-    def _node_ids(self, raw: np.ndarray) -> np.ndarray:
-        """Per record, the index of its node's descriptor in self.descs (new ones added),
-        found by the bytes of its descriptor fields."""
-        keys = self._key_bytes(raw)
-        rows = keys.view(np.dtype((np.void, keys.shape[1]))).ravel().tolist()
-        index = self.index
-        new: dict[bytes, int] = {}               # nodes not seen before: their first row
-        for i, key in enumerate(rows):
-            if key not in index and key not in new:
-                new[key] = i
-        if new:
-            for key, desc in zip(new, self._describe(raw[list(new.values())])):
-                index[key] = len(self.descs)
-                self.descs.append(desc)
-        return np.fromiter(map(index.__getitem__, rows), np.int32, len(rows))
-
-    def _key_bytes(self, raw: np.ndarray) -> np.ndarray:
-        """(rows, K) uint8: the descriptor fields' bytes of each record (contiguous runs of
-        fields copied at once)."""
-        if self._spans is None:
-            dt = raw.dtype
-            spans: list[list[int]] = []
-            for lo, hi in sorted((dt.fields[f][1], dt.fields[f][1] + dt.fields[f][0].itemsize)
-                                 for f in DESC_FIELDS):
-                if spans and lo <= spans[-1][1]:
-                    spans[-1][1] = max(spans[-1][1], hi)
-                else:
-                    spans.append([lo, hi])
-            self._spans = spans
-        b = raw.view(np.uint8).reshape(len(raw), raw.dtype.itemsize)
-        parts = [b[:, lo:hi] for lo, hi in self._spans]
-        return np.concatenate(parts, axis=1)
+    def _desc_ids(self, keys: np.ndarray) -> np.ndarray:
+        """Descriptor index per node key; a node whose description was lost (counted in
+        lost events) gets a descriptor that says so."""
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        ids = np.empty(len(uniq), np.int32)
+        for j, k in enumerate(uniq.tolist()):
+            d = self.nodes.get(k)
+            if d is None:
+                d = self.nodes[k] = len(self.descs)
+                self.descs.append(NodeDesc("UNKNOWN", "(description lost)", (0, 0, 0, 0), "?",
+                                           0, (), (), 0, (), ()))
+            ids[j] = d
+        return ids[inverse.ravel()]
 
     def _share(self, x):
         return self.shared.setdefault(x, x)
@@ -134,11 +135,12 @@ class OpAssembler:
                     if self.chunks[0][6] is not None else None)
         self.chunks = []
         order = np.argsort(cols[2], kind="stable")
-        tid, cpu, start, end, bend, desc = (c[order] for c in cols)
+        tid, cpu, start, end, bend, keys = (c[order] for c in cols)
         if counters is not None:
             counters = counters[order]
         end, bend = close_ends(start, end, bend, graphs)
-        return OpColumns(tid, cpu, start, end, bend, desc, self.descs, counters, experts)
+        return OpColumns(tid, cpu, start, end, bend, self._desc_ids(keys), self.descs, counters,
+                         experts)
 
 
 def close_ends(start: np.ndarray, end: np.ndarray, bend: np.ndarray, graphs: list[GraphCall]

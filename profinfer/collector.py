@@ -21,7 +21,7 @@ from .model import GraphCall, Profile, TokenCall
 from .probepack import Pack, engine_libraries, resolve
 from .symbols import load_elf
 
-VALIDATE_OPS = 64   # op events checked before a table layout is trusted
+VALIDATE_OPS = 64   # node descriptions checked before a table layout is trusted
 PERF_PAGES_PER_CPU = 256
 PERF_WAKEUP_EVENTS = 64
 KNOWN_BATCH_EXT = (64, 96)   # llama_batch_ext.tokens offset, token size (b11434)
@@ -58,7 +58,7 @@ class Collector:
         self._tokens: list[np.ndarray] = []
         self._graphs: list[np.ndarray] = []
         self._op_asm: assemble.OpAssembler | None = None   # made once op names are known
-        self._first_ops: list[np.ndarray] = []              # checked before a table layout is trusted
+        self._first_ops: list[np.ndarray] = []   # node descriptions checked before a table layout is trusted
         self.n_events = 0
         self.n_decode_tokens = 0
         self.n_token_calls = 0
@@ -72,6 +72,7 @@ class Collector:
             self.consts["PI_EV_TOKEN"], self.consts["PI_EV_GRAPH"], self.consts["PI_EV_OPS"])
         self.kind_switch, self.kind_wakeup = self.consts["PI_EV_SWITCH"], self.consts["PI_EV_WAKEUP"]
         self.kind_experts = self.consts["PI_EV_EXPERTS"]
+        self.kind_node = self.consts["PI_EV_NODE"]
         self._experts: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
         self._sched: list[np.ndarray] = []
 
@@ -243,10 +244,13 @@ class Collector:
         raw, self._raw = self._raw, []
         batch_dt = self.dt["pi_op_batch"]
         batch_size = batch_dt.itemsize
-        op_batches = []
+        node_size = self.dt["pi_node_event"].itemsize
+        op_batches, nodes = [], []
         for rec in raw:
             kind = int.from_bytes(rec[:4], "little")
-            if kind == self.kind_ops:
+            if kind == self.kind_node:
+                nodes.append(rec if len(rec) == node_size else rec[:node_size])
+            elif kind == self.kind_ops:
                 # perf-buffer records may carry padding after the batch
                 op_batches.append(rec if len(rec) == batch_size else rec[:batch_size])
             elif kind == self.kind_token:
@@ -266,6 +270,11 @@ class Collector:
             elif kind == self.kind_switch or kind == self.kind_wakeup:
                 self._sched.append(np.frombuffer(rec, self.dt["pi_sched_event"], count=1))
                 self.n_events += 1
+        if nodes:      # before the ops: a node is described before its first op is sent
+            evs = np.frombuffer(b"".join(nodes), self.dt["pi_node_event"])
+            if not self._layout_trusted:
+                self._validate(evs)
+            self._assembler().add_nodes(evs)
         if op_batches:
             # all batches of this drain parsed at once: one array of batches, the filled
             # slots of each taken with one mask
@@ -290,23 +299,25 @@ class Collector:
         self._experts[(int(ev["tid"]), int(ev["start_ns"]))] = tuple(map(tuple, ids.tolist()))
         self.n_events += 1
 
-    def _add_ops(self, ops: np.ndarray) -> None:
-        if not self._layout_trusted:
-            self._validate(ops)
+    def _assembler(self) -> assemble.OpAssembler:
         if self._op_asm is None:
             self._op_asm = assemble.OpAssembler(
                 self.op_names, len(self.counters.counters) if self.counters else 0, self.consts)
-        self._op_asm.add(ops)
+        return self._op_asm
 
-    def _validate(self, ops: np.ndarray) -> None:
-        self._first_ops.append(ops)
+    def _add_ops(self, ops: np.ndarray) -> None:
+        self._assembler().add(ops)
+
+    def _validate(self, nodes: np.ndarray) -> None:
+        """Check a table layout on the first node descriptions BPF read with it."""
+        self._first_ops.append(nodes["desc"])
         seen = np.concatenate(self._first_ops)[:VALIDATE_OPS]
         good = sum(ggml.plausible(int(o["op"]), int(o["type"]), o["ne"], bytes(o["name"]),
                                   len(self.op_names)) for o in seen)
         if good < 0.9 * len(seen):
             raise ProfinferError(
                 f"unknown ggml_tensor layout: the {self.layout.name} layout decodes "
-                f"{len(seen) - good} of {len(seen)} ops as garbage; this build needs DWARF "
+                f"{len(seen) - good} of {len(seen)} nodes as garbage; this build needs DWARF "
                 "(build with -g) or a newer profinfer")
         if len(seen) >= VALIDATE_OPS:
             self._layout_trusted = True

@@ -9,23 +9,50 @@ from profinfer.model import GraphCall
 CONSTS, DT = layout.parse()
 
 
-def ops(*rows) -> np.ndarray:
-    a = np.zeros(len(rows), DT["pi_op_event"])
-    for r, fields in zip(a, rows):
-        r["src0_type"] = r["src1_type"] = -1
-        r["fused_op"] = -1
+DESC_FIELDS = set(DT["pi_node_desc"].names)
+
+
+def records(*rows) -> tuple[np.ndarray, np.ndarray]:
+    """(pi_node_event, pi_op_event) arrays for rows mixing both kinds of fields: each row's
+    node is numbered per thread by its description, as BPF does."""
+    ops = np.zeros(len(rows), DT["pi_op_event"])
+    nodes, numbers = [], {}
+    for r, fields in zip(ops, rows):
+        desc = np.zeros(1, DT["pi_node_desc"])[0]
+        desc["src0_type"] = desc["src1_type"] = -1
+        desc["fused_op"] = -1
         for k, v in fields.items():
-            r[k] = v
-    return a
+            (desc if k in DESC_FIELDS else r)[k] = v
+        key = (int(r["tid"]), desc.tobytes())
+        if key not in numbers:
+            numbers[key] = len([k for k in numbers if k[0] == key[0]])
+            ev = np.zeros(1, DT["pi_node_event"])[0]
+            ev["kind"], ev["tid"], ev["node"], ev["desc"] = CONSTS["PI_EV_NODE"], r["tid"], numbers[key], desc
+            nodes.append(ev)
+        r["node"] = numbers[key]
+    return np.array(nodes, DT["pi_node_event"]), ops
+
+
+def ops(*rows) -> np.ndarray:
+    """pi_op_event records only (counter fields)."""
+    return records(*rows)[1]
+
+
+def assembled(names, rows_in_batches, graphs=(), **kw):
+    asm = assemble.OpAssembler(names, **kw)
+    for rows in rows_in_batches:
+        nodes, evs = records(*rows)
+        asm.add_nodes(nodes)
+        asm.add(evs)
+    return asm, asm.finish(list(graphs))
 
 
 def test_open_ends_are_capped_by_the_graph():
-    a = ops({"start_ns": 100, "end_ns": 150, "barrier_end_ns": 0, "tid": 1, "op": 1, "name": b"a-0"},
+    rows = ({"start_ns": 100, "end_ns": 150, "barrier_end_ns": 0, "tid": 1, "op": 1, "name": b"a-0"},
             {"start_ns": 200, "end_ns": 0, "barrier_end_ns": 0, "tid": 1, "op": 2, "name": b"b-0"},
             {"start_ns": 120, "end_ns": 130, "barrier_end_ns": 900, "tid": 2, "op": 1, "name": b"a-0"})
-    asm = assemble.OpAssembler(["NONE", "MUL_MAT", "ADD"])
-    asm.add(a)
-    out = list(asm.finish([GraphCall(1, 50, 500, "CPU", 2)]))
+    _, cols = assembled(["NONE", "MUL_MAT", "ADD"], [rows], [GraphCall(1, 50, 500, "CPU", 2)])
+    out = list(cols)
     assert [(o.start_ns, o.end_ns, o.barrier_end_ns, o.op) for o in out] == [
         (100, 150, 500, "MUL_MAT"),     # no next node: its wait ends with the graph
         (120, 130, 500, "MUL_MAT"),     # a later "next node" is cut to the graph's end
@@ -34,14 +61,27 @@ def test_open_ends_are_capped_by_the_graph():
 
 
 def test_sources_views_and_fused():
-    a = ops({"start_ns": 1, "end_ns": 2, "op": 1, "fused_op": 2, "fused_tensor": 0xF, "src": [0xA, 0xB, 0],
-             "src_view": [0, 0xC, 0], "src0_type": 1, "src0_ne": [4, 8, 1, 1], "name": b"n"})
-    asm = assemble.OpAssembler(["NONE", "RMS_NORM", "MUL"])
-    asm.add(a)
-    (o,) = asm.finish([])
+    rows = ({"start_ns": 1, "end_ns": 2, "op": 1, "fused_op": 2, "fused_tensor": 0xF, "src": [0xA, 0xB, 0],
+             "src_view": [0, 0xC, 0], "src0_type": 1, "src0_ne": [4, 8, 1, 1], "name": b"n"},)
+    _, cols = assembled(["NONE", "RMS_NORM", "MUL"], [rows])
+    (o,) = cols
     assert o.op == "RMS_NORM+MUL" and o.fused_tensor == 0xF
     assert o.srcs == (0xA, 0xB) and o.src_views == (0, 0xC)
     assert o.src_ne == ((4, 8, 1, 1),) and o.src_dtypes == ("f16",)
+
+
+def test_a_node_described_by_two_threads_is_one_node_and_a_lost_one_says_so():
+    asm = assemble.OpAssembler(["NONE", "MUL_MAT"])
+    nodes, evs = records({"start_ns": 1, "tid": 1, "op": 1, "tensor": 0xA, "name": b"a"},
+                         {"start_ns": 2, "tid": 2, "op": 1, "tensor": 0xA, "name": b"a"})
+    asm.add_nodes(nodes)
+    asm.add(evs)
+    orphan = ops({"start_ns": 3, "tid": 3})
+    orphan["node"] = 7                   # its description never arrived
+    asm.add(orphan)
+    out = list(asm.finish([]))
+    assert out[0].op == out[1].op == "MUL_MAT" and len({id(o.name) for o in out[:2]}) == 1
+    assert out[2].op == "UNKNOWN"
 
 
 def test_counter_values_scale_and_drop():
@@ -57,7 +97,6 @@ def test_counter_values_scale_and_drop():
 
 def test_ops_arriving_in_chunks_share_descriptors_and_come_out_sorted(monkeypatch):
     monkeypatch.setattr(assemble, "OP_CHUNK", 4)
-    asm = assemble.OpAssembler(["NONE", "MUL_MAT", "ADD"], n_counters=1, consts=CONSTS)
     rows = []
     for tok in range(5):            # five tokens of the same two nodes on two threads, shuffled
         for tid in (1, 2):
@@ -68,8 +107,11 @@ def test_ops_arriving_in_chunks_share_descriptors_and_come_out_sorted(monkeypatc
                              "ctr": [tid], "ctr_enabled": [1], "ctr_running": [1]})
     rng = np.random.default_rng(0)
     rng.shuffle(rows)
-    for lo in range(0, len(rows), 3):
-        asm.add(ops(*rows[lo:lo + 3]))
+    nodes, evs = records(*rows)
+    asm = assemble.OpAssembler(["NONE", "MUL_MAT", "ADD"], n_counters=1, consts=CONSTS)
+    asm.add_nodes(nodes)
+    for lo in range(0, len(evs), 3):
+        asm.add(evs[lo:lo + 3])
     cols = asm.finish([])
     assert len(cols) == 20 and len(cols.descs) == 2          # two distinct nodes, 20 runs
     assert cols.start.tolist() == sorted(r["start_ns"] for r in rows)
