@@ -330,9 +330,11 @@ class Collector:
             self.thread_names.update(names)
         try:
             with open(f"/proc/{self.pid}/maps") as f:
-                self._maps_raw = f.read()
+                maps = f.read()
         except OSError:
-            pass
+            return
+        if maps:        # a process that exited (a zombie) has none: keep what it had
+            self._maps_raw = maps
 
     def lost(self) -> int:
         """Events BPF could not submit, plus perf-buffer records the kernel dropped."""
