@@ -14,6 +14,7 @@
 #define PI_EV_WAKEUP 5
 #define PI_EV_EXPERTS 6
 #define PI_EV_NODE 7
+#define PI_EV_DECODING 8
 
 /* One llama_decode call, sent at its return. */
 struct pi_token_event {
@@ -23,6 +24,14 @@ struct pi_token_event {
     u64 end_ns;
     s32 n_tokens;
     s32 ret;
+};
+
+/* The first llama_decode seen: sent at its entry, so that user space can count the target's
+ * CPU time from there (the profiler's cost is a share of it). */
+struct pi_decoding_event {
+    u32 kind;
+    u32 tid;
+    u64 ts_ns;
 };
 
 /* One backend graph compute, sent at its return. */

@@ -90,6 +90,19 @@ struct {
 
 /* llama_decode(ctx, struct llama_batch batch): the batch is passed by value in memory, and
  * n_tokens is its first field. */
+/* Set at the first llama_decode (a race only sends the event twice). */
+u32 decoding_seen = 0;
+
+static __always_inline void first_decode(struct pt_regs *ctx, u32 tid, u64 now)
+{
+    if (decoding_seen)
+        return;
+    decoding_seen = 1;
+    struct pi_decoding_event ev = {.kind = PI_EV_DECODING, .tid = tid, .ts_ns = now};
+    if (emit(ctx, &ev, sizeof(ev)))
+        count_lost(1);
+}
+
 SEC("uprobe")
 int token_enter(struct pt_regs *ctx)
 {
@@ -100,6 +113,7 @@ int token_enter(struct pt_regs *ctx)
     ev.start_ns = bpf_ktime_get_ns();
     bpf_probe_read_user(&ev.n_tokens, sizeof(ev.n_tokens),
                         (void *)(PT_REGS_SP(ctx) + cfg.token_sp_off));
+    first_decode(ctx, tid, ev.start_ns);
     bpf_map_update_elem(&token_open, &tid, &ev, BPF_ANY);
     return 0;
 }
@@ -117,6 +131,7 @@ int token_enter_ext(struct pt_regs *ctx)
     bpf_probe_read_user(vec, sizeof(vec), (void *)(PT_REGS_PARM2(ctx) + cfg.bext_off_tokens));
     u64 size = cfg.bext_token_size ? cfg.bext_token_size : 1;
     ev.n_tokens = vec[1] > vec[0] ? (s32)((vec[1] - vec[0]) / size) : 0;
+    first_decode(ctx, tid, ev.start_ns);
     bpf_map_update_elem(&token_open, &tid, &ev, BPF_ANY);
     return 0;
 }

@@ -61,7 +61,6 @@ class Collector:
         self._first_ops: list[np.ndarray] = []   # node descriptions checked before a table layout is trusted
         self.n_events = 0
         self.n_decode_tokens = 0
-        self.n_token_calls = 0
         self.thread_names: dict[int, str] = {}
         self._maps_raw: str = ""
         self._layout_trusted = True
@@ -73,6 +72,8 @@ class Collector:
         self.kind_switch, self.kind_wakeup = self.consts["PI_EV_SWITCH"], self.consts["PI_EV_WAKEUP"]
         self.kind_experts = self.consts["PI_EV_EXPERTS"]
         self.kind_node = self.consts["PI_EV_NODE"]
+        self.kind_decoding = self.consts["PI_EV_DECODING"]
+        self.decoding = False          # the target's first llama_decode has begun
         self._experts: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
         self._sched: list[np.ndarray] = []
 
@@ -248,7 +249,9 @@ class Collector:
         op_batches, nodes = [], []
         for rec in raw:
             kind = int.from_bytes(rec[:4], "little")
-            if kind == self.kind_node:
+            if kind == self.kind_decoding:
+                self.decoding = True
+            elif kind == self.kind_node:
                 nodes.append(rec if len(rec) == node_size else rec[:node_size])
             elif kind == self.kind_ops:
                 # perf-buffer records may carry padding after the batch
@@ -259,7 +262,6 @@ class Collector:
                     raise ProfinferError("unknown llama_batch_ext layout: a batch decodes as "
                                          f"{int(ev['n_tokens'][0])} tokens; this build needs DWARF")
                 self._tokens.append(ev)
-                self.n_token_calls += 1
                 self.n_decode_tokens += int(ev["n_tokens"][0] == 1)
                 self.n_events += 1
             elif kind == self.kind_graph:

@@ -24,6 +24,9 @@ from .probepack import load_pack
 # each drain costs CPU that, on a machine the inference threads fill, is taken from them
 # (at 4 drains a second, 0.09% of the target's CPU on the 1.5B model; at 1, ~0.03%).
 POLL_MS = 1000
+# Until the target decodes (a model still loading), drains are this frequent, so that its
+# CPU time is counted from its first llama_decode to within one of them.
+POLL_BEFORE_DECODING_MS = 20
 REFRESH_S = 5.0     # thread names and mappings are read again this often (and at the end)
 
 
@@ -120,8 +123,9 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     try:
         coll.attach()
         cpu_at_attach = _own_cpu_s()
-        # The target's CPU time, and ours, are counted from its first llama_decode (seen at
-        # the first poll after it), so that loading a model does not dilute the shares.
+        # The target's CPU time, and ours, are counted from its first llama_decode (BPF sends
+        # an event at its entry; without the token level, from the first event), so that
+        # loading a model does not dilute the shares.
         target_cpu_from, own_cpu_from = _cpu_s(pid), cpu_at_attach
         counting_from_decode = False
         child_cpu: list[float] = []
@@ -135,11 +139,11 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
         deadline = time.monotonic() + duration if duration else None
         last_refresh = 0.0
         while not stop_reason:
-            wait_ms = POLL_MS
+            wait_ms = POLL_MS if counting_from_decode else POLL_BEFORE_DECODING_MS
             if deadline:
                 wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000) + 1))
             coll.poll(wait_ms)
-            if coll.n_token_calls and not counting_from_decode:
+            if not counting_from_decode and (coll.decoding or coll.n_events):
                 target_cpu_from, own_cpu_from, counting_from_decode = _cpu_s(pid), _own_cpu_s(), True
             now = time.monotonic()
             if now - last_refresh > REFRESH_S:
