@@ -32,6 +32,9 @@ def test_counts_and_times_match_llama_perf(llama_build, tiny_model, llama_env, t
     assert s["time_ns"]["decode"] == pytest.approx(eval_ms * 1e6, rel=0.05)
     assert s["lost_events"] == 0 and s["meta"]["event_buffer"] == buffer
     assert s["sched"]["switches"] > 0 and s["counters"]["names"] == ["task-clock"]
+    # every op found its node's description (sent once per thread, before its first op;
+    # with perf buffers possibly through another CPU's buffer)
+    assert s["ops"] and "UNKNOWN" not in {o["op"] for o in s["ops"]}
     assert trace.stat().st_size > 0
     assert our_bpf_programs() == [] and leftover_uprobe_events() == []
 
