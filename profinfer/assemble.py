@@ -11,7 +11,7 @@ from . import ggml
 from .model import GraphCall, SchedSwitch, SchedWakeup
 from .opcolumns import NodeDesc, OpColumns
 
-OP_CHUNK = 8192          # raw ops compacted at a time
+OP_CHUNK = 8192          # raw op records turned into columns at a time
 _NO_CAP = np.iinfo(np.int64).max
 # the fields of pi_node_desc
 DESC_FIELDS = ("tensor", "ne", "src", "src_view", "fused_tensor", "src0_ne", "src1_ne",
@@ -35,7 +35,6 @@ class OpAssembler:
         self.consts = consts or {}
         self.pending: list[np.ndarray] = []
         self.n_pending = 0
-        self.n_ops = 0
         self.descs: list[NodeDesc] = []
         self.index: dict[bytes, int] = {}        # descriptor bytes -> index in descs
         self.nodes: dict[int, int] = {}          # node_key(tid, number) -> index in descs
@@ -61,7 +60,6 @@ class OpAssembler:
     def add(self, ops: np.ndarray) -> None:
         self.pending.append(ops)
         self.n_pending += len(ops)
-        self.n_ops += len(ops)
         if self.n_pending >= OP_CHUNK:
             self._compact()
 

@@ -1,7 +1,8 @@
 """Attach the probe pack to one process, collect its events, detach, build the Profile.
 
 The hot path is in the kernel: op events are batched per thread in BPF and reach user space
-32 at a time; here each ring-buffer record is only copied, and parsed in bulk with numpy
+32 at a time, and a node's description is sent once per thread (op events carry its
+number); here each ring-buffer record is only copied, and parsed in bulk with numpy
 between polls.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .model import GraphCall, Profile, TokenCall
 from .probepack import Pack, engine_libraries, resolve
 from .symbols import load_elf
 
-VALIDATE_OPS = 64   # node descriptions checked before a table layout is trusted
+VALIDATE_NODES = 64   # node descriptions checked before a table layout is trusted
 PERF_PAGES_PER_CPU = 256
 PERF_WAKEUP_EVENTS = 64
 KNOWN_BATCH_EXT = (64, 96)   # llama_batch_ext.tokens offset, token size (b11434)
@@ -58,7 +59,7 @@ class Collector:
         self._tokens: list[np.ndarray] = []
         self._graphs: list[np.ndarray] = []
         self._op_asm: assemble.OpAssembler | None = None   # made once op names are known
-        self._first_ops: list[np.ndarray] = []   # node descriptions checked before a table layout is trusted
+        self._first_nodes: list[np.ndarray] = []   # node descriptions checked before a table layout is trusted
         self.n_events = 0
         self.n_decode_tokens = 0
         self.thread_names: dict[int, str] = {}
@@ -312,8 +313,8 @@ class Collector:
 
     def _validate(self, nodes: np.ndarray) -> None:
         """Check a table layout on the first node descriptions BPF read with it."""
-        self._first_ops.append(nodes["desc"])
-        seen = np.concatenate(self._first_ops)[:VALIDATE_OPS]
+        self._first_nodes.append(nodes["desc"])
+        seen = np.concatenate(self._first_nodes)[:VALIDATE_NODES]
         good = sum(ggml.plausible(int(o["op"]), int(o["type"]), o["ne"], bytes(o["name"]),
                                   len(self.op_names)) for o in seen)
         if good < 0.9 * len(seen):
@@ -321,9 +322,9 @@ class Collector:
                 f"unknown ggml_tensor layout: the {self.layout.name} layout decodes "
                 f"{len(seen) - good} of {len(seen)} nodes as garbage; this build needs DWARF "
                 "(build with -g) or a newer profinfer")
-        if len(seen) >= VALIDATE_OPS:
+        if len(seen) >= VALIDATE_NODES:
             self._layout_trusted = True
-            self._first_ops = []
+            self._first_nodes = []
 
     def refresh_process_info(self) -> None:
         """Thread names and mappings change while the target runs; keep the latest."""
