@@ -167,6 +167,13 @@ class Collector:
                                  f"{self.consts['PI_MAX_GRAPH_PROBES']}")
         bext = self._batch_ext_layout()
         lay = self.layout
+        # as node_window()/source_window() in the BPF object compute them
+        window = max(lay.type + 4, lay.ne + 32, lay.op + 4, lay.src + 24, lay.view_src + 8,
+                     lay.name_off + self.consts["PI_NAME_LEN"])
+        if window > self.consts["PI_TENSOR_WINDOW"]:
+            raise ProfinferError(f"this ggml_tensor layout ({lay.name}) puts the fields profinfer "
+                                 f"reads {window} bytes into a tensor; it reads the first "
+                                 f"{self.consts['PI_TENSOR_WINDOW']}")
         cfg = np.zeros(1, self.dt["pi_config"])
         cfg["t_off_type"], cfg["t_off_ne"], cfg["t_off_op"], cfg["t_off_name"] = (
             lay.type, lay.ne, lay.op, lay.name_off)

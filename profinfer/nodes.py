@@ -11,23 +11,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from .model import Profile
-from .opcolumns import OpColumns, as_columns
+from .opcolumns import NodeDesc, OpColumns, as_columns
 from .stats import innermost_graphs
 
 
 @dataclass(slots=True)
 class NodeRun:
+    """One node of one graph compute. Its descriptor's fields (op, name, ne, dtype, tensor,
+    srcs, src_views, fused_tensor, src_ne, src_dtypes) read as its own."""
     graph: int               # index into innermost_graphs(profile.graphs), -1 outside any
-    tensor: int
-    op: str
-    name: str
-    ne: tuple[int, ...]
-    dtype: str
-    srcs: tuple[int, ...]
-    src_views: tuple[int, ...]
-    fused_tensor: int
-    src_ne: tuple[tuple[int, ...], ...]
-    src_dtypes: tuple[str, ...]
+    desc: NodeDesc           # shared with every other run of the node
     start_ns: int
     end_ns: int
     threads: int
@@ -41,6 +34,10 @@ class NodeRun:
     @property
     def dur_ns(self) -> int:
         return self.end_ns - self.start_ns
+
+
+for _field in NodeDesc._fields:
+    setattr(NodeRun, _field, property(lambda run, _f=_field: getattr(run.desc, _f)))
 
 
 def node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
@@ -69,7 +66,7 @@ def _node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
         gi = np.where((gi >= 0) & (starts <= g_end[safe]), gi, -1)
     else:
         gi = np.full(n, -1, np.int64)
-    tensor = ops.per_desc("tensor")[ops.desc]
+    tensor = np.fromiter((d.tensor for d in ops.descs), np.int64, len(ops.descs))[ops.desc]
     # Without a tensor address (traces of old versions) a slice is its own node.
     key = np.where(tensor != 0, tensor, -1 - np.arange(n))
     # group by (graph, tensor); within a group by start, and ops are sorted by start, so the
@@ -109,9 +106,7 @@ def _node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
     # by start; equal starts in the order of their first slice
     for g in np.lexsort((lead, run_start)).tolist():
         graph, d, s, e, th, tns = (c[g] for c in cols)
-        d = descs[d]
-        runs.append(NodeRun(graph, d.tensor, d.op, d.name, d.ne, d.dtype, d.srcs, d.src_views,
-                            d.fused_tensor, d.src_ne, d.src_dtypes, s, e, th, tns,
+        runs.append(NodeRun(graph, descs[d], s, e, th, tns,
                             ctrs[g] if ctrs is not None else None, experts.get(g)))
     return runs, graphs
 

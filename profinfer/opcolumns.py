@@ -47,7 +47,7 @@ class OpColumns(Sequence):
     """
 
     __slots__ = ("tid", "cpu", "start", "end", "barrier_end", "desc", "descs", "counters",
-                 "experts", "_desc_arrays")
+                 "experts")
 
     def __init__(self, tid, cpu, start, end, barrier_end, desc, descs: list[NodeDesc],
                  counters: np.ndarray | None = None, experts: dict | None = None):
@@ -60,7 +60,6 @@ class OpColumns(Sequence):
         self.descs = descs
         self.counters = counters
         self.experts = experts or {}
-        self._desc_arrays: dict | None = None
 
     @classmethod
     def empty(cls) -> OpColumns:
@@ -142,17 +141,7 @@ class OpColumns(Sequence):
                          self.barrier_end[idx], self.desc[idx], self.descs,
                          None if self.counters is None else self.counters[idx], self.experts)
 
-    # ---- columns of the descriptors ----
-
-    def per_desc(self, field: str) -> np.ndarray:
-        """One value of a numeric descriptor field ("tensor", "fused_tensor") per descriptor."""
-        cache = self._desc_arrays
-        if cache is None:
-            cache = self._desc_arrays = {}
-        if field not in cache:
-            cache[field] = np.fromiter((getattr(d, field) for d in self.descs), np.int64,
-                                       len(self.descs))
-        return cache[field]
+    # ---- what the descriptors say, per op ----
 
     def op_codes(self) -> tuple[np.ndarray, list[str]]:
         """Per op, a code indexing the returned op names (in order of first descriptor)."""

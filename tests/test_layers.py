@@ -4,10 +4,11 @@ from __future__ import annotations
 from conftest import completion_cmd, run_profinfer, with_llama_log
 from profinfer.dag import node_layers
 from profinfer.nodes import NodeRun
+from profinfer.opcolumns import NodeDesc
 
 
 def _run(name: str) -> NodeRun:
-    return NodeRun(0, 1, "ADD", name, (1,), "f32", (), (), 0, (), (), 0, 1, 1, 1)
+    return NodeRun(0, NodeDesc("ADD", name, (1,), "f32", 1, (), (), 0, (), ()), 0, 1, 1, 1)
 
 
 def test_layer_of_nodes_by_name_and_span():

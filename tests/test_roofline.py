@@ -13,8 +13,9 @@ from profinfer.roofline import Roofs, judge, nbytes, node_cost
 
 def run(op, ne, srcs, dtype="f32", dur=1000):
     from profinfer.nodes import NodeRun
-    return NodeRun(0, 1, op, "t", ne, dtype, (), (), 0, tuple(s[0] for s in srcs),
-                   tuple(s[1] for s in srcs), 0, dur, 1, dur)
+    from profinfer.opcolumns import NodeDesc
+    return NodeRun(0, NodeDesc(op, "t", ne, dtype, 1, (), (), 0, tuple(s[0] for s in srcs),
+                               tuple(s[1] for s in srcs)), 0, dur, 1, dur)
 
 
 def test_block_formats():
