@@ -1,7 +1,7 @@
 /* Event layouts shared by the BPF programs and the collector.
  *
  * This header is the single definition: profinfer/layout.py parses these structs into numpy
- * dtypes, so keep to the field types it knows (u16 u32 s32 u64 s64 char) and to fields
+ * dtypes, so keep to the field types it knows (u8 u16 u32 s32 u64 s64 char) and to fields
  * aligned to their size (no implicit padding).
  */
 #define PI_NAME_LEN 64
@@ -121,6 +121,47 @@ struct pi_experts_event {
     s32 n_used;          /* experts per token (ne0 of the ids) */
     s32 n_tokens;        /* rows in the ids (ne1); rows sent: min(n_tokens, PI_MAX_EXPERT_ROWS) */
     s32 ids[PI_EXPERT_IDS];
+};
+
+/* ---- per-thread op state (BPF's, drained by user space when collection ends) ---- */
+
+/* One read of a perf counter (struct bpf_perf_event_value's layout). */
+struct pi_counter_read {
+    u64 counter;
+    u64 enabled;
+    u64 running;
+};
+
+/* A node is described once per thread, and again only when its description changes; its runs
+ * carry its number. Which description a thread last sent for a tensor is remembered in a
+ * direct-mapped table of PI_NODE_SLOTS, as a 64-bit hash: one cache line to check (a map of
+ * full descriptions cost ~0.5 µs of cache misses per node). A slot taken by another tensor
+ * only means describing again. */
+#define PI_NODE_SLOTS 512
+
+struct pi_node_slot {
+    u64 tensor;
+    u64 hash;
+    u32 node;
+    u32 pad;
+};
+
+/* What every handler run touches comes first, so that a run touches few cache lines and
+ * pages (between two nodes the engine streams weights through the caches and the TLB, and
+ * each line or page the handler touches then is a miss): the flags and the current node,
+ * its counter reads, its description and the window it is read through; then the batch,
+ * written one slot a run; then the tables used now and then. */
+struct pi_op_thread {
+    u32 has_cur;
+    u32 next_node;                                   /* the number the next new node gets */
+    struct pi_op_event cur;                          /* the node this thread is computing */
+    struct pi_counter_read ctr_start[PI_MAX_COUNTERS];   /* at the node's start */
+    struct pi_counter_read ctr_end[PI_MAX_COUNTERS];     /* at its latest barrier */
+    struct pi_node_event node;       /* the current node's description, read at its start */
+    u8 window[PI_TENSOR_WINDOW];     /* a tensor's first bytes */
+    struct pi_op_batch batch;        /* finished ops not yet sent */
+    struct pi_node_slot sent[PI_NODE_SLOTS];   /* what this thread last sent, per tensor */
+    struct pi_experts_event experts;           /* MoE routing being sent */
 };
 
 /* A context switch or wakeup involving one of the target's threads (sched level).

@@ -27,41 +27,12 @@ struct {
     __type(value, struct pi_graph_event);
 } graph_open SEC(".maps");
 
-/* A node is described once per thread, and again only when its description changes; its runs
- * carry its number. The graph is reused token after token, so after the first tokens an op
- * event is 112 bytes, not 350, and user space only copies columns. Which description a
- * thread last sent for a tensor is remembered in a direct-mapped table in the thread's own
- * state, as a 64-bit hash: one cache line to check (a map of full descriptions cost ~0.5 µs
- * of cache misses per node). A slot taken by another tensor only means describing again. */
-#define PI_NODE_SLOTS 512
-
-struct node_slot {
-    u64 tensor;
-    u64 hash;
-    u32 node;
-    u32 pad;
-};
-
-struct op_thread {
-    struct pi_op_batch batch;   /* finished ops not yet sent */
-    struct pi_op_event cur;     /* the node this thread is computing */
-    u32 has_cur;
-    u32 pad;
-    struct bpf_perf_event_value ctr_start[PI_MAX_COUNTERS];   /* at the node's start */
-    struct bpf_perf_event_value ctr_end[PI_MAX_COUNTERS];     /* at its latest barrier */
-    struct pi_experts_event experts;                          /* MoE routing being sent */
-    u8 window[PI_TENSOR_WINDOW];                              /* a tensor's first bytes */
-    struct pi_node_event node;  /* the current node's description, as read at its start */
-    u32 next_node;              /* the number this thread gives the next new node */
-    u32 pad2;
-    struct node_slot sent[PI_NODE_SLOTS];   /* what this thread last sent, per tensor */
-};
-
+/* Per-thread op state: struct pi_op_thread in events.h (user space drains it at the end). */
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
     __uint(max_entries, 4096);
     __type(key, u32);
-    __type(value, struct op_thread);
+    __type(value, struct pi_op_thread);
 } op_threads SEC(".maps");
 
 /* Per-CPU perf counters (opened by user space): counter i of CPU c at i * n_cpus + c.
@@ -79,7 +50,7 @@ struct {
     __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
     __uint(max_entries, 1);
     __type(key, u32);
-    __type(value, struct op_thread);
+    __type(value, struct pi_op_thread);
 } op_thread_zero SEC(".maps");
 
 /* ---- token level ---- */
@@ -201,21 +172,22 @@ GRAPH_PROBE(4) GRAPH_PROBE(5) GRAPH_PROBE(6) GRAPH_PROBE(7)
  */
 
 /* Read every configured counter of this CPU into v; 0 when all reads succeeded. */
-static __always_inline int read_counters(struct bpf_perf_event_value *v, u32 cpu)
+static __always_inline int read_counters(struct pi_counter_read *v, u32 cpu)
 {
     int failed = 0;
 #pragma unroll
     for (u32 i = 0; i < PI_MAX_COUNTERS; i++) {
         if (i >= cfg.n_counters)
             break;
-        if (bpf_perf_event_read_value(&counters, (u64)(i * cfg.n_cpus + cpu), &v[i], sizeof(v[i])))
+        if (bpf_perf_event_read_value(&counters, (u64)(i * cfg.n_cpus + cpu),
+                                      (struct bpf_perf_event_value *)&v[i], sizeof(v[i])))
             failed = 1;
     }
     return failed;
 }
 
 /* The node's end on this thread, as far as counters go: re-read them unless it moved CPU. */
-static __always_inline void counters_at_end(struct op_thread *st)
+static __always_inline void counters_at_end(struct pi_op_thread *st)
 {
     if (!cfg.n_counters || (st->cur.flags & (PI_OP_MIGRATED | PI_OP_CTR_FAILED)))
         return;
@@ -234,8 +206,8 @@ static __always_inline u32 ns32(u64 ns)
 
 /* `now` and `reads` (this CPU's counters, read together with `now`) end the node if it
  * met no barrier. */
-static __always_inline void op_finish(struct pt_regs *ctx, struct op_thread *st, u64 now,
-                                      struct bpf_perf_event_value *reads, int reads_failed)
+static __always_inline void op_finish(struct pt_regs *ctx, struct pi_op_thread *st, u64 now,
+                                      struct pi_counter_read *reads, int reads_failed)
 {
     if (!st->has_cur)
         return;
@@ -323,7 +295,7 @@ static __always_inline u64 view_root(u64 src)
 }
 
 /* The expert ids of a MUL_MAT_ID node (a view of the router's top-k: rows strided by nb[1]). */
-static __always_inline void send_experts(void *ctx, struct op_thread *st, u64 ids)
+static __always_inline void send_experts(void *ctx, struct pi_op_thread *st, u64 ids)
 {
     struct pi_experts_event *ex = &st->experts;
     s64 ne[2] = {};
@@ -365,12 +337,12 @@ static __always_inline u64 desc_hash(const struct pi_node_desc *d)
 
 /* The number of the node described in st->node: the one this thread sent before, or a new
  * number, sent with the description now (before any op event that carries it). */
-static __always_inline u32 node_number(struct pt_regs *ctx, struct op_thread *st, u32 tid)
+static __always_inline u32 node_number(struct pt_regs *ctx, struct pi_op_thread *st, u32 tid)
 {
     u64 tensor = st->node.desc.tensor;
     u64 h = desc_hash(&st->node.desc);
     u32 i = (u32)((tensor * 0x9E3779B97F4A7C15ULL) >> 32) & (PI_NODE_SLOTS - 1);
-    struct node_slot *slot = &st->sent[i];
+    struct pi_node_slot *slot = &st->sent[i];
     if (slot->tensor == tensor && slot->hash == h)
         return slot->node;
     st->node.kind = PI_EV_NODE;
@@ -391,14 +363,14 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
 {
     /* Counters are read next to the clock: what the handler does after this (~1.4 µs here)
      * must fall on the same side of both, or short ops lose a third of their count. */
-    struct bpf_perf_event_value reads[PI_MAX_COUNTERS] = {};
+    struct pi_counter_read reads[PI_MAX_COUNTERS] = {};
     u64 now = bpf_ktime_get_ns();
     int reads_failed = cfg.n_counters ? read_counters(reads, bpf_get_smp_processor_id()) : 0;
     u32 tid = current_tid();
-    struct op_thread *st = bpf_map_lookup_elem(&op_threads, &tid);
+    struct pi_op_thread *st = bpf_map_lookup_elem(&op_threads, &tid);
     if (!st) {
         u32 z = 0;
-        struct op_thread *zero = bpf_map_lookup_elem(&op_thread_zero, &z);
+        struct pi_op_thread *zero = bpf_map_lookup_elem(&op_thread_zero, &z);
         if (!zero)
             return 0;
         bpf_map_update_elem(&op_threads, &tid, zero, BPF_NOEXIST);
@@ -473,7 +445,7 @@ SEC("uprobe")
 int op_barrier(struct pt_regs *ctx)
 {
     u32 tid = current_tid();
-    struct op_thread *st = bpf_map_lookup_elem(&op_threads, &tid);
+    struct pi_op_thread *st = bpf_map_lookup_elem(&op_threads, &tid);
     if (!st || !st->has_cur)
         return 0;
     st->cur.end_ns = bpf_ktime_get_ns();

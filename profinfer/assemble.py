@@ -37,6 +37,10 @@ class OpAssembler:
         self.n_pending = 0
         self.descs: list[NodeDesc] = []
         self.index: dict[bytes, int] = {}        # descriptor bytes -> index in descs
+        # Descriptions are turned into NodeDescs when collection ends, not while the target
+        # runs: at ~12 µs a node that was most of the collector's CPU time while it ran.
+        self.undescribed: list[np.ndarray] = []  # raw pi_node_desc rows, next in index order
+        self.n_descs = 0
         self.nodes: dict[int, int] = {}          # node_key(tid, number) -> index in descs
         self.shared: dict = {}               # equal tuples and strings shared between descs
         self.chunks: list[tuple] = []
@@ -51,9 +55,10 @@ class OpAssembler:
             if key not in self.index and key not in new:
                 new[key] = i
         if new:
-            for key, d in zip(new, self._describe(desc[list(new.values())])):
-                self.index[key] = len(self.descs)
-                self.descs.append(d)
+            self.undescribed.append(desc[list(new.values())])
+            for key in new:
+                self.index[key] = self.n_descs
+                self.n_descs += 1
         for k, key in zip(node_key(events["tid"], events["node"]).tolist(), rows):
             self.nodes[k] = self.index[key]
 
@@ -81,12 +86,16 @@ class OpAssembler:
     def _desc_ids(self, keys: np.ndarray) -> np.ndarray:
         """Descriptor index per node key; a node whose description was lost (counted in
         lost events) gets a descriptor that says so."""
+        if self.undescribed:
+            self.descs += self._describe(np.concatenate(self.undescribed))
+            self.undescribed = []
         uniq, inverse = np.unique(keys, return_inverse=True)
         ids = np.empty(len(uniq), np.int32)
         for j, k in enumerate(uniq.tolist()):
             d = self.nodes.get(k)
             if d is None:
                 d = self.nodes[k] = len(self.descs)
+                self.n_descs += 1
                 self.descs.append(NodeDesc("UNKNOWN", "(description lost)", (0, 0, 0, 0), "?",
                                            0, (), (), 0, (), ()))
             ids[j] = d

@@ -365,17 +365,14 @@ class Collector:
 
     def _drain_threads(self) -> None:
         """Ops still batched or in progress in the per-thread BPF state at the end."""
-        op_dt = self.dt["pi_op_event"]
-        batch_size = self.dt["pi_op_batch"].itemsize
-        # struct op_thread in the BPF program starts with the batch, then the current op
+        state_dt = self.dt["pi_op_thread"]
         for _, raw in self.obj.map_items("op_threads"):
-            batch = np.frombuffer(raw[:batch_size], self.dt["pi_op_batch"], count=1)[0]
+            st = np.frombuffer(raw[: state_dt.itemsize], state_dt, count=1)[0]
+            batch = st["batch"]
             parts = [batch["ev"][: batch["count"]].copy()]
-            cur = np.frombuffer(raw[batch_size: batch_size + op_dt.itemsize], op_dt).copy()
-            at = batch_size + op_dt.itemsize
-            has_cur = int.from_bytes(raw[at: at + 4], "little")
-            if has_cur:
-                self._finish_counters(cur, raw[at + 8:])
+            if st["has_cur"]:
+                cur = np.array([st["cur"]], self.dt["pi_op_event"])
+                self._finish_counters(cur, st["ctr_start"], st["ctr_end"])
                 parts.append(cur)
             for p in parts:
                 if len(p):
@@ -406,21 +403,18 @@ class Collector:
                 out["hits_stepped"] += runs
         return out
 
-    def _finish_counters(self, cur: np.ndarray, values: bytes) -> None:
+    def _finish_counters(self, cur: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
         """Counter deltas of a node still open at the end (BPF computes them when the next
         node starts): from the start and latest-barrier reads kept in its thread's state."""
         if not self.counters:
             return
-        n_max = self.consts["PI_MAX_COUNTERS"]
-        reads = np.frombuffer(values[: 2 * n_max * 24], "<u8").reshape(2, n_max, 3)
         op = cur[0]
         if op["n_barriers"] == 0:
             op["flags"] |= self.consts["PI_OP_UNFINISHED"]
             return
-        delta = reads[1] - reads[0]          # counter, enabled, running
-        op["ctr"][:] = delta[:, 0]
-        op["ctr_enabled"][:] = np.minimum(delta[:, 1], 0xFFFFFFFF)
-        op["ctr_running"][:] = np.minimum(delta[:, 2], 0xFFFFFFFF)
+        op["ctr"][:] = end["counter"] - start["counter"]
+        op["ctr_enabled"][:] = np.minimum(end["enabled"] - start["enabled"], 0xFFFFFFFF)
+        op["ctr_running"][:] = np.minimum(end["running"] - start["running"], 0xFFFFFFFF)
 
     def detach(self) -> None:
         """Close every probe, then free buffers, maps and programs.

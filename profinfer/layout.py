@@ -7,7 +7,7 @@ from importlib import resources
 
 import numpy as np
 
-_TYPES = {"u16": "<u2", "u32": "<u4", "s32": "<i4", "u64": "<u8", "s64": "<i8", "char": "S1"}
+_TYPES = {"u8": "u1", "u16": "<u2", "u32": "<u4", "s32": "<i4", "u64": "<u8", "s64": "<i8", "char": "S1"}
 _STRUCT = re.compile(r"struct\s+(\w+)\s*\{(.*?)\};", re.S)
 _FIELD = re.compile(r"^\s*(?:struct\s+)?(\w+)\s+(\w+)(?:\[(\w+)\])?\s*;")
 _DEFINE = re.compile(r"^#define\s+(\w+)\s+(\d+)\s*(?:/\*.*?\*/)?\s*$", re.M)
