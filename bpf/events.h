@@ -9,7 +9,7 @@
  * (each read costs ~0.1 µs here, and a node needs a dozen fields of three tensors): the
  * fields must lie within this many bytes of the tensor's start. */
 #define PI_TENSOR_WINDOW 512
-#define PI_OP_BATCH 32
+#define PI_OP_BATCH 64
 
 #define PI_EV_TOKEN 1
 #define PI_EV_GRAPH 2
@@ -134,10 +134,13 @@ struct pi_counter_read {
 
 /* A node is described once per thread, and again only when its description changes; its runs
  * carry its number. Which description a thread last sent for a tensor is remembered in a
- * direct-mapped table of PI_NODE_SLOTS, as a 64-bit hash: one cache line to check (a map of
- * full descriptions cost ~0.5 µs of cache misses per node). A slot taken by another tensor
- * only means describing again. */
-#define PI_NODE_SLOTS 512
+ * table of PI_NODE_SETS sets of two slots, as a 64-bit hash: one cache line to check (a map
+ * of full descriptions cost ~0.5 µs of cache misses per node). A slot taken by another tensor
+ * only means describing again, but a graph replays its nodes in the same order, so tensors
+ * that share a set evict each other every token: with a 1.5B model's ~270 nodes, 512
+ * direct-mapped slots re-described 40 nodes a thread every token; these sets, a few. */
+#define PI_NODE_SETS 1024
+#define PI_NODE_SLOTS 2048    /* PI_NODE_SETS * 2 */
 
 struct pi_node_slot {
     u64 tensor;

@@ -45,9 +45,10 @@ struct {
     __uint(max_entries, 1);
 } counters SEC(".maps");
 
-/* Zeroed template for a thread's first op: too large for the BPF stack. */
+/* Zeroed template for a thread's first op: too large for the BPF stack (and, at 60 KB, for
+ * a per-CPU value); nothing ever writes it, so one copy serves every CPU. */
 struct {
-    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(type, BPF_MAP_TYPE_ARRAY);
     __uint(max_entries, 1);
     __type(key, u32);
     __type(value, struct pi_op_thread);
@@ -341,10 +342,13 @@ static __always_inline u32 node_number(struct pt_regs *ctx, struct pi_op_thread 
 {
     u64 tensor = st->node.desc.tensor;
     u64 h = desc_hash(&st->node.desc);
-    u32 i = (u32)((tensor * 0x9E3779B97F4A7C15ULL) >> 32) & (PI_NODE_SLOTS - 1);
-    struct pi_node_slot *slot = &st->sent[i];
-    if (slot->tensor == tensor && slot->hash == h)
-        return slot->node;
+    u32 set = (u32)((tensor * 0x9E3779B97F4A7C15ULL) >> 32) & (PI_NODE_SETS - 1);
+    struct pi_node_slot *way0 = &st->sent[2 * set];
+    struct pi_node_slot *way1 = &st->sent[2 * set + 1];
+    if (way0->tensor == tensor && way0->hash == h)
+        return way0->node;
+    if (way1->tensor == tensor && way1->hash == h)
+        return way1->node;
     st->node.kind = PI_EV_NODE;
     st->node.tid = tid;
     st->node.node = st->next_node++;
@@ -353,9 +357,13 @@ static __always_inline u32 node_number(struct pt_regs *ctx, struct pi_op_thread 
         count_lost(1);
         return st->node.node;   /* not remembered: described again next time */
     }
-    slot->tensor = tensor;
-    slot->hash = h;
-    slot->node = st->node.node;
+    /* The newest description goes to way 0, pushing the older one to way 1; a changed
+     * description of the tensor in way 0 only replaces it. */
+    if (way0->tensor != tensor)
+        *way1 = *way0;
+    way0->tensor = tensor;
+    way0->hash = h;
+    way0->node = st->node.node;
     return st->node.node;
 }
 
@@ -375,8 +383,10 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
             return 0;
         bpf_map_update_elem(&op_threads, &tid, zero, BPF_NOEXIST);
         st = bpf_map_lookup_elem(&op_threads, &tid);
-        if (!st)
+        if (!st) {              /* more computing threads than user space sized the map for */
+            count_lost(1);
             return 0;
+        }
     }
     op_finish(ctx, st, now, reads, reads_failed);
 
