@@ -133,20 +133,21 @@ struct pi_counter_read {
 };
 
 /* A node is described once per thread, and again only when its description changes; its runs
- * carry its number. Which description a thread last sent for a tensor is remembered in a
- * table of PI_NODE_SETS sets of two slots, as a 64-bit hash: one cache line to check (a map
- * of full descriptions cost ~0.5 µs of cache misses per node). A slot taken by another tensor
- * only means describing again, but a graph replays its nodes in the same order, so tensors
- * that share a set evict each other every token: with a 1.5B model's ~270 nodes, 512
- * direct-mapped slots re-described 40 nodes a thread every token; these sets, a few. */
-#define PI_NODE_SETS 1024
-#define PI_NODE_SLOTS 2048    /* PI_NODE_SETS * 2 */
+ * carry its number. Which descriptions a thread sent is remembered in its own table of
+ * PI_NODE_SETS sets of PI_NODE_WAYS slots, as 64-bit hashes of the descriptions (a map of full
+ * descriptions cost ~0.5 µs of cache misses per node; a set is two cache lines). A graph
+ * replays its nodes in the same order every token, so tensors that outnumber their set's
+ * slots evict each other every token: with 512 direct-mapped slots a 1.5B model's ~270 nodes
+ * had 40 a thread described again every token. With eight ways that takes nine of a
+ * graph's nodes in one set of 256: about one chance in 10^6 for 300 nodes. */
+#define PI_NODE_SETS 256
+#define PI_NODE_WAYS 8
+#define PI_NODE_SLOTS 2048    /* PI_NODE_SETS * PI_NODE_WAYS */
 
 struct pi_node_slot {
-    u64 tensor;
-    u64 hash;
+    u64 hash;            /* of the whole description, tensor address included; 0: empty */
     u32 node;
-    u32 pad;
+    u32 tensor_tag;      /* the tensor's low 32 bits: a changed description replaces its slot */
 };
 
 /* What every handler run touches comes first, so that a run touches few cache lines and

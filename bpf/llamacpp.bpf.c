@@ -45,7 +45,7 @@ struct {
     __uint(max_entries, 1);
 } counters SEC(".maps");
 
-/* Zeroed template for a thread's first op: too large for the BPF stack (and, at 60 KB, for
+/* Zeroed template for a thread's first op: too large for the BPF stack (and, at 45 KB, for
  * a per-CPU value); nothing ever writes it, so one copy serves every CPU. */
 struct {
     __uint(type, BPF_MAP_TYPE_ARRAY);
@@ -341,14 +341,13 @@ static __always_inline u64 desc_hash(const struct pi_node_desc *d)
 static __always_inline u32 node_number(struct pt_regs *ctx, struct pi_op_thread *st, u32 tid)
 {
     u64 tensor = st->node.desc.tensor;
-    u64 h = desc_hash(&st->node.desc);
+    u64 h = desc_hash(&st->node.desc) | 1;    /* never 0, which marks an empty slot */
     u32 set = (u32)((tensor * 0x9E3779B97F4A7C15ULL) >> 32) & (PI_NODE_SETS - 1);
-    struct pi_node_slot *way0 = &st->sent[2 * set];
-    struct pi_node_slot *way1 = &st->sent[2 * set + 1];
-    if (way0->tensor == tensor && way0->hash == h)
-        return way0->node;
-    if (way1->tensor == tensor && way1->hash == h)
-        return way1->node;
+    struct pi_node_slot *way = &st->sent[set * PI_NODE_WAYS];
+#pragma unroll
+    for (int i = 0; i < PI_NODE_WAYS; i++)
+        if (way[i].hash == h)
+            return way[i].node;
     st->node.kind = PI_EV_NODE;
     st->node.tid = tid;
     st->node.node = st->next_node++;
@@ -357,13 +356,20 @@ static __always_inline u32 node_number(struct pt_regs *ctx, struct pi_op_thread 
         count_lost(1);
         return st->node.node;   /* not remembered: described again next time */
     }
-    /* The newest description goes to way 0, pushing the older one to way 1; a changed
-     * description of the tensor in way 0 only replaces it. */
-    if (way0->tensor != tensor)
-        *way1 = *way0;
-    way0->tensor = tensor;
-    way0->hash = h;
-    way0->node = st->node.node;
+    /* The newest description goes first and the others move down a slot, the last one out;
+     * or, when the tensor had another description here, up to its slot, which it replaces. */
+    u32 victim = PI_NODE_WAYS - 1;
+#pragma unroll
+    for (int i = PI_NODE_WAYS - 2; i >= 0; i--)
+        if (way[i].hash && way[i].tensor_tag == (u32)tensor)
+            victim = i;
+#pragma unroll
+    for (int i = PI_NODE_WAYS - 1; i > 0; i--)
+        if ((u32)i <= victim)
+            way[i] = way[i - 1];
+    way[0].hash = h;
+    way[0].node = st->node.node;
+    way[0].tensor_tag = (u32)tensor;
     return st->node.node;
 }
 

@@ -42,6 +42,9 @@ class OpAssembler:
         self.undescribed: list[np.ndarray] = []  # raw pi_node_desc rows, next in index order
         self.n_descs = 0
         self.nodes: dict[int, int] = {}          # node_key(tid, number) -> index in descs
+        self.told: set[int] = set()              # (tid << 32 | index): descriptions sent
+        self.n_described = 0                     # node descriptions received
+        self.redescribed = 0                     # of them, ones the thread had sent before
         self.shared: dict = {}               # equal tuples and strings shared between descs
         self.chunks: list[tuple] = []
         self.dropped = {"migrated": 0, "unreadable": 0, "not running": 0, "unfinished": 0}
@@ -59,8 +62,18 @@ class OpAssembler:
             for key in new:
                 self.index[key] = self.n_descs
                 self.n_descs += 1
-        for k, key in zip(node_key(events["tid"], events["node"]).tolist(), rows):
-            self.nodes[k] = self.index[key]
+        for k, tid, key in zip(node_key(events["tid"], events["node"]).tolist(),
+                               events["tid"].tolist(), rows):
+            d = self.nodes[k] = self.index[key]
+            # BPF describes a node again when its description changed, or when its entry
+            # in the thread's table was taken by another tensor: the latter is counted,
+            # as the table's misses (one description a thread, ideally).
+            told = (tid << 32) | d
+            if told in self.told:
+                self.redescribed += 1
+            else:
+                self.told.add(told)
+        self.n_described += len(rows)
 
     def add(self, ops: np.ndarray) -> None:
         self.pending.append(ops)

@@ -464,6 +464,8 @@ class Collector:
                 prof.graphs.append(GraphCall(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
                                              backend, int(r["n_nodes"]), graph_probes[probe].symbol.name))
         if self._op_asm is not None:
+            prof.meta["node_descriptions"] = str(self._op_asm.n_described)
+            prof.meta["node_descriptions_repeated"] = str(self._op_asm.redescribed)
             prof.ops = self._op_asm.finish(prof.graphs, self._experts)
             self.counter_dropped = self._op_asm.dropped
             self._op_asm = None

@@ -54,6 +54,12 @@ def test_ops_cover_graph_time_on_big_model(llama_build, big_model, llama_env, tm
     total = sum(o["total_ns"] for o in s["ops"])
     assert "MUL_MAT" in ops
     assert ops["MUL_MAT"]["total_ns"] / total > 0.8
+    # Each thread described each node once per distinct description: its table of what it
+    # sent kept all ~270 (512 direct-mapped slots left ~40 a thread evicting each other and
+    # described again every token; nodes whose shape grows with the context are described
+    # anew, which is not a repeat)
+    assert int(s["meta"]["node_descriptions"]) > 2 * len(ops)
+    assert int(s["meta"]["node_descriptions_repeated"]) == 0
 
 
 def test_generated_text_is_byte_identical(llama_build, tiny_model, llama_env, tmp_path):
