@@ -65,9 +65,9 @@ class OpAssembler:
         for k, tid, key in zip(node_key(events["tid"], events["node"]).tolist(),
                                events["tid"].tolist(), rows):
             d = self.nodes[k] = self.index[key]
-            # BPF describes a node again when its description changed, or when its entry
-            # in the thread's table was taken by another tensor: the latter is counted,
-            # as the table's misses (one description a thread, ideally).
+            # BPF describes a node again when its description changed (a new descriptor
+            # here), or when its entry in the thread's table was taken by other tensors:
+            # a description the thread had sent before is the table's miss, counted.
             told = (tid << 32) | d
             if told in self.told:
                 self.redescribed += 1

@@ -116,9 +116,9 @@ class Collector:
             if self.buffer == "ring":
                 self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
             self.obj.set_max_entries("counters", self.consts["PI_MAX_COUNTERS"] * self.n_cpus)
-            # The per-thread op state is ~25 KB a thread and preallocated: room for four
-            # computing threads per CPU, not the program's 4096 (100 MB of kernel memory).
-            # A thread beyond it has its ops counted as lost.
+            # The per-thread op state (~45 KB) is preallocated: room for four computing
+            # threads per CPU, not the program's 4096 (180 MB of kernel memory). A thread
+            # beyond it has its ops counted as lost.
             self.obj.set_max_entries("op_threads", max(64, 4 * self.n_cpus))
             self.obj.load({fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn})
             if self.counters:

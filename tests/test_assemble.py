@@ -84,6 +84,18 @@ def test_a_node_described_by_two_threads_is_one_node_and_a_lost_one_says_so():
     assert out[2].op == "UNKNOWN"
 
 
+def test_a_description_a_thread_sent_before_is_counted_as_repeated():
+    asm = assemble.OpAssembler(["NONE", "MUL_MAT"])
+    a, b = {"tid": 1, "op": 1, "tensor": 0xA, "ne": [4, 1, 1, 1]}, {"tid": 1, "op": 1, "tensor": 0xB}
+    first = records(a, b, {**a, "tid": 2})[0]                 # two nodes; the first, by two threads
+    changed = records({**a, "ne": [4, 2, 1, 1]})[0]            # a's shape changed: new, not repeated
+    again = records(a)[0]                                     # a as sent before: evicted, repeated
+    for nodes in (first, changed, again):
+        asm.add_nodes(nodes)
+    assert asm.n_described == 5 and asm.redescribed == 1
+    assert asm.n_descs == 3 and not asm.descs           # described when collection ends
+
+
 def test_counter_values_scale_and_drop():
     a = ops({"ctr": [100, 10, 0, 0], "ctr_enabled": [1000, 1000, 0, 0], "ctr_running": [1000, 500, 0, 0]},
             {"flags": CONSTS["PI_OP_MIGRATED"], "ctr": [5, 5, 0, 0]},
