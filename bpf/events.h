@@ -54,7 +54,7 @@ struct pi_graph_event {
 #define PI_MAX_COUNTERS 4
 #define PI_OP_MIGRATED 1      /* the thread changed CPU inside the op: counter deltas dropped */
 #define PI_OP_CTR_FAILED 2    /* a counter could not be read: deltas dropped */
-#define PI_OP_UNFINISHED 4    /* set by user space: still running when collection ended */
+#define PI_OP_UNFINISHED 4    /* still running when collection ended, or when its thread exited */
 
 /* What describes a node: the same for every run of it. Sent once per thread and node as a
  * pi_node_event, and again when it changes; op events refer to it by number. */

@@ -206,15 +206,20 @@ static __always_inline u32 ns32(u64 ns)
 }
 
 /* `now` and `reads` (this CPU's counters, read together with `now`) end the node if it
- * met no barrier. */
-static __always_inline void op_finish(struct pt_regs *ctx, struct pi_op_thread *st, u64 now,
-                                      struct pi_counter_read *reads, int reads_failed)
+ * met no barrier. When the thread is exiting, its node is sent as collection's end leaves
+ * it (user space bounds its ends by its graph's): no barrier end, and without a barrier no
+ * end and no counts. */
+static __always_inline void op_finish(void *ctx, struct pi_op_thread *st, u64 now,
+                                      struct pi_counter_read *reads, int reads_failed,
+                                      int exiting)
 {
     if (!st->has_cur)
         return;
     st->has_cur = 0;
-    st->cur.barrier_end_ns = now;
-    if (st->cur.n_barriers == 0) {        /* no barrier seen: the node ran to here */
+    st->cur.barrier_end_ns = exiting ? 0 : now;
+    if (st->cur.n_barriers == 0 && exiting) {
+        st->cur.flags |= PI_OP_UNFINISHED;
+    } else if (st->cur.n_barriers == 0) { /* no barrier seen: the node ran to here */
         st->cur.end_ns = now;
         if (cfg.n_counters && !(st->cur.flags & (PI_OP_MIGRATED | PI_OP_CTR_FAILED))) {
             if (bpf_get_smp_processor_id() != st->cur.cpu)
@@ -225,7 +230,7 @@ static __always_inline void op_finish(struct pt_regs *ctx, struct pi_op_thread *
                 __builtin_memcpy(st->ctr_end, reads, sizeof(st->ctr_end));
         }
     }
-    if (cfg.n_counters && !(st->cur.flags & (PI_OP_MIGRATED | PI_OP_CTR_FAILED))) {
+    if (cfg.n_counters && !(st->cur.flags & (PI_OP_MIGRATED | PI_OP_CTR_FAILED | PI_OP_UNFINISHED))) {
 #pragma unroll
         for (u32 i = 0; i < PI_MAX_COUNTERS; i++) {
             if (i >= cfg.n_counters)
@@ -394,7 +399,7 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
             return 0;
         }
     }
-    op_finish(ctx, st, now, reads, reads_failed);
+    op_finish(ctx, st, now, reads, reads_failed, 0);
 
     struct pi_op_event *ev = &st->cur;
     ev->start_ns = now;
@@ -467,5 +472,30 @@ int op_barrier(struct pt_regs *ctx)
     st->cur.end_ns = bpf_ktime_get_ns();
     st->cur.n_barriers++;
     counters_at_end(st);
+    return 0;
+}
+
+/* A thread that computed ops exits: its last node and the ops it still holds are sent, and its
+ * state is freed, so that threads that come and go (ggml's disposable threadpools, made for
+ * each graph when the engine attaches none, as builds without OpenMP do) never fill
+ * op_threads. A later thread given the same TID numbers its nodes from 0 again: user space
+ * resolves op events to descriptions as each drain arrives, never by number at the end.
+ * A raw tracepoint: attached by name, no tracefs and no BTF needed; `current` is the thread. */
+SEC("raw_tracepoint/sched_process_exit")
+int op_thread_exit(void *ctx)
+{
+    u32 tid = current_tid();
+    struct pi_op_thread *st = bpf_map_lookup_elem(&op_threads, &tid);
+    if (!st)
+        return 0;
+    struct pi_counter_read none[PI_MAX_COUNTERS] = {};
+    op_finish(ctx, st, bpf_ktime_get_ns(), none, 1, 1);
+    u32 n = st->batch.count;
+    if (n > 0 && n < PI_OP_BATCH) {
+        st->batch.kind = PI_EV_OPS;
+        if (emit(ctx, &st->batch, sizeof(st->batch)))
+            count_lost(n);
+    }
+    bpf_map_delete_elem(&op_threads, &tid);
     return 0;
 }

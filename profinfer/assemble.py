@@ -27,19 +27,22 @@ class OpAssembler:
     """Takes pi_node_event and pi_op_event arrays as they arrive and keeps them compact
     (OpColumns' layout): each distinct node's descriptor once, its runs as rows of numbers
     (~50 bytes an op). BPF describes a node once per thread (and again when it changes) and
-    numbers it; op events carry (thread, number), resolved to descriptors at the end."""
+    numbers it; op events carry (thread, number), resolved to descriptors as they arrive
+    (a thread that exits frees its numbering in BPF, and a later thread with its TID starts
+    again from 0: the numbers mean what the latest description says)."""
 
     def __init__(self, op_names: list[str], n_counters: int = 0, consts: dict | None = None):
         self.names = op_names
         self.n_counters = n_counters
         self.consts = consts or {}
-        self.pending: list[np.ndarray] = []
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []   # (ops, their descriptor ids)
         self.n_pending = 0
         self.descs: list[NodeDesc] = []
         self.index: dict[bytes, int] = {}        # descriptor bytes -> index in descs
         # Descriptions are turned into NodeDescs when collection ends, not while the target
         # runs: at ~12 µs a node that was most of the collector's CPU time while it ran.
-        self.undescribed: list[np.ndarray] = []  # raw pi_node_desc rows, next in index order
+        self.undescribed: list[np.ndarray | None] = []   # raw pi_node_desc rows in index
+        # order; None: a node whose description was lost
         self.n_descs = 0
         self.nodes: dict[int, int] = {}          # node_key(tid, number) -> index in descs
         self.told: set[int] = set()              # (tid << 32 | index): descriptions sent
@@ -76,7 +79,7 @@ class OpAssembler:
         self.n_described += len(rows)
 
     def add(self, ops: np.ndarray) -> None:
-        self.pending.append(ops)
+        self.pending.append((ops, self._desc_ids(node_key(ops["tid"], ops["node"]))))
         self.n_pending += len(ops)
         if self.n_pending >= OP_CHUNK:
             self._compact()
@@ -84,7 +87,8 @@ class OpAssembler:
     def _compact(self) -> None:
         if not self.pending:
             return
-        raw = np.concatenate(self.pending)
+        raw = np.concatenate([ops for ops, _ in self.pending])
+        ids = np.concatenate([ids for _, ids in self.pending])
         self.pending, self.n_pending = [], 0
         counters = None
         if self.n_counters:
@@ -94,25 +98,30 @@ class OpAssembler:
         self.chunks.append((raw["tid"].astype(np.int64), raw["cpu"].astype(np.int32),
                             raw["start_ns"].astype(np.int64), raw["end_ns"].astype(np.int64),
                             raw["barrier_end_ns"].astype(np.int64),
-                            node_key(raw["tid"], raw["node"]), counters))
+                            ids, counters))
 
     def _desc_ids(self, keys: np.ndarray) -> np.ndarray:
-        """Descriptor index per node key; a node whose description was lost (counted in
-        lost events) gets a descriptor that says so."""
-        if self.undescribed:
-            self.descs += self._describe(np.concatenate(self.undescribed))
-            self.undescribed = []
+        """Descriptor index per node key, as the node's latest description says; a node
+        whose description was lost (counted in lost events) gets a descriptor that says so."""
         uniq, inverse = np.unique(keys, return_inverse=True)
         ids = np.empty(len(uniq), np.int32)
         for j, k in enumerate(uniq.tolist()):
             d = self.nodes.get(k)
             if d is None:
-                d = self.nodes[k] = len(self.descs)
+                d = self.nodes[k] = self.n_descs
                 self.n_descs += 1
-                self.descs.append(NodeDesc("UNKNOWN", "(description lost)", (0, 0, 0, 0), "?",
-                                           0, (), (), 0, (), ()))
+                self.undescribed.append(None)
             ids[j] = d
         return ids[inverse.ravel()]
+
+    def _build_descs(self) -> None:
+        for rows in self.undescribed:
+            if rows is None:
+                self.descs.append(NodeDesc("UNKNOWN", "(description lost)", (0, 0, 0, 0), "?",
+                                           0, (), (), 0, (), ()))
+            else:
+                self.descs += self._describe(rows)
+        self.undescribed = []
 
     def _share(self, x):
         return self.shared.setdefault(x, x)
@@ -155,12 +164,12 @@ class OpAssembler:
                     if self.chunks[0][6] is not None else None)
         self.chunks = []
         order = np.argsort(cols[2], kind="stable")
-        tid, cpu, start, end, bend, keys = (c[order] for c in cols)
+        tid, cpu, start, end, bend, ids = (c[order] for c in cols)
         if counters is not None:
             counters = counters[order]
         end, bend = close_ends(start, end, bend, graphs)
-        return OpColumns(tid, cpu, start, end, bend, self._desc_ids(keys), self.descs, counters,
-                         experts)
+        self._build_descs()
+        return OpColumns(tid, cpu, start, end, bend, ids, self.descs, counters, experts)
 
 
 def close_ends(start: np.ndarray, end: np.ndarray, bend: np.ndarray, graphs: list[GraphCall]

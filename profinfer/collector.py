@@ -29,6 +29,8 @@ KNOWN_BATCH_EXT = (64, 96)   # llama_batch_ext.tokens offset, token size (b11434
 MAX_BATCH = 1 << 20
 _ZERO_U32 = bytes(4)
 SCHED_PROGRAMS = ("sched_switch", "sched_wakeup")
+# sends an exiting thread's last ops and frees its op state (a raw tracepoint, not a probe)
+THREAD_EXIT_PROGRAM = "op_thread_exit"
 SHARED_MAPS = ("events", "lost")     # one transport and one lost counter for both objects
 _ZERO_U64 = bytes(8)
 
@@ -120,7 +122,10 @@ class Collector:
             # threads per CPU, not the program's 4096 (180 MB of kernel memory). A thread
             # beyond it has its ops counted as lost.
             self.obj.set_max_entries("op_threads", max(64, 4 * self.n_cpus))
-            self.obj.load({fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn})
+            programs = {fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn}
+            if "op" in self.levels:
+                programs.add(THREAD_EXIT_PROGRAM)
+            self.obj.load(programs)
             if self.counters:
                 fd = self.obj.map_fd("counters")
                 for i, per_cpu in enumerate(self.counters.fds):
@@ -135,6 +140,12 @@ class Collector:
                     self.obj.attach_uprobe(p.entry_fn, p.elf.path, offset + p.place.offset, self.pid)
                 if p.return_fn:
                     self.obj.attach_uprobe(p.return_fn, p.elf.path, offset, self.pid, retprobe=True)
+            if "op" in self.levels:
+                try:
+                    self.obj.attach(THREAD_EXIT_PROGRAM)
+                except ProfinferError as e:
+                    self.warnings.append(f"exited threads keep their op state ({e}): a process "
+                                         "that starts threads for each graph fills it and loses ops")
             if "sched" in self.levels:
                 self._attach_sched(cfg)
             if self.buffer == "perf":
@@ -150,7 +161,8 @@ class Collector:
             if not discovery.process_exists(self.pid):
                 raise ProfinferError(f"process {self.pid} exited while probes were being attached") from None
             raise e from None
-        self.n_probes = self.obj.n_links + (self.sched_obj.n_links if self.sched_obj else 0)
+        self.n_probes = sum(bool(p.entry_fn) + bool(p.return_fn) for p in self.probes) + (
+            self.sched_obj.n_links if self.sched_obj else 0)
         self.attach_s = time.monotonic() - t0
 
     def _attach_sched(self, cfg: bytes) -> None:
@@ -370,7 +382,9 @@ class Collector:
     def _drain_threads(self) -> None:
         """Ops still batched or in progress in the per-thread BPF state at the end."""
         state_dt = self.dt["pi_op_thread"]
+        self.op_threads_left = 0
         for _, raw in self.obj.map_items("op_threads"):
+            self.op_threads_left += 1
             st = np.frombuffer(raw[: state_dt.itemsize], state_dt, count=1)[0]
             batch = st["batch"]
             parts = [batch["ev"][: batch["count"]].copy()]
@@ -466,6 +480,8 @@ class Collector:
         if self._op_asm is not None:
             prof.meta["node_descriptions"] = str(self._op_asm.n_described)
             prof.meta["node_descriptions_repeated"] = str(self._op_asm.redescribed)
+            # threads still alive when collection ended (an exiting one sends its ops itself)
+            prof.meta["op_threads_left"] = str(self.op_threads_left)
             prof.ops = self._op_asm.finish(prof.graphs, self._experts)
             self.counter_dropped = self._op_asm.dropped
             self._op_asm = None

@@ -96,6 +96,17 @@ def test_a_description_a_thread_sent_before_is_counted_as_repeated():
     assert asm.n_descs == 3 and not asm.descs           # described when collection ends
 
 
+def test_a_reused_thread_number_means_its_latest_description():
+    """A thread that exits frees its numbering in BPF; a later thread with the same TID numbers
+    its nodes from 0 again. Ops are resolved as they arrive, so each keeps its own node."""
+    asm = assemble.OpAssembler(["NONE", "MUL_MAT", "ADD"])
+    for op, start in ((1, 10), (2, 20)):       # two lives of thread 5, each with its node 0
+        nodes, evs = records({"start_ns": start, "tid": 5, "op": op, "tensor": 0xA})
+        asm.add_nodes(nodes)
+        asm.add(evs)
+    assert [o.op for o in asm.finish([])] == ["MUL_MAT", "ADD"]
+
+
 def test_counter_values_scale_and_drop():
     a = ops({"ctr": [100, 10, 0, 0], "ctr_enabled": [1000, 1000, 0, 0], "ctr_running": [1000, 500, 0, 0]},
             {"flags": CONSTS["PI_OP_MIGRATED"], "ctr": [5, 5, 0, 0]},

@@ -60,6 +60,10 @@ def test_ops_cover_graph_time_on_big_model(llama_build, big_model, llama_env, tm
     # anew, which is not a repeat)
     assert int(s["meta"]["node_descriptions"]) > 2 * len(ops)
     assert int(s["meta"]["node_descriptions_repeated"]) == 0
+    # the target's threads exited before collection ended: each sent its last ops and freed
+    # its op state in BPF (nothing was left to drain, and nothing was lost: acceptance 2
+    # above counts every thread's ops)
+    assert s["meta"]["op_threads_left"] == "0" and s["lost_events"] == 0
 
 
 def test_generated_text_is_byte_identical(llama_build, tiny_model, llama_env, tmp_path):
