@@ -18,11 +18,6 @@ DESC_FIELDS = ("tensor", "ne", "src", "src_view", "fused_tensor", "src0_ne", "sr
                "op", "fused_op", "type", "src0_type", "src1_type", "name")
 
 
-def node_key(tid, node):
-    """A thread's node number as one int64 (BPF numbers nodes per thread)."""
-    return (np.asarray(tid, np.int64) << 32) | np.asarray(node, np.int64)
-
-
 class OpAssembler:
     """Takes pi_node_event and pi_op_event arrays as they arrive and keeps them compact
     (OpColumns' layout): each distinct node's descriptor once, its runs as rows of numbers
@@ -44,7 +39,9 @@ class OpAssembler:
         self.undescribed: list[np.ndarray | None] = []   # raw pi_node_desc rows in index
         # order; None: a node whose description was lost
         self.n_descs = 0
-        self.nodes: dict[int, int] = {}          # node_key(tid, number) -> index in descs
+        # per thread, its node numbers' descriptor indices (-1: not described): op events
+        # are resolved with one indexing per thread and drain
+        self.numbers: dict[int, np.ndarray] = {}
         self.told: set[int] = set()              # (tid << 32 | index): descriptions sent
         self.n_described = 0                     # node descriptions received
         self.redescribed = 0                     # of them, ones the thread had sent before
@@ -65,9 +62,9 @@ class OpAssembler:
             for key in new:
                 self.index[key] = self.n_descs
                 self.n_descs += 1
-        for k, tid, key in zip(node_key(events["tid"], events["node"]).tolist(),
-                               events["tid"].tolist(), rows):
-            d = self.nodes[k] = self.index[key]
+        for tid, node, key in zip(events["tid"].tolist(), events["node"].tolist(), rows):
+            d = self.index[key]
+            self._numbering(tid, node)[node] = d
             # BPF describes a node again when its description changed (a new descriptor
             # here), or when its entry in the thread's table was taken by other tensors:
             # a description the thread had sent before is the table's miss, counted.
@@ -78,8 +75,18 @@ class OpAssembler:
                 self.told.add(told)
         self.n_described += len(rows)
 
+    def _numbering(self, tid: int, node: int) -> np.ndarray:
+        """Thread tid's table of node numbers, with room for `node`."""
+        table = self.numbers.get(tid)
+        if table is None or node >= len(table):
+            grown = np.full(max(256, 2 * (node + 1)), -1, np.int32)
+            if table is not None:
+                grown[: len(table)] = table
+            table = self.numbers[tid] = grown
+        return table
+
     def add(self, ops: np.ndarray) -> None:
-        self.pending.append((ops, self._desc_ids(node_key(ops["tid"], ops["node"]))))
+        self.pending.append((ops, self._desc_ids(ops["tid"], ops["node"])))
         self.n_pending += len(ops)
         if self.n_pending >= OP_CHUNK:
             self._compact()
@@ -100,19 +107,26 @@ class OpAssembler:
                             raw["barrier_end_ns"].astype(np.int64),
                             ids, counters))
 
-    def _desc_ids(self, keys: np.ndarray) -> np.ndarray:
-        """Descriptor index per node key, as the node's latest description says; a node
-        whose description was lost (counted in lost events) gets a descriptor that says so."""
-        uniq, inverse = np.unique(keys, return_inverse=True)
-        ids = np.empty(len(uniq), np.int32)
-        for j, k in enumerate(uniq.tolist()):
-            d = self.nodes.get(k)
-            if d is None:
-                d = self.nodes[k] = self.n_descs
+    def _desc_ids(self, tids: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+        """Descriptor index per op, as its node's latest description says; a node whose
+        description was lost (counted in lost events) gets a descriptor that says so."""
+        ids = np.full(len(tids), -1, np.int32)
+        for tid in np.unique(tids).tolist():
+            table = self.numbers.get(tid)
+            if table is None:
+                continue
+            sel = tids == tid
+            n = nodes[sel]
+            ids[sel] = np.where(n < len(table), table[np.minimum(n, len(table) - 1)], -1)
+        for i in np.flatnonzero(ids < 0).tolist():
+            tid, node = int(tids[i]), int(nodes[i])
+            table = self._numbering(tid, node)
+            if table[node] < 0:
+                table[node] = self.n_descs
                 self.n_descs += 1
                 self.undescribed.append(None)
-            ids[j] = d
-        return ids[inverse.ravel()]
+            ids[i] = table[node]
+        return ids
 
     def _build_descs(self) -> None:
         for rows in self.undescribed:
