@@ -205,6 +205,15 @@ static __always_inline u32 ns32(u64 ns)
     return ns > 0xffffffffULL ? 0xffffffffU : (u32)ns;
 }
 
+/* Send the thread's batch of finished ops (its first n slots) and empty it. */
+static __always_inline void send_batch(void *ctx, struct pi_op_thread *st, u32 n)
+{
+    st->batch.kind = PI_EV_OPS;
+    if (emit(ctx, &st->batch, sizeof(st->batch)))
+        count_lost(n);
+    st->batch.count = 0;
+}
+
 /* `now` and `reads` (this CPU's counters, read together with `now`) end the node if it
  * met no barrier. When the thread is exiting, its node is sent as collection's end leaves
  * it (user space bounds its ends by its graph's): no barrier end, and without a barrier no
@@ -219,7 +228,7 @@ static __always_inline void op_finish(void *ctx, struct pi_op_thread *st, u64 no
     st->cur.barrier_end_ns = exiting ? 0 : now;
     if (st->cur.n_barriers == 0 && exiting) {
         st->cur.flags |= PI_OP_UNFINISHED;
-    } else if (st->cur.n_barriers == 0) { /* no barrier seen: the node ran to here */
+    } else if (st->cur.n_barriers == 0) {  /* no barrier seen: the node ran to here */
         st->cur.end_ns = now;
         if (cfg.n_counters && !(st->cur.flags & (PI_OP_MIGRATED | PI_OP_CTR_FAILED))) {
             if (bpf_get_smp_processor_id() != st->cur.cpu)
@@ -245,12 +254,8 @@ static __always_inline void op_finish(void *ctx, struct pi_op_thread *st, u64 no
         return;
     __builtin_memcpy(&st->batch.ev[i], &st->cur, sizeof(st->cur));
     st->batch.count = i + 1;
-    if (i + 1 == PI_OP_BATCH) {
-        st->batch.kind = PI_EV_OPS;
-        if (emit(ctx, &st->batch, sizeof(st->batch)))
-            count_lost(PI_OP_BATCH);
-        st->batch.count = 0;
-    }
+    if (i + 1 == PI_OP_BATCH)
+        send_batch(ctx, st, PI_OP_BATCH);
 }
 
 static __always_inline u64 max_u64(u64 a, u64 b)
@@ -490,12 +495,8 @@ int op_thread_exit(void *ctx)
         return 0;
     struct pi_counter_read none[PI_MAX_COUNTERS] = {};
     op_finish(ctx, st, bpf_ktime_get_ns(), none, 1, 1);
-    u32 n = st->batch.count;
-    if (n > 0 && n < PI_OP_BATCH) {
-        st->batch.kind = PI_EV_OPS;
-        if (emit(ctx, &st->batch, sizeof(st->batch)))
-            count_lost(n);
-    }
+    if (st->batch.count)
+        send_batch(ctx, st, st->batch.count);
     bpf_map_delete_elem(&op_threads, &tid);
     return 0;
 }

@@ -1,7 +1,7 @@
 """Attach the probe pack to one process, collect its events, detach, build the Profile.
 
 The hot path is in the kernel: op events are batched per thread in BPF and reach user space
-32 at a time, and a node's description is sent once per thread (op events carry its
+PI_OP_BATCH at a time, and a node's description is sent once per thread (op events carry its
 number); here each ring-buffer record is only copied, and parsed in bulk with numpy
 between polls.
 """
@@ -64,6 +64,7 @@ class Collector:
         self._first_nodes: list[np.ndarray] = []   # node descriptions checked before a table layout is trusted
         self.n_events = 0
         self.n_decode_tokens = 0
+        self.op_threads_left = 0       # op states still in BPF when collection ended
         self.thread_names: dict[int, str] = {}
         self._maps_raw: str = ""
         self._layout_trusted = True
@@ -382,7 +383,6 @@ class Collector:
     def _drain_threads(self) -> None:
         """Ops still batched or in progress in the per-thread BPF state at the end."""
         state_dt = self.dt["pi_op_thread"]
-        self.op_threads_left = 0
         for _, raw in self.obj.map_items("op_threads"):
             self.op_threads_left += 1
             st = np.frombuffer(raw[: state_dt.itemsize], state_dt, count=1)[0]
