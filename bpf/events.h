@@ -135,7 +135,14 @@ struct pi_counter_read {
 /* A node is described once per thread, and again only when its description changes; its runs
  * carry its number. Which descriptions a thread sent is remembered in its own table of
  * PI_NODE_SETS sets of PI_NODE_WAYS slots, as 64-bit hashes of the descriptions (a map of full
- * descriptions cost ~0.5 µs of cache misses per node; a set is two cache lines). A graph
+ * descriptions cost ~0.5 µs of cache misses per node; a set is four cache lines).
+ * Reading a description (the node and two sources: ~14 cache lines, cold after a matmul)
+ * costs ~1.3 µs, so it is read only when it may have changed: a ggml tensor's description
+ * is fixed when it is made, and a tensor can be made again at a used address, or have its
+ * sources rewritten (the scheduler's input copies), only after ggml_init (of a context that
+ * can hold one), ggml_reset or ggml_new_graph_custom. Each of those bumps graph_generation, and a slot stamped with the
+ * current generation is trusted without reading. Where those functions cannot be probed,
+ * every run is read and compared by hash. A graph
  * replays its nodes in the same order every token, so tensors that outnumber their set's
  * slots evict each other every token: with 512 direct-mapped slots a 1.5B model's ~270 nodes
  * had 40 a thread described again every token. With eight ways that takes nine of a
@@ -146,9 +153,14 @@ struct pi_counter_read {
 
 struct pi_node_slot {
     u64 hash;            /* of the whole description, tensor address included; 0: empty */
-    u32 node;
-    u32 tensor_tag;      /* the tensor's low 32 bits: a changed description replaces its slot */
+    u64 tensor;          /* a changed description replaces its tensor's slot */
+    u64 fused_tensor;    /* the node fused with it (part of the description: checked too) */
+    u32 node;            /* | PI_NODE_EXPERTS when it is a MUL_MAT_ID with expert ids */
+    u32 generation;      /* graph_generation when the description was last read */
 };
+#define PI_NODE_EXPERTS 0x80000000u
+/* A ggml context smaller than this cannot hold a tensor (struct ggml_tensor alone is larger) */
+#define PI_MIN_TENSOR_CONTEXT 256
 
 /* What every handler run touches comes first, so that a run touches few cache lines and
  * pages (between two nodes the engine streams weights through the caches and the TLB, and
@@ -161,7 +173,7 @@ struct pi_op_thread {
     struct pi_op_event cur;                          /* the node this thread is computing */
     struct pi_counter_read ctr_start[PI_MAX_COUNTERS];   /* at the node's start */
     struct pi_counter_read ctr_end[PI_MAX_COUNTERS];     /* at its latest barrier */
-    struct pi_node_event node;       /* the current node's description, read at its start */
+    struct pi_node_event node;       /* the latest description read (at a node's start) */
     u8 window[PI_TENSOR_WINDOW];     /* a tensor's first bytes */
     struct pi_op_batch batch;        /* finished ops not yet sent */
     struct pi_node_slot sent[PI_NODE_SLOTS];   /* what this thread last sent, per tensor */
@@ -211,5 +223,6 @@ struct pi_config {
     u32 n_cpus;
     u32 target_tgid;       /* sched level: the process whose threads are followed */
     u32 switch_state_arg;  /* sched_switch passes prev_state as its 4th argument (5.18+) */
-    u32 pad;
+    u32 nodes_by_generation;  /* graph_generation is kept (its probes are attached) */
+    u64 init_params_sp_off;   /* ggml_init's params (by value) relative to sp at its entry */
 };

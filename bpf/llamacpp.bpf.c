@@ -164,7 +164,35 @@ static __always_inline int graph_return(struct pt_regs *ctx, u32 probe)
 GRAPH_PROBE(0) GRAPH_PROBE(1) GRAPH_PROBE(2) GRAPH_PROBE(3)
 GRAPH_PROBE(4) GRAPH_PROBE(5) GRAPH_PROBE(6) GRAPH_PROBE(7)
 
-/* ---- op level ----
+/* ---- op level ---- */
+
+/* Bumped whenever the target may make tensors at used addresses or rewrite a graph's
+ * nodes (events.h, before struct pi_node_slot): descriptions read before are then checked. */
+u32 graph_generation = 1;
+
+/* ggml_reset(ctx), ggml_new_graph_custom(ctx, ...) */
+SEC("uprobe")
+int graphs_changed(struct pt_regs *ctx)
+{
+    __sync_fetch_and_add(&graph_generation, 1);
+    return 0;
+}
+
+/* ggml_init(struct ggml_init_params): a context that can hold a tensor. ggml_graph_compute
+ * makes and frees an empty one on every graph (ggml_cpu_init: mem_size 0), which is not a
+ * change. The params are passed by value, in memory at the entry's stack pointer. */
+SEC("uprobe")
+int context_made(struct pt_regs *ctx)
+{
+    u64 mem_size = 0;
+    bpf_probe_read_user(&mem_size, sizeof(mem_size),
+                        (void *)(PT_REGS_SP(ctx) + cfg.init_params_sp_off));
+    if (mem_size >= PI_MIN_TENSOR_CONTEXT)
+        __sync_fetch_and_add(&graph_generation, 1);
+    return 0;
+}
+
+/*
  * A node starts when its thread enters ggml_cpu_extra_compute_forward (every unfused node
  * passes through it, including AMX/repacked matmuls) or a fused-op function. It ends at the
  * last ggml_barrier entered before the next node starts: ops such as MUL_MAT also wait at
@@ -306,7 +334,7 @@ static __always_inline u64 view_root(u64 src)
 }
 
 /* The expert ids of a MUL_MAT_ID node (a view of the router's top-k: rows strided by nb[1]). */
-static __always_inline void send_experts(void *ctx, struct pi_op_thread *st, u64 ids)
+static __always_inline void send_experts(void *ctx, struct pi_op_thread *st, u64 ids, u64 tensor)
 {
     struct pi_experts_event *ex = &st->experts;
     s64 ne[2] = {};
@@ -317,7 +345,7 @@ static __always_inline void send_experts(void *ctx, struct pi_op_thread *st, u64
     ex->kind = PI_EV_EXPERTS;
     ex->tid = st->cur.tid;
     ex->start_ns = st->cur.start_ns;
-    ex->tensor = st->node.desc.tensor;
+    ex->tensor = tensor;
     ex->ids_tensor = ids;
     ex->n_used = (s32)ne[0];
     ex->n_tokens = (s32)ne[1];
@@ -346,41 +374,66 @@ static __always_inline u64 desc_hash(const struct pi_node_desc *d)
     return h ^ (h >> 29);
 }
 
-/* The number of the node described in st->node: the one this thread sent before, or a new
- * number, sent with the description now (before any op event that carries it). */
-static __always_inline u32 node_number(struct pt_regs *ctx, struct pi_op_thread *st, u32 tid)
+/* The set of st->sent where a tensor's descriptions are remembered. */
+static __always_inline struct pi_node_slot *node_set(struct pi_op_thread *st, u64 tensor)
+{
+    u32 set = (u32)((tensor * 0x9E3779B97F4A7C15ULL) >> 32) & (PI_NODE_SETS - 1);
+    return &st->sent[set * PI_NODE_WAYS];
+}
+
+/* The slot of a node whose description was read in this graph generation, or NULL. */
+static __always_inline struct pi_node_slot *node_known(struct pi_node_slot *way, u64 tensor,
+                                                       u64 fused_with, u32 generation)
+{
+#pragma unroll
+    for (int i = 0; i < PI_NODE_WAYS; i++)
+        if (way[i].generation == generation && way[i].tensor == tensor &&
+            way[i].fused_tensor == fused_with && way[i].hash)
+            return &way[i];
+    return 0;
+}
+
+/* The number of the node described in st->node, slot flags included: the one this thread
+ * sent before, or a new number, sent with the description now (before any op event that
+ * carries it). The slot is stamped with the generation the description was read in. */
+static __always_inline u32 node_number(struct pt_regs *ctx, struct pi_op_thread *st, u32 tid,
+                                       struct pi_node_slot *way, u32 generation)
 {
     u64 tensor = st->node.desc.tensor;
     u64 h = desc_hash(&st->node.desc) | 1;    /* never 0, which marks an empty slot */
-    u32 set = (u32)((tensor * 0x9E3779B97F4A7C15ULL) >> 32) & (PI_NODE_SETS - 1);
-    struct pi_node_slot *way = &st->sent[set * PI_NODE_WAYS];
 #pragma unroll
     for (int i = 0; i < PI_NODE_WAYS; i++)
-        if (way[i].hash == h)
+        if (way[i].hash == h) {
+            way[i].generation = generation;
             return way[i].node;
+        }
     st->node.kind = PI_EV_NODE;
     st->node.tid = tid;
-    st->node.node = st->next_node++;
+    st->node.node = st->next_node++ & ~PI_NODE_EXPERTS;
     st->node.pad = 0;
+    u32 flags = cfg.op_mul_mat_id >= 0 && st->node.desc.op == cfg.op_mul_mat_id &&
+                st->node.desc.src[2] ? PI_NODE_EXPERTS : 0;
     if (emit(ctx, &st->node, sizeof(st->node))) {
         count_lost(1);
-        return st->node.node;   /* not remembered: described again next time */
+        return st->node.node | flags;   /* not remembered: described again next time */
     }
     /* The newest description goes first and the others move down a slot, the last one out;
      * or, when the tensor had another description here, up to its slot, which it replaces. */
     u32 victim = PI_NODE_WAYS - 1;
 #pragma unroll
     for (int i = PI_NODE_WAYS - 2; i >= 0; i--)
-        if (way[i].hash && way[i].tensor_tag == (u32)tensor)
+        if (way[i].hash && way[i].tensor == tensor)
             victim = i;
 #pragma unroll
     for (int i = PI_NODE_WAYS - 1; i > 0; i--)
         if ((u32)i <= victim)
             way[i] = way[i - 1];
     way[0].hash = h;
-    way[0].node = st->node.node;
-    way[0].tensor_tag = (u32)tensor;
-    return st->node.node;
+    way[0].tensor = tensor;
+    way[0].fused_tensor = st->node.desc.fused_tensor;
+    way[0].node = st->node.node | flags;
+    way[0].generation = generation;
+    return way[0].node;
 }
 
 static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const void *fused_with)
@@ -414,6 +467,17 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
     ev->cpu = bpf_get_smp_processor_id();
     ev->n_barriers = 0;
     ev->flags = 0;
+    /* Read once, before the description: if graphs_changed bumps it meanwhile, the slot
+     * keeps the older stamp and the description is read again next time. */
+    u32 generation = cfg.nodes_by_generation ? *(volatile u32 *)&graph_generation : 0;
+    struct pi_node_slot *way = node_set(st, (u64)t);
+    struct pi_node_slot *known = cfg.nodes_by_generation
+        ? node_known(way, (u64)t, (u64)fused_with, generation) : 0;
+    u32 node;
+    if (known) {
+        node = known->node;
+        goto numbered;
+    }
     struct pi_node_desc *d = &st->node.desc;
     d->tensor = (u64)t;
     d->pad = 0;
@@ -440,9 +504,15 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
     d->fused_tensor = (u64)fused_with;
     if (fused_with)
         bpf_probe_read_user(&d->fused_op, sizeof(d->fused_op), fused_with + cfg.t_off_op);
-    ev->node = node_number(ctx, st, tid);
-    if (cfg.op_mul_mat_id >= 0 && d->op == cfg.op_mul_mat_id && d->src[2])
-        send_experts(ctx, st, d->src[2]);
+    node = node_number(ctx, st, tid, way, generation);
+numbered:
+    ev->node = node & ~PI_NODE_EXPERTS;
+    if (node & PI_NODE_EXPERTS) {     /* MUL_MAT_ID: the experts it runs change every time */
+        u64 ids = 0;
+        bpf_probe_read_user(&ids, sizeof(ids), (const u8 *)t + cfg.t_off_src + 16);
+        if (ids)
+            send_experts(ctx, st, ids, (u64)t);
+    }
     if (cfg.n_counters) {
         __builtin_memset(ev->ctr, 0, sizeof(ev->ctr));
         __builtin_memset(ev->ctr_enabled, 0, sizeof(ev->ctr_enabled));

@@ -31,6 +31,9 @@ _ZERO_U32 = bytes(4)
 SCHED_PROGRAMS = ("sched_switch", "sched_wakeup")
 # sends an exiting thread's last ops and frees its op state (a raw tracepoint, not a probe)
 THREAD_EXIT_PROGRAM = "op_thread_exit"
+# the programs told when the target may change graphs, and the functions that do
+GRAPHS_CHANGED_PROGRAMS = ("graphs_changed", "context_made")
+GRAPH_CHANGERS = {"ggml_init", "ggml_reset", "ggml_new_graph_custom"}
 SHARED_MAPS = ("events", "lost")     # one transport and one lost counter for both objects
 _ZERO_U64 = bytes(8)
 
@@ -112,6 +115,14 @@ class Collector:
             raise ProfinferError("the sched level needs kernel BTF (/sys/kernel/btf/vmlinux, "
                                  "CONFIG_DEBUG_INFO_BTF): this kernel has none")
         self.n_cpus = perfcounters.possible_cpus()
+        # Descriptions are trusted between graph changes only when every function that
+        # announces one is probed (events.h), and ggml_init's by-value params are found on
+        # the stack (x86-64); PROFINFER_NODE_CHECK=content reads every run instead.
+        changers = {p.symbol.name for p in self.probes if p.entry_fn in GRAPHS_CHANGED_PROGRAMS}
+        self.nodes_by_generation = (changers >= GRAPH_CHANGERS and platform.machine() == "x86_64"
+                                    and os.environ.get("PROFINFER_NODE_CHECK") != "content")
+        if not self.nodes_by_generation:
+            self.probes = [p for p in self.probes if p.entry_fn not in GRAPHS_CHANGED_PROGRAMS]
         self.obj = libbpf.BpfObject(obj_path)
         try:
             cfg = self._config().tobytes()
@@ -209,6 +220,8 @@ class Collector:
         cfg["n_cpus"] = self.n_cpus
         cfg["target_tgid"] = self.pid
         cfg["switch_state_arg"] = int(kernel.release_at_least(5, 18))
+        cfg["nodes_by_generation"] = int(self.nodes_by_generation)
+        cfg["init_params_sp_off"] = 8   # above the return address (probes never move sp)
         cfg["graph_has_backend"] = sum(1 << i for i, p in enumerate(graph_probes) if p.spec.graph_backend)
         return cfg
 
@@ -480,6 +493,8 @@ class Collector:
         if self._op_asm is not None:
             prof.meta["node_descriptions"] = str(self._op_asm.n_described)
             prof.meta["node_descriptions_repeated"] = str(self._op_asm.redescribed)
+            # "generation": a node's description read once per graph change, else every run
+            prof.meta["node_check"] = "generation" if self.nodes_by_generation else "content"
             # threads still alive when collection ended (an exiting one sends its ops itself)
             prof.meta["op_threads_left"] = str(self.op_threads_left)
             prof.ops = self._op_asm.finish(prof.graphs, self._experts)

@@ -1,0 +1,50 @@
+"""Node descriptions read once per graph change are the descriptions read on every run."""
+from __future__ import annotations
+
+from conftest import completion_cmd, run_profinfer, with_llama_log
+from profinfer.exporters.trace_reader import read_trace
+
+
+def _ops_by_thread(trace) -> list[list[tuple]]:
+    """Each compute thread's ops in order, as descriptions with tensor addresses replaced by
+    their order of first appearance in the run (addresses differ between runs; which op reads
+    which tensor does not)."""
+    numbering: dict[int, int] = {}
+
+    def n(addr: int) -> int:
+        return numbering.setdefault(addr, len(numbering)) if addr else -1
+
+    threads: dict[int, list[tuple]] = {}
+    for o in sorted(read_trace(trace).ops, key=lambda o: o.start_ns):
+        threads.setdefault(o.tid, []).append(
+            (o.op, o.name, o.ne, o.dtype, n(o.tensor), tuple(map(n, o.srcs)),
+             tuple(map(n, o.src_views)), n(o.fused_tensor), o.src_ne, o.src_dtypes))
+    return sorted(threads.values(), key=len)
+
+
+def test_descriptions_by_generation_equal_descriptions_read_every_run(
+        llama_build, tiny_model, llama_env, tmp_path):
+    """By default a node's description is read once, and again only after ggml_init,
+    ggml_reset or ggml_new_graph_custom (node_check "generation"); PROFINFER_NODE_CHECK=content
+    reads it on every run. Both must say the same for every op, here across the graph that
+    llama.cpp builds anew when the context passes 256 (the KV views' shapes change)."""
+    words = "the and of to in is that it for on with as was at by this from".split()
+    prompt = " ".join(words[i % len(words)] for i in range(236))
+    cmd = completion_cmd(llama_build, tiny_model, n=40, prompt=prompt)
+    seen = {}
+    for mode in ("generation", "content"):
+        trace = tmp_path / f"{mode}.pftrace"
+        env = {**llama_env, "PROFINFER_NODE_CHECK": mode}
+        r = with_llama_log(lambda: run_profinfer(["record", "--quiet", "-o", str(trace), "--", *cmd],
+                                                 env=env, tmp_path=tmp_path))
+        assert r.rc == 0, r.stderr[-2000:]
+        assert r.summary["meta"]["node_check"] == mode
+        assert r.summary["lost_events"] == 0
+        seen[mode] = (_ops_by_thread(trace), int(r.summary["meta"]["node_descriptions"]))
+    (by_generation, described), (every_run, described_every_run) = seen["generation"], seen["content"]
+    assert len(by_generation) == 2 and by_generation == every_run
+    # attention read a 256-long, then a 512-long KV view (FLASH_ATTN_EXT's K: its second
+    # source, ne[1]): shapes did change mid-run, and were read again
+    kv_lengths = {o[8][1][1] for t in by_generation for o in t if o[0] == "FLASH_ATTN_EXT"}
+    assert {256, 512} <= kv_lengths
+    assert described == described_every_run      # both sent each distinct description once
