@@ -45,7 +45,16 @@ struct {
     __uint(max_entries, 1);
 } counters SEC(".maps");
 
-/* Zeroed template for a thread's first op: too large for the BPF stack (and, at 45 KB, for
+/* Descriptions read (node_known missed), per CPU: user space reports the sum, which shows
+ * how often the generation let a run skip the read. */
+struct {
+    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, u32);
+    __type(value, u64);
+} node_reads SEC(".maps");
+
+/* Zeroed template for a thread's first op: too large for the BPF stack (and, at 78 KB, for
  * a per-CPU value); nothing ever writes it, so one copy serves every CPU. */
 struct {
     __uint(type, BPF_MAP_TYPE_ARRAY);
@@ -185,9 +194,9 @@ SEC("uprobe")
 int context_made(struct pt_regs *ctx)
 {
     u64 mem_size = 0;
-    bpf_probe_read_user(&mem_size, sizeof(mem_size),
-                        (void *)(PT_REGS_SP(ctx) + cfg.init_params_sp_off));
-    if (mem_size >= PI_MIN_TENSOR_CONTEXT)
+    if (bpf_probe_read_user(&mem_size, sizeof(mem_size),
+                            (void *)(PT_REGS_SP(ctx) + cfg.init_params_sp_off)) ||
+        mem_size >= PI_MIN_TENSOR_CONTEXT)          /* unreadable: assume the worst */
         __sync_fetch_and_add(&graph_generation, 1);
     return 0;
 }
@@ -478,6 +487,10 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
         node = known->node;
         goto numbered;
     }
+    u32 zero = 0;
+    u64 *reads_count = bpf_map_lookup_elem(&node_reads, &zero);
+    if (reads_count)
+        __sync_fetch_and_add(reads_count, 1);   /* atomic: a preempted run may share the CPU */
     struct pi_node_desc *d = &st->node.desc;
     d->tensor = (u64)t;
     d->pad = 0;

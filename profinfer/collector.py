@@ -68,6 +68,8 @@ class Collector:
         self.n_events = 0
         self.n_decode_tokens = 0
         self.op_threads_left = 0       # op states still in BPF when collection ended
+        self.nodes_by_generation = False   # descriptions trusted between graph changes
+        self.node_reads = 0            # descriptions BPF read (the rest were known)
         self.thread_names: dict[int, str] = {}
         self._maps_raw: str = ""
         self._layout_trusted = True
@@ -130,8 +132,8 @@ class Collector:
             if self.buffer == "ring":
                 self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
             self.obj.set_max_entries("counters", self.consts["PI_MAX_COUNTERS"] * self.n_cpus)
-            # The per-thread op state (~45 KB) is preallocated: room for four computing
-            # threads per CPU, not the program's 4096 (180 MB of kernel memory). A thread
+            # The per-thread op state (~78 KB) is preallocated: room for four computing
+            # threads per CPU, not the program's 4096 (320 MB of kernel memory). A thread
             # beyond it has its ops counted as lost.
             self.obj.set_max_entries("op_threads", max(64, 4 * self.n_cpus))
             programs = {fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn}
@@ -146,7 +148,9 @@ class Collector:
                                           event_fd.to_bytes(4, "little"))
             # what our programs cost, counted by the kernel from the first probe on
             self._stats_fd = libbpf.enable_run_time_stats()
-            for p in self.probes:
+            # Probes that announce graph changes go in first: a change made while the op
+            # probes were being attached must not go unseen (attach to a running process)
+            for p in sorted(self.probes, key=lambda p: p.entry_fn not in GRAPHS_CHANGED_PROGRAMS):
                 offset = p.symbol.file_offset
                 if p.entry_fn:
                     self.obj.attach_uprobe(p.entry_fn, p.elf.path, offset + p.place.offset, self.pid)
@@ -389,6 +393,10 @@ class Collector:
         self._parse_raw()
         self._drain_threads()
         lost = self.lost()
+        if "op" in self.levels:
+            # per CPU, one u64 each
+            raw = libbpf.map_lookup(self.obj.map_fd("node_reads"), _ZERO_U32, 8 * self.n_cpus)
+            self.node_reads = int(np.frombuffer(raw, np.uint64).sum()) if raw else 0
         self.bpf_stats = self._program_stats()
         self.detach()
         return self._build_profile(lost)
@@ -495,6 +503,7 @@ class Collector:
             prof.meta["node_descriptions_repeated"] = str(self._op_asm.redescribed)
             # "generation": a node's description read once per graph change, else every run
             prof.meta["node_check"] = "generation" if self.nodes_by_generation else "content"
+            prof.meta["node_reads"] = str(self.node_reads)
             # threads still alive when collection ended (an exiting one sends its ops itself)
             prof.meta["op_threads_left"] = str(self.op_threads_left)
             prof.ops = self._op_asm.finish(prof.graphs, self._experts)

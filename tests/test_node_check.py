@@ -40,9 +40,18 @@ def test_descriptions_by_generation_equal_descriptions_read_every_run(
         assert r.rc == 0, r.stderr[-2000:]
         assert r.summary["meta"]["node_check"] == mode
         assert r.summary["lost_events"] == 0
-        seen[mode] = (_ops_by_thread(trace), int(r.summary["meta"]["node_descriptions"]))
-    (by_generation, described), (every_run, described_every_run) = seen["generation"], seen["content"]
+        ops = _ops_by_thread(trace)
+        meta = r.summary["meta"]
+        seen[mode] = (ops, int(meta["node_descriptions"]), int(meta["node_reads"]))
+    (by_generation, described, reads), (every_run, described_every_run, reads_every_run) = (
+        seen["generation"], seen["content"])
     assert len(by_generation) == 2 and by_generation == every_run
+    # content reads every run; the generation skips nearly all reads: each node is read again
+    # only at the few rebuilds (prompt, first decode, context past 256), not at every one of
+    # the 40 decodes, so a bump on every compute (e.g. ggml_init's size misread) would fail here
+    n_ops = sum(map(len, every_run))
+    assert reads_every_run == n_ops
+    assert reads < n_ops / 5
     # attention read a 256-long, then a 512-long KV view (FLASH_ATTN_EXT's K: its second
     # source, ne[1]): shapes did change mid-run, and were read again
     kv_lengths = {o[8][1][1] for t in by_generation for o in t if o[0] == "FLASH_ATTN_EXT"}
