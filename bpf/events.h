@@ -170,6 +170,8 @@ struct pi_node_slot {
 struct pi_op_thread {
     u32 has_cur;
     u32 next_node;                                   /* the number the next new node gets */
+    u32 owner;           /* in op_threads_direct: the TID it is for; 0 free; PI_SLOT_RELEASING */
+    u32 pad;
     struct pi_op_event cur;                          /* the node this thread is computing */
     struct pi_counter_read ctr_start[PI_MAX_COUNTERS];   /* at the node's start */
     struct pi_counter_read ctr_end[PI_MAX_COUNTERS];     /* at its latest barrier */
@@ -179,6 +181,8 @@ struct pi_op_thread {
     struct pi_node_slot sent[PI_NODE_SLOTS];   /* what this thread last sent, per tensor */
     struct pi_experts_event experts;           /* MoE routing being sent */
 };
+
+#define PI_SLOT_RELEASING 0xffffffffu   /* being zeroed: not free yet */
 
 /* A context switch or wakeup involving one of the target's threads (sched level).
  * Switch: prev left the CPU in prev_state (0: still runnable, i.e. preempted) for next.
@@ -224,5 +228,7 @@ struct pi_config {
     u32 target_tgid;       /* sched level: the process whose threads are followed */
     u32 switch_state_arg;  /* sched_switch passes prev_state as its 4th argument (5.18+) */
     u32 nodes_by_generation;  /* graph_generation is kept (its probes are attached) */
+    u32 thread_slots;         /* op_threads_direct's size, a power of two; 0: unused */
+    u32 pad3;
     u64 init_params_sp_off;   /* ggml_init's params (by value) relative to sp at its entry */
 };

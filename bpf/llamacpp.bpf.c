@@ -27,13 +27,27 @@ struct {
     __type(value, struct pi_graph_event);
 } graph_open SEC(".maps");
 
-/* Per-thread op state: struct pi_op_thread in events.h (user space drains it at the end). */
+/* Per-thread op state: struct pi_op_thread in events.h (user space drains it at the end).
+ * A thread's state is the slot of op_threads_direct at its TID modulo the array's size,
+ * when it could claim it (a thread's TIDs are mostly consecutive, so they rarely share one),
+ * else an entry of op_threads. An array slot is found without hashing, and the handlers run
+ * twice per node and thread, after the engine's data has evicted ours: the hash map's
+ * bucket and element header were two cache misses a run (~0.3 µs a node here). Claiming a
+ * slot takes a compare-and-swap (Linux 5.12; user space sets thread_slots to 0 before
+ * that, and the perf-buffer build, for kernels before 5.8, leaves the array out). */
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
     __uint(max_entries, 4096);
     __type(key, u32);
     __type(value, struct pi_op_thread);
 } op_threads SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, 1);            /* set by user space */
+    __type(key, u32);
+    __type(value, struct pi_op_thread);
+} op_threads_direct SEC(".maps");
 
 /* Per-CPU perf counters (opened by user space): counter i of CPU c at i * n_cpus + c.
  * Counting is per CPU, not per thread, so a node whose thread changes CPU has no valid
@@ -55,7 +69,9 @@ struct {
 } node_reads SEC(".maps");
 
 /* Zeroed template for a thread's first op: too large for the BPF stack (and, at 78 KB, for
- * a per-CPU value); nothing ever writes it, so one copy serves every CPU. */
+ * a per-CPU value); nothing ever writes it, so one copy serves every CPU. Its owner is
+ * PI_SLOT_RELEASING (set by user space): a direct slot zeroed from it stays unclaimable
+ * until its owner is cleared, after the copy. */
 struct {
     __uint(type, BPF_MAP_TYPE_ARRAY);
     __uint(max_entries, 1);
@@ -445,6 +461,57 @@ static __always_inline u32 node_number(struct pt_regs *ctx, struct pi_op_thread 
     return way[0].node;
 }
 
+/* This thread's op state, or NULL. */
+static __always_inline struct pi_op_thread *find_state(u32 tid)
+{
+#ifndef PI_PERF_BUFFER
+    if (cfg.thread_slots) {
+        u32 idx = tid & (cfg.thread_slots - 1);
+        struct pi_op_thread *st = bpf_map_lookup_elem(&op_threads_direct, &idx);
+        if (st && st->owner == tid)
+            return st;
+    }
+#endif
+    return bpf_map_lookup_elem(&op_threads, &tid);
+}
+
+/* A zeroed state for a thread's first op: its direct slot if free, else a hash entry. */
+static __always_inline struct pi_op_thread *new_state(u32 tid)
+{
+#ifndef PI_PERF_BUFFER
+    if (cfg.thread_slots) {
+        u32 idx = tid & (cfg.thread_slots - 1);
+        struct pi_op_thread *st = bpf_map_lookup_elem(&op_threads_direct, &idx);
+        if (st && st->owner == 0 && __sync_val_compare_and_swap(&st->owner, 0, tid) == 0)
+            return st;
+    }
+#endif
+    u32 z = 0;
+    struct pi_op_thread *zero = bpf_map_lookup_elem(&op_thread_zero, &z);
+    if (!zero)
+        return 0;
+    bpf_map_update_elem(&op_threads, &tid, zero, BPF_NOEXIST);
+    return bpf_map_lookup_elem(&op_threads, &tid);
+}
+
+/* Free an exiting thread's state. */
+static __always_inline void free_state(u32 tid, struct pi_op_thread *st)
+{
+#ifndef PI_PERF_BUFFER
+    if (cfg.thread_slots && st->owner == tid) {
+        u32 idx = tid & (cfg.thread_slots - 1), z = 0;
+        struct pi_op_thread *zero = bpf_map_lookup_elem(&op_thread_zero, &z);
+        if (!zero)
+            return;
+        bpf_map_update_elem(&op_threads_direct, &idx, zero, BPF_ANY);  /* owner: releasing */
+        /* free only once zeroed: BPF's atomics are full barriers on every architecture */
+        __sync_val_compare_and_swap(&st->owner, PI_SLOT_RELEASING, 0);
+        return;
+    }
+#endif
+    bpf_map_delete_elem(&op_threads, &tid);
+}
+
 static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const void *fused_with)
 {
     /* Counters are read next to the clock: what the handler does after this (~1.4 µs here)
@@ -453,15 +520,10 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
     u64 now = bpf_ktime_get_ns();
     int reads_failed = cfg.n_counters ? read_counters(reads, bpf_get_smp_processor_id()) : 0;
     u32 tid = current_tid();
-    struct pi_op_thread *st = bpf_map_lookup_elem(&op_threads, &tid);
+    struct pi_op_thread *st = find_state(tid);
     if (!st) {
-        u32 z = 0;
-        struct pi_op_thread *zero = bpf_map_lookup_elem(&op_thread_zero, &z);
-        if (!zero)
-            return 0;
-        bpf_map_update_elem(&op_threads, &tid, zero, BPF_NOEXIST);
-        st = bpf_map_lookup_elem(&op_threads, &tid);
-        if (!st) {              /* more computing threads than user space sized the map for */
+        st = new_state(tid);
+        if (!st) {              /* more computing threads than user space sized the maps for */
             count_lost(1);
             return 0;
         }
@@ -554,7 +616,7 @@ SEC("uprobe")
 int op_barrier(struct pt_regs *ctx)
 {
     u32 tid = current_tid();
-    struct pi_op_thread *st = bpf_map_lookup_elem(&op_threads, &tid);
+    struct pi_op_thread *st = find_state(tid);
     if (!st || !st->has_cur)
         return 0;
     st->cur.end_ns = bpf_ktime_get_ns();
@@ -566,20 +628,20 @@ int op_barrier(struct pt_regs *ctx)
 /* A thread that computed ops exits: its last node and the ops it still holds are sent, and its
  * state is freed, so that threads that come and go (ggml's disposable threadpools, made for
  * each graph when the engine attaches none, as builds without OpenMP do) never fill
- * op_threads. A later thread given the same TID numbers its nodes from 0 again: user space
+ * the state maps. A later thread given the same TID numbers its nodes from 0 again: user space
  * resolves op events to descriptions as each drain arrives, never by number at the end.
  * A raw tracepoint: attached by name, no tracefs and no BTF needed; `current` is the thread. */
 SEC("raw_tracepoint/sched_process_exit")
 int op_thread_exit(void *ctx)
 {
     u32 tid = current_tid();
-    struct pi_op_thread *st = bpf_map_lookup_elem(&op_threads, &tid);
+    struct pi_op_thread *st = find_state(tid);
     if (!st)
         return 0;
     struct pi_counter_read none[PI_MAX_COUNTERS] = {};
     op_finish(ctx, st, bpf_ktime_get_ns(), none, 1, 1);
     if (st->batch.count)
         send_batch(ctx, st, st->batch.count);
-    bpf_map_delete_elem(&op_threads, &tid);
+    free_state(tid, st);
     return 0;
 }

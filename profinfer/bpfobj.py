@@ -21,7 +21,10 @@ from importlib import resources
 
 from .errors import ProfinferError
 
-VARIANTS = {"ring": [], "perf": ["-DPI_PERF_BUFFER"]}
+# The ring-buffer build needs Linux 5.8, so it may use BPF ISA v3 (atomic compare-and-swap
+# for claiming per-thread slots, gated at run time on 5.12); the perf-buffer build is for
+# older kernels and keeps the baseline ISA.
+VARIANTS = {"ring": ["-mcpu=v3"], "perf": ["-DPI_PERF_BUFFER"]}
 _ARCH = {"x86_64": "x86", "aarch64": "arm64"}
 
 

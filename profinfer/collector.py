@@ -69,6 +69,7 @@ class Collector:
         self.n_decode_tokens = 0
         self.op_threads_left = 0       # op states still in BPF when collection ended
         self.nodes_by_generation = False   # descriptions trusted between graph changes
+        self.thread_slots = 0          # size of the direct per-thread state array (0: unused)
         self.node_reads = 0            # descriptions BPF read (the rest were known)
         self.thread_names: dict[int, str] = {}
         self._maps_raw: str = ""
@@ -117,6 +118,7 @@ class Collector:
             raise ProfinferError("the sched level needs kernel BTF (/sys/kernel/btf/vmlinux, "
                                  "CONFIG_DEBUG_INFO_BTF): this kernel has none")
         self.n_cpus = perfcounters.possible_cpus()
+        self.thread_slots = self._thread_slots()
         # Descriptions are trusted between graph changes only when every function that
         # announces one is probed (events.h), and ggml_init's by-value params are found on
         # the stack (x86-64); PROFINFER_NODE_CHECK=content reads every run instead.
@@ -134,12 +136,22 @@ class Collector:
             self.obj.set_max_entries("counters", self.consts["PI_MAX_COUNTERS"] * self.n_cpus)
             # The per-thread op state (~78 KB) is preallocated: room for four computing
             # threads per CPU, not the program's 4096 (320 MB of kernel memory). A thread
-            # beyond it has its ops counted as lost.
-            self.obj.set_max_entries("op_threads", max(64, 4 * self.n_cpus))
+            # beyond it has its ops counted as lost. With direct slots (llamacpp.bpf.c), the
+            # hash map only takes threads whose slot another thread holds.
+            if self.thread_slots:
+                self.obj.set_max_entries("op_threads_direct", self.thread_slots)
+                self.obj.set_max_entries("op_threads", max(16, self.n_cpus))
+            else:
+                self.obj.set_max_entries("op_threads", max(64, 4 * self.n_cpus))
             programs = {fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn}
             if "op" in self.levels:
                 programs.add(THREAD_EXIT_PROGRAM)
             self.obj.load(programs)
+            if "op" in self.levels:
+                # the template's owner marks a direct slot being zeroed as not yet free
+                template = np.zeros(1, self.dt["pi_op_thread"])
+                template["owner"] = self.consts["PI_SLOT_RELEASING"]
+                libbpf.map_update(self.obj.map_fd("op_thread_zero"), _ZERO_U32, template.tobytes())
             if self.counters:
                 fd = self.obj.map_fd("counters")
                 for i, per_cpu in enumerate(self.counters.fds):
@@ -225,9 +237,24 @@ class Collector:
         cfg["target_tgid"] = self.pid
         cfg["switch_state_arg"] = int(kernel.release_at_least(5, 18))
         cfg["nodes_by_generation"] = int(self.nodes_by_generation)
+        cfg["thread_slots"] = self.thread_slots
         cfg["init_params_sp_off"] = 8   # above the return address (probes never move sp)
         cfg["graph_has_backend"] = sum(1 << i for i, p in enumerate(graph_probes) if p.spec.graph_backend)
         return cfg
+
+    def _thread_slots(self) -> int:
+        """Size of the direct per-thread state array (llamacpp.bpf.c): a power of two, four
+        slots per CPU; 0 where claiming a slot is impossible (no BPF compare-and-swap before
+        Linux 5.12, perf-buffer build). PROFINFER_THREAD_SLOTS overrides the size (tests use
+        1 to make threads share a slot, 0 to use the hash map alone)."""
+        if "op" not in self.levels or self.buffer != "ring" or not kernel.release_at_least(5, 12):
+            return 0
+        forced = os.environ.get("PROFINFER_THREAD_SLOTS")
+        if forced is not None:
+            if not forced.isdigit() or (int(forced) & (int(forced) - 1)):
+                raise ProfinferError(f"PROFINFER_THREAD_SLOTS={forced}: give 0 or a power of two")
+            return int(forced)
+        return 1 << max(6, (4 * self.n_cpus - 1).bit_length())
 
     def _batch_ext_layout(self) -> tuple[int, int]:
         """(offset of llama_batch_ext.tokens, sizeof one token) for the ext decode probe."""
@@ -404,7 +431,12 @@ class Collector:
     def _drain_threads(self) -> None:
         """Ops still batched or in progress in the per-thread BPF state at the end."""
         state_dt = self.dt["pi_op_thread"]
-        for _, raw in self.obj.map_items("op_threads"):
+        states = [raw for _, raw in self.obj.map_items("op_threads")]
+        if self.thread_slots:
+            free = (0, self.consts["PI_SLOT_RELEASING"])
+            states += [raw for _, raw in self.obj.map_items("op_threads_direct")
+                       if np.frombuffer(raw, state_dt, count=1)[0]["owner"] not in free]
+        for raw in states:
             self.op_threads_left += 1
             st = np.frombuffer(raw[: state_dt.itemsize], state_dt, count=1)[0]
             batch = st["batch"]

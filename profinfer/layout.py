@@ -10,7 +10,7 @@ import numpy as np
 _TYPES = {"u8": "u1", "u16": "<u2", "u32": "<u4", "s32": "<i4", "u64": "<u8", "s64": "<i8", "char": "S1"}
 _STRUCT = re.compile(r"struct\s+(\w+)\s*\{(.*?)\};", re.S)
 _FIELD = re.compile(r"^\s*(?:struct\s+)?(\w+)\s+(\w+)(?:\[(\w+)\])?\s*;")
-_DEFINE = re.compile(r"^#define\s+(\w+)\s+(\d+)\s*(?:/\*.*?\*/)?\s*$", re.M)
+_DEFINE = re.compile(r"^#define\s+(\w+)\s+(0x[0-9a-fA-F]+|\d+)[uU]?\s*(?:/\*.*?\*/)?\s*$", re.M)
 
 
 def header_text() -> str:
@@ -21,7 +21,7 @@ def header_text() -> str:
 def parse(text: str | None = None) -> tuple[dict[str, int], dict[str, np.dtype]]:
     """Return (#define constants, {struct name: dtype}) from the header."""
     text = text if text is not None else header_text()
-    consts = {k: int(v) for k, v in _DEFINE.findall(text)}
+    consts = {k: int(v, 0) for k, v in _DEFINE.findall(text)}
     dtypes: dict[str, np.dtype] = {}
     for name, body in _STRUCT.findall(re.sub(r"/\*.*?\*/", "", text, flags=re.S)):
         fields = []

@@ -1,7 +1,11 @@
-"""Node descriptions read once per graph change are the descriptions read on every run."""
+"""What keeps the op level cheap gives what the slow way gives: node descriptions read once per
+graph change, and per-thread state in direct-mapped slots."""
 from __future__ import annotations
 
+import pytest
+
 from conftest import completion_cmd, run_profinfer, with_llama_log
+from profinfer import kernel
 from profinfer.exporters.trace_reader import read_trace
 
 
@@ -57,3 +61,26 @@ def test_descriptions_by_generation_equal_descriptions_read_every_run(
     kv_lengths = {o[8][1][1] for t in by_generation for o in t if o[0] == "FLASH_ATTN_EXT"}
     assert {256, 512} <= kv_lengths
     assert described == described_every_run      # both sent each distinct description once
+
+
+def test_threads_sharing_a_direct_slot_lose_nothing(llama_build, tiny_model, llama_env, tmp_path):
+    """A thread's op state is its slot of a direct-mapped array (TID modulo its size, claimed
+    by compare-and-swap), or an entry of a hash map when another thread holds that slot.
+    With one slot the second compute thread takes the hash map; with none, both do. Each
+    must record the same ops for each thread as the default, lose nothing, and leave nothing."""
+    if not kernel.release_at_least(5, 12):
+        pytest.skip("direct slots need BPF compare-and-swap (Linux 5.12)")
+    cmd = completion_cmd(llama_build, tiny_model, n=16)
+    per_thread = {}
+    for slots in ("64", "1", "0"):
+        trace = tmp_path / f"slots{slots}.pftrace"
+        env = {**llama_env, "PROFINFER_THREAD_SLOTS": slots}
+        r = run_profinfer(["record", "--quiet", "-o", str(trace), "--", *cmd], env=env, tmp_path=tmp_path)
+        assert r.rc == 0, r.stderr[-2000:]
+        assert r.summary["lost_events"] == 0 and r.summary["meta"]["op_threads_left"] == "0"
+        per_thread[slots] = [[o[0] for o in ops] for ops in _ops_by_thread(trace)]
+    assert len(per_thread["64"]) == 2
+    assert per_thread["64"] == per_thread["1"] == per_thread["0"]
+    bad = run_profinfer(["record", "--quiet", "--", *cmd], env={**llama_env, "PROFINFER_THREAD_SLOTS": "3"},
+                        tmp_path=tmp_path, json_summary=False)
+    assert bad.rc != 0 and "power of two" in bad.stderr and "Traceback" not in bad.stderr
