@@ -1,5 +1,5 @@
 /* What every profinfer BPF object shares: types, the configuration in .rodata, the event
- * transport (ring buffer, or perf buffers before 5.8), the lost-event counter.
+ * transport (ring buffer, or perf buffers before 5.12), the lost-event counter.
  * A second object (sched.bpf.c) is loaded with these maps reused from the first
  * (bpf_map__reuse_fd), so all events arrive in one buffer in one order. */
 #pragma once
@@ -37,7 +37,8 @@ static __always_inline void count_lost(u64 n)
 }
 
 #ifdef PI_PERF_BUFFER
-/* Kernels before 5.8 have no ring buffer: per-CPU perf buffers, whose wakeups user space
+/* Kernels before 5.12 (no ring buffer before 5.8, and the ring build's atomics need 5.12):
+ * per-CPU perf buffers, whose wakeups user space
  * batches with wakeup_events. */
 struct {
     __uint(type, BPF_MAP_TYPE_PERF_EVENT_ARRAY);

@@ -184,6 +184,19 @@ struct pi_op_thread {
 
 #define PI_SLOT_RELEASING 0xffffffffu   /* being zeroed: not free yet */
 
+/* Globals the op level reads on every run, in one cache line; user space writes
+ * `collecting` = 0 to stop the op programs before it detaches them and reads their state */
+struct pi_control {
+    u32 graph_generation;  /* see struct pi_node_slot */
+    u32 collecting;
+};
+
+/* Per-CPU tallies of the op level (map op_tallies), summed by user space into meta */
+#define PI_TALLY_NODE_READS 0      /* descriptions read (not known from this generation) */
+#define PI_TALLY_SLOTS_CLAIMED 1   /* thread states in a direct slot */
+#define PI_TALLY_STATES_HASHED 2   /* thread states in the hash map (slot held, or none) */
+#define PI_TALLIES 3
+
 /* A context switch or wakeup involving one of the target's threads (sched level).
  * Switch: prev left the CPU in prev_state (0: still runnable, i.e. preempted) for next.
  * Wakeup: prev (the waker, current task) made next runnable. */

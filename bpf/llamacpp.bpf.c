@@ -3,7 +3,8 @@
  * Compiled once, ahead of time (profinfer/bpfobj.py), into a BPF object that libbpf loads in
  * milliseconds; what differs between targets (struct offsets, ring size) is in `cfg`, written
  * into the object's .rodata before it loads, so the verifier sees constants.
- * Build with -DPI_PERF_BUFFER for kernels without the BPF ring buffer (before 5.8).
+ * Build with -DPI_PERF_BUFFER for kernels before 5.12 (the ring buffer arrived in 5.8, the
+ * atomics this build uses in 5.12).
  * No CO-RE here: this object loads on kernels without BTF.
  *
  * Per-thread state lives in hash maps keyed by TID, so no two threads ever share a slot
@@ -33,8 +34,8 @@ struct {
  * else an entry of op_threads. An array slot is found without hashing, and the handlers run
  * twice per node and thread, after the engine's data has evicted ours: the hash map's
  * bucket and element header were two cache misses a run (~0.3 µs a node here). Claiming a
- * slot takes a compare-and-swap (Linux 5.12; user space sets thread_slots to 0 before
- * that, and the perf-buffer build, for kernels before 5.8, leaves the array out). */
+ * slot takes a compare-and-swap (Linux 5.12, the ring-buffer build's minimum: the perf-buffer
+ * build, for older kernels, leaves the array out). */
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
     __uint(max_entries, 4096);
@@ -59,14 +60,21 @@ struct {
     __uint(max_entries, 1);
 } counters SEC(".maps");
 
-/* Descriptions read (node_known missed), per CPU: user space reports the sum, which shows
- * how often the generation let a run skip the read. */
+/* PI_TALLY_* counts, per CPU: user space reports the sums (how often the generation let a run
+ * skip reading a description; where thread states went). */
 struct {
     __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-    __uint(max_entries, 1);
+    __uint(max_entries, PI_TALLIES);
     __type(key, u32);
     __type(value, u64);
-} node_reads SEC(".maps");
+} op_tallies SEC(".maps");
+
+static __always_inline void tally(u32 which)
+{
+    u64 *n = bpf_map_lookup_elem(&op_tallies, &which);
+    if (n)
+        __sync_fetch_and_add(n, 1);   /* atomic: a preempted run may share the CPU */
+}
 
 /* Zeroed template for a thread's first op: too large for the BPF stack (and, at 78 KB, for
  * a per-CPU value); nothing ever writes it, so one copy serves every CPU. Its owner is
@@ -193,13 +201,13 @@ GRAPH_PROBE(4) GRAPH_PROBE(5) GRAPH_PROBE(6) GRAPH_PROBE(7)
 
 /* Bumped whenever the target may make tensors at used addresses or rewrite a graph's
  * nodes (events.h, before struct pi_node_slot): descriptions read before are then checked. */
-u32 graph_generation = 1;
+struct pi_control control SEC(".data.control") = {.graph_generation = 1, .collecting = 1};
 
 /* ggml_reset(ctx), ggml_new_graph_custom(ctx, ...) */
 SEC("uprobe")
 int graphs_changed(struct pt_regs *ctx)
 {
-    __sync_fetch_and_add(&graph_generation, 1);
+    __sync_fetch_and_add(&control.graph_generation, 1);
     return 0;
 }
 
@@ -213,7 +221,7 @@ int context_made(struct pt_regs *ctx)
     if (bpf_probe_read_user(&mem_size, sizeof(mem_size),
                             (void *)(PT_REGS_SP(ctx) + cfg.init_params_sp_off)) ||
         mem_size >= PI_MIN_TENSOR_CONTEXT)          /* unreadable: assume the worst */
-        __sync_fetch_and_add(&graph_generation, 1);
+        __sync_fetch_and_add(&control.graph_generation, 1);
     return 0;
 }
 
@@ -482,8 +490,10 @@ static __always_inline struct pi_op_thread *new_state(u32 tid)
     if (cfg.thread_slots) {
         u32 idx = tid & (cfg.thread_slots - 1);
         struct pi_op_thread *st = bpf_map_lookup_elem(&op_threads_direct, &idx);
-        if (st && st->owner == 0 && __sync_val_compare_and_swap(&st->owner, 0, tid) == 0)
+        if (st && st->owner == 0 && __sync_val_compare_and_swap(&st->owner, 0, tid) == 0) {
+            tally(PI_TALLY_SLOTS_CLAIMED);
             return st;
+        }
     }
 #endif
     u32 z = 0;
@@ -491,7 +501,10 @@ static __always_inline struct pi_op_thread *new_state(u32 tid)
     if (!zero)
         return 0;
     bpf_map_update_elem(&op_threads, &tid, zero, BPF_NOEXIST);
-    return bpf_map_lookup_elem(&op_threads, &tid);
+    struct pi_op_thread *st = bpf_map_lookup_elem(&op_threads, &tid);
+    if (st)
+        tally(PI_TALLY_STATES_HASHED);
+    return st;
 }
 
 /* Free an exiting thread's state. */
@@ -512,8 +525,17 @@ static __always_inline void free_state(u32 tid, struct pi_op_thread *st)
     bpf_map_delete_elem(&op_threads, &tid);
 }
 
+/* False once user space has stopped collecting: the op programs then leave their state
+ * alone while it is read, and send nothing while the probes are being detached. */
+static __always_inline int collecting(void)
+{
+    return *(volatile u32 *)&control.collecting;
+}
+
 static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const void *fused_with)
 {
+    if (!collecting())
+        return 0;
     /* Counters are read next to the clock: what the handler does after this (~1.4 µs here)
      * must fall on the same side of both, or short ops lose a third of their count. */
     struct pi_counter_read reads[PI_MAX_COUNTERS] = {};
@@ -540,7 +562,7 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
     ev->flags = 0;
     /* Read once, before the description: if graphs_changed bumps it meanwhile, the slot
      * keeps the older stamp and the description is read again next time. */
-    u32 generation = cfg.nodes_by_generation ? *(volatile u32 *)&graph_generation : 0;
+    u32 generation = cfg.nodes_by_generation ? *(volatile u32 *)&control.graph_generation : 0;
     struct pi_node_slot *way = node_set(st, (u64)t);
     struct pi_node_slot *known = cfg.nodes_by_generation
         ? node_known(way, (u64)t, (u64)fused_with, generation) : 0;
@@ -549,10 +571,7 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
         node = known->node;
         goto numbered;
     }
-    u32 zero = 0;
-    u64 *reads_count = bpf_map_lookup_elem(&node_reads, &zero);
-    if (reads_count)
-        __sync_fetch_and_add(reads_count, 1);   /* atomic: a preempted run may share the CPU */
+    tally(PI_TALLY_NODE_READS);
     struct pi_node_desc *d = &st->node.desc;
     d->tensor = (u64)t;
     d->pad = 0;
@@ -615,6 +634,8 @@ int op_start_fused(struct pt_regs *ctx)
 SEC("uprobe")
 int op_barrier(struct pt_regs *ctx)
 {
+    if (!collecting())
+        return 0;
     u32 tid = current_tid();
     struct pi_op_thread *st = find_state(tid);
     if (!st || !st->has_cur)
@@ -634,6 +655,8 @@ int op_barrier(struct pt_regs *ctx)
 SEC("raw_tracepoint/sched_process_exit")
 int op_thread_exit(void *ctx)
 {
+    if (!collecting())      /* its state stays for user space to drain */
+        return 0;
     u32 tid = current_tid();
     struct pi_op_thread *st = find_state(tid);
     if (!st)

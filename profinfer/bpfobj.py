@@ -21,9 +21,9 @@ from importlib import resources
 
 from .errors import ProfinferError
 
-# The ring-buffer build needs Linux 5.8, so it may use BPF ISA v3 (atomic compare-and-swap
-# for claiming per-thread slots, gated at run time on 5.12); the perf-buffer build is for
-# older kernels and keeps the baseline ISA.
+# The ring-buffer build is used from Linux 5.12 on (kernel.ring_buffer_supported): BPF ISA v3
+# and atomics that return a value (compare-and-swap claims per-thread slots). The
+# perf-buffer build is for older kernels and keeps the baseline ISA.
 VARIANTS = {"ring": ["-mcpu=v3"], "perf": ["-DPI_PERF_BUFFER"]}
 _ARCH = {"x86_64": "x86", "aarch64": "arm64"}
 

@@ -66,7 +66,7 @@ def probe_options(f):
     f = click.option("--tensor-layout", help="Skip DWARF and decode ggml_tensor with this known layout "
                      "(validated on live data).")(f)
     f = click.option("--buffer", type=click.Choice(["auto", "ring", "perf"]), default="auto",
-                     show_default=True, help="BPF-to-user transport: ring buffer (Linux 5.8+) "
+                     show_default=True, help="BPF-to-user transport: ring buffer (Linux 5.12+) "
                      "or per-CPU perf buffers.")(f)
     f = click.option("--counters", metavar="EVENTS", help="perf counters read at each op's start "
                      "and end, perf's names: cycles,instructions,cache-misses,task-clock,"

@@ -70,7 +70,8 @@ class Collector:
         self.op_threads_left = 0       # op states still in BPF when collection ended
         self.nodes_by_generation = False   # descriptions trusted between graph changes
         self.thread_slots = 0          # size of the direct per-thread state array (0: unused)
-        self.node_reads = 0            # descriptions BPF read (the rest were known)
+        self.tallies: dict[str, int] = {}   # the op level's PI_TALLY_* counts
+        self.slots_releasing = 0       # direct slots found half-released at the end
         self.thread_names: dict[int, str] = {}
         self._maps_raw: str = ""
         self._layout_trusted = True
@@ -134,13 +135,14 @@ class Collector:
             if self.buffer == "ring":
                 self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
             self.obj.set_max_entries("counters", self.consts["PI_MAX_COUNTERS"] * self.n_cpus)
-            # The per-thread op state (~78 KB) is preallocated: room for four computing
-            # threads per CPU, not the program's 4096 (320 MB of kernel memory). A thread
-            # beyond it has its ops counted as lost. With direct slots (llamacpp.bpf.c), the
-            # hash map only takes threads whose slot another thread holds.
+            # The per-thread op state (~78 KB) is preallocated, not the program's 4096 (320 MB
+            # of kernel memory): direct slots for two computing threads per CPU (at least
+            # 64; llamacpp.bpf.c) and a small hash map for threads whose slot another holds,
+            # or, without slots, the hash map for four per CPU. A thread beyond them has its
+            # ops counted as lost. (A preallocated hash map holds one more element per CPU.)
             if self.thread_slots:
                 self.obj.set_max_entries("op_threads_direct", self.thread_slots)
-                self.obj.set_max_entries("op_threads", max(16, self.n_cpus))
+                self.obj.set_max_entries("op_threads", max(16, self.n_cpus // 2))
             else:
                 self.obj.set_max_entries("op_threads", max(64, 4 * self.n_cpus))
             programs = {fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn}
@@ -243,8 +245,8 @@ class Collector:
         return cfg
 
     def _thread_slots(self) -> int:
-        """Size of the direct per-thread state array (llamacpp.bpf.c): a power of two, four
-        slots per CPU; 0 where claiming a slot is impossible (no BPF compare-and-swap before
+        """Size of the direct per-thread state array (llamacpp.bpf.c): a power of two, two
+        slots per CPU or more, at least 64; 0 where claiming a slot is impossible (no BPF compare-and-swap before
         Linux 5.12, perf-buffer build). PROFINFER_THREAD_SLOTS overrides the size (tests use
         1 to make threads share a slot, 0 to use the hash map alone)."""
         if "op" not in self.levels or self.buffer != "ring" or not kernel.release_at_least(5, 12):
@@ -254,7 +256,7 @@ class Collector:
             if not forced.isdigit() or (int(forced) & (int(forced) - 1)):
                 raise ProfinferError(f"PROFINFER_THREAD_SLOTS={forced}: give 0 or a power of two")
             return int(forced)
-        return 1 << max(6, (4 * self.n_cpus - 1).bit_length())
+        return 1 << max(6, (2 * self.n_cpus - 1).bit_length())
 
     def _batch_ext_layout(self) -> tuple[int, int]:
         """(offset of llama_batch_ext.tokens, sizeof one token) for the ext decode probe."""
@@ -415,15 +417,20 @@ class Collector:
     # ---- finish ----
 
     def finish(self) -> Profile:
-        """Drain everything still in flight, detach, and build the Profile."""
+        """Detach, drain everything still in flight, and build the Profile."""
+        # The op programs stop first: with the target still running (attach, --duration),
+        # the per-thread state read below would otherwise change while it is read, and the
+        # ring fill up while the probes are detached (~10k ops a second on the tiny model).
+        if "op" in self.levels:
+            control = np.zeros(1, self.dt["pi_control"])
+            control["graph_generation"] = 1 << 31     # trusts nothing, should one still run
+            libbpf.map_update(self.obj.map_fd(".data.control"), _ZERO_U32, control.tobytes())
         self._buf.consume()
         self._parse_raw()
         self._drain_threads()
         lost = self.lost()
         if "op" in self.levels:
-            # per CPU, one u64 each
-            raw = libbpf.map_lookup(self.obj.map_fd("node_reads"), _ZERO_U32, 8 * self.n_cpus)
-            self.node_reads = int(np.frombuffer(raw, np.uint64).sum()) if raw else 0
+            self.tallies = self._op_tallies()
         self.bpf_stats = self._program_stats()
         self.detach()
         return self._build_profile(lost)
@@ -433,9 +440,13 @@ class Collector:
         state_dt = self.dt["pi_op_thread"]
         states = [raw for _, raw in self.obj.map_items("op_threads")]
         if self.thread_slots:
-            free = (0, self.consts["PI_SLOT_RELEASING"])
-            states += [raw for _, raw in self.obj.map_items("op_threads_direct")
-                       if np.frombuffer(raw, state_dt, count=1)[0]["owner"] not in free]
+            releasing = self.consts["PI_SLOT_RELEASING"]
+            for _, raw in self.obj.map_items("op_threads_direct"):
+                owner = np.frombuffer(raw, state_dt, count=1)[0]["owner"]
+                if owner == releasing:      # an exit handler that did not finish: a bug
+                    self.slots_releasing += 1
+                elif owner:
+                    states.append(raw)
         for raw in states:
             self.op_threads_left += 1
             st = np.frombuffer(raw[: state_dt.itemsize], state_dt, count=1)[0]
@@ -448,6 +459,16 @@ class Collector:
             for p in parts:
                 if len(p):
                     self._add_ops(p)
+
+    def _op_tallies(self) -> dict[str, int]:
+        """The PI_TALLY_* counts summed over CPUs (per-CPU values are 8 bytes each)."""
+        fd, out = self.obj.map_fd("op_tallies"), {}
+        for name, key in (("node_reads", "PI_TALLY_NODE_READS"),
+                          ("thread_states_in_slots", "PI_TALLY_SLOTS_CLAIMED"),
+                          ("thread_states_hashed", "PI_TALLY_STATES_HASHED")):
+            raw = libbpf.map_lookup(fd, self.consts[key].to_bytes(4, "little"), 8 * self.n_cpus)
+            out[name] = int(np.frombuffer(raw, np.uint64).sum()) if raw else 0
+        return out
 
     def _program_stats(self) -> dict[str, int]:
         """The kernel's count of our BPF programs' runs and run time, and the probe hits
@@ -535,7 +556,10 @@ class Collector:
             prof.meta["node_descriptions_repeated"] = str(self._op_asm.redescribed)
             # "generation": a node's description read once per graph change, else every run
             prof.meta["node_check"] = "generation" if self.nodes_by_generation else "content"
-            prof.meta["node_reads"] = str(self.node_reads)
+            for name, n in self.tallies.items():
+                prof.meta[name] = str(n)
+            prof.meta["thread_slots"] = str(self.thread_slots)
+            prof.meta["thread_slots_releasing"] = str(self.slots_releasing)
             # threads still alive when collection ended (an exiting one sends its ops itself)
             prof.meta["op_threads_left"] = str(self.op_threads_left)
             prof.ops = self._op_asm.finish(prof.graphs, self._experts)

@@ -82,7 +82,7 @@ def checks() -> list[tuple[str, str, str]]:
     rows.append(("libbpf", *_check_libbpf()))
     rows.append(("BTF", *_check_btf()))
     rows.append(("event buffer", *((OK, "BPF ring buffer") if kernel.ring_buffer_supported() else
-                                   (WARN, "no BPF ring buffer (kernel < 5.8): per-CPU perf buffers"))))
+                                   (WARN, "kernel < 5.12: per-CPU perf buffers, not the BPF ring buffer"))))
     rows.append(("uprobe PMU", *((OK, "uprobes via perf_event_open: no tracefs needed, "
                                       "nothing survives profinfer") if kernel.uprobe_pmu()
                                  else (WARN, "no uprobe PMU: libbpf falls back to tracefs uprobe_events"))))

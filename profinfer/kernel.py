@@ -34,8 +34,10 @@ def release_at_least(major: int, minor: int) -> bool:
 
 
 def ring_buffer_supported() -> bool:
-    """BPF ring buffers arrived in Linux 5.8."""
-    return release_at_least(5, 8)
+    """Whether our ring-buffer build loads: BPF ring buffers arrived in Linux 5.8, and the
+    atomics it uses that return a value (its wakeup accounting, claiming per-thread slots)
+    in 5.12. The perf-buffer build serves older kernels."""
+    return release_at_least(5, 12)
 
 
 def event_buffer_kind(choice: str) -> str:
@@ -43,5 +45,6 @@ def event_buffer_kind(choice: str) -> str:
     if choice == "auto":
         return "ring" if ring_buffer_supported() else "perf"
     if choice == "ring" and not ring_buffer_supported():
-        raise ProfinferError(f"kernel {platform.release()} has no BPF ring buffer (5.8+): use --buffer perf")
+        raise ProfinferError(f"kernel {platform.release()} is older than 5.12, which profinfer's "
+                             "ring-buffer build needs: use --buffer perf")
     return choice

@@ -77,7 +77,13 @@ def test_threads_sharing_a_direct_slot_lose_nothing(llama_build, tiny_model, lla
         env = {**llama_env, "PROFINFER_THREAD_SLOTS": slots}
         r = run_profinfer(["record", "--quiet", "-o", str(trace), "--", *cmd], env=env, tmp_path=tmp_path)
         assert r.rc == 0, r.stderr[-2000:]
-        assert r.summary["lost_events"] == 0 and r.summary["meta"]["op_threads_left"] == "0"
+        meta = r.summary["meta"]
+        assert r.summary["lost_events"] == 0 and meta["op_threads_left"] == "0"
+        # each compute thread's state went where the slot count says, and every slot taken
+        # was released whole when its thread exited
+        assert meta["thread_slots"] == slots and meta["thread_slots_releasing"] == "0"
+        in_slots, hashed = int(meta["thread_states_in_slots"]), int(meta["thread_states_hashed"])
+        assert (in_slots, hashed) == {"64": (2, 0), "1": (1, 1), "0": (0, 2)}[slots]
         per_thread[slots] = [[o[0] for o in ops] for ops in _ops_by_thread(trace)]
     assert len(per_thread["64"]) == 2
     assert per_thread["64"] == per_thread["1"] == per_thread["0"]

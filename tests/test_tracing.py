@@ -12,7 +12,7 @@ from conftest import (PROFINFER, completion_cmd, leftover_uprobe_events, llama_p
 @pytest.mark.parametrize("buffer", ["ring", "perf"])
 def test_counts_and_times_match_llama_perf(llama_build, tiny_model, llama_env, tmp_path, buffer):
     """Acceptance 1: llama_decode calls, prefill/decode tokens exact; phase times within 5%.
-    Both transports: the ring buffer, and the perf buffers used on kernels before 5.8; every
+    Both transports: the ring buffer, and the perf buffers used on kernels before 5.12; every
     kind of record goes through each (sched events and op counters too)."""
     trace = tmp_path / "run.pftrace"
     r = with_llama_log(lambda: run_profinfer(["record", "--buffer", buffer, "-o", str(trace),
