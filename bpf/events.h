@@ -140,9 +140,9 @@ struct pi_counter_read {
  * costs ~1.3 µs, so it is read only when it may have changed: a ggml tensor's description
  * is fixed when it is made, and a tensor can be made again at a used address, or have its
  * sources rewritten (the scheduler's input copies), only after ggml_init (of a context that
- * can hold one), ggml_reset or ggml_new_graph_custom. Each of those bumps graph_generation, and a slot stamped with the
- * current generation is trusted without reading. Where those functions cannot be probed,
- * every run is read and compared by hash. A graph
+ * can hold one), ggml_reset or ggml_new_graph_custom. Each of those bumps graph_generation,
+ * and a slot stamped with the current generation is trusted without reading. Where those
+ * functions cannot be probed, every run is read and compared by hash. A graph
  * replays its nodes in the same order every token, so tensors that outnumber their set's
  * slots evict each other every token: with 512 direct-mapped slots a 1.5B model's ~270 nodes
  * had 40 a thread described again every token. With eight ways that takes nine of a

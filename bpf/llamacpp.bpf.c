@@ -7,8 +7,9 @@
  * atomics this build uses in 5.12).
  * No CO-RE here: this object loads on kernels without BTF.
  *
- * Per-thread state lives in hash maps keyed by TID, so no two threads ever share a slot
- * (uprobe programs may be preempted, so per-CPU scratch would not be safe).
+ * Per-thread state is keyed by TID (a direct slot claimed by one thread, or a hash map entry),
+ * so no two threads ever share it (uprobe programs may be preempted, so per-CPU scratch would
+ * not be safe).
  */
 #include "common.bpf.h"
 

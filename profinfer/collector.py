@@ -246,10 +246,10 @@ class Collector:
 
     def _thread_slots(self) -> int:
         """Size of the direct per-thread state array (llamacpp.bpf.c): a power of two, two
-        slots per CPU or more, at least 64; 0 where claiming a slot is impossible (no BPF compare-and-swap before
-        Linux 5.12, perf-buffer build). PROFINFER_THREAD_SLOTS overrides the size (tests use
-        1 to make threads share a slot, 0 to use the hash map alone)."""
-        if "op" not in self.levels or self.buffer != "ring" or not kernel.release_at_least(5, 12):
+        slots per CPU or more, at least 64; 0 in the perf-buffer build, which has no BPF
+        compare-and-swap to claim a slot with. PROFINFER_THREAD_SLOTS overrides the size
+        (tests use 1 to make threads share a slot, 0 to use the hash map alone)."""
+        if "op" not in self.levels or self.buffer != "ring":
             return 0
         forced = os.environ.get("PROFINFER_THREAD_SLOTS")
         if forced is not None:
@@ -417,14 +417,15 @@ class Collector:
     # ---- finish ----
 
     def finish(self) -> Profile:
-        """Detach, drain everything still in flight, and build the Profile."""
-        # The op programs stop first: with the target still running (attach, --duration),
-        # the per-thread state read below would otherwise change while it is read, and the
-        # ring fill up while the probes are detached (~10k ops a second on the tiny model).
+        """Stop the op programs, drain everything still in flight, detach, and build the
+        Profile."""
+        # The op programs stop first (`collecting` = 0): with the target still running
+        # (attach, --duration), the per-thread state read below would otherwise change while
+        # it is read, and the ring fill up while the probes are detached (~10k ops a second
+        # on the tiny model).
         if "op" in self.levels:
-            control = np.zeros(1, self.dt["pi_control"])
-            control["graph_generation"] = 1 << 31     # trusts nothing, should one still run
-            libbpf.map_update(self.obj.map_fd(".data.control"), _ZERO_U32, control.tobytes())
+            stopped = np.zeros(1, self.dt["pi_control"]).tobytes()
+            libbpf.map_update(self.obj.map_fd(".data.control"), _ZERO_U32, stopped)
         self._buf.consume()
         self._parse_raw()
         self._drain_threads()

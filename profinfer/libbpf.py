@@ -245,17 +245,12 @@ class BpfObject:
         self._buffers.append(pb)
         return pb
 
-    def detach_probes(self) -> None:
-        """Detach every probe (perf-event uprobes vanish with their fds); maps stay readable."""
+    def close(self) -> None:
+        """Detach every probe (perf-event uprobes vanish with their fds), free buffers and maps."""
         L = lib()
         for link in self._links:
             L.bpf_link__destroy(link)
         self._links = []
-
-    def close(self) -> None:
-        """Detach every probe, free buffers and maps."""
-        L = lib()
-        self.detach_probes()
         for b in self._buffers:
             b.free()
         self._buffers = []
