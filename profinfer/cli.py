@@ -32,11 +32,10 @@ def _levels(value: str) -> set[str]:
 def _counters(value: str | None) -> list[str]:
     from . import counters
     names = [v.strip() for v in (value or "").split(",") if v.strip()]
-    for n in names:
-        try:
-            counters.parse(n)
-        except ProfinferError as e:
-            raise click.BadParameter(str(e), param_hint="--counters") from None
+    try:
+        counters.requested(names)
+    except ProfinferError as e:
+        raise click.BadParameter(str(e), param_hint="--counters") from None
     return names
 
 

@@ -123,15 +123,31 @@ class OpenCounters:
         self.fds = []
 
 
-def open_counters(names: list[str], max_counters: int) -> OpenCounters:
-    """Open each named counter on every online CPU; leave out, with one notice, what won't open."""
-    wanted = []
+def max_counters() -> int:
+    """How many counters BPF reads per op (PI_MAX_COUNTERS in events.h)."""
+    from . import layout
+    return layout.parse()[0]["PI_MAX_COUNTERS"]
+
+
+def requested(names: list[str], limit: int | None = None) -> list[Counter]:
+    """The distinct counters named, in order (aliases of one event, `faults` and
+    `page-faults`, are one); more than BPF reads per op is an error."""
+    wanted: list[Counter] = []
     for n in names:
         c = parse(n)
-        if c not in wanted:
+        if all((c.type, c.config) != (w.type, w.config) for w in wanted):
             wanted.append(c)
-    if len(wanted) > max_counters:
-        raise ProfinferError(f"at most {max_counters} counters at a time ({len(wanted)} asked)")
+    limit = limit if limit is not None else max_counters()
+    if len(wanted) > limit:
+        raise ProfinferError(f"at most {limit} counters at a time ({len(wanted)} asked: "
+                             f"{', '.join(c.name for c in wanted)})")
+    return wanted
+
+
+def open_counters(names: list[str], limit: int | None = None) -> OpenCounters:
+    """Open each named counter on every online CPU; leave out, with one notice, what won't open.
+    `limit` is PI_MAX_COUNTERS as the caller read it (the default reads it here)."""
+    wanted = requested(names, limit)
     cpus = _cpu_list("/sys/devices/system/cpu/online")
     opened: list[Counter] = []
     fds: list[dict[int, int]] = []

@@ -111,3 +111,28 @@ def test_derived_tracks_follow_the_counters():
     assert derived_values((300.0, 100.0, 50.0), 100, tracks) == [3.0, 50.0]
     assert derived_values((300.0, 0.0, 50.0), 0, tracks) == [0.0, 0.0]   # no division by zero
     assert derived_tracks(["page-faults"]) == []
+
+
+FIVE_SOFTWARE = "task-clock,page-faults,context-switches,cpu-migrations,minor-faults"
+
+
+@pytest.mark.parametrize("names,refused", [(FIVE_SOFTWARE, True),
+                                           (FIVE_SOFTWARE.rsplit(",", 1)[0], False),
+                                           # aliases of one event are one counter
+                                           ("task-clock,page-faults,faults,cs,migrations", False)])
+def test_at_most_four_counters(names, refused):
+    """Five valid counters are refused by their number, at once, before any process is
+    touched; four pass (and then fail only because the process is not llama.cpp)."""
+    import subprocess
+    from conftest import PROFINFER
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        p = subprocess.run([*PROFINFER, "attach", "--pid", str(sleeper.pid), "--duration", "1",
+                            "--counters", names], capture_output=True, text=True, timeout=60)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("profinfer: error: "), p.stderr
+    assert ("at most 4 counters" in lines[0]) == refused, lines[0]
+    assert ("no llama.cpp in process" in lines[0]) == (not refused), lines[0]
