@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-need=(libbpf1 libbpf-dev clang bpftool graphviz python3-venv python3-pip cmake ninja-build gcc g++)
+need=(libbpf1 libbpf-dev clang lld bpftool graphviz python3-venv python3-pip cmake ninja-build gcc g++)
 missing=()
 for p in "${need[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

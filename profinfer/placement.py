@@ -5,6 +5,9 @@ rel, jcc); any other instruction is single-stepped out of line, which traps twic
 probe goes on the first emulated instruction of the function's entry block, provided that
 every call passes through it and the argument registers the handler reads still hold the
 arguments there.
+
+Only x86-64 code is decoded (here, in callsites.py and ggml.py): a binary for another
+architecture is refused, not probed at offsets computed from misread instructions.
 """
 from __future__ import annotations
 
@@ -12,6 +15,16 @@ from dataclasses import dataclass
 
 import capstone
 from capstone import x86_const as X
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
+from .errors import ProfinferError
+
+SUPPORTED_MACHINE = "EM_X86_64"
+# pyelftools' e_machine names, as people call those architectures
+_ARCH_NAMES = {"EM_AARCH64": "aarch64", "EM_386": "x86 (32-bit)", "EM_ARM": "arm (32-bit)",
+               "EM_RISCV": "riscv", "EM_PPC64": "ppc64", "EM_S390": "s390x",
+               "EM_LOONGARCH": "loongarch"}
 
 _ARG_REGS = {1: X.X86_REG_RDI, 2: X.X86_REG_RSI, 3: X.X86_REG_RDX, 4: X.X86_REG_RCX,
              5: X.X86_REG_R8, 6: X.X86_REG_R9}
@@ -27,6 +40,19 @@ _ALIASES = {
 
 _md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
 _md.detail = True
+
+
+def require_supported(path: str) -> None:
+    """Refuse an ELF file whose code is not x86-64, naming its architecture."""
+    try:
+        with open(path, "rb") as f:
+            machine = ELFFile(f).header.e_machine
+    except (OSError, ELFError) as e:
+        raise ProfinferError(f"cannot read the ELF header of {path}: {e}") from None
+    if machine != SUPPORTED_MACHINE:
+        arch = _ARCH_NAMES.get(machine, str(machine).removeprefix("EM_").lower())
+        raise ProfinferError(f"{path} is built for {arch}: profinfer places probes by decoding "
+                             "x86-64 code only")
 
 
 @dataclass(frozen=True)

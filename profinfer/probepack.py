@@ -86,6 +86,8 @@ def engine_libraries(pack: Pack, paths: list[str], root: str = "/",
 
 def resolve(pack: Pack, elfs: list[ElfInfo], levels: set[str]) -> tuple[list[ResolvedProbe], list[str]]:
     """Resolve every probe of the chosen levels; returns (probes, warnings)."""
+    for elf in elfs:
+        placement.require_supported(elf.path)
     out: list[ResolvedProbe] = []
     warnings: list[str] = []
     graph_index = 0
