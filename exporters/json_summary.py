@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from profinfer import calibrate, counterstats, layers, moe, probecost, roofline, schedstats, selfcost
+from profinfer import counterstats, layers, moe, recorded_calibration, roofline, schedstats, selfcost
 from profinfer.counterstats import CounterRow
 from profinfer.model import Profile
-from profinfer.opcolumns import as_columns
 from profinfer.stats import OpStats, compute
 
 
@@ -55,12 +54,13 @@ def summary(profile: Profile) -> dict:
 
 
 def _profiler_cost(profile: Profile) -> dict:
-    c = selfcost.compute(profile, probecost.cached())
+    trap = recorded_calibration.trap_costs(profile)
+    c = selfcost.compute(profile, trap.value)
     if c is None:
         return {}
     return {"profiler_cost": {
         "bpf_ns": c.bpf_ns, "bpf_runs": c.bpf_runs, "probe_hits": c.hits,
-        "hit_costs_ns": c.hit_costs_ns, "trap_ns": _int(c.trap_ns),
+        "hit_costs_ns": c.hit_costs_ns, "hit_costs": trap.as_json(), "trap_ns": _int(c.trap_ns),
         "collector_cpu_ns": c.collector_cpu_ns, "target_cpu_ns": c.target_cpu_ns,
         "in_target_share": c.in_target_share, "collector_share": c.collector_share}}
 
@@ -105,11 +105,13 @@ def _sched(profile: Profile) -> dict:
 def _roofline(profile: Profile) -> dict:
     if not profile.ops:
         return {}
-    roofs = calibrate.cached_roofs(len(as_columns(profile.ops).thread_ids()))
+    judged = recorded_calibration.roofs(profile)
+    roofs = judged.value
     if roofs is None:
         return {"roofline": None}
     return {"roofline": {
-        "roofs": {"peak_gflops": roofs.peak_gflops, "peak_gbps": roofs.peak_gbps, "ridge": roofs.ridge},
+        "roofs": {"peak_gflops": roofs.peak_gflops, "peak_gbps": roofs.peak_gbps, "ridge": roofs.ridge,
+                  **judged.as_json()},
         "verdicts": [{"scope": v.scope, "nodes": v.nodes, "time_ns": v.time_ns, "flops": v.flops,
                       "bytes": v.bytes, "gflops": v.gflops, "gbps": v.gbps, "intensity": v.intensity,
                       "bound": v.bound, "roof_share": v.roof_share,

@@ -1,23 +1,37 @@
-"""`profinfer calibrate`: measure this machine's roofs once and cache them.
+"""`profinfer calibrate`: measure this machine's roofs, check the measurement, cache it.
 
 A small C microbenchmark (profinfer/native/roofs.c, built with the system's gcc and OpenMP)
-measures read bandwidth, triad bandwidth and f32 FMA throughput with N threads. The memory
-roof is the read bandwidth (LLM weights are read, not written); the compute roof is f32 FMA,
-which is what ggml's CPU matmuls run on (f16 and quantized weights are widened to it, or to
-integer dot products of similar width).
+measures read bandwidth, triad bandwidth and f32 FMA throughput with N threads, 7 times each.
+The memory roof is the read bandwidth (LLM weights are read, not written); the compute roof
+is f32 FMA, which is what ggml's CPU matmuls run on (f16 and quantized weights are widened
+to it, or to integer dot products of similar width).
 
-Results are cached per CPU model and thread count in ~/.cache/profinfer/roofs.json; measure
-on an otherwise idle machine (a busy one gives lower roofs and so flattering verdicts).
+A busy machine gives low roofs, and so flattering verdicts for every later recording. So a
+measurement is checked before it is kept: other processes' CPU use during it (loadcheck), each
+repetition's share of time our threads were on a CPU (roofs.c), and the spread of the best
+undisturbed repetitions; then a second run must pass and agree with it (loadcheck.settle).
+The roofs are the best undisturbed repetition of the runs that passed. When no two runs pass
+and agree in ATTEMPTS, nothing is cached and UnreliableMeasurement says why. Checked results are cached per CPU model and thread count in
+$PROFINFER_CACHE/roofs.json (~/.cache/profinfer); entries without a check are ignored.
 """
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import time
+from dataclasses import dataclass
 
-from . import nativebuild
+from . import loadcheck, nativebuild
 from .errors import ProfinferError
+from .loadcheck import UnreliableMeasurement
 from .roofline import Roofs
+
+ATTEMPTS = 4           # runs, of which two must pass and agree
+MIN_CPU_SHARE = 0.9     # a repetition whose threads ran less than this of its time was disturbed
+MIN_STABLE_REPS = 3
+SPREAD_LIMIT = 0.10     # the best MIN_STABLE_REPS undisturbed repetitions agree within 10%
+FIGURES = ("read_gbps", "triad_gbps", "fma_gflops")
 
 
 def cpu_model() -> str:
@@ -35,10 +49,17 @@ def _key(threads: int) -> str:
     return f"{cpu_model()}|{os.cpu_count()} cpus|{threads} threads"
 
 
-def measure(threads: int, mib: int = 256) -> dict:
-    done = subprocess.run([nativebuild.build("roofs.c", ["-O3", "-march=native", "-ffast-math", "-fopenmp"]),
-                           str(threads), str(mib)], capture_output=True, text=True,
-                          timeout=300)
+def _cache_path() -> str:
+    return os.path.join(nativebuild.cache_dir(), "roofs.json")
+
+
+def run_benchmark(threads: int, mib: int = 256) -> dict:
+    """One run of roofs.c: every repetition's figures and CPU shares."""
+    binary = nativebuild.build("roofs.c", ["-O3", "-march=native", "-ffast-math", "-fopenmp"])
+    # waiting threads spin, so a repetition's CPU share is below 1 only when we were preempted
+    env = {**os.environ, "OMP_WAIT_POLICY": "active", "OMP_PROC_BIND": "false"}
+    done = subprocess.run([binary, str(threads), str(mib)], capture_output=True, text=True,
+                          timeout=300, env=env)
     if done.returncode != 0:
         raise ProfinferError(f"roofline microbenchmark failed (exit {done.returncode})")
     result = json.loads(done.stdout)
@@ -46,35 +67,111 @@ def measure(threads: int, mib: int = 256) -> dict:
     return result
 
 
+@dataclass
+class Measurement:
+    threads: int
+    roofs: dict[str, float]          # best undisturbed repetition of each figure
+    repetitions: int
+    undisturbed: dict[str, int]      # per figure: repetitions our threads held their CPUs
+    spread: dict[str, float]         # per figure: spread of the best undisturbed repetitions
+    load: loadcheck.Load
+
+    @property
+    def problems(self) -> list[str]:
+        out = [f"the machine was busy: {self.load.describe()}"] if self.load.busy else []
+        short = {name: name.split("_")[0] for name in self.roofs}
+        preempted = [f"{short[n]} {self.repetitions - k}/{self.repetitions}"
+                     for n, k in self.undisturbed.items() if k < MIN_STABLE_REPS]
+        if preempted:
+            out.append(f"our threads were preempted in {', '.join(preempted)} repetitions")
+        out += [f"the best {short[n]} repetitions differ by {s:.0%}" for n, s in self.spread.items()
+                if self.undisturbed[n] >= MIN_STABLE_REPS and s > SPREAD_LIMIT]
+        return out
+
+    def describe_check(self) -> str:
+        worst = max(self.spread.values())
+        return (f"{min(self.undisturbed.values())}/{self.repetitions} repetitions undisturbed, "
+                f"best {MIN_STABLE_REPS} within {worst:.1%}, {self.load.describe()}")
+
+
+def measure(threads: int, mib: int = 256) -> Measurement:
+    """One checked run (see `problems` for whether it passed)."""
+    with loadcheck.LoadWindow() as window:
+        raw = run_benchmark(threads, mib)
+    roofs, undisturbed, spread = {}, {}, {}
+    for name in FIGURES:
+        share = raw[name.split("_")[0] + "_cpu_share"]
+        ok = [v for v, s in zip(raw[name], share) if s >= MIN_CPU_SHARE]
+        undisturbed[name] = len(ok)
+        roofs[name] = max(ok) if ok else max(raw[name])
+        spread[name] = loadcheck.spread(ok, MIN_STABLE_REPS)
+    return Measurement(threads, roofs, len(raw["read_gbps"]), undisturbed, spread, window.load)
+
+
+def describe(r: dict) -> str:
+    return (f"threads {r['threads']}: read {r['read_gbps']:.1f} GB/s, triad {r['triad_gbps']:.1f} GB/s, "
+            f"f32 FMA {r['fma_gflops']:.1f} GFLOP/s (ridge {r['fma_gflops'] / r['read_gbps']:.1f} FLOP/byte)")
+
+
 def _load() -> dict:
     try:
-        with open(os.path.join(nativebuild.cache_dir(), "roofs.json")) as f:
+        with open(_cache_path()) as f:
             return json.load(f)
     except (OSError, ValueError):
         return {}
 
 
-def calibrate(threads: int | None = None, force: bool = False) -> dict:
+def _checked(cache: dict) -> dict:
+    return {k: v for k, v in cache.items() if isinstance(v, dict) and "check" in v}
+
+
+def calibrate(threads: int | None = None, force: bool = False, attempts: int = ATTEMPTS,
+              note=lambda msg: None) -> dict:
+    """This machine's checked roofs for `threads` threads, measured unless cached (or forced).
+
+    Raises UnreliableMeasurement, caching nothing, when no two runs pass and agree."""
     threads = threads or os.cpu_count() or 1
     cache = _load()
     key = _key(threads)
-    if key in cache and not force:
+    if key in _checked(cache) and not force:
         return cache[key]
-    result = measure(threads)
-    cache[key] = result
+    runs: list[Measurement] = []
+
+    def run_once():
+        runs.append(measure(threads))
+        return runs[-1].roofs, runs[-1].problems
+
+    roofs, problems = loadcheck.settle(run_once, attempts, True, note, "roofs")
+    if problems:
+        raise UnreliableMeasurement(
+            f"roofs not cached after {len(runs)} runs: {'; '.join(problems)}. "
+            f"Measured (maybe too low) {describe({'threads': threads, **roofs})}; "
+            f"run `profinfer calibrate` again when the machine is idle")
+    passed = [m for m in runs if not m.problems]
+    entry = {"threads": threads, **{k: round(v, 3) for k, v in roofs.items()},
+             "check": f"best of {len(passed)} runs that agree within {loadcheck.AGREE_LIMIT:.0%}; "
+                      f"last: {passed[-1].describe_check()}",
+             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    cache[key] = entry
     os.makedirs(nativebuild.cache_dir(), exist_ok=True)
-    with open(os.path.join(nativebuild.cache_dir(), "roofs.json"), "w") as f:
+    tmp = f"{_cache_path()}.{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(cache, f, indent=2)
-    return result
+    os.replace(tmp, _cache_path())
+    return entry
+
+
+def cached(threads: int) -> dict | None:
+    """The checked cache entry for `threads` threads (or the nearest count measured), if any."""
+    prefix = f"{cpu_model()}|{os.cpu_count()} cpus|"
+    mine = {int(k[len(prefix):].split()[0]): v for k, v in _checked(_load()).items()
+            if k.startswith(prefix)}
+    if not mine:
+        return None
+    return mine[min(mine, key=lambda t: (abs(t - threads), -t))]
 
 
 def cached_roofs(threads: int) -> Roofs | None:
     """The calibrated roofs for `threads` threads (or the nearest count measured), if any."""
-    cache = _load()
-    prefix = f"{cpu_model()}|{os.cpu_count()} cpus|"
-    mine = {int(k[len(prefix):].split()[0]): v for k, v in cache.items() if k.startswith(prefix)}
-    if not mine:
-        return None
-    best = min(mine, key=lambda t: (abs(t - threads), -t))
-    r = mine[best]
-    return Roofs(peak_gflops=r["fma_gflops"], peak_gbps=r["read_gbps"])
+    r = cached(threads)
+    return None if r is None else Roofs(peak_gflops=r["fma_gflops"], peak_gbps=r["read_gbps"])

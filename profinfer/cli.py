@@ -47,6 +47,10 @@ def _note(msg: str) -> None:
     click.echo(f"profinfer: {msg}", err=True)
 
 
+def _error(msg: str) -> None:
+    click.echo(f"profinfer: error: {msg}", err=True)
+
+
 def output_options(f):
     f = click.option("--json", "json_path", type=click.Path(dir_okay=False),
                      help="Write a machine-readable summary (JSON) to this file.")(f)
@@ -73,20 +77,30 @@ def probe_options(f):
     return f
 
 
-def _emit(profile: Profile, output: str | None, json_path: str | None, quiet: bool) -> None:
-    from .exporters import json_summary, perfetto
+def _emit(profile: Profile, output: str | None, json_path: str | None, quiet: bool) -> bool:
+    """Write the outputs and print the operator view. False when an output could not be
+    written where asked (it is then saved elsewhere, and an error line says where)."""
+    from . import outputs
     from .viewers import optable
-    if output:
-        if output.endswith(".json"):
-            perfetto.write_chrome_json(profile, output)
-        else:
-            perfetto.write_perfetto(profile, output)
-        click.echo(f"profinfer: wrote {output}", err=True)
-    if json_path:
-        json_summary.write_json(profile, json_path)
-        click.echo(f"profinfer: wrote {json_path}", err=True)
+    written = outputs.write_all(profile, outputs.requested(output, json_path), say=_note, error=_error)
     if not quiet:
         optable.render(profile)
+    return written
+
+
+def _shell_status(code: int) -> int:
+    """An exit code as a shell reports it: 128+N for a process killed by signal N."""
+    return 128 - code if code < 0 else code
+
+
+def _how_it_ended(code: int) -> str:
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"was killed by {name} (status {_shell_status(code)})"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -102,9 +116,12 @@ def cli():
 def attach(pid, levels, duration, tensor_layout, buffer, counters, output, json_path, quiet):
     """Profile a running llama.cpp process, without restarting it."""
     from .session import profile_process
-    profile = profile_process(pid, _levels(levels), duration, tensor_layout=tensor_layout,
-                              buffer=buffer, counters=_counters(counters), warn=_warn, note=_note)
-    _emit(profile, output, json_path, quiet)
+    levels, counters = _levels(levels), _counters(counters)
+    _check_outputs(output, json_path)
+    profile = profile_process(pid, levels, duration, tensor_layout=tensor_layout,
+                              buffer=buffer, counters=counters, warn=_warn, note=_note)
+    if not _emit(profile, output, json_path, quiet):
+        sys.exit(1)
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -112,12 +129,17 @@ def attach(pid, levels, duration, tensor_layout, buffer, counters, output, json_
 @output_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(levels, duration, tensor_layout, buffer, counters, output, json_path, quiet, command):
-    """Run COMMAND under the profiler, attached before its first instruction."""
-    profile, code = record_command(list(command), _levels(levels), duration, tensor_layout,
-                                   buffer=buffer, counters=_counters(counters))
-    _emit(profile, output, json_path, quiet)
+    """Run COMMAND under the profiler, attached before its first instruction.
+
+    Exits with COMMAND's exit status (128+N if a signal N killed it), as time(1) does."""
+    levels, counters = _levels(levels), _counters(counters)
+    _check_outputs(output, json_path)
+    profile, code = record_command(list(command), levels, duration, tensor_layout,
+                                   buffer=buffer, counters=counters)
+    written = _emit(profile, output, json_path, quiet)
     if code:
-        _warn(f"{command[0]} exited with status {code}")
+        _warn(f"{command[0]} {_how_it_ended(code)}")
+    sys.exit(_shell_status(code) or (0 if written else 1))
 
 
 def record_command(command: list[str], levels: set[str], duration: float | None,
@@ -174,7 +196,8 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the JSON summary.")
 def report(trace, json_path):
     """Operator view of a saved trace (.pftrace written by profinfer)."""
-    _emit(_load_trace(trace), None, json_path, False)
+    if not _emit(_load_trace(trace), None, json_path, False):
+        sys.exit(1)
 
 
 def _load_trace(trace: str) -> Profile:
@@ -197,15 +220,19 @@ def _load_trace(trace: str) -> Profile:
 def demo(model, tokens, threads, levels, counters, output, json_path, quiet):
     """Build (once, cached) and profile the bundled llama.cpp workload."""
     from . import workload
+    levels, counters = _levels(levels), _counters(counters)
+    output = output or "demo.pftrace"
+    _check_outputs(output, json_path)
     build = workload.ensure_llama_build()
     gguf = workload.ensure_model(model)
     cmd = workload.completion_command(build, gguf, DEFAULT_PROMPT, tokens, threads)
     click.echo(f"profinfer: recording {' '.join(cmd)}", err=True)
-    profile, code = record_command(cmd, _levels(levels), None, env=workload.llama_env(build),
-                                   counters=_counters(counters))
-    _emit(profile, output or "demo.pftrace", json_path, quiet)
+    profile, code = record_command(cmd, levels, None, env=workload.llama_env(build),
+                                   counters=counters)
+    written = _emit(profile, output, json_path, quiet)
     if code:
-        raise ProfinferError(f"the workload exited with status {code}")
+        _error(f"the workload {_how_it_ended(code)}")
+    sys.exit(_shell_status(code) or (0 if written else 1))
 
 
 @cli.command(name="graph")

@@ -7,6 +7,10 @@ difference is the trap, the kernel's emulation or single-step of the probed inst
 the return to user space. Three costs: a probe on an instruction the kernel emulates (how
 profinfer places its probes), one on an instruction it must single-step, and what a
 uretprobe adds on return.
+
+Checked as the roofs are (see calibrate, loadcheck): a run taken while other processes used
+the CPUs, or whose probed rounds disagree, is rejected; two runs must pass and agree, or
+nothing is cached.
 """
 from __future__ import annotations
 
@@ -16,14 +20,18 @@ import os
 import platform
 import statistics
 import subprocess
+import time
 
-from . import counters, nativebuild
+from . import counters, loadcheck, nativebuild
 from .errors import ProfinferError
+from .loadcheck import UnreliableMeasurement
 from .symbols import load_elf
 
 UPROBE_PMU = "/sys/bus/event_source/devices/uprobe"
 ROUNDS = 5                        # probed and plain rounds, alternating
 CALLS = {"emulated": 200_000, "stepped": 20_000}
+ATTEMPTS = 4             # runs, of which two must pass and agree
+SPREAD_LIMIT = 0.25      # the 3 cheapest probed rounds of each kind agree within 25%
 
 
 def _cache_path() -> str:
@@ -50,8 +58,8 @@ def _uprobe_attr(path: bytes, offset: int, retprobe: bool) -> tuple[counters.Per
     return attr, buf          # the path buffer must live until the event is open
 
 
-def _rounds(binary: str, function: str, offset: int, retprobe: bool) -> float:
-    """Median probed minus median plain ns per call."""
+def _rounds(binary: str, function: str, offset: int, retprobe: bool) -> tuple[list[float], list[float]]:
+    """ns per call of each plain and each probed round."""
     calls = CALLS[function]
     proc = subprocess.Popen([binary, function, str(calls), str(2 * ROUNDS)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
@@ -76,18 +84,36 @@ def _rounds(binary: str, function: str, offset: int, retprobe: bool) -> float:
     finally:
         proc.stdin.close()
         proc.wait(timeout=60)
-    return max(statistics.median(probed) - statistics.median(plain), 0.0)
+    return plain, probed
 
 
-def measure() -> dict:
+def measure_checked() -> tuple[dict, list[str], str]:
+    """One run: ns per hit ("emulated", "stepped", and "with_return": an emulated entry probe
+    plus its uretprobe), what makes it unreliable (empty when it passed), and its check."""
     binary = nativebuild.build("probecost.c", ["-O2"])
     syms = load_elf(binary).symbols
     off = {f: syms[f"pi_probe_{f}"].file_offset for f in CALLS}
-    emulated = _rounds(binary, "emulated", off["emulated"], False)
-    stepped = _rounds(binary, "stepped", off["stepped"], False)
-    with_return = _rounds(binary, "emulated", off["emulated"], True)
-    return {"emulated_ns": round(emulated, 1), "stepped_ns": round(stepped, 1),
-            "uretprobe_extra_ns": round(max(with_return - emulated, 0.0), 1)}
+    kinds = {"emulated": ("emulated", False), "stepped": ("stepped", False),
+             "with_return": ("emulated", True)}
+    with loadcheck.LoadWindow() as window:
+        rounds = {k: _rounds(binary, fn, off[fn], ret) for k, (fn, ret) in kinds.items()}
+    cost = {k: max(statistics.median(probed) - statistics.median(plain), 0.0)
+            for k, (plain, probed) in rounds.items()}
+    spread = {k: loadcheck.spread(probed, 3, higher_is_better=False) for k, (_, probed) in rounds.items()}
+    problems = [f"the machine was busy: {window.load.describe()}"] if window.load.busy else []
+    problems += [f"{k} rounds differ by {s:.0%}" for k, s in spread.items() if s > SPREAD_LIMIT]
+    return cost, problems, (f"cheapest 3 probed rounds within {max(spread.values()):.1%}, "
+                            f"{window.load.describe()}")
+
+
+def _as_costs(cost: dict) -> dict:
+    return {"emulated_ns": round(cost["emulated"], 1), "stepped_ns": round(cost["stepped"], 1),
+            "uretprobe_extra_ns": round(max(cost["with_return"] - cost["emulated"], 0.0), 1)}
+
+
+def measure() -> dict:
+    """The costs of one run, unchecked."""
+    return _as_costs(measure_checked()[0])
 
 
 def _load() -> dict:
@@ -98,18 +124,47 @@ def _load() -> dict:
         return {}
 
 
-def calibrate(force: bool = False) -> dict:
+def describe(c: dict) -> str:
+    return (f"uprobe hit: {c['emulated_ns'] / 1e3:.2f} µs on an emulated instruction, "
+            f"{c['stepped_ns'] / 1e3:.2f} µs single-stepped, "
+            f"+{c['uretprobe_extra_ns'] / 1e3:.2f} µs for a uretprobe's return")
+
+
+def calibrate(force: bool = False, attempts: int = ATTEMPTS, note=lambda msg: None) -> dict:
+    """The checked costs for this CPU and kernel, measured unless cached (or forced).
+
+    Raises UnreliableMeasurement, caching nothing, when no two runs pass and agree."""
     cache = _load()
-    if _key() in cache and not force:
+    if "check" in cache.get(_key(), {}) and not force:
         return cache[_key()]
-    result = measure()
+    checks: list[str] = []
+
+    def run_once():
+        cost, problems, check = measure_checked()
+        if not problems:
+            checks.append(check)
+        return cost, problems
+
+    # interference only adds to a trap's cost: the cheapest of the runs that agree
+    cost, problems = loadcheck.settle(run_once, attempts, False, note, "probe cost")
+    result = _as_costs(cost)
+    if problems:
+        raise UnreliableMeasurement(
+            f"probe costs not cached: {'; '.join(problems)}. Measured (maybe off) "
+            f"{describe(result)}; run `profinfer calibrate` again when the machine is idle")
+    result.update(check=f"cheapest of {len(checks)} runs that agree within "
+                        f"{loadcheck.AGREE_LIMIT:.0%}; last: {checks[-1]}",
+                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     cache[_key()] = result
     os.makedirs(nativebuild.cache_dir(), exist_ok=True)
-    with open(_cache_path(), "w") as f:
+    tmp = f"{_cache_path()}.{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(cache, f, indent=2)
+    os.replace(tmp, _cache_path())
     return result
 
 
 def cached() -> dict | None:
-    """The measured costs for this CPU and kernel, if `profinfer calibrate` measured them."""
-    return _load().get(_key())
+    """The checked costs for this CPU and kernel, if `profinfer calibrate` measured them."""
+    entry = _load().get(_key())
+    return entry if isinstance(entry, dict) and "check" in entry else None

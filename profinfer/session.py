@@ -176,6 +176,8 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
         profile.meta["collector_cpu_decoding_s"] = f"{own_cpu - own_cpu_from:.3f}"
         if target_cpu is not None:
             profile.meta["target_cpu_s"] = f"{target_cpu:.3f}"
+        from . import recorded_calibration
+        recorded_calibration.stamp(profile)     # the roofs and trap costs that judge this run
         return profile
     finally:
         line.close()

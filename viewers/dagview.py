@@ -5,10 +5,11 @@ from rich.console import Console
 from rich.table import Table
 
 from profinfer.dag import Dag
+from profinfer.viewers.terminal import report_console
 
 
 def render(dag: Dag, console: Console | None = None, top: int = 40) -> None:
-    console = console or Console()
+    console = console or report_console()
     total = dag.total_ns or 1
     console.print(f"{dag.phase} graph: {dag.nodes_per_graph} nodes, {dag.edges_per_graph} edges; "
                   f"{dag.graphs} computes merged"

@@ -12,6 +12,7 @@ from profinfer.opcolumns import as_columns
 from profinfer.roofline import Roofs, Verdict
 from profinfer.schedstats import SchedStats
 from profinfer.stats import ProfileStats, compute
+from profinfer.viewers.terminal import report_console
 
 
 def _ms(ns: float | None) -> str:
@@ -184,7 +185,7 @@ def latency_line(st: ProfileStats) -> str:
 
 def render(profile: Profile, console: Console | None = None) -> ProfileStats:
     """Print the report; returns the stats it was built from."""
-    console = console or Console()
+    console = console or report_console()
     st = compute(profile)
     console.print(op_table(st))
     console.print(phase_table(st))

@@ -1,6 +1,8 @@
 /* Roofs of this machine for profinfer's roofline: read bandwidth, triad bandwidth and f32 FMA
- * throughput, each with N threads (OpenMP), best of several repetitions.
- * Prints one JSON object. Built and run by profinfer/calibrate.py.
+ * throughput, each with N threads (OpenMP), over several repetitions.
+ * Prints one JSON object with every repetition's result and the share of the repetition's
+ * wall time x N that this process spent on a CPU (under 1 when something else took our
+ * CPUs). profinfer/calibrate.py builds and runs it, and judges stability and load from that.
  *
  *   roofs THREADS MIB_PER_ARRAY
  */
@@ -11,15 +13,41 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 
-static double now(void)
+static double seconds(clockid_t clock)
 {
     struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
+    clock_gettime(clock, &t);
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-#define REPS 5
+#define REPS 7
 #define ACC 12
+
+struct rep {
+    double wall0, cpu0;
+};
+
+static struct rep rep_start(void)
+{
+    struct rep r = {seconds(CLOCK_MONOTONIC), seconds(CLOCK_PROCESS_CPUTIME_ID)};
+    return r;
+}
+
+/* wall seconds since `r`; *share: CPU time of all our threads over wall x threads */
+static double rep_end(struct rep r, int threads, double *share)
+{
+    double wall = seconds(CLOCK_MONOTONIC) - r.wall0;
+    *share = (seconds(CLOCK_PROCESS_CPUTIME_ID) - r.cpu0) / (wall * threads);
+    return wall;
+}
+
+static void print_series(const char *name, const double *v)
+{
+    printf("\"%s\": [", name);
+    for (int i = 0; i < REPS; i++)
+        printf("%s%.4f", i ? ", " : "", v[i]);
+    printf("], ");
+}
 
 int main(int argc, char **argv)
 {
@@ -39,31 +67,29 @@ int main(int argc, char **argv)
         c[i] = 0.5f;
     }
 
-    double best_read = 1e30, best_triad = 1e30, best_fma = 1e30;
+    double read_gbps[REPS], read_share[REPS], triad_gbps[REPS], triad_share[REPS];
+    double fma_gflops[REPS], fma_share[REPS];
     float sink = 0;
     for (int rep = 0; rep < REPS; rep++) {
-        double t0 = now();
+        struct rep r = rep_start();
         float s = 0;
 #pragma omp parallel for schedule(static) reduction(+:s)
         for (size_t i = 0; i < n; i++)
             s += a[i];
-        double t1 = now();
+        read_gbps[rep] = n * sizeof(float) / rep_end(r, threads, &read_share[rep]) / 1e9;
         sink += s;
-        if (t1 - t0 < best_read)
-            best_read = t1 - t0;
 
-        t0 = now();
+        r = rep_start();
 #pragma omp parallel for schedule(static)
         for (size_t i = 0; i < n; i++)
             a[i] = b[i] + 3.0f * c[i];
-        t1 = now();
-        if (t1 - t0 < best_triad)
-            best_triad = t1 - t0;
+        triad_gbps[rep] = 3.0 * n * sizeof(float) / rep_end(r, threads, &triad_share[rep]) / 1e9;
     }
 
     const long iters = 20 * 1000 * 1000;
+    const double fma_flops = (double)iters * ACC * 8 * 2 * threads;
     for (int rep = 0; rep < REPS; rep++) {
-        double t0 = now();
+        struct rep r = rep_start();
 #pragma omp parallel reduction(+:sink)
         {
             v8 acc[ACC];
@@ -83,13 +109,15 @@ int main(int argc, char **argv)
                     s += acc[k][j];
             sink += s;
         }
-        double t1 = now();
-        if (t1 - t0 < best_fma)
-            best_fma = t1 - t0;
+        fma_gflops[rep] = fma_flops / rep_end(r, threads, &fma_share[rep]) / 1e9;
     }
-    double fma_flops = (double)iters * ACC * 8 * 2 * threads;
-    printf("{\"threads\": %d, \"read_gbps\": %.3f, \"triad_gbps\": %.3f, \"fma_gflops\": %.3f, "
-           "\"sink\": %g}\n", threads, n * sizeof(float) / best_read / 1e9,
-           3.0 * n * sizeof(float) / best_triad / 1e9, fma_flops / best_fma / 1e9, (double)sink);
+    printf("{\"threads\": %d, ", threads);
+    print_series("read_gbps", read_gbps);
+    print_series("read_cpu_share", read_share);
+    print_series("triad_gbps", triad_gbps);
+    print_series("triad_cpu_share", triad_share);
+    print_series("fma_gflops", fma_gflops);
+    print_series("fma_cpu_share", fma_share);
+    printf("\"sink\": %g}\n", (double)sink);
     return 0;
 }

@@ -1,0 +1,89 @@
+"""A recording keeps the roofs and probe trap costs that judge it: reports of a saved trace use
+the trace's own, whatever this machine's calibration says now, and fall back to this
+machine's only with a note."""
+from __future__ import annotations
+
+import json
+import os
+
+from conftest import completion_cmd, run_profinfer
+
+from profinfer import bpfobj, calibrate, probecost, recorded_calibration
+from profinfer.exporters.json_summary import summary
+from profinfer.exporters.perfetto import write_perfetto
+from profinfer.exporters.trace_reader import read_trace
+from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+
+
+def calibration_cache(path, read_gbps, fma_gflops, emulated_ns, threads=2):
+    """A cache directory holding a checked calibration with these figures."""
+    path.mkdir()
+    roofs = {"threads": threads, "read_gbps": read_gbps, "triad_gbps": read_gbps, "fma_gflops": fma_gflops,
+             "check": "test entry", "measured_at": "2000-01-01T00:00:00"}
+    (path / "roofs.json").write_text(json.dumps({calibrate._key(threads): roofs}))
+    costs = {"emulated_ns": emulated_ns, "stepped_ns": 4 * emulated_ns, "uretprobe_extra_ns": 100.0,
+             "check": "test entry", "measured_at": "2000-01-01T00:00:00"}
+    (path / "probecost.json").write_text(json.dumps({probecost._key(): costs}))
+    # the compiled BPF objects, so that recording under this cache does not rebuild them
+    os.symlink(bpfobj.cache_dir(), path / "bpf")
+    return path
+
+
+def decode_profile() -> Profile:
+    mm = dict(srcs=(0xA, 0xB), src_views=(0, 0), src_ne=((2048, 8192, 1, 1), (2048, 1, 1, 1)),
+              src_dtypes=("f16", "f32"))
+    ops = [OpSlice(tid, tid, 0, 1_000_000, 1_000_000, "MUL_MAT", "x-0", (8192, 1, 1, 1), "f32", 0xC, **mm)
+           for tid in (1, 2)]
+    return Profile(pid=1, graphs=[GraphCall(1, 0, 2_000_000, "CPU", 1)], ops=ops,
+                   tokens=[TokenCall(1, 0, 2_000_000, 1, False)],
+                   meta={"cost:bpf_ns": "1000", "cost:bpf_runs": "10", "cost:hits_emulated": "10",
+                         "target_cpu_s": "1.0"})
+
+
+def test_stored_calibration_round_trips(tmp_path, monkeypatch):
+    recorder = calibration_cache(tmp_path / "recorder", 11.0, 110.0, 1000.0)
+    reader = calibration_cache(tmp_path / "reader", 33.0, 330.0, 3000.0)
+    monkeypatch.setenv("PROFINFER_CACHE", str(recorder))
+    p = decode_profile()
+    recorded_calibration.stamp(p)
+    write_perfetto(p, tmp_path / "t.pftrace")
+
+    monkeypatch.setenv("PROFINFER_CACHE", str(reader))
+    s = summary(read_trace(tmp_path / "t.pftrace"))
+    roofs = s["roofline"]["roofs"]
+    assert (roofs["peak_gbps"], roofs["peak_gflops"], roofs["stored_in_trace"]) == (11.0, 110.0, True)
+    cost = s["profiler_cost"]
+    assert cost["hit_costs_ns"]["emulated"] == 1000.0 and cost["hit_costs"]["stored_in_trace"]
+    assert s["meta"]["roofs:check"] == "test entry"
+
+    old = decode_profile()                    # a trace that stores none: this machine's, said so
+    write_perfetto(old, tmp_path / "old.pftrace")
+    s = summary(read_trace(tmp_path / "old.pftrace"))
+    roofs = s["roofline"]["roofs"]
+    assert (roofs["peak_gbps"], roofs["stored_in_trace"]) == (33.0, False)
+    assert "stores no roofs" in roofs["origin"]
+    assert s["profiler_cost"]["hit_costs_ns"]["emulated"] == 3000.0
+    assert not s["profiler_cost"]["hit_costs"]["stored_in_trace"]
+
+
+def test_report_and_graph_of_a_trace_use_its_roofs(llama_build, tiny_model, llama_env, tmp_path):
+    recorder = calibration_cache(tmp_path / "recorder", 11.0, 110.0, 1000.0)
+    reader = calibration_cache(tmp_path / "reader", 33.0, 330.0, 3000.0)
+    trace = tmp_path / "run.pftrace"
+    rec = run_profinfer(["record", "--quiet", "-o", str(trace), "--",
+                         *completion_cmd(llama_build, tiny_model, n=8)],
+                        env={**llama_env, "PROFINFER_CACHE": str(recorder)}, tmp_path=tmp_path)
+    assert rec.rc == 0, rec.stderr[-2000:]
+    assert rec.summary["roofline"]["roofs"]["peak_gbps"] == 11.0
+
+    env = {**llama_env, "PROFINFER_CACHE": str(reader)}
+    rep = run_profinfer(["report", str(trace)], env=env, tmp_path=tmp_path)
+    assert rep.rc == 0, rep.stderr[-2000:]
+    roofs = rep.summary["roofline"]["roofs"]
+    assert (roofs["peak_gbps"], roofs["peak_gflops"], roofs["stored_in_trace"]) == (11.0, 110.0, True)
+    assert rep.summary["profiler_cost"]["hit_costs_ns"]["emulated"] == 1000.0
+    assert "11.0 GB/s read" in rep.stdout and "stored in the recording" in rep.stdout
+
+    graph = run_profinfer(["graph", str(trace)], env=env, json_summary=False)
+    assert graph.rc == 0, graph.stderr[-2000:]
+    assert "against 11.0 GB/s and 110.0 GFLOP/s: roofs stored in the recording" in graph.stdout
