@@ -75,12 +75,35 @@ struct pi_node_desc {
     char name[PI_NAME_LEN];
 };
 
+/* What a table layout (no DWARF) is checked with, beyond the description: the fields the
+ * DAG and the MoE reads depend on. Filled (checked = 1) only when cfg.check_layout is set,
+ * in a thread's first PI_CHECK_NODES description reads (~1 more read per view source, never
+ * again after those, even where every run is read); not part of the description's hash. */
+#define PI_CHECK_NODES 64
+
+struct pi_node_check {
+    u64 nb[4];           /* the node's byte strides */
+    u64 view_src;        /* the node's own view_src, view_offs (the next field) and data */
+    u64 view_offs;
+    u64 data;
+    u64 src_data[3];     /* each source's data and view_offs */
+    u64 src_view_offs[3];
+    u64 root_data[3];    /* each source's view_src (desc.src_view) read: its data, */
+    u64 root_view_src[3];    /* its own view_src (0: ggml points views at the root), */
+    s32 root_type[3];        /* its type (-1: not read) */
+    s32 src2_type;       /* the third source's type and shape (MUL_MAT_ID: the expert ids) */
+    s64 src2_ne[4];
+    u32 checked;
+    u32 pad;
+};
+
 struct pi_node_event {
     u32 kind;
     u32 tid;
     u32 node;            /* this thread's number for the node (op events carry it) */
     u32 pad;
     struct pi_node_desc desc;
+    struct pi_node_check check;
 };
 
 struct pi_op_event {
@@ -171,7 +194,7 @@ struct pi_op_thread {
     u32 has_cur;
     u32 next_node;                                   /* the number the next new node gets */
     u32 owner;           /* in op_threads_direct: the TID it is for; 0 free; PI_SLOT_RELEASING */
-    u32 pad;
+    u32 layout_checks;   /* descriptions read with pi_node_check filled (up to PI_CHECK_NODES) */
     struct pi_op_event cur;                          /* the node this thread is computing */
     struct pi_counter_read ctr_start[PI_MAX_COUNTERS];   /* at the node's start */
     struct pi_counter_read ctr_end[PI_MAX_COUNTERS];     /* at its latest barrier */
@@ -244,4 +267,6 @@ struct pi_config {
     u32 thread_slots;         /* op_threads_direct's size, a power of two; 0: unused */
     u32 pad3;
     u64 init_params_sp_off;   /* ggml_init's params (by value) relative to sp at its entry */
+    u32 check_layout;         /* a table layout: fill pi_node_check for the first nodes */
+    u32 pad4;
 };

@@ -325,18 +325,29 @@ static __always_inline u64 max_u64(u64 a, u64 b)
     return a > b ? a : b;
 }
 
+/* A table layout's check also reads nb, view_offs (after view_src) and data (events.h). */
+static __always_inline u64 check_window(void)
+{
+    return cfg.check_layout ? max_u64(max_u64(cfg.t_off_nb + 32, cfg.t_off_view_src + 16),
+                                      cfg.t_off_data + 8) : 0;
+}
+
 /* Bytes from a tensor's start that hold its type, ne, op, src[0..2] and name; and those that
- * hold a source's type, ne and view_src. Constants once .rodata is frozen, so the verifier
- * checks every field's place in the window statically and drops the unused branch. */
+ * hold a source's type, ne and view_src (and what a layout check reads). Constants once
+ * .rodata is frozen, so the verifier checks every field's place in the window statically
+ * and drops the unused branch. */
 static __always_inline u64 node_window(void)
 {
-    return max_u64(max_u64(cfg.t_off_type + 4, cfg.t_off_ne + 32),
-                   max_u64(max_u64(cfg.t_off_op + 4, cfg.t_off_src + 24), cfg.t_off_name + PI_NAME_LEN));
+    return max_u64(max_u64(max_u64(cfg.t_off_type + 4, cfg.t_off_ne + 32),
+                           max_u64(max_u64(cfg.t_off_op + 4, cfg.t_off_src + 24),
+                                   cfg.t_off_name + PI_NAME_LEN)),
+                   check_window());
 }
 
 static __always_inline u64 source_window(void)
 {
-    return max_u64(max_u64(cfg.t_off_type + 4, cfg.t_off_ne + 32), cfg.t_off_view_src + 8);
+    return max_u64(max_u64(max_u64(cfg.t_off_type + 4, cfg.t_off_ne + 32), cfg.t_off_view_src + 8),
+                   check_window());
 }
 
 static __always_inline void copy_ne(s64 *ne, const u8 *w)
@@ -355,6 +366,23 @@ static __always_inline u64 read_source_window(u8 *w, u64 src, s32 *type, s64 *ne
     *type = *(const s32 *)(w + cfg.t_off_type);
     copy_ne(ne, w);
     return *(const u64 *)(w + cfg.t_off_view_src);
+}
+
+/* The check fields (events.h) of source k, in the window when it was read (its type is
+ * not -1), and of its view root. */
+static __always_inline void check_source(struct pi_node_check *c, u8 *w, int k, s32 type, u64 root)
+{
+    int read = type != -1;
+    c->src_data[k] = read ? *(const u64 *)(w + cfg.t_off_data) : 0;
+    c->src_view_offs[k] = read ? *(const u64 *)(w + cfg.t_off_view_src + 8) : 0;
+    c->root_type[k] = -1;
+    c->root_data[k] = 0;
+    c->root_view_src[k] = 0;
+    if (root && !bpf_probe_read_user(w, source_window(), (void *)root)) {
+        c->root_type[k] = *(const s32 *)(w + cfg.t_off_type);
+        c->root_view_src[k] = *(const u64 *)(w + cfg.t_off_view_src);
+        c->root_data[k] = *(const u64 *)(w + cfg.t_off_data);
+    }
 }
 
 /* A source that is a view (of the KV cache, a reshape of a node) names through view_src the
@@ -574,6 +602,11 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
     }
     tally(PI_TALLY_NODE_READS);
     struct pi_node_desc *d = &st->node.desc;
+    struct pi_node_check *c = &st->node.check;
+    /* a table layout is checked in each thread's first description reads only (events.h) */
+    int checking = cfg.check_layout && st->layout_checks < PI_CHECK_NODES;
+    if (checking)
+        st->layout_checks++;
     d->tensor = (u64)t;
     d->pad = 0;
     u8 *w = st->window;
@@ -590,11 +623,29 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
 #pragma unroll
         for (int i = 0; i < 3; i++)
             d->src[i] = *(const u64 *)(w + cfg.t_off_src + 8 * i);
+        if (checking) {
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                c->nb[i] = *(const u64 *)(w + cfg.t_off_nb + 8 * i);
+            c->view_src = *(const u64 *)(w + cfg.t_off_view_src);
+            c->view_offs = *(const u64 *)(w + cfg.t_off_view_src + 8);
+            c->data = *(const u64 *)(w + cfg.t_off_data);
+        }
         /* the window is reused for each source once the node's fields are out of it */
         d->src_view[0] = read_source_window(w, d->src[0], &d->src0_type, d->src0_ne);
+        if (checking)
+            check_source(c, w, 0, d->src0_type, d->src_view[0]);
         d->src_view[1] = read_source_window(w, d->src[1], &d->src1_type, d->src1_ne);
+        if (checking) {
+            check_source(c, w, 1, d->src1_type, d->src_view[1]);
+            d->src_view[2] = read_source_window(w, d->src[2], &c->src2_type, c->src2_ne);
+            check_source(c, w, 2, c->src2_type, d->src_view[2]);
+        }
     }
-    d->src_view[2] = view_root(d->src[2]);
+    if (!checking)
+        d->src_view[2] = view_root(d->src[2]);
+    if (cfg.check_layout)
+        c->checked = checking;
     d->fused_op = -1;
     d->fused_tensor = (u64)fused_with;
     if (fused_with)

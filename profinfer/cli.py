@@ -66,8 +66,9 @@ def probe_options(f):
                      "and wakeups of the target's threads: preempted and sleeping time per op).")(f)
     f = click.option("--duration", type=click.FloatRange(min=0.01),
                      help="Stop after this many seconds (default: until Ctrl-C or target exit).")(f)
-    f = click.option("--tensor-layout", help="Skip DWARF and decode ggml_tensor with this known layout "
-                     "(validated on live data).")(f)
+    f = click.option("--tensor-layout", help="Skip DWARF and decode ggml_tensor with this known layout, "
+                     "or these offsets (type=0,ne=16,op=80,src=152,view_src=232,data=248,name=256); "
+                     "validated on live data.")(f)
     f = click.option("--buffer", type=click.Choice(["auto", "ring", "perf"]), default="auto",
                      show_default=True, help="BPF-to-user transport: ring buffer (Linux 5.12+) "
                      "or per-CPU perf buffers.")(f)
@@ -75,6 +76,12 @@ def probe_options(f):
                      "and end, perf's names: cycles,instructions,cache-misses,task-clock,"
                      "page-faults,LLC-load-misses,r01a3,... (at most 4; needs the op level).")(f)
     return f
+
+
+def _check_outputs(output: str | None, json_path: str | None) -> None:
+    """Refuse an output that cannot be written before anything is attached or run."""
+    from . import outputs
+    outputs.check_writable(outputs.requested(output, json_path))
 
 
 def _emit(profile: Profile, output: str | None, json_path: str | None, quiet: bool) -> bool:

@@ -215,7 +215,8 @@ class Collector:
         lay = self.layout
         # as node_window()/source_window() in the BPF object compute them
         window = max(lay.type + 4, lay.ne + 32, lay.op + 4, lay.src + 24, lay.view_src + 8,
-                     lay.name_off + self.consts["PI_NAME_LEN"])
+                     lay.name_off + self.consts["PI_NAME_LEN"],
+                     0 if self._layout_trusted else max(lay.nb + 32, lay.view_offs + 8, lay.data + 8))
         if window > self.consts["PI_TENSOR_WINDOW"]:
             raise ProfinferError(f"this ggml_tensor layout ({lay.name}) puts the fields profinfer "
                                  f"reads {window} bytes into a tensor; it reads the first "
@@ -232,6 +233,7 @@ class Collector:
         cfg["t_off_view_src"] = lay.view_src
         cfg["t_off_nb"] = lay.nb
         cfg["t_off_data"] = lay.data
+        cfg["check_layout"] = int(not self._layout_trusted)   # a table layout: checked live
         cfg["op_mul_mat_id"] = (self.op_names.index("MUL_MAT_ID") if "MUL_MAT_ID" in self.op_names
                                 else -1)
         cfg["n_counters"] = len(self.counters.counters) if self.counters else 0
@@ -382,16 +384,18 @@ class Collector:
         self._assembler().add(ops)
 
     def _validate(self, nodes: np.ndarray) -> None:
-        """Check a table layout on the first node descriptions BPF read with it."""
-        self._first_nodes.append(nodes["desc"])
+        """Check a table layout on the first node descriptions BPF read with it: every field
+        the op table, the DAG and the MoE reads use (ggml.layout_faults). A tenth of
+        VALIDATE_NODES may fail (an op whose inputs profinfer has no rule for), even in a
+        first drain that holds a few nodes; more refuses it."""
+        self._first_nodes.append(nodes)
         seen = np.concatenate(self._first_nodes)[:VALIDATE_NODES]
-        good = sum(ggml.plausible(int(o["op"]), int(o["type"]), o["ne"], bytes(o["name"]),
-                                  len(self.op_names)) for o in seen)
-        if good < 0.9 * len(seen):
-            raise ProfinferError(
-                f"unknown ggml_tensor layout: the {self.layout.name} layout decodes "
-                f"{len(seen) - good} of {len(seen)} nodes as garbage; this build needs DWARF "
-                "(build with -g) or a newer profinfer")
+        for what, bad, checked in ggml.layout_faults(seen, self.op_names):
+            if bad > 0.1 * max(checked, VALIDATE_NODES):
+                raise ProfinferError(
+                    f"unknown ggml_tensor layout: with the {self.layout.name} layout, {what} "
+                    f"in {bad} of {checked} nodes; this build needs DWARF (build with -g) or "
+                    "a newer profinfer")
         if len(seen) >= VALIDATE_NODES:
             self._layout_trusted = True
             self._first_nodes = []

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 
 import capstone
+import gguf
+import numpy as np
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
@@ -45,6 +47,10 @@ class TensorLayout:
     def nb(self) -> int:
         return self.ne + 32      # int64_t ne[4] is followed by size_t nb[4] in every version
 
+    @property
+    def view_offs(self) -> int:
+        return self.view_src + 8   # size_t view_offs follows view_src in every version
+
 
 # Known ggml_tensor layouts, newest first. Used only when the binary has no DWARF, and then
 # only after the live data looks right (see plausible()).
@@ -59,12 +65,41 @@ KNOWN_LAYOUTS = [
 ]
 
 
+_LAYOUT_FIELDS = {"type": 4, "ne": 64, "op": 4, "src": 24, "view_src": 16, "data": 8, "name": 64}
+# the BPF object reads a tensor's fields from its first PI_TENSOR_WINDOW bytes (events.h)
+_WINDOW = 512
+
+
 def layout_by_name(name: str) -> TensorLayout:
+    """A known layout by name, or one spelled out as offsets (`type=0,ne=16,op=80,src=152,
+    view_src=232,data=248,name=256`, e.g. from `pahole -C ggml_tensor` on a debug build of
+    the same version); either is validated on live data before it is trusted."""
     for lay in KNOWN_LAYOUTS:
         if lay.name == name:
             return lay
-    raise ProfinferError(f"unknown tensor layout {name!r}; known: "
-                         + ", ".join(l.name for l in KNOWN_LAYOUTS))
+    if "=" not in name:
+        raise ProfinferError(f"unknown tensor layout {name!r}; known: "
+                             + ", ".join(l.name for l in KNOWN_LAYOUTS)
+                             + ", or offsets: " + ",".join(f"{f}=N" for f in _LAYOUT_FIELDS))
+    offsets: dict[str, int] = {}
+    for part in name.split(","):
+        field, _, value = part.partition("=")
+        field = field.strip()
+        if field not in _LAYOUT_FIELDS or field in offsets or not value.strip().isdigit():
+            raise ProfinferError(f"tensor layout {name!r}: give each of "
+                                 + ", ".join(_LAYOUT_FIELDS) + " once, as FIELD=OFFSET")
+        offsets[field] = int(value)
+    missing = [f for f in _LAYOUT_FIELDS if f not in offsets]
+    if missing:
+        raise ProfinferError(f"tensor layout {name!r}: no offset for {', '.join(missing)}")
+    for field, off in offsets.items():
+        if off % (4 if field in ("type", "op") else 8 if field != "name" else 1) or \
+                off + _LAYOUT_FIELDS[field] > _WINDOW:
+            raise ProfinferError(f"tensor layout {name!r}: {field}={off} is misaligned or "
+                                 f"beyond the first {_WINDOW} bytes profinfer reads")
+    return TensorLayout(name, type=offsets["type"], ne=offsets["ne"], op=offsets["op"],
+                        src=offsets["src"], name_off=offsets["name"],
+                        view_src=offsets["view_src"], data=offsets["data"])
 
 
 def tensor_layout_from_dwarf(path: str, build_id: str) -> TensorLayout | None:
@@ -146,3 +181,131 @@ def plausible(op: int, dtype: int, ne, name: bytes, n_ops: int) -> bool:
     # the name field is not where this layout says.
     text = name.split(b"\0", 1)[0]
     return bool(text) and all(32 <= c < 127 for c in text)
+
+
+# (elements per block, bytes per block) of each type: nb[0] is the block's bytes
+TYPE_SIZES = {int(t): size for t, size in gguf.GGML_QUANT_SIZES.items()}
+_MAX_NE = 1 << 40
+_I32 = 26
+# ops whose result has the shape of their first source (ggml_dup_tensor(a) or a view of it)
+_SHAPE_OF_SRC0 = {"ADD", "SUB", "MUL", "DIV", "SQR", "SQRT", "SCALE", "CLAMP", "NORM", "RMS_NORM",
+                  "SOFT_MAX", "ROPE", "UNARY"}
+# ops whose result is a view with permuted strides (nb[0] is then not the element size)
+_PERMUTING = {"PERMUTE", "TRANSPOSE"}
+
+
+def _shape_ok(ne) -> bool:
+    return all(1 <= int(n) < _MAX_NE for n in ne)
+
+
+def _nb_ok(desc, chk, op: str) -> bool:
+    """Strides fit the type and shape: nb[0] is the type's (block) size, and a tensor that is
+    not a view is contiguous (ggml_new_tensor's strides, exactly)."""
+    size = TYPE_SIZES.get(int(desc["type"]))
+    if size is None:
+        return False
+    block, nbytes = size
+    nb, ne = [int(x) for x in chk["nb"]], [int(x) for x in desc["ne"]]
+    if not all(0 < x < (1 << 48) for x in nb):
+        return False
+    if nb[0] != nbytes and op not in _PERMUTING:
+        return False
+    if int(chk["view_src"]):
+        return True
+    return (ne[0] % block == 0 and nb[1] == nbytes * ne[0] // block
+            and nb[2] == nb[1] * ne[1] and nb[3] == nb[2] * ne[2])
+
+
+def _sources(desc, chk):
+    """(address, type, ne) of each of the three sources a description holds."""
+    return [(int(desc["src"][0]), int(desc["src0_type"]), desc["src0_ne"]),
+            (int(desc["src"][1]), int(desc["src1_type"]), desc["src1_ne"]),
+            (int(desc["src"][2]), int(chk["src2_type"]), chk["src2_ne"])]
+
+
+def _src_ok(desc, chk, op: str) -> bool:
+    """Sources read as the inputs the op takes: a first source, each one a tensor (known type,
+    sane shape) other than the node, and the shapes the op's result follows from."""
+    srcs = _sources(desc, chk)
+    if not srcs[0][0]:
+        return False
+    for addr, dtype, ne in srcs:
+        if addr and (addr == int(desc["tensor"]) or dtype not in GGML_TYPES or not _shape_ok(ne)):
+            return False
+    ne = [int(x) for x in desc["ne"]]
+    (_, _, ne0), (a1, t1, ne1), (a2, t2, _) = srcs
+    if op == "MUL_MAT":
+        return bool(a1) and ne0[0] == ne1[0] and ne[0] == ne0[1] and ne[1] == ne1[1]
+    if op == "MUL_MAT_ID":      # src[2]: the expert ids the MoE reads take
+        return bool(a1) and bool(a2) and t2 == _I32
+    if op == "GET_ROWS":
+        return bool(a1) and t1 == _I32 and ne[0] == ne0[0] and ne[1] == ne1[0]
+    if op in _SHAPE_OF_SRC0:
+        return ne == [int(x) for x in ne0]
+    return True
+
+
+def _view_src_ok(desc, chk, root_data: dict[int, int]) -> bool:
+    """Each source's view_src is 0 (then its view_offs is 0) or a root tensor (its own
+    view_src 0) whose data plus the view's view_offs is the view's data; the node's too,
+    where its root's data was seen."""
+    for k, (addr, dtype, _) in enumerate(_sources(desc, chk)):
+        if not addr or dtype == -1:
+            continue
+        root, offs, data = int(desc["src_view"][k]), int(chk["src_view_offs"][k]), int(chk["src_data"][k])
+        if not root:
+            if offs:
+                return False
+        elif (root == addr or int(chk["root_type"][k]) not in GGML_TYPES
+              or int(chk["root_view_src"][k]) or data != int(chk["root_data"][k]) + offs):
+            return False
+    root, offs = int(chk["view_src"]), int(chk["view_offs"])
+    if not root:
+        return not offs
+    return root not in root_data or int(chk["data"]) == root_data[root] + offs
+
+
+def _data_ok(desc, chk) -> bool:
+    """A computed node has data, and so has each source it reads."""
+    return bool(int(chk["data"])) and all(
+        int(chk["src_data"][k]) for k, (addr, dtype, _) in enumerate(_sources(desc, chk))
+        if addr and dtype != -1)
+
+
+def layout_faults(nodes: np.ndarray, op_names: list[str]) -> list[tuple[str, int, int]]:
+    """Check a table layout on pi_node_event records BPF read with it: [(what is wrong,
+    nodes it is wrong in, nodes checked)] for each field group some nodes fail.
+
+    Op, type, shape and name must look like a ggml node (plausible()); where BPF filled the
+    check fields (pi_node_check), so must the fields the DAG and the MoE reads use: the
+    sources, views (view_src, view_offs), data and strides (nb)."""
+    n_ops = len(op_names)
+    faults = []
+    bad = sum(not plausible(int(e["desc"]["op"]), int(e["desc"]["type"]), e["desc"]["ne"],
+                            bytes(e["desc"]["name"]), n_ops) for e in nodes)
+    if bad:
+        faults.append(("op, type, ne or name decode as garbage", bad, len(nodes)))
+    checked = [e for e in nodes if e["check"]["checked"]]
+    # data of the tensors a view may look into: described nodes, and roots read as such
+    root_data = {int(e["desc"]["tensor"]): int(e["check"]["data"]) for e in checked}
+    for e in checked:
+        for k in range(3):
+            if int(e["check"]["root_type"][k]) != -1:
+                root_data.setdefault(int(e["desc"]["src_view"][k]), int(e["check"]["root_data"][k]))
+
+    def op_of(e) -> str:
+        op = int(e["desc"]["op"])
+        return op_names[op] if 0 <= op < n_ops else ""
+
+    for what, ok in (
+            ("sources (src) are missing, unreadable, or not what the op takes",
+             lambda e: _src_ok(e["desc"], e["check"], op_of(e))),
+            ("views (view_src, view_offs) do not point at the tensor that holds their data",
+             lambda e: _view_src_ok(e["desc"], e["check"], root_data)),
+            ("data is null", lambda e: _data_ok(e["desc"], e["check"])),
+            ("strides (nb) do not fit the type and shape",
+             lambda e: _nb_ok(e["desc"], e["check"], op_of(e)))):
+        bad = sum(not ok(e) for e in checked)
+        if bad:
+            faults.append((what, bad, len(checked)))
+    return faults

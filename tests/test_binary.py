@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from profinfer import dwarf, ggml, layout, placement
+from profinfer.errors import ProfinferError
 from profinfer.symbols import load_elf
 
 
@@ -40,6 +41,26 @@ def test_dwarf_layouts(llama_build):
     llama = lib(llama_build, "libllama")
     b = dwarf.struct_layout(llama.dwarf_path, llama.build_id, "llama_batch_ext")
     assert "tokens" in b["members"] and b["nested"]["token"] > 0
+
+
+def test_tensor_layout_from_offsets(llama_build):
+    """--tensor-layout spelled as offsets equals the DWARF layout it spells; a bad spelling is
+    one clear error, not a traceback later."""
+    base = lib(llama_build, "libggml-base")
+    t = ggml.tensor_layout_from_dwarf(base.dwarf_path, base.build_id)
+    spec = (f"type={t.type},ne={t.ne},op={t.op},src={t.src},view_src={t.view_src},"
+            f"data={t.data},name={t.name_off}")
+    got = ggml.layout_by_name(spec)
+    assert (got.type, got.ne, got.op, got.src, got.view_src, got.data, got.name_off, got.nb) == \
+        (t.type, t.ne, t.op, t.src, t.view_src, t.data, t.name_off, t.nb)
+    for bad, says in ((spec.replace(",name=", ",nam="), "give each of"),
+                      (spec.replace(f"data={t.data}", ""), "give each of"),
+                      (spec.rsplit(",", 1)[0], "no offset for name"),
+                      (spec.replace(f"src={t.src},", f"src={t.src + 4},"), "misaligned"),
+                      (spec.replace(f"name={t.name_off}", "name=500"), "beyond the first 512"),
+                      ("ggml-1999", "unknown tensor layout")):
+        with pytest.raises(ProfinferError, match=says):
+            ggml.layout_by_name(bad)
 
 
 @pytest.mark.parametrize("code,args,offset,emulated", [
