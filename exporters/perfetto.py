@@ -15,7 +15,10 @@ Protobuf layout (trace_reader.py reads exactly this back into a Profile):
   graph (name graph_compute; backend, n_nodes, function when set) > op (name = op type;
   tensor, shape "ne0×ne1×ne2×ne3", dtype, cpu, addr when set; src0..src2 addresses,
   srcN_view_of for sources that are views, fused_tensor, src0/src1 shape and dtype when known), each op followed on the same track by a "barrier"
-  slice (op end to barrier end) unless that wait is zero.
+  slice (op end to barrier end) unless that wait is zero. A thread that reached a graph
+  compute after another thread had started it has a "thread arrival" slice (category
+  arrival) from that first start to its own first op; it is derived from the ops, and
+  the reader skips it.
 - perf counters (Profile.counter_names, attribute profinfer.counters): an op's scaled deltas
   are "ctr:<name>" double arguments of its END event, and each thread has one counter track
   per counter (child of the thread track) holding the op's delta from its start to its end,
@@ -47,6 +50,7 @@ from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 from profinfer.counterstats import derived_tracks, derived_values
 from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
 from profinfer.opcolumns import OpColumns, as_columns
+from profinfer.stats import Arrival, arrivals
 
 FORMAT_VERSION = 1
 MAIN_SEQUENCE = 1
@@ -57,7 +61,8 @@ META_BOOT_OFFSET = "boottime_offset_ns"
 DEFAULT_PRIO = 120
 _FTRACE_BUNDLE = 1000                # events per FtraceEventBundle
 CAT_TOKEN, CAT_GRAPH, CAT_OP, CAT_BARRIER = "llama_decode", "graph", "op", "barrier"
-GRAPH_NAME, BARRIER_NAME = "graph_compute", "barrier"
+CAT_ARRIVAL = "arrival"
+GRAPH_NAME, BARRIER_NAME, ARRIVAL_NAME = "graph_compute", "barrier", "thread arrival"
 SHAPE_SEP = "×"
 ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX = "profinfer.format", "profinfer.lost_events", "meta."
 ATTR_COUNTERS, ATTR_DROPPED_PREFIX = "profinfer.counters", "profinfer.counter_dropped."
@@ -120,7 +125,9 @@ class ThreadItems:
 def thread_items(profile: Profile) -> dict[int, ThreadItems]:
     calls: dict[int, list[tuple]] = defaultdict(list)
     seq = 0
-    for level, objs in ((_TOKEN, profile.tokens), (_GRAPH, profile.graphs)):
+    late = [a for a in arrivals(profile) if a.dur_ns > 0]
+    # an arrival sits where an op would: inside the graph (on the thread that issued it)
+    for level, objs in ((_TOKEN, profile.tokens), (_GRAPH, profile.graphs), (_OP, late)):
         for o in objs:
             calls[o.tid].append((o.start_ns, level, seq, o))
             seq += 1
@@ -148,7 +155,7 @@ def plan(items: list[tuple]) -> Iterator[tuple]:
         while stack and (stack[-1][2] <= start or stack[-1][0] >= level):
             top = stack.pop()
             yield from _close(top[0], top[1], min(top[2], start))
-        extent = max(obj.end_ns, obj.barrier_end_ns) if level == _OP else obj.end_ns
+        extent = max(obj.end_ns, obj.barrier_end_ns) if isinstance(obj, OpSlice) else obj.end_ns
         if stack:
             extent = min(extent, stack[-1][2])
         yield ("B", start, obj)
@@ -159,7 +166,7 @@ def plan(items: list[tuple]) -> Iterator[tuple]:
 
 
 def _close(level: int, obj, at: int) -> Iterator[tuple]:
-    if level != _OP:
+    if not isinstance(obj, OpSlice):
         yield ("E", at, obj, None if at == obj.end_ns else {"end_ns": obj.end_ns})
         return
     op_end = min(max(obj.end_ns, obj.start_ns), at)
@@ -208,6 +215,8 @@ def begin_fields(obj) -> tuple[str, str, tuple]:
         if obj.ret:
             args += (("ret", _INT, obj.ret),)
         return CAT_TOKEN, "prefill" if obj.prefill else "decode", args
+    if isinstance(obj, Arrival):
+        return CAT_ARRIVAL, ARRIVAL_NAME, ()
     raise TypeError(f"not a profile slice: {obj!r}")
 
 

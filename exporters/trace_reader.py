@@ -12,9 +12,9 @@ from google.protobuf.message import DecodeError
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, TrackEvent
 
 from profinfer.exporters.perfetto import (
-    ATTR_COUNTERS, ATTR_DROPPED_PREFIX, ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX, CAT_BARRIER,
-    BOOTTIME, CAT_GRAPH, CAT_OP, CAT_TOKEN, COUNTER_ARG_PREFIX, FORMAT_VERSION, INTERN_TABLES,
-    MONOTONIC, SEQ_CLOCK, SHAPE_SEP, parse_experts,
+    ATTR_COUNTERS, ATTR_DROPPED_PREFIX, ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX, CAT_ARRIVAL,
+    CAT_BARRIER, BOOTTIME, CAT_GRAPH, CAT_OP, CAT_TOKEN, COUNTER_ARG_PREFIX, FORMAT_VERSION,
+    INTERN_TABLES, MONOTONIC, SEQ_CLOCK, SHAPE_SEP, parse_experts,
 )
 from profinfer.model import GraphCall, OpSlice, Profile, SchedSwitch, SchedWakeup, TokenCall
 from profinfer.opcolumns import OpColumns
@@ -236,6 +236,8 @@ class _Reader:
             self.graphs.append(GraphCall(tid=tid, start_ns=start, end_ns=end,
                                          backend=begin_args["backend"], n_nodes=begin_args["n_nodes"],
                                          function=begin_args.get("function", "")))
+        elif cat == CAT_ARRIVAL:
+            pass                     # derived from the ops (stats.arrivals)
         elif cat == CAT_TOKEN:
             self.tokens.append(TokenCall(tid=tid, start_ns=start, end_ns=end,
                                          n_tokens=begin_args["n_tokens"], prefill=name == "prefill",

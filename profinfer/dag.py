@@ -6,6 +6,11 @@ produced a tensor to each node that reads it: a source is the producer itself, o
 the graph produced (weights, the KV cache, graph inputs) are counted as inputs. The second
 node of a fused pair is the same node as its first.
 
+A node's time is its longest thread's slice (profinfer.nodes). Each graph compute also has
+one item that is no node: thread arrival, from its first thread's first node start to its
+last thread's (stats.arrivals): a worker preempted or slow to wake when the graph begins is
+charged there, not to the first node.
+
 Graphs of the same phase and shape (same ops and tensor names in the same order) are merged:
 their times add up. Repeated transformer layers ("Qcur-0" ... "Qcur-15") collapse into one
 layer of nodes, each standing for all layers.
@@ -22,8 +27,10 @@ from .errors import ProfinferError
 from .model import Profile
 from .nodes import NodeRun, node_runs, phase_of
 from .roofline import Roofs, judge
+from .stats import graph_arrivals
 
 _LAYER = re.compile(r"^(.*)-(\d+)$")
+ARRIVAL_LABEL = "thread arrival"
 
 
 @dataclass
@@ -33,6 +40,12 @@ class GraphDag:
     nodes: list[NodeRun]
     edges: set[tuple[int, int]]
     inputs: list[int]                    # per node: sources no node of this graph produced
+    arrival_ns: int = 0                  # thread arrival skew of this compute
+
+    @property
+    def span_ns(self) -> int:
+        """First node start to last node end."""
+        return max(n.end_ns for n in self.nodes) - self.nodes[0].start_ns if self.nodes else 0
 
     @property
     def signature(self) -> tuple:
@@ -42,6 +55,7 @@ class GraphDag:
 def graph_dags(profile: Profile) -> list[GraphDag]:
     runs, graphs = node_runs(profile)
     phases = phase_of(runs, profile.tokens)
+    skew = graph_arrivals(profile)
     by_graph: dict[int, list[tuple[NodeRun, str]]] = {}
     for r, ph in zip(runs, phases):
         if r.graph >= 0:
@@ -69,7 +83,8 @@ def graph_dags(profile: Profile) -> list[GraphDag]:
                 elif j != i:
                     edges.add((j, i))
             inputs.append(outside)
-        out.append(GraphDag(Counter(ph for _, ph in members).most_common(1)[0][0], nodes, edges, inputs))
+        out.append(GraphDag(Counter(ph for _, ph in members).most_common(1)[0][0], nodes, edges, inputs,
+                            skew.get(g, 0)))
     return out
 
 
@@ -93,10 +108,17 @@ class Dag:
     layers: int                # transformer layers collapsed (0: not collapsed)
     nodes: list[DagNode]
     edges: set[tuple[int, int]]
+    arrival_ns: int = 0        # thread arrival, summed over the merged graph computes
+    span_ns: int = 0           # first node start to last node end, summed likewise
+
+    @property
+    def node_ns(self) -> int:
+        return sum(n.time_ns for n in self.nodes)
 
     @property
     def total_ns(self) -> int:
-        return sum(n.time_ns for n in self.nodes)
+        """Node time and thread arrival: the share each item shows is of this."""
+        return self.node_ns + self.arrival_ns
 
 
 def build(profile: Profile, phase: str = "decode", collapse: bool = True,
@@ -143,7 +165,8 @@ def build(profile: Profile, phase: str = "decode", collapse: bool = True,
                 dn.verdict = f"{v.bound}-bound {100 * v.roof_share:.0f}%" if v.bound != "neither" \
                     else f"neither ({100 * v.roof_share:.0f}% of roof)"
     n_layers = len({l for l in layers if l is not None}) if layered else 0
-    return Dag(phase, len(same), len(first.nodes), len(first.edges), n_layers, nodes, edges)
+    return Dag(phase, len(same), len(first.nodes), len(first.edges), n_layers, nodes, edges,
+               sum(d.arrival_ns for d in same), sum(d.span_ns for d in same))
 
 
 def _generic(name: str) -> str:
@@ -201,6 +224,12 @@ def to_dot(dag: Dag) -> str:
         lines.append("  }")
     lines += [node_line(i, n) for i, n in enumerate(dag.nodes) if not in_layer[i]]
     lines += [f"  n{a} -> n{b};" for a, b in sorted(dag.edges)]
+    if dag.arrival_ns and dag.nodes:
+        # not a node of the graph: the wait for late threads before its first node
+        share = dag.arrival_ns / total
+        lines.append(f'  arrival [label="{ARRIVAL_LABEL}\\n{100 * share:.1f}%", style="dashed,filled", '
+                     f'fillcolor="{_shade(share)}"];')
+        lines.append("  arrival -> n0 [style=dashed];")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

@@ -2,7 +2,10 @@
 
 Every worker thread records its own slice of a node; a node run is one node of one graph
 compute: all slices with the same tensor inside the same innermost graph call. Its time is
-the first start to the last end across threads, which is what a node costs the graph.
+its longest thread's slice (start to end): what the node costs the graph when its threads
+start it together. Threads start a node at different times when one arrives late at the
+graph (preempted or slow to wake: stats.arrivals) or leaves the previous barrier late (its
+barrier time); "first start to last end" would charge either delay to the node.
 """
 from __future__ import annotations
 
@@ -30,10 +33,12 @@ class NodeRun:
     counters: list[float] | None = None
     # MUL_MAT_ID: the expert ids its slices read (every thread reads the same ids)
     experts: tuple | None = None
+    longest_ns: int | None = None   # its longest thread's slice; None: one slice, start to end
 
     @property
     def dur_ns(self) -> int:
-        return self.end_ns - self.start_ns
+        """The node's time: its longest thread's slice (see the module docstring)."""
+        return self.end_ns - self.start_ns if self.longest_ns is None else self.longest_ns
 
 
 for _field in NodeDesc._fields:
@@ -81,6 +86,7 @@ def _node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
     run_end = np.maximum.reduceat(ops.end[order], bounds)
     threads = np.diff(np.append(bounds, n))
     thread_ns = np.add.reduceat((ops.end - starts)[order], bounds)
+    longest = np.maximum.reduceat((ops.end - starts)[order], bounds)
     counters = None
     if ops.counters is not None:
         # NaN (an uncounted slice) makes the node's sum NaN: not counted
@@ -101,13 +107,14 @@ def _node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
     if counters is not None:
         ok = ~np.isnan(counters).any(axis=1)
         ctrs = [c if k else None for c, k in zip(counters.tolist(), ok.tolist())]
-    cols = [x.tolist() for x in (gi[lead], ops.desc[lead], run_start, run_end, threads, thread_ns)]
+    cols = [x.tolist() for x in (gi[lead], ops.desc[lead], run_start, run_end, threads, thread_ns,
+                                 longest)]
     runs = []
     # by start; equal starts in the order of their first slice
     for g in np.lexsort((lead, run_start)).tolist():
-        graph, d, s, e, th, tns = (c[g] for c in cols)
+        graph, d, s, e, th, tns, lng = (c[g] for c in cols)
         runs.append(NodeRun(graph, descs[d], s, e, th, tns,
-                            ctrs[g] if ctrs is not None else None, experts.get(g)))
+                            ctrs[g] if ctrs is not None else None, experts.get(g), lng))
     return runs, graphs
 
 

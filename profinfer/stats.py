@@ -14,9 +14,12 @@ Definitions:
 - TPOT = (end of the last decode call - end of the prefill chain) / decode tokens; for a
   sequence without prefill the start of its first decode call stands for the prefill end.
 - graph_ns of a thread: sum of the durations (entry to return of the innermost graph-compute
-  call) of the graphs it ran ops in, so (op_ns + barrier_ns) / graph_ns is the share of its
-  graph time the probes explain; planning, thread wake-up and gaps are what is left. The
+  call) of the graphs it ran ops in, so (arrival_ns + op_ns + barrier_ns) / graph_ns is the
+  share of its graph time the probes explain; planning and gaps are what is left. The
   thread that issued a graph but ran none of its ops (GPU backend) counts the whole graph.
+- thread arrival: in each graph compute, from the first node start of any thread to this
+  thread's own first node start (zero for the first thread). A worker that is preempted or
+  slow to wake when a graph begins arrives late; that time is its arrival, not any node's.
 """
 from __future__ import annotations
 
@@ -51,11 +54,27 @@ class ThreadStats:
     graph_ns: int
     op_ns: int
     barrier_ns: int
+    arrival_ns: int = 0   # late starts of graphs, summed (see "thread arrival" above)
 
     @property
     def coverage(self) -> float | None:
-        """Share of graph time explained by op work and barrier waits (gaps are probe loss/overhead)."""
-        return (self.op_ns + self.barrier_ns) / self.graph_ns if self.graph_ns else None
+        """Share of graph time explained by arrival, op work and barrier waits (gaps are probe
+        loss/overhead)."""
+        return (self.arrival_ns + self.op_ns + self.barrier_ns) / self.graph_ns if self.graph_ns else None
+
+
+@dataclass(slots=True)
+class Arrival:
+    """One thread's arrival at one graph compute: from the graph's first node start (any
+    thread) to this thread's first node start."""
+    graph: int            # index into innermost_graphs(profile.graphs)
+    tid: int
+    start_ns: int
+    end_ns: int
+
+    @property
+    def dur_ns(self) -> int:
+        return self.end_ns - self.start_ns
 
 
 @dataclass(slots=True)
@@ -228,12 +247,60 @@ def innermost_graphs(graphs: list[GraphCall]) -> list[GraphCall]:
     return sorted(out, key=lambda g: g.start_ns)
 
 
+def graph_of_ops(graphs: list[GraphCall], starts: np.ndarray) -> np.ndarray:
+    """Per op start, the index of the graph in `graphs` (sorted by start, not nested) that
+    contains it; -1 outside every graph."""
+    if not graphs:
+        return np.full(len(starts), -1, np.int64)
+    g_start = np.fromiter((g.start_ns for g in graphs), np.int64, len(graphs))
+    g_end = np.fromiter((g.end_ns for g in graphs), np.int64, len(graphs))
+    gi = np.searchsorted(g_start, starts, side="right") - 1
+    safe = np.maximum(gi, 0)
+    return np.where((gi >= 0) & (starts <= g_end[safe]), gi, -1)
+
+
+def arrivals(profile: Profile) -> list[Arrival]:
+    """Each thread's arrival at each graph compute it ran ops in (zero-length ones included),
+    by graph, then thread. Computed once per profile."""
+    cached = profile.__dict__.get("_arrivals")
+    if cached is not None and cached[0] == (len(profile.ops), len(profile.graphs)):
+        return cached[1]
+    cols = as_columns(profile.ops)
+    gi = graph_of_ops(innermost_graphs(profile.graphs), cols.start)
+    inside = gi >= 0
+    g, tid, start = gi[inside], cols.tid[inside], cols.start[inside]
+    out: list[Arrival] = []
+    if len(g):
+        order = np.lexsort((start, tid, g))
+        g, tid, start = g[order], tid[order], start[order]
+        first = np.r_[True, (g[1:] != g[:-1]) | (tid[1:] != tid[:-1])]
+        g, tid, start = g[first], tid[first], start[first]    # each thread's first node start
+        graph_first = np.r_[True, g[1:] != g[:-1]]
+        graph_start = np.minimum.reduceat(start, np.flatnonzero(graph_first))[np.cumsum(graph_first) - 1]
+        out = [Arrival(*row) for row in zip(g.tolist(), tid.tolist(), graph_start.tolist(),
+                                            start.tolist())]
+    profile.__dict__["_arrivals"] = ((len(profile.ops), len(profile.graphs)), out)
+    return out
+
+
+def graph_arrivals(profile: Profile) -> dict[int, int]:
+    """Per graph compute (index into innermost_graphs) its arrival skew: from its first
+    thread's first node start to its last thread's."""
+    out: dict[int, int] = {}
+    for a in arrivals(profile):
+        out[a.graph] = max(out.get(a.graph, 0), a.dur_ns)
+    return out
+
+
 def thread_totals(profile: Profile, arr: OpArrays) -> list[ThreadStats]:
     tids = sorted(set(arr.tid.tolist()) | {g.tid for g in profile.graphs}
                   | {t.tid for t in profile.tokens})
     pos = {tid: i for i, tid in enumerate(tids)}
     n = len(tids)
     graph_ns = np.zeros(n, np.int64)
+    arrival_ns = np.zeros(n, np.int64)
+    for a in arrivals(profile):
+        arrival_ns[pos[a.tid]] += a.dur_ns
     op_ns = np.zeros(n, np.int64)
     barrier_ns = np.zeros(n, np.int64)
     if len(arr):
@@ -262,7 +329,7 @@ def thread_totals(profile: Profile, arr: OpArrays) -> list[ThreadStats]:
         # e.g. a GPU backend: the issuing thread waits in the graph without running ops itself
         np.add.at(graph_ns, g_owner[owner_idle], (g_end - g_start)[owner_idle])
     return [ThreadStats(tid, profile.thread_names.get(tid, ""), int(graph_ns[i]), int(op_ns[i]),
-                        int(barrier_ns[i])) for i, tid in enumerate(tids)]
+                        int(barrier_ns[i]), int(arrival_ns[i])) for i, tid in enumerate(tids)]
 
 
 def compute(profile: Profile) -> ProfileStats:

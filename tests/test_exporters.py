@@ -104,9 +104,12 @@ def test_summary_keys_and_values(tmp_path):
     assert s["tokens"] == {"prefill": 5, "decode": 1}
     assert s["time_ns"] == {"prefill": 100, "decode": 50}
     assert s["lost_events"] == 2
-    # each thread ran ops in the one graph (10..90): its whole duration is their graph time
-    assert s["threads"] == [{"tid": 7, "name": "main", "graph_ns": 80, "op_ns": 30, "barrier_ns": 10},
-                            {"tid": 8, "name": "", "graph_ns": 80, "op_ns": 10, "barrier_ns": 20}]
+    # each thread ran ops in the one graph (10..90): its whole duration is their graph time;
+    # thread 8 started it 10 ns after thread 7
+    assert s["threads"] == [{"tid": 7, "name": "main", "graph_ns": 80, "arrival_ns": 0, "op_ns": 30,
+                             "barrier_ns": 10},
+                            {"tid": 8, "name": "", "graph_ns": 80, "arrival_ns": 10, "op_ns": 10,
+                             "barrier_ns": 20}]
     assert [(o["op"], o["count"], o["total_ns"]) for o in s["ops"]] == [("MUL_MAT", 1, 30), ("ADD", 1, 10)]
     assert s["ops"][0]["share"] == pytest.approx(0.75)
     assert s["ttft_ns"] == 100 and s["tpot_ns"] == 150 and s["tokens_per_s"] == pytest.approx(1 / 50e-9)

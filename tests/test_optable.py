@@ -50,9 +50,9 @@ def test_thread_table():
     assert "Threads" in text
     main = next(line for line in text.splitlines() if "llama-cli" in line and "│" in line)
     cells = [c.strip() for c in main.split("│") if c.strip()]
-    # graph ms: both graphs whole, 3.8 + 0.4; op 3.0 + 0.1 + 0.3; barrier 0.499 + 0.1;
-    # coverage (op + barrier) / graph
-    assert cells == ["1", "llama-cli", "4.200", "3.400", "0.599", "95.2"]
+    # graph ms: both graphs whole, 3.8 + 0.4; arrival: both threads started graph 1 at 1 µs;
+    # op 3.0 + 0.1 + 0.3; barrier 0.499 + 0.1; coverage (arrival + op + barrier) / graph
+    assert cells == ["1", "llama-cli", "4.200", "0.000", "3.400", "0.599", "95.2"]
     assert "worker-1" in text
 
 

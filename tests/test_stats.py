@@ -72,7 +72,9 @@ def test_thread_totals():
     assert (th[2].graph_ns, th[2].op_ns, th[2].barrier_ns) == (80 + 30, 50, 10)
     assert (th[3].graph_ns, th[3].op_ns, th[3].barrier_ns) == (0, 10, 0)
     assert th[1].name == "main" and th[3].name == ""
-    assert th[2].coverage == pytest.approx(60 / 110) and th[3].coverage is None
+    # the worker started G1 at 30, 10 ns after main's first op; alone in G2: no arrival there
+    assert (th[1].arrival_ns, th[2].arrival_ns, th[3].arrival_ns) == (0, 10, 0)
+    assert th[2].coverage == pytest.approx((10 + 60) / 110) and th[3].coverage is None
 
 
 def test_op_table():

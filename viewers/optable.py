@@ -57,11 +57,11 @@ def thread_table(st: ProfileStats) -> Table:
     t = Table(title="Threads", title_justify="left")
     t.add_column("tid", justify="right")
     t.add_column("name")
-    for col in ("graph ms", "op ms", "barrier ms", "coverage %"):
+    for col in ("graph ms", "arrival ms", "op ms", "barrier ms", "coverage %"):
         t.add_column(col, justify="right")
     for th in st.threads:
-        t.add_row(str(th.tid), th.name, _ms(th.graph_ns), _ms(th.op_ns), _ms(th.barrier_ns),
-                  _pct(th.coverage))
+        t.add_row(str(th.tid), th.name, _ms(th.graph_ns), _ms(th.arrival_ns), _ms(th.op_ns),
+                  _ms(th.barrier_ns), _pct(th.coverage))
     return t
 
 
@@ -133,7 +133,7 @@ def layer_table(rows: list[layers.LayerRow]) -> Table:
     phases = sorted({r.phase for r in rows})
     for r in rows:
         by_layer.setdefault(r.layer, {})[r.phase] = r
-    t = Table(title="Per layer (node time: first start to last end across threads)",
+    t = Table(title="Per layer (node time: its longest thread's slice)",
               title_justify="left")
     t.add_column("layer", justify="right")
     for ph in phases:
