@@ -85,6 +85,26 @@ static __always_inline int emit(void *ctx, void *data, u32 size)
 }
 #endif
 
+/* The processes a `record` follows (the command, its exec'd images and forked children):
+ * follow.bpf.c keeps the set; engine objects reuse the map. */
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, PI_MAX_FOLLOWED);
+    __type(key, u32);
+    __type(value, u32);
+} followed SEC(".maps");
+
+/* True when the current process is the target. Probes attached to one process (attach --pid)
+ * need no check; probes attached to a library file for a followed process tree fire in every
+ * process that maps the file, and run for the followed ones only. */
+static __always_inline int in_target(void)
+{
+    if (!cfg.follow)
+        return 1;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    return bpf_map_lookup_elem(&followed, &tgid) != 0;
+}
+
 static __always_inline u32 current_tid(void)
 {
     return (u32)bpf_get_current_pid_tgid();

@@ -19,6 +19,7 @@
 #define PI_EV_EXPERTS 6
 #define PI_EV_NODE 7
 #define PI_EV_DECODING 8
+#define PI_EV_FOLLOW 9
 
 /* One llama_decode call, sent at its return. */
 struct pi_token_event {
@@ -35,6 +36,22 @@ struct pi_token_event {
 struct pi_decoding_event {
     u32 kind;
     u32 tid;
+    u64 ts_ns;
+};
+
+/* A followed process changed (follow.bpf.c). At PI_FOLLOW_EXEC and PI_FOLLOW_MAPPED it has been
+ * sent SIGSTOP: user space attaches what the new code needs, then sends SIGCONT. */
+#define PI_FOLLOW_EXEC 1      /* it exec'd a new image (kernel-mapped: executable, loader) */
+#define PI_FOLLOW_MAPPED 2    /* its loader announced a library list change (_dl_debug_state) */
+#define PI_FOLLOW_FORK 3      /* it forked a new process: `child` is followed from now on */
+#define PI_FOLLOW_EXIT 4      /* its last thread exited */
+#define PI_MAX_FOLLOWED 4096
+
+struct pi_follow_event {
+    u32 kind;
+    u32 tgid;
+    u32 what;                 /* PI_FOLLOW_* */
+    u32 child;                /* PI_FOLLOW_FORK: the new process */
     u64 ts_ns;
 };
 
@@ -265,7 +282,7 @@ struct pi_config {
     u32 switch_state_arg;  /* sched_switch passes prev_state as its 4th argument (5.18+) */
     u32 nodes_by_generation;  /* graph_generation is kept (its probes are attached) */
     u32 thread_slots;         /* op_threads_direct's size, a power of two; 0: unused */
-    u32 pad3;
+    u32 follow;               /* probes are attached to files: run only for `followed` tgids */
     u64 init_params_sp_off;   /* ggml_init's params (by value) relative to sp at its entry */
     u32 check_layout;         /* a table layout: fill pi_node_check for the first nodes */
     u32 pad4;

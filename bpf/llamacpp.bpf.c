@@ -108,6 +108,8 @@ static __always_inline void first_decode(struct pt_regs *ctx, u32 tid, u64 now)
 SEC("uprobe")
 int token_enter(struct pt_regs *ctx)
 {
+    if (!in_target())
+        return 0;
     u32 tid = current_tid();
     struct pi_token_event ev = {};
     ev.kind = PI_EV_TOKEN;
@@ -124,6 +126,8 @@ int token_enter(struct pt_regs *ctx)
 SEC("uprobe")
 int token_enter_ext(struct pt_regs *ctx)
 {
+    if (!in_target())
+        return 0;
     u32 tid = current_tid();
     struct pi_token_event ev = {};
     u64 vec[2] = {};   /* std::vector: begin, end */
@@ -159,6 +163,8 @@ int token_return(struct pt_regs *ctx)
 
 static __always_inline int graph_enter(struct pt_regs *ctx, u32 probe)
 {
+    if (!in_target())
+        return 0;
     u32 tid = current_tid();
     u64 key = ((u64)tid << 32) | probe;
     struct pi_graph_event ev = {};
@@ -208,6 +214,8 @@ struct pi_control control SEC(".data.control") = {.graph_generation = 1, .collec
 SEC("uprobe")
 int graphs_changed(struct pt_regs *ctx)
 {
+    if (!in_target())
+        return 0;
     __sync_fetch_and_add(&control.graph_generation, 1);
     return 0;
 }
@@ -218,6 +226,8 @@ int graphs_changed(struct pt_regs *ctx)
 SEC("uprobe")
 int context_made(struct pt_regs *ctx)
 {
+    if (!in_target())
+        return 0;
     u64 mem_size = 0;
     if (bpf_probe_read_user(&mem_size, sizeof(mem_size),
                             (void *)(PT_REGS_SP(ctx) + cfg.init_params_sp_off)) ||
@@ -563,7 +573,7 @@ static __always_inline int collecting(void)
 
 static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const void *fused_with)
 {
-    if (!collecting())
+    if (!collecting() || !in_target())
         return 0;
     /* Counters are read next to the clock: what the handler does after this (~1.4 µs here)
      * must fall on the same side of both, or short ops lose a third of their count. */
@@ -686,6 +696,7 @@ int op_start_fused(struct pt_regs *ctx)
 SEC("uprobe")
 int op_barrier(struct pt_regs *ctx)
 {
+    /* no in_target(): only the target's threads have op state (as at the returns) */
     if (!collecting())
         return 0;
     u32 tid = current_tid();

@@ -11,7 +11,6 @@ import sys
 
 import click
 
-from . import discovery
 from .errors import ProfinferError
 from .model import Profile
 from .opcolumns import as_columns
@@ -152,14 +151,14 @@ def record(levels, duration, tensor_layout, buffer, counters, output, json_path,
 def record_command(command: list[str], levels: set[str], duration: float | None,
                    tensor_layout: str | None = None, env: dict[str, str] | None = None,
                    buffer: str = "auto", counters: list[str] | None = None):
-    """Start `command` stopped before exec, attach, then let it run. Returns (profile, exit code)."""
+    """Start `command` held before exec, follow it (profinfer.follow), then let it run.
+    Returns (profile, exit code)."""
     from .session import profile_process
     exe = shutil.which(command[0], path=(env or os.environ).get("PATH"))
     if not exe:
         raise ProfinferError(f"command not found: {command[0]}")
     from .kernel import require_root
     require_root()
-    libs = [(p, p) for p in discovery.command_libraries(exe, env)]
     go_r, go_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: wait until the probes are in, then become the command
@@ -181,7 +180,7 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
 
     status: list[int] = []
     try:
-        profile = profile_process(pid, levels, duration, lib_paths=libs, child_status=status,
+        profile = profile_process(pid, levels, duration, child_status=status, follow=True,
                                   on_attached=release, tensor_layout=tensor_layout, buffer=buffer,
                                   counters=counters,
                                   warn=_warn, note=_note)

@@ -41,8 +41,13 @@ _ZERO_U64 = bytes(8)
 class Collector:
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
-                 buffer: str = "auto", counters: list[str] | None = None):
+                 buffer: str = "auto", counters: list[str] | None = None,
+                 followed_map_fd: int | None = None):
+        """With followed_map_fd (a Follower's map), probes go on the library files for every
+        process, and the programs run for the followed ones only."""
         self.pid = pid
+        self.followed_map_fd = followed_map_fd
+        self.probed_files: set[tuple[int, int]] = set()
         self.levels = set(levels)
         self.pack = pack
         self.lib_paths = lib_paths   # (path to open, path inside the target)
@@ -130,6 +135,8 @@ class Collector:
             self.probes = [p for p in self.probes if p.entry_fn not in GRAPHS_CHANGED_PROGRAMS]
         self.obj = libbpf.BpfObject(obj_path)
         try:
+            if self.followed_map_fd is not None:
+                self.obj.reuse_map("followed", self.followed_map_fd)
             cfg = self._config().tobytes()
             self.obj.set_rodata(cfg)
             if self.buffer == "ring":
@@ -164,12 +171,7 @@ class Collector:
             self._stats_fd = libbpf.enable_run_time_stats()
             # Probes that announce graph changes go in first: a change made while the op
             # probes were being attached must not go unseen (attach to a running process)
-            for p in sorted(self.probes, key=lambda p: p.entry_fn not in GRAPHS_CHANGED_PROGRAMS):
-                offset = p.symbol.file_offset
-                if p.entry_fn:
-                    self.obj.attach_uprobe(p.entry_fn, p.elf.path, offset + p.place.offset, self.pid)
-                if p.return_fn:
-                    self.obj.attach_uprobe(p.return_fn, p.elf.path, offset, self.pid, retprobe=True)
+            self._attach_probes(self.probes, {})
             if "op" in self.levels:
                 try:
                     self.obj.attach(THREAD_EXIT_PROGRAM)
@@ -194,6 +196,35 @@ class Collector:
         self.n_probes = sum(bool(p.entry_fn) + bool(p.return_fn) for p in self.probes) + (
             self.sched_obj.n_links if self.sched_obj else 0)
         self.attach_s = time.monotonic() - t0
+
+    def _attach_probes(self, probes, paths: dict[str, str]) -> None:
+        """Attach `probes`, each to its ELF's file or to paths[that file] (another copy of it)."""
+        pid = -1 if self.followed_map_fd is not None else self.pid
+        for p in sorted(probes, key=lambda p: p.entry_fn not in GRAPHS_CHANGED_PROGRAMS):
+            path, offset = paths.get(p.elf.path, p.elf.path), p.symbol.file_offset
+            if p.entry_fn:
+                self.obj.attach_uprobe(p.entry_fn, path, offset + p.place.offset, pid)
+            if p.return_fn:
+                self.obj.attach_uprobe(p.return_fn, path, offset, pid, retprobe=True)
+        self.probed_files.update(discovery.file_key(paths.get(e.path, e.path)) for e in self.elfs)
+
+    def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]:
+        """Probe more copies of the engine's files (a followed process that maps other files
+        than the first): copies of a probed build get its probes; returns what was not
+        probed, and why."""
+        skipped = []
+        for host, name in lib_paths:
+            if discovery.file_key(host) in self.probed_files:
+                continue
+            elf = next(iter(engine_libraries(self.pack, [host], self.root, [name])), None)
+            same = [e for e in self.elfs if elf is not None and e.build_id == elf.build_id]
+            if not same:
+                skipped.append(f"{name}: another build than the one being profiled")
+                continue
+            probes = [p for p in self.probes if p.elf is same[0]]
+            self._attach_probes(probes, {same[0].path: host})
+            self.n_probes += sum(bool(p.entry_fn) + bool(p.return_fn) for p in probes)
+        return skipped
 
     def _attach_sched(self, cfg: bytes) -> None:
         """The sched object (CO-RE, needs kernel BTF) shares the main object's event maps."""
@@ -242,6 +273,7 @@ class Collector:
         cfg["switch_state_arg"] = int(kernel.release_at_least(5, 18))
         cfg["nodes_by_generation"] = int(self.nodes_by_generation)
         cfg["thread_slots"] = self.thread_slots
+        cfg["follow"] = int(self.followed_map_fd is not None)
         cfg["init_params_sp_off"] = 8   # above the return address (probes never move sp)
         cfg["graph_has_backend"] = sum(1 << i for i, p in enumerate(graph_probes) if p.spec.graph_backend)
         return cfg
@@ -303,6 +335,10 @@ class Collector:
     def _on_perf_lost(self, count):
         # A lost perf record may be a batch of PI_OP_BATCH ops: count records, say so.
         self._perf_lost += count
+
+    def fileno(self) -> int:
+        """Polls readable when the event buffer has records (see libbpf.RingBuffer.fileno)."""
+        return self._buf.fileno()
 
     def poll(self, timeout_ms: int = 100) -> None:
         """Wait up to timeout_ms (less when BPF forces a wakeup), then drain the ring.

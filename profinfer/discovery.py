@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +75,12 @@ def mapped_files(pid: int) -> list[MappedFile]:
     return list(seen.values())
 
 
+def file_key(path: str) -> tuple[int, int]:
+    """(device, inode): one file however it is reached (uprobes belong to the inode)."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
 def host_path(pid: int, path: str, inode: int, span: str, deleted: bool) -> str:
     # Through the target's root, a container's file is visible at the same path it uses.
     via_root = f"/proc/{pid}/root{path}"
@@ -87,18 +92,3 @@ def host_path(pid: int, path: str, inode: int, span: str, deleted: bool) -> str:
             pass
     # Deleted or replaced since it was mapped: map_files names the mapped inode itself.
     return f"/proc/{pid}/map_files/{span}"
-
-
-def command_libraries(executable: str, env: dict[str, str] | None = None) -> list[str]:
-    """Shared objects a not-yet-started command will load (via the dynamic loader's trace mode)."""
-    try:
-        out = subprocess.run(["ldd", executable], capture_output=True, text=True, env=env,
-                             timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return [executable]
-    libs = [executable]
-    for line in out.splitlines():
-        m = re.search(r"=>\s+(/\S+)", line) or re.match(r"\s*(/\S+)", line)
-        if m:
-            libs.append(os.path.realpath(m.group(1)))
-    return libs

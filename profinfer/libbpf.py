@@ -82,10 +82,12 @@ def lib() -> ctypes.CDLL:
         "ring_buffer__poll": (ctypes.c_int, [_vp, ctypes.c_int]),
         "ring_buffer__consume": (ctypes.c_int, [_vp]),
         "ring_buffer__free": (None, [_vp]),
+        "ring_buffer__epoll_fd": (ctypes.c_int, [_vp]),
         "perf_buffer__new_raw": (_vp, [ctypes.c_int, ctypes.c_size_t, _vp, _PERF_EVENT_FN, _vp, _vp]),
         "perf_buffer__poll": (ctypes.c_int, [_vp, ctypes.c_int]),
         "perf_buffer__consume": (ctypes.c_int, [_vp]),
         "perf_buffer__free": (None, [_vp]),
+        "perf_buffer__epoll_fd": (ctypes.c_int, [_vp]),
     }
     for fn, (res, args) in sigs.items():
         f = getattr(L, fn)
@@ -272,6 +274,10 @@ class RingBuffer:
     def consume(self) -> None:
         lib().ring_buffer__consume(self._rb)
 
+    def fileno(self) -> int:
+        """An fd that polls readable when records wait (for select with other buffers)."""
+        return lib().ring_buffer__epoll_fd(self._rb)
+
     def free(self) -> None:
         if self._rb:
             lib().ring_buffer__free(self._rb)
@@ -310,6 +316,10 @@ class PerfBuffer:
 
     def consume(self) -> None:
         lib().perf_buffer__consume(self._pb)
+
+    def fileno(self) -> int:
+        """An fd that polls readable when records wait (for select with other buffers)."""
+        return lib().perf_buffer__epoll_fd(self._pb)
 
     def free(self) -> None:
         if self._pb:

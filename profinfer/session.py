@@ -6,8 +6,10 @@ leaves nothing behind: the kernel drops the probes with our file descriptors.
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import resource
+import select
 import signal
 import sys
 import time
@@ -16,8 +18,10 @@ from typing import Callable
 from . import discovery, kernel
 from .collector import Collector
 from .errors import ProfinferError
+from .follow import Follower
 from .model import Profile
-from .probepack import load_pack
+from .probepack import Pack, load_pack
+from .symbols import load_elf
 
 # The collector sleeps this long between drains unless BPF wakes it (the ring buffer past
 # its wakeup level; perf buffers every PERF_WAKEUP_EVENTS records) or a signal stops it:
@@ -69,6 +73,25 @@ def _rss_kb() -> int:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
 
 
+def engine_files(pack: Pack, pid: int, new_image: bool) -> list[tuple[str, str]]:
+    """The engine's files `pid` maps now, as (path to open, path in the target): its libraries
+    by name, or, for a new image without them, the executable if it defines the marker (a
+    statically linked engine)."""
+    files = discovery.mapped_files(pid)
+    libs = [(m.host_path, m.path) for m in files
+            if any(fnmatch.fnmatch(os.path.basename(m.path), g) for g in pack.libraries)]
+    if libs or not new_image:
+        return libs
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
+    except OSError:
+        return []
+    main = next((m for m in files if m.path == exe), None)
+    if main and load_elf(main.host_path, f"/proc/{pid}/root").find(pack.marker):
+        return [(main.host_path, main.path)]
+    return []
+
+
 class StatusLine:
     """A live one-line status on stderr (only on a terminal)."""
 
@@ -98,21 +121,31 @@ class StatusLine:
 
 
 def profile_process(pid: int, levels: set[str], duration: float | None = None,
-                    lib_paths: list[tuple[str, str]] | None = None, child_status: list[int] | None = None,
+                    child_status: list[int] | None = None,
                     on_attached: Callable[[], None] | None = None,
                     tensor_layout: str | None = None, buffer: str = "auto",
                     counters: list[str] | None = None, status: bool | None = None,
+                    follow: bool = False,
                     warn: Callable[[str], None] = lambda m: None,
                     note: Callable[[str], None] = lambda m: None) -> Profile:
     """Profile `pid` until stopped. With child_status (a list), pid is our child: its exit
-    code is appended there when it ends."""
+    code is appended there when it ends.
+
+    With follow, pid is our child, stopped before it runs its command (on_attached lets it
+    go): the images it exec's, the processes it forks and the libraries their loaders map
+    are followed (profinfer.follow), and the engine is probed in whichever of them maps it,
+    before its first call."""
     kernel.require_root()
     if child_status is None and not discovery.process_exists(pid):
         raise ProfinferError(f"no process with PID {pid}")
-    if lib_paths is None:
-        lib_paths = [(m.host_path, m.path) for m in discovery.mapped_files(pid)]
-    coll = Collector(pid, levels, load_pack(), lib_paths, root=f"/proc/{pid}/root",
-                     tensor_layout=tensor_layout, buffer=buffer, counters=counters)
+    pack = load_pack()
+    options = dict(tensor_layout=tensor_layout, buffer=buffer, counters=counters)
+    follower: Follower | None = None
+    coll: Collector | None = None
+    engine_pid = pid
+    if not follow:
+        coll = Collector(pid, levels, pack, [(m.host_path, m.path) for m in discovery.mapped_files(pid)],
+                         root=f"/proc/{pid}/root", **options)
     stop_reason: list[str] = []
 
     def on_signal(signum, _frame):
@@ -120,20 +153,43 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     line = StatusLine(sys.stderr.isatty() if status is None else status)
+
+    def attached(c: Collector, where: int) -> None:
+        for w in c.warnings:
+            warn(w)
+        note(f"attached {c.n_probes} probes to PID {where} in {c.attach_s:.2f} s "
+             f"(levels {','.join(sorted(levels))})")
+        c.refresh_process_info()
+
+    def engine_appeared(tgid: int, libs: list[tuple[str, str]]) -> None:
+        nonlocal coll, engine_pid
+        if coll is None:
+            new = Collector(tgid, levels, pack, libs, root=f"/proc/{tgid}/root",
+                            followed_map_fd=follower.followed_map_fd(), **options)
+            new.attach()
+            coll, engine_pid = new, tgid
+            attached(coll, tgid)
+        else:
+            for why in coll.attach_files(libs):
+                warn(f"PID {tgid}: {why}: not profiled")
+
     try:
-        coll.attach()
+        if not follow:
+            coll.attach()
+            attached(coll, pid)
+        else:
+            follower = Follower(pid, kernel.event_buffer_kind(buffer))
+            note(f"following PID {pid} and what it starts (exec, fork, dlopen)"
+                 + ("" if follower.forks_followed else
+                    "; forked processes are not followed: this kernel has no BTF"))
         cpu_at_attach = _own_cpu_s()
         # The target's CPU time, and ours, are counted from its first llama_decode (BPF sends
         # an event at its entry; without the token level, from the first event), so that
         # loading a model does not dilute the shares.
         target_cpu_from, own_cpu_from = _cpu_s(pid), cpu_at_attach
+        target_cpu_last = target_cpu_from
         counting_from_decode = False
         child_cpu: list[float] = []
-        for w in coll.warnings:
-            warn(w)
-        note(f"attached {coll.n_probes} probes to PID {pid} in {coll.attach_s:.2f} s "
-             f"(levels {','.join(sorted(levels))})")
-        coll.refresh_process_info()
         if on_attached:
             on_attached()
         deadline = time.monotonic() + duration if duration else None
@@ -142,27 +198,64 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
             wait_ms = POLL_MS if counting_from_decode else POLL_BEFORE_DECODING_MS
             if deadline:
                 wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000) + 1))
-            coll.poll(wait_ms)
-            if not counting_from_decode and (coll.decoding or coll.n_events):
-                target_cpu_from, own_cpu_from, counting_from_decode = _cpu_s(pid), _own_cpu_s(), True
+            if follower is None:
+                coll.poll(wait_ms)
+            else:
+                # a stopped process waits for the follower's records: wait on both buffers
+                fds = [follower.fileno()] + ([coll.fileno()] if coll else [])
+                select.select(fds, [], [], wait_ms / 1000)
+                for change in follower.changes():
+                    if change.what not in ("exec", "mapped"):
+                        continue
+                    try:      # the process is stopped until resumed, whatever happens here
+                        if change.what == "exec":
+                            follower.watch_loader(change.tgid)
+                        elif not follower.libraries_settled(change.tgid):
+                            continue              # its loader stops it again when done
+                        libs = engine_files(pack, change.tgid, change.what == "exec")
+                        if libs:
+                            engine_appeared(change.tgid, libs)
+                    except ProfinferError as e:
+                        if coll is None:
+                            raise
+                        warn(f"PID {change.tgid}: {e}")
+                    finally:
+                        follower.resume(change.tgid)
+                if coll is not None:
+                    coll.poll(0)
+            if coll is not None and not counting_from_decode and (coll.decoding or coll.n_events):
+                target_cpu_from, own_cpu_from, counting_from_decode = (
+                    _cpu_s(engine_pid), _own_cpu_s(), True)
+            if follow and engine_pid != pid:       # its CPU time, before it is reaped
+                target_cpu_last = _cpu_s(engine_pid) or target_cpu_last
             now = time.monotonic()
-            if now - last_refresh > REFRESH_S:
+            if coll is not None and now - last_refresh > REFRESH_S:
                 coll.refresh_process_info()
                 last_refresh = now
-            line.update(coll)
+            if coll is not None:
+                line.update(coll)
             if deadline and now >= deadline:
                 stop_reason.append("duration")
             elif not _alive(pid, child_status, child_cpu):
                 stop_reason.append("target exited" + (f" ({child_status[0]})" if child_status else ""))
+        if coll is None:
+            raise ProfinferError(f"no {pack.engine} in process {pid} or the processes it started "
+                                 f"({len(follower.processes)} followed; none mapped "
+                                 f"{', '.join(pack.libraries)} or defined {pack.marker})")
         line.update(coll, force=True)
         coll.refresh_process_info()
         collecting_rss_kb = _rss_kb()
         own_cpu = _own_cpu_s()
         # the target's CPU time while probed: what the probes' cost is a share of
-        target_cpu = child_cpu[0] if child_cpu else _cpu_s(pid)
+        if engine_pid == pid:
+            target_cpu = child_cpu[0] if child_cpu else _cpu_s(pid)
+        else:
+            target_cpu = _cpu_s(engine_pid) or target_cpu_last
         if target_cpu is not None and target_cpu_from is not None:
             target_cpu -= target_cpu_from
         profile = coll.finish()
+        if follower is not None:
+            profile.meta["processes_followed"] = str(len(follower.processes))
         profile.meta["stopped_by"] = stop_reason[0] if stop_reason else ""
         profile.meta["events"] = str(coll.n_events)
         profile.meta["wall_s"] = f"{time.monotonic() - line.t0:.3f}"
@@ -181,6 +274,9 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
         return profile
     finally:
         line.close()
-        coll.detach()
+        if coll is not None:
+            coll.detach()
+        if follower is not None:
+            follower.close()
         for s, h in old.items():
             signal.signal(s, h)

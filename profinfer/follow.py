@@ -1,0 +1,184 @@
+"""Follow what a recorded command becomes: the images it exec's, the processes it forks, and
+the libraries their dynamic loaders map later (dlopen), so that an engine is probed before
+its first call however it is started (`env X=1 llama-cli`, a shell script, Python loading
+libllama with ctypes in a child process).
+
+The BPF side (bpf/follow.bpf.c) keeps the set of followed processes in the kernel and stops a
+followed process (SIGSTOP) at each exec and each library-list change its loader announces;
+`changes()` hands those stops to the caller, which attaches what the new code needs and then
+calls `resume()`. Engine probes are attached to library files, for every process, and their
+programs run only for the processes in the shared `followed` map.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from dataclasses import dataclass
+
+import numpy as np
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
+from . import bpfobj, discovery, layout, libbpf
+from .errors import ProfinferError
+from .symbols import load_elf
+
+# glibc's loader calls this empty function after each change of its library list (mapped,
+# not yet relocated, constructors not yet run): the debuggers' r_debug breakpoint.
+LOADER_HOOK = "_dl_debug_state"
+# ...which it calls twice per change: with the r_debug (the debuggers' struct, `_r_debug`)
+# r_state RT_ADD before the change is complete, and RT_CONSISTENT once every new library is
+# mapped. A library's code runs only after the second.
+R_DEBUG = "_r_debug"
+R_STATE_OFFSET = 24           # struct r_debug { int; link_map *; ElfW(Addr); enum r_state; }
+RT_CONSISTENT = 0
+TRACEPOINT_PROGRAMS = ("follow_exec", "follow_exit")
+FORK_PROGRAM = "follow_fork"          # CO-RE: needs the kernel's BTF
+LOADER_PROGRAM = "loader_changed"
+RING_PAGES = 16
+PERF_PAGES_PER_CPU = 8
+
+
+@dataclass(frozen=True)
+class Change:
+    tgid: int
+    what: str        # "exec", "mapped" (both: the process is stopped), "fork", "exit"
+    child: int = 0   # fork: the new process
+
+
+def interpreter(pid: int) -> str | None:
+    """The dynamic loader named by the process's executable (PT_INTERP), as a path we can open."""
+    try:
+        with open(f"/proc/{pid}/exe", "rb") as f:
+            for seg in ELFFile(f).iter_segments():
+                if seg.header.p_type == "PT_INTERP":
+                    return f"/proc/{pid}/root{seg.get_interp_name()}"
+    except (OSError, ELFError):
+        return None
+    return None
+
+
+def _data_symbol(path: str, name: str) -> int | None:
+    """The address (vaddr) of a data symbol in the file's dynamic symbol table."""
+    try:
+        with open(path, "rb") as f:
+            dynsym = ELFFile(f).get_section_by_name(".dynsym")
+            found = dynsym.get_symbol_by_name(name) if dynsym else None
+            return found[0]["st_value"] if found else None
+    except (OSError, ELFError):
+        return None
+
+
+def _load_address(pid: int, inode: int) -> int | None:
+    """Where `pid` mapped the start (file offset 0) of the file with this inode."""
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and int(fields[4]) == inode and int(fields[2], 16) == 0:
+                return int(fields[0].split("-")[0], 16)
+    return None
+
+
+class Follower:
+    def __init__(self, root_pid: int, buffer: str):
+        consts, dt = layout.parse()
+        self._names = {consts[f"PI_FOLLOW_{w.upper()}"]: w for w in ("exec", "mapped", "fork", "exit")}
+        self._dt = dt["pi_follow_event"]
+        self.kind = consts["PI_EV_FOLLOW"]
+        self.obj = libbpf.BpfObject(bpfobj.object_path("follow.bpf.c", buffer))
+        self._records: list[bytes] = []
+        self._loaders: dict[tuple[int, int], int | None] = {}   # loader file: _r_debug's vaddr
+        self.processes = {root_pid}     # every process followed so far
+        self.forks_followed = bool(os.path.exists("/sys/kernel/btf/vmlinux"))
+        try:
+            self.obj.set_rodata(np.zeros(1, dt["pi_config"]).tobytes())
+            if buffer == "ring":
+                self.obj.set_max_entries("events", RING_PAGES * 4096)
+            programs = set(TRACEPOINT_PROGRAMS) | {LOADER_PROGRAM}
+            if self.forks_followed:
+                programs.add(FORK_PROGRAM)
+            self.obj.load(programs)
+            libbpf.map_update(self.obj.map_fd("followed"), root_pid.to_bytes(4, "little"),
+                              (1).to_bytes(4, "little"))
+            for prog in sorted(programs - {LOADER_PROGRAM}):
+                self.obj.attach(prog)
+            if buffer == "perf":       # every record wakes the reader: a process waits on it
+                self._buf = self.obj.perf_buffer("events", PERF_PAGES_PER_CPU, 1, self._on_record,
+                                                 lambda n: None)
+            else:
+                self._buf = self.obj.ring_buffer("events", self._on_record)
+        except ProfinferError:
+            self.close()
+            raise
+
+    def _on_record(self, data, size):
+        self._records.append(ctypes.string_at(data, size))
+
+    def fileno(self) -> int:
+        return self._buf.fileno()
+
+    def followed_map_fd(self) -> int:
+        return self.obj.map_fd("followed")
+
+    def changes(self) -> list[Change]:
+        """What happened to followed processes since the last call, in order."""
+        self._buf.consume()
+        records, self._records = self._records, []
+        out = []
+        for rec in records:
+            ev = np.frombuffer(rec[: self._dt.itemsize], self._dt, count=1)[0]
+            change = Change(int(ev["tgid"]), self._names.get(int(ev["what"]), "?"), int(ev["child"]))
+            if change.what == "fork":
+                self.processes.add(change.child)
+            out.append(change)
+        return out
+
+    def watch_loader(self, pid: int) -> None:
+        """Hook the dynamic loader of `pid`'s current image (once per loader file)."""
+        path = interpreter(pid)
+        if path is None:          # a static executable: nothing is loaded later
+            return
+        key = discovery.file_key(path)
+        if key in self._loaders:
+            return
+        hook = load_elf(path).find(LOADER_HOOK)
+        if hook is None:
+            raise ProfinferError(f"the dynamic loader {path} has no {LOADER_HOOK}: libraries it "
+                                 "loads later (dlopen) cannot be followed")
+        self.obj.attach_uprobe(LOADER_PROGRAM, path, hook.file_offset, -1)
+        self._loaders[key] = _data_symbol(path, R_DEBUG)
+
+    def libraries_settled(self, pid: int) -> bool:
+        """Whether `pid`'s loader, stopped at its hook, has finished changing its library list
+        (True when that cannot be read: then every stop is looked at)."""
+        path = interpreter(pid)
+        try:
+            key = discovery.file_key(path) if path else None
+            vaddr = self._loaders.get(key)
+            if vaddr is None:
+                return True
+            base = _load_address(pid, key[1])
+            if base is None:
+                return True
+            with open(f"/proc/{pid}/mem", "rb") as mem:
+                mem.seek(base + vaddr + R_STATE_OFFSET)
+                return int.from_bytes(mem.read(4), "little") == RT_CONSISTENT
+        except (OSError, ValueError):
+            return True
+
+    @staticmethod
+    def resume(pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        """Detach, then let every followed process go: none is left stopped, whatever
+        happened before."""
+        if self.obj is not None:
+            obj, self.obj = self.obj, None
+            obj.close()
+        for pid in self.processes:
+            self.resume(pid)
