@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,13 +101,142 @@ def our_bpf_programs() -> list[str]:
             if p.get("name", "").startswith(ours + ("graph_enter_", "graph_return_"))]
 
 
-def leftover_uprobe_events() -> list[str]:
-    """uprobe events registered through tracefs (BCC's fallback path), if tracefs is mounted."""
-    for mnt in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
-        p = Path(mnt) / "uprobe_events"
-        if p.exists():
-            return [l for l in p.read_text().splitlines() if l.strip()]
-    return []
+_BPF_KINDS = ("prog", "map", "link")
+# what /proc/PID/fd/N links to for each kind, and the fdinfo line with the object's id
+_BPF_FD = {"anon_inode:bpf-prog": ("prog", "prog_id"), "anon_inode:bpf-map": ("map", "map_id"),
+           "anon_inode:bpf_link": ("link", "link_id")}
+
+
+def _bpftool(*args: str) -> list[dict]:
+    out = subprocess.run(["bpftool", *args, "--json"], capture_output=True, text=True).stdout
+    return json.loads(out or "[]") or []
+
+
+def bpf_snapshot() -> dict[tuple[str, int], str]:
+    """Every BPF program, map and link loaded now, system-wide: {(kind, id): name}."""
+    return {(kind, o["id"]): o.get("name") or o.get("type", "")
+            for kind in _BPF_KINDS for o in _bpftool(kind, "show")}
+
+
+def _fds(pid: int) -> list[tuple[str, str]]:
+    """(link target, fdinfo text) of each open fd of a process ([] once it is gone)."""
+    out = []
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                out.append((os.readlink(f"/proc/{pid}/fd/{fd}"),
+                            Path(f"/proc/{pid}/fdinfo/{fd}").read_text()))
+            except OSError:
+                pass      # closed meanwhile
+    except OSError:
+        pass
+    return out
+
+
+def bpf_holders() -> dict[tuple[str, int], set[int]]:
+    """Which processes hold an fd of each BPF object: {(kind, id): {pid, ...}}. A link's
+    holders also hold its program."""
+    held: dict[tuple[str, int], set[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        for target, info in _fds(int(entry)):
+            kind_key = _BPF_FD.get(target)
+            if kind_key is None:
+                continue
+            fields = dict(l.split(":", 1) for l in info.splitlines() if ":" in l)
+            for kind, key in (kind_key, ("prog", "prog_id")):
+                if key in fields:
+                    held.setdefault((kind, int(fields[key])), set()).add(int(entry))
+    return held
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    for _ in range(64):
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if pid <= 1:
+            return False
+    return False
+
+
+class BpfWatch:
+    """What profinfer runs started by this test leave behind, told apart from what other
+    processes (other profinfer runs on this machine) load meanwhile.
+
+    From a snapshot taken at the start, it samples every quarter second which processes
+    hold each BPF program, map and link: a process this test started (profinfer, its
+    children) or another one. An object whose holders have all gone is freed by the kernel
+    unless something keeps it (pinned, attached by the kernel, an fd copied elsewhere).
+    """
+
+    def __init__(self):
+        self.before = bpf_snapshot()
+        self.ours: set[tuple[str, int]] = set()       # held by a process this test started
+        self.theirs: set[tuple[str, int]] = set()     # held by any other process
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> dict[tuple[str, int], set[int]]:
+        holders = bpf_holders()
+        me = os.getpid()
+        for key, pids in holders.items():
+            for pid in pids:
+                if pid != me and _descends_from(pid, me):
+                    self.ours.add(key)
+                elif pid != me:
+                    self.theirs.add(key)
+        return holders
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            self._sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def leftovers(self, targets: set[int], wait_s: float = 10.0) -> list[str]:
+        """BPF objects new since the start that this test process or the profiled `targets`
+        hold, or that nothing holds and only a process of this test ever held (or none was
+        seen to); programs attached to perf events (uprobes) that those hold; any BPF or
+        perf-event fd in a target. The kernel frees a dead process's objects
+        asynchronously: this waits up to `wait_s` for none to be left."""
+        suspects = set(targets) | {os.getpid()}
+        deadline = time.time() + wait_s
+        while True:
+            found = []
+            now = bpf_snapshot()
+            holders = self._sample()
+            for key in sorted(now.keys() - self.before.keys()):
+                owners = holders.get(key, set())
+                if owners & suspects or (not owners and (key in self.ours or key not in self.theirs)):
+                    found.append(f"{key[0]} {key[1]} {now[key]!r} held by "
+                                 f"{sorted(owners) if owners else 'no process'}")
+            for att in _bpftool("perf", "show"):
+                if att.get("pid") in suspects:
+                    found.append(f"prog {att.get('prog_id')} on a {att.get('fd_type')} perf event "
+                                 f"held by {att['pid']}")
+            for pid in targets:
+                for target, _ in _fds(pid):
+                    if target in _BPF_FD or target == "anon_inode:[perf_event]":
+                        found.append(f"{target} fd in process {pid}")
+            if not found or time.time() > deadline:
+                return found
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def bpf_watch():
+    watch = BpfWatch()
+    yield watch
+    watch.stop()
 
 
 def endless_cmd(build: Path, model: Path, threads: int = 2) -> list[str]:

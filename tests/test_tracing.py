@@ -5,12 +5,12 @@ import subprocess
 
 import pytest
 
-from conftest import (PROFINFER, completion_cmd, leftover_uprobe_events, llama_perf,
-                      our_bpf_programs, run_profinfer, with_llama_log)
+from conftest import PROFINFER, PROMPT, completion_cmd, llama_perf, run_profinfer, with_llama_log
 
 
 @pytest.mark.parametrize("buffer", ["ring", "perf"])
-def test_counts_and_times_match_llama_perf(llama_build, tiny_model, llama_env, tmp_path, buffer):
+def test_counts_and_times_match_llama_perf(llama_build, tiny_model, llama_env, tmp_path, buffer,
+                                          bpf_watch):
     """Acceptance 1: llama_decode calls, prefill/decode tokens exact; phase times within 5%.
     Both transports: the ring buffer, and the perf buffers used on kernels before 5.12; every
     kind of record goes through each (sched events and op counters too)."""
@@ -36,7 +36,7 @@ def test_counts_and_times_match_llama_perf(llama_build, tiny_model, llama_env, t
     # with perf buffers possibly through another CPU's buffer)
     assert s["ops"] and "UNKNOWN" not in {o["op"] for o in s["ops"]}
     assert trace.stat().st_size > 0
-    assert our_bpf_programs() == [] and leftover_uprobe_events() == []
+    assert bpf_watch.leftovers(set()) == []
 
 
 def test_ops_cover_graph_time_on_big_model(llama_build, big_model, llama_env, tmp_path):
@@ -67,13 +67,20 @@ def test_ops_cover_graph_time_on_big_model(llama_build, big_model, llama_env, tm
 
 
 def test_generated_text_is_byte_identical(llama_build, tiny_model, llama_env, tmp_path):
-    """Acceptance 3: profiling does not change what the engine computes."""
-    cmd = completion_cmd(llama_build, tiny_model, n=32)
+    """Acceptance 3: profiling does not change what the engine computes, over text it
+    generated (EOS ignored, so every asked token is generated)."""
+    n = 32
+    cmd = completion_cmd(llama_build, tiny_model, n=n, extra=("--ignore-eos",))
     # The generated text also goes through llama.cpp's lossy logger: compare complete runs.
     plain = with_llama_log(lambda: subprocess.run(cmd, capture_output=True, env=llama_env, timeout=300))
     assert plain.returncode == 0
     profiled = with_llama_log(lambda: subprocess.run([*PROFINFER, "record", "--quiet", "--", *cmd],
                                                      capture_output=True, env=llama_env, timeout=300))
     assert profiled.returncode == 0, profiled.stderr.decode()
-    assert len(plain.stdout) > len(b"The quick brown fox")
+    for run in (plain, profiled):
+        # n tokens generated, by llama.cpp's own count: the first from the prompt's
+        # evaluation, n - 1 eval runs
+        assert llama_perf(run.stderr.decode())["eval"][1] == n - 1
+        text = run.stdout.decode(errors="replace")
+        assert PROMPT in text and text.split(PROMPT, 1)[1].strip(), text
     assert profiled.stdout == plain.stdout
