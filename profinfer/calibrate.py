@@ -1,18 +1,19 @@
 """`profinfer calibrate`: measure this machine's roofs, check the measurement, cache it.
 
 A small C microbenchmark (profinfer/native/roofs.c, built with the system's gcc and OpenMP)
-measures read bandwidth, triad bandwidth and f32 FMA throughput with N threads, 7 times each.
-The memory roof is the read bandwidth (LLM weights are read, not written); the compute roof
+measures read bandwidth, triad bandwidth (shown, not judged) and f32 FMA throughput with N
+threads, 7 times each. The memory roof is the read bandwidth (LLM weights are read, not written); the compute roof
 is f32 FMA, which is what ggml's CPU matmuls run on (f16 and quantized weights are widened
 to it, or to integer dot products of similar width).
 
 A busy machine gives low roofs, and so flattering verdicts for every later recording. So a
 measurement is checked before it is kept: other processes' CPU use during it (loadcheck), each
 repetition's share of time our threads were on a CPU (roofs.c), and the spread of the best
-undisturbed repetitions; then a second run must pass and agree with it (loadcheck.settle).
-The roofs are the best undisturbed repetition of the runs that passed. When no two runs pass
-and agree in ATTEMPTS, nothing is cached and UnreliableMeasurement says why. Checked results are cached per CPU model and thread count in
-$PROFINFER_CACHE/roofs.json (~/.cache/profinfer); entries without a check are ignored.
+undisturbed repetitions; and at least two runs must pass (loadcheck.settle). The roofs are
+the best undisturbed repetition of the runs that passed. When fewer than two pass in
+ATTEMPTS, nothing is cached and UnreliableMeasurement says why. Checked results
+are cached per CPU model and thread count in $PROFINFER_CACHE/roofs.json
+(~/.cache/profinfer); entries without a check are ignored.
 """
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ from .errors import ProfinferError
 from .loadcheck import UnreliableMeasurement
 from .roofline import Roofs
 
-ATTEMPTS = 4           # runs, of which two must pass and agree
+ATTEMPTS = 4            # runs, of which two must pass
 MIN_CPU_SHARE = 0.9     # a repetition whose threads ran less than this of its time was disturbed
 MIN_STABLE_REPS = 3
 SPREAD_LIMIT = 0.10     # the best MIN_STABLE_REPS undisturbed repetitions agree within 10%
 FIGURES = ("read_gbps", "triad_gbps", "fma_gflops")
+ROOFS = ("read_gbps", "fma_gflops")      # the figures verdicts use, and the check judges
 
 
 def cpu_model() -> str:
@@ -80,17 +82,17 @@ class Measurement:
     def problems(self) -> list[str]:
         out = [f"the machine was busy: {self.load.describe()}"] if self.load.busy else []
         short = {name: name.split("_")[0] for name in self.roofs}
-        preempted = [f"{short[n]} {self.repetitions - k}/{self.repetitions}"
-                     for n, k in self.undisturbed.items() if k < MIN_STABLE_REPS]
+        preempted = [f"{short[n]} {self.repetitions - self.undisturbed[n]}/{self.repetitions}"
+                     for n in ROOFS if self.undisturbed[n] < MIN_STABLE_REPS]
         if preempted:
             out.append(f"our threads were preempted in {', '.join(preempted)} repetitions")
-        out += [f"the best {short[n]} repetitions differ by {s:.0%}" for n, s in self.spread.items()
-                if self.undisturbed[n] >= MIN_STABLE_REPS and s > SPREAD_LIMIT]
+        out += [f"the best {short[n]} repetitions differ by {self.spread[n]:.0%}" for n in ROOFS
+                if self.undisturbed[n] >= MIN_STABLE_REPS and self.spread[n] > SPREAD_LIMIT]
         return out
 
     def describe_check(self) -> str:
-        worst = max(self.spread.values())
-        return (f"{min(self.undisturbed.values())}/{self.repetitions} repetitions undisturbed, "
+        worst = max(self.spread[n] for n in ROOFS)
+        return (f"{min(self.undisturbed[n] for n in ROOFS)}/{self.repetitions} repetitions undisturbed, "
                 f"best {MIN_STABLE_REPS} within {worst:.1%}, {self.load.describe()}")
 
 
@@ -129,7 +131,7 @@ def calibrate(threads: int | None = None, force: bool = False, attempts: int = A
               note=lambda msg: None) -> dict:
     """This machine's checked roofs for `threads` threads, measured unless cached (or forced).
 
-    Raises UnreliableMeasurement, caching nothing, when no two runs pass and agree."""
+    Raises UnreliableMeasurement, caching nothing, when fewer than two runs pass."""
     threads = threads or os.cpu_count() or 1
     cache = _load()
     key = _key(threads)
@@ -141,7 +143,7 @@ def calibrate(threads: int | None = None, force: bool = False, attempts: int = A
         runs.append(measure(threads))
         return runs[-1].roofs, runs[-1].problems
 
-    roofs, problems = loadcheck.settle(run_once, attempts, True, note, "roofs")
+    roofs, problems, agreement = loadcheck.settle(run_once, attempts, True, note, "roofs", judged=ROOFS)
     if problems:
         raise UnreliableMeasurement(
             f"roofs not cached after {len(runs)} runs: {'; '.join(problems)}. "
@@ -149,8 +151,7 @@ def calibrate(threads: int | None = None, force: bool = False, attempts: int = A
             f"run `profinfer calibrate` again when the machine is idle")
     passed = [m for m in runs if not m.problems]
     entry = {"threads": threads, **{k: round(v, 3) for k, v in roofs.items()},
-             "check": f"best of {len(passed)} runs that agree within {loadcheck.AGREE_LIMIT:.0%}; "
-                      f"last: {passed[-1].describe_check()}",
+             "check": f"best of {agreement}; last: {passed[-1].describe_check()}",
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     cache[key] = entry
     os.makedirs(nativebuild.cache_dir(), exist_ok=True)

@@ -13,7 +13,6 @@ import click
 
 from .errors import ProfinferError
 from .model import Profile
-from .opcolumns import as_columns
 from .probepack import KERNEL_LEVELS, LEVELS
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
@@ -249,12 +248,15 @@ def demo(model, tokens, threads, levels, counters, output, json_path, quiet):
 @click.option("--no-collapse", is_flag=True, help="Keep every transformer layer's nodes.")
 def graph_cmd(trace, output, phase, no_collapse):
     """The computation graph (DAG) of a saved trace, with time shares and verdicts."""
-    from . import calibrate, dag as dagmod
+    from . import dag as dagmod, recorded_calibration
     from .viewers import dagview
     profile = _load_trace(trace)
-    roofs = calibrate.cached_roofs(len(as_columns(profile.ops).thread_ids()) or 1)
-    dag = dagmod.build(profile, phase, collapse=not no_collapse, roofs=roofs)
+    roofs = recorded_calibration.roofs(profile)
+    dag = dagmod.build(profile, phase, collapse=not no_collapse, roofs=roofs.value)
     dagview.render(dag)
+    judged_by = "" if roofs.value is None else \
+        f" against {roofs.value.peak_gbps:,.1f} GB/s and {roofs.value.peak_gflops:,.1f} GFLOP/s"
+    (click.echo if roofs.stored else _warn)(f"verdicts{judged_by}: {roofs.origin}")
     if output:
         dagmod.write(dag, output)
         click.echo(f"profinfer: wrote {output}", err=True)
@@ -262,21 +264,35 @@ def graph_cmd(trace, output, phase, no_collapse):
 
 @cli.command(name="calibrate")
 @click.option("-t", "--threads", type=click.IntRange(min=1), help="Threads (default: all CPUs).")
-@click.option("--force", is_flag=True, help="Measure again even if cached.")
-def calibrate_cmd(threads, force):
+@click.option("--force", is_flag=True, help="Measure again even if cached (a measurement that "
+              "fails its check does not replace the cached one).")
+@click.option("--attempts", type=click.IntRange(min=2), default=4, show_default=True,
+              help="Runs to try (two must pass their check) before giving up on a busy or "
+              "noisy machine.")
+def calibrate_cmd(threads, force, attempts):
     """Measure this machine's roofs (memory bandwidth, f32 FMA peak) for roofline verdicts,
-    and what a uprobe hit costs here (for the profiler-cost line)."""
-    from . import kernel, probecost
-    from .calibrate import calibrate
-    r = calibrate(threads, force)
-    click.echo(f"threads {r['threads']}: read {r['read_gbps']:.1f} GB/s, triad {r['triad_gbps']:.1f} GB/s, "
-               f"f32 FMA {r['fma_gflops']:.1f} GFLOP/s "
-               f"(ridge {r['fma_gflops'] / r['read_gbps']:.1f} FLOP/byte)")
+    and what a uprobe hit costs here (for the profiler-cost line).
+
+    A measurement taken while other processes use the CPUs, or whose repetitions disagree, is
+    repeated, and not cached if it never passes: then the exit status is 75 (try again later)."""
+    from . import calibrate, kernel, probecost
+    from .loadcheck import UnreliableMeasurement
+    failed: list[UnreliableMeasurement] = []
+    try:
+        r = calibrate.calibrate(threads, force, attempts, note=_note)
+        click.echo(f"{calibrate.describe(r)}\n  checked: {r['check']}; measured {r['measured_at']}")
+    except UnreliableMeasurement as e:
+        failed.append(e)
     kernel.require_root()     # a uprobe's cost is measured by placing one
-    c = probecost.calibrate(force)
-    click.echo(f"uprobe hit: {c['emulated_ns'] / 1e3:.2f} µs on an emulated instruction, "
-               f"{c['stepped_ns'] / 1e3:.2f} µs single-stepped, "
-               f"+{c['uretprobe_extra_ns'] / 1e3:.2f} µs for a uretprobe's return")
+    try:
+        c = probecost.calibrate(force, attempts, note=_note)
+        click.echo(f"{probecost.describe(c)}\n  checked: {c['check']}; measured {c['measured_at']}")
+    except UnreliableMeasurement as e:
+        failed.append(e)
+    for e in failed[:-1]:
+        click.echo(f"profinfer: error: {e}", err=True)
+    if failed:
+        raise failed[-1]
 
 
 @cli.command()

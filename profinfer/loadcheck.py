@@ -96,21 +96,26 @@ def spread(values: list[float], best_of: int = 3, higher_is_better: bool = True)
     return 1 - min(top) / max(top)
 
 
-AGREE_LIMIT = 0.10       # two runs that passed their own check agree within 10% on every figure
+AGREE_LIMIT = 0.10       # runs that agree this well end the search early
 
 
-def settle(measure_once, attempts: int, higher_is_better: bool, note, label: str) -> tuple[dict, list[str]]:
-    """Run `measure_once` (returns (figures, problems)) until two runs without problems agree.
+def settle(measure_once, attempts: int, higher_is_better: bool, note, label: str,
+           judged: tuple[str, ...] | None = None) -> tuple[dict, list[str], str]:
+    """Run `measure_once` (returns (figures, problems)) until two runs without problems agree
+    on the `judged` figures (default: all), or `attempts` runs were made.
 
-    Interference that lasts a whole run (another guest on the host's cores, a frequency drop)
-    escapes a run's own check but not a second run's. Returns (the best value of each figure
-    over the passing runs, []) or, when no two agreed in `attempts`, (the best figures seen,
-    problems)."""
+    Interference that lasts a whole run (another guest on the host's cores) escapes a run's
+    own check; the best of several runs that passed is the least disturbed. Returns (the best
+    value of each figure over the runs that passed, [], how they agreed), or, when fewer than
+    two passed, (the best figures seen, problems, "")."""
     passed: list[dict] = []
     seen: list[dict] = []
     rejected: list[str] = []         # the last rejected run's problems
-    disagreement = ""
     pick = max if higher_is_better else min
+
+    def apart() -> float:
+        return max(spread([p[k] for p in passed], 2, higher_is_better) for k in judged or passed[0])
+
     for attempt in range(attempts):
         if attempt:
             time.sleep(RETRY_PAUSE_S)
@@ -121,18 +126,11 @@ def settle(measure_once, attempts: int, higher_is_better: bool, note, label: str
             note(f"{label} run {attempt + 1}/{attempts} rejected: {'; '.join(problems)}")
             continue
         passed.append(figures)
-        if len(passed) >= 2:
-            apart = {k: spread([p[k] for p in passed], 2, higher_is_better) for k in figures}
-            if all(a <= AGREE_LIMIT for a in apart.values()):
-                return {k: pick(p[k] for p in passed) for k in figures}, []
-            worst = max(apart, key=apart.get)
-            disagreement = f"the runs that passed disagree by {apart[worst]:.0%} ({worst})"
-            note(f"{label} run {attempt + 1}/{attempts}: {disagreement}")
-    if disagreement:
-        problems = [disagreement]
-    elif passed:
-        problems = [f"only 1 of {attempts} runs passed; the last rejected: {'; '.join(rejected)}"]
-    else:
-        problems = rejected
-    best = passed or seen
-    return {k: pick(p[k] for p in best) for k in best[0]}, problems
+        if len(passed) >= 2 and apart() <= AGREE_LIMIT:
+            break
+    if len(passed) >= 2:
+        return ({k: pick(p[k] for p in passed) for k in passed[0]}, [],
+                f"{len(passed)} runs passed, the best two within {apart():.0%}")
+    problems = [f"{len(passed)} of {len(seen)} runs passed, 2 needed; the last rejected: "
+                f"{'; '.join(rejected)}"]
+    return {k: pick(p[k] for p in seen) for k in seen[0]}, problems, ""

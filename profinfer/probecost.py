@@ -9,8 +9,8 @@ profinfer places its probes), one on an instruction it must single-step, and wha
 uretprobe adds on return.
 
 Checked as the roofs are (see calibrate, loadcheck): a run taken while other processes used
-the CPUs, or whose probed rounds disagree, is rejected; two runs must pass and agree, or
-nothing is cached.
+the CPUs, or whose probed rounds disagree, is rejected; two runs must pass, or nothing is
+cached.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from .symbols import load_elf
 UPROBE_PMU = "/sys/bus/event_source/devices/uprobe"
 ROUNDS = 5                        # probed and plain rounds, alternating
 CALLS = {"emulated": 200_000, "stepped": 20_000}
-ATTEMPTS = 4             # runs, of which two must pass and agree
-SPREAD_LIMIT = 0.25      # the 3 cheapest probed rounds of each kind agree within 25%
+ATTEMPTS = 4             # runs, of which two must pass
+SPREAD_LIMIT = 0.35      # the 3 cheapest probed rounds of each kind agree within 35%
 
 
 def _cache_path() -> str:
@@ -133,7 +133,7 @@ def describe(c: dict) -> str:
 def calibrate(force: bool = False, attempts: int = ATTEMPTS, note=lambda msg: None) -> dict:
     """The checked costs for this CPU and kernel, measured unless cached (or forced).
 
-    Raises UnreliableMeasurement, caching nothing, when no two runs pass and agree."""
+    Raises UnreliableMeasurement, caching nothing, when fewer than two runs pass."""
     cache = _load()
     if "check" in cache.get(_key(), {}) and not force:
         return cache[_key()]
@@ -145,15 +145,14 @@ def calibrate(force: bool = False, attempts: int = ATTEMPTS, note=lambda msg: No
             checks.append(check)
         return cost, problems
 
-    # interference only adds to a trap's cost: the cheapest of the runs that agree
-    cost, problems = loadcheck.settle(run_once, attempts, False, note, "probe cost")
+    # interference only adds to a trap's cost: the cheapest of the runs that passed
+    cost, problems, agreement = loadcheck.settle(run_once, attempts, False, note, "probe cost")
     result = _as_costs(cost)
     if problems:
         raise UnreliableMeasurement(
             f"probe costs not cached: {'; '.join(problems)}. Measured (maybe off) "
             f"{describe(result)}; run `profinfer calibrate` again when the machine is idle")
-    result.update(check=f"cheapest of {len(checks)} runs that agree within "
-                        f"{loadcheck.AGREE_LIMIT:.0%}; last: {checks[-1]}",
+    result.update(check=f"cheapest of {agreement}; last: {checks[-1]}",
                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     cache[_key()] = result
     os.makedirs(nativebuild.cache_dir(), exist_ok=True)

@@ -55,6 +55,32 @@ def test_spread():
     assert loadcheck.spread([10, 9]) == float("inf")              # too few to judge
 
 
+def test_best_of_two_runs_that_passed(monkeypatch):
+    """A whole-run slowdown passes one run's own check; the best of the runs that passed is
+    the least disturbed, and a single passing run is not enough."""
+    monkeypatch.setattr(loadcheck, "RETRY_PAUSE_S", 0)
+
+    def runs(*results):
+        it = iter(results)
+        return lambda: next(it)
+
+    notes = []
+    fast, slow, busy = ({"fma": 160.0}, []), ({"fma": 118.0}, []), ({"fma": 60.0}, ["busy"])
+    # two that disagree: keep looking, until two agree
+    figures, problems, how = loadcheck.settle(runs(slow, busy, fast, ({"fma": 158.0}, []), fast),
+                                              5, True, notes.append, "t")
+    assert (figures, problems) == ({"fma": 160.0}, []) and "3 runs passed" in how
+    figures, problems, how = loadcheck.settle(runs(slow, fast, busy), 3, True, notes.append, "t")
+    assert figures == {"fma": 160.0} and not problems and "within 26%" in how
+    figures, problems, _ = loadcheck.settle(runs(busy, fast, busy), 3, True, notes.append, "t")
+    assert "1 of 3 runs passed, 2 needed" in problems[0] and "busy" in problems[0]
+    assert notes == ["t run 2/5 rejected: busy", "t run 3/3 rejected: busy",
+                     "t run 1/3 rejected: busy", "t run 3/3 rejected: busy"]
+    costs = ({"trap": 600.0, "noise": 1.0}, []), ({"trap": 580.0, "noise": 9.0}, [])
+    assert loadcheck.settle(runs(*costs), 2, False, notes.append, "t", judged=("trap",))[:2] \
+        == ({"trap": 580.0, "noise": 1.0}, [])
+
+
 def test_busy_machine_caches_nothing(tmp_path):
     with busy_cpus(os.cpu_count() or 1):
         r = calibrate_cli(tmp_path, "--attempts", "2")

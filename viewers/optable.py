@@ -4,11 +4,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer import (calibrate, counterstats, layers, moe, probecost, roofline, schedstats,
+from profinfer import (counterstats, layers, moe, recorded_calibration, roofline, schedstats,
                        selfcost)
 from profinfer.counterstats import CounterStats
 from profinfer.model import Profile
-from profinfer.opcolumns import as_columns
 from profinfer.roofline import Roofs, Verdict
 from profinfer.schedstats import SchedStats
 from profinfer.stats import ProfileStats, compute
@@ -192,13 +191,10 @@ def render(profile: Profile, console: Console | None = None) -> ProfileStats:
     console.print(latency_line(st))
     console.print(thread_table(st))
     if profile.ops:
-        roofs = calibrate.cached_roofs(len(as_columns(profile.ops).thread_ids()))
-        if roofs is None:
-            console.print("roofline: no calibration for this machine yet: run `profinfer calibrate` once")
-        else:
-            vs = roofline.verdicts(profile, roofs)
-            if vs:
-                console.print(roofline_table(vs[:12], roofs))
+        judged = recorded_calibration.roofs(profile)
+        if judged.value is not None and (vs := roofline.verdicts(profile, judged.value)):
+            console.print(roofline_table(vs[:12], judged.value))
+        console.print(f"roofline: {judged.origin}" if judged.stored else f"[yellow]roofline: {judged.origin}[/]")
     if profile.ops and profile.graphs:
         lrows = layers.layer_times(profile)
         if any(r.layer is not None for r in lrows):
@@ -222,9 +218,12 @@ def render(profile: Profile, console: Console | None = None) -> ProfileStats:
             console.print(f"per token: {per_tok}")
         for note in cs.notes:
             console.print(f"[yellow]counters: {note}[/]")
-    cost = selfcost.compute(profile, probecost.cached())
+    trap = recorded_calibration.trap_costs(profile)
+    cost = selfcost.compute(profile, trap.value)
     if cost:
         console.print(cost_line(cost))
+        if not trap.stored and trap.value is not None:
+            console.print(f"[yellow]profiler cost: {trap.origin}[/]")
     if st.lost_events:
         console.print(f"[yellow]warning: {st.lost_events:,} events were lost; totals are lower bounds[/]")
     return st
