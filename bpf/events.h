@@ -21,6 +21,18 @@
 #define PI_EV_DECODING 8
 #define PI_EV_FOLLOW 9
 
+/* A batch's tokens as runs of one sequence at consecutive positions (engines add each
+ * sequence's tokens together): a sequence decoding adds one token, a prompt many. */
+#define PI_MAX_RUNS 16
+#define PI_BATCH_SCAN 2048    /* tokens of a batch read; the rest are counted, not read */
+
+struct pi_batch_run {
+    s32 seq;                  /* the token's first sequence id */
+    s32 pos0;                 /* position of the run's first token */
+    u32 n_tokens;
+    u32 pad;
+};
+
 /* One llama_decode call, sent at its return. */
 struct pi_token_event {
     u32 kind;
@@ -29,6 +41,9 @@ struct pi_token_event {
     u64 end_ns;
     s32 n_tokens;
     s32 ret;
+    u32 n_runs;               /* 0: the batch's sequences were not read (older API) */
+    u32 unread;               /* tokens past PI_MAX_RUNS runs or PI_BATCH_SCAN tokens */
+    struct pi_batch_run runs[PI_MAX_RUNS];
 };
 
 /* The first llama_decode seen: sent at its entry, so that user space can count the target's
@@ -286,4 +301,7 @@ struct pi_config {
     u64 init_params_sp_off;   /* ggml_init's params (by value) relative to sp at its entry */
     u32 check_layout;         /* a table layout: fill pi_node_check for the first nodes */
     u32 pad4;
+    u64 bext_tok_off_pos;     /* llama_batch_ext::token.pos[0] */
+    u64 bext_tok_off_seq;     /* llama_batch_ext::token.seq_ids' first node (0: not read) */
+    u64 seq_node_value;       /* offset of the value in that hash-set node */
 };

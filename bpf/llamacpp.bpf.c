@@ -122,9 +122,62 @@ int token_enter(struct pt_regs *ctx)
     return 0;
 }
 
+/* The batch's tokens as runs (events.h): each token's first sequence id (the first node of
+ * its std::unordered_set of ids) and position. A run ends where the sequence changes or the
+ * positions stop following on. One bpf_loop step per token (Linux 5.17): a plain loop over
+ * PI_BATCH_SCAN tokens exceeds what the verifier follows. */
+struct batch_scan {
+    struct pi_token_event *ev;
+    u64 tokens;
+    u64 size;
+    s32 seq;
+    s32 pos0;
+    u32 n;
+    u32 unread;
+};
+
+/* Zero, read from memory: the verifier follows a bpf_loop callback until its state repeats,
+ * and counters that start at a known constant never repeat. */
+u32 scan_counter_start = 0;
+
+static __always_inline void close_run(struct batch_scan *b)
+{
+    struct pi_token_event *ev = b->ev;
+    u32 k = ev->n_runs;
+    if (!b->n)
+        return;
+    if (k < PI_MAX_RUNS) {
+        ev->runs[k & (PI_MAX_RUNS - 1)].seq = b->seq;
+        ev->runs[k & (PI_MAX_RUNS - 1)].pos0 = b->pos0;
+        ev->runs[k & (PI_MAX_RUNS - 1)].n_tokens = b->n;
+        ev->n_runs = k + 1;
+    } else {
+        b->unread += b->n;
+    }
+}
+
+static long scan_token(u64 i, void *ctx)
+{
+    struct batch_scan *b = ctx;
+    u64 tok = b->tokens + i * b->size, node = 0;
+    s32 seq = -1, pos = 0;
+    bpf_probe_read_user(&pos, sizeof(pos), (void *)(tok + cfg.bext_tok_off_pos));
+    bpf_probe_read_user(&node, sizeof(node), (void *)(tok + cfg.bext_tok_off_seq));
+    if (node)
+        bpf_probe_read_user(&seq, sizeof(seq), (void *)(node + cfg.seq_node_value));
+    if (b->n && seq == b->seq && pos == b->pos0 + (s32)b->n) {
+        b->n++;
+        return 0;
+    }
+    close_run(b);
+    b->seq = seq;
+    b->pos0 = pos;
+    b->n = scan_counter_start + 1;
+    return 0;
+}
+
 /* llama_context::decode(const llama_batch_ext &): n_tokens is tokens.size(). */
-SEC("uprobe")
-int token_enter_ext(struct pt_regs *ctx)
+static __always_inline int token_enter_batch(struct pt_regs *ctx, int read_sequences)
 {
     if (!in_target())
         return 0;
@@ -137,9 +190,31 @@ int token_enter_ext(struct pt_regs *ctx)
     bpf_probe_read_user(vec, sizeof(vec), (void *)(PT_REGS_PARM2(ctx) + cfg.bext_off_tokens));
     u64 size = cfg.bext_token_size ? cfg.bext_token_size : 1;
     ev.n_tokens = vec[1] > vec[0] ? (s32)((vec[1] - vec[0]) / size) : 0;
+    if (read_sequences) {
+        struct batch_scan b = {.ev = &ev, .tokens = vec[0], .size = size,
+                               .n = scan_counter_start, .unread = scan_counter_start};
+        ev.n_runs = scan_counter_start;
+        u32 n = (u32)ev.n_tokens < PI_BATCH_SCAN ? (u32)ev.n_tokens : PI_BATCH_SCAN;
+        bpf_loop(n, scan_token, &b, 0);
+        close_run(&b);
+        ev.unread = b.unread + ((u32)ev.n_tokens - n);
+    }
     first_decode(ctx, tid, ev.start_ns);
     bpf_map_update_elem(&token_open, &tid, &ev, BPF_ANY);
     return 0;
+}
+
+SEC("uprobe")
+int token_enter_ext(struct pt_regs *ctx)
+{
+    return token_enter_batch(ctx, 0);
+}
+
+/* The same, with the batch's sequences (events.h: runs); bpf_loop needs Linux 5.17. */
+SEC("uprobe")
+int token_enter_ext_seqs(struct pt_regs *ctx)
+{
+    return token_enter_batch(ctx, 1);
 }
 
 SEC("uretprobe")

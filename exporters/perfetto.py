@@ -212,9 +212,12 @@ def begin_fields(obj) -> tuple[str, str, tuple]:
         return CAT_GRAPH, GRAPH_NAME, args
     if isinstance(obj, TokenCall):
         args = (("n_tokens", _INT, obj.n_tokens),)
+        if obj.runs:     # the batch's sequences: "seq:first_pos+tokens ..."
+            args += (("decode_tokens", _INT, obj.decode_tokens),
+                     ("sequences", _STR, " ".join(f"{q}:{p}+{n}" for q, p, n in obj.runs)))
         if obj.ret:
             args += (("ret", _INT, obj.ret),)
-        return CAT_TOKEN, "prefill" if obj.prefill else "decode", args
+        return CAT_TOKEN, obj.phase, args
     if isinstance(obj, Arrival):
         return CAT_ARRIVAL, ARRIVAL_NAME, ()
     raise TypeError(f"not a profile slice: {obj!r}")

@@ -23,6 +23,15 @@ _BEGIN, _END, _COUNTER = TrackEvent.TYPE_SLICE_BEGIN, TrackEvent.TYPE_SLICE_END,
 _DECODE_CACHE_LIMIT = 200_000
 
 
+def _parse_runs(text: str) -> tuple[tuple[int, int, int], ...]:
+    """The token slices' "sequences" argument: "seq:first_pos+tokens ..."."""
+    try:
+        return tuple((int(q), int(p), int(n)) for q, rest in (r.split(":") for r in text.split())
+                     for p, n in (rest.split("+"),))
+    except ValueError:
+        raise TraceFormatError(f"bad sequences argument {text!r}") from None
+
+
 class TraceFormatError(ValueError):
     """The file is not a readable profinfer Perfetto trace."""
 
@@ -239,9 +248,14 @@ class _Reader:
         elif cat == CAT_ARRIVAL:
             pass                     # derived from the ops (stats.arrivals)
         elif cat == CAT_TOKEN:
-            self.tokens.append(TokenCall(tid=tid, start_ns=start, end_ns=end,
-                                         n_tokens=begin_args["n_tokens"], prefill=name == "prefill",
-                                         ret=begin_args.get("ret", 0)))
+            runs = begin_args.get("sequences")
+            if runs:
+                self.tokens.append(TokenCall.of_batch(tid, start, end, begin_args["n_tokens"],
+                                                      begin_args.get("ret", 0), _parse_runs(runs)))
+            else:
+                self.tokens.append(TokenCall(tid=tid, start_ns=start, end_ns=end,
+                                             n_tokens=begin_args["n_tokens"], prefill=name == "prefill",
+                                             ret=begin_args.get("ret", 0)))
         else:
             raise TraceFormatError(f"unknown slice category {cat!r}")
 

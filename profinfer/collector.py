@@ -18,14 +18,20 @@ import numpy as np
 from . import assemble, bpfobj, discovery, dwarf, ggml, kernel, layout, libbpf
 from . import counters as perfcounters
 from .errors import ProfinferError
-from .model import GraphCall, Profile, TokenCall
+from .model import GraphCall, Profile, TokenCall, split_batch
 from .probepack import Pack, engine_libraries, resolve
 from .symbols import load_elf
 
 VALIDATE_NODES = 64   # node descriptions checked before a table layout is trusted
 PERF_PAGES_PER_CPU = 256
 PERF_WAKEUP_EVENTS = 64
-KNOWN_BATCH_EXT = (64, 96)   # llama_batch_ext.tokens offset, token size (b11434)
+# llama_batch_ext (b11434): tokens' offset, a token's size, its pos[0] and its seq_ids
+KNOWN_BATCH_EXT = (64, 96, 80, 24)
+# std::unordered_set: the first node's pointer (_M_before_begin / __p1_) sits 16 bytes in, in
+# libstdc++ and libc++ alike; a node holds its value after the next pointer (libstdc++), or
+# after the next pointer and the hash (libc++)
+SEQ_SET_FIRST_NODE = 16
+SEQ_NODE_VALUE = {"libstdc++": 8, "libc++": 16}
 MAX_BATCH = 1 << 20
 _ZERO_U32 = bytes(4)
 SCHED_PROGRAMS = ("sched_switch", "sched_wakeup")
@@ -36,6 +42,12 @@ GRAPHS_CHANGED_PROGRAMS = ("graphs_changed", "context_made")
 GRAPH_CHANGERS = {"ggml_init", "ggml_reset", "ggml_new_graph_custom"}
 SHARED_MAPS = ("events", "lost")     # one transport and one lost counter for both objects
 _ZERO_U64 = bytes(8)
+
+
+def _runs(ev: np.void) -> tuple[tuple[int, int, int], ...]:
+    """A token event's batch runs (sequence, first position, tokens)."""
+    return tuple((int(r["seq"]), int(r["pos0"]), int(r["n_tokens"]))
+                 for r in ev["runs"][: int(ev["n_runs"])])
 
 
 class Collector:
@@ -257,7 +269,13 @@ class Collector:
             lay.type, lay.ne, lay.op, lay.name_off)
         cfg["cg_off_n_nodes"] = 4
         cfg["token_sp_off"] = 8   # at entry sp points at the return address; the batch follows
-        cfg["bext_off_tokens"], cfg["bext_token_size"] = bext
+        cfg["bext_off_tokens"], cfg["bext_token_size"], pos, seq_ids, node_value = bext
+        if seq_ids is not None and kernel.release_at_least(5, 17):   # bpf_loop
+            cfg["bext_tok_off_pos"], cfg["bext_tok_off_seq"] = pos, seq_ids + SEQ_SET_FIRST_NODE
+            cfg["seq_node_value"] = node_value
+            for p in self.probes:
+                if p.entry_fn == "token_enter_ext":
+                    p.entry_fn = "token_enter_ext_seqs"
         # wake the collector early once a quarter of the ring is in use
         cfg["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
         cfg["t_off_src"] = lay.src
@@ -292,19 +310,24 @@ class Collector:
             return int(forced)
         return 1 << max(6, (2 * self.n_cpus - 1).bit_length())
 
-    def _batch_ext_layout(self) -> tuple[int, int]:
-        """(offset of llama_batch_ext.tokens, sizeof one token) for the ext decode probe."""
-        probe = next((p for p in self.probes if p.entry_fn == "token_enter_ext"), None)
+    def _batch_ext_layout(self) -> tuple[int, int, int, int | None, int]:
+        """For the ext decode probe: llama_batch_ext.tokens' offset, a token's size, and in a
+        token pos[0]'s and seq_ids' offsets (None: sequences not read), and where a seq_ids
+        node holds its value."""
+        probe = next((p for p in self.probes if p.entry_fn in ("token_enter_ext", "token_enter_ext_seqs")), None)
         if probe is None:
-            return 0, 1
+            return 0, 1, 0, None, 0
+        node_value = SEQ_NODE_VALUE["libc++" if probe.elf.needs("libc++.so") else "libstdc++"]
         found = dwarf.struct_layout(probe.elf.dwarf_path, probe.elf.build_id, "llama_batch_ext") \
             if probe.elf.dwarf_path else None
         if found and "tokens" in found["members"] and "token" in found["nested"]:
-            return found["members"]["tokens"], found["nested"]["token"]
+            token = found.get("nested_members", {}).get("token", {})
+            return (found["members"]["tokens"], found["nested"]["token"], token.get("pos", 0),
+                    token.get("seq_ids") if "pos" in token else None, node_value)
         self._batch_trusted = False
         self.warnings.append("no DWARF for llama_batch_ext: using the b11434 layout, "
                              "validated on the first batches")
-        return KNOWN_BATCH_EXT
+        return (*KNOWN_BATCH_EXT, node_value)
 
     def _decode_structures(self) -> None:
         base = next((e for e in self.elfs if e.find("ggml_op_name")), None)
@@ -371,7 +394,7 @@ class Collector:
                     raise ProfinferError("unknown llama_batch_ext layout: a batch decodes as "
                                          f"{int(ev['n_tokens'][0])} tokens; this build needs DWARF")
                 self._tokens.append(ev)
-                self.n_decode_tokens += int(ev["n_tokens"][0] == 1)
+                self.n_decode_tokens += split_batch(int(ev["n_tokens"][0]), _runs(ev[0]))
                 self.n_events += 1
             elif kind == self.kind_graph:
                 self._graphs.append(np.frombuffer(rec, self.dt["pi_graph_event"], count=1))
@@ -573,8 +596,8 @@ class Collector:
         prof.meta = self._meta()
         if self._tokens:
             t = np.concatenate(self._tokens)
-            prof.tokens = [TokenCall(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
-                                     int(r["n_tokens"]), bool(r["n_tokens"] > 1), int(r["ret"]))
+            prof.tokens = [TokenCall.of_batch(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
+                                              int(r["n_tokens"]), int(r["ret"]), _runs(r))
                            for r in np.sort(t, order="start_ns")]
         # Index = the probe number BPF put in each graph event (the pack's order of graph probes, as resolve() numbered them).
         graph_probes = [p for p in self.probes if p.spec.graph_backend is not None]

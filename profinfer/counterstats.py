@@ -107,9 +107,9 @@ def compute(profile: Profile) -> CounterStats | None:
     by_op.sort(key=lambda r: -r.dur_ns)
     phase = op_phases(arr, profile.tokens)
     by_phase = {p: row(p, phase == k) for k, p in enumerate(PHASES) if (phase == k).any()}
-    tokens = {"prefill": 0, "decode": 0}
+    tokens = dict.fromkeys(PHASES, 0)
     for t in profile.tokens:
-        tokens["prefill" if t.prefill else "decode"] += t.n_tokens
+        tokens[t.phase] += t.n_tokens
     per_token = {p: {n: v / tokens[p] for n, v in by_phase[p].totals.items()}
                  for p in ("prefill", "decode") if p in by_phase and tokens[p]}
     notes = []

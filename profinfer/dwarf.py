@@ -9,12 +9,13 @@ from elftools.elf.elffile import ELFFile
 
 def _cache_path(build_id: str, struct: str) -> str:
     base = os.environ.get("PROFINFER_CACHE") or os.path.expanduser("~/.cache/profinfer")
-    return os.path.join(base, "layouts", f"{build_id}.{struct}.json")
+    return os.path.join(base, "layouts", f"{build_id}.{struct}.v2.json")
 
 
 def struct_layout(path: str, build_id: str, struct: str) -> dict | None:
-    """{"size": n, "members": {name: offset}, "nested": {name: size}} for a struct definition
-    in the file's DWARF, or None when the file has no such definition."""
+    """{"size": n, "members": {name: offset}, "nested": {name: size},
+    "nested_members": {name: {member: offset}}} for a struct definition in the file's DWARF,
+    or None when the file has no such definition."""
     cache = _cache_path(build_id, struct) if build_id else None
     if cache and os.path.exists(cache):
         with open(cache) as f:
@@ -25,6 +26,16 @@ def struct_layout(path: str, build_id: str, struct: str) -> dict | None:
         with open(cache, "w") as f:
             json.dump(found, f)
     return found
+
+
+def _members(die) -> dict[str, int]:
+    """{member name: offset} of a struct's data members."""
+    out = {}
+    for m in die.iter_children():
+        ma = m.attributes
+        if m.tag == "DW_TAG_member" and "DW_AT_name" in ma and "DW_AT_data_member_location" in ma:
+            out[ma["DW_AT_name"].value.decode()] = ma["DW_AT_data_member_location"].value
+    return out
 
 
 def _scan(path: str, name: bytes) -> dict | None:
@@ -39,15 +50,14 @@ def _scan(path: str, name: bytes) -> dict | None:
                 a = die.attributes
                 if "DW_AT_declaration" in a or "DW_AT_name" not in a or a["DW_AT_name"].value != name:
                     continue
-                members, nested = {}, {}
+                members, nested, nested_members = _members(die), {}, {}
                 for m in die.iter_children():
                     ma = m.attributes
-                    if "DW_AT_name" not in ma:
-                        continue
-                    if m.tag == "DW_TAG_member" and "DW_AT_data_member_location" in ma:
-                        members[ma["DW_AT_name"].value.decode()] = ma["DW_AT_data_member_location"].value
-                    elif m.tag == "DW_TAG_structure_type" and "DW_AT_byte_size" in ma:
+                    if (m.tag == "DW_TAG_structure_type" and "DW_AT_name" in ma
+                            and "DW_AT_byte_size" in ma):
                         nested[ma["DW_AT_name"].value.decode()] = ma["DW_AT_byte_size"].value
+                        nested_members[ma["DW_AT_name"].value.decode()] = _members(m)
                 size = a["DW_AT_byte_size"].value if "DW_AT_byte_size" in a else 0
-                return {"size": size, "members": members, "nested": nested}
+                return {"size": size, "members": members, "nested": nested,
+                        "nested_members": nested_members}
     return None

@@ -16,12 +16,55 @@ class TokenCall:
     start_ns: int
     end_ns: int
     n_tokens: int        # batch size (tokens submitted in this call)
-    prefill: bool        # True for a prompt batch (n_tokens > 1 or first call of a sequence)
+    prefill: bool        # the batch carries prompt tokens (see split_batch)
     ret: int = 0         # llama_decode's return value
+    # The batch's sequences, where the engine's batch was read: runs of one sequence at
+    # consecutive positions, (sequence id, first position, tokens); tokens not in a run
+    # (past what BPF reads) count as prompt tokens.
+    runs: tuple[tuple[int, int, int], ...] = ()
+    decode_tokens: int = 0   # tokens that continue a generating sequence (see split_batch)
 
     @property
     def dur_ns(self) -> int:
         return self.end_ns - self.start_ns
+
+    def __post_init__(self):
+        if not self.prefill and not self.decode_tokens:
+            self.decode_tokens = self.n_tokens     # a decode call: all of its tokens
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.n_tokens - self.decode_tokens
+
+    @property
+    def phase(self) -> str:
+        """"prefill", "decode", or "mixed" for a batch with both (a server's parallel slots)."""
+        if not self.prefill:
+            return "decode"
+        return "mixed" if self.decode_tokens else "prefill"
+
+    @classmethod
+    def of_batch(cls, tid: int, start_ns: int, end_ns: int, n_tokens: int, ret: int,
+                 runs: tuple[tuple[int, int, int], ...] = ()) -> "TokenCall":
+        decode = split_batch(n_tokens, runs)
+        return cls(tid, start_ns, end_ns, n_tokens, decode < n_tokens, ret, runs, decode)
+
+
+def split_batch(n_tokens: int, runs: tuple[tuple[int, int, int], ...]) -> int:
+    """How many of a batch's tokens are decode tokens.
+
+    With the batch's sequences known, per sequence: a sequence that adds one token after
+    position 0 is decoding, one that adds more (or starts at 0) is reading its prompt. Without
+    them, llama.cpp's own rule (llama_perf_context_print): a batch of one token is decode,
+    of more, prefill; for a single sequence both agree."""
+    if not runs:
+        return n_tokens if n_tokens == 1 else 0
+    return sum(1 for _, pos0, n in runs if decoding_run(pos0, n))
+
+
+def decoding_run(pos0: int, n_tokens: int) -> bool:
+    """A sequence that adds one token after position 0 is generating."""
+    return n_tokens == 1 and pos0 > 0
 
 
 @dataclass(slots=True)

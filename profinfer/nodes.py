@@ -123,7 +123,8 @@ def _moe_descs(ops: OpColumns) -> np.ndarray:
 
 
 def phase_of(runs: list[NodeRun], tokens) -> list[str]:
-    """"prefill", "decode" or "other" per run: the llama_decode call containing its start."""
+    """The phase ("prefill", "decode", "mixed" or "other") per run: that of the llama_decode
+    call containing its start."""
     toks = sorted(tokens, key=lambda t: t.start_ns)
     if not toks:
         return ["other"] * len(runs)
@@ -134,7 +135,7 @@ def phase_of(runs: list[NodeRun], tokens) -> list[str]:
     out = []
     for i, s in zip(idx.tolist(), starts.tolist()):
         if i >= 0 and s <= t_end[i]:
-            out.append("prefill" if toks[i].prefill else "decode")
+            out.append(toks[i].phase)
         else:
             out.append("other")
     return out

@@ -4,13 +4,17 @@ Pure logic, no I/O. Ops are turned into numpy arrays once (profiles can hold mil
 All times are nanoseconds.
 
 Definitions:
-- phase: a llama_decode call is "prefill" when TokenCall.prefill is True, else "decode".
-  An op belongs to the phase of the llama_decode call whose [start, end] contains its start;
-  ops outside every call fall into phase "other".
-- sequence: a prefill call that follows a decode call (or opens the profile) starts one;
-  consecutive prefill calls are its prompt chain (chunked prompt). Decode calls before any
-  prefill form a sequence without prefill (profiler attached mid-generation).
-- TTFT = end of the last prefill call of the chain - start of its first.
+- tokens: each token of a batch is a prompt (prefill) or a decode token (model.split_batch:
+  per sequence where the batch's sequences were read, else by the batch's size).
+- phase of a llama_decode call (TokenCall.phase): "prefill" (prompt tokens only), "decode"
+  (decode tokens only) or "mixed" (a server batching prompts and generations together). An op
+  belongs to the phase of the llama_decode call whose [start, end] contains its start; ops
+  outside every call fall into phase "other".
+- sequence: followed by its id where the batches' sequences were read, else the calls form one
+  stream. A prompt run of a sequence that has decoded, or starts at position 0 (where its id
+  is known), starts a new one; consecutive prompt runs are its prompt chain (chunked prompt).
+  Decode tokens before any prompt form a sequence without prefill (attached mid-generation).
+- TTFT = end of the call that completed the prompt chain - start of its first call.
 - TPOT = (end of the last decode call - end of the prefill chain) / decode tokens; for a
   sequence without prefill the start of its first decode call stands for the prefill end.
 - graph_ns of a thread: sum of the durations (entry to return of the innermost graph-compute
@@ -29,11 +33,11 @@ from statistics import median
 
 import numpy as np
 
-from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.model import GraphCall, OpSlice, Profile, TokenCall, decoding_run
 from profinfer.opcolumns import as_columns
 
-PHASES = ("prefill", "decode", "other")
-_PREFILL, _DECODE, _OTHER = 0, 1, 2
+PHASES = ("prefill", "decode", "mixed", "other")
+_OTHER = PHASES.index("other")
 
 
 @dataclass(slots=True)
@@ -95,6 +99,7 @@ class PhaseStats:
 @dataclass(slots=True)
 class SequenceStats:
     start_ns: int
+    seq: int | None = None        # the engine's sequence id, where batches were read
     prefill_calls: int = 0
     prefill_tokens: int = 0
     prefill_end_ns: int | None = None
@@ -125,6 +130,8 @@ class ProfileStats:
     ops: list[OpStats]                  # sorted by total_ns, descending
     op_total_ns: int
     barrier_total_ns: int
+    prefill_tokens: int = 0             # over all calls, mixed ones included
+    decode_tokens: int = 0
 
     @property
     def ttft_ns(self) -> int | None:
@@ -194,36 +201,47 @@ def op_table(durs: np.ndarray, codes: np.ndarray, names: list[str]) -> list[OpSt
     return rows
 
 
+def _token_runs(t: TokenCall):
+    """(sequence key, first position or None, tokens, decoding) for each run of a call."""
+    if not t.runs:
+        yield None, None, t.n_tokens, not t.prefill
+        return
+    for seq, pos0, n in t.runs:
+        yield seq, pos0, n, decoding_run(pos0, n)
+
+
 def sequences(tokens: list[TokenCall]) -> list[SequenceStats]:
     seqs: list[SequenceStats] = []
-    cur: SequenceStats | None = None
+    current: dict[int | None, SequenceStats] = {}
     for t in sorted(tokens, key=lambda t: (t.start_ns, t.tid)):
-        if t.prefill:
-            if cur is None or cur.decode_calls:   # a prompt after generation: new sequence
-                cur = SequenceStats(t.start_ns)
+        for key, pos0, n, decoding in _token_runs(t):
+            cur = current.get(key)
+            if decoding:
+                if cur is None:
+                    cur = current[key] = SequenceStats(t.start_ns, key)
+                    seqs.append(cur)
+                cur.decode_calls += 1
+                cur.decode_tokens += n
+                cur.end_ns = t.end_ns
+                continue
+            if cur is None or cur.decode_calls or (pos0 == 0 and cur.prefill_calls):
+                cur = current[key] = SequenceStats(t.start_ns, key)   # a new prompt
                 seqs.append(cur)
             cur.prefill_calls += 1
-            cur.prefill_tokens += t.n_tokens
+            cur.prefill_tokens += n
             cur.prefill_end_ns = t.end_ns
-        else:
-            if cur is None:
-                cur = SequenceStats(t.start_ns)
-                seqs.append(cur)
-            cur.decode_calls += 1
-            cur.decode_tokens += t.n_tokens
-            cur.end_ns = t.end_ns
     return seqs
 
 
 def op_phases(arr: OpArrays, tokens: list[TokenCall]) -> np.ndarray:
-    """Phase code (_PREFILL/_DECODE/_OTHER) per op: the call containing the op's start."""
+    """Phase code (an index of PHASES) per op: the call containing the op's start."""
     phase = np.full(len(arr), _OTHER, np.int8)
     if not tokens or not len(arr):
         return phase
     toks = sorted(tokens, key=lambda t: t.start_ns)
     t_start = np.fromiter((t.start_ns for t in toks), np.int64, len(toks))
     t_end = np.fromiter((t.end_ns for t in toks), np.int64, len(toks))
-    t_phase = np.fromiter((_PREFILL if t.prefill else _DECODE for t in toks), np.int8, len(toks))
+    t_phase = np.fromiter((PHASES.index(t.phase) for t in toks), np.int8, len(toks))
     idx = np.searchsorted(t_start, arr.start, side="right") - 1
     safe = np.maximum(idx, 0)
     inside = (idx >= 0) & (arr.start <= t_end[safe])
@@ -335,16 +353,16 @@ def thread_totals(profile: Profile, arr: OpArrays) -> list[ThreadStats]:
 def compute(profile: Profile) -> ProfileStats:
     arr = op_arrays(profile.ops)
     durs, barriers = arr.dur, arr.barrier
-    phases = {p: PhaseStats(p) for p in PHASES[:2]}
+    phases = {p: PhaseStats(p) for p in ("prefill", "decode")}
     for t in profile.tokens:
-        ph = phases["prefill" if t.prefill else "decode"]
+        ph = phases.setdefault(t.phase, PhaseStats(t.phase))
         ph.calls += 1
         ph.tokens += t.n_tokens
         ph.time_ns += t.dur_ns
     op_phase = op_phases(arr, profile.tokens)
     for code, name in enumerate(PHASES):
         mask = op_phase == code
-        if name == "other" and not mask.any():
+        if name not in phases and not mask.any():
             continue
         ph = phases.setdefault(name, PhaseStats(name))
         ph.op_ns = int(durs[mask].sum())
@@ -360,4 +378,6 @@ def compute(profile: Profile) -> ProfileStats:
         ops=op_table(durs, arr.code, arr.names),
         op_total_ns=int(durs.sum()),
         barrier_total_ns=int(barriers.sum()),
+        prefill_tokens=sum(t.prefill_tokens for t in profile.tokens),
+        decode_tokens=sum(t.decode_tokens for t in profile.tokens),
     )

@@ -35,8 +35,13 @@ class ElfInfo:
     debug_file: str | None    # separate debug info used, if any
     dwarf_path: str | None    # file that holds .debug_info, if any
 
+    needed: tuple[str, ...] = ()   # DT_NEEDED: the shared libraries it links
+
     def find(self, name: str) -> Symbol | None:
         return self.symbols.get(name)
+
+    def needs(self, prefix: str) -> bool:
+        return any(n.startswith(prefix) for n in self.needed)
 
     def code_bytes(self, sym: Symbol, n: int) -> bytes:
         with open(self.path, "rb") as f:
@@ -111,6 +116,9 @@ def load_elf(path: str, root: str = "/") -> ElfInfo:
             symbols: dict[str, Symbol] = {}
             has_symtab = _read_symbols(elf, symbols, elf)
             bid = _build_id(elf)
+            dynamic = elf.get_section_by_name(".dynamic")
+            needed = tuple(t.needed for t in dynamic.iter_tags() if t.entry.d_tag == "DT_NEEDED") \
+                if dynamic is not None and hasattr(dynamic, "iter_tags") else ()
             dwarf_path = path if elf.get_section_by_name(".debug_info") else None
             debug_file = None
             if not has_symtab or dwarf_path is None:
@@ -123,4 +131,4 @@ def load_elf(path: str, root: str = "/") -> ElfInfo:
                             dwarf_path = debug_file
         except (ELFError, ValueError) as e:
             raise ProfinferError(f"{path} is not a readable ELF file: {e}") from None
-    return ElfInfo(path, bid, symbols, has_symtab, debug_file, dwarf_path)
+    return ElfInfo(path, bid, symbols, has_symtab, debug_file, dwarf_path, needed)
