@@ -111,7 +111,10 @@ def off_cpu_ns(prof: Profile, tid: int, start: int, end: int) -> int:
 
 @pytest.fixture
 def cpus_busy():
-    procs = [subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", BUSY])
+    """A busy process pinned to each CPU, favoured over the target (nice -5) so that its threads
+    lose their CPU often, at the start of graphs too (at equal priority some runs had no late
+    start at all)."""
+    procs = [subprocess.Popen(["nice", "-n", "-5", "taskset", "-c", str(cpu), sys.executable, "-c", BUSY])
              for cpu in sorted(os.sched_getaffinity(0))]
     yield
     for p in procs:
@@ -122,12 +125,12 @@ def cpus_busy():
 def test_views_agree_under_load(llama_build, tiny_model, llama_env, tmp_path, cpus_busy):
     prof = record(llama_build, tiny_model, llama_env, tmp_path)
     d = assert_views_agree(prof, threads=2)
-    # a busy process on every CPU: threads start graphs late (measured 5.4 ms a graph here,
-    # against 1.2 ms of node time without load), and that is thread arrival
-    assert d.arrival_ns / d.graphs > 50_000, d.arrival_ns / d.graphs
-    # the kernel's account: a thread that arrived late was kept off its CPU (99.9% measured)
+    # threads start graphs late, and that is thread arrival: measured 3.2-6.6 ms a graph (node
+    # time: 10-15 ms under this load, 1.2 ms without), 12-15 of 31 graphs over 0.2 ms late
+    assert d.arrival_ns / d.graphs > 200_000, d.arrival_ns / d.graphs
     late = [a for a in stats.arrivals(prof) if a.dur_ns > 200_000]
-    assert late
+    assert len({a.graph for a in late}) >= 3, late
+    # the kernel's account: a thread that arrived late was kept off its CPU (99.8-99.9% measured)
     off = sum(off_cpu_ns(prof, a.tid, a.start_ns, a.end_ns) for a in late)
     assert off > 0.8 * sum(a.dur_ns for a in late)
 
