@@ -116,7 +116,10 @@ def test_unchecked_entries_are_ignored(tmp_path, monkeypatch):
 def test_idle_machine_caches_checked_results(tmp_path):
     if not loadcheck.wait_until_quiet(300):
         pytest.skip("other processes kept the CPUs busy for 5 minutes: no idle machine to test on")
-    r = calibrate_cli(tmp_path, "--threads", "2", "--attempts", "6")
+    with loadcheck.LoadWindow() as w:      # the calibration is our child: not counted as others
+        r = calibrate_cli(tmp_path, "--threads", "2", "--attempts", "6")
+    if r.returncode == 75 and w.load.busy:
+        pytest.skip(f"the machine was not idle while calibrating ({w.load.describe()} on average)")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "checked:" in r.stdout
     roofs = json.loads((tmp_path / "roofs.json").read_text())
