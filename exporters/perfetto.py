@@ -392,7 +392,7 @@ def write_perfetto(profile: Profile, path: str | Path) -> None:
     clock.clock_id, clock.timestamp = MONOTONIC, t_min
     boot = pkt.clock_snapshot.clocks.add()
     boot_offset = int(profile.meta.get(META_BOOT_OFFSET, 0))
-    boot.clock_id, boot.timestamp = BOOTTIME, t_min + boot_offset
+    boot.clock_id, boot.timestamp = BOOTTIME, max(0, t_min + boot_offset)   # an unsigned field
     pkt.clock_snapshot.primary_trace_clock = MONOTONIC   # trace time = our timestamps, unconverted
     pkt = header.add_packet()
     pkt.trusted_packet_sequence_id = MAIN_SEQUENCE

@@ -669,8 +669,9 @@ class Collector:
     def _meta(self) -> dict[str, str]:
         meta = {"engine": self.pack.engine, "levels": ",".join(sorted(self.levels)),
                 # relates BPF's CLOCK_MONOTONIC to the BOOTTIME of ftrace events in a trace
-                "boottime_offset_ns": str(time.clock_gettime_ns(time.CLOCK_BOOTTIME)
-                                          - time.clock_gettime_ns(time.CLOCK_MONOTONIC)),
+                # (time spent suspended: never negative, whatever jitter between the two reads)
+                "boottime_offset_ns": str(max(0, time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+                                              - time.clock_gettime_ns(time.CLOCK_MONOTONIC))),
                 "event_buffer": self.buffer,
                 "kernel": platform.release(), "tensor_layout": self.layout.name,
                 "attach_s": f"{self.attach_s:.3f}"}

@@ -89,7 +89,7 @@ def _plain(x) -> bool:
         return all(isinstance(k, str) and _plain(v) for k, v in x.items())
     if isinstance(x, list):
         return all(_plain(v) for v in x)
-    return x is None or type(x) in (int, float, str)
+    return x is None or type(x) in (bool, int, float, str)
 
 
 def test_summary_keys_and_values(tmp_path):
@@ -434,3 +434,12 @@ def test_perfetto_counter_tracks(tmp_path):
              for a in pk.trace_attributes.attribute}
     assert attrs["profinfer.counters"].string_value == "task-clock,r01a3"
     assert attrs["profinfer.counter_dropped.migrated"].long_value == sum(o.counters is None for o in p.ops)
+
+
+def test_recording_without_events_is_written(tmp_path):
+    """A command that failed before its first decode: no events, and a boot-clock offset read
+    a few ns negative (two clock reads) must still give a trace, not a traceback."""
+    p = Profile(pid=7, meta={"engine": "llama.cpp", "boottime_offset_ns": "-1555"})
+    out = tmp_path / "empty.pftrace"
+    write_perfetto(p, out)
+    assert read_trace(out).tokens == []
