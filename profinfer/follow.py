@@ -34,7 +34,8 @@ R_DEBUG = "_r_debug"
 R_STATE_OFFSET = 24           # struct r_debug { int; link_map *; ElfW(Addr); enum r_state; }
 RT_CONSISTENT = 0
 TRACEPOINT_PROGRAMS = ("follow_exec", "follow_exit")
-FORK_PROGRAM = "follow_fork"          # CO-RE: needs the kernel's BTF
+FORK_PROGRAM = "follow_fork"          # its own object: CO-RE, needs the kernel's BTF
+SHARED_MAPS = ("followed", "events", "lost")
 LOADER_PROGRAM = "loader_changed"
 RING_PAGES = 16
 PERF_PAGES_PER_CPU = 8
@@ -87,21 +88,27 @@ class Follower:
         self._dt = dt["pi_follow_event"]
         self.kind = consts["PI_EV_FOLLOW"]
         self.obj = libbpf.BpfObject(bpfobj.object_path("follow.bpf.c", buffer))
+        self.fork_obj: libbpf.BpfObject | None = None
         self._records: list[bytes] = []
         self._loaders: dict[tuple[int, int], int | None] = {}   # loader file: _r_debug's vaddr
         self.processes = {root_pid}     # every process followed so far
-        self.forks_followed = bool(os.path.exists("/sys/kernel/btf/vmlinux"))
+        self.forks_followed = os.path.exists("/sys/kernel/btf/vmlinux")
+        config = np.zeros(1, dt["pi_config"]).tobytes()
         try:
-            self.obj.set_rodata(np.zeros(1, dt["pi_config"]).tobytes())
+            self.obj.set_rodata(config)
             if buffer == "ring":
                 self.obj.set_max_entries("events", RING_PAGES * 4096)
-            programs = set(TRACEPOINT_PROGRAMS) | {LOADER_PROGRAM}
-            if self.forks_followed:
-                programs.add(FORK_PROGRAM)
-            self.obj.load(programs)
+            self.obj.load(set(TRACEPOINT_PROGRAMS) | {LOADER_PROGRAM})
             libbpf.map_update(self.obj.map_fd("followed"), root_pid.to_bytes(4, "little"),
                               (1).to_bytes(4, "little"))
-            for prog in sorted(programs - {LOADER_PROGRAM}):
+            if self.forks_followed:
+                self.fork_obj = libbpf.BpfObject(bpfobj.object_path("follow_fork.bpf.c", buffer))
+                self.fork_obj.set_rodata(config)
+                for name in SHARED_MAPS:
+                    self.fork_obj.reuse_map(name, self.obj.map_fd(name))
+                self.fork_obj.load({FORK_PROGRAM})
+                self.fork_obj.attach(FORK_PROGRAM)
+            for prog in TRACEPOINT_PROGRAMS:
                 self.obj.attach(prog)
             if buffer == "perf":       # every record wakes the reader: a process waits on it
                 self._buf = self.obj.perf_buffer("events", PERF_PAGES_PER_CPU, 1, self._on_record,
@@ -177,8 +184,10 @@ class Follower:
     def close(self) -> None:
         """Detach, then let every followed process go: none is left stopped, whatever
         happened before."""
-        if self.obj is not None:
-            obj, self.obj = self.obj, None
-            obj.close()
+        for name in ("fork_obj", "obj"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                setattr(self, name, None)
+                obj.close()
         for pid in self.processes:
             self.resume(pid)
