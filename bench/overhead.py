@@ -128,9 +128,11 @@ def main() -> None:
                 print(f"{model} round {r + 1} {c}: {rows[c][-1]['decode_tok_s']:.2f} tok/s", file=sys.stderr)
         base = statistics.median(x["decode_tok_s"] for x in rows["none"])
         lines += [f"## {model} ({ntok.get(model, 32)} decode tokens per run)", "",
-                  "| levels | decode tok/s (median) | vs none | slowdown | paired slowdown (median, range) | attach s | events/s | lost | collector RSS MB (peak) "
-                  "| probe hits per llama_decode | BPF ns/run | cost in target | collector CPU | cost total |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| levels | decode tok/s (median) | vs none | slowdown | paired slowdown (median, range) "
+                  "| time per token, paired (median, range) | attach s | events/s | lost | collector RSS MB (peak) "
+                  "| probe hits per llama_decode | BPF ns/run | cost in target | collector CPU | cost total "
+                  "| stated / timed |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         results[model] = {}
         for c in names:
             med = statistics.median(x["decode_tok_s"] for x in rows[c])
@@ -141,16 +143,27 @@ def main() -> None:
             pslow = [100 * (1 - p) for p in paired]
             paired_cell = (f"{statistics.median(pslow):+.2f}% ({min(pslow):+.1f} .. {max(pslow):+.1f})"
                            if c != "none" else "")
-            extra = [""] * 9
+            # The cost accounting states added time over the unprofiled time: compared with
+            # the time per token, not with the throughput lost.
+            ptime = [100 * (1 / p - 1) for p in paired]
+            time_cell = (f"{statistics.median(ptime):+.2f}% ({min(ptime):+.1f} .. {max(ptime):+.1f})"
+                         if c != "none" else "")
+            extra = [""] * 10
             if c != "none":
                 med_of = lambda k: statistics.median(x[k] for x in rows[c])
                 evs = statistics.median(x["events"] / x["wall_s"] for x in rows[c])
                 extra = [f"{med_of('attach_s'):.3f}", f"{evs:,.0f}", f"{max(x['lost'] for x in rows[c])}",
                          f"{max(x['rss_mb'] for x in rows[c]):.0f} ({max(x['peak_rss_mb'] for x in rows[c]):.0f})"]
                 extra += _cost_cells(rows[c])
+                stated = [a + b for a, b in ((x["in_target"], x["collector"]) for x in rows[c])
+                          if a is not None and b is not None]
+                timed = statistics.median(ptime)
+                extra.append(f"{100 * statistics.median(stated) / timed:.2f}"
+                             if stated and timed > 0 else "")
             lines.append(f"| {c} | {med:.2f} | {ratio:.4f} | {100 * (1 - ratio):+.2f}% | {paired_cell} | "
-                         + " | ".join(extra) + " |")
-            results[model][c] = {"median_tok_s": med, "ratio": ratio, "runs": rows[c]}
+                         f"{time_cell} | " + " | ".join(extra) + " |")
+            results[model][c] = {"median_tok_s": med, "ratio": ratio, "runs": rows[c],
+                                 "paired_time_increase": ptime}
         lines.append("")
     Path(args.out).write_text("\n".join(lines) + "\n")
     Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
