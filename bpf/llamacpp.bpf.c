@@ -77,6 +77,20 @@ static __always_inline void tally(u32 which)
         __sync_fetch_and_add(n, 1);   /* atomic: a preempted run may share the CPU */
 }
 
+/* A probe on a library file (record) hit in a process that is not followed: counted, so
+ * that the target is not charged for it. */
+static __always_inline int other_process(void)
+{
+    tally(PI_TALLY_OTHER_ENTRIES);
+    return 0;
+}
+
+static __always_inline int other_return(void)
+{
+    tally(PI_TALLY_OTHER_RETURNS);
+    return 0;
+}
+
 /* Zeroed template for a thread's first op: too large for the BPF stack (and, at 78 KB, for
  * a per-CPU value); nothing ever writes it, so one copy serves every CPU. Its owner is
  * PI_SLOT_RELEASING (set by user space): a direct slot zeroed from it stays unclaimable
@@ -109,7 +123,7 @@ SEC("uprobe")
 int token_enter(struct pt_regs *ctx)
 {
     if (!in_target())
-        return 0;
+        return other_process();
     u32 tid = current_tid();
     struct pi_token_event ev = {};
     ev.kind = PI_EV_TOKEN;
@@ -180,7 +194,7 @@ static long scan_token(u64 i, void *ctx)
 static __always_inline int token_enter_batch(struct pt_regs *ctx, int read_sequences)
 {
     if (!in_target())
-        return 0;
+        return other_process();
     u32 tid = current_tid();
     struct pi_token_event ev = {};
     u64 vec[2] = {};   /* std::vector: begin, end */
@@ -223,7 +237,7 @@ int token_return(struct pt_regs *ctx)
     u32 tid = current_tid();
     struct pi_token_event *ev = bpf_map_lookup_elem(&token_open, &tid);
     if (!ev)
-        return 0;
+        return cfg.follow && !in_target() ? other_return() : 0;
     ev->end_ns = bpf_ktime_get_ns();
     ev->ret = (s32)PT_REGS_RC(ctx);
     if (emit(ctx, ev, sizeof(*ev)))
@@ -239,7 +253,7 @@ int token_return(struct pt_regs *ctx)
 static __always_inline int graph_enter(struct pt_regs *ctx, u32 probe)
 {
     if (!in_target())
-        return 0;
+        return other_process();
     u32 tid = current_tid();
     u64 key = ((u64)tid << 32) | probe;
     struct pi_graph_event ev = {};
@@ -263,7 +277,7 @@ static __always_inline int graph_return(struct pt_regs *ctx, u32 probe)
     u64 key = ((u64)current_tid() << 32) | probe;
     struct pi_graph_event *ev = bpf_map_lookup_elem(&graph_open, &key);
     if (!ev)
-        return 0;
+        return cfg.follow && !in_target() ? other_return() : 0;
     ev->end_ns = bpf_ktime_get_ns();
     if (emit(ctx, ev, sizeof(*ev)))
         count_lost(1);
@@ -290,7 +304,7 @@ SEC("uprobe")
 int graphs_changed(struct pt_regs *ctx)
 {
     if (!in_target())
-        return 0;
+        return other_process();
     __sync_fetch_and_add(&control.graph_generation, 1);
     return 0;
 }
@@ -302,7 +316,7 @@ SEC("uprobe")
 int context_made(struct pt_regs *ctx)
 {
     if (!in_target())
-        return 0;
+        return other_process();
     u64 mem_size = 0;
     if (bpf_probe_read_user(&mem_size, sizeof(mem_size),
                             (void *)(PT_REGS_SP(ctx) + cfg.init_params_sp_off)) ||
@@ -648,8 +662,10 @@ static __always_inline int collecting(void)
 
 static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const void *fused_with)
 {
-    if (!collecting() || !in_target())
+    if (!collecting())
         return 0;
+    if (!in_target())
+        return other_process();
     /* Counters are read next to the clock: what the handler does after this (~1.4 µs here)
      * must fall on the same side of both, or short ops lose a third of their count. */
     struct pi_counter_read reads[PI_MAX_COUNTERS] = {};
@@ -776,7 +792,9 @@ int op_barrier(struct pt_regs *ctx)
         return 0;
     u32 tid = current_tid();
     struct pi_op_thread *st = find_state(tid);
-    if (!st || !st->has_cur)
+    if (!st)
+        return cfg.follow && !in_target() ? other_process() : 0;
+    if (!st->has_cur)
         return 0;
     st->cur.end_ns = bpf_ktime_get_ns();
     st->cur.n_barriers++;

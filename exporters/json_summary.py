@@ -66,7 +66,9 @@ def _profiler_cost(profile: Profile) -> dict:
         "bpf_ns": c.bpf_ns, "bpf_runs": c.bpf_runs, "probe_hits": c.hits,
         "hit_costs_ns": c.hit_costs_ns, "hit_costs": trap.as_json(), "trap_ns": _int(c.trap_ns),
         "collector_cpu_ns": c.collector_cpu_ns, "target_cpu_ns": c.target_cpu_ns,
-        "in_target_share": c.in_target_share, "collector_share": c.collector_share}}
+        "in_target_share": c.in_target_share, "collector_share": c.collector_share,
+        "trap_in_situ_ns": _int(c.trap_in_situ_ns), "collector_on_critical_path": c.collector_critical,
+        "slowdown": c.slowdown}}
 
 
 def _moe(profile: Profile) -> dict:

@@ -44,6 +44,14 @@ SHARED_MAPS = ("events", "lost")     # one transport and one lost counter for bo
 _ZERO_U64 = bytes(8)
 
 
+def _cpus_of(pid: int) -> int:
+    """CPUs the target may run on (its affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(pid))
+    except OSError:
+        return os.cpu_count() or 1
+
+
 def _runs(ev: np.void) -> tuple[tuple[int, int, int], ...]:
     """A token event's batch runs (sequence, first position, tokens)."""
     return tuple((int(r["seq"]), int(r["pos0"]), int(r["n_tokens"]))
@@ -493,8 +501,7 @@ class Collector:
         self._parse_raw()
         self._drain_threads()
         lost = self.lost()
-        if "op" in self.levels:
-            self.tallies = self._op_tallies()
+        self.tallies = self._op_tallies()
         self.bpf_stats = self._program_stats()
         self.detach()
         return self._build_profile(lost)
@@ -529,7 +536,9 @@ class Collector:
         fd, out = self.obj.map_fd("op_tallies"), {}
         for name, key in (("node_reads", "PI_TALLY_NODE_READS"),
                           ("thread_states_in_slots", "PI_TALLY_SLOTS_CLAIMED"),
-                          ("thread_states_hashed", "PI_TALLY_STATES_HASHED")):
+                          ("thread_states_hashed", "PI_TALLY_STATES_HASHED"),
+                          ("other_process_hits", "PI_TALLY_OTHER_ENTRIES"),
+                          ("other_process_returns", "PI_TALLY_OTHER_RETURNS")):
             raw = libbpf.map_lookup(fd, self.consts[key].to_bytes(4, "little"), 8 * self.n_cpus)
             out[name] = int(np.frombuffer(raw, np.uint64).sum()) if raw else 0
         return out
@@ -557,6 +566,12 @@ class Collector:
             out["hits_return"] += runs
             if fn not in entry_at_start:     # the uretprobe's own entry trap is a hit too
                 out["hits_stepped"] += runs
+        # Probes on library files (record) also trap in processes not followed: their hits are
+        # theirs, not the target's (their BPF time, a map lookup each, stays in bpf_ns).
+        other = self.tallies.get("other_process_hits", 0)
+        out["hits_emulated"] -= min(other, out["hits_emulated"])
+        out["hits_return"] -= min(self.tallies.get("other_process_returns", 0), out["hits_return"])
+        out["other_process_hits"] = other + self.tallies.get("other_process_returns", 0)
         return out
 
     def _finish_counters(self, cur: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
@@ -674,6 +689,7 @@ class Collector:
                                               - time.clock_gettime_ns(time.CLOCK_MONOTONIC))),
                 "event_buffer": self.buffer,
                 "kernel": platform.release(), "tensor_layout": self.layout.name,
+                "cpus_online": str(_cpus_of(self.pid)),
                 "attach_s": f"{self.attach_s:.3f}"}
         for e in self.elfs:
             name = os.path.basename(e.path) if "/map_files/" not in e.path else e.path

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .model import Profile
+from .opcolumns import as_columns
+
+IN_SITU_GRAPHS = 200        # graph computes sampled for the in-situ trap cost
 
 
 @dataclass(slots=True)
@@ -23,6 +28,33 @@ class SelfCost:
     hit_costs_ns: dict[str, float] | None
     collector_cpu_ns: int | None   # the collector's CPU time, from the target's first decode
     target_cpu_ns: int | None      # the target's, from its first decode (probes included)
+    trap_in_situ_ns: float | None = None   # a hit's trap as the target's own timeline shows it
+    collector_critical: bool = False       # no CPU free of the target's compute threads
+    compute_threads: int = 1
+
+    @property
+    def slowdown(self) -> float | None:
+        """What profiling added to the target's time, over its time without: the probes'
+        added CPU time, and the collector's where it runs in the target's time. (Both over
+        the target's CPU time: its threads spin at barriers, so a thread's delay is every
+        thread's.) The traps are costed as measured in the target when the recording shows it
+        (trap_in_situ_ns): in a tight calibration loop the kernel's path is warm."""
+        probes = self.in_target_share_in_situ
+        if probes is None:
+            return None
+        collector = self.collector_share or 0.0
+        return probes + (collector * self.compute_threads if self.collector_critical else 0.0)
+
+    @property
+    def in_target_share_in_situ(self) -> float | None:
+        if self.trap_in_situ_ns is None or self.hit_costs_ns is None:
+            return self.in_target_share
+        trap = sum(n * (self.trap_in_situ_ns if kind == "emulated" else self.hit_costs_ns[kind])
+                   for kind, n in self.hits.items())
+        added = trap + self.bpf_ns
+        if not self.target_cpu_ns or self.target_cpu_ns <= added:
+            return None
+        return added / (self.target_cpu_ns - added)
 
     @property
     def in_target_ns(self) -> float | None:
@@ -72,5 +104,47 @@ def compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost
         except (KeyError, ValueError):
             return None
 
+    threads = len(as_columns(profile.ops).thread_ids()) or 1
+    cpus = num("cpus_online") or 0
     return SelfCost(num("cost:bpf_ns") or 0, num("cost:bpf_runs") or 0, hits, trap, costs,
-                    seconds_as_ns("collector_cpu_decoding_s"), seconds_as_ns("target_cpu_s"))
+                    seconds_as_ns("collector_cpu_decoding_s"), seconds_as_ns("target_cpu_s"),
+                    trap_in_situ_ns(profile), bool(cpus) and threads >= cpus, threads)
+
+
+def trap_in_situ_ns(profile: Profile) -> float | None:
+    """What one probe hit's trap costs inside the target, from the recording itself.
+
+    After each node, a graph's threads meet at a barrier, and the last to arrive goes on at
+    once: from its barrier probe's clock read to its next node's probe's clock read there is
+    no waiting, only the first trap's way back, the engine's few instructions through the
+    barrier, and the second trap's way in: one trap, as it costs in the engine (its caches
+    cold after the node), not in a loop. The median over node boundaries of the smallest
+    such gap across threads; None without op-level data."""
+    from .stats import innermost_graphs
+    cols = as_columns(profile.ops)
+    if len(cols) < 2 or not profile.graphs:
+        return None
+    graphs = innermost_graphs(profile.graphs)
+    if len(graphs) > IN_SITU_GRAPHS:
+        graphs = [graphs[i] for i in np.linspace(0, len(graphs) - 1, IN_SITU_GRAPHS).astype(int)]
+    by_tid = {}
+    for t in cols.thread_ids():
+        idx = np.flatnonzero(cols.tid == t)
+        idx = idx[np.argsort(cols.start[idx])]
+        by_tid[t] = (cols.start[idx], cols.end[idx], cols.desc[idx])
+    gaps = []
+    for g in graphs:
+        parts = []
+        for start, end, desc in by_tid.values():
+            lo, hi = np.searchsorted(start, [g.start_ns, g.end_ns], side="left")
+            if hi - lo > 1:
+                parts.append((start[lo:hi], end[lo:hi], desc[lo:hi]))
+        if not parts or len({len(p[0]) for p in parts}) != 1 or any(
+                not np.array_equal(p[2], parts[0][2]) for p in parts):
+            continue          # threads that did not all run the same nodes: nothing to align
+        between = np.stack([p[0][1:] - p[1][:-1] for p in parts]).min(axis=0)
+        gaps.append(between[between > 0])
+    if not gaps:
+        return None
+    gaps = np.concatenate(gaps)
+    return float(np.median(gaps)) if len(gaps) else None

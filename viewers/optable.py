@@ -240,5 +240,11 @@ def cost_line(c: selfcost.SelfCost) -> str:
         probes = (f"{hits:,} probe hits x {c.trap_ns / max(hits, 1) / 1e3:.2f} µs trap + {bpf}"
                   + ("" if share is None else f" = {share:.2%} of the target's CPU time"))
     coll = c.collector_share
+    slowdown = c.slowdown
+    stated = "" if slowdown is None else (
+        f"; time added {slowdown:.2%}"
+        + ("" if c.trap_in_situ_ns is None else f" (traps at {c.trap_in_situ_ns / 1e3:.2f} µs, as the recording shows them")
+        + ("" if c.trap_in_situ_ns is None else
+           (", collector in the threads' time)" if c.collector_critical else ")")))
     return ("profiler cost: " + probes
-            + ("" if coll is None else f"; collector {coll:.2%}"))
+            + ("" if coll is None else f"; collector {coll:.2%}") + stated)

@@ -1,0 +1,147 @@
+"""The cost accounting checked against time, inside one target process.
+
+Separate runs of a target differ by 10% and more on a shared VM, so a timed A/B of separate
+runs cannot check a cost of a few percent. Here one llama.cpp process generates for the whole
+check (context shift at a small context, so a token's cost does not drift), a token-level
+profinfer (2 probe hits a call, ~0.03%) times every llama_decode call throughout, and a second
+profinfer attaches the configuration under test in alternating windows. Each probed window's
+mean time per decode call is set against the mean of the unprobed windows on either side of
+it (slow drifts of the machine cancel), and against what that attach's own cost accounting
+stated (profiler_cost: probes in the target plus the collector's CPU).
+
+    .venv/bin/python bench/cost_check.py --model tiny --pairs 10 --window 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from profinfer import workload
+from profinfer.exporters.trace_reader import read_trace
+
+PROFINFER = [sys.executable, "-m", "profinfer.cli"]
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
+MARGIN_S = 0.3      # left out at each window's edges (attach and detach are in progress)
+CONFIGS = {"op": ["--levels", "token,graph,op"],
+           "op+2 counters": ["--levels", "token,graph,op", "--counters", "task-clock,page-faults"]}
+
+
+def _wait_attached(p: subprocess.Popen) -> None:
+    for line in p.stderr:
+        if "attached" in line:
+            return
+        if line.startswith("profinfer: error"):
+            raise SystemExit(line.strip())
+    raise SystemExit("profinfer ended before attaching")
+
+
+def _mean_call_ns(calls: list[tuple[int, int]], lo: int, hi: int) -> tuple[float, int] | None:
+    inside = [e - s for s, e in calls if lo <= s and e <= hi]
+    return (statistics.fmean(inside), len(inside)) if len(inside) >= 20 else None
+
+
+def check(model: str, config: str, pairs: int, window_s: float, threads: int, tmp: Path) -> dict:
+    build = workload.ensure_llama_build()
+    env = {**os.environ, **workload.llama_env(build)}
+    target = subprocess.Popen(workload.completion_command(
+        build, workload.ensure_model(model), PROMPT, -1, threads,
+        extra=("--context-shift", "--ignore-eos", "-c", "256")),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    clock = tmp / "tokens.pftrace"
+    timer = subprocess.Popen([*PROFINFER, "attach", "--pid", str(target.pid), "--levels", "token",
+                              "--quiet", "-o", str(clock)], stderr=subprocess.PIPE, text=True, env=env)
+    # (unprobed window before it: start, end; probed window: start, end; its cost accounting),
+    # CLOCK_MONOTONIC ns like bpf_ktime_get_ns. A window leaves out what profinfer does
+    # around its probes: starting Python and attaching before, building the report after.
+    windows = []
+    now = lambda: time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    try:
+        _wait_attached(timer)
+        quiet_from = now()
+        for i in range(pairs):
+            time.sleep(window_s)
+            js = tmp / f"op{i}.json"
+            launched = now()
+            p = subprocess.Popen([*PROFINFER, "attach", "--pid", str(target.pid), *CONFIGS[config],
+                                  "--duration", str(window_s), "--quiet", "--json", str(js)],
+                                 stderr=subprocess.PIPE, text=True, env=env)
+            _wait_attached(p)
+            attached = now()
+            p.wait()
+            if p.returncode != 0:
+                raise SystemExit(f"profinfer attach failed: {p.stderr.read()[-1000:]}")
+            cost = json.loads(js.read_text()).get("profiler_cost") or {}
+            windows.append(((quiet_from, launched), (attached, attached + int(window_s * 1e9)),
+                            cost.get("slowdown") or 0, cost.get("in_target_share"),
+                            cost.get("collector_share"),
+                            (cost.get("in_target_share") or 0) + (cost.get("collector_share") or 0),
+                            cost.get("trap_in_situ_ns")))
+            quiet_from = now()
+        time.sleep(window_s)
+        final_quiet = (quiet_from, now())
+    finally:
+        timer.send_signal(signal.SIGINT)
+        timer.wait(timeout=120)
+        target.kill()
+        target.wait()
+    calls = sorted((t.start_ns, t.end_ns) for t in read_trace(clock).tokens if not t.prefill)
+    margin = int(MARGIN_S * 1e9)
+    quiet = [w[0] for w in windows] + [final_quiet]
+    rows = []
+    for i, (_, (lo, hi), stated, in_target, collector, uncorrected, trap) in enumerate(windows):
+        probed = _mean_call_ns(calls, lo + margin, hi - margin)
+        before = _mean_call_ns(calls, quiet[i][0] + margin, quiet[i][1] - margin)
+        after = _mean_call_ns(calls, quiet[i + 1][0] + margin, quiet[i + 1][1] - margin)
+        if probed is None or before is None or after is None:
+            continue
+        base = (before[0] + after[0]) / 2
+        rows.append({"timed": probed[0] / base - 1, "stated": stated, "in_target": in_target,
+                     "collector": collector, "uncorrected": uncorrected, "trap_in_situ_ns": trap,
+                     "calls": probed[1], "base_call_ns": base})
+    return {"model": model, "config": config, "window_s": window_s, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--config", default="op", choices=list(CONFIGS))
+    ap.add_argument("--pairs", type=int, default=10)
+    ap.add_argument("--window", type=float, default=3.0, help="seconds per window")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", help="append the result (JSON) to this file")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        res = check(args.model, args.config, args.pairs, args.window, args.threads, Path(tmp))
+    rows = res["rows"]
+    if not rows:
+        raise SystemExit("no window had enough decode calls")
+    med = statistics.median
+    timed, stated = med(r["timed"] for r in rows), med(r["stated"] for r in rows)
+    res["summary"] = {"timed": timed, "stated": stated, "ratio": stated / timed if timed > 0 else None,
+                      "timed_range": [min(r["timed"] for r in rows), max(r["timed"] for r in rows)]}
+    print(f"{args.model} {args.config}: {len(rows)} probed windows; time per decode call "
+          f"+{100 * timed:.2f}% (windows {100 * min(r['timed'] for r in rows):+.1f} .. "
+          f"{100 * max(r['timed'] for r in rows):+.1f}%), stated {100 * stated:.2f}% "
+          f"(probes {100 * med(r['in_target'] or 0 for r in rows):.2f}%, collector "
+          f"{100 * med(r['collector'] or 0 for r in rows):.2f}% of CPU, trap in situ "
+          f"{med(r['trap_in_situ_ns'] or 0 for r in rows):.0f} ns): stated / timed "
+          f"{res['summary']['ratio'] or float('nan'):.2f} (before correction "
+          f"{100 * med(r['uncorrected'] for r in rows):.2f}%)")
+    for r in rows:
+        print(f"  window: timed {100 * r['timed']:+.2f}%, stated {100 * r['stated']:.2f}%, "
+              f"{r['calls']} calls, unprobed call {r['base_call_ns'] / 1e3:.0f} µs")
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()
