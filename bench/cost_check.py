@@ -43,9 +43,35 @@ def _wait_attached(p: subprocess.Popen) -> None:
     raise SystemExit("profinfer ended before attaching")
 
 
-def _mean_call_ns(calls: list[tuple[int, int]], lo: int, hi: int) -> tuple[float, int] | None:
-    inside = [e - s for s, e in calls if lo <= s and e <= hi]
-    return (statistics.fmean(inside), len(inside)) if len(inside) >= 20 else None
+POS_BUCKET = 8      # decode calls are compared at the same KV length, to this many positions
+
+
+def _calls_in(calls, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    return [c for c in calls if lo <= c[0] and c[1] <= hi]
+
+
+def _by_position(calls) -> dict[int, float]:
+    """Mean decode call time per KV-length bucket."""
+    buckets: dict[int, list[int]] = {}
+    for s, e, pos in calls:
+        buckets.setdefault(pos // POS_BUCKET, []).append(e - s)
+    return {b: statistics.fmean(v) for b, v in buckets.items()}
+
+
+def _window_effect(probed, near, everywhere) -> tuple[float, int, float] | None:
+    """Probed calls' time over what the same KV lengths took unprobed: in the windows on
+    either side (slow drifts of the machine cancel), else anywhere in the run (a decode call's
+    cost grows with the KV length, and a slow model's windows see different lengths)."""
+    pairs = []
+    for s, e, pos in probed:
+        b = pos // POS_BUCKET
+        expected = near.get(b, everywhere.get(b))
+        if expected is not None:
+            pairs.append((e - s, expected))
+    if len(pairs) < 20:
+        return None
+    took, expected = sum(p for p, _ in pairs), sum(x for _, x in pairs)
+    return took / expected - 1, len(pairs), expected / len(pairs)
 
 
 def check(model: str, config: str, pairs: int, window_s: float, threads: int, tmp: Path) -> dict:
@@ -92,20 +118,22 @@ def check(model: str, config: str, pairs: int, window_s: float, threads: int, tm
         timer.wait(timeout=120)
         target.kill()
         target.wait()
-    calls = sorted((t.start_ns, t.end_ns) for t in read_trace(clock).tokens if not t.prefill)
+    calls = sorted((t.start_ns, t.end_ns, t.runs[0][1] if t.runs else 0)
+                   for t in read_trace(clock).tokens if not t.prefill)
     margin = int(MARGIN_S * 1e9)
-    quiet = [w[0] for w in windows] + [final_quiet]
+    quiet = [_calls_in(calls, lo + margin, hi - margin)
+             for lo, hi in [w[0] for w in windows] + [final_quiet]]
+    everywhere = _by_position([c for q in quiet for c in q])
     rows = []
     for i, (_, (lo, hi), stated, in_target, collector, uncorrected, trap) in enumerate(windows):
-        probed = _mean_call_ns(calls, lo + margin, hi - margin)
-        before = _mean_call_ns(calls, quiet[i][0] + margin, quiet[i][1] - margin)
-        after = _mean_call_ns(calls, quiet[i + 1][0] + margin, quiet[i + 1][1] - margin)
-        if probed is None or before is None or after is None:
+        effect = _window_effect(_calls_in(calls, lo + margin, hi - margin),
+                                _by_position(quiet[i] + quiet[i + 1]), everywhere)
+        if effect is None:
             continue
-        base = (before[0] + after[0]) / 2
-        rows.append({"timed": probed[0] / base - 1, "stated": stated, "in_target": in_target,
+        timed, n, base = effect
+        rows.append({"timed": timed, "stated": stated, "in_target": in_target,
                      "collector": collector, "uncorrected": uncorrected, "trap_in_situ_ns": trap,
-                     "calls": probed[1], "base_call_ns": base})
+                     "calls": n, "base_call_ns": base})
     return {"model": model, "config": config, "window_s": window_s, "rows": rows}
 
 

@@ -37,6 +37,7 @@ _ZERO_U32 = bytes(4)
 SCHED_PROGRAMS = ("sched_switch", "sched_wakeup")
 # sends an exiting thread's last ops and frees its op state (a raw tracepoint, not a probe)
 THREAD_EXIT_PROGRAM = "op_thread_exit"
+BARRIER_PROGRAM = "op_barrier"
 # the programs told when the target may change graphs, and the functions that do
 GRAPHS_CHANGED_PROGRAMS = ("graphs_changed", "context_made")
 GRAPH_CHANGERS = {"ggml_init", "ggml_reset", "ggml_new_graph_custom"}
@@ -555,6 +556,10 @@ class Collector:
         out = {"bpf_ns": sum(ns for ns, _ in stats.values()),
                "bpf_runs": sum(n for _, n in stats.values()),
                "hits_emulated": 0, "hits_stepped": 0, "hits_return": 0}
+        # the barrier handler's own time, which the in-target trap estimate leaves out
+        ns, runs = stats.get(BARRIER_PROGRAM, (0, 0))
+        if runs:
+            out["barrier_ns_per_run"] = ns // runs
         # A program attached at several places is counted as costly as its costliest place.
         stepped = {p.entry_fn for p in self.probes if p.entry_fn and not p.place.emulated}
         entry_at_start = {p.return_fn for p in self.probes

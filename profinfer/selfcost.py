@@ -108,18 +108,21 @@ def compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost
     cpus = num("cpus_online") or 0
     return SelfCost(num("cost:bpf_ns") or 0, num("cost:bpf_runs") or 0, hits, trap, costs,
                     seconds_as_ns("collector_cpu_decoding_s"), seconds_as_ns("target_cpu_s"),
-                    trap_in_situ_ns(profile), bool(cpus) and threads >= cpus, threads)
+                    trap_in_situ_ns(profile, num("cost:barrier_ns_per_run") or 0),
+                    bool(cpus) and threads >= cpus, threads)
 
 
-def trap_in_situ_ns(profile: Profile) -> float | None:
+def trap_in_situ_ns(profile: Profile, barrier_handler_ns: int = 0) -> float | None:
     """What one probe hit's trap costs inside the target, from the recording itself.
 
     After each node, a graph's threads meet at a barrier, and the last to arrive goes on at
     once: from its barrier probe's clock read to its next node's probe's clock read there is
-    no waiting, only the first trap's way back, the engine's few instructions through the
-    barrier, and the second trap's way in: one trap, as it costs in the engine (its caches
-    cold after the node), not in a loop. The median over node boundaries of the smallest
-    such gap across threads; None without op-level data."""
+    no waiting, only the rest of the barrier handler (counter reads: BPF time, counted
+    apart, so barrier_handler_ns, its mean run time, is taken off), the first trap's way
+    back, the engine's few instructions through the barrier, and the second trap's way in:
+    one trap, as it costs in the engine (its caches cold after the node), not in a loop. The
+    median over node boundaries of the smallest such gap across threads; None without
+    op-level data."""
     from .stats import innermost_graphs
     cols = as_columns(profile.ops)
     if len(cols) < 2 or not profile.graphs:
@@ -147,4 +150,4 @@ def trap_in_situ_ns(profile: Profile) -> float | None:
     if not gaps:
         return None
     gaps = np.concatenate(gaps)
-    return float(np.median(gaps)) if len(gaps) else None
+    return max(0.0, float(np.median(gaps)) - barrier_handler_ns) if len(gaps) else None

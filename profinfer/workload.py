@@ -245,6 +245,10 @@ MODELS: dict[str, ModelSpec] = {
     # a realistic per-token workload.
     "llama-1.5b": ModelSpec(n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_ff=8192, n_vocab=128256,
                             n_ctx=131072, rope_freq_base=500000.0, seed=2),
+    # Between the two (~0.2B parameters, F16): nodes of tens to hundreds of µs, where the op
+    # level costs a few percent, for checking the cost accounting against time.
+    "llama-0.2b": ModelSpec(n_embd=1024, n_layer=8, n_head=16, n_head_kv=4, n_ff=4096, n_vocab=32000,
+                            n_ctx=4096, rope_freq_base=10000.0, seed=4),
     # Mixtral-style MoE at test size: 8 experts per layer, 2 used per token.
     "tiny-moe": ModelSpec(n_embd=256, n_layer=4, n_head=8, n_head_kv=4, n_ff=512, n_vocab=512,
                           n_ctx=2048, rope_freq_base=10000.0, seed=3, n_expert=8, n_expert_used=2),
