@@ -78,6 +78,7 @@ def _run(cmd: list[str], options: list[str] | None, env: dict) -> dict:
                        peak_rss_mb=int(meta.get("collector_max_rss_kb", 0)) / 1024)
             cost = s.get("profiler_cost") or {}
             row.update(in_target=cost.get("in_target_share"), collector=cost.get("collector_share"),
+                       slowdown=cost.get("slowdown"), trap_in_situ_ns=cost.get("trap_in_situ_ns"),
                        hits=sum((cost.get("probe_hits") or {}).values()), calls=s["decode_calls"],
                        bpf_ns_per_run=cost.get("bpf_ns", 0) / max(cost.get("bpf_runs", 0), 1))
         return row
@@ -131,8 +132,8 @@ def main() -> None:
                   "| levels | decode tok/s (median) | vs none | slowdown | paired slowdown (median, range) "
                   "| time per token, paired (median, range) | attach s | events/s | lost | collector RSS MB (peak) "
                   "| probe hits per llama_decode | BPF ns/run | cost in target | collector CPU | cost total "
-                  "| stated / timed |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| time added, stated (corrected) | stated / timed |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         results[model] = {}
         for c in names:
             med = statistics.median(x["decode_tok_s"] for x in rows[c])
@@ -148,17 +149,17 @@ def main() -> None:
             ptime = [100 * (1 / p - 1) for p in paired]
             time_cell = (f"{statistics.median(ptime):+.2f}% ({min(ptime):+.1f} .. {max(ptime):+.1f})"
                          if c != "none" else "")
-            extra = [""] * 10
+            extra = [""] * 11
             if c != "none":
                 med_of = lambda k: statistics.median(x[k] for x in rows[c])
                 evs = statistics.median(x["events"] / x["wall_s"] for x in rows[c])
                 extra = [f"{med_of('attach_s'):.3f}", f"{evs:,.0f}", f"{max(x['lost'] for x in rows[c])}",
                          f"{max(x['rss_mb'] for x in rows[c]):.0f} ({max(x['peak_rss_mb'] for x in rows[c]):.0f})"]
                 extra += _cost_cells(rows[c])
-                stated = [a + b for a, b in ((x["in_target"], x["collector"]) for x in rows[c])
-                          if a is not None and b is not None]
+                stated = [x["slowdown"] for x in rows[c] if x.get("slowdown") is not None]
                 timed = statistics.median(ptime)
-                extra.append(f"{100 * statistics.median(stated) / timed:.2f}"
+                extra.append(f"{100 * statistics.median(stated):.3f}%" if stated else "")
+                extra.append(f"{statistics.median(stated) / (timed / 100):.2f}"
                              if stated and timed > 0 else "")
             lines.append(f"| {c} | {med:.2f} | {ratio:.4f} | {100 * (1 - ratio):+.2f}% | {paired_cell} | "
                          f"{time_cell} | " + " | ".join(extra) + " |")
