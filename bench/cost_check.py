@@ -31,7 +31,10 @@ PROFINFER = [sys.executable, "-m", "profinfer.cli"]
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
 MARGIN_S = 0.3      # left out at each window's edges (attach and detach are in progress)
 CONFIGS = {"op": ["--levels", "token,graph,op"],
-           "op+2 counters": ["--levels", "token,graph,op", "--counters", "task-clock,page-faults"]}
+           "op+2 counters": ["--levels", "token,graph,op", "--counters", "task-clock,page-faults"],
+           # the floor (issue 10): the op level's probe points, each hit only counted
+           "bare op probes": ["--levels", "token,graph,op"]}
+CONFIG_ENV = {"bare op probes": {"PROFINFER_OP_PROBES": "bare"}}
 
 
 def _wait_attached(p: subprocess.Popen) -> None:
@@ -98,7 +101,7 @@ def check(model: str, config: str, pairs: int, window_s: float, threads: int, tm
             launched = now()
             p = subprocess.Popen([*PROFINFER, "attach", "--pid", str(target.pid), *CONFIGS[config],
                                   "--duration", str(window_s), "--quiet", "--json", str(js)],
-                                 stderr=subprocess.PIPE, text=True, env=env)
+                                 stderr=subprocess.PIPE, text=True, env={**env, **CONFIG_ENV.get(config, {})})
             _wait_attached(p)
             attached = now()
             p.wait()

@@ -252,7 +252,8 @@ struct pi_control {
 #define PI_TALLY_STATES_HASHED 2   /* thread states in the hash map (slot held, or none) */
 #define PI_TALLY_OTHER_ENTRIES 3  /* probe hits in processes not followed (record's file probes) */
 #define PI_TALLY_OTHER_RETURNS 4  /* and their return probes' hits */
-#define PI_TALLIES 5
+#define PI_TALLY_BARE_HITS 5      /* hits of bare_hit (the benchmark's floor) */
+#define PI_TALLIES 6
 
 /* A context switch or wakeup involving one of the target's threads (sched level).
  * Switch: prev left the CPU in prev_state (0: still runnable, i.e. preempted) for next.

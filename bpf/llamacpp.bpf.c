@@ -91,6 +91,16 @@ static __always_inline int other_return(void)
     return 0;
 }
 
+/* The floor of what a probe costs: a hit that only counts itself. The benchmark attaches it
+ * at the op level's probe points instead of the op programs (PROFINFER_OP_PROBES=bare), to
+ * tell the traps' cost from what the handlers, the ring and the collector add. */
+SEC("uprobe")
+int bare_hit(struct pt_regs *ctx)
+{
+    tally(PI_TALLY_BARE_HITS);
+    return 0;
+}
+
 /* Zeroed template for a thread's first op: too large for the BPF stack (and, at 78 KB, for
  * a per-CPU value); nothing ever writes it, so one copy serves every CPU. Its owner is
  * PI_SLOT_RELEASING (set by user space): a direct slot zeroed from it stays unclaimable

@@ -38,6 +38,8 @@ SCHED_PROGRAMS = ("sched_switch", "sched_wakeup")
 # sends an exiting thread's last ops and frees its op state (a raw tracepoint, not a probe)
 THREAD_EXIT_PROGRAM = "op_thread_exit"
 BARRIER_PROGRAM = "op_barrier"
+OP_PROGRAMS = ("op_start", "op_start_fused", BARRIER_PROGRAM)
+BARE_PROGRAM = "bare_hit"
 # the programs told when the target may change graphs, and the functions that do
 GRAPHS_CHANGED_PROGRAMS = ("graphs_changed", "context_made")
 GRAPH_CHANGERS = {"ggml_init", "ggml_reset", "ggml_new_graph_custom"}
@@ -154,6 +156,11 @@ class Collector:
                                     and os.environ.get("PROFINFER_NODE_CHECK") != "content")
         if not self.nodes_by_generation:
             self.probes = [p for p in self.probes if p.entry_fn not in GRAPHS_CHANGED_PROGRAMS]
+        if os.environ.get("PROFINFER_OP_PROBES") == "bare":
+            # the benchmark's floor: the op level's traps, each counted and nothing else
+            for p in self.probes:
+                if p.entry_fn in OP_PROGRAMS:
+                    p.entry_fn = BARE_PROGRAM
         self.obj = libbpf.BpfObject(obj_path)
         try:
             if self.followed_map_fd is not None:
@@ -539,7 +546,8 @@ class Collector:
                           ("thread_states_in_slots", "PI_TALLY_SLOTS_CLAIMED"),
                           ("thread_states_hashed", "PI_TALLY_STATES_HASHED"),
                           ("other_process_hits", "PI_TALLY_OTHER_ENTRIES"),
-                          ("other_process_returns", "PI_TALLY_OTHER_RETURNS")):
+                          ("other_process_returns", "PI_TALLY_OTHER_RETURNS"),
+                          ("bare_hits", "PI_TALLY_BARE_HITS")):
             raw = libbpf.map_lookup(fd, self.consts[key].to_bytes(4, "little"), 8 * self.n_cpus)
             out[name] = int(np.frombuffer(raw, np.uint64).sum()) if raw else 0
         return out
