@@ -68,6 +68,7 @@ def _profiler_cost(profile: Profile) -> dict:
         "collector_cpu_ns": c.collector_cpu_ns, "target_cpu_ns": c.target_cpu_ns,
         "in_target_share": c.in_target_share, "collector_share": c.collector_share,
         "trap_in_situ_ns": _int(c.trap_in_situ_ns), "collector_on_critical_path": c.collector_critical,
+        "collector_factor": c.collector_factor,
         "slowdown": c.slowdown}}
 
 

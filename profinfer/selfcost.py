@@ -31,19 +31,29 @@ class SelfCost:
     trap_in_situ_ns: float | None = None   # a hit's trap as the target's own timeline shows it
     collector_critical: bool = False       # no CPU free of the target's compute threads
     compute_threads: int = 1
+    in_graphs: float = 1.0                 # share of the decoding time inside graph computes
+
+    @property
+    def collector_factor(self) -> float:
+        """How many threads' time the collector's CPU time costs: with no CPU free, it takes
+        a compute thread's CPU, and inside a graph compute every other thread then waits for
+        that one at the next barrier; outside one (sampling, batch set-up) nobody else does."""
+        if not self.collector_critical:
+            return 0.0
+        return 1.0 + (self.compute_threads - 1) * self.in_graphs
 
     @property
     def slowdown(self) -> float | None:
         """What profiling added to the target's time, over its time without: the probes'
-        added CPU time, and the collector's where it runs in the target's time. (Both over
-        the target's CPU time: its threads spin at barriers, so a thread's delay is every
-        thread's.) The traps are costed as measured in the target when the recording shows it
+        added CPU time, and the collector's where it runs in the target's time
+        (collector_factor). Both over the target's CPU time: its threads spin at barriers, so
+        a thread's delay inside a graph is every thread's. The traps are costed as measured in the target when the recording shows it
         (trap_in_situ_ns): in a tight calibration loop the kernel's path is warm."""
         probes = self.in_target_share_in_situ
         if probes is None:
             return None
         collector = self.collector_share or 0.0
-        return probes + (collector * self.compute_threads if self.collector_critical else 0.0)
+        return probes + collector * self.collector_factor
 
     @property
     def in_target_share_in_situ(self) -> float | None:
@@ -109,7 +119,20 @@ def compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost
     return SelfCost(num("cost:bpf_ns") or 0, num("cost:bpf_runs") or 0, hits, trap, costs,
                     seconds_as_ns("collector_cpu_decoding_s"), seconds_as_ns("target_cpu_s"),
                     trap_in_situ_ns(profile, num("cost:barrier_ns_per_run") or 0),
-                    bool(cpus) and threads >= cpus, threads)
+                    bool(cpus) and threads >= cpus, threads, graph_share(profile))
+
+
+def graph_share(profile: Profile) -> float:
+    """The share of the time from the first llama_decode to the last one's end that the
+    issuing thread spent inside graph computes (1.0 when graphs were not recorded)."""
+    from .stats import innermost_graphs
+    if not profile.tokens or not profile.graphs:
+        return 1.0
+    lo = min(t.start_ns for t in profile.tokens)
+    hi = max(t.end_ns for t in profile.tokens)
+    inside = sum(min(g.end_ns, hi) - max(g.start_ns, lo) for g in innermost_graphs(profile.graphs)
+                 if g.end_ns > lo and g.start_ns < hi)
+    return min(1.0, inside / (hi - lo)) if hi > lo else 1.0
 
 
 def trap_in_situ_ns(profile: Profile, barrier_handler_ns: int = 0) -> float | None:

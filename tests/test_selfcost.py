@@ -49,8 +49,15 @@ def test_trap_cost_in_situ_and_collector_in_the_threads_time():
     c = selfcost.compute(p, {"emulated_ns": 500.0, "stepped_ns": 5000.0, "uretprobe_extra_ns": 500.0})
     added = 12 * 1200
     assert abs(c.in_target_share_in_situ - added / (100_000 - added)) < 1e-12
-    # two compute threads on two CPUs: the collector's CPU is taken out of both threads' time
+    # two compute threads on two CPUs: inside a graph compute the collector's CPU is taken out
+    # of both threads' time (no tokens recorded here: all of the time counts as in graphs)
     assert c.collector_critical and abs(c.slowdown - (c.in_target_share_in_situ + 2 * c.collector_share)) < 1e-12
+    # with half the decoding time outside graph computes, it delays one thread there
+    from profinfer.model import TokenCall
+    half = selfcost.compute(Profile(pid=1, graphs=p.graphs, ops=ops, meta=meta,
+                                    tokens=[TokenCall(1, 900 - 8100, 9000, 1, False)]),
+                            {"emulated_ns": 500.0, "stepped_ns": 5000.0, "uretprobe_extra_ns": 500.0})
+    assert abs(half.in_graphs - 0.5) < 1e-12 and abs(half.collector_factor - 1.5) < 1e-12
     spare = selfcost.compute(Profile(pid=1, graphs=p.graphs, ops=ops, meta={**meta, "cpus_online": "4"}),
                              {"emulated_ns": 500.0, "stepped_ns": 5000.0, "uretprobe_extra_ns": 500.0})
     assert not spare.collector_critical and spare.slowdown == spare.in_target_share_in_situ

@@ -245,6 +245,7 @@ def cost_line(c: selfcost.SelfCost) -> str:
         f"; time added {slowdown:.2%}"
         + ("" if c.trap_in_situ_ns is None else f" (traps at {c.trap_in_situ_ns / 1e3:.2f} µs, as the recording shows them")
         + ("" if c.trap_in_situ_ns is None else
-           (", collector in the threads' time)" if c.collector_critical else ")")))
+           (f", collector x{c.collector_factor:.2f} in the threads' time)" if c.collector_critical
+            else ")")))
     return ("profiler cost: " + probes
             + ("" if coll is None else f"; collector {coll:.2%}") + stated)
