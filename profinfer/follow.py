@@ -91,6 +91,7 @@ class Follower:
         self.fork_obj: libbpf.BpfObject | None = None
         self._records: list[bytes] = []
         self._loaders: dict[tuple[int, int], int | None] = {}   # loader file: _r_debug's vaddr
+        self._r_state: dict[int, int | None] = {}    # process: its r_debug.r_state's address
         self.processes = {root_pid}     # every process followed so far
         self.forks_followed = os.path.exists("/sys/kernel/btf/vmlinux")
         config = np.zeros(1, dt["pi_config"]).tobytes()
@@ -143,6 +144,7 @@ class Follower:
 
     def watch_loader(self, pid: int) -> None:
         """Hook the dynamic loader of `pid`'s current image (once per loader file)."""
+        self._r_state.pop(pid, None)      # a new image: its loader is mapped anew
         path = interpreter(pid)
         if path is None:          # a static executable: nothing is loaded later
             return
@@ -159,20 +161,28 @@ class Follower:
     def libraries_settled(self, pid: int) -> bool:
         """Whether `pid`'s loader, stopped at its hook, has finished changing its library list
         (True when that cannot be read: then every stop is looked at)."""
+        if pid not in self._r_state:      # once per image: a stop per dlopen reads 4 bytes
+            self._r_state[pid] = self._r_state_address(pid)
+        address = self._r_state[pid]
+        if address is None:
+            return True
+        try:
+            with open(f"/proc/{pid}/mem", "rb") as mem:
+                mem.seek(address)
+                return int.from_bytes(mem.read(4), "little") == RT_CONSISTENT
+        except (OSError, ValueError):
+            return True
+
+    def _r_state_address(self, pid: int) -> int | None:
+        """Where `pid`'s loader keeps r_debug.r_state, or None."""
         path = interpreter(pid)
         try:
             key = discovery.file_key(path) if path else None
             vaddr = self._loaders.get(key)
-            if vaddr is None:
-                return True
-            base = _load_address(pid, key[1])
-            if base is None:
-                return True
-            with open(f"/proc/{pid}/mem", "rb") as mem:
-                mem.seek(base + vaddr + R_STATE_OFFSET)
-                return int.from_bytes(mem.read(4), "little") == RT_CONSISTENT
-        except (OSError, ValueError):
-            return True
+            base = _load_address(pid, key[1]) if vaddr is not None else None
+        except OSError:
+            return None
+        return None if base is None else base + vaddr + R_STATE_OFFSET
 
     @staticmethod
     def resume(pid: int) -> None:

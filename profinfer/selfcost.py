@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .model import Profile
-from .opcolumns import as_columns
+from .opcolumns import OpColumns, as_columns
 
 IN_SITU_GRAPHS = 200        # graph computes sampled for the in-situ trap cost
 
@@ -114,11 +114,12 @@ def compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost
         except (KeyError, ValueError):
             return None
 
-    threads = len(as_columns(profile.ops).thread_ids()) or 1
+    cols = as_columns(profile.ops)
+    threads = len(cols.thread_ids()) or 1
     cpus = num("cpus_online") or 0
     return SelfCost(num("cost:bpf_ns") or 0, num("cost:bpf_runs") or 0, hits, trap, costs,
                     seconds_as_ns("collector_cpu_decoding_s"), seconds_as_ns("target_cpu_s"),
-                    trap_in_situ_ns(profile, num("cost:barrier_ns_per_run") or 0),
+                    trap_in_situ_ns(profile, num("cost:barrier_ns_per_run") or 0, cols),
                     bool(cpus) and threads >= cpus, threads, graph_share(profile))
 
 
@@ -135,7 +136,8 @@ def graph_share(profile: Profile) -> float:
     return min(1.0, inside / (hi - lo)) if hi > lo else 1.0
 
 
-def trap_in_situ_ns(profile: Profile, barrier_handler_ns: int = 0) -> float | None:
+def trap_in_situ_ns(profile: Profile, barrier_handler_ns: int = 0,
+                    cols: OpColumns | None = None) -> float | None:
     """What one probe hit's trap costs inside the target, from the recording itself.
 
     After each node, a graph's threads meet at a barrier, and the last to arrive goes on at
@@ -147,7 +149,7 @@ def trap_in_situ_ns(profile: Profile, barrier_handler_ns: int = 0) -> float | No
     median over node boundaries of the smallest such gap across threads; None without
     op-level data."""
     from .stats import innermost_graphs
-    cols = as_columns(profile.ops)
+    cols = as_columns(profile.ops) if cols is None else cols
     if len(cols) < 2 or not profile.graphs:
         return None
     graphs = innermost_graphs(profile.graphs)

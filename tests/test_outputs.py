@@ -135,6 +135,15 @@ def rescued(stderr: str, option: str, path: str, rescue_dir: Path) -> Path:
     return saved
 
 
+def report_json(trace: Path, tmp_path: Path) -> dict:
+    """`profinfer report --json` of a saved trace."""
+    again = tmp_path / "again.json"
+    rep = subprocess.run([*PROFINFER, "report", str(trace), "--json", str(again)],
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    return json.loads(again.read_text())
+
+
 def test_timeline_that_cannot_be_written_is_saved_elsewhere(llama_build, tiny_model, llama_env,
                                                             tmp_path):
     rescue = tmp_path / "rescue"
@@ -147,11 +156,7 @@ def test_timeline_that_cannot_be_written_is_saved_elsewhere(llama_build, tiny_mo
     assert r.summary["tokens"]["decode"] > 0
     saved = rescued(r.stderr, "-o", "/dev/full", rescue)
     assert saved.suffix == ".pftrace"
-    again = tmp_path / "again.json"
-    rep = subprocess.run([*PROFINFER, "report", str(saved), "--json", str(again)],
-                         capture_output=True, text=True, timeout=120)
-    assert rep.returncode == 0, rep.stderr
-    same_outputs_as(json.loads(again.read_text()), r.summary)
+    same_outputs_as(report_json(saved, tmp_path), r.summary)
 
 
 def test_summary_that_cannot_be_written_is_saved_elsewhere(llama_build, tiny_model, llama_env,
@@ -165,13 +170,9 @@ def test_summary_that_cannot_be_written_is_saved_elsewhere(llama_build, tiny_mod
     assert p.returncode == 1
     saved = rescued(p.stderr, "--json", "/dev/full", rescue)
     assert saved.suffix == ".json"
-    again = tmp_path / "again.json"
-    rep = subprocess.run([*PROFINFER, "report", str(trace), "--json", str(again)],
-                         capture_output=True, text=True, timeout=120)
-    assert rep.returncode == 0, rep.stderr
     summary = json.loads(saved.read_text())
     assert summary["tokens"]["decode"] > 0
-    same_outputs_as(summary, json.loads(again.read_text()))
+    same_outputs_as(summary, report_json(trace, tmp_path))
 
 
 def test_attach_output_dir_removed_meanwhile(llama_build, tiny_model, llama_env, tmp_path):
@@ -188,11 +189,7 @@ def test_attach_output_dir_removed_meanwhile(llama_build, tiny_model, llama_env,
         target.stop()
     assert p.returncode == 1
     saved = rescued(p.early_stderr + stderr, "-o", str(out_dir / "x.pftrace"), rescue)
-    again = tmp_path / "again.json"
-    rep = subprocess.run([*PROFINFER, "report", str(saved), "--json", str(again)],
-                         capture_output=True, text=True, timeout=120)
-    assert rep.returncode == 0, rep.stderr
-    assert json.loads(again.read_text())["tokens"]["decode"] > 0
+    assert report_json(saved, tmp_path)["tokens"]["decode"] > 0
 
 
 def test_record_exits_with_the_commands_status(llama_build, tiny_model, llama_env, tmp_path):
