@@ -33,8 +33,13 @@ MARGIN_S = 0.3      # left out at each window's edges (attach and detach are in 
 CONFIGS = {"op": ["--levels", "token,graph,op"],
            "op+2 counters": ["--levels", "token,graph,op", "--counters", "task-clock,page-faults"],
            # the floor (issue 10): the op level's probe points, each hit only counted
-           "bare op probes": ["--levels", "token,graph,op"]}
-CONFIG_ENV = {"bare op probes": {"PROFINFER_OP_PROBES": "bare"}}
+           "bare op probes": ["--levels", "token,graph,op"],
+           # the op level's two-probe design (node start and barrier), and its floor
+           "op two-probe": ["--levels", "token,graph,op"],
+           "bare two-probe": ["--levels", "token,graph,op"]}
+CONFIG_ENV = {"bare op probes": {"PROFINFER_OP_PROBES": "bare"},
+              "op two-probe": {"PROFINFER_OP_DESIGN": "two-probe"},
+              "bare two-probe": {"PROFINFER_OP_PROBES": "bare", "PROFINFER_OP_DESIGN": "two-probe"}}
 
 
 def _wait_attached(p: subprocess.Popen) -> None:

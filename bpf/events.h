@@ -150,7 +150,8 @@ struct pi_op_event {
     u32 node;            /* the node's number on this thread (pi_node_event) */
     u32 n_barriers;      /* barriers entered during the node: >1 means the op waited inside */
     u32 flags;           /* PI_OP_* */
-    u32 pad;
+    u32 entry_gap_ns;    /* one-probe design: from its barrier's release to a fused op's
+                            entry on this thread (the last to arrive: one trap; 0: none) */
 };
 
 /* Op events travel in per-thread batches: one ring-buffer record, one wakeup per batch. */
@@ -222,12 +223,41 @@ struct pi_node_slot {
  * each line or page the handler touches then is a miss): the flags and the current node,
  * its counter reads, its description and the window it is read through; then the batch,
  * written one slot a run; then the tables used now and then. */
+/* The one-probe op level (llamacpp.bpf.c, op_node_end): where a thread is in its graph, and
+ * what its walk found after each position, remembered while the graph and its descriptions
+ * stay the same (llama.cpp reuses a graph for every token of the same shape). */
+#define PI_WALK_MEMO 2048     /* graph positions remembered */
+#define PI_WALK_NONE 0x7fffffffu   /* memo: no computed node follows */
+
+struct pi_walk_memo {
+    u32 node;            /* the node's number (| PI_NODE_EXPERTS), or PI_WALK_NONE */
+    u8 first;            /* its position, and its fused partner's (or its own), after the */
+    u8 last;             /* position the walk started from */
+    u16 stamp;           /* valid when equal to pi_graph_walk.memo_stamp */
+};
+
+struct pi_graph_walk {
+    u64 entry_ns;        /* the thread entered the graph loop: its first node's start */
+    u64 nodes;           /* the graph's cgraph->nodes, read at its first barrier (0: not yet) */
+    u64 fused_t;         /* a fused op began at this node ... */
+    u64 fused_with;      /* ... and also computes this one */
+    u64 fused_ns;        /* when it began */
+    s32 n_nodes;
+    s32 pos;             /* index of the last node the thread ended */
+    u32 barrier;         /* barriers this thread met in the graph */
+    u32 active;          /* the thread's graph loop was seen from its start */
+    u64 memo_nodes;      /* the memo holds the walk of this graph's nodes ... */
+    u32 memo_generation; /* ... in this graph generation */
+    u32 memo_stamp;      /* (u16) its entries' stamp */
+};
+
 struct pi_op_thread {
     u32 has_cur;
     u32 next_node;                                   /* the number the next new node gets */
     u32 owner;           /* in op_threads_direct: the TID it is for; 0 free; PI_SLOT_RELEASING */
     u32 layout_checks;   /* descriptions read with pi_node_check filled (up to PI_CHECK_NODES) */
     struct pi_op_event cur;                          /* the node this thread is computing */
+    struct pi_graph_walk walk;
     struct pi_counter_read ctr_start[PI_MAX_COUNTERS];   /* at the node's start */
     struct pi_counter_read ctr_end[PI_MAX_COUNTERS];     /* at its latest barrier */
     struct pi_node_event node;       /* the latest description read (at a node's start) */
@@ -235,6 +265,7 @@ struct pi_op_thread {
     struct pi_op_batch batch;        /* finished ops not yet sent */
     struct pi_node_slot sent[PI_NODE_SLOTS];   /* what this thread last sent, per tensor */
     struct pi_experts_event experts;           /* MoE routing being sent */
+    struct pi_walk_memo memo[PI_WALK_MEMO];    /* indexed by the position a walk starts from */
 };
 
 #define PI_SLOT_RELEASING 0xffffffffu   /* being zeroed: not free yet */
@@ -253,7 +284,9 @@ struct pi_control {
 #define PI_TALLY_OTHER_ENTRIES 3  /* probe hits in processes not followed (record's file probes) */
 #define PI_TALLY_OTHER_RETURNS 4  /* and their return probes' hits */
 #define PI_TALLY_BARE_HITS 5      /* hits of bare_hit (the benchmark's floor) */
-#define PI_TALLIES 6
+#define PI_TALLY_WALK_LOST 6      /* one-probe op level: a barrier whose node was not found */
+#define PI_TALLY_WALK_MISMATCH 7  /* a fused op's node was not the one the walk reached */
+#define PI_TALLIES 8
 
 /* A context switch or wakeup involving one of the target's threads (sched level).
  * Switch: prev left the CPU in prev_state (0: still runnable, i.e. preempted) for next.
@@ -307,4 +340,11 @@ struct pi_config {
     u64 bext_tok_off_pos;     /* llama_batch_ext::token.pos[0] */
     u64 bext_tok_off_seq;     /* llama_batch_ext::token.seq_ids' first node (0: not read) */
     u64 seq_node_value;       /* offset of the value in that hash-set node */
+    /* the one-probe op level (op_node_end): the graph the barrier's threadpool computes */
+    u64 tp_off_cgraph;        /* ggml_threadpool.cgraph */
+    u64 cg_off_nodes;         /* ggml_cgraph.nodes */
+    u64 t_off_flags;          /* ggml_tensor.flags */
+    u32 compute_flag;         /* GGML_TENSOR_FLAG_COMPUTE (0: the loop computes every node) */
+    u32 pad5;
+    u64 empty_ops[2];         /* bit op: ggml_op_is_empty(op), ops below 128 */
 };

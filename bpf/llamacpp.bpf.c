@@ -385,6 +385,18 @@ static __always_inline void send_batch(void *ctx, struct pi_op_thread *st, u32 n
     st->batch.count = 0;
 }
 
+/* Add the thread's finished node to its batch, sending the batch when full. */
+static __always_inline void push_op(void *ctx, struct pi_op_thread *st)
+{
+    u32 i = st->batch.count;
+    if (i >= PI_OP_BATCH)                 /* cannot happen; keeps the verifier's bounds */
+        return;
+    __builtin_memcpy(&st->batch.ev[i], &st->cur, sizeof(st->cur));
+    st->batch.count = i + 1;
+    if (i + 1 == PI_OP_BATCH)
+        send_batch(ctx, st, PI_OP_BATCH);
+}
+
 /* `now` and `reads` (this CPU's counters, read together with `now`) end the node if it
  * met no barrier. When the thread is exiting, its node is sent as collection's end leaves
  * it (user space bounds its ends by its graph's): no barrier end, and without a barrier no
@@ -420,13 +432,7 @@ static __always_inline void op_finish(void *ctx, struct pi_op_thread *st, u64 no
             st->cur.ctr_running[i] = ns32(st->ctr_end[i].running - st->ctr_start[i].running);
         }
     }
-    u32 i = st->batch.count;
-    if (i >= PI_OP_BATCH)                 /* cannot happen; keeps the verifier's bounds */
-        return;
-    __builtin_memcpy(&st->batch.ev[i], &st->cur, sizeof(st->cur));
-    st->batch.count = i + 1;
-    if (i + 1 == PI_OP_BATCH)
-        send_batch(ctx, st, PI_OP_BATCH);
+    push_op(ctx, st);
 }
 
 static __always_inline u64 max_u64(u64 a, u64 b)
@@ -670,47 +676,19 @@ static __always_inline int collecting(void)
     return *(volatile u32 *)&control.collecting;
 }
 
-static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const void *fused_with)
+/* The number of node t (fused with fused_with, or 0) on this thread, | PI_NODE_EXPERTS for a
+ * MUL_MAT_ID with expert ids: known from this graph generation, or read and described now. */
+static __always_inline u32 describe_node(struct pt_regs *ctx, struct pi_op_thread *st, u32 tid,
+                                         const void *t, const void *fused_with)
 {
-    if (!collecting())
-        return 0;
-    if (!in_target())
-        return other_process();
-    /* Counters are read next to the clock: what the handler does after this (~1.4 µs here)
-     * must fall on the same side of both, or short ops lose a third of their count. */
-    struct pi_counter_read reads[PI_MAX_COUNTERS] = {};
-    u64 now = bpf_ktime_get_ns();
-    int reads_failed = cfg.n_counters ? read_counters(reads, bpf_get_smp_processor_id()) : 0;
-    u32 tid = current_tid();
-    struct pi_op_thread *st = find_state(tid);
-    if (!st) {
-        st = new_state(tid);
-        if (!st) {              /* more computing threads than user space sized the maps for */
-            count_lost(1);
-            return 0;
-        }
-    }
-    op_finish(ctx, st, now, reads, reads_failed, 0);
-
-    struct pi_op_event *ev = &st->cur;
-    ev->start_ns = now;
-    ev->end_ns = 0;
-    ev->barrier_end_ns = 0;
-    ev->tid = tid;
-    ev->cpu = bpf_get_smp_processor_id();
-    ev->n_barriers = 0;
-    ev->flags = 0;
     /* Read once, before the description: if graphs_changed bumps it meanwhile, the slot
      * keeps the older stamp and the description is read again next time. */
     u32 generation = cfg.nodes_by_generation ? *(volatile u32 *)&control.graph_generation : 0;
     struct pi_node_slot *way = node_set(st, (u64)t);
     struct pi_node_slot *known = cfg.nodes_by_generation
         ? node_known(way, (u64)t, (u64)fused_with, generation) : 0;
-    u32 node;
-    if (known) {
-        node = known->node;
-        goto numbered;
-    }
+    if (known)
+        return known->node;
     tally(PI_TALLY_NODE_READS);
     struct pi_node_desc *d = &st->node.desc;
     struct pi_node_check *c = &st->node.check;
@@ -761,8 +739,41 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
     d->fused_tensor = (u64)fused_with;
     if (fused_with)
         bpf_probe_read_user(&d->fused_op, sizeof(d->fused_op), fused_with + cfg.t_off_op);
-    node = node_number(ctx, st, tid, way, generation);
-numbered:
+    return node_number(ctx, st, tid, way, generation);
+}
+
+static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const void *fused_with)
+{
+    if (!collecting())
+        return 0;
+    if (!in_target())
+        return other_process();
+    /* Counters are read next to the clock: what the handler does after this (~1.4 µs here)
+     * must fall on the same side of both, or short ops lose a third of their count. */
+    struct pi_counter_read reads[PI_MAX_COUNTERS] = {};
+    u64 now = bpf_ktime_get_ns();
+    int reads_failed = cfg.n_counters ? read_counters(reads, bpf_get_smp_processor_id()) : 0;
+    u32 tid = current_tid();
+    struct pi_op_thread *st = find_state(tid);
+    if (!st) {
+        st = new_state(tid);
+        if (!st) {              /* more computing threads than user space sized the maps for */
+            count_lost(1);
+            return 0;
+        }
+    }
+    op_finish(ctx, st, now, reads, reads_failed, 0);
+
+    struct pi_op_event *ev = &st->cur;
+    ev->start_ns = now;
+    ev->end_ns = 0;
+    ev->barrier_end_ns = 0;
+    ev->tid = tid;
+    ev->cpu = bpf_get_smp_processor_id();
+    ev->n_barriers = 0;
+    ev->flags = 0;
+    ev->entry_gap_ns = 0;
+    u32 node = describe_node(ctx, st, tid, t, fused_with);
     ev->node = node & ~PI_NODE_EXPERTS;
     if (node & PI_NODE_EXPERTS) {     /* MUL_MAT_ID: the experts it runs change every time */
         u64 ids = 0;
@@ -811,6 +822,282 @@ int op_barrier(struct pt_regs *ctx)
     counters_at_end(st);
     return 0;
 }
+
+/*
+ * The op level with one probe per node and thread (the default where the build allows it;
+ * the two-probe design above serves counters, perf-buffer kernels and builds without the
+ * facts below). Every thread walks the graph's nodes in order and meets a barrier after
+ * each node it computes; the probes sit on those barrier calls in the graph loop only
+ * (user space finds them with DWARF), on the loop's entry, and on fused-op functions:
+ *  - a thread's node ends at its barrier's call (its arrival, as in the two-probe design);
+ *  - the barrier releases its threads when the last one arrives, so every thread's next
+ *    node starts at the latest arrival: each arrival is kept (an atomic maximum, per
+ *    threadpool and barrier number), and read at the thread's next barrier, when all have
+ *    arrived;
+ *  - which node ended is the next one the loop computes after the thread's last node: not
+ *    empty (ggml_op_is_empty), flagged for compute where the build has the flag, two nodes
+ *    when a fused-op function began at it.
+ * What the two-probe design measures and this one cannot: a thread that is late to leave a
+ * barrier (preempted as it was released) shows that delay in its next node, not in its wait.
+ */
+#ifndef PI_PERF_BUFFER
+#define PI_RELEASE_SLOTS 8      /* barriers in flight per threadpool: threads are at most one apart */
+#define PI_WALK_MAX 32          /* empty nodes skipped between two computed ones */
+
+struct pi_release_key {
+    u64 threadpool;
+    u32 tgid;
+    u32 pad;
+};
+
+struct pi_releases {
+    u64 at[PI_RELEASE_SLOTS];   /* latest arrival at barrier n, at n % PI_RELEASE_SLOTS */
+};
+
+/* least recently used out: threadpools of processes gone are never deleted */
+struct {
+    __uint(type, BPF_MAP_TYPE_LRU_HASH);
+    __uint(max_entries, 256);
+    __type(key, struct pi_release_key);
+    __type(value, struct pi_releases);
+} releases SEC(".maps");
+
+/* ggml_graph_compute_thread's entry: the thread's first node starts. */
+SEC("uprobe")
+int op_graph_loop(struct pt_regs *ctx)
+{
+    if (!collecting())
+        return 0;
+    if (!in_target())
+        return other_process();
+    u64 now = bpf_ktime_get_ns();
+    u32 tid = current_tid();
+    struct pi_op_thread *st = find_state(tid);
+    if (!st) {
+        st = new_state(tid);
+        if (!st) {
+            count_lost(1);
+            return 0;
+        }
+    }
+    if (st->has_cur) {          /* the last graph's last node: user space ends its wait */
+        st->has_cur = 0;
+        st->cur.barrier_end_ns = now;
+        push_op(ctx, st);
+    }
+    st->walk.entry_ns = now;
+    st->walk.nodes = 0;
+    st->walk.fused_t = 0;
+    st->walk.pos = -1;
+    st->walk.barrier = 0;
+    st->walk.active = 1;
+    return 0;
+}
+
+/* A fused-op function (params, node, the node fused with it): the node the walk reaches
+ * next is computed with the one after it. */
+SEC("uprobe")
+int op_fused_mark(struct pt_regs *ctx)
+{
+    if (!collecting())
+        return 0;
+    struct pi_op_thread *st = find_state(current_tid());
+    if (!st)
+        return cfg.follow && !in_target() ? other_process() : 0;
+    st->walk.fused_ns = bpf_ktime_get_ns();
+    st->walk.fused_t = PT_REGS_PARM2(ctx);
+    st->walk.fused_with = PT_REGS_PARM3(ctx);
+    return 0;
+}
+
+static __always_inline u64 read_u64(u64 addr)
+{
+    u64 v = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+    return v;
+}
+
+static __always_inline int op_is_empty(u32 op)
+{
+    return op < 128 && (cfg.empty_ops[op >> 6 & 1] >> (op & 63) & 1);
+}
+
+/* Bytes from a tensor's op to its flags: both read at once. */
+#define PI_OP_FLAGS_SPAN 128
+
+/* The index of the first node after `from` the graph loop computes, with its tensor; -1 when
+ * there is none within PI_WALK_MAX. A node this thread described in this graph generation
+ * was computed (only computed nodes are described), so its fields are not read again. */
+static __always_inline s32 next_computed(struct pi_op_thread *st, s32 from, u64 *tensor)
+{
+    struct pi_graph_walk *w = &st->walk;
+    u32 generation = cfg.nodes_by_generation ? *(volatile u32 *)&control.graph_generation : 0;
+    u8 *fields = st->window;
+    s32 i = from;
+    for (int k = 0; k < PI_WALK_MAX; k++) {
+        i++;
+        if (i >= w->n_nodes)
+            return -1;
+        u64 t = read_u64(w->nodes + 8 * (u64)i);
+        if (!t)
+            return -1;
+        if (cfg.nodes_by_generation && node_known(node_set(st, t), t, 0, generation)) {
+            *tensor = t;
+            return i;
+        }
+        u64 span = cfg.compute_flag ? cfg.t_off_flags + 4 - cfg.t_off_op : 4;
+        if (span > PI_OP_FLAGS_SPAN || bpf_probe_read_user(fields, span, (void *)(t + cfg.t_off_op)))
+            return -1;
+        if (op_is_empty(*(u32 *)fields))
+            continue;
+        if (cfg.compute_flag) {
+            u64 at = cfg.t_off_flags - cfg.t_off_op;
+            if (at > PI_OP_FLAGS_SPAN - 4 || !(*(u32 *)(fields + at) & cfg.compute_flag))
+                continue;
+        }
+        *tensor = t;
+        return i;
+    }
+    return -1;
+}
+
+/* The thread leaves its probe for the barrier: the barrier releases its threads when the
+ * last one does, so the latest such time of all is kept (slots hold older graphs' times,
+ * all earlier). Taken as the handler ends, so that nodes do not include the probe's work. */
+static __always_inline void release_at(u64 *at)
+{
+    u64 now = bpf_ktime_get_ns();
+    for (int k = 0; k < 8; k++) {
+        u64 seen = *(volatile u64 *)at;
+        if (seen >= now || __sync_val_compare_and_swap(at, seen, now) == seen)
+            break;
+    }
+}
+
+/* A barrier call in the graph loop (ggml_barrier(threadpool)): the thread's node ends. */
+SEC("uprobe")
+int op_node_end(struct pt_regs *ctx)
+{
+    if (!collecting())
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    u32 tid = current_tid();
+    struct pi_op_thread *st = find_state(tid);
+    if (!st)
+        return cfg.follow && !in_target() ? other_process() : 0;
+    struct pi_graph_walk *w = &st->walk;
+    if (!w->active)             /* a graph already under way when probes were attached */
+        return 0;
+    u64 tp = PT_REGS_PARM1(ctx);
+    if (!w->nodes) {
+        u64 cgraph = read_u64(tp + cfg.tp_off_cgraph);
+        w->nodes = read_u64(cgraph + cfg.cg_off_nodes);
+        w->n_nodes = 0;
+        bpf_probe_read_user(&w->n_nodes, sizeof(w->n_nodes), (void *)(cgraph + cfg.cg_off_n_nodes));
+    }
+    struct pi_release_key key = {.threadpool = tp, .tgid = bpf_get_current_pid_tgid() >> 32};
+    struct pi_releases *rel = bpf_map_lookup_elem(&releases, &key);
+    if (!rel) {
+        struct pi_releases none = {};
+        bpf_map_update_elem(&releases, &key, &none, BPF_NOEXIST);
+        rel = bpf_map_lookup_elem(&releases, &key);
+        if (!rel) {
+            count_lost(1);
+            return 0;
+        }
+    }
+    u32 b = w->barrier;
+    u64 start = b ? rel->at[(b - 1) % PI_RELEASE_SLOTS] : w->entry_ns;
+    if (st->has_cur) {          /* the previous node waited until this one started */
+        st->cur.barrier_end_ns = start;
+        push_op(ctx, st);
+    }
+    st->has_cur = 0;
+    w->barrier = b + 1;
+
+    u32 gap = w->fused_t && w->fused_ns > start ? ns32(w->fused_ns - start) : 0;
+    struct pi_op_event *ev = &st->cur;
+    ev->start_ns = start;
+    ev->end_ns = now;
+    ev->barrier_end_ns = 0;
+    ev->tid = tid;
+    ev->cpu = bpf_get_smp_processor_id();
+    ev->n_barriers = 1;
+    ev->flags = 0;
+    ev->entry_gap_ns = gap;
+
+    /* the same graph in the same generation walks the same way: what the walk found from
+     * here last time is remembered, its reads and description look-up skipped */
+    u32 generation = cfg.nodes_by_generation ? *(volatile u32 *)&control.graph_generation : 0;
+    if (w->memo_nodes != w->nodes || w->memo_generation != generation) {
+        w->memo_nodes = w->nodes;
+        w->memo_generation = generation;
+        w->memo_stamp = (w->memo_stamp + 1) & 0xffff ?: 1;
+    }
+    u32 from = (u32)(w->pos + 1);
+    struct pi_walk_memo *m = from < PI_WALK_MEMO ? &st->memo[from & (PI_WALK_MEMO - 1)] : 0;
+    u32 node;
+    u64 t = 0;
+    if (cfg.nodes_by_generation && m && m->stamp == w->memo_stamp) {
+        w->fused_t = 0;
+        if (m->node == PI_WALK_NONE) {
+            w->pos = w->n_nodes;
+            release_at(&rel->at[b % PI_RELEASE_SLOTS]);
+            return 0;
+        }
+        w->pos = from + m->last;
+        node = m->node;
+        if (node & PI_NODE_EXPERTS)
+            t = read_u64(w->nodes + 8 * (u64)(from + m->first));
+    } else {
+        s32 i = next_computed(st, w->pos, &t);
+        if (i < 0) {            /* the loop's last barrier, after its last node */
+            if (w->fused_t)
+                tally(PI_TALLY_WALK_LOST);
+            w->fused_t = 0;
+            w->pos = w->n_nodes;
+            if (m) {
+                m->node = PI_WALK_NONE;
+                m->stamp = w->memo_stamp;
+            }
+            release_at(&rel->at[b % PI_RELEASE_SLOTS]);
+            return 0;
+        }
+        s32 first = i;
+        u64 fused_with = 0;
+        if (w->fused_t) {
+            /* ggml fuses consecutive nodes only (ggml_can_fuse) */
+            if (w->fused_t == t && i + 1 < w->n_nodes &&
+                read_u64(w->nodes + 8 * (u64)(i + 1)) == w->fused_with) {
+                fused_with = w->fused_with;
+                i++;
+            } else {
+                tally(PI_TALLY_WALK_MISMATCH);
+            }
+            w->fused_t = 0;
+        }
+        w->pos = i;
+        node = describe_node(ctx, st, tid, (const void *)t, (const void *)fused_with);
+        /* remembered only once its description reached user space */
+        if (m && cfg.nodes_by_generation && first - (s32)from < 256 && i - (s32)from < 256 &&
+            node_known(node_set(st, t), t, fused_with, generation)) {
+            m->node = node;
+            m->first = first - from;
+            m->last = i - from;
+            m->stamp = w->memo_stamp;
+        }
+    }
+    ev->node = node & ~PI_NODE_EXPERTS;
+    if ((node & PI_NODE_EXPERTS) && t) {
+        u64 ids = read_u64(t + cfg.t_off_src + 16);
+        if (ids)
+            send_experts(ctx, st, ids, t);
+    }
+    st->has_cur = 1;
+    release_at(&rel->at[b % PI_RELEASE_SLOTS]);
+    return 0;
+}
+#endif
 
 /* A thread that computed ops exits: its last node and the ops it still holds are sent, and its
  * state is freed, so that threads that come and go (ggml's disposable threadpools, made for

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from . import assemble, bpfobj, discovery, dwarf, ggml, kernel, layout, libbpf
+from . import assemble, bpfobj, discovery, dwarf, ggml, graphwalk, kernel, layout, libbpf
 from . import counters as perfcounters
 from .errors import ProfinferError
 from .model import GraphCall, Profile, TokenCall, split_batch
@@ -38,7 +38,10 @@ SCHED_PROGRAMS = ("sched_switch", "sched_wakeup")
 # sends an exiting thread's last ops and frees its op state (a raw tracepoint, not a probe)
 THREAD_EXIT_PROGRAM = "op_thread_exit"
 BARRIER_PROGRAM = "op_barrier"
-OP_PROGRAMS = ("op_start", "op_start_fused", BARRIER_PROGRAM)
+# the one-probe design's programs (graphwalk.py): the loop's entry, fused ops, its barriers
+LOOP_PROGRAM, NODE_END_PROGRAM = "op_graph_loop", "op_node_end"
+OP_PROGRAMS = ("op_start", "op_start_fused", BARRIER_PROGRAM,
+               LOOP_PROGRAM, "op_fused_mark", NODE_END_PROGRAM)
 BARE_PROGRAM = "bare_hit"
 # the programs told when the target may change graphs, and the functions that do
 GRAPHS_CHANGED_PROGRAMS = ("graphs_changed", "context_made")
@@ -92,6 +95,7 @@ class Collector:
         self._tokens: list[np.ndarray] = []
         self._graphs: list[np.ndarray] = []
         self._op_asm: assemble.OpAssembler | None = None   # made once op names are known
+        self._entry_gaps: list[np.ndarray] = []   # (start_ns, entry_gap_ns) of fused ops
         self._first_nodes: list[np.ndarray] = []   # node descriptions checked before a table layout is trusted
         self.n_events = 0
         self.n_decode_tokens = 0
@@ -136,6 +140,11 @@ class Collector:
         self.op_names: list[str] = []
         if "op" in levels:
             self._decode_structures()
+        self.walk: graphwalk.GraphWalk | None = None
+        self.op_design = ""
+        if "op" in self.levels:
+            self._choose_op_design()
+        self.probes = [p for p in self.probes if p.entry_fn or p.return_fn]
         if self.counter_request:
             if "op" not in self.levels:
                 raise ProfinferError("--counters are read per op: add the op level")
@@ -225,6 +234,33 @@ class Collector:
             self.sched_obj.n_links if self.sched_obj else 0)
         self.attach_s = time.monotonic() - t0
 
+    def _choose_op_design(self) -> None:
+        """One probe per node and thread where graphwalk.py finds what it needs, else two;
+        the op probes' programs are set for the design chosen (self.op_design says which)."""
+        loop = next((p for p in self.probes if p.spec.walk_entry == LOOP_PROGRAM), None)
+        barriers = [p for p in self.probes if p.entry_fn == BARRIER_PROGRAM]
+        why = ""
+        if self.counter_request:
+            why = "counters are read at each node's start"
+        elif self.buffer != "ring":
+            why = "the perf-buffer build has no atomics"
+        elif loop is None:
+            why = "no ggml_graph_compute_thread symbol"
+        elif any(p.symbol is not loop.symbol for p in barriers):
+            why = "barrier calls outside ggml_graph_compute_thread"
+        else:
+            self.walk, why = graphwalk.graph_walk(loop.elf, loop.symbol, self.op_names)
+        if self.walk is None:
+            self.op_design = f"two probes per node ({why})"
+            return
+        self.op_design = "one probe per node"
+        for p in self.probes:
+            if p.spec.level != "op" or p.spec.walk_entry is None:
+                continue
+            p.entry_fn = p.spec.walk_entry or None
+            if p.entry_fn == NODE_END_PROGRAM and not self.walk.is_loop_call(p.symbol, p.place.offset):
+                p.entry_fn = None     # an op's own barrier, inlined into the loop
+
     def _attach_probes(self, probes, paths: dict[str, str]) -> None:
         """Attach `probes`, each to its ELF's file or to paths[that file] (another copy of it)."""
         pid = -1 if self.followed_map_fd is not None else self.pid
@@ -309,6 +345,14 @@ class Collector:
         cfg["thread_slots"] = self.thread_slots
         cfg["follow"] = int(self.followed_map_fd is not None)
         cfg["init_params_sp_off"] = 8   # above the return address (probes never move sp)
+        if self.walk:
+            w = self.walk
+            cfg["tp_off_cgraph"], cfg["cg_off_nodes"] = w.tp_off_cgraph, w.cg_off_nodes
+            cfg["cg_off_n_nodes"], cfg["t_off_flags"] = w.cg_off_n_nodes, w.t_off_flags
+            cfg["compute_flag"] = w.compute_flag
+            for op in w.empty_ops:
+                if op < 128:
+                    cfg["empty_ops"][0][op >> 6] |= np.uint64(1 << (op & 63))
         cfg["graph_has_backend"] = sum(1 << i for i, p in enumerate(graph_probes) if p.spec.graph_backend)
         return cfg
 
@@ -457,6 +501,24 @@ class Collector:
 
     def _add_ops(self, ops: np.ndarray) -> None:
         self._assembler().add(ops)
+        gap = ops["entry_gap_ns"]
+        if gap.any():
+            at = gap > 0
+            self._entry_gaps.append(np.stack([ops["start_ns"][at].astype(np.int64),
+                                              gap[at].astype(np.int64)]))
+
+    def _trap_in_situ_ns(self) -> int | None:
+        """One-probe design: a trap as the target's timeline shows it. A barrier releases its
+        threads as its last arriver leaves the probe; where the next node is a fused op, that
+        thread traps again at its entry, so the smallest gap of a node's threads (they share
+        its start) is one trap's way out and in, and a few of the loop's instructions
+        (selfcost.trap_in_situ_ns measures the same in the two-probe design). The median."""
+        if not self._entry_gaps:
+            return None
+        start, gap = np.concatenate(self._entry_gaps, axis=1)
+        order = np.lexsort((gap, start))
+        first = np.r_[True, start[order][1:] != start[order][:-1]]
+        return int(np.median(gap[order][first]))
 
     def _validate(self, nodes: np.ndarray) -> None:
         """Check a table layout on the first node descriptions BPF read with it: every field
@@ -547,7 +609,9 @@ class Collector:
                           ("thread_states_hashed", "PI_TALLY_STATES_HASHED"),
                           ("other_process_hits", "PI_TALLY_OTHER_ENTRIES"),
                           ("other_process_returns", "PI_TALLY_OTHER_RETURNS"),
-                          ("bare_hits", "PI_TALLY_BARE_HITS")):
+                          ("bare_hits", "PI_TALLY_BARE_HITS"),
+                          ("walk_lost", "PI_TALLY_WALK_LOST"),
+                          ("walk_mismatch", "PI_TALLY_WALK_MISMATCH")):
             raw = libbpf.map_lookup(fd, self.consts[key].to_bytes(4, "little"), 8 * self.n_cpus)
             out[name] = int(np.frombuffer(raw, np.uint64).sum()) if raw else 0
         return out
@@ -568,6 +632,10 @@ class Collector:
         ns, runs = stats.get(BARRIER_PROGRAM, (0, 0))
         if runs:
             out["barrier_ns_per_run"] = ns // runs
+        for prog, (ns, runs) in sorted(stats.items()):      # as bpftool prog show has them
+            out[f"runs:{prog}"] = runs
+            if runs:
+                out[f"ns_per_run:{prog}"] = ns // runs
         # A program attached at several places is counted as costly as its costliest place.
         stepped = {p.entry_fn for p in self.probes if p.entry_fn and not p.place.emulated}
         entry_at_start = {p.return_fn for p in self.probes
@@ -650,6 +718,15 @@ class Collector:
             prof.meta["node_check"] = "generation" if self.nodes_by_generation else "content"
             for name, n in self.tallies.items():
                 prof.meta[name] = str(n)
+            prof.meta["op_probes"] = self.op_design
+            in_situ = self._trap_in_situ_ns()
+            if in_situ is not None:
+                prof.meta["trap_in_situ_ns"] = str(in_situ)
+            walk_faults = self.tallies.get("walk_lost", 0) + self.tallies.get("walk_mismatch", 0)
+            if walk_faults:
+                self.warnings.append(f"{walk_faults} graph-loop barriers could not be matched to "
+                                     "the node the loop computed: some ops may be misattributed "
+                                     "(PROFINFER_OP_DESIGN=two-probe measures them apart)")
             prof.meta["thread_slots"] = str(self.thread_slots)
             prof.meta["thread_slots_releasing"] = str(self.slots_releasing)
             # threads still alive when collection ended (an exiting one sends its ops itself)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+from elftools.dwarf.ranges import BaseAddressEntry
 from elftools.elf.elffile import ELFFile
 
 
@@ -61,3 +62,81 @@ def _scan(path: str, name: bytes) -> dict | None:
                 return {"size": size, "members": members, "nested": nested,
                         "nested_members": nested_members}
     return None
+
+
+def function_facts(path: str, build_id: str, vaddr: int, structs: tuple[str, ...],
+                   enum_prefix: str) -> dict | None:
+    """From the compile unit that holds the function at `vaddr`: the address ranges of code
+    inlined into it ({"inlined": [[low, high], ...]}), the members of `structs` as that unit
+    defines them ({"structs": {name: {member: offset}}}), and its enumerators whose names
+    start with `enum_prefix` ({"enums": {name: value}}). None without DWARF for it."""
+    cache = (os.path.join(os.path.dirname(_cache_path(build_id, "x")),
+                          f"{build_id}.fn{vaddr:x}.v1.json") if build_id else None)
+    if cache and os.path.exists(cache):
+        with open(cache) as f:
+            return json.load(f)
+    found = _function_facts(path, vaddr, structs, enum_prefix)
+    if cache:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        with open(cache, "w") as f:
+            json.dump(found, f)
+    return found
+
+
+def _die_ranges(die, cu, range_lists) -> list[tuple[int, int]]:
+    a = die.attributes
+    if "DW_AT_low_pc" in a and "DW_AT_high_pc" in a:
+        low, high = a["DW_AT_low_pc"].value, a["DW_AT_high_pc"]
+        return [(low, high.value if high.form == "DW_FORM_addr" else low + high.value)]
+    if "DW_AT_ranges" not in a or range_lists is None:
+        return []
+    at = a["DW_AT_ranges"]
+    entries = (range_lists.get_range_list_at_offset(cu, at.value) if at.form == "DW_FORM_rnglistx"
+               else range_lists.get_range_list_at_offset(at.value, cu=cu))
+    top = cu.get_top_DIE().attributes
+    base = top["DW_AT_low_pc"].value if "DW_AT_low_pc" in top else 0
+    out = []
+    for e in entries:
+        if isinstance(e, BaseAddressEntry):
+            base = e.base_address
+            continue
+        add = 0 if e.is_absolute else base
+        out.append((e.begin_offset + add, e.end_offset + add))
+    return out
+
+
+def _function_facts(path: str, vaddr: int, structs: tuple[str, ...], enum_prefix: str) -> dict | None:
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        if not elf.has_dwarf_info():
+            return None
+        dw = elf.get_dwarf_info()
+        aranges = dw.get_aranges()
+        cu_offset = aranges.cu_offset_at_addr(vaddr) if aranges else None
+        if cu_offset is None:
+            return None
+        cu = dw.get_CU_at(cu_offset)
+        range_lists = dw.range_lists()
+        wanted = {s.encode() for s in structs}
+        out: dict = {"inlined": [], "structs": {}, "enums": {}}
+        for die in cu.get_top_DIE().iter_children():
+            a = die.attributes
+            if die.tag == "DW_TAG_subprogram" and any(
+                    low <= vaddr < high for low, high in _die_ranges(die, cu, range_lists)):
+                stack = list(die.iter_children())
+                while stack:
+                    d = stack.pop()
+                    if d.tag == "DW_TAG_inlined_subroutine":
+                        out["inlined"].extend(_die_ranges(d, cu, range_lists))
+                    else:
+                        stack.extend(d.iter_children())
+            elif (die.tag == "DW_TAG_structure_type" and "DW_AT_declaration" not in a
+                  and "DW_AT_name" in a and a["DW_AT_name"].value in wanted):
+                out["structs"][a["DW_AT_name"].value.decode()] = _members(die)
+            elif die.tag == "DW_TAG_enumeration_type":
+                for e in die.iter_children():
+                    name = e.attributes.get("DW_AT_name")
+                    if (e.tag == "DW_TAG_enumerator" and name
+                            and name.value.decode().startswith(enum_prefix)):
+                        out["enums"][name.value.decode()] = e.attributes["DW_AT_const_value"].value
+        return out

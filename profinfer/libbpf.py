@@ -31,7 +31,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _on_print(level, fmt, ap):
-    buf = ctypes.create_string_buffer(1024)
+    buf = ctypes.create_string_buffer(1 << 18)   # a verifier log ends with its verdict
     _libc.vsnprintf(buf, len(buf), fmt, _vp(ap))
     text = buf.value.decode("utf-8", "replace").rstrip()
     if text:

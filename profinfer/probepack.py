@@ -29,6 +29,7 @@ class ProbeSpec:
     required: bool = False
     group: str | None = None             # probes of one group are alternatives: first found wins
     callers: str | None = None           # probe the calls of `function` in these functions instead
+    walk_entry: str | None = None        # the op level's one-probe design: its program ("": none)
 
 
 @dataclass
@@ -49,7 +50,8 @@ def load_pack(name: str = "llamacpp") -> Pack:
             level=p["level"], function=p.get("function"), pattern=p.get("pattern"),
             entry=p.get("entry"), ret=p.get("return"), args=tuple(p.get("args", ())),
             graph_backend=None if graph is None else graph["backend"],
-            required=p.get("required", False), group=p.get("group"), callers=p.get("callers")))
+            required=p.get("required", False), group=p.get("group"), callers=p.get("callers"),
+            walk_entry=p.get("walk_entry")))
     return Pack(raw["engine"], raw["bpf"], raw["libraries"], raw["marker"], probes)
 
 

@@ -119,6 +119,7 @@ def compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost
     cpus = num("cpus_online") or 0
     return SelfCost(num("cost:bpf_ns") or 0, num("cost:bpf_runs") or 0, hits, trap, costs,
                     seconds_as_ns("collector_cpu_decoding_s"), seconds_as_ns("target_cpu_s"),
+                    num("trap_in_situ_ns") if "trap_in_situ_ns" in meta else
                     trap_in_situ_ns(profile, num("cost:barrier_ns_per_run") or 0, cols),
                     bool(cpus) and threads >= cpus, threads, graph_share(profile))
 
@@ -147,7 +148,8 @@ def trap_in_situ_ns(profile: Profile, barrier_handler_ns: int = 0,
     back, the engine's few instructions through the barrier, and the second trap's way in:
     one trap, as it costs in the engine (its caches cold after the node), not in a loop. The
     median over node boundaries of the smallest such gap across threads; None without
-    op-level data."""
+    op-level data. (The one-probe design's recording measures it in BPF: meta
+    trap_in_situ_ns, collector.py.)"""
     from .stats import innermost_graphs
     cols = as_columns(profile.ops) if cols is None else cols
     if len(cols) < 2 or not profile.graphs:

@@ -253,7 +253,10 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
             target_cpu = _cpu_s(engine_pid) or target_cpu_last
         if target_cpu is not None and target_cpu_from is not None:
             target_cpu -= target_cpu_from
+        warned = len(coll.warnings)
         profile = coll.finish()
+        for w in coll.warnings[warned:]:        # what only the end of collection shows
+            warn(w)
         if follower is not None:
             profile.meta["processes_followed"] = str(len(follower.processes))
         profile.meta["stopped_by"] = stop_reason[0] if stop_reason else ""

@@ -48,9 +48,12 @@ def align(printed: list[tuple[str, list[str]]], ours: dag.GraphDag) -> list[int]
     return out if j == len(ours.nodes) and not fused_pending else None
 
 
-def test_dag_matches_ggml_graph(llama_build, tiny_model, llama_env, tmp_path):
+@pytest.mark.parametrize("design", ["one-probe", "two-probe"])
+def test_dag_matches_ggml_graph(llama_build, tiny_model, llama_env, tmp_path, design):
+    """Both op-level designs (README, "How it works"): the one-probe design finds each
+    node by walking the graph as ggml's loop does, the two-probe design from its argument."""
     trace = tmp_path / "g.pftrace"
-    env = {**llama_env, "GGML_SCHED_DEBUG": "2"}
+    env = {**llama_env, "GGML_SCHED_DEBUG": "2", "PROFINFER_OP_DESIGN": design}
     r = with_llama_log(lambda: run_profinfer(
         ["record", "--quiet", "-o", str(trace), "--",
          *completion_cmd(llama_build, tiny_model, n=6, extra=("-v",))], env=env, tmp_path=tmp_path))

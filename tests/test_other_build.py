@@ -34,6 +34,8 @@ def test_release_build_of_other_version(release_build, tiny_model, tmp_path):
     ops = {o["op"] for o in s["ops"]}
     assert {"MUL_MAT", "ROPE", "GET_ROWS"} <= ops
     assert not any(o.startswith("OP") for o in ops)     # every op named from the binary's table
+    # without the graph loop's DWARF the op level keeps two probes per node, and says why
+    assert s["meta"]["op_probes"].startswith("two probes per node (no DWARF for libggml-cpu.so")
 
 
 def test_fully_stripped_libraries(release_build, tiny_model, tmp_path):
@@ -55,6 +57,7 @@ def test_fully_stripped_libraries(release_build, tiny_model, tmp_path):
     assert any(k.startswith("probe:ggml_backend_graph_compute_async+") for k in s["meta"])
     # no symbol table, so no graph-loop call sites: the barrier is probed at its entry
     assert any(k.startswith("probe:ggml_barrier+") for k in s["meta"])
+    assert s["meta"]["op_probes"] == "two probes per node (no ggml_graph_compute_thread symbol)"
     assert {"MUL_MAT", "ROPE"} <= {o["op"] for o in s["ops"]}
 
 
