@@ -34,7 +34,10 @@ CONFIGS = {"none": None, "token": ["--levels", "token"], "token+graph": ["--leve
            "token+graph+op": ["--levels", "token,graph,op"],
            # issue 3: op level with its structure (sources' shapes) and two counters, and sched
            "op+2 counters": ["--levels", "token,graph,op", "--counters", "task-clock,page-faults"],
-           "op+sched": ["--levels", "token,graph,op,sched"]}
+           "op+sched": ["--levels", "token,graph,op,sched"],
+           # issue 10: the op level's two-probe design (one probe per node is the default)
+           "op two-probe": ["--levels", "token,graph,op"]}
+CONFIG_ENV = {"op two-probe": {"PROFINFER_OP_DESIGN": "two-probe"}}
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
 EVAL = re.compile(r"(?:llama_perf_context_print|common_perf_print):\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs")
 
@@ -125,7 +128,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = names[r % len(names):] + names[: r % len(names)]
             for c in order:
-                rows[c].append(run_once(cmd, CONFIGS[c], env))
+                rows[c].append(run_once(cmd, CONFIGS[c], {**env, **CONFIG_ENV.get(c, {})}))
                 print(f"{model} round {r + 1} {c}: {rows[c][-1]['decode_tok_s']:.2f} tok/s", file=sys.stderr)
         base = statistics.median(x["decode_tok_s"] for x in rows["none"])
         lines += [f"## {model} ({ntok.get(model, 32)} decode tokens per run)", "",

@@ -1007,7 +1007,11 @@ int op_node_end(struct pt_regs *ctx)
         }
     }
     u32 b = w->barrier;
-    u64 start = b ? rel->at[(b - 1) % PI_RELEASE_SLOTS] : w->entry_ns;
+    u64 release = b ? rel->at[(b - 1) % PI_RELEASE_SLOTS] : w->entry_ns;
+    /* A fused op starts where its function does, as in the two-probe design (its probe's
+     * trap in is not the op's); any other node when the barrier before it let go. */
+    u32 gap = w->fused_t && w->fused_ns > release ? ns32(w->fused_ns - release) : 0;
+    u64 start = release + gap;
     if (st->has_cur) {          /* the previous node waited until this one started */
         st->cur.barrier_end_ns = start;
         push_op(ctx, st);
@@ -1015,7 +1019,6 @@ int op_node_end(struct pt_regs *ctx)
     st->has_cur = 0;
     w->barrier = b + 1;
 
-    u32 gap = w->fused_t && w->fused_ns > start ? ns32(w->fused_ns - start) : 0;
     struct pi_op_event *ev = &st->cur;
     ev->start_ns = start;
     ev->end_ns = now;

@@ -95,7 +95,7 @@ class Collector:
         self._tokens: list[np.ndarray] = []
         self._graphs: list[np.ndarray] = []
         self._op_asm: assemble.OpAssembler | None = None   # made once op names are known
-        self._entry_gaps: list[np.ndarray] = []   # (start_ns, entry_gap_ns) of fused ops
+        self._entry_gaps: list[np.ndarray] = []   # (release, entry_gap_ns) of fused ops
         self._first_nodes: list[np.ndarray] = []   # node descriptions checked before a table layout is trusted
         self.n_events = 0
         self.n_decode_tokens = 0
@@ -504,15 +504,16 @@ class Collector:
         gap = ops["entry_gap_ns"]
         if gap.any():
             at = gap > 0
-            self._entry_gaps.append(np.stack([ops["start_ns"][at].astype(np.int64),
-                                              gap[at].astype(np.int64)]))
+            gaps = gap[at].astype(np.int64)     # a fused op starts this long after its release
+            self._entry_gaps.append(np.stack([ops["start_ns"][at].astype(np.int64) - gaps, gaps]))
 
     def _trap_in_situ_ns(self) -> int | None:
         """One-probe design: a trap as the target's timeline shows it. A barrier releases its
         threads as its last arriver leaves the probe; where the next node is a fused op, that
         thread traps again at its entry, so the smallest gap of a node's threads (they share
-        its start) is one trap's way out and in, and a few of the loop's instructions
-        (selfcost.trap_in_situ_ns measures the same in the two-probe design). The median."""
+        its release) is one trap's way out and in, and the loop's instructions up to the
+        fused op, its fusion check's included (selfcost.trap_in_situ_ns measures the same in
+        the two-probe design, up to any node's start). The median."""
         if not self._entry_gaps:
             return None
         start, gap = np.concatenate(self._entry_gaps, axis=1)
