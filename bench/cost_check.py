@@ -10,6 +10,7 @@ it (slow drifts of the machine cancel), and against what that attach's own cost 
 stated (profiler_cost: probes in the target plus the collector's CPU).
 
     .venv/bin/python bench/cost_check.py --model tiny --pairs 10 --window 3
+    .venv/bin/python bench/cost_check.py --config op --config "op two-probe" --pairs 15
 """
 from __future__ import annotations
 
@@ -82,7 +83,10 @@ def _window_effect(probed, near, everywhere) -> tuple[float, int, float] | None:
     return took / expected - 1, len(pairs), expected / len(pairs)
 
 
-def check(model: str, config: str, pairs: int, window_s: float, threads: int, tmp: Path) -> dict:
+def check(model: str, configs: list[str], pairs: int, window_s: float, threads: int,
+          tmp: Path) -> list[dict]:
+    """`pairs` probed windows of each configuration, taken in turn (A, B, A, B, ...) so that
+    the configurations see the same drifts of the machine."""
     build = workload.ensure_llama_build()
     env = {**os.environ, **workload.llama_env(build)}
     target = subprocess.Popen(workload.completion_command(
@@ -100,7 +104,8 @@ def check(model: str, config: str, pairs: int, window_s: float, threads: int, tm
     try:
         _wait_attached(timer)
         quiet_from = now()
-        for i in range(pairs):
+        for i in range(pairs * len(configs)):
+            config = configs[i % len(configs)]
             time.sleep(window_s)
             js = tmp / f"op{i}.json"
             launched = now()
@@ -113,7 +118,7 @@ def check(model: str, config: str, pairs: int, window_s: float, threads: int, tm
             if p.returncode != 0:
                 raise SystemExit(f"profinfer attach failed: {p.stderr.read()[-1000:]}")
             cost = json.loads(js.read_text()).get("profiler_cost") or {}
-            windows.append(((quiet_from, launched), (attached, attached + int(window_s * 1e9)),
+            windows.append((config, (quiet_from, launched), (attached, attached + int(window_s * 1e9)),
                             cost.get("slowdown") or 0, cost.get("in_target_share"),
                             cost.get("collector_share"),
                             (cost.get("in_target_share") or 0) + (cost.get("collector_share") or 0),
@@ -130,40 +135,53 @@ def check(model: str, config: str, pairs: int, window_s: float, threads: int, tm
                    for t in read_trace(clock).tokens if not t.prefill)
     margin = int(MARGIN_S * 1e9)
     quiet = [_calls_in(calls, lo + margin, hi - margin)
-             for lo, hi in [w[0] for w in windows] + [final_quiet]]
+             for lo, hi in [w[1] for w in windows] + [final_quiet]]
     everywhere = _by_position([c for q in quiet for c in q])
-    rows = []
-    for i, (_, (lo, hi), stated, in_target, collector, uncorrected, trap) in enumerate(windows):
+    rows: dict[str, list[dict]] = {c: [] for c in configs}
+    for i, (config, _, (lo, hi), stated, in_target, collector, uncorrected, trap) in enumerate(windows):
         effect = _window_effect(_calls_in(calls, lo + margin, hi - margin),
                                 _by_position(quiet[i] + quiet[i + 1]), everywhere)
         if effect is None:
             continue
         timed, n, base = effect
-        rows.append({"timed": timed, "stated": stated, "in_target": in_target,
-                     "collector": collector, "uncorrected": uncorrected, "trap_in_situ_ns": trap,
-                     "calls": n, "base_call_ns": base})
-    return {"model": model, "config": config, "window_s": window_s, "rows": rows}
+        rows[config].append({"timed": timed, "stated": stated, "in_target": in_target,
+                             "collector": collector, "uncorrected": uncorrected,
+                             "trap_in_situ_ns": trap, "calls": n, "base_call_ns": base})
+    together = configs if len(configs) > 1 else None
+    return [{"model": model, "config": c, "window_s": window_s, "rows": rows[c],
+             **({"taken_with": together} if together else {})} for c in configs]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--config", default="op", choices=list(CONFIGS))
-    ap.add_argument("--pairs", type=int, default=10)
+    ap.add_argument("--config", action="append", choices=list(CONFIGS),
+                    help="a configuration to check (repeat: their windows alternate); default op")
+    ap.add_argument("--pairs", type=int, default=10, help="probed windows per configuration")
     ap.add_argument("--window", type=float, default=3.0, help="seconds per window")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", help="append the result (JSON) to this file")
+    ap.add_argument("--out", help="append the results (JSON, a line each) to this file")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        res = check(args.model, args.config, args.pairs, args.window, args.threads, Path(tmp))
+        results = check(args.model, args.config or ["op"], args.pairs, args.window, args.threads,
+                        Path(tmp))
+    for res in results:
+        _summarize(args.model, res)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(res) + "\n")
+
+
+def _summarize(model: str, res: dict) -> None:
     rows = res["rows"]
     if not rows:
-        raise SystemExit("no window had enough decode calls")
+        print(f"{model} {res['config']}: no window had enough decode calls")
+        return
     med = statistics.median
     timed, stated = med(r["timed"] for r in rows), med(r["stated"] for r in rows)
     res["summary"] = {"timed": timed, "stated": stated, "ratio": stated / timed if timed > 0 else None,
                       "timed_range": [min(r["timed"] for r in rows), max(r["timed"] for r in rows)]}
-    print(f"{args.model} {args.config}: {len(rows)} probed windows; time per decode call "
+    print(f"{model} {res['config']}: {len(rows)} probed windows; time per decode call "
           f"+{100 * timed:.2f}% (windows {100 * min(r['timed'] for r in rows):+.1f} .. "
           f"{100 * max(r['timed'] for r in rows):+.1f}%), stated {100 * stated:.2f}% "
           f"(probes {100 * med(r['in_target'] or 0 for r in rows):.2f}%, collector "
@@ -174,9 +192,6 @@ def main() -> None:
     for r in rows:
         print(f"  window: timed {100 * r['timed']:+.2f}%, stated {100 * r['stated']:.2f}%, "
               f"{r['calls']} calls, unprobed call {r['base_call_ns'] / 1e3:.0f} µs")
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(res) + "\n")
 
 
 if __name__ == "__main__":

@@ -438,32 +438,37 @@ class Collector:
         batch_dt = self.dt["pi_op_batch"]
         batch_size = batch_dt.itemsize
         node_size = self.dt["pi_node_event"].itemsize
+        token_size = self.dt["pi_token_event"].itemsize
+        graph_size = self.dt["pi_graph_event"].itemsize
+        sched_size = self.dt["pi_sched_event"].itemsize
         op_batches, nodes = [], []
+        # records of one kind parsed together (one numpy call a kind and drain, not a record)
+        tokens, graphs, sched = [], [], []
         for rec in raw:
             kind = int.from_bytes(rec[:4], "little")
-            if kind == self.kind_decoding:
-                self.decoding = True
-            elif kind == self.kind_node:
-                nodes.append(rec if len(rec) == node_size else rec[:node_size])
-            elif kind == self.kind_ops:
+            if kind == self.kind_ops:
                 # perf-buffer records may carry padding after the batch
                 op_batches.append(rec if len(rec) == batch_size else rec[:batch_size])
             elif kind == self.kind_token:
-                ev = np.frombuffer(rec, self.dt["pi_token_event"], count=1)
-                if not self._batch_trusted and not 1 <= int(ev["n_tokens"][0]) <= MAX_BATCH:
-                    raise ProfinferError("unknown llama_batch_ext layout: a batch decodes as "
-                                         f"{int(ev['n_tokens'][0])} tokens; this build needs DWARF")
-                self._tokens.append(ev)
-                self.n_decode_tokens += split_batch(int(ev["n_tokens"][0]), _runs(ev[0]))
-                self.n_events += 1
+                tokens.append(rec[:token_size])
             elif kind == self.kind_graph:
-                self._graphs.append(np.frombuffer(rec, self.dt["pi_graph_event"], count=1))
-                self.n_events += 1
+                graphs.append(rec[:graph_size])
+            elif kind == self.kind_node:
+                nodes.append(rec if len(rec) == node_size else rec[:node_size])
+            elif kind == self.kind_decoding:
+                self.decoding = True
             elif kind == self.kind_experts:
                 self._add_experts(rec)
             elif kind == self.kind_switch or kind == self.kind_wakeup:
-                self._sched.append(np.frombuffer(rec, self.dt["pi_sched_event"], count=1))
-                self.n_events += 1
+                sched.append(rec[:sched_size])
+        if tokens:
+            self._add_tokens(np.frombuffer(b"".join(tokens), self.dt["pi_token_event"]))
+        if graphs:
+            self._graphs.append(np.frombuffer(b"".join(graphs), self.dt["pi_graph_event"]))
+            self.n_events += len(graphs)
+        if sched:
+            self._sched.append(np.frombuffer(b"".join(sched), self.dt["pi_sched_event"]))
+            self.n_events += len(sched)
         if nodes:      # before the ops: a node is described before its first op is sent
             evs = np.frombuffer(b"".join(nodes), self.dt["pi_node_event"])
             if not self._layout_trusted:
@@ -477,6 +482,22 @@ class Collector:
             ops = batches["ev"][filled]
             self._add_ops(ops)
             self.n_events += len(ops)
+
+    def _add_tokens(self, ev: np.ndarray) -> None:
+        n_tokens = ev["n_tokens"]
+        if not self._batch_trusted and ((n_tokens < 1) | (n_tokens > MAX_BATCH)).any():
+            bad = int(n_tokens[(n_tokens < 1) | (n_tokens > MAX_BATCH)][0])
+            raise ProfinferError("unknown llama_batch_ext layout: a batch decodes as "
+                                 f"{bad} tokens; this build needs DWARF")
+        self._tokens.append(ev)
+        # decode tokens (model.split_batch, over whole arrays): with the sequences read, the
+        # runs that add one token after position 0; without, batches of one token
+        runs = ev["runs"]
+        slot = np.arange(runs.shape[1]) < ev["n_runs"][:, None]
+        decoding = slot & (runs["n_tokens"] == 1) & (runs["pos0"] > 0)
+        self.n_decode_tokens += int(np.where(ev["n_runs"] > 0, decoding.sum(axis=1),
+                                             n_tokens == 1).sum())
+        self.n_events += len(ev)
 
     def _add_experts(self, rec: bytes) -> None:
         dt = self.dt["pi_experts_event"]

@@ -115,13 +115,16 @@ def compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost
             return None
 
     cols = as_columns(profile.ops)
-    threads = len(cols.thread_ids()) or 1
+    threads = len(cols.thread_ids())
     cpus = num("cpus_online") or 0
+    # without the op level the compute threads are not known: the collector's CPU counts
+    # once, as if it took a CPU the target needed
+    critical = bool(cpus) and threads >= cpus if threads else True
     return SelfCost(num("cost:bpf_ns") or 0, num("cost:bpf_runs") or 0, hits, trap, costs,
                     seconds_as_ns("collector_cpu_decoding_s"), seconds_as_ns("target_cpu_s"),
                     num("trap_in_situ_ns") if "trap_in_situ_ns" in meta else
                     trap_in_situ_ns(profile, num("cost:barrier_ns_per_run") or 0, cols),
-                    bool(cpus) and threads >= cpus, threads, graph_share(profile))
+                    critical, threads or 1, graph_share(profile))
 
 
 def graph_share(profile: Profile) -> float:

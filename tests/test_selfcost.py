@@ -61,6 +61,11 @@ def test_trap_cost_in_situ_and_collector_in_the_threads_time():
     spare = selfcost.compute(Profile(pid=1, graphs=p.graphs, ops=ops, meta={**meta, "cpus_online": "4"}),
                              {"emulated_ns": 500.0, "stepped_ns": 5000.0, "uretprobe_extra_ns": 500.0})
     assert not spare.collector_critical and spare.slowdown == spare.in_target_share_in_situ
+    # without ops (token and graph levels) the compute threads are unknown: counted once
+    no_ops = selfcost.compute(Profile(pid=1, graphs=p.graphs, ops=[], meta=meta),
+                              {"emulated_ns": 500.0, "stepped_ns": 5000.0, "uretprobe_extra_ns": 500.0})
+    assert no_ops.collector_factor == 1.0
+    assert abs(no_ops.slowdown - (no_ops.in_target_share + no_ops.collector_share)) < 1e-12
 
 
 def test_probe_costs_are_measured():
