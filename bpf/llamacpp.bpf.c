@@ -925,40 +925,65 @@ static __always_inline int op_is_empty(u32 op)
 /* Bytes from a tensor's op to its flags: both read at once. */
 #define PI_OP_FLAGS_SPAN 128
 
+struct walk_scan {
+    struct pi_op_thread *st;
+    u64 nodes;
+    u64 tensor;              /* the node found */
+    s32 n_nodes;
+    s32 at;                  /* the position looked at last */
+    u32 generation;
+    u32 found;
+};
+
+/* One node of the walk: stops (1) at a computed node, or at the graph's end. */
+static long walk_step(u64 k, void *ctx)
+{
+    struct walk_scan *ws = ctx;
+    s32 i = ws->at + 1;
+    if (i >= ws->n_nodes)
+        return 1;
+    ws->at = i;
+    u64 t = read_u64(ws->nodes + 8 * (u64)i);
+    if (!t)
+        return 1;
+    struct pi_op_thread *st = ws->st;
+    if (cfg.nodes_by_generation && node_known(node_set(st, t), t, 0, ws->generation)) {
+        ws->tensor = t;
+        ws->found = 1;
+        return 1;
+    }
+    u8 *fields = st->window;
+    u64 span = cfg.compute_flag ? cfg.t_off_flags + 4 - cfg.t_off_op : 4;
+    if (span > PI_OP_FLAGS_SPAN || bpf_probe_read_user(fields, span, (void *)(t + cfg.t_off_op)))
+        return 1;
+    if (op_is_empty(*(u32 *)fields))
+        return 0;
+    if (cfg.compute_flag) {
+        u64 at = cfg.t_off_flags - cfg.t_off_op;
+        if (at > PI_OP_FLAGS_SPAN - 4 || !(*(u32 *)(fields + at) & cfg.compute_flag))
+            return 0;
+    }
+    ws->tensor = t;
+    ws->found = 1;
+    return 1;
+}
+
 /* The index of the first node after `from` the graph loop computes, with its tensor; -1 when
  * there is none within PI_WALK_MAX. A node this thread described in this graph generation
- * was computed (only computed nodes are described), so its fields are not read again. */
+ * was computed (only computed nodes are described), so its fields are not read again.
+ * A bpf_loop (Linux 5.17): the verifier checks one step, not PI_WALK_MAX of them. */
 static __always_inline s32 next_computed(struct pi_op_thread *st, s32 from, u64 *tensor)
 {
-    struct pi_graph_walk *w = &st->walk;
-    u32 generation = cfg.nodes_by_generation ? *(volatile u32 *)&control.graph_generation : 0;
-    u8 *fields = st->window;
-    s32 i = from;
-    for (int k = 0; k < PI_WALK_MAX; k++) {
-        i++;
-        if (i >= w->n_nodes)
-            return -1;
-        u64 t = read_u64(w->nodes + 8 * (u64)i);
-        if (!t)
-            return -1;
-        if (cfg.nodes_by_generation && node_known(node_set(st, t), t, 0, generation)) {
-            *tensor = t;
-            return i;
-        }
-        u64 span = cfg.compute_flag ? cfg.t_off_flags + 4 - cfg.t_off_op : 4;
-        if (span > PI_OP_FLAGS_SPAN || bpf_probe_read_user(fields, span, (void *)(t + cfg.t_off_op)))
-            return -1;
-        if (op_is_empty(*(u32 *)fields))
-            continue;
-        if (cfg.compute_flag) {
-            u64 at = cfg.t_off_flags - cfg.t_off_op;
-            if (at > PI_OP_FLAGS_SPAN - 4 || !(*(u32 *)(fields + at) & cfg.compute_flag))
-                continue;
-        }
-        *tensor = t;
-        return i;
-    }
-    return -1;
+    struct walk_scan ws = {
+        .st = st, .nodes = st->walk.nodes, .n_nodes = st->walk.n_nodes, .at = from,
+        .generation = cfg.nodes_by_generation ? *(volatile u32 *)&control.graph_generation : 0,
+        .found = scan_counter_start,
+    };
+    bpf_loop(PI_WALK_MAX, walk_step, &ws, 0);
+    if (!ws.found)
+        return -1;
+    *tensor = ws.tensor;
+    return ws.at;
 }
 
 /* The thread leaves its probe for the barrier: the barrier releases its threads when the

@@ -244,6 +244,8 @@ class Collector:
             why = "counters are read at each node's start"
         elif self.buffer != "ring":
             why = "the perf-buffer build has no atomics"
+        elif not kernel.release_at_least(5, 17):
+            why = "the graph walk's bpf_loop needs Linux 5.17"
         elif loop is None:
             why = "no ggml_graph_compute_thread symbol"
         elif any(p.symbol is not loop.symbol for p in barriers):
