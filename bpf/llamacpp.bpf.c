@@ -831,9 +831,9 @@ int op_barrier(struct pt_regs *ctx)
  * (user space finds them with DWARF), on the loop's entry, and on fused-op functions:
  *  - a thread's node ends at its barrier's call (its arrival, as in the two-probe design);
  *  - the barrier releases its threads when the last one arrives, so every thread's next
- *    node starts at the latest arrival: each arrival is kept (an atomic maximum, per
- *    threadpool and barrier number), and read at the thread's next barrier, when all have
- *    arrived;
+ *    node starts when the last arriver leaves its probe: each thread leaving one keeps the
+ *    time (an atomic maximum, per threadpool and barrier number), and a thread reads it at
+ *    its next barrier, when all have left; a fused op starts at its function's entry;
  *  - which node ended is the next one the loop computes after the thread's last node: not
  *    empty (ggml_op_is_empty), flagged for compute where the build has the flag, two nodes
  *    when a fused-op function began at it.
@@ -851,7 +851,8 @@ struct pi_release_key {
 };
 
 struct pi_releases {
-    u64 at[PI_RELEASE_SLOTS];   /* latest arrival at barrier n, at n % PI_RELEASE_SLOTS */
+    u64 at[PI_RELEASE_SLOTS];   /* barrier n's release (its threads' latest probe exit), at
+                                   n % PI_RELEASE_SLOTS */
 };
 
 /* least recently used out: threadpools of processes gone are never deleted */
