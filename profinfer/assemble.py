@@ -86,7 +86,16 @@ class OpAssembler:
         return table
 
     def add(self, ops: np.ndarray) -> None:
-        self.pending.append((ops, self._desc_ids(ops["tid"], ops["node"])))
+        # only the columns kept are copied out of the events (each is 112 bytes or more)
+        counters = None
+        if self.n_counters:
+            counters, dropped = counter_values(ops, self.n_counters, self.consts)
+            for k, v in dropped.items():
+                self.dropped[k] += v
+        self.pending.append((ops["tid"].astype(np.int64), ops["cpu"].astype(np.int32),
+                             ops["start_ns"].astype(np.int64), ops["end_ns"].astype(np.int64),
+                             ops["barrier_end_ns"].astype(np.int64),
+                             self._desc_ids(ops["tid"], ops["node"]), counters))
         self.n_pending += len(ops)
         if self.n_pending >= OP_CHUNK:
             self._compact()
@@ -94,18 +103,10 @@ class OpAssembler:
     def _compact(self) -> None:
         if not self.pending:
             return
-        raw = np.concatenate([ops for ops, _ in self.pending])
-        ids = np.concatenate([ids for _, ids in self.pending])
+        columns = list(zip(*self.pending))
         self.pending, self.n_pending = [], 0
-        counters = None
-        if self.n_counters:
-            counters, dropped = counter_values(raw, self.n_counters, self.consts)
-            for k, v in dropped.items():
-                self.dropped[k] += v
-        self.chunks.append((raw["tid"].astype(np.int64), raw["cpu"].astype(np.int32),
-                            raw["start_ns"].astype(np.int64), raw["end_ns"].astype(np.int64),
-                            raw["barrier_end_ns"].astype(np.int64),
-                            ids, counters))
+        self.chunks.append(tuple(None if col[0] is None else np.concatenate(col)
+                                 for col in columns))
 
     def _desc_ids(self, tids: np.ndarray, nodes: np.ndarray) -> np.ndarray:
         """Descriptor index per op, as its node's latest description says; a node whose

@@ -34,6 +34,7 @@ SEQ_SET_FIRST_NODE = 16
 SEQ_NODE_VALUE = {"libstdc++": 8, "libc++": 16}
 MAX_BATCH = 1 << 20
 _ZERO_U32 = bytes(4)
+_U32_P = ctypes.POINTER(ctypes.c_uint32)
 SCHED_PROGRAMS = ("sched_switch", "sched_wakeup")
 # sends an exiting thread's last ops and frees its op state (a raw tracepoint, not a probe)
 THREAD_EXIT_PROGRAM = "op_thread_exit"
@@ -91,7 +92,9 @@ class Collector:
         self.experts_truncated = 0   # MUL_MAT_ID reads with more rows or slots than BPF keeps
         self.warnings: list[str] = []
         self.attach_s = 0.0
-        self._raw: list[bytes] = []
+        self._raw: list[bytes] = []      # records other than op batches, until parsed
+        self._ops_buf = ctypes.create_string_buffer(1 << 20)   # op batches, until parsed
+        self._ops_used = 0
         self._tokens: list[np.ndarray] = []
         self._graphs: list[np.ndarray] = []
         self._op_asm: assemble.OpAssembler | None = None   # made once op names are known
@@ -114,6 +117,7 @@ class Collector:
             self.consts["PI_EV_TOKEN"], self.consts["PI_EV_GRAPH"], self.consts["PI_EV_OPS"])
         self.kind_switch, self.kind_wakeup = self.consts["PI_EV_SWITCH"], self.consts["PI_EV_WAKEUP"]
         self.kind_experts = self.consts["PI_EV_EXPERTS"]
+        self._batch_size = self.dt["pi_op_batch"].itemsize
         self.kind_node = self.consts["PI_EV_NODE"]
         self.kind_decoding = self.consts["PI_EV_DECODING"]
         self.decoding = False          # the target's first llama_decode has begun
@@ -415,7 +419,18 @@ class Collector:
     # ---- collect ----
 
     def _on_record(self, data, size):
-        self._raw.append(ctypes.string_at(data, size))
+        # op batches, most of the bytes, are copied once, into one buffer that numpy reads
+        # without another copy; other records are few
+        if ctypes.cast(data, _U32_P)[0] != self.kind_ops:
+            self._raw.append(ctypes.string_at(data, size))
+            return
+        size = self._batch_size         # perf-buffer records may carry padding after it
+        if self._ops_used + size > len(self._ops_buf):
+            grown = ctypes.create_string_buffer(2 * len(self._ops_buf) + size)
+            ctypes.memmove(grown, self._ops_buf, self._ops_used)
+            self._ops_buf = grown
+        ctypes.memmove(ctypes.addressof(self._ops_buf) + self._ops_used, data, size)
+        self._ops_used += size
 
     def _on_perf_lost(self, count):
         # A lost perf record may be a batch of PI_OP_BATCH ops: count records, say so.
@@ -438,20 +453,16 @@ class Collector:
     def _parse_raw(self) -> None:
         raw, self._raw = self._raw, []
         batch_dt = self.dt["pi_op_batch"]
-        batch_size = batch_dt.itemsize
         node_size = self.dt["pi_node_event"].itemsize
         token_size = self.dt["pi_token_event"].itemsize
         graph_size = self.dt["pi_graph_event"].itemsize
         sched_size = self.dt["pi_sched_event"].itemsize
-        op_batches, nodes = [], []
+        nodes = []
         # records of one kind parsed together (one numpy call a kind and drain, not a record)
         tokens, graphs, sched = [], [], []
         for rec in raw:
             kind = int.from_bytes(rec[:4], "little")
-            if kind == self.kind_ops:
-                # perf-buffer records may carry padding after the batch
-                op_batches.append(rec if len(rec) == batch_size else rec[:batch_size])
-            elif kind == self.kind_token:
+            if kind == self.kind_token:
                 tokens.append(rec[:token_size])
             elif kind == self.kind_graph:
                 graphs.append(rec[:graph_size])
@@ -476,12 +487,17 @@ class Collector:
             if not self._layout_trusted:
                 self._validate(evs)
             self._assembler().add_nodes(evs)
-        if op_batches:
+        if self._ops_used:
             # all batches of this drain parsed at once: one array of batches, the filled
-            # slots of each taken with one mask
-            batches = np.frombuffer(b"".join(op_batches), batch_dt)
-            filled = np.arange(batches["ev"].shape[1]) < batches["count"][:, None]
-            ops = batches["ev"][filled]
+            # slots of each taken with one mask (the buffer is reused once the assembler
+            # has copied out what it keeps)
+            batches = np.frombuffer(self._ops_buf, batch_dt, count=self._ops_used // batch_dt.itemsize)
+            self._ops_used = 0
+            if (batches["count"] == batches["ev"].shape[1]).all():    # full: no copy
+                ops = batches["ev"].reshape(-1)
+            else:
+                filled = np.arange(batches["ev"].shape[1]) < batches["count"][:, None]
+                ops = batches["ev"][filled]
             self._add_ops(ops)
             self.n_events += len(ops)
 
