@@ -541,6 +541,15 @@ static __always_inline void send_experts(void *ctx, struct pi_op_thread *st, u64
         count_lost(1);
 }
 
+/* The expert ids of MUL_MAT_ID node t: its src[2]. */
+static __always_inline void send_node_experts(void *ctx, struct pi_op_thread *st, u64 t)
+{
+    u64 ids = 0;
+    bpf_probe_read_user(&ids, sizeof(ids), (void *)(t + cfg.t_off_src + 16));
+    if (ids)
+        send_experts(ctx, st, ids, t);
+}
+
 static __always_inline u64 desc_hash(const struct pi_node_desc *d)
 {
     const u64 *x = (const u64 *)d;
@@ -669,6 +678,19 @@ static __always_inline void free_state(u32 tid, struct pi_op_thread *st)
     bpf_map_delete_elem(&op_threads, &tid);
 }
 
+/* This thread's op state, made at its first op; NULL (and the op counted lost) when there
+ * are more computing threads than user space sized the maps for. */
+static __always_inline struct pi_op_thread *state_for(u32 tid)
+{
+    struct pi_op_thread *st = find_state(tid);
+    if (!st) {
+        st = new_state(tid);
+        if (!st)
+            count_lost(1);
+    }
+    return st;
+}
+
 /* False once user space has stopped collecting: the op programs then leave their state
  * alone while it is read, and send nothing while the probes are being detached. */
 static __always_inline int collecting(void)
@@ -754,14 +776,9 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
     u64 now = bpf_ktime_get_ns();
     int reads_failed = cfg.n_counters ? read_counters(reads, bpf_get_smp_processor_id()) : 0;
     u32 tid = current_tid();
-    struct pi_op_thread *st = find_state(tid);
-    if (!st) {
-        st = new_state(tid);
-        if (!st) {              /* more computing threads than user space sized the maps for */
-            count_lost(1);
-            return 0;
-        }
-    }
+    struct pi_op_thread *st = state_for(tid);
+    if (!st)
+        return 0;
     op_finish(ctx, st, now, reads, reads_failed, 0);
 
     struct pi_op_event *ev = &st->cur;
@@ -775,12 +792,8 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
     ev->entry_gap_ns = 0;
     u32 node = describe_node(ctx, st, tid, t, fused_with);
     ev->node = node & ~PI_NODE_EXPERTS;
-    if (node & PI_NODE_EXPERTS) {     /* MUL_MAT_ID: the experts it runs change every time */
-        u64 ids = 0;
-        bpf_probe_read_user(&ids, sizeof(ids), (const u8 *)t + cfg.t_off_src + 16);
-        if (ids)
-            send_experts(ctx, st, ids, (u64)t);
-    }
+    if (node & PI_NODE_EXPERTS)       /* MUL_MAT_ID: the experts it runs change every time */
+        send_node_experts(ctx, st, (u64)t);
     if (cfg.n_counters) {
         __builtin_memset(ev->ctr, 0, sizeof(ev->ctr));
         __builtin_memset(ev->ctr_enabled, 0, sizeof(ev->ctr_enabled));
@@ -873,14 +886,9 @@ int op_graph_loop(struct pt_regs *ctx)
         return other_process();
     u64 now = bpf_ktime_get_ns();
     u32 tid = current_tid();
-    struct pi_op_thread *st = find_state(tid);
-    if (!st) {
-        st = new_state(tid);
-        if (!st) {
-            count_lost(1);
-            return 0;
-        }
-    }
+    struct pi_op_thread *st = state_for(tid);
+    if (!st)
+        return 0;
     if (st->has_cur) {          /* the last graph's last node: user space ends its wait */
         st->has_cur = 0;
         st->cur.barrier_end_ns = now;
@@ -1117,11 +1125,8 @@ int op_node_end(struct pt_regs *ctx)
         }
     }
     ev->node = node & ~PI_NODE_EXPERTS;
-    if ((node & PI_NODE_EXPERTS) && t) {
-        u64 ids = read_u64(t + cfg.t_off_src + 16);
-        if (ids)
-            send_experts(ctx, st, ids, t);
-    }
+    if ((node & PI_NODE_EXPERTS) && t)
+        send_node_experts(ctx, st, t);
     st->has_cur = 1;
     release_at(&rel->at[b % PI_RELEASE_SLOTS]);
     return 0;

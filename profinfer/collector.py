@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 
-from . import assemble, bpfobj, discovery, dwarf, ggml, graphwalk, kernel, layout, libbpf
+from . import assemble, bpfobj, discovery, dwarf, ggml, graphwalk, kernel, layout, libbpf, selfcost
 from . import counters as perfcounters
 from .errors import ProfinferError
-from .model import GraphCall, Profile, TokenCall, split_batch
+from .model import GraphCall, Profile, TokenCall, decode_tokens
 from .probepack import Pack, engine_libraries, resolve
 from .symbols import load_elf
 
@@ -508,13 +508,8 @@ class Collector:
             raise ProfinferError("unknown llama_batch_ext layout: a batch decodes as "
                                  f"{bad} tokens; this build needs DWARF")
         self._tokens.append(ev)
-        # decode tokens (model.split_batch, over whole arrays): with the sequences read, the
-        # runs that add one token after position 0; without, batches of one token
-        runs = ev["runs"]
-        slot = np.arange(runs.shape[1]) < ev["n_runs"][:, None]
-        decoding = slot & (runs["n_tokens"] == 1) & (runs["pos0"] > 0)
-        self.n_decode_tokens += int(np.where(ev["n_runs"] > 0, decoding.sum(axis=1),
-                                             n_tokens == 1).sum())
+        self.n_decode_tokens += decode_tokens(n_tokens, ev["n_runs"], ev["runs"]["pos0"],
+                                              ev["runs"]["n_tokens"])
         self.n_events += len(ev)
 
     def _add_experts(self, rec: bytes) -> None:
@@ -545,20 +540,6 @@ class Collector:
             at = gap > 0
             gaps = gap[at].astype(np.int64)     # a fused op starts this long after its release
             self._entry_gaps.append(np.stack([ops["start_ns"][at].astype(np.int64) - gaps, gaps]))
-
-    def _trap_in_situ_ns(self) -> int | None:
-        """One-probe design: a trap as the target's timeline shows it. A barrier releases its
-        threads as its last arriver leaves the probe; where the next node is a fused op, that
-        thread traps again at its entry, so the smallest gap of a node's threads (they share
-        its release) is one trap's way out and in, and the loop's instructions up to the
-        fused op, its fusion check's included (selfcost.trap_in_situ_ns measures the same in
-        the two-probe design, up to any node's start). The median."""
-        if not self._entry_gaps:
-            return None
-        start, gap = np.concatenate(self._entry_gaps, axis=1)
-        order = np.lexsort((gap, start))
-        first = np.r_[True, start[order][1:] != start[order][:-1]]
-        return int(np.median(gap[order][first]))
 
     def _validate(self, nodes: np.ndarray) -> None:
         """Check a table layout on the first node descriptions BPF read with it: every field
@@ -759,7 +740,8 @@ class Collector:
             for name, n in self.tallies.items():
                 prof.meta[name] = str(n)
             prof.meta["op_probes"] = self.op_design
-            in_situ = self._trap_in_situ_ns()
+            in_situ = (selfcost.trap_at_fused_entries(*np.concatenate(self._entry_gaps, axis=1))
+                       if self._entry_gaps else None)
             if in_situ is not None:
                 prof.meta["trap_in_situ_ns"] = str(in_situ)
             walk_faults = self.tallies.get("walk_lost", 0) + self.tallies.get("walk_mismatch", 0)

@@ -1,4 +1,5 @@
-"""Struct layouts from DWARF, cached by build id (a C++ library takes seconds to scan)."""
+"""Struct layouts and a function's facts from DWARF, cached by build id (a C++ library
+takes seconds to scan)."""
 from __future__ import annotations
 
 import json
@@ -8,25 +9,26 @@ from elftools.dwarf.ranges import BaseAddressEntry
 from elftools.elf.elffile import ELFFile
 
 
-def _cache_path(build_id: str, struct: str) -> str:
+def _cached(name: str | None, compute):
+    """compute()'s result, kept as JSON in the cache under `name` (None: not kept)."""
     base = os.environ.get("PROFINFER_CACHE") or os.path.expanduser("~/.cache/profinfer")
-    return os.path.join(base, "layouts", f"{build_id}.{struct}.v2.json")
+    cache = os.path.join(base, "layouts", name) if name else None
+    if cache and os.path.exists(cache):
+        with open(cache) as f:
+            return json.load(f)
+    found = compute()
+    if cache:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        with open(cache, "w") as f:
+            json.dump(found, f)
+    return found
 
 
 def struct_layout(path: str, build_id: str, struct: str) -> dict | None:
     """{"size": n, "members": {name: offset}, "nested": {name: size},
     "nested_members": {name: {member: offset}}} for a struct definition in the file's DWARF,
     or None when the file has no such definition."""
-    cache = _cache_path(build_id, struct) if build_id else None
-    if cache and os.path.exists(cache):
-        with open(cache) as f:
-            return json.load(f)
-    found = _scan(path, struct.encode())
-    if cache:
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        with open(cache, "w") as f:
-            json.dump(found, f)
-    return found
+    return _cached(build_id and f"{build_id}.{struct}.v2.json", lambda: _scan(path, struct.encode()))
 
 
 def _members(die) -> dict[str, int]:
@@ -70,17 +72,8 @@ def function_facts(path: str, build_id: str, vaddr: int, structs: tuple[str, ...
     inlined into it ({"inlined": [[low, high], ...]}), the members of `structs` as that unit
     defines them ({"structs": {name: {member: offset}}}), and its enumerators whose names
     start with `enum_prefix` ({"enums": {name: value}}). None without DWARF for it."""
-    cache = (os.path.join(os.path.dirname(_cache_path(build_id, "x")),
-                          f"{build_id}.fn{vaddr:x}.v1.json") if build_id else None)
-    if cache and os.path.exists(cache):
-        with open(cache) as f:
-            return json.load(f)
-    found = _function_facts(path, vaddr, structs, enum_prefix)
-    if cache:
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        with open(cache, "w") as f:
-            json.dump(found, f)
-    return found
+    return _cached(build_id and f"{build_id}.fn{vaddr:x}.v1.json",
+                   lambda: _function_facts(path, vaddr, structs, enum_prefix))
 
 
 def _die_ranges(die, cu, range_lists) -> list[tuple[int, int]]:

@@ -30,10 +30,14 @@ _lib = None
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+# one buffer for every message (libbpf prints from the thread that called it): large, since a
+# verifier log ends with its verdict
+_print_buf = ctypes.create_string_buffer(1 << 18)
+
+
 def _on_print(level, fmt, ap):
-    buf = ctypes.create_string_buffer(1 << 18)   # a verifier log ends with its verdict
-    _libc.vsnprintf(buf, len(buf), fmt, _vp(ap))
-    text = buf.value.decode("utf-8", "replace").rstrip()
+    _libc.vsnprintf(_print_buf, len(_print_buf), fmt, _vp(ap))
+    text = _print_buf.value.decode("utf-8", "replace").rstrip()
     if text:
         _messages.append(text)
     return 0

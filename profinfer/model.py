@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class TokenCall:
@@ -65,6 +67,14 @@ def split_batch(n_tokens: int, runs: tuple[tuple[int, int, int], ...]) -> int:
 def decoding_run(pos0: int, n_tokens: int) -> bool:
     """A sequence that adds one token after position 0 is generating."""
     return n_tokens == 1 and pos0 > 0
+
+
+def decode_tokens(n_tokens, n_runs, runs_pos0, runs_n) -> int:
+    """split_batch summed over arrays of batches (numpy: one row a batch, its runs as columns
+    of which the first n_runs are meaningful)."""
+    slots = np.arange(runs_n.shape[1]) < n_runs[:, None]
+    decoding = (slots & (runs_n == 1) & (runs_pos0 > 0)).sum(axis=1)
+    return int(np.where(n_runs > 0, decoding, n_tokens == 1).sum())
 
 
 @dataclass(slots=True)

@@ -151,8 +151,8 @@ def trap_in_situ_ns(profile: Profile, barrier_handler_ns: int = 0,
     back, the engine's few instructions through the barrier, and the second trap's way in:
     one trap, as it costs in the engine (its caches cold after the node), not in a loop. The
     median over node boundaries of the smallest such gap across threads; None without
-    op-level data. (The one-probe design's recording measures it in BPF: meta
-    trap_in_situ_ns, collector.py.)"""
+    op-level data. (The one-probe design's recording holds it in meta trap_in_situ_ns:
+    trap_at_fused_entries.)"""
     from .stats import innermost_graphs
     cols = as_columns(profile.ops) if cols is None else cols
     if len(cols) < 2 or not profile.graphs:
@@ -181,3 +181,15 @@ def trap_in_situ_ns(profile: Profile, barrier_handler_ns: int = 0,
         return None
     gaps = np.concatenate(gaps)
     return max(0.0, float(np.median(gaps)) - barrier_handler_ns) if len(gaps) else None
+
+
+def trap_at_fused_entries(release: np.ndarray, gap: np.ndarray) -> int:
+    """The one-probe design's measure of the same (llamacpp.bpf.c, op_node_end): there is no
+    probe at a node's start but a fused op's. A barrier releases its threads as its last
+    arriver leaves the probe, and that thread traps again at the fused op's entry, so the
+    smallest gap of the threads that share a release is one trap's way out and in, and the
+    loop's instructions up to the fused op (its fusion check included). The median over
+    releases; `release` and `gap` (ns) are per fused op and thread."""
+    order = np.lexsort((gap, release))
+    first = np.r_[True, release[order][1:] != release[order][:-1]]
+    return int(np.median(gap[order][first]))

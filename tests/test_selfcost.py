@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from conftest import completion_cmd, run_profinfer
 
 from profinfer import probecost, selfcost
@@ -95,3 +97,11 @@ def test_kernel_counts_every_probe_hit(llama_build, tiny_model, llama_env, tmp_p
     assert cost["bpf_ns"] > 0 and cost["target_cpu_ns"] > 0
     assert "profiler cost:" in r.stdout
     assert STATS_SYSCTL.read_text() == before        # statistics off again once we are gone
+
+
+def test_trap_at_fused_entries_is_the_last_arrivers_gap():
+    # three releases, two threads each: the thread that left the barrier last goes on at
+    # once (the smaller gap); the median of those
+    release = np.array([100, 100, 500, 500, 900, 900])
+    gap = np.array([1300, 1100, 900, 4000, 1250, 1200])
+    assert selfcost.trap_at_fused_entries(release, gap) == 1100
