@@ -35,7 +35,8 @@ int follow_exec(void *ctx)
     return 0;
 }
 
-/* sched_process_exit runs for every exiting thread; the process ends with its leader's. */
+/* sched_process_exit runs for every exiting thread; a process is let go when its leader
+ * thread exits (a leader that exits before the process's other threads ends following early). */
 SEC("raw_tp/sched_process_exit")
 int follow_exit(void *ctx)
 {

@@ -126,7 +126,7 @@ def thread_items(profile: Profile) -> dict[int, ThreadItems]:
     calls: dict[int, list[tuple]] = defaultdict(list)
     seq = 0
     late = [a for a in arrivals(profile) if a.dur_ns > 0]
-    # an arrival sits where an op would: inside the graph (on the thread that issued it)
+    # an arrival sits where an op would, on the thread that arrived late
     for level, objs in ((_TOKEN, profile.tokens), (_GRAPH, profile.graphs), (_OP, late)):
         for o in objs:
             calls[o.tid].append((o.start_ns, level, seq, o))
@@ -154,7 +154,7 @@ def plan(items: list[tuple]) -> Iterator[tuple]:
     for start, level, _, obj in items:
         while stack and (stack[-1][2] <= start or stack[-1][0] >= level):
             top = stack.pop()
-            yield from _close(top[0], top[1], min(top[2], start))
+            yield from _close(top[1], min(top[2], start))
         extent = max(obj.end_ns, obj.barrier_end_ns) if isinstance(obj, OpSlice) else obj.end_ns
         if stack:
             extent = min(extent, stack[-1][2])
@@ -162,10 +162,10 @@ def plan(items: list[tuple]) -> Iterator[tuple]:
         stack.append([level, obj, max(start, extent)])
     while stack:
         top = stack.pop()
-        yield from _close(top[0], top[1], top[2])
+        yield from _close(top[1], top[2])
 
 
-def _close(level: int, obj, at: int) -> Iterator[tuple]:
+def _close(obj, at: int) -> Iterator[tuple]:
     if not isinstance(obj, OpSlice):
         yield ("E", at, obj, None if at == obj.end_ns else {"end_ns": obj.end_ns})
         return

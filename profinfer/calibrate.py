@@ -71,7 +71,6 @@ def run_benchmark(threads: int, mib: int = 256) -> dict:
 
 @dataclass
 class Measurement:
-    threads: int
     roofs: dict[str, float]          # best undisturbed repetition of each figure
     repetitions: int
     undisturbed: dict[str, int]      # per figure: repetitions our threads held their CPUs
@@ -107,7 +106,7 @@ def measure(threads: int, mib: int = 256) -> Measurement:
         undisturbed[name] = len(ok)
         roofs[name] = max(ok) if ok else max(raw[name])
         spread[name] = loadcheck.spread(ok, MIN_STABLE_REPS)
-    return Measurement(threads, roofs, len(raw["read_gbps"]), undisturbed, spread, window.load)
+    return Measurement(roofs, len(raw["read_gbps"]), undisturbed, spread, window.load)
 
 
 def describe(r: dict) -> str:

@@ -290,7 +290,7 @@ def calibrate_cmd(threads, force, attempts):
     except UnreliableMeasurement as e:
         failed.append(e)
     for e in failed[:-1]:
-        click.echo(f"profinfer: error: {e}", err=True)
+        _error(str(e))
     if failed:
         raise failed[-1]
 
@@ -308,13 +308,13 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         sys.exit(130)
     except click.UsageError as e:
-        click.echo(f"profinfer: error: {e.format_message()}", err=True)
+        _error(e.format_message())
         sys.exit(2)
     except click.ClickException as e:
-        click.echo(f"profinfer: error: {e.format_message()}", err=True)
+        _error(e.format_message())
         sys.exit(e.exit_code)
     except ProfinferError as e:
-        click.echo(f"profinfer: error: {e}", err=True)
+        _error(str(e))
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)

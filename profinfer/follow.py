@@ -86,13 +86,13 @@ class Follower:
         consts, dt = layout.parse()
         self._names = {consts[f"PI_FOLLOW_{w.upper()}"]: w for w in ("exec", "mapped", "fork", "exit")}
         self._dt = dt["pi_follow_event"]
-        self.kind = consts["PI_EV_FOLLOW"]
         self.obj = libbpf.BpfObject(bpfobj.object_path("follow.bpf.c", buffer))
         self.fork_obj: libbpf.BpfObject | None = None
         self._records: list[bytes] = []
         self._loaders: dict[tuple[int, int], int | None] = {}   # loader file: _r_debug's vaddr
         self._r_state: dict[int, int | None] = {}    # process: its r_debug.r_state's address
         self.processes = {root_pid}     # every process followed so far
+        self._live = {root_pid}         # those that have not exited (their PIDs are theirs)
         self.forks_followed = os.path.exists("/sys/kernel/btf/vmlinux")
         config = np.zeros(1, dt["pi_config"]).tobytes()
         try:
@@ -139,6 +139,10 @@ class Follower:
             change = Change(int(ev["tgid"]), self._names.get(int(ev["what"]), "?"), int(ev["child"]))
             if change.what == "fork":
                 self.processes.add(change.child)
+                self._live.add(change.child)
+            elif change.what == "exit":     # its PID may be given to another process
+                self._live.discard(change.tgid)
+                self._r_state.pop(change.tgid, None)
             out.append(change)
         return out
 
@@ -192,12 +196,14 @@ class Follower:
             pass
 
     def close(self) -> None:
-        """Detach, then let every followed process go: none is left stopped, whatever
-        happened before."""
+        """Detach, then let every followed process still alive go: none is left stopped,
+        whatever happened before (an exited one's PID may be another process's now)."""
+        if getattr(self, "_buf", None) is not None and self.obj is not None:
+            self.changes()          # forks and exits not read yet
         for name in ("fork_obj", "obj"):
             obj = getattr(self, name, None)
             if obj is not None:
                 setattr(self, name, None)
                 obj.close()
-        for pid in self.processes:
+        for pid in self._live:
             self.resume(pid)

@@ -85,8 +85,9 @@ def _node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
     run_start = starts[lead]
     run_end = np.maximum.reduceat(ops.end[order], bounds)
     threads = np.diff(np.append(bounds, n))
-    thread_ns = np.add.reduceat((ops.end - starts)[order], bounds)
-    longest = np.maximum.reduceat((ops.end - starts)[order], bounds)
+    slice_ns = (ops.end - starts)[order]
+    thread_ns = np.add.reduceat(slice_ns, bounds)
+    longest = np.maximum.reduceat(slice_ns, bounds)
     counters = None
     if ops.counters is not None:
         # NaN (an uncounted slice) makes the node's sum NaN: not counted

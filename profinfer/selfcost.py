@@ -89,8 +89,20 @@ class SelfCost:
 
 def compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost | None:
     """None when the kernel did not count our programs (statistics refused, or an old trace).
+    Computed once per profile and costs (the JSON summary and the report both state it).
 
     hit_costs_ns: probecost's measurement ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")."""
+    key = (len(profile.ops), len(profile.graphs), tuple(sorted(profile.meta.items())),
+           tuple(sorted((hit_costs_ns or {}).items())))
+    cached = profile.__dict__.get("_self_cost")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    result = _compute(profile, hit_costs_ns)
+    profile.__dict__["_self_cost"] = (key, result)
+    return result
+
+
+def _compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost | None:
     meta = profile.meta
     if "cost:bpf_ns" not in meta:
         return None

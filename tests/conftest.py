@@ -92,15 +92,6 @@ def with_llama_log(run, tries: int = 4):
     raise AssertionError(f"llama.cpp's perf lines missing in {tries} runs")
 
 
-def our_bpf_programs() -> list[str]:
-    """Names of loaded BPF programs that belong to profinfer's llama.cpp pack."""
-    out = subprocess.run(["bpftool", "prog", "show", "--json"], capture_output=True, text=True).stdout
-    ours = ("token_enter", "token_return", "op_start", "op_start_fused", "op_barrier",
-            "sched_switch", "sched_wakeup")
-    return [p.get("name", "") for p in json.loads(out or "[]")
-            if p.get("name", "").startswith(ours + ("graph_enter_", "graph_return_"))]
-
-
 _BPF_KINDS = ("prog", "map", "link")
 # what /proc/PID/fd/N links to for each kind, and the fdinfo line with the object's id
 _BPF_FD = {"anon_inode:bpf-prog": ("prog", "prog_id"), "anon_inode:bpf-map": ("map", "map_id"),

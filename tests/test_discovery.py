@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import shutil
 
-from conftest import Target, endless_cmd, our_bpf_programs, run_profinfer
+from conftest import Target, endless_cmd, run_profinfer
 from profinfer import discovery
 
 
-def test_deleted_and_replaced_library(llama_build, tiny_model, llama_env, tmp_path):
+def test_deleted_and_replaced_library(llama_build, tiny_model, llama_env, tmp_path, bpf_watch):
     copy = tmp_path / "bin"
     shutil.copytree(llama_build / "bin", copy, symlinks=True)
     cmd = endless_cmd(llama_build, tiny_model)
@@ -29,7 +29,7 @@ def test_deleted_and_replaced_library(llama_build, tiny_model, llama_env, tmp_pa
         assert r.rc == 0, r.stderr
         assert r.summary["tokens"]["decode"] > 0
         assert any(o["op"] == "MUL_MAT" and o["count"] > 0 for o in r.summary["ops"])
-        assert our_bpf_programs() == []
+        assert bpf_watch.leftovers({target.proc.pid}) == []
         assert target.still_generating()
     finally:
         target.stop()

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from conftest import completion_cmd, llama_perf, run_profinfer, with_llama_log
-from profinfer import workload
 
 
 def assert_counts_match_llama(r) -> None:

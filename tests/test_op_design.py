@@ -7,10 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from conftest import completion_cmd, run_profinfer
-
-
-OP_PROGRAMS = ("op_start", "op_start_fused", "op_barrier", "op_graph_loop", "op_fused_mark",
-               "op_node_end")
+from profinfer.collector import OP_PROGRAMS
 
 
 def _op_hits(summary: dict) -> int:
