@@ -65,13 +65,18 @@ class ResolvedProbe:
     return_fn: str | None
 
 
+def is_engine_library(pack: Pack, name: str) -> bool:
+    """Whether a file, by its name in the target, is one of the engine's libraries."""
+    return any(fnmatch.fnmatch(os.path.basename(name), pattern) for pattern in pack.libraries)
+
+
 def engine_libraries(pack: Pack, paths: list[str], root: str = "/",
                      names: list[str] | None = None) -> list[ElfInfo]:
     """The engine's ELF files among `paths` (host paths to open); `names` are the same files'
     paths as the target sees them (what their file names are matched on)."""
     found = []
     for path, name in zip(paths, names or paths):
-        if any(fnmatch.fnmatch(os.path.basename(name), pattern) for pattern in pack.libraries):
+        if is_engine_library(pack, name):
             found.append(load_elf(path, root))
     if not found:
         # A statically linked engine: the executable itself defines the marker function.

@@ -6,7 +6,6 @@ leaves nothing behind: the kernel drops the probes with our file descriptors.
 """
 from __future__ import annotations
 
-import fnmatch
 import os
 import resource
 import select
@@ -20,7 +19,7 @@ from .collector import Collector
 from .errors import ProfinferError
 from .follow import Follower
 from .model import Profile
-from .probepack import Pack, load_pack
+from .probepack import Pack, is_engine_library, load_pack
 from .symbols import load_elf
 
 # The collector sleeps this long between drains unless BPF wakes it (the ring buffer past
@@ -73,13 +72,14 @@ def _rss_kb() -> int:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
 
 
-def engine_files(pack: Pack, pid: int, new_image: bool) -> list[tuple[str, str]]:
+def engine_files(pack: Pack, pid: int, new_image: bool,
+                 executables_seen: dict[tuple[int, int], bool]) -> list[tuple[str, str]]:
     """The engine's files `pid` maps now, as (path to open, path in the target): its libraries
     by name, or, for a new image without them, the executable if it defines the marker (a
-    statically linked engine)."""
+    statically linked engine). executables_seen remembers that per file, so that a script
+    that runs the same commands again does not have each one's symbols read again."""
     files = discovery.mapped_files(pid)
-    libs = [(m.host_path, m.path) for m in files
-            if any(fnmatch.fnmatch(os.path.basename(m.path), g) for g in pack.libraries)]
+    libs = [(m.host_path, m.path) for m in files if is_engine_library(pack, m.path)]
     if libs or not new_image:
         return libs
     try:
@@ -87,9 +87,15 @@ def engine_files(pack: Pack, pid: int, new_image: bool) -> list[tuple[str, str]]
     except OSError:
         return []
     main = next((m for m in files if m.path == exe), None)
-    if main and load_elf(main.host_path, f"/proc/{pid}/root").find(pack.marker):
-        return [(main.host_path, main.path)]
-    return []
+    if main is None:
+        return []
+    try:
+        key = discovery.file_key(main.host_path)
+    except OSError:
+        return []
+    if key not in executables_seen:
+        executables_seen[key] = bool(load_elf(main.host_path, f"/proc/{pid}/root").find(pack.marker))
+    return [(main.host_path, main.path)] if executables_seen[key] else []
 
 
 class StatusLine:
@@ -139,6 +145,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     if child_status is None and not discovery.process_exists(pid):
         raise ProfinferError(f"no process with PID {pid}")
     pack = load_pack()
+    executables_seen: dict[tuple[int, int], bool] = {}   # follow: does it define the marker
     options = dict(tensor_layout=tensor_layout, buffer=buffer, counters=counters)
     follower: Follower | None = None
     coll: Collector | None = None
@@ -212,7 +219,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                             follower.watch_loader(change.tgid)
                         elif not follower.libraries_settled(change.tgid):
                             continue              # its loader stops it again when done
-                        libs = engine_files(pack, change.tgid, change.what == "exec")
+                        libs = engine_files(pack, change.tgid, change.what == "exec", executables_seen)
                         if libs:
                             engine_appeared(change.tgid, libs)
                     except ProfinferError as e:
