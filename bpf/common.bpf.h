@@ -1,5 +1,6 @@
 /* What every profinfer BPF object shares: types, the configuration in .rodata, the event
  * transport (ring buffer, or perf buffers before 5.12), the lost-event counter.
+ * Each engine's configuration begins with the transport's (transport.h).
  * A second object (sched.bpf.c) is loaded with these maps reused from the first
  * (bpf_map__reuse_fd), so all events arrive in one buffer in one order. */
 #pragma once
@@ -17,7 +18,16 @@ typedef __s32 s32;
 typedef __u64 u64;
 typedef __s64 s64;
 
-#include "events.h"
+/* An engine's object defines PI_ENGINE_EVENTS (its header, which defines struct pi_config)
+ * before including this file; the core's own objects (follow) configure the transport only. */
+#ifdef PI_ENGINE_EVENTS
+#include PI_ENGINE_EVENTS
+#else
+#include "transport.h"
+struct pi_config {
+    struct pi_transport transport;
+};
+#endif
 
 const volatile struct pi_config cfg = {};
 
@@ -74,7 +84,7 @@ static __always_inline u64 wakeup_flag(u64 size)
     if (!v)
         return 0;
     u64 before = __sync_fetch_and_add(v, size);
-    return before < cfg.ring_wake_bytes && before + size >= cfg.ring_wake_bytes
+    return before < cfg.transport.ring_wake_bytes && before + size >= cfg.transport.ring_wake_bytes
         ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP;
 }
 
@@ -99,7 +109,7 @@ struct {
  * process that maps the file, and run for the followed ones only. */
 static __always_inline int in_target(void)
 {
-    if (!cfg.follow)
+    if (!cfg.transport.follow)
         return 1;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     return bpf_map_lookup_elem(&followed, &tgid) != 0;

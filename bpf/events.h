@@ -4,6 +4,8 @@
  * dtypes, so keep to the field types it knows (u8 u16 u32 s32 u64 s64 char) and to fields
  * aligned to their size (no implicit padding).
  */
+#include "transport.h"
+
 #define PI_NAME_LEN 64
 /* The op handler reads a tensor's fields with one read of its first bytes, not one per field
  * (each read costs ~0.1 µs here, and a node needs a dozen fields of three tensors): the
@@ -19,7 +21,6 @@
 #define PI_EV_EXPERTS 6
 #define PI_EV_NODE 7
 #define PI_EV_DECODING 8
-#define PI_EV_FOLLOW 9
 
 /* A batch's tokens as runs of one sequence at consecutive positions (engines add each
  * sequence's tokens together): a sequence decoding adds one token, a prompt many. */
@@ -54,21 +55,6 @@ struct pi_decoding_event {
     u64 ts_ns;
 };
 
-/* A followed process changed (follow.bpf.c). At PI_FOLLOW_EXEC and PI_FOLLOW_MAPPED it has been
- * sent SIGSTOP: user space attaches what the new code needs, then sends SIGCONT. */
-#define PI_FOLLOW_EXEC 1      /* it exec'd a new image (kernel-mapped: executable, loader) */
-#define PI_FOLLOW_MAPPED 2    /* its loader announced a library list change (_dl_debug_state) */
-#define PI_FOLLOW_FORK 3      /* it forked a new process: `child` is followed from now on */
-#define PI_FOLLOW_EXIT 4      /* its last thread exited */
-#define PI_MAX_FOLLOWED 4096
-
-struct pi_follow_event {
-    u32 kind;
-    u32 tgid;
-    u32 what;                 /* PI_FOLLOW_* */
-    u32 child;                /* PI_FOLLOW_FORK: the new process */
-    u64 ts_ns;
-};
 
 /* One backend graph compute, sent at its return. */
 struct pi_graph_event {
@@ -311,6 +297,7 @@ struct pi_sched_event {
 #define PI_MAX_GRAPH_PROBES 8
 
 struct pi_config {
+    struct pi_transport transport;   /* first: the core sets it (transport.h) */
     u64 t_off_type;        /* ggml_tensor fields */
     u64 t_off_ne;
     u64 t_off_op;
@@ -319,7 +306,6 @@ struct pi_config {
     u64 token_sp_off;      /* llama_batch (by value) relative to sp at llama_decode's probe */
     u64 bext_off_tokens;   /* llama_batch_ext.tokens (a std::vector) */
     u64 bext_token_size;   /* its element size */
-    u64 ring_wake_bytes;   /* unread bytes that wake the collector early */
     u64 t_off_src;         /* ggml_tensor.src[] */
     u64 t_off_view_src;    /* ggml_tensor.view_src */
     u64 t_off_nb;          /* ggml_tensor.nb[] (byte strides) */
@@ -333,7 +319,7 @@ struct pi_config {
     u32 switch_state_arg;  /* sched_switch passes prev_state as its 4th argument (5.18+) */
     u32 nodes_by_generation;  /* graph_generation is kept (its probes are attached) */
     u32 thread_slots;         /* op_threads_direct's size, a power of two; 0: unused */
-    u32 follow;               /* probes are attached to files: run only for `followed` tgids */
+    u32 pad3;
     u64 init_params_sp_off;   /* ggml_init's params (by value) relative to sp at its entry */
     u32 check_layout;         /* a table layout: fill pi_node_check for the first nodes */
     u32 pad4;

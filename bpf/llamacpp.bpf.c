@@ -11,6 +11,7 @@
  * so no two threads ever share it (uprobe programs may be preempted, so per-CPU scratch would
  * not be safe).
  */
+#define PI_ENGINE_EVENTS "events.h"
 #include "common.bpf.h"
 
 char LICENSE[] SEC("license") = "GPL";
@@ -247,7 +248,7 @@ int token_return(struct pt_regs *ctx)
     u32 tid = current_tid();
     struct pi_token_event *ev = bpf_map_lookup_elem(&token_open, &tid);
     if (!ev)
-        return cfg.follow && !in_target() ? other_return() : 0;
+        return cfg.transport.follow && !in_target() ? other_return() : 0;
     ev->end_ns = bpf_ktime_get_ns();
     ev->ret = (s32)PT_REGS_RC(ctx);
     if (emit(ctx, ev, sizeof(*ev)))
@@ -287,7 +288,7 @@ static __always_inline int graph_return(struct pt_regs *ctx, u32 probe)
     u64 key = ((u64)current_tid() << 32) | probe;
     struct pi_graph_event *ev = bpf_map_lookup_elem(&graph_open, &key);
     if (!ev)
-        return cfg.follow && !in_target() ? other_return() : 0;
+        return cfg.transport.follow && !in_target() ? other_return() : 0;
     ev->end_ns = bpf_ktime_get_ns();
     if (emit(ctx, ev, sizeof(*ev)))
         count_lost(1);
@@ -827,7 +828,7 @@ int op_barrier(struct pt_regs *ctx)
     u32 tid = current_tid();
     struct pi_op_thread *st = find_state(tid);
     if (!st)
-        return cfg.follow && !in_target() ? other_process() : 0;
+        return cfg.transport.follow && !in_target() ? other_process() : 0;
     if (!st->has_cur)
         return 0;
     st->cur.end_ns = bpf_ktime_get_ns();
@@ -912,7 +913,7 @@ int op_fused_mark(struct pt_regs *ctx)
         return 0;
     struct pi_op_thread *st = find_state(current_tid());
     if (!st)
-        return cfg.follow && !in_target() ? other_process() : 0;
+        return cfg.transport.follow && !in_target() ? other_process() : 0;
     st->walk.fused_ns = bpf_ktime_get_ns();
     st->walk.fused_t = PT_REGS_PARM2(ctx);
     st->walk.fused_with = PT_REGS_PARM3(ctx);
@@ -1018,7 +1019,7 @@ int op_node_end(struct pt_regs *ctx)
     u32 tid = current_tid();
     struct pi_op_thread *st = find_state(tid);
     if (!st)
-        return cfg.follow && !in_target() ? other_process() : 0;
+        return cfg.transport.follow && !in_target() ? other_process() : 0;
     struct pi_graph_walk *w = &st->walk;
     if (!w->active)             /* a graph already under way when probes were attached */
         return 0;

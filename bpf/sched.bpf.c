@@ -6,6 +6,7 @@
  * this object, which is why it is separate from the uprobe programs (llamacpp.bpf.c), whose
  * maps it reuses.
  */
+#define PI_ENGINE_EVENTS "events.h"
 #include "common.bpf.h"
 #include <bpf/bpf_core_read.h>
 

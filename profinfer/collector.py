@@ -335,7 +335,7 @@ class Collector:
                 if p.entry_fn == "token_enter_ext":
                     p.entry_fn = "token_enter_ext_seqs"
         # wake the collector early once a quarter of the ring is in use
-        cfg["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
+        cfg["transport"]["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
         cfg["t_off_src"] = lay.src
         cfg["t_off_view_src"] = lay.view_src
         cfg["t_off_nb"] = lay.nb
@@ -349,7 +349,7 @@ class Collector:
         cfg["switch_state_arg"] = int(kernel.release_at_least(5, 18))
         cfg["nodes_by_generation"] = int(self.nodes_by_generation)
         cfg["thread_slots"] = self.thread_slots
-        cfg["follow"] = int(self.followed_map_fd is not None)
+        cfg["transport"]["follow"] = int(self.followed_map_fd is not None)
         cfg["init_params_sp_off"] = 8   # above the return address (probes never move sp)
         if self.walk:
             w = self.walk

@@ -83,7 +83,7 @@ def _load_address(pid: int, inode: int) -> int | None:
 
 class Follower:
     def __init__(self, root_pid: int, buffer: str):
-        consts, dt = layout.parse()
+        consts, dt = layout.parse(header="transport.h")
         self._names = {consts[f"PI_FOLLOW_{w.upper()}"]: w for w in ("exec", "mapped", "fork", "exit")}
         self._dt = dt["pi_follow_event"]
         self.obj = libbpf.BpfObject(bpfobj.object_path("follow.bpf.c", buffer))
@@ -94,7 +94,7 @@ class Follower:
         self.processes = {root_pid}     # every process followed so far
         self._live = {root_pid}         # those that have not exited (their PIDs are theirs)
         self.forks_followed = os.path.exists("/sys/kernel/btf/vmlinux")
-        config = np.zeros(1, dt["pi_config"]).tobytes()
+        config = np.zeros(1, dt["pi_transport"]).tobytes()   # common.bpf.h: the core's pi_config
         try:
             self.obj.set_rodata(config)
             if buffer == "ring":

@@ -13,14 +13,20 @@ _FIELD = re.compile(r"^\s*(?:struct\s+)?(\w+)\s+(\w+)(?:\[(\w+)\])?\s*;")
 _DEFINE = re.compile(r"^#define\s+(\w+)\s+(0x[0-9a-fA-F]+|\d+)[uU]?\s*(?:/\*.*?\*/)?\s*$", re.M)
 
 
-def header_text() -> str:
-    return resources.files("profinfer.bpf").joinpath("events.h").read_text()
+_INCLUDE = re.compile(r'^#include "(\w+\.h)"\s*$', re.M)
 
 
-@lru_cache(maxsize=1)
-def parse(text: str | None = None) -> tuple[dict[str, int], dict[str, np.dtype]]:
-    """Return (#define constants, {struct name: dtype}) from the header."""
-    text = text if text is not None else header_text()
+def header_text(header: str = "events.h") -> str:
+    """A header of profinfer.bpf with the local headers it includes inlined."""
+    text = resources.files("profinfer.bpf").joinpath(header).read_text()
+    return _INCLUDE.sub(lambda m: header_text(m.group(1)), text)
+
+
+@lru_cache(maxsize=8)
+def parse(text: str | None = None, header: str = "events.h") -> tuple[dict[str, int], dict[str, np.dtype]]:
+    """Return (#define constants, {struct name: dtype}) from `text`, else from `header`
+    (an engine's event header; transport.h alone for the core's objects)."""
+    text = text if text is not None else header_text(header)
     consts = {k: int(v, 0) for k, v in _DEFINE.findall(text)}
     dtypes: dict[str, np.dtype] = {}
     for name, body in _STRUCT.findall(re.sub(r"/\*.*?\*/", "", text, flags=re.S)):

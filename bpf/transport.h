@@ -1,0 +1,35 @@
+/* What every engine's events share with the core: the event kinds the core reads itself
+ * (a followed process's changes) and the transport's configuration. An engine's header
+ * (events.h for llama.cpp, vllm.h, ...) includes this one, and defines `struct pi_config`,
+ * its object's .rodata, whose first member is `struct pi_transport`.
+ *
+ * Event kinds are one number space across engines: the core's below 16, each engine's in
+ * its own range (llama.cpp 1-8, vLLM 32-47). Layout rules: events.h's (profinfer/layout.py).
+ */
+#pragma once
+
+#define PI_EV_FOLLOW 9
+
+/* The transport and process following, configured by the core for every object. */
+struct pi_transport {
+    u64 ring_wake_bytes;      /* unread bytes that wake the collector early */
+    u32 follow;               /* probes are attached to files: run only for `followed` tgids */
+    u32 pad;
+};
+
+/* A followed process changed (follow.bpf.c). At PI_FOLLOW_EXEC and PI_FOLLOW_MAPPED it has been
+ * sent SIGSTOP: user space attaches what the new code needs, then sends SIGCONT. */
+#define PI_FOLLOW_EXEC 1      /* it exec'd a new image (kernel-mapped: executable, loader) */
+#define PI_FOLLOW_MAPPED 2    /* its loader announced a library list change (_dl_debug_state) */
+#define PI_FOLLOW_FORK 3      /* it forked a new process: `child` is followed from now on */
+#define PI_FOLLOW_EXIT 4      /* its last thread exited */
+#define PI_MAX_FOLLOWED 4096
+
+struct pi_follow_event {
+    u32 kind;
+    u32 tgid;
+    u32 what;                 /* PI_FOLLOW_* */
+    u32 child;                /* PI_FOLLOW_FORK: the new process */
+    u64 ts_ns;
+};
+
