@@ -69,7 +69,7 @@ def object_path(source: str, variant: str = "ring") -> str:
                              "apt-get install libbpf-dev")
     os.makedirs(cache_dir(), exist_ok=True)
     tmp = f"{out}.{os.getpid()}.tmp"
-    cmd = [clang, "-O2", "-g", "-target", "bpf", f"-D__TARGET_ARCH_{arch}", *VARIANTS[variant],
+    cmd = [clang, "-O2", "-g", "-Werror=implicit-function-declaration", "-target", "bpf", f"-D__TARGET_ARCH_{arch}", *VARIANTS[variant],
            f"-I{src_dir}", f"-I{_multiarch_include()}", "-c", str(src_dir.joinpath(source)), "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -79,7 +79,7 @@ def object_path(source: str, variant: str = "ring") -> str:
     return out
 
 
-SOURCES = ("llamacpp.bpf.c", "sched.bpf.c", "follow.bpf.c", "follow_fork.bpf.c")
+SOURCES = ("llamacpp.bpf.c", "vllm.bpf.c", "sched.bpf.c", "follow.bpf.c", "follow_fork.bpf.c")
 
 
 def main(argv: list[str]) -> int:

@@ -149,6 +149,72 @@ class SchedWakeup:
     waker_tid: int
 
 
+@dataclass(frozen=True, slots=True)
+class TensorArg:
+    """A tensor argument of a native op call, as it was at the call's entry."""
+    name: str            # the argument's name in the op's schema
+    dtype: str           # "bfloat16", "int32", ... ("" for an empty optional)
+    shape: tuple[int, ...] | None   # None: an empty optional (no tensor passed)
+
+
+@dataclass(slots=True)
+class OpCall:
+    """One call of an engine's native op that is a function, not a graph node (vLLM's
+    torch custom ops): who called it, when, and its tensor arguments."""
+    pid: int
+    tid: int
+    start_ns: int
+    end_ns: int
+    op: str
+    args: tuple[TensorArg, ...] = ()
+    depth: int = 0       # ops already open on the thread (an op called from another)
+    library: str = ""
+    values: tuple[int, ...] = ()   # the values of a small integer argument, where read
+
+    @property
+    def dur_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(slots=True)
+class Step:
+    """One engine step (one model forward over a scheduled batch)."""
+    pid: int
+    tid: int
+    start_ns: int
+    end_ns: int
+    n_tokens: int        # tokens scheduled
+    query_lens: tuple[int, ...] = ()   # per sequence, new tokens in this step
+    n_calls: int = 0     # native op calls in the step
+
+    @property
+    def dur_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+    @property
+    def decode_seqs(self) -> int:
+        """Sequences adding one token (vLLM's own rule: a query of length one decodes)."""
+        return sum(1 for q in self.query_lens if q == 1)
+
+    @property
+    def prefill_seqs(self) -> int:
+        return len(self.query_lens) - self.decode_seqs
+
+    @property
+    def decode_tokens(self) -> int:
+        return self.decode_seqs
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.n_tokens - self.decode_tokens
+
+    @property
+    def phase(self) -> str:
+        if not self.prefill_seqs:
+            return "decode"
+        return "mixed" if self.decode_seqs else "prefill"
+
+
 @dataclass
 class Profile:
     pid: int
@@ -158,6 +224,9 @@ class Profile:
     graphs: list[GraphCall] = field(default_factory=list)
     # a list of OpSlice, or OpColumns (a collected profile: the same ops, stored compactly)
     ops: Sequence[OpSlice] = field(default_factory=list)
+    # engines whose ops are functions (vLLM): each call, and the engine's steps
+    calls: list[OpCall] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
     switches: list[SchedSwitch] = field(default_factory=list)
     wakeups: list[SchedWakeup] = field(default_factory=list)
     lost_events: int = 0

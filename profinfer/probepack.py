@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import os
 import re
 import tomllib
@@ -34,17 +35,29 @@ class ProbeSpec:
 
 @dataclass
 class Pack:
+    name: str                  # the pack's file name (probes/<name>.toml)
     engine: str
     bpf: str
     libraries: list[str]
-    marker: str
+    marker: str                # a statically linked engine's executable defines it ("": none)
+    decoder: str               # "module:Class": the engine's collector
     probes: list[ProbeSpec] = field(default_factory=list)
+    raw: dict = field(default_factory=dict)   # the pack's own sections, for its decoder
+
+    def collector_class(self):
+        module, _, cls = self.decoder.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+def pack_names() -> list[str]:
+    return sorted(p.name.removesuffix(".toml") for p in resources.files("profinfer.probes").iterdir()
+                  if p.name.endswith(".toml"))
 
 
 def load_pack(name: str = "llamacpp") -> Pack:
     raw = tomllib.loads(resources.files("profinfer.probes").joinpath(f"{name}.toml").read_text())
     probes = []
-    for p in raw["probe"]:
+    for p in raw.get("probe", ()):
         graph = p.get("graph")
         probes.append(ProbeSpec(
             level=p["level"], function=p.get("function"), pattern=p.get("pattern"),
@@ -52,7 +65,8 @@ def load_pack(name: str = "llamacpp") -> Pack:
             graph_backend=None if graph is None else graph["backend"],
             required=p.get("required", False), group=p.get("group"), callers=p.get("callers"),
             walk_entry=p.get("walk_entry")))
-    return Pack(raw["engine"], raw["bpf"], raw["libraries"], raw["marker"], probes)
+    return Pack(name, raw["engine"], raw["bpf"], raw["libraries"], raw.get("marker", ""),
+                raw["decoder"], probes, raw)
 
 
 @dataclass
@@ -66,8 +80,10 @@ class ResolvedProbe:
 
 
 def is_engine_library(pack: Pack, name: str) -> bool:
-    """Whether a file, by its name in the target, is one of the engine's libraries."""
-    return any(fnmatch.fnmatch(os.path.basename(name), pattern) for pattern in pack.libraries)
+    """Whether a file, by its name in the target, is one of the engine's libraries (a pattern
+    with a `/` is matched on the whole path, else on the file name)."""
+    return any(fnmatch.fnmatch(name if "/" in pattern else os.path.basename(name), pattern)
+               for pattern in pack.libraries)
 
 
 def engine_libraries(pack: Pack, paths: list[str], root: str = "/",
@@ -78,7 +94,7 @@ def engine_libraries(pack: Pack, paths: list[str], root: str = "/",
     for path, name in zip(paths, names or paths):
         if is_engine_library(pack, name):
             found.append(load_elf(path, root))
-    if not found:
+    if not found and pack.marker:
         # A statically linked engine: the executable itself defines the marker function.
         for path in paths:
             try:

@@ -14,12 +14,14 @@ import sys
 import time
 from typing import Callable
 
+import psutil
+
 from . import discovery, kernel
 from .collector import Collector
 from .errors import ProfinferError
 from .follow import Follower
 from .model import Profile
-from .probepack import Pack, is_engine_library, load_pack
+from .probepack import Pack, is_engine_library, load_pack, pack_names
 from .symbols import load_elf
 
 # The collector sleeps this long between drains unless BPF wakes it (the ring buffer past
@@ -80,7 +82,7 @@ def engine_files(pack: Pack, pid: int, new_image: bool,
     that runs the same commands again does not have each one's symbols read again."""
     files = discovery.mapped_files(pid)
     libs = [(m.host_path, m.path) for m in files if is_engine_library(pack, m.path)]
-    if libs or not new_image:
+    if libs or not new_image or not pack.marker:
         return libs
     try:
         exe = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
@@ -96,6 +98,40 @@ def engine_files(pack: Pack, pid: int, new_image: bool,
     if key not in executables_seen:
         executables_seen[key] = bool(load_elf(main.host_path, f"/proc/{pid}/root").find(pack.marker))
     return [(main.host_path, main.path)] if executables_seen[key] else []
+
+
+def find_engine(packs: list[Pack], pid: int, new_image: bool,
+                executables_seen: dict[tuple[int, int], bool]) -> tuple[Pack, list[tuple[str, str]]] | None:
+    """The first engine whose files `pid` maps now, and those files."""
+    for pack in packs:
+        libs = engine_files(pack, pid, new_image, executables_seen)
+        if libs:
+            return pack, libs
+    return None
+
+
+def engine_process(packs: list[Pack], pid: int) -> tuple[Pack, int, list[tuple[str, str]]]:
+    """The engine in `pid`, else in the first of its descendants that runs one (vLLM's API
+    server runs the model in a child): (pack, that process, its engine files)."""
+    seen: dict[tuple[int, int], bool] = {}
+    found = find_engine(packs, pid, True, seen)
+    if found:
+        return found[0], pid, found[1]
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    for child in sorted(children, key=lambda c: c.pid):
+        try:
+            found = find_engine(packs, child.pid, True, seen)
+        except (OSError, ProfinferError):
+            continue
+        if found:
+            return found[0], child.pid, found[1]
+    raise ProfinferError(
+        f"no known engine in process {pid}" + (f" or its {len(children)} descendants" if children else "")
+        + " (" + "; ".join(f"{p.engine}: {', '.join(p.libraries)}" + (f" or {p.marker}" if p.marker else "")
+                           for p in packs) + ")")
 
 
 class StatusLine:
@@ -144,15 +180,19 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     kernel.require_root()
     if child_status is None and not discovery.process_exists(pid):
         raise ProfinferError(f"no process with PID {pid}")
-    pack = load_pack()
+    packs = [load_pack(name) for name in pack_names()]
+    pack = packs[0]
     executables_seen: dict[tuple[int, int], bool] = {}   # follow: does it define the marker
     options = dict(tensor_layout=tensor_layout, buffer=buffer, counters=counters)
     follower: Follower | None = None
     coll: Collector | None = None
     engine_pid = pid
     if not follow:
-        coll = Collector(pid, levels, pack, [(m.host_path, m.path) for m in discovery.mapped_files(pid)],
-                         root=f"/proc/{pid}/root", **options)
+        pack, engine_pid, files = engine_process(packs, pid)
+        if engine_pid != pid:
+            note(f"PID {pid} runs no engine; its descendant PID {engine_pid} runs {pack.engine}")
+        coll = pack.collector_class()(engine_pid, levels, pack, files,
+                                      root=f"/proc/{engine_pid}/root", **options)
     stop_reason: list[str] = []
 
     def on_signal(signum, _frame):
@@ -168,14 +208,16 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
              f"(levels {','.join(sorted(levels))})")
         c.refresh_process_info()
 
-    def engine_appeared(tgid: int, libs: list[tuple[str, str]]) -> None:
-        nonlocal coll, engine_pid
+    def engine_appeared(tgid: int, found_pack: Pack, libs: list[tuple[str, str]]) -> None:
+        nonlocal coll, engine_pid, pack
         if coll is None:
-            new = Collector(tgid, levels, pack, libs, root=f"/proc/{tgid}/root",
-                            followed_map_fd=follower.followed_map_fd(), **options)
+            new = found_pack.collector_class()(tgid, levels, found_pack, libs, root=f"/proc/{tgid}/root",
+                                               followed_map_fd=follower.followed_map_fd(), **options)
             new.attach()
-            coll, engine_pid = new, tgid
+            coll, engine_pid, pack = new, tgid, found_pack
             attached(coll, tgid)
+        elif found_pack is not pack:
+            warn(f"PID {tgid}: {found_pack.engine} too: only {pack.engine} in PID {engine_pid} is profiled")
         else:
             for why in coll.attach_files(libs):
                 warn(f"PID {tgid}: {why}: not profiled")
@@ -219,9 +261,10 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                             follower.watch_loader(change.tgid)
                         elif not follower.libraries_settled(change.tgid):
                             continue              # its loader stops it again when done
-                        libs = engine_files(pack, change.tgid, change.what == "exec", executables_seen)
-                        if libs:
-                            engine_appeared(change.tgid, libs)
+                        found = find_engine([pack] if coll else packs, change.tgid,
+                                            change.what == "exec", executables_seen)
+                        if found:
+                            engine_appeared(change.tgid, *found)
                     except ProfinferError as e:
                         if coll is None:
                             raise
@@ -246,9 +289,11 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
             elif not _alive(pid, child_status, child_cpu):
                 stop_reason.append("target exited" + (f" ({child_status[0]})" if child_status else ""))
         if coll is None:
-            raise ProfinferError(f"no {pack.engine} in process {pid} or the processes it started "
+            raise ProfinferError(f"no known engine in process {pid} or the processes it started "
                                  f"({len(follower.processes)} followed; none mapped "
-                                 f"{', '.join(pack.libraries)} or defined {pack.marker})")
+                                 + "; ".join(f"{p.engine}: {', '.join(p.libraries)}"
+                                             + (f" or defined {p.marker}" if p.marker else "")
+                                             for p in packs) + ")")
         line.update(coll, force=True)
         coll.refresh_process_info()
         collecting_rss_kb = _rss_kb()

@@ -1,0 +1,225 @@
+/* Uprobe programs for vLLM's native ops (the `_C` libraries' torch custom ops).
+ *
+ * One entry and one return program serve every op: the attach cookie is the op's index, and
+ * `op_specs` (filled by the decoder from the op's C++ signature) says where each parameter
+ * arrives and whether it is a tensor. At entry the tensors' shapes and dtypes are read from
+ * their c10::TensorImpl (offsets in cfg), and the values of one small integer tensor where
+ * the spec asks (a step's query start locations); the call is sent at its return.
+ * Attach cookies need Linux 5.15, bpf_loop 5.17.
+ */
+#define PI_ENGINE_EVENTS "vllm.h"
+#include "common.bpf.h"
+
+char LICENSE[] SEC("license") = "GPL";
+
+#ifndef PT_REGS_PARM6           /* libbpf before 1.2 names five */
+#if defined(__TARGET_ARCH_x86)
+#define PT_REGS_PARM6(x) (((const struct pt_regs *)(x))->r9)
+#elif defined(__TARGET_ARCH_arm64)
+#define PT_REGS_PARM6(x) (((const struct user_pt_regs *)(x))->regs[5])
+#endif
+#endif
+
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, PV_MAX_OPS);
+    __type(key, u32);
+    __type(value, struct pv_op_spec);
+} op_specs SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, 4096);
+    __type(key, u32);
+    __type(value, struct pv_thread);
+} threads SEC(".maps");
+
+/* A zeroed thread state to insert from (it is larger than the BPF stack). */
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, u32);
+    __type(value, struct pv_thread);
+} zero_thread SEC(".maps");
+
+/* ops entered deeper than PV_MAX_DEPTH, and probe hits in processes not followed */
+#define PV_TALLY_TOO_DEEP 0
+#define PV_TALLY_OTHER 1
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, 2);
+    __type(key, u32);
+    __type(value, u64);
+} tallies SEC(".maps");
+
+static __always_inline void tally(u32 which)
+{
+    u64 *v = bpf_map_lookup_elem(&tallies, &which);
+    if (v)
+        __sync_fetch_and_add(v, 1);
+}
+
+static __always_inline u64 read_u64(u64 addr)
+{
+    u64 v = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+    return v;
+}
+
+/* An integer argument slot: registers first, then the stack above the return address (the
+ * entry probe sits before the function moves its stack pointer). */
+static __always_inline u64 slot_value(struct pt_regs *ctx, u32 slot)
+{
+    switch (slot) {
+    case 0: return PT_REGS_PARM1(ctx);
+    case 1: return PT_REGS_PARM2(ctx);
+    case 2: return PT_REGS_PARM3(ctx);
+    case 3: return PT_REGS_PARM4(ctx);
+    case 4: return PT_REGS_PARM5(ctx);
+    case 5: return PT_REGS_PARM6(ctx);
+    }
+    return read_u64(PT_REGS_SP(ctx) + 8 * (slot - 5));
+}
+
+static __always_inline void read_tensor(struct pv_tensor *t, u64 impl)
+{
+    u64 ndim = 0;
+    t->ndim = 0xff;
+    if (!impl || bpf_probe_read_user(&ndim, sizeof(ndim), (void *)(impl + cfg.ti_off_sizes)))
+        return;
+    /* up to 5 dims inline (sizes, then strides); beyond, the first word points to them */
+    u64 sizes = impl + cfg.ti_off_sizes + 8;
+    if (ndim > 5)
+        sizes = read_u64(sizes);
+    bpf_probe_read_user(t->sizes, sizeof(t->sizes), (void *)sizes);
+    bpf_probe_read_user(&t->dtype, sizeof(t->dtype), (void *)(impl + cfg.ti_off_dtype));
+    bpf_probe_read_user(&t->numel, sizeof(t->numel), (void *)(impl + cfg.ti_off_numel));
+    t->ndim = ndim > 254 ? 254 : ndim;
+}
+
+/* The values of a small integer tensor (ScalarType Int or Long), as many as fit. */
+static __always_inline void read_values(struct pv_op_event *ev, u64 impl, u16 dtype)
+{
+    u32 bytes = dtype == 3 ? 4 : dtype == 4 ? 8 : 0;
+    if (!impl || !bytes)
+        return;
+    u64 storage = read_u64(impl + cfg.ti_off_storage);
+    u64 data = storage ? read_u64(storage + cfg.st_off_data) : 0;
+    u64 numel = read_u64(impl + cfg.ti_off_numel);
+    if (!data)
+        return;
+    data += read_u64(impl + cfg.ti_off_storage_offset) * bytes;
+    u32 n = numel < PV_MAX_VALUES * 8 / bytes ? numel : PV_MAX_VALUES * 8 / bytes;
+    u32 size = (n * bytes) & (PV_MAX_VALUES * 8 - 1);
+    if (!size && n)
+        size = PV_MAX_VALUES * 8;
+    if (size && !bpf_probe_read_user(ev->values, size, (void *)data)) {
+        ev->n_values = n;
+        ev->value_bytes = bytes;
+    }
+}
+
+struct arg_walk {
+    struct pt_regs *ctx;
+    struct pv_op_spec *spec;
+    struct pv_op_event *ev;
+    u32 n;                    /* tensors read */
+    u32 pad;
+    u64 values_impl;          /* the TensorImpl whose values are read */
+};
+
+/* One C++ parameter (bpf_loop's callback: one verification whatever the count). */
+static long read_arg(u32 i, struct arg_walk *a)
+{
+    if (i >= PV_MAX_ARGS || i >= a->spec->n_args || a->n >= PV_MAX_TENSORS)
+        return 1;
+    u8 kind = a->spec->kind[i];
+    if (kind == PV_ARG_SKIP)
+        return 0;
+    u64 p = slot_value(a->ctx, a->spec->slot[i]);
+    u64 impl = 0;
+    if (kind == PV_ARG_STABLE_TENSOR)
+        p = read_u64(p);            /* the shared_ptr's pointer: an at::Tensor */
+    if (kind == PV_ARG_OPT_TENSOR) {
+        u8 engaged = 0;
+        bpf_probe_read_user(&engaged, 1, (void *)(p + 8));
+        impl = engaged ? read_u64(p) : 0;
+    } else {
+        impl = read_u64(p);
+    }
+    struct pv_tensor *t = &a->ev->t[a->n & (PV_MAX_TENSORS - 1)];
+    t->arg = i;
+    read_tensor(t, impl);
+    if (i == a->spec->values_of)
+        a->values_impl = impl;
+    a->n++;
+    return 0;
+}
+
+SEC("uprobe")
+int vop_enter(struct pt_regs *ctx)
+{
+    if (!in_target()) {
+        tally(PV_TALLY_OTHER);
+        return 0;
+    }
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id, op = (u32)bpf_get_attach_cookie(ctx);
+    struct pv_op_spec *spec = bpf_map_lookup_elem(&op_specs, &op);
+    if (!spec)
+        return 0;
+    struct pv_thread *th = bpf_map_lookup_elem(&threads, &tid);
+    if (!th) {
+        u32 zero = 0;
+        struct pv_thread *z = bpf_map_lookup_elem(&zero_thread, &zero);
+        if (!z)
+            return 0;
+        bpf_map_update_elem(&threads, &tid, z, BPF_NOEXIST);
+        th = bpf_map_lookup_elem(&threads, &tid);
+        if (!th)
+            return 0;
+    }
+    u32 depth = th->depth++;
+    if (depth >= PV_MAX_DEPTH) {
+        tally(PV_TALLY_TOO_DEEP);
+        return 0;
+    }
+    struct pv_op_event *ev = &th->ev[depth & (PV_MAX_DEPTH - 1)];
+    ev->kind = PV_EV_OP;
+    ev->tid = tid;
+    ev->tgid = id >> 32;
+    ev->op = op;
+    ev->depth = depth;
+    ev->n_values = 0;
+    ev->value_bytes = 0;
+    struct arg_walk a = {.ctx = ctx, .spec = spec, .ev = ev};
+    bpf_loop(PV_MAX_ARGS, read_arg, &a, 0);
+    u32 n = a.n;
+    u64 values_impl = a.values_impl;
+    ev->n_tensors = n;
+    if (values_impl) {
+        u16 dtype = 0;
+        bpf_probe_read_user(&dtype, sizeof(dtype), (void *)(values_impl + cfg.ti_off_dtype));
+        read_values(ev, values_impl, dtype);
+    }
+    ev->start_ns = bpf_ktime_get_ns();
+    return 0;
+}
+
+SEC("uretprobe")
+int vop_return(struct pt_regs *ctx)
+{
+    u64 now = bpf_ktime_get_ns();
+    u32 tid = current_tid();
+    struct pv_thread *th = bpf_map_lookup_elem(&threads, &tid);
+    if (!th || !th->depth)
+        return 0;
+    u32 depth = --th->depth;
+    if (depth >= PV_MAX_DEPTH)
+        return 0;
+    struct pv_op_event *ev = &th->ev[depth & (PV_MAX_DEPTH - 1)];
+    ev->end_ns = now;
+    if (emit(ctx, ev, sizeof(*ev)))
+        count_lost(1);
+    return 0;
+}

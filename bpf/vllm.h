@@ -1,0 +1,74 @@
+/* vLLM's event layouts, shared by vllm.bpf.c and its decoder (profinfer/engines/vllm).
+ * Layout rules: events.h's (profinfer/layout.py parses this file). */
+#pragma once
+
+#include "transport.h"
+
+#define PV_EV_OP 32           /* one call of a native op, sent at its return */
+
+#define PV_MAX_OPS 1024       /* ops probed (the attach cookie is the op's index) */
+#define PV_MAX_ARGS 24        /* C++ parameters described per op */
+#define PV_MAX_TENSORS 16     /* tensor arguments read per call */
+#define PV_MAX_DIMS 6         /* sizes kept per tensor (more: ndim says how many it had) */
+#define PV_MAX_VALUES 64      /* integer values read from one small tensor per call */
+#define PV_MAX_DEPTH 4        /* ops open at once on one thread (an op calling another) */
+
+/* How a C++ parameter arrives (x86-64 SysV, after the hidden return pointer if any). */
+#define PV_ARG_SKIP 0         /* in a vector register (double), or nothing to read */
+#define PV_ARG_TENSOR 1       /* at::Tensor, by reference or by value: a pointer to its TensorImpl* */
+#define PV_ARG_OPT_TENSOR 2   /* std::optional<at::Tensor>: a pointer to {TensorImpl*, bool engaged} */
+#define PV_ARG_STABLE_TENSOR 3   /* torch::stable::Tensor&: a pointer to a shared_ptr whose first
+                                  * word is an at::Tensor* (one more indirection) */
+
+/* Per op: each parameter's kind and its integer slot (0-5: rdi..r9, 6 on: the stack). */
+struct pv_op_spec {
+    u8 n_args;
+    u8 values_of;             /* read the values of this tensor argument (0xff: none) */
+    u8 pad[6];
+    u8 kind[PV_MAX_ARGS];
+    u8 slot[PV_MAX_ARGS];
+};
+
+struct pv_tensor {
+    u16 dtype;                /* c10::ScalarType */
+    u8 arg;                   /* the C++ parameter it was */
+    u8 ndim;                  /* 0xff: an empty optional, or unreadable */
+    u32 pad;
+    s64 numel;                /* TensorImpl's own count: the layout's live check */
+    s64 sizes[PV_MAX_DIMS];
+};
+
+struct pv_op_event {
+    u32 kind;
+    u32 tid;
+    u32 tgid;
+    u32 op;                   /* index in the decoder's op list (the attach cookie) */
+    u64 start_ns;
+    u64 end_ns;
+    u16 n_tensors;
+    u16 depth;                /* ops already open on this thread when it began */
+    u32 n_values;             /* values read (of values_of), at most PV_MAX_VALUES */
+    u32 value_bytes;          /* 4 or 8 */
+    u32 pad;
+    struct pv_tensor t[PV_MAX_TENSORS];
+    s64 values[PV_MAX_VALUES];
+};
+
+/* A thread's open ops (innermost last). */
+struct pv_thread {
+    u32 depth;
+    u32 pad;
+    struct pv_op_event ev[PV_MAX_DEPTH];
+};
+
+/* c10::TensorImpl's fields as this torch build lays them out (debug info or a validated
+ * table: profinfer/engines/vllm/tensors.py). */
+struct pi_config {
+    struct pi_transport transport;
+    u64 ti_off_storage;       /* c10::Storage (an intrusive_ptr<StorageImpl>) */
+    u64 st_off_data;          /* StorageImpl's data pointer */
+    u64 ti_off_sizes;         /* SizesAndStrides: size_, then the inline sizes (or a pointer) */
+    u64 ti_off_storage_offset;
+    u64 ti_off_numel;
+    u64 ti_off_dtype;         /* caffe2::TypeMeta's index: the ScalarType */
+};

@@ -1,0 +1,309 @@
+"""vLLM's decoder: probe every native op of the `_C` libraries a process maps, collect each
+call with its tensor arguments' shapes, and make the engine's steps from them.
+
+The interface is the one the session drives for every engine (profinfer/session.py):
+attach, poll, fileno, refresh_process_info, attach_files, lost, finish, detach.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import time
+
+import numpy as np
+
+from ... import bpfobj, discovery, kernel, layout, libbpf, placement
+from ...errors import ProfinferError
+from ...model import OpCall, Profile, TensorArg
+from ...probepack import Pack, engine_libraries
+from . import ops as native, steps as stepmaker, tensors
+
+HEADER = "vllm.h"
+ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
+VALIDATE_CALLS = 16      # calls whose tensors are checked before a table layout is trusted
+_ZERO_U32 = bytes(4)
+_ZERO_U64 = bytes(8)
+_U32_P = ctypes.POINTER(ctypes.c_uint32)
+
+
+class VllmCollector:
+    def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
+                 root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
+                 buffer: str = "auto", counters: list[str] | None = None,
+                 followed_map_fd: int | None = None):
+        if counters:
+            raise ProfinferError("--counters are not read for vLLM's ops yet")
+        self.pid = pid
+        self.levels = set(levels)
+        self.pack = pack
+        self.lib_paths = lib_paths
+        self.root = root
+        self.forced_layout = tensor_layout
+        self.ringbuf_pages = ringbuf_pages
+        self.buffer = kernel.event_buffer_kind(buffer)
+        self.followed_map_fd = followed_map_fd
+        self.consts, self.dt = layout.parse(header=HEADER)
+        self.ev_dt = self.dt["pv_op_event"]
+        self.obj: libbpf.BpfObject | None = None
+        self.ops: list[native.NativeOp] = []
+        self.op_library: list[str] = []
+        self.elfs = []
+        self.warnings: list[str] = []
+        self.attach_s = 0.0
+        self.n_probes = 0
+        self.n_events = 0
+        self.n_decode_tokens = 0
+        self.decoding = False
+        self.thread_names: dict[int, str] = {}
+        self.probed_files: set[tuple[int, int]] = set()
+        self._records: list[bytes] = []
+        self._events: list[np.ndarray] = []
+        self._layout_checked = 0
+        self._layout_trusted = False
+        self._stats_fd = -1
+        self.bpf_stats: dict[str, tuple[int, int]] = {}
+        self._perf_lost = 0
+
+    # ---- attach ----
+
+    def attach(self) -> None:
+        t0 = time.monotonic()
+        kernel.require_root()
+        hosts, names = [h for h, _ in self.lib_paths], [n for _, n in self.lib_paths]
+        self.elfs = engine_libraries(self.pack, hosts, self.root, names)
+        if not self.elfs:
+            raise ProfinferError(f"no {self.pack.engine} in process {self.pid} (none of "
+                                 f"{', '.join(self.pack.libraries)} is mapped)")
+        for elf in self.elfs:
+            placement.require_supported(elf.path)
+            found, skipped = native.native_ops(elf)
+            self.ops.extend(found)
+            self.op_library.extend([os.path.basename(elf.path)] * len(found))
+            if skipped:
+                self.warnings.append(f"{os.path.basename(elf.path)}: not probed: {', '.join(skipped)}")
+        if not self.ops:
+            raise ProfinferError(f"{', '.join(e.path for e in self.elfs)}: no op schema matches a "
+                                 "C++ function: not a torch custom-op library profinfer can read")
+        if len(self.ops) > self.consts["PV_MAX_OPS"]:
+            raise ProfinferError(f"{len(self.ops)} native ops; profinfer probes at most "
+                                 f"{self.consts['PV_MAX_OPS']}")
+        mapped = [m.path for m in discovery.mapped_files(self.pid)]
+        version = tensors.torch_version(mapped, self.root)
+        self.layout = tensors.layout_for(version, self.forced_layout)
+        self.torch_version = version or ""
+        self.step_rules = stepmaker.rules(self.pack, self.ops)
+        self.obj = libbpf.BpfObject(bpfobj.object_path(self.pack.bpf, self.buffer))
+        try:
+            if self.followed_map_fd is not None:
+                self.obj.reuse_map("followed", self.followed_map_fd)
+            self.obj.set_rodata(self._config().tobytes())
+            if self.buffer == "ring":
+                self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
+            self.obj.set_max_entries("threads", 256)
+            # one link per library for all its ops where the kernel has uprobe-multi links
+            self.multi = kernel.release_at_least(6, 6)
+            if self.multi:
+                for prog in (ENTRY_PROGRAM, RETURN_PROGRAM):
+                    self.obj.set_uprobe_multi(prog)
+            self.obj.load({ENTRY_PROGRAM, RETURN_PROGRAM})
+            specs = self.obj.map_fd("op_specs")
+            for i, op in enumerate(self.ops):
+                libbpf.map_update(specs, i.to_bytes(4, "little"), self._spec(op).tobytes())
+            self._stats_fd = libbpf.enable_run_time_stats()
+            self._attach_ops(self.elfs, {})
+            if self.buffer == "perf":
+                self._buf = self.obj.perf_buffer("events", 64, 16, self._on_record, self._on_perf_lost)
+            else:
+                self._buf = self.obj.ring_buffer("events", self._on_record)
+                self._unread_fd = self.obj.map_fd("unread_bytes")
+            self._lost_fd = self.obj.map_fd("lost")
+        except ProfinferError as e:
+            self.detach()
+            if not discovery.process_exists(self.pid):
+                raise ProfinferError(f"process {self.pid} exited while probes were being attached") from None
+            raise e from None
+        self.attach_s = time.monotonic() - t0
+
+    def _config(self) -> np.ndarray:
+        cfg = np.zeros(1, self.dt["pi_config"])
+        cfg["transport"]["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
+        cfg["transport"]["follow"] = int(self.followed_map_fd is not None)
+        lay = self.layout
+        cfg["ti_off_storage"], cfg["st_off_data"] = lay.storage, lay.storage_data
+        cfg["ti_off_sizes"], cfg["ti_off_storage_offset"] = lay.sizes, lay.storage_offset
+        cfg["ti_off_numel"], cfg["ti_off_dtype"] = lay.numel, lay.dtype
+        return cfg
+
+    def _spec(self, op: native.NativeOp) -> np.ndarray:
+        spec = np.zeros(1, self.dt["pv_op_spec"])
+        spec["n_args"] = len(op.kinds)
+        spec["kind"][0, :len(op.kinds)] = op.kinds
+        spec["slot"][0, :len(op.slots)] = op.slots
+        rule = self.step_rules.get(op.name)
+        spec["values_of"] = rule.values_arg if rule else 0xff
+        return spec
+
+    def _attach_ops(self, elfs, paths: dict[str, str]) -> None:
+        pid = -1 if self.followed_map_fd is not None else self.pid
+        for elf in elfs:
+            path = paths.get(elf.path, elf.path)
+            entries, returns, cookies = [], [], []
+            for i, op in enumerate(self.ops):
+                sym = elf.find(op.symbol) if self.op_library[i] == os.path.basename(elf.path) else None
+                if sym is None:
+                    continue
+                # the entry probe reads every argument register and the stack: placed where
+                # none has moved (placement.choose), else on the first instruction
+                place = placement.choose(elf.code_bytes(sym, 64), (1, 2, 3, 4, 5, 6))
+                entries.append(sym.file_offset + place.offset)
+                returns.append(sym.file_offset)
+                cookies.append(i)
+            if not cookies:
+                continue
+            if self.multi:
+                self.obj.attach_uprobe_multi(ENTRY_PROGRAM, path, entries, cookies, pid)
+                self.obj.attach_uprobe_multi(RETURN_PROGRAM, path, returns, cookies, pid, retprobe=True)
+            else:
+                for entry, ret, i in zip(entries, returns, cookies):
+                    self.obj.attach_uprobe(ENTRY_PROGRAM, path, entry, pid, cookie=i)
+                    self.obj.attach_uprobe(RETURN_PROGRAM, path, ret, pid, retprobe=True, cookie=i)
+            self.n_probes += 2 * len(cookies)
+            self.probed_files.add(discovery.file_key(path))
+
+    def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]:
+        """More copies of the probed libraries (a followed process mapping other files);
+        another build's are not probed (returned, with why)."""
+        skipped = []
+        for host, name in lib_paths:
+            if discovery.file_key(host) in self.probed_files:
+                continue
+            elf = next(iter(engine_libraries(self.pack, [host], self.root, [name])), None)
+            same = [e for e in self.elfs if elf is not None and e.build_id == elf.build_id]
+            if not same:
+                skipped.append(f"{name}: another build than the one being profiled")
+                continue
+            self._attach_ops(same, {same[0].path: host})
+        return skipped
+
+    # ---- collect ----
+
+    def _on_record(self, data, size):
+        self._records.append(ctypes.string_at(data, min(size, self.ev_dt.itemsize)))
+
+    def _on_perf_lost(self, count):
+        self._perf_lost += count
+
+    def fileno(self) -> int:
+        return self._buf.fileno()
+
+    def poll(self, timeout_ms: int = 100) -> None:
+        self._buf.poll(timeout_ms)
+        if self.buffer == "ring":
+            libbpf.map_update(self._unread_fd, _ZERO_U32, _ZERO_U64)
+        self._buf.consume()
+        self._parse()
+
+    def _parse(self) -> None:
+        recs, self._records = self._records, []
+        recs = [r for r in recs if len(r) == self.ev_dt.itemsize]
+        if not recs:
+            return
+        ev = np.frombuffer(b"".join(recs), self.ev_dt)
+        if not self._layout_trusted:
+            self._check_layout(ev)
+        self._events.append(ev)
+        self.n_events += len(ev)
+        self.decoding = True
+
+    def _check_layout(self, ev: np.ndarray) -> None:
+        for e in ev[: max(0, VALIDATE_CALLS - self._layout_checked)]:
+            for t in e["t"][: int(e["n_tensors"])]:
+                if not tensors.consistent(int(t["ndim"]), int(t["numel"]), t["sizes"], int(t["dtype"])):
+                    raise ProfinferError(
+                        f"the TensorImpl layout for torch {self.torch_version or '?'} "
+                        f"({self.layout.name}) does not fit this process's tensors "
+                        f"({self.ops[int(e['op'])].name}: ndim {int(t['ndim'])}, numel "
+                        f"{int(t['numel'])}, dtype {int(t['dtype'])}): refusing to report shapes")
+            self._layout_checked += 1
+        self._layout_trusted = self._layout_checked >= VALIDATE_CALLS
+
+    def refresh_process_info(self) -> None:
+        names = discovery.thread_names(self.pid)
+        if names:
+            self.thread_names.update(names)
+
+    def lost(self) -> int:
+        raw = libbpf.map_lookup(self._lost_fd, _ZERO_U32, 8) if self.obj else None
+        return (int.from_bytes(raw, "little") if raw else 0) + self._perf_lost
+
+    # ---- finish ----
+
+    def finish(self) -> Profile:
+        self._buf.consume()
+        self._parse()
+        lost = self.lost()
+        self.bpf_stats = self.obj.program_stats() if self.obj else {}
+        tallies = self._tallies()
+        self.detach()
+        calls = self._calls()
+        prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
+                       thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
+        prof.steps = stepmaker.steps(calls, self.step_rules)
+        prof.meta.update(self._meta(tallies))
+        if self.n_events and not self._layout_trusted and self._layout_checked < VALIDATE_CALLS:
+            self.warnings.append(f"only {self._layout_checked} calls checked the TensorImpl layout")
+        return prof
+
+    def _tallies(self) -> dict[str, int]:
+        out = {}
+        for i, name in enumerate(("too_deep", "other_processes")):
+            raw = libbpf.map_lookup(self.obj.map_fd("tallies"), i.to_bytes(4, "little"), 8)
+            out[name] = int.from_bytes(raw, "little") if raw else 0
+        return out
+
+    def _calls(self) -> list[OpCall]:
+        if not self._events:
+            return []
+        ev = np.concatenate(self._events)
+        ev = ev[np.argsort(ev["start_ns"], kind="stable")]
+        dtypes = tensors.DTYPES
+        calls = []
+        for e in ev:
+            op = self.ops[int(e["op"])]
+            args = []
+            for t in e["t"][: int(e["n_tensors"])]:
+                arg_name = op.schema.args[int(t["arg"])].name
+                ndim = int(t["ndim"])
+                if ndim == 0xff:
+                    args.append(TensorArg(arg_name, "", None))
+                else:
+                    shape = tuple(int(x) for x in t["sizes"][: min(ndim, len(t["sizes"]))])
+                    args.append(TensorArg(arg_name, dtypes.get(int(t["dtype"]), str(int(t["dtype"]))), shape))
+            n = int(e["n_values"])
+            values = stepmaker.values_of(e["values"], n, int(e["value_bytes"])) if n else ()
+            calls.append(OpCall(int(e["tgid"]), int(e["tid"]), int(e["start_ns"]), int(e["end_ns"]),
+                                op.name, tuple(args), int(e["depth"]), self.op_library[int(e["op"])],
+                                values))
+        return calls
+
+    def _meta(self, tallies: dict[str, int]) -> dict[str, str]:
+        meta = {"engine": self.pack.engine, "levels": ",".join(sorted(self.levels)),
+                "event_buffer": self.buffer, "kernel": platform.release(),
+                "tensor_layout": self.layout.name, "torch": self.torch_version,
+                "attach_s": f"{self.attach_s:.3f}", "native_ops_probed": str(len(self.ops)),
+                "ops_too_deep": str(tallies.get("too_deep", 0))}
+        for e in self.elfs:
+            meta[f"build_id:{os.path.basename(e.path)}"] = e.build_id
+        meta.update((f"cost:{k}", str(v)) for k, v in self.bpf_stats.items())
+        if self.step_rules:
+            meta["step_ops"] = ",".join(sorted(self.step_rules))
+        return meta
+
+    def detach(self) -> None:
+        if self.obj is not None:
+            obj, self.obj = self.obj, None
+            obj.close()
+        if self._stats_fd >= 0:
+            os.close(self._stats_fd)
+            self._stats_fd = -1

@@ -1,0 +1,63 @@
+"""vLLM's steps (one model forward each), made from op calls that run once per step.
+
+The pack names those ops and the argument that holds the step's query start locations
+(per sequence, the offset of its new tokens; the last value is the step's token count):
+BPF reads that small tensor's values at the call. A step lasts from that call to the last
+call its thread makes before the next step's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...model import OpCall, Step
+from ...probepack import Pack
+from .ops import SKIP, NativeOp
+
+
+@dataclass(frozen=True)
+class StepRule:
+    op: str
+    values_arg: int      # the C++ parameter whose values BPF reads
+
+
+def rules(pack: Pack, ops: list[NativeOp]) -> dict[str, StepRule]:
+    """The pack's step ops found among the probed ops (the first in pack order)."""
+    by_name = {op.name: op for op in ops}
+    for rule in pack.raw.get("step", ()):
+        op = by_name.get(rule["op"])
+        if op is None:
+            continue
+        names = [a.name for a in op.schema.args]
+        arg = rule["query_start_loc"]
+        if arg in names and op.kinds[names.index(arg)] != SKIP:
+            return {op.name: StepRule(op.name, names.index(arg))}
+    return {}
+
+
+def values_of(raw: np.ndarray, n: int, value_bytes: int) -> tuple[int, ...]:
+    """BPF's value words as integers: int64 as read, or int32 pairs packed in each word."""
+    if value_bytes == 4:
+        return tuple(int(v) for v in raw.view("<i4")[:n])
+    return tuple(int(v) for v in raw[:n])
+
+
+def steps(calls: list[OpCall], step_rules: dict[str, StepRule]) -> list[Step]:
+    if not step_rules:
+        return []
+    out: list[Step] = []
+    open_by_thread: dict[tuple[int, int], Step] = {}
+    for c in calls:                                   # in start order
+        key = (c.pid, c.tid)
+        if c.op in step_rules and c.depth == 0:
+            qsl = c.values
+            lens = tuple(b - a for a, b in zip(qsl, qsl[1:]))
+            step = Step(c.pid, c.tid, c.start_ns, c.end_ns, qsl[-1] if qsl else 0, lens, 0)
+            open_by_thread[key] = step
+            out.append(step)
+        step = open_by_thread.get(key)
+        if step is not None:
+            step.end_ns = max(step.end_ns, c.end_ns)
+            step.n_calls += 1
+    return out
