@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from profinfer import counterstats, layers, moe, recorded_calibration, roofline, schedstats, selfcost
+from profinfer import callstats, counterstats, layers, moe, recorded_calibration, roofline, schedstats, selfcost
 from profinfer.counterstats import CounterRow
 from profinfer.model import Profile
 from profinfer.stats import OpStats, compute
@@ -24,6 +24,8 @@ def _op_row(o: OpStats) -> dict:
 
 
 def summary(profile: Profile) -> dict:
+    if profile.calls or profile.steps:
+        return _call_summary(profile)
     st = compute(profile)
     pre, dec = st.phases["prefill"], st.phases["decode"]
     return {
@@ -55,6 +57,45 @@ def summary(profile: Profile) -> dict:
         "meta": {str(k): str(v) for k, v in profile.meta.items()},
     } | (_counters(profile) | _roofline(profile) | _sched(profile) | _layers(profile) | _moe(profile)
          | _profiler_cost(profile))
+
+
+def _shape_args(args) -> dict:
+    return {name: (None if shape is None else {"dtype": dtype, "shape": list(shape)})
+            for name, dtype, shape in args}
+
+
+def _call_summary(profile: Profile) -> dict:
+    """An engine whose ops are calls (vLLM): the same top-level keys, with its steps where
+    llama.cpp has decode calls."""
+    st = callstats.compute(profile)
+    pre, dec = st.phases["prefill"], st.phases["decode"]
+    names = profile.thread_names
+    return {
+        "pid": profile.pid,
+        "process_name": profile.process_name,
+        "decode_calls": None,
+        "steps": len(st.steps),
+        "tokens": {"prefill": st.prefill_tokens, "decode": st.decode_tokens},
+        "time_ns": {"prefill": pre.time_ns, "decode": dec.time_ns},
+        "lost_events": profile.lost_events,
+        "steps_per_s": st.steps_per_s,
+        "tokens_per_s": dec.tokens_per_s,
+        "prefill_tokens_per_s": pre.tokens_per_s,
+        "op_total_ns": st.op_total_ns,
+        "threads": [{"tid": tid, "name": names.get(tid, ""), "op_ns": ns}
+                    for tid, ns in sorted(st.threads.items())],
+        "ops": [{"op": o.op, "count": o.count, "total_ns": o.total_ns, "mean_ns": o.mean_ns,
+                 "p50_ns": o.p50_ns, "p99_ns": o.p99_ns, "share": o.share} for o in st.ops],
+        "op_shapes": [{"op": s.op, "count": s.count, "total_ns": s.total_ns, "args": _shape_args(s.args)}
+                      for s in st.shapes],
+        "step_list": [{"pid": s.pid, "tid": s.tid, "start_ns": s.start_ns, "dur_ns": s.dur_ns,
+                       "tokens": s.n_tokens, "query_lens": list(s.query_lens), "phase": s.phase,
+                       "prefill_seqs": s.prefill_seqs, "decode_seqs": s.decode_seqs, "calls": s.n_calls}
+                      for s in st.steps],
+        "phases": {name: {"steps": ph.steps, "tokens": ph.tokens, "time_ns": ph.time_ns, "op_ns": ph.op_ns}
+                   for name, ph in st.phases.items()},
+        "meta": {str(k): str(v) for k, v in profile.meta.items()},
+    }
 
 
 def _profiler_cost(profile: Profile) -> dict:

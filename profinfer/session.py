@@ -225,7 +225,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     try:
         if not follow:
             coll.attach()
-            attached(coll, pid)
+            attached(coll, engine_pid)
         else:
             follower = Follower(pid, kernel.event_buffer_kind(buffer))
             note(f"following PID {pid} and what it starts (exec, fork, dlopen)"

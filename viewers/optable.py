@@ -185,6 +185,9 @@ def latency_line(st: ProfileStats) -> str:
 def render(profile: Profile, console: Console | None = None) -> ProfileStats:
     """Print the report; returns the stats it was built from."""
     console = console or report_console()
+    if profile.calls or profile.steps:
+        from profinfer.viewers import calltable
+        return calltable.render(profile, console)
     st = compute(profile)
     console.print(op_table(st))
     console.print(phase_table(st))

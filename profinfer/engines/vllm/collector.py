@@ -64,6 +64,7 @@ class VllmCollector:
         self._stats_fd = -1
         self.bpf_stats: dict[str, tuple[int, int]] = {}
         self._perf_lost = 0
+        self.compiled_kernels = 0
 
     # ---- attach ----
 
@@ -232,6 +233,15 @@ class VllmCollector:
         names = discovery.thread_names(self.pid)
         if names:
             self.thread_names.update(names)
+        try:
+            with open(f"/proc/{self.pid}/maps") as f:
+                paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5
+                         and "/" in line}
+        except (OSError, IndexError):
+            return
+        # torch.compile's inductor loads the kernels it generates as shared libraries
+        self.compiled_kernels = max(self.compiled_kernels,
+                                    sum(1 for p in paths if "inductor" in p and p.endswith(".so")))
 
     def lost(self) -> int:
         raw = libbpf.map_lookup(self._lost_fd, _ZERO_U32, 8) if self.obj else None
@@ -298,6 +308,15 @@ class VllmCollector:
         meta.update((f"cost:{k}", str(v)) for k, v in self.bpf_stats.items())
         if self.step_rules:
             meta["step_ops"] = ",".join(sorted(self.step_rules))
+        if self.compiled_kernels:
+            meta["mode"] = f"compiled (torch.compile: {self.compiled_kernels} generated kernel libraries)"
+            meta["unobserved"] = (
+                "vLLM runs this model compiled: norms, activations and rotary embeddings are "
+                "generated kernels there, not native ops, and are not seen; the native ops "
+                "between the compiled pieces are (attention, KV-cache writes, packed linear "
+                "layers). enforce_eager=True runs every op natively.")
+        else:
+            meta["mode"] = "eager"
         return meta
 
     def detach(self) -> None:

@@ -14,7 +14,10 @@ import os
 import random
 import sys
 
-LAYERS, HIDDEN, HEADS, KV_HEADS, FFN = 4, 256, 4, 2, 512
+# Head size 48 (192 / 4): vLLM's CPU attention takes its vec16 kernels; with a head size
+# that is a multiple of 32 and bf16 it takes its AMX kernels, which die of SIGILL on this
+# VM (a single short prompt suffices), where the CPU reports AMX but the path fails.
+LAYERS, HIDDEN, HEADS, KV_HEADS, FFN = 4, 192, 4, 2, 512
 VOCAB = 1024
 WORDS = ("the of and to in is that it for on with as was at by an be this from or have not are "
          "hello world model token layer cache attention vector matrix value query key step batch "

@@ -3,7 +3,8 @@
 The pack names those ops and the argument that holds the step's query start locations
 (per sequence, the offset of its new tokens; the last value is the step's token count):
 BPF reads that small tensor's values at the call. A step lasts from that call to the last
-call its thread makes before the next step's.
+call its thread makes before the next step's: the next step's input preparation, which runs
+before its step op, falls in the step before.
 """
 from __future__ import annotations
 

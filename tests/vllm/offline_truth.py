@@ -1,0 +1,65 @@
+"""A vLLM offline generation that records its own truth: run inside vLLM's venv by
+tests/vllm/test_vllm_offline.py, with profinfer attached between READY and the go file.
+
+    python offline_truth.py MODEL eager|compiled GO_FILE TRUTH_JSON
+
+Truth, from inside the process: torch.profiler's record of every `_C` op call (name, input
+shapes and dtypes, with the schema's argument names from torch's own op registry), and the
+engine's scheduler outputs (tokens per request in each step), for the generate call only.
+"""
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+
+model, mode, go_file, truth_path = sys.argv[1:5]
+llm = LLM(model=model, enforce_eager=mode == "eager", max_model_len=512, dtype="bfloat16", seed=0)
+params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+prompts = ["hello world model token", "the cache of the attention layer",
+           "query key value", "a thread of the server engine and its graph"]
+llm.generate(prompts[:1], params, use_tqdm=False)          # warm-up, not profiled
+
+scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+steps = []
+schedule = scheduler.schedule
+
+
+def recording_schedule(*a, **kw):
+    out = schedule(*a, **kw)
+    if out.total_num_scheduled_tokens:
+        steps.append(sorted(out.num_scheduled_tokens.values()))
+    return out
+
+
+scheduler.schedule = recording_schedule
+print("READY", flush=True)
+while not os.path.exists(go_file):
+    time.sleep(0.05)
+
+t0 = time.monotonic_ns()
+with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+t1 = time.monotonic_ns()
+
+calls = []
+for e in prof.events():
+    if not e.name.startswith("_C::"):
+        continue
+    name = e.name.split("::", 1)[1]
+    schema = getattr(torch.ops._C, name).default._schema
+    args = {}
+    for arg, shape, dtype in zip(schema.arguments, e.input_shapes, e.input_dtypes):
+        if "Tensor" in str(arg.type):
+            args[arg.name] = None if not dtype else {"dtype": dtype, "shape": list(shape)}
+    calls.append({"op": name, "args": args})
+with open(truth_path, "w") as f:
+    json.dump({"start_ns": t0, "end_ns": t1, "calls": calls, "steps": steps,
+               "generated": [list(o.outputs[0].token_ids) for o in outputs]}, f)
+print("DONE", flush=True)

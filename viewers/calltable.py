@@ -1,0 +1,71 @@
+"""Terminal report of a Profile whose ops are calls (vLLM): ops, their shapes, steps."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from profinfer import callstats
+from profinfer.callstats import CallProfileStats
+from profinfer.model import Profile
+from profinfer.viewers.optable import _ms, _pct, _us
+
+TOP_SHAPES = 15
+
+
+def _args(args) -> str:
+    return ", ".join(f"{name}=-" if shape is None else f"{name}={dtype}{list(shape)}"
+                     for name, dtype, shape in args)
+
+
+def op_table(st: CallProfileStats) -> Table:
+    t = Table(title="Native ops (all threads)", title_justify="left")
+    t.add_column("op")
+    for col in ("count", "total ms", "mean µs", "p50 µs", "p99 µs", "share %"):
+        t.add_column(col, justify="right")
+    for o in st.ops:
+        t.add_row(o.op, f"{o.count:,}", _ms(o.total_ns), _us(o.mean_ns), _us(o.p50_ns),
+                  _us(o.p99_ns), _pct(o.share))
+    return t
+
+
+def shape_table(st: CallProfileStats) -> Table:
+    t = Table(title=f"Ops by shape (top {TOP_SHAPES} by time)", title_justify="left")
+    t.add_column("op")
+    t.add_column("tensor arguments")
+    for col in ("count", "total ms", "mean µs"):
+        t.add_column(col, justify="right")
+    for s in st.shapes[:TOP_SHAPES]:
+        t.add_row(s.op, _args(s.args), f"{s.count:,}", _ms(s.total_ns), _us(s.total_ns / s.count))
+    return t
+
+
+def step_table(st: CallProfileStats) -> Table:
+    t = Table(title="Steps (one model forward each)", title_justify="left")
+    t.add_column("phase")
+    for col in ("steps", "tokens", "time ms", "ms/step", "tokens/s", "native op ms"):
+        t.add_column(col, justify="right")
+    for name, ph in st.phases.items():
+        per_step = _ms(ph.time_ns / ph.steps) if ph.steps else "-"
+        rate = "-" if ph.tokens_per_s is None else f"{ph.tokens_per_s:,.1f}"
+        t.add_row(name, f"{ph.steps:,}", f"{ph.tokens:,}", _ms(ph.time_ns), per_step, rate, _ms(ph.op_ns))
+    return t
+
+
+def render(profile: Profile, console: Console) -> CallProfileStats:
+    st = callstats.compute(profile)
+    console.print(op_table(st))
+    console.print(shape_table(st))
+    if st.steps:
+        console.print(step_table(st))
+        rate = "-" if st.steps_per_s is None else f"{st.steps_per_s:,.1f}"
+        console.print(f"steps {len(st.steps):,}   steps/s {rate}   prefill tokens "
+                      f"{st.prefill_tokens:,}   decode tokens {st.decode_tokens:,}   "
+                      f"lost events {profile.lost_events:,}")
+    else:
+        console.print("[yellow]no steps: none of the pack's step ops ran or was probed[/]")
+    note = profile.meta.get("unobserved")
+    if note:
+        console.print(f"[yellow]{note}[/]")
+    if profile.lost_events:
+        console.print(f"[yellow]warning: {profile.lost_events:,} events were lost; totals are lower bounds[/]")
+    return st
