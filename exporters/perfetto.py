@@ -24,6 +24,10 @@ Protobuf layout (trace_reader.py reads exactly this back into a Profile):
   per counter (child of the thread track) holding the op's delta from its start to its end,
   and one per derived metric the counters allow (IPC, miss rates, CPU util %).
   The attributes profinfer.counter_dropped.<reason> carry the dropped-op counts.
+- engines whose ops are calls (vLLM): step (name = phase; tokens, calls, query_lens "1,1,4")
+  > native_op (name = op; "arg:<name>" = "dtype[s0,s1,...]" per tensor argument, "-" for an
+  empty optional; library, depth, values where read); nested calls one level deeper. Each
+  process whose threads ran ops has its descriptor; the profiled process's comes first.
 - MoE routing: a MUL_MAT_ID op's END carries "experts" = "e,e|e,e|..." (per token).
 - scheduler events (sched level) as ftrace sched_switch / sched_wakeup events in
   FtraceEventBundles per CPU on sequence 1, so trace_processor builds thread states and
@@ -48,7 +52,7 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import (
 from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
 from profinfer.counterstats import derived_tracks, derived_values
-from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.model import GraphCall, OpCall, OpSlice, Profile, Step, TokenCall
 from profinfer.opcolumns import OpColumns, as_columns
 from profinfer.stats import Arrival, arrivals
 
@@ -62,6 +66,9 @@ DEFAULT_PRIO = 120
 _FTRACE_BUNDLE = 1000                # events per FtraceEventBundle
 CAT_TOKEN, CAT_GRAPH, CAT_OP, CAT_BARRIER = "llama_decode", "graph", "op", "barrier"
 CAT_ARRIVAL = "arrival"
+# engines whose ops are calls (vLLM): step > native op (nested calls one level deeper)
+CAT_STEP, CAT_CALL = "step", "native_op"
+CALL_ARG_PREFIX = "arg:"      # a tensor argument: "dtype[s0,s1,...]", "-" for an empty optional
 GRAPH_NAME, BARRIER_NAME, ARRIVAL_NAME = "graph_compute", "barrier", "thread arrival"
 SHAPE_SEP = "×"
 ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX = "profinfer.format", "profinfer.lost_events", "meta."
@@ -127,10 +134,14 @@ def thread_items(profile: Profile) -> dict[int, ThreadItems]:
     seq = 0
     late = [a for a in arrivals(profile) if a.dur_ns > 0]
     # an arrival sits where an op would, on the thread that arrived late
-    for level, objs in ((_TOKEN, profile.tokens), (_GRAPH, profile.graphs), (_OP, late)):
+    for level, objs in ((_TOKEN, profile.tokens), (_GRAPH, profile.graphs), (_OP, late),
+                        (_TOKEN, profile.steps)):
         for o in objs:
             calls[o.tid].append((o.start_ns, level, seq, o))
             seq += 1
+    for c in profile.calls:
+        calls[c.tid].append((c.start_ns, _GRAPH + c.depth, seq, c))
+        seq += 1
     cols = as_columns(profile.ops)
     # each thread's ops by start; equal starts in the profile's order
     order = np.lexsort((np.arange(len(cols)), cols.start, cols.tid))
@@ -220,10 +231,31 @@ def begin_fields(obj) -> tuple[str, str, tuple]:
         return CAT_TOKEN, obj.phase, args
     if isinstance(obj, Arrival):
         return CAT_ARRIVAL, ARRIVAL_NAME, ()
+    if isinstance(obj, OpCall):
+        args = tuple((CALL_ARG_PREFIX + a.name, _STR, tensor_str(a.dtype, a.shape)) for a in obj.args)
+        args += (("library", _STR, obj.library), ("depth", _INT, obj.depth))
+        if obj.values:
+            args += (("values", _STR, ",".join(map(str, obj.values))),)
+        return CAT_CALL, obj.op, args
+    if isinstance(obj, Step):
+        return CAT_STEP, obj.phase, (("tokens", _INT, obj.n_tokens), ("calls", _INT, obj.n_calls),
+                                     ("query_lens", _STR, ",".join(map(str, obj.query_lens))))
     raise TypeError(f"not a profile slice: {obj!r}")
 
 
 _shapes: dict[tuple, str] = {}       # ne -> "ne0×ne1×ne2×ne3"; few distinct shapes, many ops
+
+
+def tensor_str(dtype: str, shape: tuple[int, ...] | None) -> str:
+    return "-" if shape is None else f"{dtype}[{','.join(map(str, shape))}]"
+
+
+def parse_tensor(text: str) -> tuple[str, tuple[int, ...] | None]:
+    if text == "-":
+        return "", None
+    dtype, _, dims = text.partition("[")
+    dims = dims.rstrip("]")
+    return dtype, tuple(int(d) for d in dims.split(",")) if dims else ()
 
 
 # --------------------------------------------------------------------------- protobuf writer
@@ -394,17 +426,22 @@ def write_perfetto(profile: Profile, path: str | Path) -> None:
     boot_offset = int(profile.meta.get(META_BOOT_OFFSET, 0))
     boot.clock_id, boot.timestamp = BOOTTIME, max(0, t_min + boot_offset)   # an unsigned field
     pkt.clock_snapshot.primary_trace_clock = MONOTONIC   # trace time = our timestamps, unconverted
-    pkt = header.add_packet()
-    pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
-    pkt.track_descriptor.uuid = process_uuid(profile.pid)
-    pkt.track_descriptor.process.pid = profile.pid
-    pkt.track_descriptor.process.process_name = profile.process_name
+    # the profiled process first (the reader's Profile.pid), then others whose threads ran
+    # ops (vLLM's workers)
+    pid_of = {c.tid: c.pid for c in profile.calls}
+    for pid in [profile.pid] + sorted(set(pid_of.values()) - {profile.pid}):
+        pkt = header.add_packet()
+        pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
+        pkt.track_descriptor.uuid = process_uuid(pid)
+        pkt.track_descriptor.process.pid = pid
+        if pid == profile.pid:
+            pkt.track_descriptor.process.process_name = profile.process_name
     for tid in sorted(set(by_tid) | set(profile.thread_names)):
         pkt = header.add_packet()
         pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
         desc = pkt.track_descriptor
         desc.uuid = thread_uuid(tid)
-        desc.thread.pid = profile.pid
+        desc.thread.pid = pid_of.get(tid, profile.pid)
         desc.thread.tid = tid
         if tid in profile.thread_names:
             desc.thread.thread_name = profile.thread_names[tid]
@@ -492,11 +529,13 @@ def _chrome_args(args: list[tuple]) -> dict:
 def chrome_events(profile: Profile) -> Iterator[dict]:
     """Chrome trace events: process/thread name metadata, then one "X" event per slice (ts in µs)."""
     pid = profile.pid
+    pid_of = {c.tid: c.pid for c in profile.calls}
     yield {"ph": "M", "pid": pid, "tid": pid, "name": "process_name",
            "args": {"name": profile.process_name}}
     for tid, name in sorted(profile.thread_names.items()):
-        yield {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+        yield {"ph": "M", "pid": pid_of.get(tid, pid), "tid": tid, "name": "thread_name", "args": {"name": name}}
     for tid, items in sorted(thread_items(profile).items()):
+        pid = pid_of.get(tid, profile.pid)
         open_begins: list[int] = []
         for ev in plan(items):
             kind, ts, obj = ev[0], ev[1], ev[2]

@@ -14,9 +14,11 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, Track
 from profinfer.exporters.perfetto import (
     ATTR_COUNTERS, ATTR_DROPPED_PREFIX, ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX, CAT_ARRIVAL,
     CAT_BARRIER, BOOTTIME, CAT_GRAPH, CAT_OP, CAT_TOKEN, COUNTER_ARG_PREFIX, FORMAT_VERSION,
-    INTERN_TABLES, MONOTONIC, SEQ_CLOCK, SHAPE_SEP, parse_experts,
+    CALL_ARG_PREFIX, CAT_CALL, CAT_STEP, INTERN_TABLES, MONOTONIC, SEQ_CLOCK, SHAPE_SEP, parse_experts,
+    parse_tensor,
 )
-from profinfer.model import GraphCall, OpSlice, Profile, SchedSwitch, SchedWakeup, TokenCall
+from profinfer.model import (GraphCall, OpCall, OpSlice, Profile, SchedSwitch, SchedWakeup, Step,
+                             TensorArg, TokenCall)
 from profinfer.opcolumns import OpColumns
 
 _BEGIN, _END, _COUNTER = TrackEvent.TYPE_SLICE_BEGIN, TrackEvent.TYPE_SLICE_END, TrackEvent.TYPE_COUNTER
@@ -74,6 +76,9 @@ class _Reader:
         self.track_tid: dict[int, int] = {}
         self.attrs: dict[str, object] = {}
         self.tokens: list[TokenCall] = []
+        self.calls: list[OpCall] = []
+        self.steps: list[Step] = []
+        self.track_pid: dict[int, int] = {}
         self.graphs: list[GraphCall] = []
         self.ops: list[OpSlice] = []
         self.op_counters: list[tuple[OpSlice, dict]] = []
@@ -165,10 +170,12 @@ class _Reader:
         elif data == "track_descriptor":
             desc = pkt.track_descriptor
             if desc.HasField("process"):
-                self.pid = desc.process.pid
-                self.process_name = desc.process.process_name
+                if self.pid is None:             # the profiled process comes first
+                    self.pid = desc.process.pid
+                    self.process_name = desc.process.process_name
             elif desc.HasField("thread"):
                 self.track_tid[desc.uuid] = desc.thread.tid
+                self.track_pid[desc.thread.tid] = desc.thread.pid
                 if desc.thread.HasField("thread_name"):
                     self.thread_names[desc.thread.tid] = desc.thread.thread_name
         elif data == "trace_attributes":
@@ -247,6 +254,17 @@ class _Reader:
                                          function=begin_args.get("function", "")))
         elif cat == CAT_ARRIVAL:
             pass                     # derived from the ops (stats.arrivals)
+        elif cat == CAT_CALL:
+            args = tuple(TensorArg(k[len(CALL_ARG_PREFIX):], *parse_tensor(v))
+                         for k, v in begin_args.items() if k.startswith(CALL_ARG_PREFIX))
+            values = tuple(int(v) for v in begin_args["values"].split(",")) if begin_args.get("values") else ()
+            self.calls.append(OpCall(self.track_pid.get(tid, self.pid or 0), tid, start, end, name, args,
+                                     begin_args.get("depth", 0), begin_args.get("library", ""), values))
+        elif cat == CAT_STEP:
+            lens = begin_args.get("query_lens", "")
+            self.steps.append(Step(self.track_pid.get(tid, self.pid or 0), tid, start, end,
+                                   begin_args["tokens"], tuple(int(x) for x in lens.split(",") if x),
+                                   begin_args.get("calls", 0)))
         elif cat == CAT_TOKEN:
             runs = begin_args.get("sequences")
             if runs:
@@ -289,6 +307,7 @@ class _Reader:
         return Profile(
             pid=self.pid, process_name=self.process_name, thread_names=self.thread_names,
             tokens=sorted(self.tokens, key=key), graphs=sorted(self.graphs, key=key),
+            calls=sorted(self.calls, key=key), steps=sorted(self.steps, key=key),
             ops=OpColumns.from_slices(sorted(self.ops, key=key)), lost_events=int(self.attrs.get(ATTR_LOST, 0)),
             counter_names=names,
             switches=sorted(self.switches, key=lambda e: (e.ts_ns, e.cpu)),

@@ -276,5 +276,18 @@ def start_profinfer(args: list[str], env=None) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """vLLM for CPU, in its own venv (profinfer.engines.vllm.workload)."""
+    from profinfer.engines.vllm import workload as vllm_workload
+    return vllm_workload.ensure_vllm()
+
+
+@pytest.fixture(scope="session")
+def vllm_model() -> Path:
+    from profinfer.engines.vllm import workload as vllm_workload
+    return vllm_workload.ensure_model()
+
+
+@pytest.fixture(scope="session")
 def moe_model() -> Path:
     return workload.ensure_model("tiny-moe")

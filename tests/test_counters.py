@@ -135,4 +135,4 @@ def test_at_most_four_counters(names, refused):
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("profinfer: error: "), p.stderr
     assert ("at most 4 counters" in lines[0]) == refused, lines[0]
-    assert ("no llama.cpp in process" in lines[0]) == (not refused), lines[0]
+    assert ("no known engine in process" in lines[0]) == (not refused), lines[0]

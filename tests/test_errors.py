@@ -34,7 +34,7 @@ def test_pid_without_llama():
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         msg = one_line_error(run(["attach", "--pid", str(sleeper.pid), "--duration", "1"]))
-        assert "no llama.cpp in process" in msg
+        assert "no known engine in process" in msg
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -87,4 +87,4 @@ def test_record_python_dlopen_in_child(llama_build, tiny_model, llama_env, tmp_p
 def test_record_of_no_engine_says_so(tmp_path):
     r = run_profinfer(["record", "--", "sh", "-c", "true"], tmp_path=tmp_path)
     assert r.rc != 0 and "Traceback" not in r.stderr
-    assert "no llama.cpp in process" in r.stderr
+    assert "no known engine in process" in r.stderr

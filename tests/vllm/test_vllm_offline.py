@@ -11,24 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import start_profinfer
-from profinfer.engines.vllm import workload as vllm_workload
+from conftest import PROFINFER, start_profinfer
 
 TRUTH_SCRIPT = Path(__file__).with_name("offline_truth.py")
 # torch.profiler's dtype names for the ScalarTypes seen (c10's C++ type names)
 PROFILER_DTYPES = {"c10::BFloat16": "bfloat16", "float": "float32", "int": "int32",
                    "long int": "int64", "signed char": "int8", "c10::Half": "float16",
                    "double": "float64", "bool": "bool", "unsigned char": "uint8", "short int": "int16"}
-
-
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    return vllm_workload.ensure_vllm()
-
-
-@pytest.fixture(scope="session")
-def vllm_model() -> Path:
-    return vllm_workload.ensure_model()
 
 
 def _key(op: str, args: dict) -> tuple:
@@ -55,7 +44,8 @@ def run_offline(vllm_python, vllm_model, mode: str, tmp_path: Path) -> tuple[dic
                 break
         assert seen and seen[-1].strip() == "READY", "".join(seen[-20:])
         threading.Thread(target=target.stdout.read, daemon=True).start()
-        prof = start_profinfer(["attach", "--pid", str(target.pid), "--json", str(summary_path), "--quiet"])
+        prof = start_profinfer(["attach", "--pid", str(target.pid), "--json", str(summary_path),
+                                "-o", str(tmp_path / "trace.pftrace"), "--quiet"])
         go.touch()
         assert target.wait(timeout=300) == 0
         _, err = prof.communicate(timeout=120)
@@ -98,6 +88,14 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, mod
     # every call from the first step's start on falls in one step: all but the first
     # step's input preparation (its slot mapping comes before its scheduler metadata)
     assert sum(s["calls"] for s in steps) == len(truth["calls"]) - 1
+    # the Perfetto trace holds the same: `report` of it gives the same summary
+    reread = tmp_path / "reread.json"
+    r = subprocess.run([*PROFINFER, "report", str(tmp_path / "trace.pftrace"), "--json", str(reread)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    again = json.loads(reread.read_text())
+    for key in ("ops", "op_shapes", "step_list", "tokens", "phases", "lost_events"):
+        assert again[key] == summary[key], key
 
 
 def test_op_discovery_covers_every_isa_variant(vllm_python):

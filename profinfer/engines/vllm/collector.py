@@ -12,6 +12,7 @@ import platform
 import time
 
 import numpy as np
+import psutil
 
 from ... import bpfobj, discovery, kernel, layout, libbpf, placement
 from ...errors import ProfinferError
@@ -65,6 +66,8 @@ class VllmCollector:
         self.bpf_stats: dict[str, tuple[int, int]] = {}
         self._perf_lost = 0
         self.compiled_kernels = 0
+        self.processes: set[int] = set()    # attach: the tree's processes followed
+        self._tree_fd = -1
 
     # ---- attach ----
 
@@ -108,6 +111,11 @@ class VllmCollector:
                 for prog in (ENTRY_PROGRAM, RETURN_PROGRAM):
                     self.obj.set_uprobe_multi(prog)
             self.obj.load({ENTRY_PROGRAM, RETURN_PROGRAM})
+            if self.followed_map_fd is None:
+                # attach: the process and its descendants (vLLM runs the model in a child of
+                # the API server, one per rank), kept in the object's own `followed` map
+                self._tree_fd = self.obj.map_fd("followed")
+                self._follow_tree()
             specs = self.obj.map_fd("op_specs")
             for i, op in enumerate(self.ops):
                 libbpf.map_update(specs, i.to_bytes(4, "little"), self._spec(op).tobytes())
@@ -126,10 +134,21 @@ class VllmCollector:
             raise e from None
         self.attach_s = time.monotonic() - t0
 
+    def _follow_tree(self) -> None:
+        """Add the process's descendants started since (a restarted worker) to `followed`."""
+        try:
+            tree = [self.pid] + [c.pid for c in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.Error:
+            return
+        for tgid in tree:
+            if tgid not in self.processes:
+                libbpf.map_update(self._tree_fd, tgid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
+                self.processes.add(tgid)
+
     def _config(self) -> np.ndarray:
         cfg = np.zeros(1, self.dt["pi_config"])
         cfg["transport"]["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
-        cfg["transport"]["follow"] = int(self.followed_map_fd is not None)
+        cfg["transport"]["follow"] = 1      # a process tree: record's follower's, or attach's own
         lay = self.layout
         cfg["ti_off_storage"], cfg["st_off_data"] = lay.storage, lay.storage_data
         cfg["ti_off_sizes"], cfg["ti_off_storage_offset"] = lay.sizes, lay.storage_offset
@@ -146,7 +165,7 @@ class VllmCollector:
         return spec
 
     def _attach_ops(self, elfs, paths: dict[str, str]) -> None:
-        pid = -1 if self.followed_map_fd is not None else self.pid
+        pid = -1                            # on the files; BPF runs for the followed tgids only
         for elf in elfs:
             path = paths.get(elf.path, elf.path)
             entries, returns, cookies = [], [], []
@@ -230,15 +249,19 @@ class VllmCollector:
         self._layout_trusted = self._layout_checked >= VALIDATE_CALLS
 
     def refresh_process_info(self) -> None:
-        names = discovery.thread_names(self.pid)
-        if names:
-            self.thread_names.update(names)
-        try:
-            with open(f"/proc/{self.pid}/maps") as f:
-                paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5
-                         and "/" in line}
-        except (OSError, IndexError):
-            return
+        if self._tree_fd >= 0 and self.obj is not None:
+            self._follow_tree()
+        paths: set[str] = set()
+        for pid in self.processes or {self.pid}:
+            names = discovery.thread_names(pid)
+            if names:
+                self.thread_names.update(names)
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    paths.update(line.split(None, 5)[5].strip() for line in f
+                                 if line.count(" ") >= 5 and "/" in line)
+            except (OSError, IndexError):
+                continue
         # torch.compile's inductor loads the kernels it generates as shared libraries
         self.compiled_kernels = max(self.compiled_kernels,
                                     sum(1 for p in paths if "inductor" in p and p.endswith(".so")))
@@ -261,6 +284,8 @@ class VllmCollector:
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
         prof.steps = stepmaker.steps(calls, self.step_rules)
         prof.meta.update(self._meta(tallies))
+        # the processes whose ops were recorded (a worker child, not the API server)
+        prof.meta["op_processes"] = ",".join(str(p) for p in sorted({c.pid for c in calls}))
         if self.n_events and not self._layout_trusted and self._layout_checked < VALIDATE_CALLS:
             self.warnings.append(f"only {self._layout_checked} calls checked the TensorImpl layout")
         return prof

@@ -1,0 +1,24 @@
+"""A plain vLLM offline generation, as a user runs it (the engine core in a child process):
+run under `profinfer record` by tests/vllm/test_vllm_record.py.
+
+    python generate.py MODEL OUT_JSON
+
+OUT_JSON: the engine's own token counts per request (prompt tokens, generated tokens).
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+if __name__ == "__main__":
+    model, out_path = sys.argv[1:3]
+    llm = LLM(model=model, enforce_eager=True, max_model_len=512, dtype="bfloat16", seed=0)
+    outputs = llm.generate(["hello world model token", "the cache of the attention layer",
+                            "query key value"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)
+    with open(out_path, "w") as f:
+        json.dump([{"prompt_tokens": len(o.prompt_token_ids), "generated": len(o.outputs[0].token_ids)}
+                   for o in outputs], f)

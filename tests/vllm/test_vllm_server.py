@@ -1,0 +1,105 @@
+"""vLLM's OpenAI server as shipped (the API server, its EngineCore child, the worker child
+that runs the model): attach to the API server's PID during a bounded burst of concurrent
+requests; the worker's ops are recorded, nothing is lost, the responses are the same as
+without profiling, and the steps' tokens are the server's own token counts."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+
+from conftest import start_profinfer
+
+PROMPTS = ["hello world model token", "the cache of the attention", "query key value",
+           "a thread of the server engine", "graph node shape tensor", "the request and the step"]
+MAX_TOKENS = 10
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, prompt: str) -> dict:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _burst(port: int) -> list[dict]:
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(lambda p: _post(port, p), PROMPTS))
+
+
+@pytest.fixture
+def server(vllm_python, vllm_model):
+    port = _free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.Popen([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+                             "--model", str(vllm_model), "--served-model-name", "m",
+                             "--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16",
+                             "--seed", "0", "--port", str(port), "--host", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the vLLM server exited"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                break
+        except OSError:
+            time.sleep(1)
+    else:
+        pytest.fail("the vLLM server did not start in 300 s")
+    try:
+        yield proc, port
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_attach_to_the_api_server_records_its_worker(server, tmp_path):
+    proc, port = server
+    unprofiled = _burst(port)
+    summary_path = tmp_path / "summary.json"
+    prof = start_profinfer(["attach", "--pid", str(proc.pid), "--json", str(summary_path), "--quiet"])
+    try:
+        profiled = _burst(port)
+    finally:
+        prof.send_signal(signal.SIGINT)
+        _, err = prof.communicate(timeout=120)
+    assert prof.returncode == 0, prof.early_stderr + err
+    summary = json.loads(summary_path.read_text())
+
+    texts = lambda rs: [r["choices"][0]["text"] for r in rs]   # noqa: E731
+    assert texts(profiled) == texts(unprofiled)               # greedy: profiling changes nothing
+    assert summary["lost_events"] == 0
+    # the ops ran in the worker, a descendant of the API server, not in the server itself
+    op_pids = {int(p) for p in summary["meta"]["op_processes"].split(",")}
+    children = {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+    assert op_pids and op_pids <= children and proc.pid not in op_pids
+    ops = {o["op"]: o["count"] for o in summary["ops"]}
+    assert ops["cpu_attention_with_kv_cache"] == 4 * len(summary["step_list"])   # 4 layers
+    # the steps' tokens are the server's own counts: every prompt token in a prefill, and one
+    # decode token per generated token after the first (which the prefill step samples)
+    prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in profiled)
+    generated = sum(r["usage"]["completion_tokens"] for r in profiled)
+    assert generated == MAX_TOKENS * len(PROMPTS)
+    assert summary["tokens"] == {"prefill": prompt_tokens, "decode": generated - len(PROMPTS)}
+    assert sum(s["tokens"] for s in summary["step_list"]) == prompt_tokens + generated - len(PROMPTS)
