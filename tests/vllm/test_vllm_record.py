@@ -1,0 +1,32 @@
+"""`profinfer record` of a plain vLLM generation: vLLM runs the model in an EngineCore child
+it forks and loads its `_C` library there late; the follower probes it before its first op.
+The steps' tokens must be the engine's own counts for every request."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from conftest import PROFINFER
+
+SCRIPT = Path(__file__).with_name("generate.py")
+
+
+def test_record_follows_vllm_into_its_engine_process(vllm_python, vllm_model, tmp_path):
+    out, summary_path = tmp_path / "generated.json", tmp_path / "summary.json"
+    p = subprocess.run([*PROFINFER, "record", "--json", str(summary_path), "--quiet", "--",
+                        str(vllm_python), str(SCRIPT), str(vllm_model), str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    requests = json.loads(out.read_text())
+    summary = json.loads(summary_path.read_text())
+    assert summary["lost_events"] == 0
+    assert int(summary["meta"]["processes_followed"]) > 1
+    # every prompt token in a prefill step; one decode token per generated token after the
+    # first, which the prefill step samples: nothing before the engine's first op was missed
+    assert summary["tokens"] == {
+        "prefill": sum(r["prompt_tokens"] for r in requests),
+        "decode": sum(r["generated"] - 1 for r in requests)}
+    assert max(len(s["query_lens"]) for s in summary["step_list"]) == len(requests)
+    ops = {o["op"]: o["count"] for o in summary["ops"]}
+    assert ops["cpu_attention_with_kv_cache"] == 4 * summary["steps"]      # 4 layers a step
