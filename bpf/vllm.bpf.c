@@ -138,15 +138,16 @@ static long read_arg(u32 i, struct arg_walk *a)
         return 0;
     u64 p = slot_value(a->ctx, a->spec->slot[i]);
     u64 impl = 0;
-    if (kind == PV_ARG_STABLE_TENSOR)
-        p = read_u64(p);            /* the shared_ptr's pointer: an at::Tensor */
-    if (kind == PV_ARG_OPT_TENSOR) {
+    if (kind == PV_ARG_OPT_TENSOR || kind == PV_ARG_OPT_STABLE_TENSOR) {
         u8 engaged = 0;
-        bpf_probe_read_user(&engaged, 1, (void *)(p + 8));
-        impl = engaged ? read_u64(p) : 0;
-    } else {
-        impl = read_u64(p);
+        bpf_probe_read_user(&engaged, 1, (void *)(p + (kind == PV_ARG_OPT_TENSOR ? 8 : 16)));
+        if (!engaged)
+            p = 0;
     }
+    if (p && (kind == PV_ARG_STABLE_TENSOR || kind == PV_ARG_OPT_STABLE_TENSOR))
+        p = read_u64(p);            /* the shared_ptr's pointer: an at::Tensor */
+    if (p)
+        impl = read_u64(p);         /* an at::Tensor's one word: its TensorImpl */
     struct pv_tensor *t = &a->ev->t[a->n & (PV_MAX_TENSORS - 1)];
     t->arg = i;
     read_tensor(t, impl);

@@ -7,8 +7,8 @@
 #define PV_EV_OP 32           /* one call of a native op, sent at its return */
 
 #define PV_MAX_OPS 1024       /* ops probed (the attach cookie is the op's index) */
-#define PV_MAX_ARGS 24        /* C++ parameters described per op */
-#define PV_MAX_TENSORS 16     /* tensor arguments read per call */
+#define PV_MAX_ARGS 40        /* C++ parameters described per op */
+#define PV_MAX_TENSORS 32     /* tensor arguments read per call (a power of two) */
 #define PV_MAX_DIMS 6         /* sizes kept per tensor (more: ndim says how many it had) */
 #define PV_MAX_VALUES 64      /* integer values read from one small tensor per call */
 #define PV_MAX_DEPTH 4        /* ops open at once on one thread (an op calling another) */
@@ -19,6 +19,8 @@
 #define PV_ARG_OPT_TENSOR 2   /* std::optional<at::Tensor>: a pointer to {TensorImpl*, bool engaged} */
 #define PV_ARG_STABLE_TENSOR 3   /* torch::stable::Tensor&: a pointer to a shared_ptr whose first
                                   * word is an at::Tensor* (one more indirection) */
+#define PV_ARG_OPT_STABLE_TENSOR 4   /* std::optional<torch::stable::Tensor>: a pointer to
+                                      * {shared_ptr (two words), bool engaged} */
 
 /* Per op: each parameter's kind and its integer slot (0-5: rdi..r9, 6 on: the stack). */
 struct pv_op_spec {

@@ -98,16 +98,67 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, mod
         assert again[key] == summary[key], key
 
 
-def test_op_discovery_covers_every_isa_variant(vllm_python):
-    """The three CPU builds (AVX-512 with bf16, AVX-512, AVX2) are read the same way: their
-    ops come from their own schemas and symbols, none written in profinfer."""
-    from profinfer.engines.vllm.ops import native_ops
+SCHEMAS_OF_TORCH = """
+import json, sys, torch
+import vllm._C  # registers the ops (the machine's ISA build) with torch
+out = {}
+for name in sys.argv[1:]:
+    packet = getattr(torch.ops._C, name, None)
+    if packet is not None:
+        out[name] = [[a.name, str(a.type)] for a in packet.default._schema.arguments]
+print(json.dumps(out))
+"""
+
+
+def test_op_discovery_agrees_with_torch_registry_on_every_isa_build(vllm_python):
+    """The three CPU builds (AVX-512 with bf16, AVX-512, AVX2) are read the same way, from
+    their own schema strings and symbols; the ops found, their argument names and which
+    arguments are tensors agree with the schemas torch itself registered for them."""
+    from profinfer.engines.vllm.ops import SKIP, native_ops
     from profinfer.symbols import load_elf
     site = next((Path(vllm_python).parent.parent / "lib").glob("python3*/site-packages/vllm"))
+    found = {}
     for lib in ("_C.abi3.so", "_C_AVX512.abi3.so", "_C_AVX2.abi3.so"):
         ops, _ = native_ops(load_elf(str(site / lib)))
-        names = {o.name: o for o in ops}
+        found[lib] = {o.name: o for o in ops}
         assert {"cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache", "rotary_embedding",
-                "get_scheduler_metadata"} <= set(names), lib
+                "get_scheduler_metadata"} <= set(found[lib]), lib
         # a returned tensor takes the hidden pointer: greedy_argmax's logits arrive in rsi
-        assert names["greedy_argmax"].slots == (1,)
+        assert found[lib]["greedy_argmax"].slots == (1,)
+    ours = found["_C.abi3.so"]
+    r = subprocess.run([str(vllm_python), "-c", SCHEMAS_OF_TORCH, *sorted(ours)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    registry = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(registry) >= 60 and set(registry) <= set(ours)
+    for name, args in registry.items():
+        op = ours[name]
+        assert [a.name for a in op.schema.args] == [a for a, _ in args], name
+        tensors = [i for i, (_, t) in enumerate(args) if t in ("Tensor", "Optional[Tensor]")]
+        assert [i for i, k in enumerate(op.kinds) if k != SKIP] == tensors, name
+
+
+def test_op_discovery_reads_a_gpu_release():
+    """vLLM 0.33.0's CUDA wheel (never run here): stable-ABI ops whose symbols are local,
+    MoE ops, and flash-attention, whose C++ functions are not named as their ops."""
+    from profinfer.engines.vllm import workload as vllm_workload
+    from profinfer.engines.vllm.ops import OPT_STABLE_TENSOR, STABLE_TENSOR, native_ops
+    from profinfer.symbols import load_elf
+    root = vllm_workload.ensure_gpu_release_libraries() / "vllm"
+    stable = load_elf(str(root / "_C_stable_libtorch.abi3.so"))
+    ops, skipped = native_ops(stable)
+    names = {o.name: o for o in ops}
+    assert len(ops) >= 120 and len(skipped) <= 4, skipped
+    rms = names["fused_add_rms_norm"]       # (Tensor! input, Tensor! residual, Tensor? weight, float)
+    assert rms.kinds == (STABLE_TENSOR, STABLE_TENSOR, OPT_STABLE_TENSOR, 0)
+    assert names["reshape_and_cache_flash"].tensor_args[:5] == ["key", "value", "key_cache",
+                                                                "value_cache", "slot_mapping"]
+    fa3, _ = native_ops(load_elf(str(root / "vllm_flash_attn" / "_vllm_fa3_C.abi3.so")))
+    fa3 = {o.name: o for o in fa3}
+    assert fa3["fwd"].signature.startswith("mha_fwd(")
+    meta = fa3["get_scheduler_metadata"]       # returns a tensor: the request count is in esi
+    assert meta.signature.startswith("mha_fwd_get_scheduler_metadata(") and meta.slots[0] == 1
+    fa2, _ = native_ops(load_elf(str(root / "vllm_flash_attn" / "_vllm_fa2_C.abi3.so")))
+    assert {o.name: o for o in fa2}["varlen_fwd"].signature.startswith("flash::mha_varlen_fwd(")
+    moe, skipped = native_ops(load_elf(str(root / "_moe_C_stable_libtorch.abi3.so")))
+    assert len(moe) >= 15 and not skipped

