@@ -8,6 +8,9 @@
  * Attach cookies need Linux 5.15, bpf_loop 5.17.
  */
 #define PI_ENGINE_EVENTS "vllm.h"
+#ifndef offsetof
+#define offsetof(type, member) __builtin_offsetof(type, member)
+#endif
 #include "common.bpf.h"
 
 char LICENSE[] SEC("license") = "GPL";
@@ -85,8 +88,13 @@ static __always_inline void read_tensor(struct pv_tensor *t, u64 impl)
 {
     u64 ndim = 0;
     t->ndim = 0xff;
-    if (!impl || bpf_probe_read_user(&ndim, sizeof(ndim), (void *)(impl + cfg.ti_off_sizes)))
+    if (!impl || bpf_probe_read_user(&ndim, sizeof(ndim), (void *)(impl + cfg.ti_off_sizes))) {
+        /* nothing read: what the slot held before must not tell calls apart */
+        __builtin_memset(t->sizes, 0, sizeof(t->sizes));
+        t->numel = 0;
+        t->dtype = 0;
         return;
+    }
     /* up to 5 dims inline (sizes, then strides); beyond, the first word points to them */
     u64 sizes = impl + cfg.ti_off_sizes + 8;
     if (ndim > 5)
@@ -220,7 +228,15 @@ int vop_return(struct pt_regs *ctx)
         return 0;
     struct pv_op_event *ev = &th->ev[depth & (PV_MAX_DEPTH - 1)];
     ev->end_ns = now;
-    if (emit(ctx, ev, sizeof(*ev)))
+    /* a record as long as what it holds: most calls have a few tensors and no values */
+    u32 size = sizeof(*ev);
+    if (!ev->n_values) {
+        u32 n = ev->n_tensors;
+        if (n > PV_MAX_TENSORS)
+            n = PV_MAX_TENSORS;
+        size = offsetof(struct pv_op_event, t) + n * sizeof(struct pv_tensor);
+    }
+    if (emit(ctx, ev, size))
         count_lost(1);
     return 0;
 }

@@ -52,8 +52,8 @@ struct pv_op_event {
     u32 n_values;             /* values read (of values_of), at most PV_MAX_VALUES */
     u32 value_bytes;          /* 4 or 8 */
     u32 pad;
-    struct pv_tensor t[PV_MAX_TENSORS];
-    s64 values[PV_MAX_VALUES];
+    struct pv_tensor t[PV_MAX_TENSORS];   /* sent: the first n_tensors, */
+    s64 values[PV_MAX_VALUES];            /* and these only when n_values */
 };
 
 /* A thread's open ops (innermost last). */

@@ -95,7 +95,7 @@ def _call_summary(profile: Profile) -> dict:
         "phases": {name: {"steps": ph.steps, "tokens": ph.tokens, "time_ns": ph.time_ns, "op_ns": ph.op_ns}
                    for name, ph in st.phases.items()},
         "meta": {str(k): str(v) for k, v in profile.meta.items()},
-    }
+    } | _profiler_cost(profile)
 
 
 def _profiler_cost(profile: Profile) -> dict:

@@ -51,14 +51,6 @@ SHARED_MAPS = ("events", "lost")     # one transport and one lost counter for bo
 _ZERO_U64 = bytes(8)
 
 
-def _cpus_of(pid: int) -> int:
-    """CPUs the target may run on (its affinity), else the machine's."""
-    try:
-        return len(os.sched_getaffinity(pid))
-    except OSError:
-        return os.cpu_count() or 1
-
-
 def _runs(ev: np.void) -> tuple[tuple[int, int, int], ...]:
     """A token event's batch runs (sequence, first position, tokens)."""
     return tuple((int(r["seq"]), int(r["pos0"]), int(r["n_tokens"]))
@@ -571,6 +563,10 @@ class Collector:
         if maps:        # a process that exited (a zombie) has none: keep what it had
             self._maps_raw = maps
 
+    def other_target_processes(self) -> list[int]:
+        """Processes besides self.pid whose CPU time is the target's: none (one process)."""
+        return []
+
     def lost(self) -> int:
         """Events BPF could not submit, plus perf-buffer records the kernel dropped."""
         raw = libbpf.map_lookup(self._lost_fd, _ZERO_U32, 8) if self.obj else None
@@ -801,7 +797,7 @@ class Collector:
                                               - time.clock_gettime_ns(time.CLOCK_MONOTONIC))),
                 "event_buffer": self.buffer,
                 "kernel": platform.release(), "tensor_layout": self.layout.name,
-                "cpus_online": str(_cpus_of(self.pid)),
+                "cpus_online": str(discovery.cpus_of(self.pid)),
                 "attach_s": f"{self.attach_s:.3f}"}
         for e in self.elfs:
             name = os.path.basename(e.path) if "/map_files/" not in e.path else e.path

@@ -92,3 +92,11 @@ def host_path(pid: int, path: str, inode: int, span: str, deleted: bool) -> str:
             pass
     # Deleted or replaced since it was mapped: map_files names the mapped inode itself.
     return f"/proc/{pid}/map_files/{span}"
+
+
+def cpus_of(pid: int) -> int:
+    """CPUs the process may run on (its affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(pid))
+    except OSError:
+        return os.cpu_count() or 1

@@ -64,6 +64,25 @@ def _cpu_s(pid: int) -> float | None:
         return None
 
 
+class ProcessesCpu:
+    """CPU time a changing set of processes used from when each was first sampled to its
+    last sample (one that exited keeps its last)."""
+
+    def __init__(self):
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+
+    def sample(self, pids) -> None:
+        for p in pids:
+            v = _cpu_s(p)
+            if v is not None:
+                self.first.setdefault(p, v)
+                self.last[p] = v
+
+    def used(self) -> float:
+        return sum(self.last[p] - self.first[p] for p in self.last)
+
+
 def _own_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
@@ -237,6 +256,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
         # loading a model does not dilute the shares.
         target_cpu_from, own_cpu_from = _cpu_s(pid), cpu_at_attach
         target_cpu_last = target_cpu_from
+        others_cpu = ProcessesCpu()     # the engine's other processes (vLLM's workers)
         counting_from_decode = False
         child_cpu: list[float] = []
         if on_attached:
@@ -278,6 +298,8 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                     _cpu_s(engine_pid), _own_cpu_s(), True)
             if follow and engine_pid != pid:       # its CPU time, before it is reaped
                 target_cpu_last = _cpu_s(engine_pid) or target_cpu_last
+            if counting_from_decode:
+                others_cpu.sample(coll.other_target_processes())
             now = time.monotonic()
             if coll is not None and now - last_refresh > REFRESH_S:
                 coll.refresh_process_info()
@@ -305,6 +327,8 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
             target_cpu = _cpu_s(engine_pid) or target_cpu_last
         if target_cpu is not None and target_cpu_from is not None:
             target_cpu -= target_cpu_from
+            others_cpu.sample(coll.other_target_processes())
+            target_cpu += others_cpu.used()
         warned = len(coll.warnings)
         profile = coll.finish()
         for w in coll.warnings[warned:]:        # what only the end of collection shows

@@ -4,10 +4,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer import callstats
+from profinfer import callstats, recorded_calibration, selfcost
 from profinfer.callstats import CallProfileStats
 from profinfer.model import Profile
-from profinfer.viewers.optable import _ms, _pct, _us
+from profinfer.viewers.optable import _ms, _pct, _us, cost_line
 
 TOP_SHAPES = 15
 
@@ -63,6 +63,10 @@ def render(profile: Profile, console: Console) -> CallProfileStats:
                       f"lost events {profile.lost_events:,}")
     else:
         console.print("[yellow]no steps: none of the pack's step ops ran or was probed[/]")
+    trap = recorded_calibration.trap_costs(profile)
+    cost = selfcost.compute(profile, trap.value)
+    if cost:
+        console.print(cost_line(cost))
     note = profile.meta.get("unobserved")
     if note:
         console.print(f"[yellow]{note}[/]")

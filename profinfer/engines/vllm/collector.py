@@ -22,6 +22,7 @@ from . import ops as native, steps as stepmaker, tensors
 
 HEADER = "vllm.h"
 ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
+CALL_COLUMNS = ("op", "tid", "tgid", "start_ns", "end_ns", "depth")
 VALIDATE_CALLS = 16      # calls whose tensors are checked before a table layout is trusted
 _ZERO_U32 = bytes(4)
 _ZERO_U64 = bytes(8)
@@ -58,8 +59,13 @@ class VllmCollector:
         self.decoding = False
         self.thread_names: dict[int, str] = {}
         self.probed_files: set[tuple[int, int]] = set()
-        self._records: list[bytes] = []
-        self._events: list[np.ndarray] = []
+        self._raw = ctypes.create_string_buffer(64 * self.ev_dt.itemsize)   # records, until parsed
+        self._pending = 0
+        self._columns: list[dict[str, np.ndarray]] = []   # per call: CALL_COLUMNS
+        self._sig_ids: list[np.ndarray] = []      # per call: its argument signature's index
+        self._signatures: list[tuple[TensorArg, ...]] = []
+        self._sig_index: dict[tuple[int, bytes], int] = {}
+        self._values: dict[int, tuple[int, ...]] = {}   # call number -> values read (step ops)
         self._layout_checked = 0
         self._layout_trusted = False
         self._stats_fd = -1
@@ -67,6 +73,7 @@ class VllmCollector:
         self._perf_lost = 0
         self.compiled_kernels = 0
         self.processes: set[int] = set()    # attach: the tree's processes followed
+        self.placements: dict[str, tuple] = {}   # op: (entry probe's place, the first emulated one)
         self._tree_fd = -1
 
     # ---- attach ----
@@ -175,7 +182,9 @@ class VllmCollector:
                     continue
                 # the entry probe reads every argument register and the stack: placed where
                 # none has moved (placement.choose), else on the first instruction
-                place = placement.choose(elf.code_bytes(sym, 64), (1, 2, 3, 4, 5, 6))
+                code = elf.code_bytes(sym, 64)
+                place = placement.choose(code, (1, 2, 3, 4, 5, 6))
+                self.placements[op.name] = (place, placement.choose(code))
                 entries.append(sym.file_offset + place.offset)
                 returns.append(sym.file_offset)
                 cookies.append(i)
@@ -209,7 +218,16 @@ class VllmCollector:
     # ---- collect ----
 
     def _on_record(self, data, size):
-        self._records.append(ctypes.string_at(data, min(size, self.ev_dt.itemsize)))
+        # records are as long as what they hold: each is copied once, into a slot of full
+        # event size in one reused buffer that numpy reads in place (what lies past a
+        # record's end in its slot is never read: n_tensors and n_values bound it)
+        stride = self.ev_dt.itemsize
+        if (self._pending + 1) * stride > len(self._raw):
+            grown = ctypes.create_string_buffer(2 * len(self._raw) + stride)
+            ctypes.memmove(grown, self._raw, self._pending * stride)
+            self._raw = grown
+        ctypes.memmove(ctypes.addressof(self._raw) + self._pending * stride, data, min(size, stride))
+        self._pending += 1
 
     def _on_perf_lost(self, count):
         self._perf_lost += count
@@ -225,16 +243,44 @@ class VllmCollector:
         self._parse()
 
     def _parse(self) -> None:
-        recs, self._records = self._records, []
-        recs = [r for r in recs if len(r) == self.ev_dt.itemsize]
-        if not recs:
+        n, self._pending = self._pending, 0
+        if not n:
             return
-        ev = np.frombuffer(b"".join(recs), self.ev_dt)
+        ev = np.frombuffer(self._raw, self.ev_dt, count=n)
         if not self._layout_trusted:
             self._check_layout(ev)
-        self._events.append(ev)
-        self.n_events += len(ev)
+        # per call: its columns and the id of its argument signature (op and tensors, as
+        # BPF read them: few distinct, so each is decoded once)
+        self._columns.append({c: ev[c].copy() for c in CALL_COLUMNS})
+        ops, counts, t = ev["op"], ev["n_tensors"], ev["t"]
+        ids = np.empty(n, np.int32)
+        index = self._sig_index
+        for i in range(n):
+            k = int(counts[i])
+            key = (int(ops[i]), t[i, :k].tobytes())
+            sid = index.get(key)
+            if sid is None:
+                sid = index[key] = len(self._signatures)
+                self._signatures.append(self._decode_args(int(ops[i]), t[i, :k]))
+            ids[i] = sid
+        self._sig_ids.append(ids)
+        for i in np.flatnonzero(ev["n_values"]):
+            self._values[self.n_events + int(i)] = stepmaker.values_of(
+                ev["values"][i], int(ev["n_values"][i]), int(ev["value_bytes"][i]))
+        self.n_events += n
         self.decoding = True
+
+    def _decode_args(self, op_index: int, tensors_read: np.ndarray) -> tuple[TensorArg, ...]:
+        schema_args = self.ops[op_index].schema.args
+        args = []
+        for t in tensors_read:
+            name, ndim = schema_args[int(t["arg"])].name, int(t["ndim"])
+            if ndim == 0xff:
+                args.append(TensorArg(name, "", None))
+            else:
+                dtype = tensors.DTYPES.get(int(t["dtype"]), str(int(t["dtype"])))
+                args.append(TensorArg(name, dtype, tuple(int(x) for x in t["sizes"][:ndim])))
+        return tuple(args)
 
     def _check_layout(self, ev: np.ndarray) -> None:
         for e in ev[: max(0, VALIDATE_CALLS - self._layout_checked)]:
@@ -266,6 +312,11 @@ class VllmCollector:
         self.compiled_kernels = max(self.compiled_kernels,
                                     sum(1 for p in paths if "inductor" in p and p.endswith(".so")))
 
+    def other_target_processes(self) -> list[int]:
+        """The rest of the profiled tree (the worker that runs the model, the engine core):
+        the probes' cost is a share of all their CPU time."""
+        return sorted(self.processes - {self.pid})
+
     def lost(self) -> int:
         raw = libbpf.map_lookup(self._lost_fd, _ZERO_U32, 8) if self.obj else None
         return (int.from_bytes(raw, "little") if raw else 0) + self._perf_lost
@@ -276,10 +327,11 @@ class VllmCollector:
         self._buf.consume()
         self._parse()
         lost = self.lost()
-        self.bpf_stats = self.obj.program_stats() if self.obj else {}
+        stats = self.obj.program_stats() if self._stats_fd >= 0 else {}
         tallies = self._tallies()
         self.detach()
         calls = self._calls()
+        self.bpf_stats = self._cost(stats, calls)
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
         prof.steps = stepmaker.steps(calls, self.step_rules)
@@ -290,6 +342,31 @@ class VllmCollector:
             self.warnings.append(f"only {self._layout_checked} calls checked the TensorImpl layout")
         return prof
 
+    def _cost(self, stats: dict[str, tuple[int, int]], calls: list[OpCall]) -> dict[str, int]:
+        """The kernel's count of our programs' runs and run time, and the probe hits behind
+        the calls by what each costs (selfcost): the entry's trap, emulated or single-stepped
+        where the probe sits; the return's; and the return probe's own trap at the function's
+        first instruction when the entry probe sits further in."""
+        if not stats:
+            return {}
+        out = {"bpf_ns": sum(ns for ns, _ in stats.values()),
+               "bpf_runs": sum(n for _, n in stats.values()),
+               "hits_emulated": 0, "hits_stepped": 0, "hits_return": 0}
+        for prog, (ns, runs) in sorted(stats.items()):
+            out[f"runs:{prog}"] = runs
+            if runs:
+                out[f"ns_per_run:{prog}"] = ns // runs
+        per_op: dict[str, int] = {}
+        for c in calls:
+            per_op[c.op] = per_op.get(c.op, 0) + 1
+        for name, n in per_op.items():
+            entry, first = self.placements[name]
+            out["hits_emulated" if entry.emulated else "hits_stepped"] += n
+            out["hits_return"] += n
+            if entry.offset:
+                out["hits_emulated" if first.emulated and first.offset == 0 else "hits_stepped"] += n
+        return out
+
     def _tallies(self) -> dict[str, int]:
         out = {}
         for i, name in enumerate(("too_deep", "other_processes")):
@@ -298,28 +375,20 @@ class VllmCollector:
         return out
 
     def _calls(self) -> list[OpCall]:
-        if not self._events:
+        if not self._columns:
             return []
-        ev = np.concatenate(self._events)
-        ev = ev[np.argsort(ev["start_ns"], kind="stable")]
-        dtypes = tensors.DTYPES
+        cols = {c: np.concatenate([part[c] for part in self._columns]) for c in CALL_COLUMNS}
+        sig_ids = np.concatenate(self._sig_ids)
+        order = np.argsort(cols["start_ns"], kind="stable")
+        op_, tid, tgid, start, end, depth = (cols[c].tolist() for c in CALL_COLUMNS)
+        names, libraries, sigs, values = ([o.name for o in self.ops], self.op_library,
+                                          self._signatures, self._values)
         calls = []
-        for e in ev:
-            op = self.ops[int(e["op"])]
-            args = []
-            for t in e["t"][: int(e["n_tensors"])]:
-                arg_name = op.schema.args[int(t["arg"])].name
-                ndim = int(t["ndim"])
-                if ndim == 0xff:
-                    args.append(TensorArg(arg_name, "", None))
-                else:
-                    shape = tuple(int(x) for x in t["sizes"][: min(ndim, len(t["sizes"]))])
-                    args.append(TensorArg(arg_name, dtypes.get(int(t["dtype"]), str(int(t["dtype"]))), shape))
-            n = int(e["n_values"])
-            values = stepmaker.values_of(e["values"], n, int(e["value_bytes"])) if n else ()
-            calls.append(OpCall(int(e["tgid"]), int(e["tid"]), int(e["start_ns"]), int(e["end_ns"]),
-                                op.name, tuple(args), int(e["depth"]), self.op_library[int(e["op"])],
-                                values))
+        sig_ids = sig_ids.tolist()
+        for i in order.tolist():
+            op = op_[i]
+            calls.append(OpCall(tgid[i], tid[i], start[i], end[i], names[op], sigs[sig_ids[i]],
+                                depth[i], libraries[op], values.get(i, ())))
         return calls
 
     def _meta(self, tallies: dict[str, int]) -> dict[str, str]:
@@ -327,6 +396,7 @@ class VllmCollector:
                 "event_buffer": self.buffer, "kernel": platform.release(),
                 "tensor_layout": self.layout.name, "torch": self.torch_version,
                 "attach_s": f"{self.attach_s:.3f}", "native_ops_probed": str(len(self.ops)),
+                "cpus_online": str(discovery.cpus_of(self.pid)),
                 "ops_too_deep": str(tallies.get("too_deep", 0))}
         for e in self.elfs:
             meta[f"build_id:{os.path.basename(e.path)}"] = e.build_id

@@ -194,12 +194,17 @@ def _base_name(demangled: str) -> str:
     return head.rsplit("::", 1)[-1]
 
 
-def _matches(base: str, schema_name: str) -> int:
-    """2: the schema's name; 1: a prefixed implementation (flash-attention implements `fwd`
-    as mha_fwd, `get_scheduler_metadata` as mha_fwd_get_scheduler_metadata); 0: neither."""
-    if base == schema_name:
-        return 2
-    return 1 if base.endswith("_" + schema_name) else 0
+def _names_for(base: str) -> list[tuple[str, int]]:
+    """The op names a function may implement, with their rank: 2 its own name; 1 each
+    `_`-separated suffix (flash-attention implements `fwd` as mha_fwd,
+    `get_scheduler_metadata` as mha_fwd_get_scheduler_metadata)."""
+    names = [(base, 2)]
+    i = base.find("_")
+    while i != -1:
+        if base[i + 1:]:
+            names.append((base[i + 1:], 1))
+        i = base.find("_", i + 1)
+    return names
 
 
 def native_ops(elf: ElfInfo) -> tuple[list[NativeOp], list[str]]:
@@ -207,7 +212,7 @@ def native_ops(elf: ElfInfo) -> tuple[list[NativeOp], list[str]]:
     found = schemas(elf.path)
     if not found:
         return [], []
-    functions: list[tuple[str, str]] = []      # (base name, mangled symbol)
+    by_name: dict[tuple[str, int], list[str]] = {}     # (op name, rank) -> mangled symbols
     for sym in elf.symbols:
         if not sym.startswith("_Z") or "." in sym:          # clones: .cold, .part.N, .isra
             continue
@@ -216,12 +221,14 @@ def native_ops(elf: ElfInfo) -> tuple[list[NativeOp], list[str]]:
         except cxxfilt.InvalidName:
             continue
         if "(" in dem and not dem.startswith(("void c10::", "c10::", "at::", "std::", "torch::")):
-            functions.append((_base_name(dem), sym))
+            for key in _names_for(_base_name(dem)):
+                if key[0] in found:
+                    by_name.setdefault(key, []).append(sym)
     ops, skipped = [], []
     for name, schema in sorted(found.items()):
         described, candidates = [], 0
         for rank in (2, 1):                  # the exact name first, then prefixed ones
-            syms = [sym for base, sym in functions if _matches(base, name) == rank]
+            syms = by_name.get((name, rank), [])
             candidates += len(syms)
             described = [d for d in (describe(schema, s) for s in syms) if d]
             if described:
