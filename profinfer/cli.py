@@ -216,24 +216,35 @@ def _load_trace(trace: str) -> Profile:
 
 
 @cli.command()
-@click.option("--model", type=click.Choice(["tiny", "llama-1.5b"]), default="tiny", show_default=True)
+@click.option("--engine", type=click.Choice(["llama.cpp", "vllm"]), default="llama.cpp", show_default=True,
+              help="Which bundled workload: llama.cpp (llama-completion) or vLLM (offline generation "
+                   "of a tiny Llama, eager).")
+@click.option("--model", type=click.Choice(["tiny", "llama-1.5b"]), default="tiny", show_default=True,
+              help="llama.cpp's model (vLLM's is its tiny Llama).")
 @click.option("-n", "--tokens", default=32, show_default=True, help="Tokens to generate.")
 @click.option("-t", "--threads", default=2, show_default=True)
 @click.option("--levels", default=",".join(LEVELS), show_default=True)
 @click.option("--counters", metavar="EVENTS", help="perf counters per op, as for record.")
 @output_options
-def demo(model, tokens, threads, levels, counters, output, json_path, quiet):
-    """Build (once, cached) and profile the bundled llama.cpp workload."""
+def demo(engine, model, tokens, threads, levels, counters, output, json_path, quiet):
+    """Build (once, cached) and profile a bundled workload (llama.cpp by default)."""
     from . import workload
     levels, counters = _levels(levels), _counters(counters)
     output = output or "demo.pftrace"
     _check_outputs(output, json_path)
-    build = workload.ensure_llama_build()
-    gguf = workload.ensure_model(model)
-    cmd = workload.completion_command(build, gguf, DEFAULT_PROMPT, tokens, threads)
-    click.echo(f"profinfer: recording {' '.join(cmd)}", err=True)
-    profile, code = record_command(cmd, levels, None, env=workload.llama_env(build),
-                                   counters=counters)
+    if engine == "vllm":
+        from .engines.vllm import workload as vllm_workload
+        cmd = [str(vllm_workload.ensure_vllm()), str(vllm_workload.GENERATE),
+               str(vllm_workload.ensure_model()), str(tokens)]
+        click.echo(f"profinfer: recording {' '.join(cmd)}", err=True)
+        profile, code = record_command(cmd, levels, None, counters=counters)
+    else:
+        build = workload.ensure_llama_build()
+        gguf = workload.ensure_model(model)
+        cmd = workload.completion_command(build, gguf, DEFAULT_PROMPT, tokens, threads)
+        click.echo(f"profinfer: recording {' '.join(cmd)}", err=True)
+        profile, code = record_command(cmd, levels, None, env=workload.llama_env(build),
+                                       counters=counters)
     written = _emit(profile, output, json_path, quiet)
     if code:
         _error(f"the workload {_how_it_ended(code)}")

