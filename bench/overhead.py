@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from profinfer import workload
+from profinfer.engines.llamacpp import workload
 
 # profinfer options per configuration (None: no profiler)
 CONFIGS = {"none": None, "token": ["--levels", "token"], "token+graph": ["--levels", "token,graph"],

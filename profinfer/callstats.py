@@ -8,17 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .model import OpCall, Profile, Step
-
-
-@dataclass
-class CallStats:
-    op: str
-    count: int
-    total_ns: int
-    mean_ns: float
-    p50_ns: float
-    p99_ns: float
-    share: float                       # of all top-level op time
+from .stats import OpStats
 
 
 @dataclass
@@ -43,7 +33,7 @@ class PhaseStats:
 
 @dataclass
 class CallProfileStats:
-    ops: list[CallStats]
+    ops: list[OpStats]                 # share: of all top-level op time
     shapes: list[ShapeStats]
     steps: list[Step]
     phases: dict[str, PhaseStats] = field(default_factory=dict)
@@ -67,7 +57,7 @@ def compute(profile: Profile) -> CallProfileStats:
     ops = []
     for name, durs in by_op.items():
         d = np.asarray(durs, dtype=np.int64)
-        ops.append(CallStats(name, len(d), int(d.sum()), float(d.mean()), float(np.percentile(d, 50)),
+        ops.append(OpStats(name, len(d), int(d.sum()), float(d.mean()), float(np.percentile(d, 50)),
                              float(np.percentile(d, 99)), float(d.sum()) / total))
     ops.sort(key=lambda o: -o.total_ns)
     shapes: dict[tuple, ShapeStats] = {}

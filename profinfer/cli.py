@@ -228,7 +228,7 @@ def _load_trace(trace: str) -> Profile:
 @output_options
 def demo(engine, model, tokens, threads, levels, counters, output, json_path, quiet):
     """Build (once, cached) and profile a bundled workload (llama.cpp by default)."""
-    from . import workload
+    from .engines.llamacpp import workload
     levels, counters = _levels(levels), _counters(counters)
     output = output or "demo.pftrace"
     _check_outputs(output, json_path)

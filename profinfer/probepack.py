@@ -9,8 +9,9 @@ import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 
-from . import placement
-from .callsites import call_sites
+from . import discovery
+from .arch import placement
+from .arch.callsites import call_sites
 from .errors import ProfinferError
 from .symbols import ElfInfo, Symbol, load_elf
 
@@ -105,6 +106,25 @@ def engine_libraries(pack: Pack, paths: list[str], root: str = "/",
                 found.append(elf)
                 break
     return found
+
+
+def copies_of_probed(pack: Pack, lib_paths: list[tuple[str, str]], probed: list[ElfInfo],
+                     probed_files: set[tuple[int, int]], root: str
+                     ) -> tuple[list[tuple[ElfInfo, str]], list[str]]:
+    """Files a followed process maps besides those already probed: copies of a probed build,
+    as (that build's ElfInfo, the copy's path to open), and the others, each with why it is
+    not probed (another build than the one being profiled)."""
+    copies, skipped = [], []
+    for host, name in lib_paths:
+        if discovery.file_key(host) in probed_files:
+            continue
+        elf = next(iter(engine_libraries(pack, [host], root, [name])), None)
+        same = [e for e in probed if elf is not None and e.build_id == elf.build_id]
+        if same:
+            copies.append((same[0], host))
+        else:
+            skipped.append(f"{name}: another build than the one being profiled")
+    return copies, skipped
 
 
 def resolve(pack: Pack, elfs: list[ElfInfo], levels: set[str]) -> tuple[list[ResolvedProbe], list[str]]:

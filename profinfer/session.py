@@ -12,12 +12,11 @@ import select
 import signal
 import sys
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import psutil
 
 from . import discovery, kernel
-from .collector import Collector
 from .errors import ProfinferError
 from .follow import Follower
 from .model import Profile
@@ -33,6 +32,28 @@ POLL_MS = 1000
 # CPU time is counted from its first llama_decode to within one of them.
 POLL_BEFORE_DECODING_MS = 20
 REFRESH_S = 5.0     # thread names and mappings are read again this often (and at the end)
+
+
+class EngineCollector(Protocol):
+    """What the session drives, for every engine: an engine's decoder (probes/<engine>.toml
+    names its class) attaches to a process, collects, and builds the Profile."""
+    pid: int
+    warnings: list[str]
+    n_probes: int
+    attach_s: float
+    n_events: int
+    n_decode_tokens: int
+    decoding: bool          # the engine has started its work (the cost is counted from here)
+
+    def attach(self) -> None: ...
+    def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]: ...
+    def fileno(self) -> int: ...
+    def poll(self, timeout_ms: int = 100) -> None: ...
+    def refresh_process_info(self) -> None: ...
+    def other_target_processes(self) -> list[int]: ...
+    def lost(self) -> int: ...
+    def finish(self) -> Profile: ...
+    def detach(self) -> None: ...
 
 
 def _alive(pid: int, child_status: list[int] | None, child_cpu: list[float]) -> bool:
@@ -163,7 +184,7 @@ class StatusLine:
         self.last_tokens = 0
         self.rate = 0.0
 
-    def update(self, coll: Collector, force: bool = False) -> None:
+    def update(self, coll: EngineCollector, force: bool = False) -> None:
         now = time.monotonic()
         if not self.enabled or (now - self.last < 0.5 and not force):
             return
@@ -204,7 +225,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     executables_seen: dict[tuple[int, int], bool] = {}   # follow: does it define the marker
     options = dict(tensor_layout=tensor_layout, buffer=buffer, counters=counters)
     follower: Follower | None = None
-    coll: Collector | None = None
+    coll: EngineCollector | None = None
     engine_pid = pid
     if not follow:
         pack, engine_pid, files = engine_process(packs, pid)
@@ -220,7 +241,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     line = StatusLine(sys.stderr.isatty() if status is None else status)
 
-    def attached(c: Collector, where: int) -> None:
+    def attached(c: EngineCollector, where: int) -> None:
         for w in c.warnings:
             warn(w)
         note(f"attached {c.n_probes} probes to PID {where} in {c.attach_s:.2f} s "

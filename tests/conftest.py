@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from profinfer import workload
+from profinfer.engines.llamacpp import workload
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from profinfer import assemble, layout
+from profinfer import layout
+from profinfer.engines.llamacpp import assemble
 from profinfer.model import GraphCall
 
 CONSTS, DT = layout.parse()

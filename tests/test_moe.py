@@ -10,7 +10,7 @@ import pytest
 from conftest import completion_cmd, llama_perf, run_profinfer, with_llama_log
 from profinfer.exporters.trace_reader import read_trace
 from profinfer.moe import compute, routing
-from profinfer.workload import llama_bin
+from profinfer.engines.llamacpp.workload import llama_bin
 
 
 @pytest.mark.parametrize("buffer", ["ring", "perf"])

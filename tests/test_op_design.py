@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from conftest import completion_cmd, run_profinfer
-from profinfer.collector import OP_PROGRAMS
+from profinfer.engines.llamacpp.collector import OP_PROGRAMS
 
 
 def _op_hits(summary: dict) -> int:

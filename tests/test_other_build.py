@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from conftest import completion_cmd, llama_perf, run_profinfer, with_llama_log
-from profinfer import ggml, workload
+from profinfer.engines.llamacpp import ggml, workload
 from profinfer.symbols import load_elf
 
 

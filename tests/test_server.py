@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from conftest import start_profinfer
-from profinfer import workload
+from profinfer.engines.llamacpp import workload
 
 SLOTS = 8
 N_PREDICT = 24

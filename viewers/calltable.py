@@ -7,7 +7,7 @@ from rich.table import Table
 from profinfer import callstats, recorded_calibration, selfcost
 from profinfer.callstats import CallProfileStats
 from profinfer.model import Profile
-from profinfer.viewers.optable import _ms, _pct, _us, cost_line
+from profinfer.viewers.optable import _ms, _us, cost_line, op_table
 
 TOP_SHAPES = 15
 
@@ -15,17 +15,6 @@ TOP_SHAPES = 15
 def _args(args) -> str:
     return ", ".join(f"{name}=-" if shape is None else f"{name}={dtype}{list(shape)}"
                      for name, dtype, shape in args)
-
-
-def op_table(st: CallProfileStats) -> Table:
-    t = Table(title="Native ops (all threads)", title_justify="left")
-    t.add_column("op")
-    for col in ("count", "total ms", "mean µs", "p50 µs", "p99 µs", "share %"):
-        t.add_column(col, justify="right")
-    for o in st.ops:
-        t.add_row(o.op, f"{o.count:,}", _ms(o.total_ns), _us(o.mean_ns), _us(o.p50_ns),
-                  _us(o.p99_ns), _pct(o.share))
-    return t
 
 
 def shape_table(st: CallProfileStats) -> Table:
@@ -53,7 +42,7 @@ def step_table(st: CallProfileStats) -> Table:
 
 def render(profile: Profile, console: Console) -> CallProfileStats:
     st = callstats.compute(profile)
-    console.print(op_table(st))
+    console.print(op_table(st.ops, "Native ops (all threads)"))
     console.print(shape_table(st))
     if st.steps:
         console.print(step_table(st))

@@ -10,7 +10,7 @@ from profinfer.counterstats import CounterStats
 from profinfer.model import Profile
 from profinfer.roofline import Roofs, Verdict
 from profinfer.schedstats import SchedStats
-from profinfer.stats import ProfileStats, compute
+from profinfer.stats import OpStats, ProfileStats, compute
 from profinfer.viewers.terminal import report_console
 
 
@@ -26,12 +26,12 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
-def op_table(st: ProfileStats) -> Table:
-    t = Table(title="Operators (all threads)", title_justify="left")
+def op_table(ops: list[OpStats], title: str = "Operators (all threads)") -> Table:
+    t = Table(title=title, title_justify="left")
     t.add_column("op")
     for col in ("count", "total ms", "mean µs", "p50 µs", "p99 µs", "share %"):
         t.add_column(col, justify="right")
-    for o in st.ops:
+    for o in ops:
         t.add_row(o.op, f"{o.count:,}", _ms(o.total_ns), _us(o.mean_ns), _us(o.p50_ns),
                   _us(o.p99_ns), _pct(o.share))
     return t
@@ -189,7 +189,7 @@ def render(profile: Profile, console: Console | None = None) -> ProfileStats:
         from profinfer.viewers import calltable
         return calltable.render(profile, console)
     st = compute(profile)
-    console.print(op_table(st))
+    console.print(op_table(st.ops))
     console.print(phase_table(st))
     console.print(latency_line(st))
     console.print(thread_table(st))

@@ -14,18 +14,19 @@ import time
 import numpy as np
 import psutil
 
-from ... import bpfobj, discovery, kernel, layout, libbpf, placement
+from ... import bpfobj, discovery, kernel, layout, libbpf
+from ...arch import placement
 from ...errors import ProfinferError
 from ...model import OpCall, Profile, TensorArg
-from ...probepack import Pack, engine_libraries
+from ...probepack import Pack, copies_of_probed, engine_libraries
+from ...transport import EventTransport, attach_failed
 from . import ops as native, steps as stepmaker, tensors
 
 HEADER = "vllm.h"
 ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
 CALL_COLUMNS = ("op", "tid", "tgid", "start_ns", "end_ns", "depth")
+PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS = 64, 16   # perf buffers (kernels before 5.12)
 VALIDATE_CALLS = 16      # calls whose tensors are checked before a table layout is trusted
-_ZERO_U32 = bytes(4)
-_ZERO_U64 = bytes(8)
 _U32_P = ctypes.POINTER(ctypes.c_uint32)
 
 
@@ -70,7 +71,7 @@ class VllmCollector:
         self._layout_trusted = False
         self._stats_fd = -1
         self.bpf_stats: dict[str, tuple[int, int]] = {}
-        self._perf_lost = 0
+        self._lost_at_end = 0
         self.compiled_kernels = 0
         self.processes: set[int] = set()    # attach: the tree's processes followed
         self.placements: dict[str, tuple] = {}   # op: (entry probe's place, the first emulated one)
@@ -128,17 +129,11 @@ class VllmCollector:
                 libbpf.map_update(specs, i.to_bytes(4, "little"), self._spec(op).tobytes())
             self._stats_fd = libbpf.enable_run_time_stats()
             self._attach_ops(self.elfs, {})
-            if self.buffer == "perf":
-                self._buf = self.obj.perf_buffer("events", 64, 16, self._on_record, self._on_perf_lost)
-            else:
-                self._buf = self.obj.ring_buffer("events", self._on_record)
-                self._unread_fd = self.obj.map_fd("unread_bytes")
-            self._lost_fd = self.obj.map_fd("lost")
+            self._events = EventTransport(self.obj, self.buffer, self._on_record,
+                                          PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS)
         except ProfinferError as e:
             self.detach()
-            if not discovery.process_exists(self.pid):
-                raise ProfinferError(f"process {self.pid} exited while probes were being attached") from None
-            raise e from None
+            raise attach_failed(self.pid, e) from None
         self.attach_s = time.monotonic() - t0
 
     def _follow_tree(self) -> None:
@@ -203,16 +198,9 @@ class VllmCollector:
     def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]:
         """More copies of the probed libraries (a followed process mapping other files);
         another build's are not probed (returned, with why)."""
-        skipped = []
-        for host, name in lib_paths:
-            if discovery.file_key(host) in self.probed_files:
-                continue
-            elf = next(iter(engine_libraries(self.pack, [host], self.root, [name])), None)
-            same = [e for e in self.elfs if elf is not None and e.build_id == elf.build_id]
-            if not same:
-                skipped.append(f"{name}: another build than the one being profiled")
-                continue
-            self._attach_ops(same, {same[0].path: host})
+        copies, skipped = copies_of_probed(self.pack, lib_paths, self.elfs, self.probed_files, self.root)
+        for elf, host in copies:
+            self._attach_ops([elf], {elf.path: host})
         return skipped
 
     # ---- collect ----
@@ -229,17 +217,11 @@ class VllmCollector:
         ctypes.memmove(ctypes.addressof(self._raw) + self._pending * stride, data, min(size, stride))
         self._pending += 1
 
-    def _on_perf_lost(self, count):
-        self._perf_lost += count
-
     def fileno(self) -> int:
-        return self._buf.fileno()
+        return self._events.fileno()
 
     def poll(self, timeout_ms: int = 100) -> None:
-        self._buf.poll(timeout_ms)
-        if self.buffer == "ring":
-            libbpf.map_update(self._unread_fd, _ZERO_U32, _ZERO_U64)
-        self._buf.consume()
+        self._events.poll(timeout_ms)
         self._parse()
 
     def _parse(self) -> None:
@@ -318,15 +300,14 @@ class VllmCollector:
         return sorted(self.processes - {self.pid})
 
     def lost(self) -> int:
-        raw = libbpf.map_lookup(self._lost_fd, _ZERO_U32, 8) if self.obj else None
-        return (int.from_bytes(raw, "little") if raw else 0) + self._perf_lost
+        return self._events.lost() if self.obj else self._lost_at_end
 
     # ---- finish ----
 
     def finish(self) -> Profile:
-        self._buf.consume()
+        self._events.consume()
         self._parse()
-        lost = self.lost()
+        lost = self._lost_at_end = self.lost()
         stats = self.obj.program_stats() if self._stats_fd >= 0 else {}
         tallies = self._tallies()
         self.detach()

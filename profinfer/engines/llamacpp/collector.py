@@ -15,12 +15,15 @@ import time
 
 import numpy as np
 
-from . import assemble, bpfobj, discovery, dwarf, ggml, graphwalk, kernel, layout, libbpf, selfcost
-from . import counters as perfcounters
-from .errors import ProfinferError
-from .model import GraphCall, Profile, TokenCall, decode_tokens
-from .probepack import Pack, engine_libraries, resolve
-from .symbols import load_elf
+from . import assemble, ggml, graphwalk
+
+from ... import bpfobj, discovery, dwarf, kernel, layout, libbpf, selfcost
+from ... import counters as perfcounters
+from ...errors import ProfinferError
+from ...model import GraphCall, Profile, TokenCall, decode_tokens
+from ...probepack import Pack, copies_of_probed, engine_libraries, resolve
+from ...transport import EventTransport, attach_failed
+from ...symbols import load_elf
 
 VALIDATE_NODES = 64   # node descriptions checked before a table layout is trusted
 PERF_PAGES_PER_CPU = 256
@@ -48,7 +51,6 @@ BARE_PROGRAM = "bare_hit"
 GRAPHS_CHANGED_PROGRAMS = ("graphs_changed", "context_made")
 GRAPH_CHANGERS = {"ggml_init", "ggml_reset", "ggml_new_graph_custom"}
 SHARED_MAPS = ("events", "lost")     # one transport and one lost counter for both objects
-_ZERO_U64 = bytes(8)
 
 
 def _runs(ev: np.void) -> tuple[tuple[int, int, int], ...]:
@@ -103,7 +105,7 @@ class Collector:
         self._maps_raw: str = ""
         self._layout_trusted = True
         self._batch_trusted = True
-        self._perf_lost = 0
+        self._lost_at_end = 0         # lost records, as read before detaching
         self.consts, self.dt = layout.parse()
         self.kind_token, self.kind_graph, self.kind_ops = (
             self.consts["PI_EV_TOKEN"], self.consts["PI_EV_GRAPH"], self.consts["PI_EV_OPS"])
@@ -213,19 +215,12 @@ class Collector:
                                          "that starts threads for each graph fills it and loses ops")
             if "sched" in self.levels:
                 self._attach_sched(cfg)
-            if self.buffer == "perf":
-                # One wakeup per PERF_WAKEUP_EVENTS records; the timer drains the rest.
-                self._buf = self.obj.perf_buffer("events", PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS,
-                                                 self._on_record, self._on_perf_lost)
-            else:
-                self._buf = self.obj.ring_buffer("events", self._on_record)
-                self._unread_fd = self.obj.map_fd("unread_bytes")
-            self._lost_fd = self.obj.map_fd("lost")
+            # perf buffers: one wakeup per PERF_WAKEUP_EVENTS records; the timer drains the rest
+            self._events = EventTransport(self.obj, self.buffer, self._on_record,
+                                          PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS)
         except ProfinferError as e:
             self.detach()
-            if not discovery.process_exists(self.pid):
-                raise ProfinferError(f"process {self.pid} exited while probes were being attached") from None
-            raise e from None
+            raise attach_failed(self.pid, e) from None
         self.n_probes = sum(bool(p.entry_fn) + bool(p.return_fn) for p in self.probes) + (
             self.sched_obj.n_links if self.sched_obj else 0)
         self.attach_s = time.monotonic() - t0
@@ -274,17 +269,10 @@ class Collector:
         """Probe more copies of the engine's files (a followed process that maps other files
         than the first): copies of a probed build get its probes; returns what was not
         probed, and why."""
-        skipped = []
-        for host, name in lib_paths:
-            if discovery.file_key(host) in self.probed_files:
-                continue
-            elf = next(iter(engine_libraries(self.pack, [host], self.root, [name])), None)
-            same = [e for e in self.elfs if elf is not None and e.build_id == elf.build_id]
-            if not same:
-                skipped.append(f"{name}: another build than the one being profiled")
-                continue
-            probes = [p for p in self.probes if p.elf is same[0]]
-            self._attach_probes(probes, {same[0].path: host})
+        copies, skipped = copies_of_probed(self.pack, lib_paths, self.elfs, self.probed_files, self.root)
+        for elf, host in copies:
+            probes = [p for p in self.probes if p.elf is elf]
+            self._attach_probes(probes, {elf.path: host})
             self.n_probes += sum(bool(p.entry_fn) + bool(p.return_fn) for p in probes)
         return skipped
 
@@ -424,22 +412,11 @@ class Collector:
         ctypes.memmove(ctypes.addressof(self._ops_buf) + self._ops_used, data, size)
         self._ops_used += size
 
-    def _on_perf_lost(self, count):
-        # A lost perf record may be a batch of PI_OP_BATCH ops: count records, say so.
-        self._perf_lost += count
-
     def fileno(self) -> int:
-        """Polls readable when the event buffer has records (see libbpf.RingBuffer.fileno)."""
-        return self._buf.fileno()
+        return self._events.fileno()
 
     def poll(self, timeout_ms: int = 100) -> None:
-        """Wait up to timeout_ms (less when BPF forces a wakeup), then drain the ring.
-
-        Records are submitted without wakeups, so the drain must not depend on one."""
-        self._buf.poll(timeout_ms)
-        if self.buffer == "ring":
-            libbpf.map_update(self._unread_fd, _ZERO_U32, _ZERO_U64)
-        self._buf.consume()
+        self._events.poll(timeout_ms)
         self._parse_raw()
 
     def _parse_raw(self) -> None:
@@ -568,9 +545,9 @@ class Collector:
         return []
 
     def lost(self) -> int:
-        """Events BPF could not submit, plus perf-buffer records the kernel dropped."""
-        raw = libbpf.map_lookup(self._lost_fd, _ZERO_U32, 8) if self.obj else None
-        return (int.from_bytes(raw, "little") if raw else 0) + self._perf_lost
+        """Records lost (a lost perf record may be a batch of PI_OP_BATCH ops: records are
+        counted, and said so)."""
+        return self._events.lost() if self.obj else self._lost_at_end
 
     # ---- finish ----
 
@@ -584,10 +561,10 @@ class Collector:
         if "op" in self.levels:
             stopped = np.zeros(1, self.dt["pi_control"]).tobytes()
             libbpf.map_update(self.obj.map_fd(".data.control"), _ZERO_U32, stopped)
-        self._buf.consume()
+        self._events.consume()
         self._parse_raw()
         self._drain_threads()
-        lost = self.lost()
+        lost = self._lost_at_end = self.lost()
         self.tallies = self._op_tallies()
         self.bpf_stats = self._program_stats()
         self.detach()

@@ -18,7 +18,7 @@ from capstone import x86_const as X
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-from .errors import ProfinferError
+from ..errors import ProfinferError
 
 SUPPORTED_MACHINE = "EM_X86_64"
 # pyelftools' e_machine names, as people call those architectures

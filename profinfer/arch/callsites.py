@@ -9,9 +9,8 @@ import capstone
 import numpy as np
 from capstone import x86_const as X
 from elftools.elf.elffile import ELFFile
-from elftools.elf.relocation import RelocationSection
 
-from .symbols import ElfInfo
+from ..symbols import ElfInfo
 
 _md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
 _md.detail = True

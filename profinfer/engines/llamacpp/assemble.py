@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import ggml
-from .model import GraphCall, SchedSwitch, SchedWakeup
-from .opcolumns import NodeDesc, OpColumns
+from ...model import GraphCall, SchedSwitch, SchedWakeup
+from ...opcolumns import NodeDesc, OpColumns
 
 OP_CHUNK = 8192          # raw op records turned into columns at a time
 _NO_CAP = np.iinfo(np.int64).max

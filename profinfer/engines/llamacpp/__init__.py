@@ -1,0 +1,1 @@
+"""llama.cpp / ggml: its decoder (collector), ggml structures, graph walk, op assembly, workload."""
