@@ -120,3 +120,23 @@ static __always_inline u32 current_tid(void)
     return (u32)bpf_get_current_pid_tgid();
 }
 
+/* Per thread: what is open on it (transport.h: struct pi_open_span). LRU: threads that exit
+ * leave their entry, the least recently used go first. */
+struct {
+    __uint(type, BPF_MAP_TYPE_LRU_HASH);
+    __uint(max_entries, 4096);
+    __type(key, u32);
+    __type(value, struct pi_open_span);
+} open_spans SEC(".maps");
+
+/* The thread's open span, made (zeroed) on first use; NULL only if the map refuses. */
+static __always_inline struct pi_open_span *open_span(u32 tid, u32 engine)
+{
+    struct pi_open_span *s = bpf_map_lookup_elem(&open_spans, &tid);
+    if (s)
+        return s;
+    struct pi_open_span fresh = {.engine = engine};
+    bpf_map_update_elem(&open_spans, &tid, &fresh, BPF_NOEXIST);
+    return bpf_map_lookup_elem(&open_spans, &tid);
+}
+

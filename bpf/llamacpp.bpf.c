@@ -130,6 +130,16 @@ static __always_inline void first_decode(struct pt_regs *ctx, u32 tid, u64 now)
         count_lost(1);
 }
 
+/* A decode call is the thread's open step (common.bpf.h: open_spans). */
+static __always_inline void step_begins(u32 tid, u64 now)
+{
+    struct pi_open_span *span = open_span(tid, PI_ENGINE_LLAMACPP);
+    if (span) {
+        span->step++;
+        span->step_start_ns = now;
+    }
+}
+
 SEC("uprobe")
 int token_enter(struct pt_regs *ctx)
 {
@@ -144,6 +154,7 @@ int token_enter(struct pt_regs *ctx)
                         (void *)(PT_REGS_SP(ctx) + cfg.token_sp_off));
     first_decode(ctx, tid, ev.start_ns);
     bpf_map_update_elem(&token_open, &tid, &ev, BPF_ANY);
+    step_begins(tid, ev.start_ns);
     return 0;
 }
 
@@ -226,6 +237,7 @@ static __always_inline int token_enter_batch(struct pt_regs *ctx, int read_seque
     }
     first_decode(ctx, tid, ev.start_ns);
     bpf_map_update_elem(&token_open, &tid, &ev, BPF_ANY);
+    step_begins(tid, ev.start_ns);
     return 0;
 }
 
@@ -254,6 +266,9 @@ int token_return(struct pt_regs *ctx)
     if (emit(ctx, ev, sizeof(*ev)))
         count_lost(1);
     bpf_map_delete_elem(&token_open, &tid);
+    struct pi_open_span *span = bpf_map_lookup_elem(&open_spans, &tid);
+    if (span)
+        span->step_start_ns = 0;
     return 0;
 }
 

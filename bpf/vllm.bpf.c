@@ -212,6 +212,17 @@ int vop_enter(struct pt_regs *ctx)
         read_values(ev, values_impl, dtype);
     }
     ev->start_ns = bpf_ktime_get_ns();
+    /* what is open on this thread, for levels under the engine (common.bpf.h) */
+    struct pi_open_span *span = open_span(tid, PI_ENGINE_VLLM);
+    if (span) {
+        if (spec->starts_step) {
+            span->step++;
+            span->step_start_ns = ev->start_ns;
+        }
+        span->op = op;
+        span->op_start_ns = ev->start_ns;
+        ev->step = span->step;
+    }
     return 0;
 }
 
@@ -238,5 +249,11 @@ int vop_return(struct pt_regs *ctx)
     }
     if (emit(ctx, ev, size))
         count_lost(1);
+    struct pi_open_span *span = bpf_map_lookup_elem(&open_spans, &tid);
+    if (span) {                 /* the op that called this one, if any, is open again */
+        struct pv_op_event *outer = &th->ev[(depth - 1) & (PV_MAX_DEPTH - 1)];
+        span->op = depth ? outer->op : 0;
+        span->op_start_ns = depth ? outer->start_ns : 0;
+    }
     return 0;
 }

@@ -26,7 +26,8 @@
 struct pv_op_spec {
     u8 n_args;
     u8 values_of;             /* read the values of this tensor argument (0xff: none) */
-    u8 pad[6];
+    u8 starts_step;           /* a call of this op begins the thread's next step */
+    u8 pad[5];
     u8 kind[PV_MAX_ARGS];
     u8 slot[PV_MAX_ARGS];
 };
@@ -47,6 +48,7 @@ struct pv_op_event {
     u32 op;                   /* index in the decoder's op list (the attach cookie) */
     u64 start_ns;
     u64 end_ns;
+    u64 step;                 /* the thread's step (open_spans) when the call began */
     u16 n_tensors;
     u16 depth;                /* ops already open on this thread when it began */
     u32 n_values;             /* values read (of values_of), at most PV_MAX_VALUES */

@@ -26,7 +26,8 @@ Protobuf layout (trace_reader.py reads exactly this back into a Profile):
   The attributes profinfer.counter_dropped.<reason> carry the dropped-op counts.
 - engines whose ops are calls (vLLM): step (name = phase; tokens, calls, query_lens "1,1,4")
   > native_op (name = op; "arg:<name>" = "dtype[s0,s1,...]" per tensor argument, "-" for an
-  empty optional; library, depth, values where read); nested calls one level deeper. Each
+  empty optional; library, depth, step (the thread's step number), values where read);
+  nested calls one level deeper. Each
   process whose threads ran ops has its descriptor; the profiled process's comes first.
 - MoE routing: a MUL_MAT_ID op's END carries "experts" = "e,e|e,e|..." (per token).
 - scheduler events (sched level) as ftrace sched_switch / sched_wakeup events in
@@ -233,7 +234,7 @@ def begin_fields(obj) -> tuple[str, str, tuple]:
         return CAT_ARRIVAL, ARRIVAL_NAME, ()
     if isinstance(obj, OpCall):
         args = tuple((CALL_ARG_PREFIX + a.name, _STR, tensor_str(a.dtype, a.shape)) for a in obj.args)
-        args += (("library", _STR, obj.library), ("depth", _INT, obj.depth))
+        args += (("library", _STR, obj.library), ("depth", _INT, obj.depth), ("step", _INT, obj.step))
         if obj.values:
             args += (("values", _STR, ",".join(map(str, obj.values))),)
         return CAT_CALL, obj.op, args

@@ -259,7 +259,8 @@ class _Reader:
                          for k, v in begin_args.items() if k.startswith(CALL_ARG_PREFIX))
             values = tuple(int(v) for v in begin_args["values"].split(",")) if begin_args.get("values") else ()
             self.calls.append(OpCall(self.track_pid.get(tid, self.pid or 0), tid, start, end, name, args,
-                                     begin_args.get("depth", 0), begin_args.get("library", ""), values))
+                                     begin_args.get("depth", 0), begin_args.get("library", ""), values,
+                                     begin_args.get("step", 0)))
         elif cat == CAT_STEP:
             lens = begin_args.get("query_lens", "")
             self.steps.append(Step(self.track_pid.get(tid, self.pid or 0), tid, start, end,

@@ -170,6 +170,7 @@ class OpCall:
     depth: int = 0       # ops already open on the thread (an op called from another)
     library: str = ""
     values: tuple[int, ...] = ()   # the values of a small integer argument, where read
+    step: int = 0        # the thread's engine step when it began (0: before any seen)
 
     @property
     def dur_ns(self) -> int:

@@ -3,7 +3,9 @@ space drains on a timer (BPF wakes it only when the ring fills), or per-CPU perf
 kernels before 5.12; and the counter of records BPF could not submit."""
 from __future__ import annotations
 
-from . import discovery, libbpf
+import numpy as np
+
+from . import discovery, layout, libbpf
 from .errors import ProfinferError
 
 _ZERO_U32 = bytes(4)
@@ -52,3 +54,11 @@ def attach_failed(pid: int, error: ProfinferError) -> ProfinferError:
     if not discovery.process_exists(pid):
         return ProfinferError(f"process {pid} exited while probes were being attached")
     return error
+
+
+def steps_begun(obj: libbpf.BpfObject) -> int:
+    """The steps (llama_decode calls, vLLM steps) the engine's programs began on its threads
+    since attach, as the shared per-thread state counts them (open_spans: what a level under
+    the engine reads); read before detaching."""
+    dt = layout.parse(header="transport.h")[1]["pi_open_span"]
+    return sum(int(np.frombuffer(value, dt)[0]["step"]) for _, value in obj.map_items("open_spans"))

@@ -81,6 +81,8 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, mod
     # steps: as many as the scheduler made, each with its requests' new tokens
     steps = summary["step_list"]
     assert len(steps) == len(truth["steps"]) == 12
+    # the per-thread open-span state (what a level under the engine reads) counted the same
+    assert int(summary["meta"]["steps_begun"]) == 12
     assert [sorted(s["query_lens"]) for s in steps] == truth["steps"]
     assert [s["tokens"] for s in steps] == [sum(t) for t in truth["steps"]]
     assert [s["phase"] for s in steps] == ["prefill"] + ["decode"] * 11

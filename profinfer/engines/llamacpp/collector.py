@@ -22,7 +22,7 @@ from ... import counters as perfcounters
 from ...errors import ProfinferError
 from ...model import GraphCall, Profile, TokenCall, decode_tokens
 from ...probepack import Pack, copies_of_probed, engine_libraries, resolve
-from ...transport import EventTransport, attach_failed
+from ...transport import EventTransport, attach_failed, steps_begun
 from ...symbols import load_elf
 
 VALIDATE_NODES = 64   # node descriptions checked before a table layout is trusted
@@ -567,8 +567,11 @@ class Collector:
         lost = self._lost_at_end = self.lost()
         self.tallies = self._op_tallies()
         self.bpf_stats = self._program_stats()
+        steps = steps_begun(self.obj)
         self.detach()
-        return self._build_profile(lost)
+        profile = self._build_profile(lost)
+        profile.meta["steps_begun"] = str(steps)
+        return profile
 
     def _drain_threads(self) -> None:
         """Ops still batched or in progress in the per-thread BPF state at the end."""

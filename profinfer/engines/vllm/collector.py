@@ -19,12 +19,12 @@ from ...arch import placement
 from ...errors import ProfinferError
 from ...model import OpCall, Profile, TensorArg
 from ...probepack import Pack, copies_of_probed, engine_libraries
-from ...transport import EventTransport, attach_failed
+from ...transport import EventTransport, attach_failed, steps_begun
 from . import ops as native, steps as stepmaker, tensors
 
 HEADER = "vllm.h"
 ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
-CALL_COLUMNS = ("op", "tid", "tgid", "start_ns", "end_ns", "depth")
+CALL_COLUMNS = ("op", "tid", "tgid", "start_ns", "end_ns", "depth", "step")
 PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS = 64, 16   # perf buffers (kernels before 5.12)
 VALIDATE_CALLS = 16      # calls whose tensors are checked before a table layout is trusted
 _U32_P = ctypes.POINTER(ctypes.c_uint32)
@@ -164,6 +164,7 @@ class VllmCollector:
         spec["slot"][0, :len(op.slots)] = op.slots
         rule = self.step_rules.get(op.name)
         spec["values_of"] = rule.values_arg if rule else 0xff
+        spec["starts_step"] = int(rule is not None)
         return spec
 
     def _attach_ops(self, elfs, paths: dict[str, str]) -> None:
@@ -310,6 +311,7 @@ class VllmCollector:
         lost = self._lost_at_end = self.lost()
         stats = self.obj.program_stats() if self._stats_fd >= 0 else {}
         tallies = self._tallies()
+        steps = steps_begun(self.obj)
         self.detach()
         calls = self._calls()
         self.bpf_stats = self._cost(stats, calls)
@@ -317,6 +319,7 @@ class VllmCollector:
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
         prof.steps = stepmaker.steps(calls, self.step_rules)
         prof.meta.update(self._meta(tallies))
+        prof.meta["steps_begun"] = str(steps)
         # the processes whose ops were recorded (a worker child, not the API server)
         prof.meta["op_processes"] = ",".join(str(p) for p in sorted({c.pid for c in calls}))
         if self.n_events and not self._layout_trusted and self._layout_checked < VALIDATE_CALLS:
@@ -361,7 +364,7 @@ class VllmCollector:
         cols = {c: np.concatenate([part[c] for part in self._columns]) for c in CALL_COLUMNS}
         sig_ids = np.concatenate(self._sig_ids)
         order = np.argsort(cols["start_ns"], kind="stable")
-        op_, tid, tgid, start, end, depth = (cols[c].tolist() for c in CALL_COLUMNS)
+        op_, tid, tgid, start, end, depth, step = (cols[c].tolist() for c in CALL_COLUMNS)
         names, libraries, sigs, values = ([o.name for o in self.ops], self.op_library,
                                           self._signatures, self._values)
         calls = []
@@ -369,7 +372,7 @@ class VllmCollector:
         for i in order.tolist():
             op = op_[i]
             calls.append(OpCall(tgid[i], tid[i], start[i], end[i], names[op], sigs[sig_ids[i]],
-                                depth[i], libraries[op], values.get(i, ())))
+                                depth[i], libraries[op], values.get(i, ()), step[i]))
         return calls
 
     def _meta(self, tallies: dict[str, int]) -> dict[str, str]:

@@ -2,9 +2,9 @@
 
 The pack names those ops and the argument that holds the step's query start locations
 (per sequence, the offset of its new tokens; the last value is the step's token count):
-BPF reads that small tensor's values at the call. A step lasts from that call to the last
-call its thread makes before the next step's: the next step's input preparation, which runs
-before its step op, falls in the step before.
+BPF reads that small tensor's values at the call, and numbers the thread's steps there: a
+step holds the calls its thread makes from that call to the next step's (the next step's
+input preparation, which runs before its step op, falls in the step before).
 """
 from __future__ import annotations
 
@@ -45,20 +45,21 @@ def values_of(raw: np.ndarray, n: int, value_bytes: int) -> tuple[int, ...]:
 
 
 def steps(calls: list[OpCall], step_rules: dict[str, StepRule]) -> list[Step]:
+    """One Step per (process, thread, step number) that holds its step op's call: BPF numbers
+    each thread's steps at their step op (open_spans), and each call carries its number."""
     if not step_rules:
         return []
-    out: list[Step] = []
-    open_by_thread: dict[tuple[int, int], Step] = {}
+    by_key: dict[tuple[int, int, int], Step] = {}
+    members: dict[tuple[int, int, int], list[OpCall]] = {}
     for c in calls:                                   # in start order
-        key = (c.pid, c.tid)
-        if c.op in step_rules and c.depth == 0:
+        key = (c.pid, c.tid, c.step)
+        if c.step and c.op in step_rules and c.depth == 0 and key not in by_key:
             qsl = c.values
             lens = tuple(b - a for a, b in zip(qsl, qsl[1:]))
-            step = Step(c.pid, c.tid, c.start_ns, c.end_ns, qsl[-1] if qsl else 0, lens, 0)
-            open_by_thread[key] = step
-            out.append(step)
-        step = open_by_thread.get(key)
-        if step is not None:
-            step.end_ns = max(step.end_ns, c.end_ns)
-            step.n_calls += 1
-    return out
+            by_key[key] = Step(c.pid, c.tid, c.start_ns, c.end_ns, qsl[-1] if qsl else 0, lens, 0)
+        members.setdefault(key, []).append(c)
+    for key, step in by_key.items():
+        group = members[key]
+        step.end_ns = max(c.end_ns for c in group)
+        step.n_calls = len(group)
+    return sorted(by_key.values(), key=lambda s: (s.start_ns, s.tid))
