@@ -94,6 +94,8 @@ def _call_summary(profile: Profile) -> dict:
                       for s in st.steps],
         "phases": {name: {"steps": ph.steps, "tokens": ph.tokens, "time_ns": ph.time_ns, "op_ns": ph.op_ns}
                    for name, ph in st.phases.items()},
+        "server_metrics": [{"what": r.what, "server": r.server, "ours": r.ours, "unit": r.unit}
+                           for r in callstats.server_rows(profile, st)],
         "meta": {str(k): str(v) for k, v in profile.meta.items()},
     } | _profiler_cost(profile)
 

@@ -107,3 +107,34 @@ def _op_time_by_step(top: list[OpCall], steps: list[Step]) -> list[int]:
         lo, hi = np.searchsorted(starts[k], [s.start_ns, s.end_ns], side="left")
         out.append(int(durs[k][lo:hi].sum()))
     return out
+
+
+@dataclass
+class ServerRow:
+    what: str
+    server: float | None       # the engine's own /metrics, over the recording
+    ours: float | None         # profinfer's figure for the same, where it has one
+    unit: str
+
+
+def server_rows(profile: Profile, st: CallProfileStats) -> list[ServerRow]:
+    """The engine server's own counts over the recording (meta server:*, scraped from its
+    /metrics at the start and end), beside profinfer's."""
+    m = {k[len("server:"):]: float(v) for k, v in profile.meta.items() if k.startswith("server:")}
+    if not m:
+        return []
+
+    def mean(name: str) -> float | None:
+        n = m.get(name + "_count")
+        return m[name + "_sum"] / n if n else None
+
+    dec = st.phases["decode"]
+    return [
+        ServerRow("steps", m.get("vllm:iteration_tokens_total_count"), len(st.steps), ""),
+        ServerRow("prompt tokens", m.get("vllm:prompt_tokens"), st.prefill_tokens, ""),
+        ServerRow("generated tokens", m.get("vllm:generation_tokens"), None, ""),
+        ServerRow("requests finished", m.get("vllm:e2e_request_latency_seconds_count"), None, ""),
+        ServerRow("time to first token, mean", mean("vllm:time_to_first_token_seconds"), None, "s"),
+        ServerRow("inter-token latency, mean (ours: decode step)", mean("vllm:inter_token_latency_seconds"),
+                  dec.time_ns / dec.steps / 1e9 if dec.steps else None, "s"),
+    ]

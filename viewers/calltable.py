@@ -40,6 +40,23 @@ def step_table(st: CallProfileStats) -> Table:
     return t
 
 
+def _value(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    return f"{v * 1e3:,.3f} ms" if unit == "s" else f"{v:,.0f}"
+
+
+def server_table(rows: list[callstats.ServerRow]) -> Table:
+    t = Table(title="The server's own /metrics over the recording, beside profinfer's",
+              title_justify="left")
+    t.add_column("")
+    t.add_column("server", justify="right")
+    t.add_column("profinfer", justify="right")
+    for r in rows:
+        t.add_row(r.what, _value(r.server, r.unit), _value(r.ours, r.unit))
+    return t
+
+
 def render(profile: Profile, console: Console) -> CallProfileStats:
     st = callstats.compute(profile)
     console.print(op_table(st.ops, "Native ops (all threads)"))
@@ -52,6 +69,9 @@ def render(profile: Profile, console: Console) -> CallProfileStats:
                       f"lost events {profile.lost_events:,}")
     else:
         console.print("[yellow]no steps: none of the pack's step ops ran or was probed[/]")
+    rows = callstats.server_rows(profile, st)
+    if rows:
+        console.print(server_table(rows))
     trap = recorded_calibration.trap_costs(profile)
     cost = selfcost.compute(profile, trap.value)
     if cost:

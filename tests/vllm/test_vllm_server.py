@@ -103,3 +103,10 @@ def test_attach_to_the_api_server_records_its_worker(server, tmp_path):
     assert generated == MAX_TOKENS * len(PROMPTS)
     assert summary["tokens"] == {"prefill": prompt_tokens, "decode": generated - len(PROMPTS)}
     assert sum(s["tokens"] for s in summary["step_list"]) == prompt_tokens + generated - len(PROMPTS)
+    # the server's own /metrics over the same stretch (scraped at attach and at the end):
+    # the same steps and prompt tokens
+    server = {r["what"]: r for r in summary["server_metrics"]}
+    assert server["steps"]["server"] == server["steps"]["ours"] == len(summary["step_list"])
+    assert server["prompt tokens"]["server"] == server["prompt tokens"]["ours"] == prompt_tokens
+    assert server["generated tokens"]["server"] == generated
+    assert server["requests finished"]["server"] == len(PROMPTS)

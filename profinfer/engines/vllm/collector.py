@@ -21,6 +21,7 @@ from ...model import OpCall, Profile, TensorArg
 from ...probepack import Pack, copies_of_probed, engine_libraries
 from ...transport import EventTransport, attach_failed, steps_begun
 from . import ops as native, steps as stepmaker, tensors
+from .server_metrics import MetricsWindow
 
 HEADER = "vllm.h"
 ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
@@ -73,6 +74,7 @@ class VllmCollector:
         self.bpf_stats: dict[str, tuple[int, int]] = {}
         self._lost_at_end = 0
         self.compiled_kernels = 0
+        self._server_metrics: MetricsWindow | None = None
         self.processes: set[int] = set()    # attach: the tree's processes followed
         self.placements: dict[str, tuple] = {}   # op: (entry probe's place, the first emulated one)
         self._tree_fd = -1
@@ -135,6 +137,8 @@ class VllmCollector:
             self.detach()
             raise attach_failed(self.pid, e) from None
         self.attach_s = time.monotonic() - t0
+        # the server's own account of the same stretch, where it serves /metrics
+        self._server_metrics = MetricsWindow(sorted(self.processes or {self.pid}))
 
     def _follow_tree(self) -> None:
         """Add the process's descendants started since (a restarted worker) to `followed`."""
@@ -306,6 +310,7 @@ class VllmCollector:
     # ---- finish ----
 
     def finish(self) -> Profile:
+        server = self._server_metrics.delta() if self._server_metrics else {}
         self._events.consume()
         self._parse()
         lost = self._lost_at_end = self.lost()
@@ -320,6 +325,9 @@ class VllmCollector:
         prof.steps = stepmaker.steps(calls, self.step_rules)
         prof.meta.update(self._meta(tallies))
         prof.meta["steps_begun"] = str(steps)
+        if server:
+            prof.meta["server_metrics_url"] = self._server_metrics.url
+            prof.meta.update((f"server:{k}", f"{v:g}") for k, v in sorted(server.items()))
         # the processes whose ops were recorded (a worker child, not the API server)
         prof.meta["op_processes"] = ",".join(str(p) for p in sorted({c.pid for c in calls}))
         if self.n_events and not self._layout_trusted and self._layout_checked < VALIDATE_CALLS:

@@ -1,0 +1,72 @@
+"""vLLM's own request-level numbers, where its OpenAI server's /metrics endpoint is reachable:
+scraped when profiling starts and when it ends, so the report can set the server's account of
+the same stretch beside profinfer's. Nothing profinfer records depends on it."""
+from __future__ import annotations
+
+import urllib.request
+
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+TIMEOUT_S = 1.0
+# counters, and histograms as (count, sum), summed over their label sets (engines, models)
+COUNTERS = ("vllm:prompt_tokens", "vllm:generation_tokens")
+HISTOGRAMS = ("vllm:iteration_tokens_total", "vllm:time_to_first_token_seconds",
+              "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds")
+
+
+def endpoints(pids: list[int]) -> list[str]:
+    """/metrics URLs of the TCP ports the processes listen on (loopback for a wildcard)."""
+    urls = []
+    for pid in pids:
+        try:
+            conns = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN:
+                host = c.laddr.ip
+                host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+                host = f"[{host}]" if ":" in host else host
+                urls.append(f"http://{host}:{c.laddr.port}/metrics")
+    return urls
+
+
+def scrape(url: str) -> dict[str, float] | None:
+    """The metrics profinfer sets beside its own, or None (not vLLM's, or unreachable)."""
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as r:
+            text = r.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    if "vllm:" not in text:
+        return None
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if family.name in COUNTERS and name == family.name + "_total":
+                out[family.name] = out.get(family.name, 0.0) + sample.value
+            elif any(name == h + "_count" or name == h + "_sum" for h in HISTOGRAMS):
+                out[name] = out.get(name, 0.0) + sample.value
+    return out
+
+
+class MetricsWindow:
+    """The server's counts over the recording: a scrape at its start and one at its end."""
+
+    def __init__(self, pids: list[int]):
+        self.url, self.start = None, None
+        for url in endpoints(pids):
+            values = scrape(url)
+            if values is not None:
+                self.url, self.start = url, values
+                break
+
+    def delta(self) -> dict[str, float]:
+        if self.url is None:
+            return {}
+        end = scrape(self.url)
+        if end is None:
+            return {}
+        return {k: end[k] - self.start.get(k, 0.0) for k in end}
