@@ -5,6 +5,7 @@
  * aligned to their size (no implicit padding).
  */
 #include "transport.h"
+#include "counters.h"
 
 #define PI_NAME_LEN 64
 /* The op handler reads a tensor's fields with one read of its first bytes, not one per field
@@ -69,7 +70,6 @@ struct pi_graph_event {
 };
 
 /* One graph node computed by one thread. */
-#define PI_MAX_COUNTERS 4
 #define PI_OP_MIGRATED 1      /* the thread changed CPU inside the op: counter deltas dropped */
 #define PI_OP_CTR_FAILED 2    /* a counter could not be read: deltas dropped */
 #define PI_OP_UNFINISHED 4    /* still running when collection ended, or when its thread exited */
@@ -167,12 +167,6 @@ struct pi_experts_event {
 
 /* ---- per-thread op state (BPF's, drained by user space when collection ends) ---- */
 
-/* One read of a perf counter (struct bpf_perf_event_value's layout). */
-struct pi_counter_read {
-    u64 counter;
-    u64 enabled;
-    u64 running;
-};
 
 /* A node is described once per thread, and again only when its description changes; its runs
  * carry its number. Which descriptions a thread sent is remembered in its own table of

@@ -52,15 +52,7 @@ struct {
     __type(value, struct pi_op_thread);
 } op_threads_direct SEC(".maps");
 
-/* Per-CPU perf counters (opened by user space): counter i of CPU c at i * n_cpus + c.
- * Counting is per CPU, not per thread, so a node whose thread changes CPU has no valid
- * delta: it is flagged PI_OP_MIGRATED and user space counts it instead of summing it. */
-struct {
-    __uint(type, BPF_MAP_TYPE_PERF_EVENT_ARRAY);
-    __uint(key_size, sizeof(u32));
-    __uint(value_size, sizeof(u32));
-    __uint(max_entries, 1);
-} counters SEC(".maps");
+#include "counters.bpf.h"
 
 /* PI_TALLY_* counts, per CPU: user space reports the sums (how often the generation let a run
  * skip reading a description; where thread states went). */
@@ -359,20 +351,6 @@ int context_made(struct pt_regs *ctx)
  * only when the thread's next node starts (or user space drains the map at the end).
  */
 
-/* Read every configured counter of this CPU into v; 0 when all reads succeeded. */
-static __always_inline int read_counters(struct pi_counter_read *v, u32 cpu)
-{
-    int failed = 0;
-#pragma unroll
-    for (u32 i = 0; i < PI_MAX_COUNTERS; i++) {
-        if (i >= cfg.n_counters)
-            break;
-        if (bpf_perf_event_read_value(&counters, (u64)(i * cfg.n_cpus + cpu),
-                                      (struct bpf_perf_event_value *)&v[i], sizeof(v[i])))
-            failed = 1;
-    }
-    return failed;
-}
 
 /* The node's end on this thread, as far as counters go: re-read them unless it moved CPU. */
 static __always_inline void counters_at_end(struct pi_op_thread *st)

@@ -12,6 +12,7 @@
 #define offsetof(type, member) __builtin_offsetof(type, member)
 #endif
 #include "common.bpf.h"
+#include "counters.bpf.h"
 
 char LICENSE[] SEC("license") = "GPL";
 
@@ -211,6 +212,12 @@ int vop_enter(struct pt_regs *ctx)
         bpf_probe_read_user(&dtype, sizeof(dtype), (void *)(values_impl + cfg.ti_off_dtype));
         read_values(ev, values_impl, dtype);
     }
+    ev->flags = 0;
+    if (cfg.n_counters) {       /* last before the clock: the call's own work is what counts */
+        ev->cpu = bpf_get_smp_processor_id();
+        if (read_counters(ev->ctr, ev->cpu))
+            ev->flags |= PV_CTR_FAILED;
+    }
     ev->start_ns = bpf_ktime_get_ns();
     /* what is open on this thread, for levels under the engine (common.bpf.h) */
     struct pi_open_span *span = open_span(tid, PI_ENGINE_VLLM);
@@ -239,6 +246,21 @@ int vop_return(struct pt_regs *ctx)
         return 0;
     struct pv_op_event *ev = &th->ev[depth & (PV_MAX_DEPTH - 1)];
     ev->end_ns = now;
+    if (cfg.n_counters && !ev->flags) {
+        if (bpf_get_smp_processor_id() != ev->cpu) {
+            ev->flags |= PV_CTR_MIGRATED;
+        } else {
+            struct pi_counter_read end[PI_MAX_COUNTERS] = {};
+            if (read_counters(end, ev->cpu))
+                ev->flags |= PV_CTR_FAILED;
+#pragma unroll
+            for (u32 i = 0; i < PI_MAX_COUNTERS; i++) {
+                ev->ctr[i].counter = end[i].counter - ev->ctr[i].counter;
+                ev->ctr[i].enabled = end[i].enabled - ev->ctr[i].enabled;
+                ev->ctr[i].running = end[i].running - ev->ctr[i].running;
+            }
+        }
+    }
     /* a record as long as what it holds: most calls have a few tensors and no values */
     u32 size = sizeof(*ev);
     if (!ev->n_values) {

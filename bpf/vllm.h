@@ -3,6 +3,7 @@
 #pragma once
 
 #include "transport.h"
+#include "counters.h"
 
 #define PV_EV_OP 32           /* one call of a native op, sent at its return */
 
@@ -12,6 +13,8 @@
 #define PV_MAX_DIMS 6         /* sizes kept per tensor (more: ndim says how many it had) */
 #define PV_MAX_VALUES 64      /* integer values read from one small tensor per call */
 #define PV_MAX_DEPTH 4        /* ops open at once on one thread (an op calling another) */
+#define PV_CTR_MIGRATED 1     /* the thread changed CPU inside the call */
+#define PV_CTR_FAILED 2       /* a counter could not be read */
 
 /* How a C++ parameter arrives (x86-64 SysV, after the hidden return pointer if any). */
 #define PV_ARG_SKIP 0         /* in a vector register (double), or nothing to read */
@@ -53,7 +56,10 @@ struct pv_op_event {
     u16 depth;                /* ops already open on this thread when it began */
     u32 n_values;             /* values read (of values_of), at most PV_MAX_VALUES */
     u32 value_bytes;          /* 4 or 8 */
+    u32 cpu;                  /* where it began (counters are per CPU) */
+    u32 flags;                /* PV_CTR_*: why its counter deltas are not valid */
     u32 pad;
+    struct pi_counter_read ctr[PI_MAX_COUNTERS];   /* read at entry; sent: end minus entry */
     struct pv_tensor t[PV_MAX_TENSORS];   /* sent: the first n_tensors, */
     s64 values[PV_MAX_VALUES];            /* and these only when n_values */
 };
@@ -75,4 +81,6 @@ struct pi_config {
     u64 ti_off_storage_offset;
     u64 ti_off_numel;
     u64 ti_off_dtype;         /* caffe2::TypeMeta's index: the ScalarType */
+    u32 n_counters;           /* perf counters in `counters` (counters.bpf.h) */
+    u32 n_cpus;
 };

@@ -97,7 +97,7 @@ def _call_summary(profile: Profile) -> dict:
         "server_metrics": [{"what": r.what, "server": r.server, "ours": r.ours, "unit": r.unit}
                            for r in callstats.server_rows(profile, st)],
         "meta": {str(k): str(v) for k, v in profile.meta.items()},
-    } | _profiler_cost(profile)
+    } | _counters(profile) | _profiler_cost(profile)
 
 
 def _profiler_cost(profile: Profile) -> dict:

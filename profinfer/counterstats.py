@@ -88,6 +88,8 @@ def derive(totals: dict[str, float], dur_ns: int) -> dict[str, float]:
 
 def compute(profile: Profile) -> CounterStats | None:
     names = profile.counter_names
+    if names and profile.calls:
+        return _compute_calls(profile)
     if not names or not profile.ops:
         return None
     cols = as_columns(profile.ops)
@@ -118,3 +120,44 @@ def compute(profile: Profile) -> CounterStats | None:
         notes.append(f"{sum(dropped.values())} of {len(profile.ops)} ops not counted ("
                      + ", ".join(f"{v} {k}" for k, v in dropped.items()) + ")")
     return CounterStats(list(names), dropped, by_op, by_phase, per_token, notes)
+
+
+def _compute_calls(profile: Profile) -> CounterStats:
+    """The same, for an engine whose ops are calls (vLLM): per op, and per phase of the step
+    each call belongs to (its thread's step number)."""
+    names = profile.counter_names
+    phase_of = {(st.pid, st.tid, n): st.phase for n, st in _numbered_steps(profile)}
+
+    def row(scope: str, calls) -> CounterRow:
+        counted = [c for c in calls if c.counters is not None]
+        totals = {n: float(sum(c.counters[i] for c in counted)) for i, n in enumerate(names)}
+        dur = sum(c.dur_ns for c in counted)
+        return CounterRow(scope, len(counted), dur, totals, derive(totals, dur))
+
+    by_name: dict[str, list] = {}
+    by_phase_calls: dict[str, list] = {}
+    for c in profile.calls:
+        by_name.setdefault(c.op, []).append(c)
+        ph = phase_of.get((c.pid, c.tid, c.step))
+        if ph is not None:
+            by_phase_calls.setdefault(ph, []).append(c)
+    by_op = sorted((row(op, cs) for op, cs in by_name.items()), key=lambda r: -r.dur_ns)
+    by_phase = {p: row(p, by_phase_calls[p]) for p in PHASES if p in by_phase_calls}
+    tokens = dict.fromkeys(PHASES, 0)
+    for st in profile.steps:
+        tokens[st.phase] += st.n_tokens
+    per_token = {p: {n: v / tokens[p] for n, v in by_phase[p].totals.items()}
+                 for p in ("prefill", "decode") if p in by_phase and tokens[p]}
+    dropped = {k: v for k, v in profile.counter_dropped.items() if v}
+    notes = ([f"{sum(dropped.values())} of {len(profile.calls)} calls not counted ("
+              + ", ".join(f"{v} {k}" for k, v in dropped.items()) + ")"] if dropped else [])
+    return CounterStats(list(names), dropped, by_op, by_phase, per_token, notes)
+
+
+def _numbered_steps(profile: Profile):
+    """(the thread's step number, step) for each step: the step number its calls carry."""
+    for st in profile.steps:
+        first = next((c for c in profile.calls if c.pid == st.pid and c.tid == st.tid
+                      and c.start_ns == st.start_ns), None)
+        if first is not None:
+            yield first.step, st

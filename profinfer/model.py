@@ -171,6 +171,9 @@ class OpCall:
     library: str = ""
     values: tuple[int, ...] = ()   # the values of a small integer argument, where read
     step: int = 0        # the thread's engine step when it began (0: before any seen)
+    # perf counter deltas over the call, scaled, in Profile.counter_names order; None when
+    # not counted (no counters, or dropped: see Profile.counter_dropped)
+    counters: tuple[float, ...] | None = None
 
     @property
     def dur_ns(self) -> int:

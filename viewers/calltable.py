@@ -4,10 +4,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer import callstats, recorded_calibration, selfcost
+from profinfer import callstats, counterstats, recorded_calibration, selfcost
 from profinfer.callstats import CallProfileStats
 from profinfer.model import Profile
-from profinfer.viewers.optable import _ms, _us, cost_line, op_table
+from profinfer.viewers.optable import _ms, _us, cost_line, counter_table, op_table
 
 TOP_SHAPES = 15
 
@@ -69,6 +69,11 @@ def render(profile: Profile, console: Console) -> CallProfileStats:
                       f"lost events {profile.lost_events:,}")
     else:
         console.print("[yellow]no steps: none of the pack's step ops ran or was probed[/]")
+    cs = counterstats.compute(profile)
+    if cs:
+        console.print(counter_table(cs))
+        for note in cs.notes:
+            console.print(f"[yellow]counters: {note}[/]")
     rows = callstats.server_rows(profile, st)
     if rows:
         console.print(server_table(rows))

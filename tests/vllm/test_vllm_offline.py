@@ -32,7 +32,8 @@ def _truth_key(call: dict) -> tuple:
     return _key(call["op"], args)
 
 
-def run_offline(vllm_python, vllm_model, mode: str, tmp_path: Path) -> tuple[dict, dict, str]:
+def run_offline(vllm_python, vllm_model, mode: str, tmp_path: Path,
+                extra: tuple[str, ...] = ()) -> tuple[dict, dict, str]:
     go, truth_path, summary_path = tmp_path / "go", tmp_path / "truth.json", tmp_path / "summary.json"
     target = subprocess.Popen([str(vllm_python), str(TRUTH_SCRIPT), str(vllm_model), mode, str(go),
                                str(truth_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -45,7 +46,7 @@ def run_offline(vllm_python, vllm_model, mode: str, tmp_path: Path) -> tuple[dic
         assert seen and seen[-1].strip() == "READY", "".join(seen[-20:])
         threading.Thread(target=target.stdout.read, daemon=True).start()
         prof = start_profinfer(["attach", "--pid", str(target.pid), "--json", str(summary_path),
-                                "-o", str(tmp_path / "trace.pftrace"), "--quiet"])
+                                "-o", str(tmp_path / "trace.pftrace"), "--quiet", *extra])
         go.touch()
         assert target.wait(timeout=300) == 0
         _, err = prof.communicate(timeout=120)
@@ -98,6 +99,22 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, mod
     again = json.loads(reread.read_text())
     for key in ("ops", "op_shapes", "step_list", "tokens", "phases", "lost_events"):
         assert again[key] == summary[key], key
+
+
+def test_counters_per_native_op(vllm_python, vllm_model, tmp_path):
+    """Software perf counters read around every call (per CPU: a call whose thread moved is
+    not counted): task-clock over a call is the call's own time on its CPU."""
+    truth, summary, _ = run_offline(vllm_python, vllm_model, "eager", tmp_path,
+                                    ("--counters", "task-clock,context-switches"))
+    ctr = summary["counters"]
+    assert ctr["names"] == ["task-clock", "context-switches"]
+    counted = sum(r["counted"] for r in ctr["ops"])
+    assert counted == len(truth["calls"]) - sum(ctr["dropped_ops"].values())
+    assert counted >= 0.9 * len(truth["calls"])
+    for r in ctr["ops"]:
+        # the counters are read just outside the call's clock reads: within a few µs a call
+        assert r["dur_ns"] * 0.9 <= r["totals"]["task-clock"] <= r["dur_ns"] + 5_000 * r["counted"], r
+    assert set(ctr["phases"]) == {"prefill", "decode"}
 
 
 SCHEMAS_OF_TORCH = """

@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 
 from ... import bpfobj, discovery, kernel, layout, libbpf
+from ... import counters as perfcounters
 from ...arch import placement
 from ...errors import ProfinferError
 from ...model import OpCall, Profile, TensorArg
@@ -36,8 +37,6 @@ class VllmCollector:
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
                  buffer: str = "auto", counters: list[str] | None = None,
                  followed_map_fd: int | None = None):
-        if counters:
-            raise ProfinferError("--counters are not read for vLLM's ops yet")
         self.pid = pid
         self.levels = set(levels)
         self.pack = pack
@@ -74,6 +73,12 @@ class VllmCollector:
         self.bpf_stats: dict[str, tuple[int, int]] = {}
         self._lost_at_end = 0
         self.compiled_kernels = 0
+        self.counter_request = list(counters or [])
+        self.counters: perfcounters.OpenCounters | None = None
+        self.counter_names: list[str] = []
+        self.n_cpus = perfcounters.possible_cpus()
+        self._counter_values: list[np.ndarray] = []   # per call: scaled deltas, NaN when dropped
+        self.counter_dropped = {"migrated": 0, "unreadable": 0, "not running": 0}
         self._server_metrics: MetricsWindow | None = None
         self.processes: set[int] = set()    # attach: the tree's processes followed
         self.placements: dict[str, tuple] = {}   # op: (entry probe's place, the first emulated one)
@@ -107,6 +112,11 @@ class VllmCollector:
         self.layout = tensors.layout_for(version, self.forced_layout)
         self.torch_version = version or ""
         self.step_rules = stepmaker.rules(self.pack, self.ops)
+        if self.counter_request:
+            self.counters = perfcounters.open_counters(self.counter_request, self.consts["PI_MAX_COUNTERS"])
+            if self.counters.notice:
+                self.warnings.append(self.counters.notice)
+            self.counter_names = [c.name for c in self.counters.counters]
         self.obj = libbpf.BpfObject(bpfobj.object_path(self.pack.bpf, self.buffer))
         try:
             if self.followed_map_fd is not None:
@@ -115,6 +125,7 @@ class VllmCollector:
             if self.buffer == "ring":
                 self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
             self.obj.set_max_entries("threads", 256)
+            self.obj.set_max_entries("counters", self.consts["PI_MAX_COUNTERS"] * self.n_cpus)
             # one link per library for all its ops where the kernel has uprobe-multi links
             self.multi = kernel.release_at_least(6, 6)
             if self.multi:
@@ -126,6 +137,12 @@ class VllmCollector:
                 # the API server, one per rank), kept in the object's own `followed` map
                 self._tree_fd = self.obj.map_fd("followed")
                 self._follow_tree()
+            if self.counters:
+                fd = self.obj.map_fd("counters")
+                for i, per_cpu in enumerate(self.counters.fds):
+                    for cpu, event_fd in per_cpu.items():
+                        libbpf.map_update(fd, (i * self.n_cpus + cpu).to_bytes(4, "little"),
+                                          event_fd.to_bytes(4, "little"))
             specs = self.obj.map_fd("op_specs")
             for i, op in enumerate(self.ops):
                 libbpf.map_update(specs, i.to_bytes(4, "little"), self._spec(op).tobytes())
@@ -159,6 +176,8 @@ class VllmCollector:
         cfg["ti_off_storage"], cfg["st_off_data"] = lay.storage, lay.storage_data
         cfg["ti_off_sizes"], cfg["ti_off_storage_offset"] = lay.sizes, lay.storage_offset
         cfg["ti_off_numel"], cfg["ti_off_dtype"] = lay.numel, lay.dtype
+        cfg["n_counters"] = len(self.counters.counters) if self.counters else 0
+        cfg["n_cpus"] = self.n_cpus
         return cfg
 
     def _spec(self, op: native.NativeOp) -> np.ndarray:
@@ -251,11 +270,30 @@ class VllmCollector:
                 self._signatures.append(self._decode_args(int(ops[i]), t[i, :k]))
             ids[i] = sid
         self._sig_ids.append(ids)
+        if self.counters:
+            self._counter_values.append(self._scaled_counters(ev))
         for i in np.flatnonzero(ev["n_values"]):
             self._values[self.n_events + int(i)] = stepmaker.values_of(
                 ev["values"][i], int(ev["n_values"][i]), int(ev["value_bytes"][i]))
         self.n_events += n
         self.decoding = True
+
+    def _scaled_counters(self, ev: np.ndarray) -> np.ndarray:
+        """Per call, each counter's delta scaled for multiplexing (enabled / running); NaN
+        where dropped: the thread changed CPU, a read failed, or the counter never ran."""
+        k = len(self.counters.counters)
+        ctr = ev["ctr"][:, :k]
+        running, enabled = ctr["running"].astype(float), ctr["enabled"].astype(float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            values = ctr["counter"] * (enabled / running)
+        migrated = (ev["flags"] & self.consts["PV_CTR_MIGRATED"]) != 0
+        failed = (ev["flags"] & self.consts["PV_CTR_FAILED"]) != 0
+        idle = (running == 0).any(axis=1) & ~migrated & ~failed
+        values[migrated | failed | idle] = np.nan
+        self.counter_dropped["migrated"] += int(migrated.sum())
+        self.counter_dropped["unreadable"] += int((failed & ~migrated).sum())
+        self.counter_dropped["not running"] += int(idle.sum())
+        return values
 
     def _decode_args(self, op_index: int, tensors_read: np.ndarray) -> tuple[TensorArg, ...]:
         schema_args = self.ops[op_index].schema.args
@@ -322,6 +360,9 @@ class VllmCollector:
         self.bpf_stats = self._cost(stats, calls)
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
+        if self.counter_names:
+            prof.counter_names = list(self.counter_names)
+            prof.counter_dropped = dict(self.counter_dropped)
         prof.steps = stepmaker.steps(calls, self.step_rules)
         prof.meta.update(self._meta(tallies))
         prof.meta["steps_begun"] = str(steps)
@@ -377,10 +418,14 @@ class VllmCollector:
                                           self._signatures, self._values)
         calls = []
         sig_ids = sig_ids.tolist()
+        ctrs = np.concatenate(self._counter_values) if self._counter_values else None
         for i in order.tolist():
             op = op_[i]
+            counted = None
+            if ctrs is not None and not np.isnan(ctrs[i]).any():
+                counted = tuple(float(v) for v in ctrs[i])
             calls.append(OpCall(tgid[i], tid[i], start[i], end[i], names[op], sigs[sig_ids[i]],
-                                depth[i], libraries[op], values.get(i, ()), step[i]))
+                                depth[i], libraries[op], values.get(i, ()), step[i], counted))
         return calls
 
     def _meta(self, tallies: dict[str, int]) -> dict[str, str]:
@@ -410,6 +455,9 @@ class VllmCollector:
         if self.obj is not None:
             obj, self.obj = self.obj, None
             obj.close()
+        if self.counters:
+            self.counters.close()
+            self.counters = None
         if self._stats_fd >= 0:
             os.close(self._stats_fd)
             self._stats_fd = -1
