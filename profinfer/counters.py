@@ -116,6 +116,15 @@ class OpenCounters:
     fds: list[dict[int, int]]     # per counter: {cpu: fd}
     notice: str | None            # what was left out and why, said once
 
+    def install(self, map_fd: int, n_cpus: int) -> None:
+        """Put the counters' fds into a BPF program's `counters` map (counters.bpf.h):
+        counter i of CPU c at i * n_cpus + c."""
+        from . import libbpf      # here: libbpf imports this module
+        for i, per_cpu in enumerate(self.fds):
+            for cpu, event_fd in per_cpu.items():
+                libbpf.map_update(map_fd, (i * n_cpus + cpu).to_bytes(4, "little"),
+                                  event_fd.to_bytes(4, "little"))
+
     def close(self) -> None:
         for per_cpu in self.fds:
             for fd in per_cpu.values():

@@ -197,11 +197,7 @@ class Collector:
                 template["owner"] = self.consts["PI_SLOT_RELEASING"]
                 libbpf.map_update(self.obj.map_fd("op_thread_zero"), _ZERO_U32, template.tobytes())
             if self.counters:
-                fd = self.obj.map_fd("counters")
-                for i, per_cpu in enumerate(self.counters.fds):
-                    for cpu, event_fd in per_cpu.items():
-                        libbpf.map_update(fd, (i * self.n_cpus + cpu).to_bytes(4, "little"),
-                                          event_fd.to_bytes(4, "little"))
+                self.counters.install(self.obj.map_fd("counters"), self.n_cpus)
             # what our programs cost, counted by the kernel from the first probe on
             self._stats_fd = libbpf.enable_run_time_stats()
             # Probes that announce graph changes go in first: a change made while the op

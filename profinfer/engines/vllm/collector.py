@@ -138,11 +138,7 @@ class VllmCollector:
                 self._tree_fd = self.obj.map_fd("followed")
                 self._follow_tree()
             if self.counters:
-                fd = self.obj.map_fd("counters")
-                for i, per_cpu in enumerate(self.counters.fds):
-                    for cpu, event_fd in per_cpu.items():
-                        libbpf.map_update(fd, (i * self.n_cpus + cpu).to_bytes(4, "little"),
-                                          event_fd.to_bytes(4, "little"))
+                self.counters.install(self.obj.map_fd("counters"), self.n_cpus)
             specs = self.obj.map_fd("op_specs")
             for i, op in enumerate(self.ops):
                 libbpf.map_update(specs, i.to_bytes(4, "little"), self._spec(op).tobytes())
