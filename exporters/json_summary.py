@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from profinfer import callstats, counterstats, layers, moe, recorded_calibration, roofline, schedstats, selfcost
+from profinfer import callstats, counterstats, probepack, layers, moe, recorded_calibration, roofline, schedstats, selfcost
 from profinfer.counterstats import CounterRow
 from profinfer.model import Profile
 from profinfer.stats import OpStats, compute
@@ -97,7 +97,7 @@ def _call_summary(profile: Profile) -> dict:
         "server_metrics": [{"what": r.what, "server": r.server, "ours": r.ours, "unit": r.unit}
                            for r in callstats.server_rows(profile, st)],
         "meta": {str(k): str(v) for k, v in profile.meta.items()},
-    } | _counters(profile) | _profiler_cost(profile)
+    } | _counters(profile) | _roofline(profile) | _profiler_cost(profile)
 
 
 def _profiler_cost(profile: Profile) -> dict:
@@ -153,12 +153,15 @@ def _sched(profile: Profile) -> dict:
 
 
 def _roofline(profile: Profile) -> dict:
-    if not profile.ops:
+    rules = probepack.cost_rules(profile.meta.get("pack")) if profile.calls else {}
+    if not profile.ops and not rules:
         return {}
     judged = recorded_calibration.roofs(profile)
     roofs = judged.value
     if roofs is None:
         return {"roofline": None}
+    found = (roofline.call_verdicts(profile, roofs, rules) if profile.calls
+             else roofline.verdicts(profile, roofs))
     return {"roofline": {
         "roofs": {"peak_gflops": roofs.peak_gflops, "peak_gbps": roofs.peak_gbps, "ridge": roofs.ridge,
                   **judged.as_json()},
@@ -166,7 +169,7 @@ def _roofline(profile: Profile) -> dict:
                       "bytes": v.bytes, "gflops": v.gflops, "gbps": v.gbps, "intensity": v.intensity,
                       "bound": v.bound, "roof_share": v.roof_share,
                       "measured_gbps": v.measured_gbps}
-                     for v in roofline.verdicts(profile, roofs)]}}
+                     for v in found]}}
 
 
 def _counters(profile: Profile) -> dict:

@@ -126,7 +126,7 @@ def _compute_calls(profile: Profile) -> CounterStats:
     """The same, for an engine whose ops are calls (vLLM): per op, and per phase of the step
     each call belongs to (its thread's step number)."""
     names = profile.counter_names
-    phase_of = {(st.pid, st.tid, n): st.phase for n, st in _numbered_steps(profile)}
+    phase_of = step_phases(profile)
 
     def row(scope: str, calls) -> CounterRow:
         counted = [c for c in calls if c.counters is not None]
@@ -154,10 +154,9 @@ def _compute_calls(profile: Profile) -> CounterStats:
     return CounterStats(list(names), dropped, by_op, by_phase, per_token, notes)
 
 
-def _numbered_steps(profile: Profile):
-    """(the thread's step number, step) for each step: the step number its calls carry."""
-    for st in profile.steps:
-        first = next((c for c in profile.calls if c.pid == st.pid and c.tid == st.tid
-                      and c.start_ns == st.start_ns), None)
-        if first is not None:
-            yield first.step, st
+def step_phases(profile: Profile) -> dict[tuple[int, int, int], str]:
+    """(process, thread, the thread's step number) -> the step's phase, for engines whose
+    calls carry their step number."""
+    starts = {(st.pid, st.tid, st.start_ns): st.phase for st in profile.steps}
+    return {(c.pid, c.tid, c.step): starts[(c.pid, c.tid, c.start_ns)]
+            for c in profile.calls if (c.pid, c.tid, c.start_ns) in starts}

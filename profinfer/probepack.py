@@ -50,6 +50,13 @@ class Pack:
         return getattr(importlib.import_module(module), cls)
 
 
+def cost_rules(pack_name: str | None) -> dict[str, dict]:
+    """The pack's roofline cost models by op (probes/<pack>.toml [[cost]]); {} for none."""
+    if not pack_name or pack_name not in pack_names():
+        return {}
+    return {rule["op"]: rule for rule in load_pack(pack_name).raw.get("cost", ())}
+
+
 def pack_names() -> list[str]:
     return sorted(p.name.removesuffix(".toml") for p in resources.files("profinfer.probes").iterdir()
                   if p.name.endswith(".toml"))

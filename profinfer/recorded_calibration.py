@@ -22,13 +22,20 @@ TRAP_KEYS = ("emulated_ns", "stepped_ns", "uretprobe_extra_ns", "check", "measur
 
 
 def _op_threads(profile: Profile) -> int:
+    """Threads an op runs on: ggml's workers as recorded; for ops that are calls (vLLM), the
+    CPUs the process may use (torch's intra-op threads split each op)."""
+    if profile.calls:
+        try:
+            return int(profile.meta["cpus_online"])
+        except (KeyError, ValueError):
+            return os.cpu_count() or 1
     return len(as_columns(profile.ops).thread_ids()) or 1
 
 
 def stamp(profile: Profile) -> None:
     """Store this machine's checked roofs (for the recording's op threads) and trap costs."""
     meta = profile.meta
-    roofs = calibrate.cached(_op_threads(profile)) if profile.ops else None
+    roofs = calibrate.cached(_op_threads(profile)) if profile.ops or profile.calls else None
     if roofs is not None:
         meta.update((f"roofs:{k}", str(roofs[k])) for k in ROOF_KEYS if k in roofs)
         meta["roofs:cpu"] = calibrate.cpu_model()

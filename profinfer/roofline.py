@@ -139,21 +139,26 @@ def judge(scope: str, runs: list[NodeRun], roofs: Roofs, llc_miss_index: int | N
           ) -> Verdict | None:
     """One verdict for a set of node runs (e.g. decode MUL_MAT): totals, then the roof.
     `llc_miss_index`: position of LLC-load-misses in the runs' counters, for the cross-check."""
+    return judge_costs(scope, ((node_cost(r), r.dur_ns, r.counters) for r in runs), roofs,
+                       llc_miss_index)
+
+
+def judge_costs(scope: str, items, roofs: Roofs, llc_miss_index: int | None = None) -> Verdict | None:
+    """The same from (Cost or None, duration ns, counters or None) per op run."""
     flops = bytes_ = 0.0
     time_ns = 0
     counted = 0
     miss_lines, miss_ns = 0.0, 0
-    for r in runs:
-        c = node_cost(r)
-        if c is None or r.dur_ns <= 0:
+    for cost, dur_ns, counters in items:
+        if cost is None or dur_ns <= 0:
             continue
-        flops += c.flops
-        bytes_ += c.bytes
-        time_ns += r.dur_ns
+        flops += cost.flops
+        bytes_ += cost.bytes
+        time_ns += dur_ns
         counted += 1
-        if llc_miss_index is not None and r.counters is not None:
-            miss_lines += r.counters[llc_miss_index]
-            miss_ns += r.dur_ns
+        if llc_miss_index is not None and counters is not None:
+            miss_lines += counters[llc_miss_index]
+            miss_ns += dur_ns
     if not counted or not time_ns:
         return None
     gflops, gbps = flops / time_ns, bytes_ / time_ns       # per ns = G per s
@@ -178,5 +183,45 @@ def verdicts(profile, roofs: Roofs) -> list[Verdict]:
     names = profile.counter_names
     llc = names.index("LLC-load-misses") if "LLC-load-misses" in names else None
     out = [v for scope, rs in groups.items() if (v := judge(scope, rs, roofs, llc)) is not None]
+    out.sort(key=lambda v: -v.time_ns)
+    return out
+
+
+# Engines whose ops are calls (vLLM): the pack says which ops have a cost model, in terms of
+# their argument names, e.g. matmul = { a = "mat1", b = "mat2", out = "out" }: out[M, N] =
+# a[M, K] times b[N, K] transposed.
+TORCH_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
+                "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64"}
+
+
+def call_cost(call, rule: dict) -> Cost | None:
+    args = {a.name: a for a in call.args}
+    mm = rule.get("matmul")
+    if mm is None:
+        return None
+    a, b, out = args.get(mm["a"]), args.get(mm["b"]), args.get(mm["out"])
+    if not a or not b or not out or a.shape is None or b.shape is None or out.shape is None \
+            or not a.shape or not out.shape:
+        return None
+    k = a.shape[-1]
+    outputs = prod(max(int(x), 1) for x in out.shape)
+    return Cost(2.0 * k * outputs,
+                sum(nbytes(t.shape, TORCH_DTYPES.get(t.dtype, "f32")) for t in (a, b, out)))
+
+
+def call_verdicts(profile, roofs: Roofs, rules: dict[str, dict]) -> list[Verdict]:
+    """Verdicts per (step phase, op) for the ops `rules` models; "decode weight_packed_linear"."""
+    from .counterstats import step_phases
+    phase_of = step_phases(profile)
+    groups: dict[str, list] = {}
+    for c in profile.calls:
+        rule = rules.get(c.op)
+        if rule is None:
+            continue
+        phase = phase_of.get((c.pid, c.tid, c.step), "other")
+        groups.setdefault(f"{phase} {c.op}", []).append((call_cost(c, rule), c.dur_ns, c.counters))
+    names = profile.counter_names
+    llc = names.index("LLC-load-misses") if "LLC-load-misses" in names else None
+    out = [v for scope, items in groups.items() if (v := judge_costs(scope, items, roofs, llc)) is not None]
     out.sort(key=lambda v: -v.time_ns)
     return out

@@ -4,10 +4,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer import callstats, counterstats, recorded_calibration, selfcost
+from profinfer import callstats, counterstats, probepack, recorded_calibration, roofline, selfcost
 from profinfer.callstats import CallProfileStats
 from profinfer.model import Profile
-from profinfer.viewers.optable import _ms, _us, cost_line, counter_table, op_table
+from profinfer.viewers.optable import _ms, _us, cost_line, counter_table, op_table, roofline_table
 
 TOP_SHAPES = 15
 
@@ -74,6 +74,13 @@ def render(profile: Profile, console: Console) -> CallProfileStats:
         console.print(counter_table(cs))
         for note in cs.notes:
             console.print(f"[yellow]counters: {note}[/]")
+    rules = probepack.cost_rules(profile.meta.get("pack"))
+    judged = recorded_calibration.roofs(profile)
+    if rules and judged.value is not None:
+        vs = roofline.call_verdicts(profile, judged.value, rules)
+        if vs:
+            console.print(roofline_table(vs[:12], judged.value))
+            console.print(f"roofline: {judged.origin}" if judged.stored else f"[yellow]roofline: {judged.origin}[/]")
     rows = callstats.server_rows(profile, st)
     if rows:
         console.print(server_table(rows))

@@ -91,13 +91,20 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, mod
     # every call from the first step's start on falls in one step: all but the first
     # step's input preparation (its slot mapping comes before its scheduler metadata)
     assert sum(s["calls"] for s in steps) == len(truth["calls"]) - 1
+    # roofline: the matmuls' FLOPs from the shapes, as torch.profiler recorded them
+    mm = [c["args"] for c in truth["calls"] if c["op"] == "weight_packed_linear"]
+    flops = sum(2 * a["mat1"]["shape"][-1] * a["out"]["shape"][0] * a["out"]["shape"][1] for a in mm)
+    verdicts = summary["roofline"]["verdicts"]
+    assert {v["scope"] for v in verdicts} == {"prefill weight_packed_linear", "decode weight_packed_linear"}
+    assert sum(v["flops"] for v in verdicts) == flops
+    assert sum(v["nodes"] for v in verdicts) == len(mm)
     # the Perfetto trace holds the same: `report` of it gives the same summary
     reread = tmp_path / "reread.json"
     r = subprocess.run([*PROFINFER, "report", str(tmp_path / "trace.pftrace"), "--json", str(reread)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     again = json.loads(reread.read_text())
-    for key in ("ops", "op_shapes", "step_list", "tokens", "phases", "lost_events"):
+    for key in ("ops", "op_shapes", "step_list", "tokens", "phases", "lost_events", "roofline"):
         assert again[key] == summary[key], key
 
 

@@ -425,7 +425,7 @@ class VllmCollector:
         return calls
 
     def _meta(self, tallies: dict[str, int]) -> dict[str, str]:
-        meta = {"engine": self.pack.engine, "levels": ",".join(sorted(self.levels)),
+        meta = {"engine": self.pack.engine, "pack": self.pack.name, "levels": ",".join(sorted(self.levels)),
                 "event_buffer": self.buffer, "kernel": platform.release(),
                 "tensor_layout": self.layout.name, "torch": self.torch_version,
                 "attach_s": f"{self.attach_s:.3f}", "native_ops_probed": str(len(self.ops)),
