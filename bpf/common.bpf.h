@@ -24,9 +24,7 @@ typedef __s64 s64;
 #include PI_ENGINE_EVENTS
 #else
 #include "transport.h"
-struct pi_config {
-    struct pi_transport transport;
-};
+#define pi_config pi_core_config
 #endif
 
 const volatile struct pi_config cfg = {};

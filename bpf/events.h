@@ -6,6 +6,7 @@
  */
 #include "transport.h"
 #include "counters.h"
+#include "sched.h"
 
 #define PI_NAME_LEN 64
 /* The op handler reads a tensor's fields with one read of its first bytes, not one per field
@@ -17,8 +18,6 @@
 #define PI_EV_TOKEN 1
 #define PI_EV_GRAPH 2
 #define PI_EV_OPS 3
-#define PI_EV_SWITCH 4
-#define PI_EV_WAKEUP 5
 #define PI_EV_EXPERTS 6
 #define PI_EV_NODE 7
 #define PI_EV_DECODING 8
@@ -268,23 +267,6 @@ struct pi_control {
 #define PI_TALLY_WALK_MISMATCH 7  /* a fused op's node was not the one the walk reached */
 #define PI_TALLIES 8
 
-/* A context switch or wakeup involving one of the target's threads (sched level).
- * Switch: prev left the CPU in prev_state (0: still runnable, i.e. preempted) for next.
- * Wakeup: prev (the waker, current task) made next runnable. */
-#define PI_COMM_LEN 16
-
-struct pi_sched_event {
-    u32 kind;
-    u32 cpu;
-    u64 ts_ns;
-    s64 prev_state;
-    u32 prev_tid;
-    u32 prev_tgid;
-    u32 next_tid;
-    u32 next_tgid;
-    char prev_comm[PI_COMM_LEN];
-    char next_comm[PI_COMM_LEN];
-};
 
 /* Facts about the target, fixed before the programs load (the object's .rodata): offsets
  * from DWARF or a validated table, so one precompiled object serves every build. */
@@ -309,8 +291,6 @@ struct pi_config {
     u32 graph_has_backend; /* bit i: graph probe i's first argument is a ggml_backend */
     u32 n_counters;        /* perf counters in `counters`, at index counter * n_cpus + cpu */
     u32 n_cpus;
-    u32 target_tgid;       /* sched level: the process whose threads are followed */
-    u32 switch_state_arg;  /* sched_switch passes prev_state as its 4th argument (5.18+) */
     u32 nodes_by_generation;  /* graph_generation is kept (its probes are attached) */
     u32 thread_slots;         /* op_threads_direct's size, a power of two; 0: unused */
     u32 pad3;

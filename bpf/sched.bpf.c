@@ -3,11 +3,11 @@
  * Raw tracepoints (attached by name: no tracefs), filtered in the kernel to the target's
  * process. The few task_struct fields are read with CO-RE, relocated by libbpf against the
  * running kernel's BTF, so no kernel headers are involved; a kernel without BTF cannot load
- * this object, which is why it is separate from the uprobe programs (llamacpp.bpf.c), whose
- * maps it reuses.
+ * this object, which is why it is separate from the engines' uprobe programs, whose maps it
+ * reuses (events, lost, and followed where a process tree is followed).
  */
-#define PI_ENGINE_EVENTS "events.h"
 #include "common.bpf.h"
+#include "sched.h"
 #include <bpf/bpf_core_read.h>
 
 char LICENSE[] SEC("license") = "GPL";
@@ -22,6 +22,14 @@ struct task_struct {
 struct task_struct___pre514 {   /* before 5.14 the field was `long state` */
     long state;
 } __attribute__((preserve_access_index));
+
+/* One of the processes watched: the target, or with follow any followed one. */
+static __always_inline int watched(u32 tgid)
+{
+    if (!cfg.transport.follow)
+        return tgid == cfg.target_tgid;
+    return bpf_map_lookup_elem(&followed, &tgid) != 0;
+}
 
 static __always_inline void fill_task(struct task_struct *t, u32 *tid, u32 *tgid, char *comm)
 {
@@ -38,7 +46,7 @@ int sched_switch(struct bpf_raw_tracepoint_args *ctx)
     struct task_struct *next = (struct task_struct *)ctx->args[2];
     u32 prev_tgid = BPF_CORE_READ(prev, tgid);
     u32 next_tgid = BPF_CORE_READ(next, tgid);
-    if (prev_tgid != cfg.target_tgid && next_tgid != cfg.target_tgid)
+    if (!watched(prev_tgid) && !watched(next_tgid))
         return 0;
     struct pi_sched_event ev = {};
     ev.kind = PI_EV_SWITCH;
@@ -65,7 +73,7 @@ SEC("raw_tp/sched_wakeup")
 int sched_wakeup(struct bpf_raw_tracepoint_args *ctx)
 {
     struct task_struct *woken = (struct task_struct *)ctx->args[0];
-    if ((u32)BPF_CORE_READ(woken, tgid) != cfg.target_tgid)
+    if (!watched((u32)BPF_CORE_READ(woken, tgid)))
         return 0;
     struct pi_sched_event ev = {};
     ev.kind = PI_EV_WAKEUP;

@@ -17,6 +17,14 @@ struct pi_transport {
     u32 pad;
 };
 
+/* The configuration of the core's own objects (follow, sched): theirs is the transport's,
+ * and for sched the process to watch (without follow: one tgid). */
+struct pi_core_config {
+    struct pi_transport transport;
+    u32 target_tgid;
+    u32 switch_state_arg;     /* sched_switch passes prev_state as its 4th argument (5.18+) */
+};
+
 /* A followed process changed (follow.bpf.c). At PI_FOLLOW_EXEC and PI_FOLLOW_MAPPED it has been
  * sent SIGSTOP: user space attaches what the new code needs, then sends SIGCONT. */
 #define PI_FOLLOW_EXEC 1      /* it exec'd a new image (kernel-mapped: executable, loader) */

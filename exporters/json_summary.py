@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from profinfer import callstats, counterstats, probepack, layers, moe, recorded_calibration, roofline, schedstats, selfcost
+from profinfer import (callstats, counterstats, layers, moe, probepack, recorded_calibration, roofline,
+                       schedstats, selfcost)
 from profinfer.counterstats import CounterRow
 from profinfer.model import Profile
 from profinfer.stats import OpStats, compute
@@ -97,7 +98,7 @@ def _call_summary(profile: Profile) -> dict:
         "server_metrics": [{"what": r.what, "server": r.server, "ours": r.ours, "unit": r.unit}
                            for r in callstats.server_rows(profile, st)],
         "meta": {str(k): str(v) for k, v in profile.meta.items()},
-    } | _counters(profile) | _roofline(profile) | _profiler_cost(profile)
+    } | _counters(profile) | _roofline(profile) | _sched(profile) | _profiler_cost(profile)
 
 
 def _profiler_cost(profile: Profile) -> dict:

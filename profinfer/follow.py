@@ -94,7 +94,7 @@ class Follower:
         self.processes = {root_pid}     # every process followed so far
         self._live = {root_pid}         # those that have not exited (their PIDs are theirs)
         self.forks_followed = os.path.exists("/sys/kernel/btf/vmlinux")
-        config = np.zeros(1, dt["pi_transport"]).tobytes()   # common.bpf.h: the core's pi_config
+        config = np.zeros(1, dt["pi_core_config"]).tobytes()   # common.bpf.h: the core's pi_config
         try:
             self.obj.set_rodata(config)
             if buffer == "ring":

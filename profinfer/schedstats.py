@@ -136,6 +136,34 @@ class _CpuOccupants:
             i += 1
 
 
+@dataclass
+class _Spans:
+    """Ops as arrays: the recorded nodes (llama.cpp), or the top-level calls (vLLM)."""
+    tid: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    code: np.ndarray
+    names: list[str]
+
+    @property
+    def dur(self) -> np.ndarray:
+        return self.end - self.start
+
+    def __len__(self) -> int:
+        return len(self.tid)
+
+
+def _op_spans(profile: Profile):
+    if not profile.calls:
+        return op_arrays(profile.ops)
+    top = [c for c in profile.calls if c.depth == 0]
+    names = sorted({c.op for c in top})
+    index = {n: k for k, n in enumerate(names)}
+    return _Spans(np.array([c.tid for c in top], np.int64), np.array([c.start_ns for c in top], np.int64),
+                  np.array([c.end_ns for c in top], np.int64),
+                  np.array([index[c.op] for c in top], np.int64), names)
+
+
 def compute(profile: Profile) -> SchedStats | None:
     if not profile.switches and not profile.wakeups:
         return None
@@ -157,7 +185,7 @@ def compute(profile: Profile) -> SchedStats | None:
             else:
                 t.sleeping_ns += d
         threads.append(t)
-    arr = op_arrays(profile.ops)
+    arr = _op_spans(profile)
     n = len(arr)
     pre, run, slp = (np.zeros(n, np.int64) for _ in range(3))
     for tid, tiv in ivs.items():

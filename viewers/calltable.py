@@ -4,10 +4,12 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer import callstats, counterstats, probepack, recorded_calibration, roofline, selfcost
+from profinfer import (callstats, counterstats, probepack, recorded_calibration, roofline, schedstats,
+                       selfcost)
 from profinfer.callstats import CallProfileStats
 from profinfer.model import Profile
-from profinfer.viewers.optable import _ms, _us, cost_line, counter_table, op_table, roofline_table
+from profinfer.viewers.optable import (_ms, _us, cost_line, counter_table, op_table, roofline_table,
+                                       sched_tables)
 
 TOP_SHAPES = 15
 
@@ -69,6 +71,10 @@ def render(profile: Profile, console: Console) -> CallProfileStats:
                       f"lost events {profile.lost_events:,}")
     else:
         console.print("[yellow]no steps: none of the pack's step ops ran or was probed[/]")
+    ss = schedstats.compute(profile)
+    if ss:
+        for table in sched_tables(ss):
+            console.print(table)
     cs = counterstats.compute(profile)
     if cs:
         console.print(counter_table(cs))

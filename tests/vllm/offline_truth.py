@@ -4,12 +4,14 @@ tests/vllm/test_vllm_offline.py, with profinfer attached between READY and the g
     python offline_truth.py MODEL eager|compiled GO_FILE TRUTH_JSON
 
 Truth, from inside the process: torch.profiler's record of every `_C` op call (name, input
-shapes and dtypes, with the schema's argument names from torch's own op registry), and the
-engine's scheduler outputs (tokens per request in each step), for the generate call only.
+shapes and dtypes, with the schema's argument names from torch's own op registry), the
+engine's scheduler outputs (tokens per request in each step), and the calling thread's time
+on a CPU (the kernel's schedstat), for the generate call only.
 """
 import json
 import os
 import sys
+import threading
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -43,10 +45,16 @@ print("READY", flush=True)
 while not os.path.exists(go_file):
     time.sleep(0.05)
 
-t0 = time.monotonic_ns()
+def on_cpu_ns() -> int:
+    """This thread's time on a CPU, as the kernel's scheduler counts it."""
+    with open("/proc/thread-self/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+cpu0, t0 = on_cpu_ns(), time.monotonic_ns()
 with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
     outputs = llm.generate(prompts, params, use_tqdm=False)
-t1 = time.monotonic_ns()
+t1, cpu1 = time.monotonic_ns(), on_cpu_ns()
 
 calls = []
 for e in prof.events():
@@ -61,5 +69,6 @@ for e in prof.events():
     calls.append({"op": name, "args": args})
 with open(truth_path, "w") as f:
     json.dump({"start_ns": t0, "end_ns": t1, "calls": calls, "steps": steps,
+               "tid": threading.get_native_id(), "on_cpu_ns": cpu1 - cpu0,
                "generated": [list(o.outputs[0].token_ids) for o in outputs]}, f)
 print("DONE", flush=True)

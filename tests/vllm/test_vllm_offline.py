@@ -124,6 +124,23 @@ def test_counters_per_native_op(vllm_python, vllm_model, tmp_path):
     assert set(ctr["phases"]) == {"prefill", "decode"}
 
 
+def test_sched_level_on_native_ops(vllm_python, vllm_model, tmp_path):
+    """The sched level watches the engine's threads: the calling thread's time on a CPU over
+    the generation, from its context switches, is the kernel's own count of it."""
+    from profinfer import schedstats
+    from profinfer.exporters.trace_reader import read_trace
+    truth, summary, _ = run_offline(vllm_python, vllm_model, "eager", tmp_path, ("--levels", "op,sched"))
+    assert summary["sched"]["switches"] > 0 and summary["lost_events"] == 0
+    assert {o["op"] for o in summary["sched"]["ops"]} >= {"weight_packed_linear",
+                                                          "cpu_attention_with_kv_cache"}
+    profile = read_trace(tmp_path / "trace.pftrace")
+    lo, hi = truth["start_ns"], truth["end_ns"]
+    on_cpu = sum(max(0, min(e, hi) - max(s, lo))
+                 for s, e, state, _ in schedstats.thread_intervals(profile)[truth["tid"]]
+                 if state == schedstats.ON_CPU)
+    assert on_cpu == pytest.approx(truth["on_cpu_ns"], rel=0.05)
+
+
 SCHEMAS_OF_TORCH = """
 import json, sys, torch
 import vllm._C  # registers the ops (the machine's ISA build) with torch

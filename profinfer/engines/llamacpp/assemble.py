@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ggml
-from ...model import GraphCall, SchedSwitch, SchedWakeup
+from ...model import GraphCall
 from ...opcolumns import NodeDesc, OpColumns
 
 OP_CHUNK = 8192          # raw op records turned into columns at a time
@@ -233,23 +233,3 @@ def counter_values(ops: np.ndarray, n_counters: int, consts: dict[str, int]
     return scaled, dropped
 
 
-def sched_events(evs: np.ndarray, pid: int, kind_switch: int
-                 ) -> tuple[list[SchedSwitch], list[SchedWakeup]]:
-    """pi_sched_event records (sorted by time) as switches and wakeups."""
-    def text(b) -> str:
-        return bytes(b).split(b"\0", 1)[0].decode("utf-8", "replace")
-
-    def ours(tgid) -> int:
-        return pid if int(tgid) == pid else 0
-
-    switches, wakeups = [], []
-    for e in evs:
-        if int(e["kind"]) == kind_switch:
-            switches.append(SchedSwitch(
-                int(e["ts_ns"]), int(e["cpu"]), int(e["prev_tid"]), text(e["prev_comm"]),
-                int(e["prev_state"]), int(e["next_tid"]), text(e["next_comm"]),
-                ours(e["prev_tgid"]), ours(e["next_tgid"])))
-        else:
-            wakeups.append(SchedWakeup(int(e["ts_ns"]), int(e["cpu"]), int(e["next_tid"]),
-                                       text(e["next_comm"]), int(e["prev_tid"])))
-    return switches, wakeups

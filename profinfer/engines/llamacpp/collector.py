@@ -17,7 +17,7 @@ import numpy as np
 
 from . import assemble, ggml, graphwalk
 
-from ... import bpfobj, discovery, dwarf, kernel, layout, libbpf, selfcost
+from ... import bpfobj, discovery, dwarf, kernel, layout, libbpf, schedprobe, selfcost
 from ... import counters as perfcounters
 from ...errors import ProfinferError
 from ...model import GraphCall, Profile, TokenCall, decode_tokens
@@ -38,7 +38,6 @@ SEQ_NODE_VALUE = {"libstdc++": 8, "libc++": 16}
 MAX_BATCH = 1 << 20
 _ZERO_U32 = bytes(4)
 _U32_P = ctypes.POINTER(ctypes.c_uint32)
-SCHED_PROGRAMS = ("sched_switch", "sched_wakeup")
 # sends an exiting thread's last ops and frees its op state (a raw tracepoint, not a probe)
 THREAD_EXIT_PROGRAM = "op_thread_exit"
 BARRIER_PROGRAM = "op_barrier"
@@ -50,7 +49,6 @@ BARE_PROGRAM = "bare_hit"
 # the programs told when the target may change graphs, and the functions that do
 GRAPHS_CHANGED_PROGRAMS = ("graphs_changed", "context_made")
 GRAPH_CHANGERS = {"ggml_init", "ggml_reset", "ggml_new_graph_custom"}
-SHARED_MAPS = ("events", "lost")     # one transport and one lost counter for both objects
 
 
 def _runs(ev: np.void) -> tuple[tuple[int, int, int], ...]:
@@ -150,9 +148,8 @@ class Collector:
                                                        self.consts["PI_MAX_COUNTERS"])
             if self.counters.notice:
                 self.warnings.append(self.counters.notice)
-        if "sched" in self.levels and not os.path.exists("/sys/kernel/btf/vmlinux"):
-            raise ProfinferError("the sched level needs kernel BTF (/sys/kernel/btf/vmlinux, "
-                                 "CONFIG_DEBUG_INFO_BTF): this kernel has none")
+        if "sched" in self.levels:
+            schedprobe.require_btf()
         self.n_cpus = perfcounters.possible_cpus()
         self.thread_slots = self._thread_slots()
         # Descriptions are trusted between graph changes only when every function that
@@ -210,7 +207,9 @@ class Collector:
                     self.warnings.append(f"exited threads keep their op state ({e}): a process "
                                          "that starts threads for each graph fills it and loses ops")
             if "sched" in self.levels:
-                self._attach_sched(cfg)
+                self.sched_obj = schedprobe.attach(
+                    self.obj, self.buffer, self.ringbuf_pages * 4096 // 4, self.pid,
+                    follow=self.followed_map_fd is not None)
             # perf buffers: one wakeup per PERF_WAKEUP_EVENTS records; the timer drains the rest
             self._events = EventTransport(self.obj, self.buffer, self._on_record,
                                           PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS)
@@ -272,16 +271,6 @@ class Collector:
             self.n_probes += sum(bool(p.entry_fn) + bool(p.return_fn) for p in probes)
         return skipped
 
-    def _attach_sched(self, cfg: bytes) -> None:
-        """The sched object (CO-RE, needs kernel BTF) shares the main object's event maps."""
-        self.sched_obj = libbpf.BpfObject(bpfobj.object_path("sched.bpf.c", self.buffer))
-        self.sched_obj.set_rodata(cfg)
-        for name in SHARED_MAPS + (("unread_bytes",) if self.buffer == "ring" else ()):
-            self.sched_obj.reuse_map(name, self.obj.map_fd(name))
-        self.sched_obj.load(set(SCHED_PROGRAMS))
-        for prog in SCHED_PROGRAMS:
-            self.sched_obj.attach(prog)
-
     def _config(self) -> np.ndarray:
         """The object's `cfg`: this target's struct offsets and the buffer's wakeup level."""
         graph_probes = [p for p in self.probes if p.spec.graph_backend is not None]
@@ -321,8 +310,6 @@ class Collector:
                                 else -1)
         cfg["n_counters"] = len(self.counters.counters) if self.counters else 0
         cfg["n_cpus"] = self.n_cpus
-        cfg["target_tgid"] = self.pid
-        cfg["switch_state_arg"] = int(kernel.release_at_least(5, 18))
         cfg["nodes_by_generation"] = int(self.nodes_by_generation)
         cfg["thread_slots"] = self.thread_slots
         cfg["transport"]["follow"] = int(self.followed_map_fd is not None)
@@ -736,8 +723,8 @@ class Collector:
         if "graph" not in self.levels:
             prof.graphs = []
         if self._sched:
-            prof.switches, prof.wakeups = assemble.sched_events(
-                np.sort(np.concatenate(self._sched), order="ts_ns"), self.pid, self.kind_switch)
+            prof.switches, prof.wakeups = schedprobe.events(
+                np.sort(np.concatenate(self._sched), order="ts_ns"), {self.pid})
         return prof
 
     def _backend_name(self, fn_addr: int) -> str:

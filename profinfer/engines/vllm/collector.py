@@ -14,7 +14,7 @@ import time
 import numpy as np
 import psutil
 
-from ... import bpfobj, discovery, kernel, layout, libbpf
+from ... import bpfobj, discovery, kernel, layout, libbpf, schedprobe
 from ... import counters as perfcounters
 from ...arch import placement
 from ...errors import ProfinferError
@@ -73,6 +73,10 @@ class VllmCollector:
         self.bpf_stats: dict[str, tuple[int, int]] = {}
         self._lost_at_end = 0
         self.compiled_kernels = 0
+        self.sched_obj: libbpf.BpfObject | None = None
+        self._sched_raw: list[bytes] = []
+        self._sched_dt = schedprobe.record_dtype()
+        self._kind_op = self.consts["PV_EV_OP"]
         self.counter_request = list(counters or [])
         self.counters: perfcounters.OpenCounters | None = None
         self.counter_names: list[str] = []
@@ -112,6 +116,8 @@ class VllmCollector:
         self.layout = tensors.layout_for(version, self.forced_layout)
         self.torch_version = version or ""
         self.step_rules = stepmaker.rules(self.pack, self.ops)
+        if "sched" in self.levels:
+            schedprobe.require_btf()
         if self.counter_request:
             self.counters = perfcounters.open_counters(self.counter_request, self.consts["PI_MAX_COUNTERS"])
             if self.counters.notice:
@@ -132,6 +138,10 @@ class VllmCollector:
                 for prog in (ENTRY_PROGRAM, RETURN_PROGRAM):
                     self.obj.set_uprobe_multi(prog)
             self.obj.load({ENTRY_PROGRAM, RETURN_PROGRAM})
+            if "sched" in self.levels:       # the whole tree's threads, as the op programs
+                self.sched_obj = schedprobe.attach(self.obj, self.buffer, self.ringbuf_pages * 4096 // 4,
+                                                   self.pid, follow=True)
+                self.n_probes += self.sched_obj.n_links
             if self.followed_map_fd is None:
                 # attach: the process and its descendants (vLLM runs the model in a child of
                 # the API server, one per rank), kept in the object's own `followed` map
@@ -226,6 +236,9 @@ class VllmCollector:
     # ---- collect ----
 
     def _on_record(self, data, size):
+        if ctypes.cast(data, _U32_P)[0] != self._kind_op:         # the sched level's
+            self._sched_raw.append(ctypes.string_at(data, self._sched_dt.itemsize))
+            return
         # records are as long as what they hold: each is copied once, into a slot of full
         # event size in one reused buffer that numpy reads in place (what lies past a
         # record's end in its slot is never read: n_tensors and n_values bound it)
@@ -349,6 +362,8 @@ class VllmCollector:
         self._parse()
         lost = self._lost_at_end = self.lost()
         stats = self.obj.program_stats() if self._stats_fd >= 0 else {}
+        if self.sched_obj is not None and stats:
+            stats.update(self.sched_obj.program_stats())
         tallies = self._tallies()
         steps = steps_begun(self.obj)
         self.detach()
@@ -356,6 +371,9 @@ class VllmCollector:
         self.bpf_stats = self._cost(stats, calls)
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
+        if self._sched_raw:
+            evs = np.sort(np.frombuffer(b"".join(self._sched_raw), self._sched_dt), order="ts_ns")
+            prof.switches, prof.wakeups = schedprobe.events(evs, self.processes or {self.pid})
         if self.counter_names:
             prof.counter_names = list(self.counter_names)
             prof.counter_dropped = dict(self.counter_dropped)
@@ -448,6 +466,9 @@ class VllmCollector:
         return meta
 
     def detach(self) -> None:
+        if self.sched_obj is not None:
+            sched_obj, self.sched_obj = self.sched_obj, None
+            sched_obj.close()
         if self.obj is not None:
             obj, self.obj = self.obj, None
             obj.close()
