@@ -12,6 +12,7 @@ import numpy as np
 
 from .model import Profile
 from .opcolumns import as_columns
+from .callstats import steps_by_number
 from .stats import PHASES, op_arrays, op_phases
 
 _ALIASES = {"cpu-cycles": "cycles", "branch-instructions": "branches"}
@@ -126,7 +127,7 @@ def _compute_calls(profile: Profile) -> CounterStats:
     """The same, for an engine whose ops are calls (vLLM): per op, and per phase of the step
     each call belongs to (its thread's step number)."""
     names = profile.counter_names
-    phase_of = step_phases(profile)
+    phase_of = {k: st.phase for k, st in steps_by_number(profile).items()}
 
     def row(scope: str, calls) -> CounterRow:
         counted = [c for c in calls if c.counters is not None]
@@ -152,11 +153,3 @@ def _compute_calls(profile: Profile) -> CounterStats:
     notes = ([f"{sum(dropped.values())} of {len(profile.calls)} calls not counted ("
               + ", ".join(f"{v} {k}" for k, v in dropped.items()) + ")"] if dropped else [])
     return CounterStats(list(names), dropped, by_op, by_phase, per_token, notes)
-
-
-def step_phases(profile: Profile) -> dict[tuple[int, int, int], str]:
-    """(process, thread, the thread's step number) -> the step's phase, for engines whose
-    calls carry their step number."""
-    starts = {(st.pid, st.tid, st.start_ns): st.phase for st in profile.steps}
-    return {(c.pid, c.tid, c.step): starts[(c.pid, c.tid, c.start_ns)]
-            for c in profile.calls if (c.pid, c.tid, c.start_ns) in starts}

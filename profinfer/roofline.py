@@ -194,8 +194,11 @@ TORCH_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64
                 "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64"}
 
 
-def call_cost(call, rule: dict) -> Cost | None:
+def call_cost(call, rule: dict, query_lens: tuple[int, ...] = ()) -> Cost | None:
+    """`query_lens`: the new tokens of each sequence in the call's step (attention)."""
     args = {a.name: a for a in call.args}
+    if "attention" in rule:
+        return _attention_cost(args, rule["attention"], call.values, query_lens)
     mm = rule.get("matmul")
     if mm is None:
         return None
@@ -209,17 +212,36 @@ def call_cost(call, rule: dict) -> Cost | None:
                 sum(nbytes(t.shape, TORCH_DTYPES.get(t.dtype, "f32")) for t in (a, b, out)))
 
 
+def _attention_cost(args: dict, names: dict, seq_lens: tuple[int, ...], query_lens) -> Cost | None:
+    """Paged attention over each sequence's context: QK^T and PV, 2 FLOPs a multiply-add, for
+    each new token against the sequence's whole context (the causal mask's saving among the
+    new tokens is not taken off: an upper bound for prefills); bytes: the queries and
+    outputs, and each context's K and V once."""
+    q, kc, out = args.get(names["q"]), args.get(names["k_cache"]), args.get(names["out"])
+    if not q or not kc or not out or not seq_lens or q.shape is None or kc.shape is None \
+            or len(q.shape) != 3 or len(kc.shape) != 4:
+        return None
+    heads, dim, kv_heads = q.shape[1], q.shape[2], kc.shape[1]
+    lens = query_lens if len(query_lens) == len(seq_lens) else (1,) * len(seq_lens)
+    flops = sum(4.0 * heads * dim * ql * sl for ql, sl in zip(lens, seq_lens))
+    kv_bytes = sum(seq_lens) * kv_heads * dim * 2 * nbytes((1,), TORCH_DTYPES.get(kc.dtype, "f32"))
+    return Cost(flops, nbytes(q.shape, TORCH_DTYPES.get(q.dtype, "f32"))
+                + nbytes(out.shape, TORCH_DTYPES.get(out.dtype, "f32")) + kv_bytes)
+
+
 def call_verdicts(profile, roofs: Roofs, rules: dict[str, dict]) -> list[Verdict]:
     """Verdicts per (step phase, op) for the ops `rules` models; "decode weight_packed_linear"."""
-    from .counterstats import step_phases
-    phase_of = step_phases(profile)
+    from .callstats import steps_by_number
+    step_of = steps_by_number(profile)
     groups: dict[str, list] = {}
     for c in profile.calls:
         rule = rules.get(c.op)
         if rule is None:
             continue
-        phase = phase_of.get((c.pid, c.tid, c.step), "other")
-        groups.setdefault(f"{phase} {c.op}", []).append((call_cost(c, rule), c.dur_ns, c.counters))
+        step = step_of.get((c.pid, c.tid, c.step))
+        phase = step.phase if step else "other"
+        cost = call_cost(c, rule, step.query_lens if step else ())
+        groups.setdefault(f"{phase} {c.op}", []).append((cost, c.dur_ns, c.counters))
     names = profile.counter_names
     llc = names.index("LLC-load-misses") if "LLC-load-misses" in names else None
     out = [v for scope, items in groups.items() if (v := judge_costs(scope, items, roofs, llc)) is not None]

@@ -94,10 +94,18 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, mod
     # roofline: the matmuls' FLOPs from the shapes, as torch.profiler recorded them
     mm = [c["args"] for c in truth["calls"] if c["op"] == "weight_packed_linear"]
     flops = sum(2 * a["mat1"]["shape"][-1] * a["out"]["shape"][0] * a["out"]["shape"][1] for a in mm)
-    verdicts = summary["roofline"]["verdicts"]
-    assert {v["scope"] for v in verdicts} == {"prefill weight_packed_linear", "decode weight_packed_linear"}
-    assert sum(v["flops"] for v in verdicts) == flops
-    assert sum(v["nodes"] for v in verdicts) == len(mm)
+    verdicts = {v["scope"]: v for v in summary["roofline"]["verdicts"]}
+    linear = [v for scope, v in verdicts.items() if scope.endswith(" weight_packed_linear")]
+    assert len(linear) == 2 and sum(v["flops"] for v in linear) == flops
+    assert sum(v["nodes"] for v in linear) == len(mm)
+    # attention: each new token against its sequence's whole context (4 FLOPs a head, key
+    # dimension and context token), the contexts from the scheduler's own steps: the
+    # prefill's prompts, then each decode step one token longer
+    prompts = truth["steps"][0]
+    heads, dim = 4, 48
+    contexts = sum(p * p for p in prompts) + sum(p + k for k in range(1, 12) for p in prompts)
+    attention = [v for scope, v in verdicts.items() if scope.endswith(" cpu_attention_with_kv_cache")]
+    assert sum(v["flops"] for v in attention) == 4 * 4 * heads * dim * contexts    # 4 layers
     # the Perfetto trace holds the same: `report` of it gives the same summary
     reread = tmp_path / "reread.json"
     r = subprocess.run([*PROFINFER, "report", str(tmp_path / "trace.pftrace"), "--json", str(reread)],

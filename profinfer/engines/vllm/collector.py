@@ -19,6 +19,7 @@ from ... import counters as perfcounters
 from ...arch import placement
 from ...errors import ProfinferError
 from ...model import OpCall, Profile, TensorArg
+from ... import probepack
 from ...probepack import Pack, copies_of_probed, engine_libraries
 from ...transport import EventTransport, attach_failed, steps_begun
 from . import ops as native, steps as stepmaker, tensors
@@ -116,6 +117,14 @@ class VllmCollector:
         self.layout = tensors.layout_for(version, self.forced_layout)
         self.torch_version = version or ""
         self.step_rules = stepmaker.rules(self.pack, self.ops)
+        # the argument whose values a cost model needs (attention: each sequence's length)
+        self.cost_values = {}
+        for name, rule in probepack.cost_rules(self.pack.name).items():
+            op = next((o for o in self.ops if o.name == name), None)
+            arg = rule.get("attention", {}).get("seq_lens")
+            names = [a.name for a in op.schema.args] if op else []
+            if arg in names and op.kinds[names.index(arg)] != native.SKIP:
+                self.cost_values[name] = names.index(arg)
         if "sched" in self.levels:
             schedprobe.require_btf()
         if self.counter_request:
@@ -192,7 +201,7 @@ class VllmCollector:
         spec["kind"][0, :len(op.kinds)] = op.kinds
         spec["slot"][0, :len(op.slots)] = op.slots
         rule = self.step_rules.get(op.name)
-        spec["values_of"] = rule.values_arg if rule else 0xff
+        spec["values_of"] = rule.values_arg if rule else self.cost_values.get(op.name, 0xff)
         spec["starts_step"] = int(rule is not None)
         return spec
 
