@@ -4,12 +4,11 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer import (callstats, counterstats, probepack, recorded_calibration, roofline, schedstats,
-                       selfcost)
+from profinfer import callstats, probepack, recorded_calibration, roofline, selfcost
 from profinfer.callstats import CallProfileStats
 from profinfer.model import Profile
-from profinfer.viewers.optable import (_ms, _us, cost_line, counter_table, op_table, roofline_table,
-                                       sched_tables)
+from profinfer.viewers.optable import (_ms, _us, cost_line, op_table, render_sched_and_counters,
+                                       roofline_table)
 
 TOP_SHAPES = 15
 
@@ -71,15 +70,7 @@ def render(profile: Profile, console: Console) -> CallProfileStats:
                       f"lost events {profile.lost_events:,}")
     else:
         console.print("[yellow]no steps: none of the pack's step ops ran or was probed[/]")
-    ss = schedstats.compute(profile)
-    if ss:
-        for table in sched_tables(ss):
-            console.print(table)
-    cs = counterstats.compute(profile)
-    if cs:
-        console.print(counter_table(cs))
-        for note in cs.notes:
-            console.print(f"[yellow]counters: {note}[/]")
+    render_sched_and_counters(profile, console)
     rules = probepack.cost_rules(profile.meta.get("pack"))
     judged = recorded_calibration.roofs(profile)
     if rules and judged.value is not None:

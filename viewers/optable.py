@@ -208,6 +208,20 @@ def render(profile: Profile, console: Console | None = None) -> ProfileStats:
     ms = moe.compute(profile)
     if ms:
         console.print(moe_heatmap(ms))
+    render_sched_and_counters(profile, console)
+    trap = recorded_calibration.trap_costs(profile)
+    cost = selfcost.compute(profile, trap.value)
+    if cost:
+        console.print(cost_line(cost))
+        if not trap.stored and trap.value is not None:
+            console.print(f"[yellow]profiler cost: {trap.origin}[/]")
+    if st.lost_events:
+        console.print(f"[yellow]warning: {st.lost_events:,} events were lost; totals are lower bounds[/]")
+    return st
+
+
+def render_sched_and_counters(profile: Profile, console: Console) -> None:
+    """The sched level's tables and the counters' (either engine's ops)."""
     ss = schedstats.compute(profile)
     if ss:
         for table in sched_tables(ss):
@@ -221,15 +235,6 @@ def render(profile: Profile, console: Console | None = None) -> ProfileStats:
             console.print(f"per token: {per_tok}")
         for note in cs.notes:
             console.print(f"[yellow]counters: {note}[/]")
-    trap = recorded_calibration.trap_costs(profile)
-    cost = selfcost.compute(profile, trap.value)
-    if cost:
-        console.print(cost_line(cost))
-        if not trap.stored and trap.value is not None:
-            console.print(f"[yellow]profiler cost: {trap.origin}[/]")
-    if st.lost_events:
-        console.print(f"[yellow]warning: {st.lost_events:,} events were lost; totals are lower bounds[/]")
-    return st
 
 
 def cost_line(c: selfcost.SelfCost) -> str:
