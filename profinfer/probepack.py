@@ -45,6 +45,10 @@ class Pack:
     probes: list[ProbeSpec] = field(default_factory=list)
     raw: dict = field(default_factory=dict)   # the pack's own sections, for its decoder
 
+    def cost_rules(self) -> dict[str, dict]:
+        """Roofline cost models by op ([[cost]]: profinfer/roofline.py, call_cost)."""
+        return {rule["op"]: rule for rule in self.raw.get("cost", ())}
+
     def collector_class(self):
         module, _, cls = self.decoder.partition(":")
         return getattr(importlib.import_module(module), cls)
@@ -54,7 +58,7 @@ def cost_rules(pack_name: str | None) -> dict[str, dict]:
     """The pack's roofline cost models by op (probes/<pack>.toml [[cost]]); {} for none."""
     if not pack_name or pack_name not in pack_names():
         return {}
-    return {rule["op"]: rule for rule in load_pack(pack_name).raw.get("cost", ())}
+    return load_pack(pack_name).cost_rules()
 
 
 def pack_names() -> list[str]:

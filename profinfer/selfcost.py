@@ -87,6 +87,21 @@ class SelfCost:
         return self.collector_cpu_ns / base if base > 0 else None
 
 
+def program_totals(stats: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """The kernel's count of an engine's BPF programs ({program: (ns run, runs)}) as the
+    recording's cost:* meta: totals, and runs and ns per run for each program; the hits
+    (hits_emulated, hits_stepped, hits_return), which depend on where the engine placed
+    its probes, start at 0 for the engine to add."""
+    out = {"bpf_ns": sum(ns for ns, _ in stats.values()),
+           "bpf_runs": sum(n for _, n in stats.values()),
+           "hits_emulated": 0, "hits_stepped": 0, "hits_return": 0}
+    for prog, (ns, runs) in sorted(stats.items()):      # as bpftool prog show has them
+        out[f"runs:{prog}"] = runs
+        if runs:
+            out[f"ns_per_run:{prog}"] = ns // runs
+    return out
+
+
 def compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost | None:
     """None when the kernel did not count our programs (statistics refused, or an old trace).
     Computed once per profile and costs (the JSON summary and the report both state it).

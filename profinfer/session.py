@@ -114,13 +114,13 @@ def _rss_kb() -> int:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
 
 
-def engine_files(pack: Pack, pid: int, new_image: bool,
-                 executables_seen: dict[tuple[int, int], bool]) -> list[tuple[str, str]]:
-    """The engine's files `pid` maps now, as (path to open, path in the target): its libraries
-    by name, or, for a new image without them, the executable if it defines the marker (a
-    statically linked engine). executables_seen remembers that per file, so that a script
-    that runs the same commands again does not have each one's symbols read again."""
-    files = discovery.mapped_files(pid)
+def engine_files(pack: Pack, pid: int, files: list, new_image: bool,
+                 executables_seen: dict[tuple, bool]) -> list[tuple[str, str]]:
+    """The engine's files among those `pid` maps (`files`), as (path to open, path in the
+    target): its libraries by name, or, for a new image without them, the executable if it
+    defines the marker (a statically linked engine). executables_seen remembers that per file
+    and marker, so that a script that runs the same commands again does not have each one's
+    symbols read again."""
     libs = [(m.host_path, m.path) for m in files if is_engine_library(pack, m.path)]
     if libs or not new_image or not pack.marker:
         return libs
@@ -132,7 +132,7 @@ def engine_files(pack: Pack, pid: int, new_image: bool,
     if main is None:
         return []
     try:
-        key = discovery.file_key(main.host_path)
+        key = (discovery.file_key(main.host_path), pack.marker)
     except OSError:
         return []
     if key not in executables_seen:
@@ -141,10 +141,11 @@ def engine_files(pack: Pack, pid: int, new_image: bool,
 
 
 def find_engine(packs: list[Pack], pid: int, new_image: bool,
-                executables_seen: dict[tuple[int, int], bool]) -> tuple[Pack, list[tuple[str, str]]] | None:
+                executables_seen: dict[tuple, bool]) -> tuple[Pack, list[tuple[str, str]]] | None:
     """The first engine whose files `pid` maps now, and those files."""
+    files = discovery.mapped_files(pid)
     for pack in packs:
-        libs = engine_files(pack, pid, new_image, executables_seen)
+        libs = engine_files(pack, pid, files, new_image, executables_seen)
         if libs:
             return pack, libs
     return None
@@ -153,7 +154,7 @@ def find_engine(packs: list[Pack], pid: int, new_image: bool,
 def engine_process(packs: list[Pack], pid: int) -> tuple[Pack, int, list[tuple[str, str]]]:
     """The engine in `pid`, else in the first of its descendants that runs one (vLLM's API
     server runs the model in a child): (pack, that process, its engine files)."""
-    seen: dict[tuple[int, int], bool] = {}
+    seen: dict[tuple, bool] = {}
     found = find_engine(packs, pid, True, seen)
     if found:
         return found[0], pid, found[1]
@@ -222,7 +223,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
         raise ProfinferError(f"no process with PID {pid}")
     packs = [load_pack(name) for name in pack_names()]
     pack = packs[0]
-    executables_seen: dict[tuple[int, int], bool] = {}   # follow: does it define the marker
+    executables_seen: dict[tuple, bool] = {}   # follow: does it define the marker
     options = dict(tensor_layout=tensor_layout, buffer=buffer, counters=counters)
     follower: Follower | None = None
     coll: EngineCollector | None = None

@@ -605,17 +605,11 @@ class Collector:
         stats = dict(self.obj.program_stats())
         if self.sched_obj is not None:
             stats.update(self.sched_obj.program_stats())
-        out = {"bpf_ns": sum(ns for ns, _ in stats.values()),
-               "bpf_runs": sum(n for _, n in stats.values()),
-               "hits_emulated": 0, "hits_stepped": 0, "hits_return": 0}
+        out = selfcost.program_totals(stats)
         # the barrier handler's own time, which the in-target trap estimate leaves out
         ns, runs = stats.get(BARRIER_PROGRAM, (0, 0))
         if runs:
             out["barrier_ns_per_run"] = ns // runs
-        for prog, (ns, runs) in sorted(stats.items()):      # as bpftool prog show has them
-            out[f"runs:{prog}"] = runs
-            if runs:
-                out[f"ns_per_run:{prog}"] = ns // runs
         # A program attached at several places is counted as costly as its costliest place.
         stepped = {p.entry_fn for p in self.probes if p.entry_fn and not p.place.emulated}
         entry_at_start = {p.return_fn for p in self.probes

@@ -14,12 +14,11 @@ import time
 import numpy as np
 import psutil
 
-from ... import bpfobj, discovery, kernel, layout, libbpf, schedprobe
+from ... import bpfobj, discovery, kernel, layout, libbpf, schedprobe, selfcost
 from ... import counters as perfcounters
 from ...arch import placement
 from ...errors import ProfinferError
 from ...model import OpCall, Profile, TensorArg
-from ... import probepack
 from ...probepack import Pack, copies_of_probed, engine_libraries
 from ...transport import EventTransport, attach_failed, steps_begun
 from . import ops as native, steps as stepmaker, tensors
@@ -71,7 +70,7 @@ class VllmCollector:
         self._layout_checked = 0
         self._layout_trusted = False
         self._stats_fd = -1
-        self.bpf_stats: dict[str, tuple[int, int]] = {}
+        self.bpf_stats: dict[str, int] = {}
         self._lost_at_end = 0
         self.compiled_kernels = 0
         self.sched_obj: libbpf.BpfObject | None = None
@@ -119,7 +118,7 @@ class VllmCollector:
         self.step_rules = stepmaker.rules(self.pack, self.ops)
         # the argument whose values a cost model needs (attention: each sequence's length)
         self.cost_values = {}
-        for name, rule in probepack.cost_rules(self.pack.name).items():
+        for name, rule in self.pack.cost_rules().items():
             op = next((o for o in self.ops if o.name == name), None)
             arg = rule.get("attention", {}).get("seq_lens")
             names = [a.name for a in op.schema.args] if op else []
@@ -405,13 +404,7 @@ class VllmCollector:
         first instruction when the entry probe sits further in."""
         if not stats:
             return {}
-        out = {"bpf_ns": sum(ns for ns, _ in stats.values()),
-               "bpf_runs": sum(n for _, n in stats.values()),
-               "hits_emulated": 0, "hits_stepped": 0, "hits_return": 0}
-        for prog, (ns, runs) in sorted(stats.items()):
-            out[f"runs:{prog}"] = runs
-            if runs:
-                out[f"ns_per_run:{prog}"] = ns // runs
+        out = selfcost.program_totals(stats)
         per_op: dict[str, int] = {}
         for c in calls:
             per_op[c.op] = per_op.get(c.op, 0) + 1
