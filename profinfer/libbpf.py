@@ -104,6 +104,8 @@ def lib() -> ctypes.CDLL:
         "bpf_map__reuse_fd": (ctypes.c_int, [_vp, ctypes.c_int]),
         "bpf_map__initial_value": (_vp, [_vp, ctypes.POINTER(ctypes.c_size_t)]),
         "bpf_map_lookup_elem": (ctypes.c_int, [ctypes.c_int, _vp, _vp]),
+        "bpf_map_create": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32,
+                                          ctypes.c_uint32, ctypes.c_uint32, _vp]),
         "bpf_map_update_elem": (ctypes.c_int, [ctypes.c_int, _vp, _vp, ctypes.c_uint64]),
         "bpf_map_get_next_key": (ctypes.c_int, [ctypes.c_int, _vp, _vp]),
         "ring_buffer__new": (_vp, [ctypes.c_int, _SAMPLE_FN, _vp, _vp]),
@@ -399,6 +401,18 @@ class PerfBuffer:
         if self._pb:
             lib().perf_buffer__free(self._pb)
             self._pb = None
+
+
+BPF_MAP_TYPE_LRU_HASH = 9
+
+
+def create_map(map_type: int, name: str, key_size: int, value_size: int, max_entries: int) -> int:
+    """A map owned by no object (its fd): objects loaded later share it with reuse_map."""
+    _messages.clear()
+    fd = lib().bpf_map_create(map_type, name.encode(), key_size, value_size, max_entries, None)
+    if fd < 0:
+        raise _failure(f"cannot create BPF map {name}")
+    return fd
 
 
 def map_lookup(fd: int, key: bytes, value_size: int) -> bytes | None:

@@ -219,6 +219,39 @@ class Step:
         return "mixed" if self.decode_seqs else "prefill"
 
 
+@dataclass(slots=True)
+class CudaCall:
+    """One CUDA runtime or driver call (the cuda level); without a timeline, a group of
+    identical ones that BPF counted (count > 1, total_ns their host time, no start)."""
+    pid: int
+    tid: int                   # 0 in a group (BPF counts per process)
+    api: str                   # the function called (cudaLaunchKernel, cuLaunchKernel, ...)
+    what: str                  # launch, graph, copy, set, memory, sync, registration
+    start_ns: int = 0
+    end_ns: int = 0            # 0: probed at entry only (launches)
+    count: int = 1
+    total_ns: int = 0          # host time in the call(s), where probed at return
+    kernel: str = ""           # launches: the kernel's name (demangled)
+    grid: tuple[int, int, int] = (0, 0, 0)
+    block: tuple[int, int, int] = (0, 0, 0)
+    shmem: int = 0
+    stream: int = 0
+    bytes: int = 0             # copied, set, or asked to allocate
+    copy_kind: str = ""        # H2H, H2D, D2H, D2D, Default (unresolved), or device/host memory
+    ptr: int = 0               # allocated or freed pointer; copy destination; graph exec made
+    handle: int = 0            # graph exec launched, stream or event waited on
+    ret: int = 0               # the call's result (0: success or not read)
+    caller: str = ""           # the call site (function+offset), for allocations
+    captured: bool = False     # a launch recorded into a graph being captured, not run
+    step: int = 0              # the engine's step open on the thread (0: none)
+    op: str = ""               # the engine's op open on the thread ("": none)
+    engine: str = ""
+
+    @property
+    def dur_ns(self) -> int:
+        return self.end_ns - self.start_ns if self.end_ns else 0
+
+
 @dataclass
 class Profile:
     pid: int
@@ -231,6 +264,7 @@ class Profile:
     # engines whose ops are functions (vLLM): each call, and the engine's steps
     calls: list[OpCall] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
+    cuda_calls: list[CudaCall] = field(default_factory=list)
     switches: list[SchedSwitch] = field(default_factory=list)
     wakeups: list[SchedWakeup] = field(default_factory=list)
     lost_events: int = 0

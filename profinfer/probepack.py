@@ -17,6 +17,7 @@ from .symbols import ElfInfo, Symbol, load_elf
 
 LEVELS = ("token", "graph", "op")           # probed in the engine (the default set)
 KERNEL_LEVELS = ("sched",)                  # kernel tracepoints, filtered to the target: opt-in
+RUNTIME_LEVELS = ("cuda",)                  # a runtime's calls under any engine: opt-in
 
 
 @dataclass
@@ -45,6 +46,11 @@ class Pack:
     probes: list[ProbeSpec] = field(default_factory=list)
     raw: dict = field(default_factory=dict)   # the pack's own sections, for its decoder
 
+    @property
+    def level(self) -> str:
+        """"": an engine; else the level the pack is (the cuda level runs beside any engine)."""
+        return self.raw.get("level", "")
+
     def cost_rules(self) -> dict[str, dict]:
         """Roofline cost models by op ([[cost]]: profinfer/roofline.py, call_cost)."""
         return {rule["op"]: rule for rule in self.raw.get("cost", ())}
@@ -67,7 +73,22 @@ def pack_names() -> list[str]:
 
 
 def load_pack(name: str = "llamacpp") -> Pack:
-    raw = tomllib.loads(resources.files("profinfer.probes").joinpath(f"{name}.toml").read_text())
+    """A bundled pack by name, or a pack file (a path ending in .toml)."""
+    if name.endswith(".toml"):
+        try:
+            text = open(name).read()
+        except OSError as e:
+            raise ProfinferError(f"cannot read probe pack {name}: {e.strerror}") from None
+        name = os.path.basename(name).removesuffix(".toml")
+    else:
+        text = resources.files("profinfer.probes").joinpath(f"{name}.toml").read_text()
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ProfinferError(f"probe pack {name}: not TOML ({e})") from None
+    missing = [k for k in ("engine", "bpf", "libraries", "decoder") if k not in raw]
+    if missing:
+        raise ProfinferError(f"probe pack {name}: no {', '.join(missing)}")
     probes = []
     for p in raw.get("probe", ()):
         graph = p.get("graph")

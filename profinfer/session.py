@@ -16,11 +16,11 @@ from typing import Callable, Protocol
 
 import psutil
 
-from . import discovery, kernel
+from . import discovery, kernel, layout, libbpf
 from .errors import ProfinferError
 from .follow import Follower
 from .model import Profile
-from .probepack import Pack, is_engine_library, load_pack, pack_names
+from .probepack import RUNTIME_LEVELS, Pack, is_engine_library, load_pack, pack_names
 from .symbols import load_elf
 
 # The collector sleeps this long between drains unless BPF wakes it (the ring buffer past
@@ -54,6 +54,97 @@ class EngineCollector(Protocol):
     def lost(self) -> int: ...
     def finish(self) -> Profile: ...
     def detach(self) -> None: ...
+
+
+class CollectorGroup:
+    """An engine's collector and the runtime levels beside it (cuda), driven as one: each
+    has its own event buffer; the engine's programs keep each thread's open spans in a map
+    the levels share, so a CUDA call carries the step and op it was made in."""
+
+    def __init__(self, first: EngineCollector):
+        self.members: list[EngineCollector] = [first]
+
+    @property
+    def engine(self) -> EngineCollector:
+        return self.members[0]
+
+    def add(self, member: EngineCollector, engine: bool = False) -> None:
+        """A level beside the engine; or the engine, when a level was found first."""
+        if engine:
+            self.members.insert(0, member)
+        else:
+            self.members.append(member)
+
+    def member(self, pack: Pack) -> EngineCollector | None:
+        return next((m for m in self.members if m.pack is pack), None)
+
+    def __getattr__(self, name):            # pid, attach_s, n_probes, ...: the engine's
+        return getattr(self.members[0], name)
+
+    @property
+    def warnings(self) -> list[str]:
+        return [w for m in self.members for w in m.warnings]
+
+    @property
+    def n_events(self) -> int:
+        return sum(m.n_events for m in self.members)
+
+    @property
+    def decoding(self) -> bool:
+        return any(m.decoding for m in self.members)
+
+    def fileno(self) -> int:
+        return self.members[0].fileno()
+
+    def filenos(self) -> list[int]:
+        return [m.fileno() for m in self.members]
+
+    def poll(self, timeout_ms: int = 100) -> None:
+        if len(self.members) > 1 and timeout_ms:
+            select.select(self.filenos(), [], [], timeout_ms / 1000)
+            timeout_ms = 0
+        for m in self.members:
+            m.poll(timeout_ms)
+
+    def refresh_process_info(self) -> None:
+        for m in self.members:
+            m.refresh_process_info()
+
+    def other_target_processes(self) -> list[int]:
+        return sorted({p for m in self.members for p in m.other_target_processes()}
+                      - {self.members[0].pid})
+
+    def lost(self) -> int:
+        return sum(m.lost() for m in self.members)
+
+    def finish(self) -> Profile:
+        """The engine's profile with the levels' calls in it, each call's op named by the
+        engine that opened it."""
+        engine = self.members[0]
+        levels = self.members[1:]
+        if hasattr(engine, "op_name"):
+            for m in levels:
+                m.op_name = lambda _engine, index, e=engine: e.op_name(index)
+        level_profiles = [m.finish() for m in levels]
+        prof = engine.finish()
+        for lp in level_profiles:
+            prof.cuda_calls.extend(lp.cuda_calls)
+            prof.lost_events += lp.lost_events
+            prof.meta.update((k, v) for k, v in lp.meta.items() if k not in prof.meta)
+            for tid, name in lp.thread_names.items():
+                prof.thread_names.setdefault(tid, name)
+        return prof
+
+    def detach(self) -> None:
+        for m in self.members:
+            m.detach()
+
+
+def shared_open_spans() -> int:
+    """The per-thread open-span map (bpf/transport.h), made before any object that uses it:
+    the engine's and the levels' objects load with it."""
+    span = layout.parse(header="transport.h")[1]["pi_open_span"]
+    return libbpf.create_map(libbpf.BPF_MAP_TYPE_LRU_HASH, "open_spans", 4, span.itemsize, 4096)
 
 
 def _alive(pid: int, child_status: list[int] | None, child_cpu: list[float]) -> bool:
@@ -143,12 +234,22 @@ def engine_files(pack: Pack, pid: int, files: list, new_image: bool,
 def find_engine(packs: list[Pack], pid: int, new_image: bool,
                 executables_seen: dict[tuple, bool]) -> tuple[Pack, list[tuple[str, str]]] | None:
     """The first engine whose files `pid` maps now, and those files."""
+    found = find_packs(packs, pid, new_image, executables_seen, first=True)
+    return found[0] if found else None
+
+
+def find_packs(packs: list[Pack], pid: int, new_image: bool, executables_seen: dict[tuple, bool],
+               first: bool = False) -> list[tuple[Pack, list[tuple[str, str]]]]:
+    """Each pack whose files `pid` maps now, with those files."""
     files = discovery.mapped_files(pid)
+    out = []
     for pack in packs:
         libs = engine_files(pack, pid, files, new_image, executables_seen)
         if libs:
-            return pack, libs
-    return None
+            out.append((pack, libs))
+            if first:
+                break
+    return out
 
 
 def engine_process(packs: list[Pack], pid: int) -> tuple[Pack, int, list[tuple[str, str]]]:
@@ -208,7 +309,8 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                     on_attached: Callable[[], None] | None = None,
                     tensor_layout: str | None = None, buffer: str = "auto",
                     counters: list[str] | None = None, status: bool | None = None,
-                    follow: bool = False,
+                    follow: bool = False, extra_packs: tuple[str, ...] = (),
+                    timeline: bool = True,
                     warn: Callable[[str], None] = lambda m: None,
                     note: Callable[[str], None] = lambda m: None) -> Profile:
     """Profile `pid` until stopped. With child_status (a list), pid is our child: its exit
@@ -217,23 +319,58 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     With follow, pid is our child, stopped before it runs its command (on_attached lets it
     go): the images it exec's, the processes it forks and the libraries their loaders map
     are followed (profinfer.follow), and the engine is probed in whichever of them maps it,
-    before its first call."""
+    before its first call.
+
+    A runtime level asked for (cuda) is probed beside the engine, in the engine's process
+    (and, followed, in every process that maps its runtime); a process that runs no known
+    engine but that runtime is profiled at that level alone. extra_packs: pack files tried
+    before the bundled ones. timeline: False lets a level count calls in BPF instead of
+    sending each."""
     kernel.require_root()
     if child_status is None and not discovery.process_exists(pid):
         raise ProfinferError(f"no process with PID {pid}")
-    packs = [load_pack(name) for name in pack_names()]
-    pack = packs[0]
+    all_packs = [load_pack(name) for name in (*extra_packs, *pack_names())]
+    level_packs = [p for p in all_packs if p.level and p.level in levels]
+    # engines, unless only runtime levels are asked for (cuda alone: no engine's probes)
+    packs = [p for p in all_packs if not p.level] if levels - set(RUNTIME_LEVELS) else []
+    pack = (packs or level_packs)[0]
     executables_seen: dict[tuple, bool] = {}   # follow: does it define the marker
     options = dict(tensor_layout=tensor_layout, buffer=buffer, counters=counters)
     follower: Follower | None = None
-    coll: EngineCollector | None = None
+    coll: CollectorGroup | None = None
     engine_pid = pid
+    open_spans_fd = shared_open_spans() if level_packs else None
+
+    def make(p: Pack, where: int, files: list[tuple[str, str]]) -> EngineCollector:
+        extra: dict = {}
+        if follower is not None:
+            extra["followed_map_fd"] = follower.followed_map_fd()
+        if open_spans_fd is not None:
+            extra["open_spans_fd"] = open_spans_fd
+        if p.level:
+            extra["timeline"] = timeline
+        return p.collector_class()(where, levels, p, files, root=f"/proc/{where}/root",
+                                   **options, **extra)
+
     if not follow:
-        pack, engine_pid, files = engine_process(packs, pid)
+        try:
+            pack, engine_pid, files = engine_process(packs or level_packs, pid)
+        except ProfinferError:
+            if not level_packs or not packs:
+                raise
+            pack, engine_pid, files = engine_process(level_packs, pid)  # a plain CUDA program
         if engine_pid != pid:
             note(f"PID {pid} runs no engine; its descendant PID {engine_pid} runs {pack.engine}")
-        coll = pack.collector_class()(engine_pid, levels, pack, files,
-                                      root=f"/proc/{engine_pid}/root", **options)
+        coll = CollectorGroup(make(pack, engine_pid, files))
+        for lp in level_packs:
+            if lp is pack:
+                continue
+            found = find_engine([lp], engine_pid, True, executables_seen)
+            if found:
+                coll.add(make(lp, engine_pid, found[1]))
+            else:
+                warn(f"PID {engine_pid} maps no {lp.engine} runtime ({', '.join(lp.libraries)}): "
+                     f"the {lp.level} level has nothing to record")
     stop_reason: list[str] = []
 
     def on_signal(signum, _frame):
@@ -245,28 +382,35 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     def attached(c: EngineCollector, where: int) -> None:
         for w in c.warnings:
             warn(w)
-        note(f"attached {c.n_probes} probes to PID {where} in {c.attach_s:.2f} s "
-             f"(levels {','.join(sorted(levels))})")
+        what = f"levels {','.join(sorted(levels))}" if not c.pack.level else f"{c.pack.level} level"
+        note(f"attached {c.n_probes} probes to PID {where} in {c.attach_s:.2f} s ({what})")
         c.refresh_process_info()
 
     def engine_appeared(tgid: int, found_pack: Pack, libs: list[tuple[str, str]]) -> None:
         nonlocal coll, engine_pid, pack
-        if coll is None:
-            new = found_pack.collector_class()(tgid, levels, found_pack, libs, root=f"/proc/{tgid}/root",
-                                               followed_map_fd=follower.followed_map_fd(), **options)
-            new.attach()
-            coll, engine_pid, pack = new, tgid, found_pack
-            attached(coll, tgid)
-        elif found_pack is not pack:
+        present = coll.member(found_pack) if coll is not None else None
+        engine_present = coll is not None and not coll.engine.pack.level
+        if present is not None:
+            for why in present.attach_files(libs, tgid) if found_pack.level else present.attach_files(libs):
+                warn(f"PID {tgid}: {why}: not profiled")
+        elif not found_pack.level and engine_present:
             warn(f"PID {tgid}: {found_pack.engine} too: only {pack.engine} in PID {engine_pid} is profiled")
         else:
-            for why in coll.attach_files(libs):
-                warn(f"PID {tgid}: {why}: not profiled")
+            new = make(found_pack, tgid, libs)
+            new.attach()
+            if coll is None:
+                coll = CollectorGroup(new)
+            else:
+                coll.add(new, engine=not found_pack.level)
+            if not found_pack.level or not engine_present:
+                engine_pid, pack = tgid, found_pack
+            attached(new, tgid)
 
     try:
         if not follow:
-            coll.attach()
-            attached(coll, engine_pid)
+            for m in coll.members:
+                m.attach()
+                attached(m, engine_pid)
         else:
             follower = Follower(pid, kernel.event_buffer_kind(buffer))
             note(f"following PID {pid} and what it starts (exec, fork, dlopen)"
@@ -293,7 +437,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                 coll.poll(wait_ms)
             else:
                 # a stopped process waits for the follower's records: wait on both buffers
-                fds = [follower.fileno()] + ([coll.fileno()] if coll else [])
+                fds = [follower.fileno()] + (coll.filenos() if coll else [])
                 select.select(fds, [], [], wait_ms / 1000)
                 for change in follower.changes():
                     if change.what not in ("exec", "mapped"):
@@ -303,9 +447,11 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                             follower.watch_loader(change.tgid)
                         elif not follower.libraries_settled(change.tgid):
                             continue              # its loader stops it again when done
-                        found = find_engine([pack] if coll else packs, change.tgid,
-                                            change.what == "exec", executables_seen)
-                        if found:
+                        engines = [pack] if coll is not None and not coll.engine.pack.level else packs
+                        for found in find_packs(engines, change.tgid, change.what == "exec",
+                                                executables_seen, first=True) + \
+                                find_packs(level_packs, change.tgid, change.what == "exec",
+                                           executables_seen):
                             engine_appeared(change.tgid, *found)
                     except ProfinferError as e:
                         if coll is None:
@@ -379,5 +525,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
             coll.detach()
         if follower is not None:
             follower.close()
+        if open_spans_fd is not None:
+            os.close(open_spans_fd)
         for s, h in old.items():
             signal.signal(s, h)

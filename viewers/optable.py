@@ -185,6 +185,15 @@ def latency_line(st: ProfileStats) -> str:
 def render(profile: Profile, console: Console | None = None) -> ProfileStats:
     """Print the report; returns the stats it was built from."""
     console = console or report_console()
+    if profile.cuda_calls:
+        from profinfer.viewers import cudatable
+        engine = bool(profile.calls or profile.steps or profile.tokens or profile.ops)
+        if not engine:               # a program that is no known engine: its CUDA calls only
+            cudatable.render(profile, console)
+            console.print(cudatable.cuda_cost_line(profile))
+            return compute(profile)
+        cudatable.render(profile, console)
+        console.print(cudatable.cuda_cost_line(profile))
     if profile.calls or profile.steps:
         from profinfer.viewers import calltable
         return calltable.render(profile, console)

@@ -61,11 +61,12 @@ class Collector:
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
                  buffer: str = "auto", counters: list[str] | None = None,
-                 followed_map_fd: int | None = None):
+                 followed_map_fd: int | None = None, open_spans_fd: int | None = None):
         """With followed_map_fd (a Follower's map), probes go on the library files for every
         process, and the programs run for the followed ones only."""
         self.pid = pid
         self.followed_map_fd = followed_map_fd
+        self.open_spans_fd = open_spans_fd    # shared with a level under the engine (cuda)
         self.probed_files: set[tuple[int, int]] = set()
         self.levels = set(levels)
         self.pack = pack
@@ -169,6 +170,8 @@ class Collector:
         try:
             if self.followed_map_fd is not None:
                 self.obj.reuse_map("followed", self.followed_map_fd)
+            if self.open_spans_fd is not None:
+                self.obj.reuse_map("open_spans", self.open_spans_fd)
             cfg = self._config().tobytes()
             self.obj.set_rodata(cfg)
             if self.buffer == "ring":

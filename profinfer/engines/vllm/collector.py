@@ -36,7 +36,7 @@ class VllmCollector:
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
                  buffer: str = "auto", counters: list[str] | None = None,
-                 followed_map_fd: int | None = None):
+                 followed_map_fd: int | None = None, open_spans_fd: int | None = None):
         self.pid = pid
         self.levels = set(levels)
         self.pack = pack
@@ -46,6 +46,7 @@ class VllmCollector:
         self.ringbuf_pages = ringbuf_pages
         self.buffer = kernel.event_buffer_kind(buffer)
         self.followed_map_fd = followed_map_fd
+        self.open_spans_fd = open_spans_fd    # shared with a level under the engine (cuda)
         self.consts, self.dt = layout.parse(header=HEADER)
         self.ev_dt = self.dt["pv_op_event"]
         self.obj: libbpf.BpfObject | None = None
@@ -135,6 +136,8 @@ class VllmCollector:
         try:
             if self.followed_map_fd is not None:
                 self.obj.reuse_map("followed", self.followed_map_fd)
+            if self.open_spans_fd is not None:
+                self.obj.reuse_map("open_spans", self.open_spans_fd)
             self.obj.set_rodata(self._config().tobytes())
             if self.buffer == "ring":
                 self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
@@ -361,6 +364,10 @@ class VllmCollector:
 
     def lost(self) -> int:
         return self._events.lost() if self.obj else self._lost_at_end
+
+    def op_name(self, index: int) -> str:
+        """The op a thread's open span names (a level under the engine reads it)."""
+        return self.ops[index].name if 0 <= index < len(self.ops) else f"op#{index}"
 
     # ---- finish ----
 

@@ -1,0 +1,132 @@
+"""Where a process's CUDA runtime and driver API are, and which of their functions the
+cuda level probes (probes/cuda.toml's table, resolved against each file's symbols).
+
+The runtime is any libcudart.so* the process maps, or a copy linked statically into an
+executable (nvcc's default) or library, found by its symbols (.symtab: the static copy's
+functions are local); the driver API is libcuda.so*. A statically linked copy in a
+stripped file has no symbols to probe: that is said, not skipped silently.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .. import layout
+from ..errors import ProfinferError
+from ..probepack import Pack, is_engine_library
+from ..symbols import ElfInfo, load_elf
+
+HEADER = "cuda.h"
+_STATIC_PREFIXES = ("libcudart_static_", "cuda", "__cuda")
+
+
+@dataclass(frozen=True)
+class Api:
+    index: int          # its attach cookie
+    name: str
+    cls: str            # probes/cuda.toml `class` (bpf/cuda.h PC_*)
+    what: str           # launch, graph, copy, set, memory, sync, registration
+    stream_slot: int | None
+    handle_slot: int | None
+    memory: str         # malloc/free: "device" or "host"
+    returns: bool       # probed at return too
+
+    @property
+    def driver(self) -> bool:
+        return self.name.startswith("cu") and not self.name.startswith("cuda")
+
+
+def apis(pack: Pack) -> list[Api]:
+    out = []
+    for fn in pack.raw.get("function", ()):
+        for name in fn["names"]:
+            out.append(Api(len(out), name, fn["class"], fn["what"], fn.get("stream"),
+                           fn.get("handle"), fn.get("memory", ""), bool(fn.get("returns"))))
+    consts = layout.parse(header=HEADER)[0]
+    if len(out) > consts["PC_MAX_APIS"]:
+        raise ProfinferError(f"probes/{pack.name}.toml lists {len(out)} functions; "
+                             f"the cuda level probes at most {consts['PC_MAX_APIS']}")
+    for a in out:
+        if f"PC_{a.cls.upper()}" not in consts:
+            raise ProfinferError(f"probes/{pack.name}.toml: {a.name}: unknown class {a.cls!r}")
+    return out
+
+
+def class_number(cls: str) -> int:
+    return layout.parse(header=HEADER)[0][f"PC_{cls.upper()}"]
+
+
+@dataclass
+class RuntimeFile:
+    elf: ElfInfo
+    host_path: str      # where profinfer attaches
+    path: str           # as the process sees it
+    static: bool        # a runtime linked into an executable or another library
+
+
+def runtime_files(pack: Pack, lib_paths: list[tuple[str, str]], root: str = "/") -> tuple[list[RuntimeFile], list[str]]:
+    """The CUDA runtime and driver files among (host path, target path) pairs: by name, else
+    a file that defines the pack's marker (a static runtime). Returns (files, warnings)."""
+    found, warnings = [], []
+    for host, path in lib_paths:
+        try:
+            elf = load_elf(host, root)
+        except ProfinferError as e:
+            warnings.append(str(e))
+            continue
+        if is_engine_library(pack, path):
+            found.append(RuntimeFile(elf, host, path, False))
+        elif elf.find(pack.marker):
+            found.append(RuntimeFile(elf, host, path, True))
+        elif not elf.has_symtab and _has_static_runtime_text(host):
+            warnings.append(f"{path}: links the CUDA runtime statically but is stripped: "
+                            "its CUDA calls cannot be probed (keep its .symtab)")
+    return found, warnings
+
+
+def _has_static_runtime_text(path: str) -> bool:
+    """A stripped file with the static runtime still carries its messages and fatbins."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64 << 20)
+    except OSError:
+        return False
+    return b"__cudaRegisterFatBinary" in head or b".nv_fatbin" in head
+
+
+def static_runtime_span(elf: ElfInfo) -> tuple[int, int] | None:
+    """The file offsets a static runtime's code spans (its functions are contiguous: one
+    archive's objects), from its symbols."""
+    spans = [(s.file_offset, s.file_offset + s.size) for n, s in elf.symbols.items()
+             if n.startswith(_STATIC_PREFIXES)]
+    if not spans:
+        return None
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def runtime_ranges(pid: int, files: list[RuntimeFile]) -> list[tuple[int, int]]:
+    """The process's address ranges of CUDA runtime code (for the nested-call check):
+    libcudart's executable mappings, and each static copy's span."""
+    out = []
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for rf in files:
+        if rf.elf.path and os.path.basename(rf.path).startswith("libcuda.so"):
+            continue        # the driver itself: its calls are the ones checked
+        span = static_runtime_span(rf.elf) if rf.static else None
+        for line in lines:
+            parts = line.split(None, 5)
+            if len(parts) < 6 or "x" not in parts[1] or parts[5].removesuffix(" (deleted)") != rf.path:
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            off = int(parts[2], 16)
+            if span is None:
+                out.append((lo, hi))
+            else:
+                a, b = max(span[0], off), min(span[1], off + hi - lo)
+                if a < b:
+                    out.append((lo + a - off, lo + b - off))
+    return out
