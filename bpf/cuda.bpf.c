@@ -222,7 +222,7 @@ static __always_inline void mark_captured(struct pc_call *c)
         c->flags |= PC_CAPTURED;
 }
 
-/* Entry-only functions: launches, graph launches, capture begin and end. */
+/* Entry-only functions: launches, graph launches, registrations. */
 SEC("uprobe")
 int cuda_enter_only(struct pt_regs *ctx)
 {
@@ -284,25 +284,12 @@ int cuda_enter_only(struct pt_regs *ctx)
         c->block[1] = (u32)a[5];
         c->block[2] = (u32)a[6];
         c->shmem = (u32)a[7];
-        c->stream = read_u64(PT_REGS_SP(ctx) + 32);
+        c->stream = read_u64(PT_REGS_SP(ctx) + 24);     /* 9th argument */
         break;
     case PC_GRAPH_LAUNCH:
         c->handle = a[0];
         c->stream = a[1];
         break;
-    case PC_CAPTURE_BEGIN: {
-        c->stream = a[0];
-        struct capture_key k = {.tgid = c->tgid, .stream = c->stream};
-        u32 one = 1;
-        bpf_map_update_elem(&capturing, &k, &one, BPF_ANY);
-        break;
-    }
-    case PC_CAPTURE_END: {
-        c->stream = a[0];
-        struct capture_key k = {.tgid = c->tgid, .stream = c->stream};
-        bpf_map_delete_elem(&capturing, &k);
-        break;
-    }
     case PC_REGISTER_FUNCTION:
         /* at start-up the name's page may not be in yet (BPF cannot fault it in): its
          * address goes too, for user space to read */
@@ -397,6 +384,21 @@ int cuda_return(struct pt_regs *ctx)
         c->stream = a[0];
         c->handle = a[1];
         break;
+    case PC_CAPTURE_BEGIN: {      /* the stream captures from now on, if the runtime agreed */
+        c->stream = a[0];
+        struct capture_key k = {.tgid = c->tgid, .stream = c->stream};
+        u32 one = 1;
+        if (c->ret == 0)
+            bpf_map_update_elem(&capturing, &k, &one, BPF_ANY);
+        break;
+    }
+    case PC_CAPTURE_END: {
+        c->stream = a[0];
+        c->ptr = read_u64(a[1]);
+        struct capture_key k = {.tgid = c->tgid, .stream = c->stream};
+        bpf_map_delete_elem(&capturing, &k);
+        break;
+    }
     case PC_GRAPH_INSTANTIATE:
         c->ptr = read_u64(a[0]);
         c->handle = a[1];

@@ -95,13 +95,22 @@ def _has_static_runtime_text(path: str) -> bool:
 
 
 def static_runtime_span(elf: ElfInfo) -> tuple[int, int] | None:
-    """The file offsets a static runtime's code spans (its functions are contiguous: one
-    archive's objects), from its symbols."""
-    spans = [(s.file_offset, s.file_offset + s.size) for n, s in elf.symbols.items()
-             if n.startswith(_STATIC_PREFIXES)]
-    if not spans:
+    """The file offsets a static runtime's code spans: the longest run of its functions in
+    address order (one archive's objects, linked together; a few of its functions, static
+    initialisers, land beside the program's own code and are left out)."""
+    syms = sorted(elf.symbols.values(), key=lambda s: s.file_offset)
+    best, start = (0, None, None), None
+    for i, s in enumerate(syms + [None]):
+        ours = s is not None and s.name.startswith(_STATIC_PREFIXES)
+        if ours and start is None:
+            start = i
+        elif not ours and start is not None:
+            if i - start > best[0]:
+                best = (i - start, syms[start], syms[i - 1])
+            start = None
+    if best[1] is None:
         return None
-    return min(a for a, _ in spans), max(b for _, b in spans)
+    return best[1].file_offset, best[2].file_offset + best[2].size
 
 
 def runtime_ranges(pid: int, files: list[RuntimeFile]) -> list[tuple[int, int]]:

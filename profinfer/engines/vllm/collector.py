@@ -101,7 +101,8 @@ class VllmCollector:
                                  f"{', '.join(self.pack.libraries)} is mapped)")
         for elf in self.elfs:
             placement.require_supported(elf.path)
-            found, skipped = native.native_ops(elf)
+            declared = self.pack.raw.get("op")
+            found, skipped = native.declared_ops(elf, declared) if declared else native.native_ops(elf)
             self.ops.extend(found)
             self.op_library.extend([os.path.basename(elf.path)] * len(found))
             if skipped:
@@ -114,6 +115,8 @@ class VllmCollector:
                                  f"{self.consts['PV_MAX_OPS']}")
         mapped = [m.path for m in discovery.mapped_files(self.pid)]
         version = tensors.torch_version(mapped, self.root)
+        if version is None and not any(op.kinds for op in self.ops):
+            version = tensors.ANY_RELEASE      # no tensor is read: any layout does
         self.layout = tensors.layout_for(version, self.forced_layout)
         self.torch_version = version or ""
         self.step_rules = stepmaker.rules(self.pack, self.ops)

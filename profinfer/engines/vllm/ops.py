@@ -207,6 +207,19 @@ def _names_for(base: str) -> list[tuple[str, int]]:
     return names
 
 
+def declared_ops(elf: ElfInfo, declared: list[dict]) -> tuple[list[NativeOp], list[str]]:
+    """Ops a pack names itself ([[op]] function = "..."): a program's own functions, probed
+    as ops with no arguments read. Returns (those found, those not in this file)."""
+    ops, missing = [], []
+    for d in declared:
+        fn = d["function"]
+        if elf.find(fn) is None:
+            missing.append(f"{fn} (not defined here)")
+            continue
+        ops.append(NativeOp(d.get("name", fn), Schema(d.get("name", fn), (), "()"), fn, fn, (), ()))
+    return ops, missing
+
+
 def native_ops(elf: ElfInfo) -> tuple[list[NativeOp], list[str]]:
     """The library's ops that can be probed, and the names of those that cannot (why)."""
     found = schemas(elf.path)

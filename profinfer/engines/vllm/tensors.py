@@ -30,6 +30,7 @@ _LAYOUT_184 = TensorLayout("torch 2.4-2.10", 16, 16, 64, 152, 160, 168)
 _LAYOUT_176 = TensorLayout("torch 2.11-2.14", 16, 16, 56, 144, 152, 160)
 # (first release, last release) -> layout
 KNOWN = (((2, 4), (2, 10), _LAYOUT_184), ((2, 11), (2, 14), _LAYOUT_176))
+ANY_RELEASE = "2.13"     # for ops that read no tensor (a pack's declared functions)
 
 # c10::ScalarType, as torch.profiler and users name them
 DTYPES = {0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "float16", 6: "float32",
