@@ -53,7 +53,7 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import (
 from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
 from profinfer.counterstats import derived_tracks, derived_values
-from profinfer.model import GraphCall, OpCall, OpSlice, Profile, Step, TokenCall
+from profinfer.model import CudaCall, GraphCall, OpCall, OpSlice, Profile, Step, TokenCall
 from profinfer.opcolumns import OpColumns, as_columns
 from profinfer.stats import Arrival, arrivals
 
@@ -69,6 +69,10 @@ CAT_TOKEN, CAT_GRAPH, CAT_OP, CAT_BARRIER = "llama_decode", "graph", "op", "barr
 CAT_ARRIVAL = "arrival"
 # engines whose ops are calls (vLLM): step > native op (nested calls one level deeper)
 CAT_STEP, CAT_CALL = "step", "native_op"
+# the cuda level: each call a slice on its thread, under the op it was made in; each stream a
+# track of its launches in order; live device memory a counter track
+CAT_CUDA, CAT_CUDA_STREAM = "cuda", "cuda_stream"
+LIVE_MEMORY_TRACK = "CUDA live device memory (bytes)"
 CALL_ARG_PREFIX = "arg:"      # a tensor argument: "dtype[s0,s1,...]", "-" for an empty optional
 GRAPH_NAME, BARRIER_NAME, ARRIVAL_NAME = "graph_compute", "barrier", "thread arrival"
 SHAPE_SEP = "×"
@@ -81,6 +85,7 @@ INTERN_TABLES = {"cat": "event_categories", "name": "event_names",
                  "arg": "debug_annotation_names", "str": "debug_annotation_string_values"}
 
 _TOKEN, _GRAPH, _OP = 0, 1, 2        # nesting levels on a thread track
+_CUDA = 50                           # deeper than any op (an op calling another is one deeper)
 _INT, _STR, _PTR, _DBL = 0, 1, 2, 3  # argument value kinds
 
 
@@ -143,6 +148,10 @@ def thread_items(profile: Profile) -> dict[int, ThreadItems]:
     for c in profile.calls:
         calls[c.tid].append((c.start_ns, _GRAPH + c.depth, seq, c))
         seq += 1
+    for c in profile.cuda_calls:
+        if c.count == 1 and c.start_ns:      # counted in BPF (no timeline): not slices
+            calls[c.tid].append((c.start_ns, _CUDA, seq, c))
+            seq += 1
     cols = as_columns(profile.ops)
     # each thread's ops by start; equal starts in the profile's order
     order = np.lexsort((np.arange(len(cols)), cols.start, cols.tid))
@@ -238,6 +247,8 @@ def begin_fields(obj) -> tuple[str, str, tuple]:
         if obj.values:
             args += (("values", _STR, ",".join(map(str, obj.values))),)
         return CAT_CALL, obj.op, args
+    if isinstance(obj, CudaCall):
+        return CAT_CUDA, obj.api, cuda_args(obj)
     if isinstance(obj, Step):
         return CAT_STEP, obj.phase, (("tokens", _INT, obj.n_tokens), ("calls", _INT, obj.n_calls),
                                      ("query_lens", _STR, ",".join(map(str, obj.query_lens))))
@@ -245,6 +256,85 @@ def begin_fields(obj) -> tuple[str, str, tuple]:
 
 
 _shapes: dict[tuple, str] = {}       # ne -> "ne0×ne1×ne2×ne3"; few distinct shapes, many ops
+_CUDA_INTS = ("shmem", "stream", "bytes", "ptr", "handle", "ret", "step")
+_CUDA_STRS = ("what", "kernel", "copy_kind", "caller", "op")
+
+
+def cuda_args(c: CudaCall) -> tuple:
+    args = tuple((k, _STR, getattr(c, k)) for k in _CUDA_STRS if getattr(c, k))
+    args += tuple((k, _INT, getattr(c, k)) for k in _CUDA_INTS if getattr(c, k))
+    if c.what == "launch":
+        args += (("grid", _STR, "x".join(map(str, c.grid))), ("block", _STR, "x".join(map(str, c.block))))
+    if c.captured:
+        args += (("captured", _INT, 1),)
+    return args
+
+
+def cuda_call_from(pid: int, tid: int, start: int, end: int, api: str, args: dict) -> CudaCall:
+    def dims(k):
+        return tuple(int(x) for x in args[k].split("x")) if k in args else (0, 0, 0)
+    return CudaCall(pid, tid, api, args.get("what", ""), start, end, 1, end - start if end else 0,
+                    args.get("kernel", ""), dims("grid"), dims("block"),
+                    *(args.get(k, 0) for k in ("shmem", "stream", "bytes")), args.get("copy_kind", ""),
+                    args.get("ptr", 0), args.get("handle", 0), args.get("ret", 0), args.get("caller", ""),
+                    bool(args.get("captured", 0)), args.get("step", 0), args.get("op", ""))
+
+
+def stream_track_uuid(pid: int, stream: int) -> int:
+    return (5 << 60) | ((pid & 0xFFFFFF) << 32) ^ (stream & 0xFFFFFFFFFFFF)
+
+
+def memory_track_uuid(pid: int) -> int:
+    return (6 << 60) | pid
+
+
+def _cuda_tracks(profile: Profile, seq_id: int) -> bytes:
+    """One track per (process, stream) with its launches in order (graph launches too), and a
+    counter track of each process's live device memory."""
+    from profinfer.cuda.stats import live_memory
+    timed = [c for c in profile.cuda_calls if c.count == 1 and c.start_ns]
+    if not timed:
+        return b""
+    b = TraceProtoBuilder()
+
+    def packet():
+        pkt = b.add_packet()
+        pkt.trusted_packet_sequence_id = seq_id
+        return pkt
+
+    streams = sorted({(c.pid, c.stream) for c in timed if c.what == "launch" or "GraphLaunch" in c.api})
+    for pid, stream in streams:
+        d = packet().track_descriptor
+        d.uuid, d.parent_uuid = stream_track_uuid(pid, stream), process_uuid(pid)
+        d.name = f"CUDA stream 0x{stream:x}" + (" (default)" if stream == 0 else "")
+    for c in sorted(timed, key=lambda c: c.start_ns):
+        if (c.pid, c.stream) not in streams or not (c.what == "launch" or "GraphLaunch" in c.api):
+            continue
+        for etype, extra in ((TrackEvent.TYPE_SLICE_BEGIN, True), (TrackEvent.TYPE_SLICE_END, False)):
+            pkt = packet()
+            pkt.timestamp, pkt.timestamp_clock_id = c.start_ns, MONOTONIC
+            te = pkt.track_event
+            te.type, te.track_uuid = etype, stream_track_uuid(c.pid, c.stream)
+            if extra:
+                te.categories.append(CAT_CUDA_STREAM)
+                te.name = c.kernel or f"graph 0x{c.handle:x}"
+    series_by_pid = {}
+    for pid in sorted({c.pid for c in timed}):
+        series, _, _ = live_memory([c for c in timed if c.pid == pid])
+        if series:
+            series_by_pid[pid] = series
+            d = packet().track_descriptor
+            d.uuid, d.parent_uuid, d.name = memory_track_uuid(pid), process_uuid(pid), LIVE_MEMORY_TRACK
+            d.counter.SetInParent()
+    first = min(c.start_ns for c in timed)
+    for pid, series in series_by_pid.items():
+        for ts, value in [(first, 0)] + series:
+            pkt = packet()
+            pkt.timestamp, pkt.timestamp_clock_id = ts, MONOTONIC
+            pkt.track_event.type = TrackEvent.TYPE_COUNTER
+            pkt.track_event.track_uuid = memory_track_uuid(pid)
+            pkt.track_event.counter_value = value
+    return b.serialize()
 
 
 def tensor_str(dtype: str, shape: tuple[int, ...] | None) -> str:
@@ -430,6 +520,7 @@ def write_perfetto(profile: Profile, path: str | Path) -> None:
     # the profiled process first (the reader's Profile.pid), then others whose threads ran
     # ops (vLLM's workers)
     pid_of = {c.tid: c.pid for c in profile.calls}
+    pid_of.update((c.tid, c.pid) for c in profile.cuda_calls if c.tid and c.pid != profile.pid)
     for pid in [profile.pid] + sorted(set(pid_of.values()) - {profile.pid}):
         pkt = header.add_packet()
         pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
@@ -486,6 +577,7 @@ def write_perfetto(profile: Profile, path: str | Path) -> None:
             items = by_tid[tid]
             _ThreadSequence(parts, flush, seq_id, tid, items.first_ns).write(
                 items, profile.counter_names, tid)
+        parts.append(_cuda_tracks(profile, MAIN_SEQUENCE + 1 + len(by_tid)))
         parts.append(footer.serialize())
         flush()
 
@@ -531,6 +623,7 @@ def chrome_events(profile: Profile) -> Iterator[dict]:
     """Chrome trace events: process/thread name metadata, then one "X" event per slice (ts in µs)."""
     pid = profile.pid
     pid_of = {c.tid: c.pid for c in profile.calls}
+    pid_of.update((c.tid, c.pid) for c in profile.cuda_calls if c.tid and c.pid != profile.pid)
     yield {"ph": "M", "pid": pid, "tid": pid, "name": "process_name",
            "args": {"name": profile.process_name}}
     for tid, name in sorted(profile.thread_names.items()):

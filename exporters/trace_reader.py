@@ -14,10 +14,10 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, Track
 from profinfer.exporters.perfetto import (
     ATTR_COUNTERS, ATTR_DROPPED_PREFIX, ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX, CAT_ARRIVAL,
     CAT_BARRIER, BOOTTIME, CAT_GRAPH, CAT_OP, CAT_TOKEN, COUNTER_ARG_PREFIX, FORMAT_VERSION,
-    CALL_ARG_PREFIX, CAT_CALL, CAT_STEP, INTERN_TABLES, MONOTONIC, SEQ_CLOCK, SHAPE_SEP, parse_experts,
+    CALL_ARG_PREFIX, CAT_CALL, CAT_CUDA, CAT_CUDA_STREAM, CAT_STEP, INTERN_TABLES, cuda_call_from, MONOTONIC, SEQ_CLOCK, SHAPE_SEP, parse_experts,
     parse_tensor,
 )
-from profinfer.model import (GraphCall, OpCall, OpSlice, Profile, SchedSwitch, SchedWakeup, Step,
+from profinfer.model import (CudaCall, GraphCall, OpCall, OpSlice, Profile, SchedSwitch, SchedWakeup, Step,
                              TensorArg, TokenCall)
 from profinfer.opcolumns import OpColumns
 
@@ -78,6 +78,9 @@ class _Reader:
         self.tokens: list[TokenCall] = []
         self.calls: list[OpCall] = []
         self.steps: list[Step] = []
+        self.cuda_calls: list[CudaCall] = []
+        self.track_names: dict[int, str] = {}
+        self.named_tracks: dict[str, list] = {}   # track name: its slice names or counter values
         self.track_pid: dict[int, int] = {}
         self.graphs: list[GraphCall] = []
         self.ops: list[OpSlice] = []
@@ -173,6 +176,8 @@ class _Reader:
                 if self.pid is None:             # the profiled process comes first
                     self.pid = desc.process.pid
                     self.process_name = desc.process.process_name
+            elif desc.name:              # the cuda level's stream and memory tracks
+                self.track_names[desc.uuid] = desc.name
             elif desc.HasField("thread"):
                 self.track_tid[desc.uuid] = desc.thread.tid
                 self.track_pid[desc.thread.tid] = desc.thread.pid
@@ -192,6 +197,12 @@ class _Reader:
             kind = ann.WhichOneof("value")
             value = strings[ann.string_value_iid] if kind == "string_value_iid" else getattr(ann, kind)
             args[seq.tables["arg"][ann.name_iid]] = value
+        uuid = te.track_uuid if te.HasField("track_uuid") else seq.track_uuid
+        if uuid in self.track_names:     # not a thread's: kept by track name
+            value = te.name if te.type == _BEGIN else te.counter_value if te.type == _COUNTER else None
+            if value is not None:
+                self.named_tracks.setdefault(self.track_names[uuid], []).append(value)
+            return None, None, None, args, None
         if te.type != _BEGIN:
             return te.type, None, None, args, None
         if "shape" in args:          # parsed once per distinct event body, not per op
@@ -203,7 +214,7 @@ class _Reader:
             args["src_dtypes"] = tuple(args[f"src{i}_dtype"] for i in range(2) if f"src{i}_dtype" in args)
         uuid = te.track_uuid if te.HasField("track_uuid") else seq.track_uuid
         return (te.type, seq.tables["cat"][te.category_iids[0]], seq.tables["name"][te.name_iid],
-                args, self.track_tid[uuid])
+                args, self.track_tid.get(uuid))
 
     def track_event(self, seq: _Sequence, ts: int, te_bytes: bytes) -> None:
         if seq.clock_id == SEQ_CLOCK:
@@ -216,6 +227,9 @@ class _Reader:
                 seq.decoded.clear()
             seq.decoded[te_bytes] = decoded
         etype, cat, name, args, tid = decoded
+        if etype is None:
+            seq.decoded.pop(te_bytes, None)     # a named track's: each one counts
+            return
         if etype == _COUNTER:        # counter tracks repeat the ops' END arguments
             return
         if etype == _BEGIN:
@@ -261,6 +275,11 @@ class _Reader:
             self.calls.append(OpCall(self.track_pid.get(tid, self.pid or 0), tid, start, end, name, args,
                                      begin_args.get("depth", 0), begin_args.get("library", ""), values,
                                      begin_args.get("step", 0)))
+        elif cat == CAT_CUDA:
+            self.cuda_calls.append(cuda_call_from(self.track_pid.get(tid, self.pid or 0), tid, start,
+                                                  end, name, begin_args))
+        elif cat == CAT_CUDA_STREAM:
+            pass                     # the same launches, by stream (exporters/perfetto.py)
         elif cat == CAT_STEP:
             lens = begin_args.get("query_lens", "")
             self.steps.append(Step(self.track_pid.get(tid, self.pid or 0), tid, start, end,
@@ -309,6 +328,7 @@ class _Reader:
             pid=self.pid, process_name=self.process_name, thread_names=self.thread_names,
             tokens=sorted(self.tokens, key=key), graphs=sorted(self.graphs, key=key),
             calls=sorted(self.calls, key=key), steps=sorted(self.steps, key=key),
+            cuda_calls=sorted(self.cuda_calls, key=lambda c: (c.start_ns, c.tid)),
             ops=OpColumns.from_slices(sorted(self.ops, key=key)), lost_events=int(self.attrs.get(ATTR_LOST, 0)),
             counter_names=names,
             switches=sorted(self.switches, key=lambda e: (e.ts_ns, e.cpu)),
@@ -334,3 +354,14 @@ def read_trace(path: str | Path) -> Profile:
         # well framed, but not our layout (unknown interned id, missing argument, cut varint...)
         message = f"not a valid profinfer trace ({type(e).__name__}: {e})"
     raise TraceFormatError(f"{path}: {message}".replace("\n", " "))
+
+
+def read_named_tracks(path: str | Path) -> dict[str, list]:
+    """The trace's tracks that belong to no thread, by name: the cuda level's stream tracks
+    (their launches' kernel names in order) and live-memory counters (their values)."""
+    reader = _Reader()
+    try:
+        reader.read(Path(path).read_bytes())
+    except (DecodeError, KeyError, IndexError, ValueError, TypeError, AttributeError, OverflowError) as e:
+        raise TraceFormatError(f"{path}: not a valid profinfer trace ({type(e).__name__}: {e})") from None
+    return reader.named_tracks

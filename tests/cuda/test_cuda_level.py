@@ -245,3 +245,41 @@ def test_each_call_attributed_to_the_op_open_on_its_thread(tmp_path):
     assert got == want
     ops = {c.op for c in profile.calls}
     assert ops == {"pi_op_attention", "pi_op_mlp", "pi_op_norm"}
+
+
+def test_perfetto_nesting_streams_and_live_memory(tmp_path):
+    """Written and read back: each CUDA call a slice inside the op slice it was made in, on
+    its thread; each stream a track of its launches in the program's order; the live-memory
+    counter ends at what was never freed."""
+    from exporters.perfetto import write_perfetto
+    from exporters.trace_reader import read_named_tracks, read_trace
+    program = _program("cuda_ops", "static")
+    log = tmp_path / "ops.jsonl"
+    profile, code = record_command([str(program), "--log", str(log), "--threads", "2", "--layers", "3"],
+                                   {"op", "cuda"}, None, packs=(str(OPS_PACK),), timeline=True)
+    assert code == 0
+    trace = tmp_path / "t.pftrace"
+    write_perfetto(profile, trace)
+    back = read_trace(trace)
+    assert len(back.cuda_calls) == len(profile.cuda_calls)
+    ops = back.calls
+    inside = 0
+    for c in back.cuda_calls:
+        if not c.op:
+            continue
+        parent = [o for o in ops if o.tid == c.tid and o.start_ns <= c.start_ns <= o.end_ns]
+        assert [o.op for o in parent] == [c.op], (c, parent)
+        inside += 1
+    assert inside == sum(1 for d in _log(log) if d["op"])
+    tracks = read_named_tracks(trace)
+    by_stream: dict[int, list[str]] = {}
+    for d in sorted(_log(log), key=lambda d: d["t_ns"]):
+        if d["fn"] == "cudaLaunchKernel":
+            by_stream.setdefault(_hex(d["stream"]), []).append(d["kernel"])
+    for stream, kernels in by_stream.items():
+        name = f"CUDA stream 0x{stream:x}" + (" (default)" if stream == 0 else "")
+        assert tracks[name] == kernels
+    from profinfer.cuda.stats import live_memory
+    _, _, leaks = live_memory(back.cuda_calls)
+    memory = tracks.get("CUDA live device memory (bytes)", [0])
+    assert memory[-1] == sum(c.bytes for c in leaks)
