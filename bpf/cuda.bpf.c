@@ -7,7 +7,8 @@
  * entry and return: the host time a synchronous copy or a sync blocks is the point, and an
  * allocation's pointer exists only at return. Without a timeline (cfg.timeline 0), launches,
  * copies, sets and syncs are counted in `agg`; allocations, frees, graph and registration
- * calls are always sent (they are few, and live memory needs each).
+ * calls are always sent (they are few, and live memory needs each), and so are copies of
+ * kind Default (user space resolves their direction from the allocations it saw).
  * Attach cookies need Linux 5.15.
  */
 #define PI_ENGINE_EVENTS "cuda.h"
@@ -165,16 +166,19 @@ static __always_inline int from_runtime(u32 tgid, u64 caller)
     return 0;
 }
 
-static __always_inline int sent_always(u8 cls)
+#define PC_MEMCPY_DEFAULT 4   /* cudaMemcpyDefault: the pointers say which way it went */
+
+static __always_inline int sent_always(const struct pc_call *c, u8 cls)
 {
     return cls == PC_MALLOC || cls == PC_FREE || cls == PC_GRAPH_INSTANTIATE
-        || cls == PC_CAPTURE_BEGIN || cls == PC_CAPTURE_END || cls >= PC_GET_KERNEL;
+        || cls == PC_CAPTURE_BEGIN || cls == PC_CAPTURE_END || cls >= PC_GET_KERNEL
+        || ((cls == PC_MEMCPY || cls == PC_MEMCPY_2D) && c->copy_kind == PC_MEMCPY_DEFAULT);
 }
 
 /* Send the call, or count it in `agg`. */
 static __always_inline void finish(void *ctx, struct pc_call *c, u8 cls)
 {
-    if (cfg.timeline || sent_always(cls)) {
+    if (cfg.timeline || sent_always(c, cls)) {
         u32 size = cls >= PC_MODULE_FUNCTION ? sizeof(*c) : offsetof(struct pc_call, name);
         if (emit(ctx, c, size))
             count_lost(1);

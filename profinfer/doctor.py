@@ -29,7 +29,7 @@ def _check_object():
         return FAIL, str(e)
     try:
         kernel.require_root()
-        paths = [path]
+        paths = [path, bpfobj.object_path("cuda.bpf.c", kernel.event_buffer_kind("auto"))]
         if os.path.exists("/sys/kernel/btf/vmlinux"):     # the sched object is CO-RE
             paths.append(bpfobj.object_path("sched.bpf.c", kernel.event_buffer_kind("auto")))
         programs = 0
@@ -92,6 +92,9 @@ def checks() -> list[tuple[str, str, str]]:
                                                 ": mount -t tracefs nodev /sys/kernel/tracing")))))
     rows.append(("BPF object", *_check_object()))
     rows.append(("hardware PMU", *_check_hw_pmu()))
+    rows.append(("cuda level", *((OK, "attach cookies (5.15+): the CUDA runtime's and driver's calls can be probed")
+                                 if kernel.release_at_least(5, 15) else
+                                 (WARN, "kernel < 5.15 (no attach cookies): --levels cuda does not work"))))
     rows.append(("profiler cost", *_check_cost_accounting()))
     rows.append(("kernel", OK, platform.release()))
     return rows

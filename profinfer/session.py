@@ -227,8 +227,20 @@ def engine_files(pack: Pack, pid: int, files: list, new_image: bool,
     except OSError:
         return []
     if key not in executables_seen:
-        executables_seen[key] = bool(load_elf(main.host_path, f"/proc/{pid}/root").find(pack.marker))
+        elf = load_elf(main.host_path, f"/proc/{pid}/root")
+        executables_seen[key] = bool(elf.find(pack.marker))
+        if not elf.has_symtab:
+            executables_seen[("stripped", main.path)] = False
     return [(main.host_path, main.path)] if executables_seen[key] else []
+
+
+def _stripped_note(executables_seen: dict[tuple, bool]) -> str:
+    """What to add to "no engine found" when an executable looked at had no .symtab."""
+    paths = sorted(k[1] for k in executables_seen if k[0] == "stripped")
+    if not paths:
+        return ""
+    return (f"; stripped (no .symtab): {', '.join(paths)}: an engine or runtime linked into it "
+            "statically has no symbols to find it by")
 
 
 def find_engine(packs: list[Pack], pid: int, new_image: bool,
@@ -369,8 +381,8 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
             if found:
                 coll.add(make(lp, engine_pid, found[1]))
             else:
-                warn(f"PID {engine_pid} maps no {lp.engine} runtime ({', '.join(lp.libraries)}): "
-                     f"the {lp.level} level has nothing to record")
+                note(f"PID {engine_pid} maps no {lp.engine} runtime ({', '.join(lp.libraries)}) "
+                     f"yet: the {lp.level} level starts when it loads one")
     stop_reason: list[str] = []
 
     def on_signal(signum, _frame):
@@ -410,6 +422,17 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
         if not follow:
             for m in coll.members:
                 m.attach()
+            if level_packs:
+                # a runtime the process loads from now on (PyTorch dlopens libcudart, which
+                # dlopens libcuda at its first call) is probed before its first call: its
+                # loader's hook stops it, as for record
+                try:
+                    follower = Follower(engine_pid, kernel.event_buffer_kind(buffer))
+                    follower.watch_loader(engine_pid)
+                except ProfinferError:
+                    if discovery.process_exists(engine_pid):
+                        raise
+            for m in coll.members:
                 attached(m, engine_pid)
         else:
             follower = Follower(pid, kernel.event_buffer_kind(buffer))
@@ -447,7 +470,12 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                             follower.watch_loader(change.tgid)
                         elif not follower.libraries_settled(change.tgid):
                             continue              # its loader stops it again when done
-                        engines = [pack] if coll is not None and not coll.engine.pack.level else packs
+                        if not follow:        # attach: only a level's runtime can appear
+                            engines = []
+                        elif coll is not None and not coll.engine.pack.level:
+                            engines = [pack]
+                        else:
+                            engines = packs
                         for found in find_packs(engines, change.tgid, change.what == "exec",
                                                 executables_seen, first=True) + \
                                 find_packs(level_packs, change.tgid, change.what == "exec",
@@ -483,7 +511,8 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                                  f"({len(follower.processes)} followed; none mapped "
                                  + "; ".join(f"{p.engine}: {', '.join(p.libraries)}"
                                              + (f" or defined {p.marker}" if p.marker else "")
-                                             for p in packs) + ")")
+                                             for p in packs or level_packs) + ")"
+                                 + _stripped_note(executables_seen))
         line.update(coll, force=True)
         coll.refresh_process_info()
         collecting_rss_kb = _rss_kb()

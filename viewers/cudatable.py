@@ -90,5 +90,9 @@ def cuda_cost_line(profile: Profile) -> str:
         return (f"profiler cost: {c['calls']:,} CUDA calls, BPF {c['bpf_ns'] / c['calls']:,.0f} ns each "
                 "(trap cost not measured: run `profinfer calibrate`)")
     per = c["per_call_ns"]
+    steps = len(profile.steps) or len(profile.tokens)
+    calls_per_step = c["calls"] / steps if steps else None
+    at = (f"{calls_per_step:,.0f} CUDA calls per step here: {per * calls_per_step / 1e3:,.1f} µs per step"
+          if calls_per_step else f"at 1,000 launches per token: {per * 1e3 / 1e6:.2f} ms per token")
     return (f"profiler cost: {c['calls']:,} CUDA calls, {per / 1e3:.2f} µs added per call "
-            f"(traps + BPF); at 1,000 launches per token that is {per * 1e3 / 1e6:.2f} ms per token")
+            f"(traps + BPF, calibrated); {at}")

@@ -304,10 +304,14 @@ class CudaCollector:
         if not self._records:
             return []
         ev = np.concatenate(self._records)
+        ev = ev[np.argsort(ev["start_ns"], kind="stable")]
         captured, step_open = self.consts["PC_CAPTURED"], self.consts["PC_STEP_OPEN"]
+        memory = KnownMemory()
         out = []
         for e in ev:
             api = self.apis[int(e["api"])]
+            if api.what == "memory" and int(e["ret"]) == 0:
+                memory.note(api, int(e["tgid"]), int(e["ptr"]), int(e["bytes"]), int(e["copy_kind"]))
             tgid, flags = int(e["tgid"]), int(e["flags"])
             start, end = int(e["start_ns"]), int(e["end_ns"])
             caller = ""
@@ -317,7 +321,8 @@ class CudaCollector:
                 tgid, int(e["tid"]), api.name, api.what, start, end, 1, end - start if end else 0,
                 self._kernel(tgid, api, int(e["handle"])), tuple(int(x) for x in e["grid"]),
                 tuple(int(x) for x in e["block"]), int(e["shmem"]), int(e["stream"]), int(e["bytes"]),
-                self._copy_kind(api, int(e["copy_kind"])), int(e["ptr"]),
+                memory.resolve(int(e["tgid"]), int(e["ptr"]), int(e["ptr2"]), self._copy_kind(api, int(e["copy_kind"]))),
+                int(e["ptr"]),
                 int(e["handle"]) if api.what != "launch" else 0, int(e["ret"]), caller,
                 bool(flags & captured), int(e["step"]) if flags & step_open else 0,
                 self._op(int(e["engine"]), int(e["op"]), flags)))
@@ -368,6 +373,35 @@ class CudaCollector:
         if self._stats_fd >= 0:
             os.close(self._stats_fd)
             self._stats_fd = -1
+
+
+class KnownMemory:
+    """The allocations seen so far (device, pinned host), to tell which way a copy of kind
+    Default went: resolved only when both its pointers lie in allocations seen (memory made
+    another way, cuMem* or before attach, is not known)."""
+
+    def __init__(self):
+        self.blocks: dict[tuple[int, int], tuple[int, str]] = {}   # (tgid, base) -> (size, "D"/"H")
+
+    def note(self, api: runtime.Api, tgid: int, ptr: int, size: int, kind: int) -> None:
+        if not ptr:
+            return
+        if api.cls == "malloc":
+            self.blocks[(tgid, ptr)] = (size, "D" if kind == 1 else "H")
+        else:
+            self.blocks.pop((tgid, ptr), None)
+
+    def _side(self, tgid: int, addr: int) -> str | None:
+        for (t, base), (size, side) in self.blocks.items():
+            if t == tgid and base <= addr < base + size:
+                return side
+        return None
+
+    def resolve(self, tgid: int, dst: int, src: int, kind: str) -> str:
+        if kind != "Default":
+            return kind
+        s, d = self._side(tgid, src), self._side(tgid, dst)
+        return f"Default:{s}2{d}" if s and d else kind
 
 
 def _text(b) -> str:

@@ -4,7 +4,7 @@ cuda level probes (probes/cuda.toml's table, resolved against each file's symbol
 The runtime is any libcudart.so* the process maps, or a copy linked statically into an
 executable (nvcc's default) or library, found by its symbols (.symtab: the static copy's
 functions are local); the driver API is libcuda.so*. A statically linked copy in a
-stripped file has no symbols to probe: that is said, not skipped silently.
+stripped file has no symbols to probe: the session says so, rather than finding nothing.
 """
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ class RuntimeFile:
 
 def runtime_files(pack: Pack, lib_paths: list[tuple[str, str]], root: str = "/") -> tuple[list[RuntimeFile], list[str]]:
     """The CUDA runtime and driver files among (host path, target path) pairs: by name, else
-    a file that defines the pack's marker (a static runtime). Returns (files, warnings)."""
+    a file that defines the pack's marker (a static runtime; a stripped one cannot be found,
+    which the session says). Returns (files, warnings)."""
     found, warnings = [], []
     for host, path in lib_paths:
         try:
@@ -78,20 +79,7 @@ def runtime_files(pack: Pack, lib_paths: list[tuple[str, str]], root: str = "/")
             found.append(RuntimeFile(elf, host, path, False))
         elif elf.find(pack.marker):
             found.append(RuntimeFile(elf, host, path, True))
-        elif not elf.has_symtab and _has_static_runtime_text(host):
-            warnings.append(f"{path}: links the CUDA runtime statically but is stripped: "
-                            "its CUDA calls cannot be probed (keep its .symtab)")
     return found, warnings
-
-
-def _has_static_runtime_text(path: str) -> bool:
-    """A stripped file with the static runtime still carries its messages and fatbins."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64 << 20)
-    except OSError:
-        return False
-    return b"__cudaRegisterFatBinary" in head or b".nv_fatbin" in head
 
 
 def static_runtime_span(elf: ElfInfo) -> tuple[int, int] | None:

@@ -6,7 +6,6 @@ is compared, exactly, with the program's own log."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -189,38 +188,51 @@ def test_counted_in_bpf_without_timeline(tmp_path, libcuda):
     assert copied == sum(d["bytes"] for d in _log(log) if d["fn"].startswith("cudaMemcpy"))
 
 
-def test_attach_after_registration_names_every_kernel(tmp_path, libcuda):
-    program = _program("cuda_calls", "static")
+def _attach_and_run(tmp_path, program_args: list[str]) -> tuple[Path, Path, Path]:
+    """Start the program held before its calls, attach (cuda level, with a timeline), let it
+    run to its end; returns (its log, the JSON summary, the trace)."""
     log, go = tmp_path / "calls.jsonl", tmp_path / "go"
-    target = subprocess.Popen([str(program), "--log", str(log), "--libcuda", str(libcuda),
-                               "--start-after", str(go)], stdout=subprocess.PIPE, text=True)
+    summary, trace = tmp_path / "s.json", tmp_path / "t.pftrace"
+    target = subprocess.Popen([*program_args, "--log", str(log), "--start-after", str(go)],
+                              stdout=subprocess.PIPE, text=True)
     try:
-        ready = target.stdout.readline()
-        assert ready.startswith("ready ")
-        summary = tmp_path / "s.json"
+        assert target.stdout.readline().startswith("ready ")
         prof = subprocess.Popen(PROFINFER + ["attach", "--pid", str(target.pid), "--levels", "cuda",
-                                             "--quiet", "--json", str(summary), "-o", str(tmp_path / "t.pftrace")],
+                                             "--quiet", "--json", str(summary), "-o", str(trace)],
                                 stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 60
-        err = ""
-        while time.monotonic() < deadline:
-            time.sleep(0.2)
-            if prof.poll() is not None:
-                break
-            # attached: its note is on stderr; let the program run
-            if os.path.exists(f"/proc/{target.pid}") and _attached(prof):
-                break
+        while time.monotonic() < deadline and prof.poll() is None and not _attached(prof):
+            time.sleep(0.05)
         go.write_text("")
         target.wait(timeout=60)
         _, err = prof.communicate(timeout=60)
         assert prof.returncode == 0, err
     finally:
         target.kill()
+    return log, summary, trace
+
+
+def test_attach_after_registration_names_every_kernel(tmp_path, libcuda):
+    program = _program("cuda_calls", "static")
+    log, summary, _ = _attach_and_run(tmp_path, [str(program), "--libcuda", str(libcuda)])
     cuda = json.loads(summary.read_text())["cuda"]
     logged = Counter(d["kernel"] for d in _log(log) if d["fn"].startswith("cudaLaunch"))
     named = Counter({k: v["launches"] + v["captured"] for k, v in cuda["kernels"].items()
                      if not k.startswith("CUfunction@")})
     assert named == logged
+
+
+def test_attach_then_a_runtime_dlopened_later_loses_no_call(tmp_path, libcuda, cudart12):
+    """Attached first; then the program dlopens CUDA 12's runtime and libcuda and calls them
+    at once: probed at the loader's hook, before the first call."""
+    from exporters.trace_reader import read_trace
+    program = _program("cuda_calls", "static")
+    log, _, trace = _attach_and_run(tmp_path, [str(program), "--runtime", f"dlopen:{cudart12}",
+                                               "--libcuda", str(libcuda)])
+    back = read_trace(trace)
+    assert back.lost_events == 0
+    _compare(_log(log), back.cuda_calls)
+    assert any("libcudart.so.12" in k for k in back.meta)
 
 
 def _attached(proc: subprocess.Popen) -> bool:
@@ -283,3 +295,16 @@ def test_perfetto_nesting_streams_and_live_memory(tmp_path):
     _, _, leaks = live_memory(back.cuda_calls)
     memory = tracks.get("CUDA live device memory (bytes)", [0])
     assert memory[-1] == sum(c.bytes for c in leaks)
+
+
+def test_a_stripped_static_runtime_is_named_not_silently_missed(tmp_path):
+    program = _program("cuda_calls", "static")
+    stripped = tmp_path / "cuda_calls_stripped"
+    subprocess.run(["strip", "-o", str(stripped), str(program)], check=True)
+    out = subprocess.run(PROFINFER + ["record", "--levels", "cuda", "--quiet", "--",
+                                      str(stripped), "--log", str(tmp_path / "l.jsonl")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert "stripped (no .symtab)" in last and str(stripped) in last
