@@ -72,6 +72,8 @@ class CudaCollector:
         self._lost_at_end = 0
         self._events: EventTransport | None = None
         self._multi = False
+        self._kernel_names: dict[tuple[int, int, bool], str] = {}   # named once per kernel
+        self._sites: dict[tuple[int, int], str] = {}
 
     # ---- attach ----
 
@@ -221,10 +223,9 @@ class CudaCollector:
     def _learn_names(self, ev: np.ndarray) -> None:
         """Registrations seen: handles, driver functions, host stubs' device names."""
         cls_of = {a.index: a.cls for a in self.apis}
-        for e in ev:
-            cls = cls_of.get(int(e["api"]))
-            if cls not in ("get_kernel", "module_function", "register_function"):
-                continue
+        registrations = [a.index for a in self.apis if a.what == "registration"]
+        for e in ev[np.isin(ev["api"], registrations)]:
+            cls = cls_of[int(e["api"])]
             names = self.names.setdefault(int(e["tgid"]), KernelNames(int(e["tgid"])))
             if cls == "get_kernel" and int(e["ret"]) == 0 and int(e["ptr"]):
                 names.handles[int(e["ptr"])] = int(e["ptr2"])
@@ -285,8 +286,19 @@ class CudaCollector:
     def _kernel(self, tgid: int, api: runtime.Api, handle: int) -> str:
         if api.what != "launch":
             return ""
-        names = self.names.get(tgid) or self.names.setdefault(tgid, KernelNames(tgid))
-        return names.kernel(handle, api.driver)
+        key = (tgid, handle, api.driver)
+        name = self._kernel_names.get(key)
+        if name is None:
+            names = self.names.get(tgid) or self.names.setdefault(tgid, KernelNames(tgid))
+            name = self._kernel_names[key] = names.kernel(handle, api.driver)
+        return name
+
+    def _site(self, tgid: int, addr: int) -> str:
+        key = (tgid, addr)
+        site = self._sites.get(key)
+        if site is None:
+            site = self._sites[key] = self.names.setdefault(tgid, KernelNames(tgid)).site(addr)
+        return site
 
     def _op(self, engine: int, op: int, flags: int) -> str:
         if not flags & self.consts["PC_OP_OPEN"]:
@@ -314,9 +326,7 @@ class CudaCollector:
                 memory.note(api, int(e["tgid"]), int(e["ptr"]), int(e["bytes"]), int(e["copy_kind"]))
             tgid, flags = int(e["tgid"]), int(e["flags"])
             start, end = int(e["start_ns"]), int(e["end_ns"])
-            caller = ""
-            if api.what == "memory":
-                caller = self.names.setdefault(tgid, KernelNames(tgid)).site(int(e["caller"]))
+            caller = self._site(tgid, int(e["caller"])) if api.what == "memory" else ""
             out.append(CudaCall(
                 tgid, int(e["tid"]), api.name, api.what, start, end, 1, end - start if end else 0,
                 self._kernel(tgid, api, int(e["handle"])), tuple(int(x) for x in e["grid"]),
