@@ -43,7 +43,11 @@ checks = {
     "kernel launches recorded": cuda.get("launches", 0) + cuda.get("captured_launches", 0) > 0,
     "CUDA graph launches counted": cuda.get("graph_launches", 0) > 0,
     "no events lost": s.get("lost_events", 1) == 0,
+    # llama.cpp launches through the runtime only: a driver launch the runtime makes for it
+    # must not be counted again (the nested-call check; cuda_nested counts those skipped)
+    "no launch counted twice": not any(api.startswith("cuLaunch") for api in cuda.get("calls", {})),
 }
+print(f"driver launches made by the runtime, skipped: {s.get('meta', {}).get('cuda_nested', '?')}")
 print(f"decode: {plain:.1f} tok/s unprofiled, {profiled:.1f} profiled: slowdown {plain / profiled - 1:+.1%}")
 print(f"launches {cuda.get('launches')}, captured {cuda.get('captured_launches')}, "
       f"graph launches {cuda.get('graph_launches')}, per step {cuda.get('launches_per_step')}")

@@ -37,8 +37,9 @@ struct pending_call {
     u64 args[9];              /* the integer argument slots at entry */
 };
 
+/* LRU: a thread that dies inside a call leaves its entry, the least recently used go first. */
 struct {
-    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(type, BPF_MAP_TYPE_LRU_HASH);
     __uint(max_entries, 16384);
     __type(key, u32);
     __type(value, struct pending_call);
@@ -80,13 +81,15 @@ struct {
 } runtime_ranges SEC(".maps");
 
 /* Tallies: nested driver calls skipped, aggregation keys refused (map full), calls whose
- * entry was not seen at return. */
+ * entry was not seen at return (or was overwritten by a probed call inside it), entries
+ * the pending map refused. */
 #define PC_TALLY_NESTED 0
 #define PC_TALLY_AGG_FULL 1
 #define PC_TALLY_UNPAIRED 2
+#define PC_TALLY_PENDING_FULL 3
 struct {
     __uint(type, BPF_MAP_TYPE_ARRAY);
-    __uint(max_entries, 3);
+    __uint(max_entries, 4);
     __type(key, u32);
     __type(value, u64);
 } tallies SEC(".maps");
@@ -330,7 +333,8 @@ int cuda_enter(struct pt_regs *ctx)
     p->call.caller = p->args[8];
     attribute(&p->call, tid);
     p->call.start_ns = bpf_ktime_get_ns();
-    bpf_map_update_elem(&pending, &tid, p, BPF_ANY);
+    if (bpf_map_update_elem(&pending, &tid, p, BPF_ANY))
+        tally(PC_TALLY_PENDING_FULL);
     return 0;
 }
 
@@ -360,16 +364,19 @@ int cuda_return(struct pt_regs *ctx)
         c->ptr2 = a[1];
         c->bytes = a[2];
         c->copy_kind = (u32)a[3];
+        mark_captured(c);       /* an async copy on a capturing stream is recorded, not run */
         break;
     case PC_MEMCPY_2D:
         c->ptr = a[0];
         c->ptr2 = a[2];
         c->bytes = a[4] * a[5];
         c->copy_kind = (u32)a[6];
+        mark_captured(c);
         break;
     case PC_MEMSET:
         c->ptr = a[0];
         c->bytes = a[2];
+        mark_captured(c);
         break;
     case PC_MALLOC:
         c->bytes = a[1];

@@ -280,12 +280,19 @@ def cuda_call_from(pid: int, tid: int, start: int, end: int, api: str, args: dic
                     bool(args.get("captured", 0)), args.get("step", 0), args.get("op", ""))
 
 
-def stream_track_uuid(pid: int, stream: int) -> int:
-    return (5 << 60) | ((pid & 0xFFFFFF) << 32) ^ (stream & 0xFFFFFFFFFFFF)
+# the cuda level's tracks that belong to a process, not a thread: kind in the top bits, then
+# the pid, then the track's number in that process
+STREAM_TRACKS, MEMORY_TRACKS = 5, 6
 
 
-def memory_track_uuid(pid: int) -> int:
-    return (6 << 60) | pid
+def process_track_uuid(kind: int, pid: int, index: int = 0) -> int:
+    return (kind << 60) | ((pid & 0xFFFFFFFF) << 24) | (index & 0xFFFFFF)
+
+
+def process_track_of(uuid: int) -> tuple[int, int] | None:
+    """(kind, pid) of a process track's uuid; None for any other track."""
+    kind = uuid >> 60
+    return (kind, (uuid >> 24) & 0xFFFFFFFF) if kind in (STREAM_TRACKS, MEMORY_TRACKS) else None
 
 
 def _cuda_tracks(profile: Profile, seq_id: int) -> bytes:
@@ -302,19 +309,24 @@ def _cuda_tracks(profile: Profile, seq_id: int) -> bytes:
         pkt.trusted_packet_sequence_id = seq_id
         return pkt
 
-    streams = sorted({(c.pid, c.stream) for c in timed if c.what == "launch" or "GraphLaunch" in c.api})
-    for pid, stream in streams:
-        d = packet().track_descriptor
-        d.uuid, d.parent_uuid = stream_track_uuid(pid, stream), process_uuid(pid)
-        d.name = f"CUDA stream 0x{stream:x}" + (" (default)" if stream == 0 else "")
-    for c in sorted(timed, key=lambda c: c.start_ns):
-        if (c.pid, c.stream) not in streams or not (c.what == "launch" or "GraphLaunch" in c.api):
-            continue
+    # what ran on each stream: launches and graph launches (a launch captured into a graph
+    # is not run then: its graph's launches are)
+    ran = [c for c in sorted(timed, key=lambda c: c.start_ns)
+           if (c.what == "launch" or "GraphLaunch" in c.api) and not c.captured]
+    streams: dict[tuple[int, int], int] = {}
+    for c in ran:
+        if (c.pid, c.stream) not in streams:
+            streams[(c.pid, c.stream)] = uuid = process_track_uuid(
+                STREAM_TRACKS, c.pid, sum(1 for p, _ in streams if p == c.pid))
+            d = packet().track_descriptor
+            d.uuid, d.parent_uuid = uuid, process_uuid(c.pid)
+            d.name = f"CUDA stream 0x{c.stream:x}" + (" (default)" if c.stream == 0 else "")
+    for c in ran:
         for etype, extra in ((TrackEvent.TYPE_SLICE_BEGIN, True), (TrackEvent.TYPE_SLICE_END, False)):
             pkt = packet()
             pkt.timestamp, pkt.timestamp_clock_id = c.start_ns, MONOTONIC
             te = pkt.track_event
-            te.type, te.track_uuid = etype, stream_track_uuid(c.pid, c.stream)
+            te.type, te.track_uuid = etype, streams[(c.pid, c.stream)]
             if extra:
                 te.categories.append(CAT_CUDA_STREAM)
                 te.name = c.kernel or f"graph 0x{c.handle:x}"
@@ -324,7 +336,8 @@ def _cuda_tracks(profile: Profile, seq_id: int) -> bytes:
         if series:
             series_by_pid[pid] = series
             d = packet().track_descriptor
-            d.uuid, d.parent_uuid, d.name = memory_track_uuid(pid), process_uuid(pid), LIVE_MEMORY_TRACK
+            d.uuid, d.parent_uuid = process_track_uuid(MEMORY_TRACKS, pid), process_uuid(pid)
+            d.name = LIVE_MEMORY_TRACK
             d.counter.SetInParent()
     first = min(c.start_ns for c in timed)
     for pid, series in series_by_pid.items():
@@ -332,7 +345,7 @@ def _cuda_tracks(profile: Profile, seq_id: int) -> bytes:
             pkt = packet()
             pkt.timestamp, pkt.timestamp_clock_id = ts, MONOTONIC
             pkt.track_event.type = TrackEvent.TYPE_COUNTER
-            pkt.track_event.track_uuid = memory_track_uuid(pid)
+            pkt.track_event.track_uuid = process_track_uuid(MEMORY_TRACKS, pid)
             pkt.track_event.counter_value = value
     return b.serialize()
 

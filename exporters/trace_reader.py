@@ -14,7 +14,8 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, Track
 from profinfer.exporters.perfetto import (
     ATTR_COUNTERS, ATTR_DROPPED_PREFIX, ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX, CAT_ARRIVAL,
     CAT_BARRIER, BOOTTIME, CAT_GRAPH, CAT_OP, CAT_TOKEN, COUNTER_ARG_PREFIX, FORMAT_VERSION,
-    CALL_ARG_PREFIX, CAT_CALL, CAT_CUDA, CAT_CUDA_STREAM, CAT_STEP, INTERN_TABLES, cuda_call_from, MONOTONIC, SEQ_CLOCK, SHAPE_SEP, parse_experts,
+    CALL_ARG_PREFIX, CAT_CALL, CAT_CUDA, CAT_CUDA_STREAM, CAT_STEP, INTERN_TABLES, cuda_call_from,
+    process_track_of, MONOTONIC, SEQ_CLOCK, SHAPE_SEP, parse_experts,
     parse_tensor,
 )
 from profinfer.model import (CudaCall, GraphCall, OpCall, OpSlice, Profile, SchedSwitch, SchedWakeup, Step,
@@ -80,7 +81,8 @@ class _Reader:
         self.steps: list[Step] = []
         self.cuda_calls: list[CudaCall] = []
         self.track_names: dict[int, str] = {}
-        self.named_tracks: dict[str, list] = {}   # track name: its slice names or counter values
+        self.collect_named = False                # read_named_tracks: keep what those tracks hold
+        self.named_tracks: dict[tuple[int, str], list] = {}   # (pid, track name): slice names or values
         self.track_pid: dict[int, int] = {}
         self.graphs: list[GraphCall] = []
         self.ops: list[OpSlice] = []
@@ -176,7 +178,7 @@ class _Reader:
                 if self.pid is None:             # the profiled process comes first
                     self.pid = desc.process.pid
                     self.process_name = desc.process.process_name
-            elif desc.name:              # the cuda level's stream and memory tracks
+            elif process_track_of(desc.uuid):      # the cuda level's stream and memory tracks
                 self.track_names[desc.uuid] = desc.name
             elif desc.HasField("thread"):
                 self.track_tid[desc.uuid] = desc.thread.tid
@@ -198,10 +200,12 @@ class _Reader:
             value = strings[ann.string_value_iid] if kind == "string_value_iid" else getattr(ann, kind)
             args[seq.tables["arg"][ann.name_iid]] = value
         uuid = te.track_uuid if te.HasField("track_uuid") else seq.track_uuid
-        if uuid in self.track_names:     # not a thread's: kept by track name
-            value = te.name if te.type == _BEGIN else te.counter_value if te.type == _COUNTER else None
-            if value is not None:
-                self.named_tracks.setdefault(self.track_names[uuid], []).append(value)
+        if uuid in self.track_names:     # a process's track, not a thread's
+            if self.collect_named:
+                value = te.name if te.type == _BEGIN else te.counter_value if te.type == _COUNTER else None
+                if value is not None:
+                    key = (process_track_of(uuid)[1], self.track_names[uuid])
+                    self.named_tracks.setdefault(key, []).append(value)
             return None, None, None, args, None
         if te.type != _BEGIN:
             return te.type, None, None, args, None
@@ -356,10 +360,12 @@ def read_trace(path: str | Path) -> Profile:
     raise TraceFormatError(f"{path}: {message}".replace("\n", " "))
 
 
-def read_named_tracks(path: str | Path) -> dict[str, list]:
-    """The trace's tracks that belong to no thread, by name: the cuda level's stream tracks
-    (their launches' kernel names in order) and live-memory counters (their values)."""
+def read_named_tracks(path: str | Path) -> dict[tuple[int, str], list]:
+    """The trace's tracks that belong to a process, not a thread, by (pid, name): the cuda
+    level's stream tracks (their launches' kernel names in order) and live-memory counters
+    (their values)."""
     reader = _Reader()
+    reader.collect_named = True
     try:
         reader.read(Path(path).read_bytes())
     except (DecodeError, KeyError, IndexError, ValueError, TypeError, AttributeError, OverflowError) as e:

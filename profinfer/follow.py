@@ -188,6 +188,12 @@ class Follower:
             return None
         return None if base is None else base + vaddr + R_STATE_OFFSET
 
+    def add(self, pid: int) -> None:
+        """Follow a process that already runs (a descendant of an attached process)."""
+        libbpf.map_update(self.obj.map_fd("followed"), pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
+        self.processes.add(pid)
+        self._live.add(pid)
+
     @staticmethod
     def resume(pid: int) -> None:
         try:

@@ -246,6 +246,7 @@ class CudaCall:
     step: int = 0              # the engine's step open on the thread (0: none)
     op: str = ""               # the engine's op open on the thread ("": none)
     engine: str = ""
+    max_ns: int = 0            # the longest of a group's calls (one call: its own time)
 
     @property
     def dur_ns(self) -> int:

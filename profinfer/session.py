@@ -93,6 +93,15 @@ class CollectorGroup:
     def decoding(self) -> bool:
         return any(m.decoding for m in self.members)
 
+    @property
+    def started(self) -> bool:
+        """The engine's work began (the CPU shares count from here): its own first event, not
+        a level's (a CUDA runtime registers kernels and allocates while a model loads)."""
+        engine = self.members[0]
+        if not engine.pack.level:
+            return engine.decoding or bool(engine.n_events)
+        return self.decoding or bool(self.n_events)
+
     def fileno(self) -> int:
         return self.members[0].fileno()
 
@@ -138,6 +147,32 @@ class CollectorGroup:
     def detach(self) -> None:
         for m in self.members:
             m.detach()
+
+
+def _watch_tree(pid: int, buffer: str, warn: Callable[[str], None]) -> Follower | None:
+    """attach with a runtime level: follow the process and its descendants, so that a
+    runtime any of them loads from now on (PyTorch dlopens libcudart, which dlopens libcuda
+    at its first call) is probed before its first call, as for record: each loader's hook
+    stops the process while its new libraries are probed. None (said) when that cannot be set
+    up: the level then covers what is loaded now."""
+    try:
+        follower = Follower(pid, kernel.event_buffer_kind(buffer))
+    except ProfinferError as e:
+        warn(f"libraries loaded from now on will not be probed: {e}")
+        return None
+    try:
+        tree = [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        tree = []
+    for p in [pid] + tree:
+        try:
+            if p != pid:
+                follower.add(p)
+            follower.watch_loader(p)
+        except (OSError, ProfinferError) as e:
+            if discovery.process_exists(p):
+                warn(f"PID {p}: libraries it loads from now on will not be probed: {e}")
+    return follower
 
 
 def shared_open_spans() -> int:
@@ -355,7 +390,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
 
     def make(p: Pack, where: int, files: list[tuple[str, str]]) -> EngineCollector:
         extra: dict = {}
-        if follower is not None:
+        if follower is not None and (follow or p.level):   # attach: the engine keeps its own
             extra["followed_map_fd"] = follower.followed_map_fd()
         if open_spans_fd is not None:
             extra["open_spans_fd"] = open_spans_fd
@@ -366,23 +401,32 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
 
     if not follow:
         try:
-            pack, engine_pid, files = engine_process(packs or level_packs, pid)
-        except ProfinferError:
-            if not level_packs or not packs:
-                raise
-            pack, engine_pid, files = engine_process(level_packs, pid)  # a plain CUDA program
-        if engine_pid != pid:
-            note(f"PID {pid} runs no engine; its descendant PID {engine_pid} runs {pack.engine}")
-        coll = CollectorGroup(make(pack, engine_pid, files))
-        for lp in level_packs:
-            if lp is pack:
-                continue
-            found = find_engine([lp], engine_pid, True, executables_seen)
-            if found:
-                coll.add(make(lp, engine_pid, found[1]))
-            else:
-                note(f"PID {engine_pid} maps no {lp.engine} runtime ({', '.join(lp.libraries)}) "
-                     f"yet: the {lp.level} level starts when it loads one")
+            try:
+                pack, engine_pid, files = engine_process(packs or level_packs, pid)
+            except ProfinferError:
+                if not level_packs or not packs:
+                    raise
+                pack, engine_pid, files = engine_process(level_packs, pid)  # a plain CUDA program
+            if engine_pid != pid:
+                note(f"PID {pid} runs no engine; its descendant PID {engine_pid} runs {pack.engine}")
+            if level_packs:
+                follower = _watch_tree(pid, buffer, warn)
+            coll = CollectorGroup(make(pack, engine_pid, files))
+            for lp in level_packs:
+                if lp is pack:
+                    continue
+                found = find_engine([lp], engine_pid, True, executables_seen)
+                if found:
+                    coll.add(make(lp, engine_pid, found[1]))
+                else:
+                    note(f"PID {engine_pid} maps no {lp.engine} runtime ({', '.join(lp.libraries)}) "
+                         f"yet: the {lp.level} level starts when it loads one")
+        except BaseException:
+            if follower is not None:
+                follower.close()
+            if open_spans_fd is not None:
+                os.close(open_spans_fd)
+            raise
     stop_reason: list[str] = []
 
     def on_signal(signum, _frame):
@@ -422,18 +466,18 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
         if not follow:
             for m in coll.members:
                 m.attach()
-            if level_packs:
-                # a runtime the process loads from now on (PyTorch dlopens libcudart, which
-                # dlopens libcuda at its first call) is probed before its first call: its
-                # loader's hook stops it, as for record
-                try:
-                    follower = Follower(engine_pid, kernel.event_buffer_kind(buffer))
-                    follower.watch_loader(engine_pid)
-                except ProfinferError:
-                    if discovery.process_exists(engine_pid):
-                        raise
             for m in coll.members:
                 attached(m, engine_pid)
+            if follower is not None:
+                # the rest of the tree (vLLM's workers): the level's probes sit on files and
+                # run for the followed processes; each one's runtime code and names are read
+                for child in sorted(follower.processes - {engine_pid}):
+                    try:
+                        for found in find_packs(level_packs, child, True, executables_seen):
+                            engine_appeared(child, *found)
+                    except (OSError, ProfinferError) as e:
+                        if discovery.process_exists(child):
+                            warn(f"PID {child}: {e}")
         else:
             follower = Follower(pid, kernel.event_buffer_kind(buffer))
             note(f"following PID {pid} and what it starts (exec, fork, dlopen)"
@@ -489,7 +533,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                         follower.resume(change.tgid)
                 if coll is not None:
                     coll.poll(0)
-            if coll is not None and not counting_from_decode and (coll.decoding or coll.n_events):
+            if coll is not None and not counting_from_decode and coll.started:
                 target_cpu_from, own_cpu_from, counting_from_decode = (
                     _cpu_s(engine_pid), _own_cpu_s(), True)
             if follow and engine_pid != pid:       # its CPU time, before it is reaped

@@ -75,8 +75,10 @@ def cuda_cost(profile: Profile) -> dict | None:
     costs = recorded_calibration.trap_costs(profile).value
     out = {"calls": calls, "bpf_ns": int(meta["cuda_cost:bpf_ns"]), "hits": hits}
     if costs:
+        # a return probe shares its function's first-instruction trap with the entry probe:
+        # it adds what the return costs beyond it (probecost's uretprobe_extra_ns)
         trap = (hits["emulated"] * costs["emulated_ns"] + hits["stepped"] * costs["stepped_ns"]
-                + hits["return"] * (costs["emulated_ns"] + costs["uretprobe_extra_ns"]))
+                + hits["return"] * costs["uretprobe_extra_ns"])
         out["trap_ns"] = trap
         out["per_call_ns"] = (trap + out["bpf_ns"]) / calls
     return out

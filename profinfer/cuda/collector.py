@@ -29,7 +29,7 @@ ENTRY_ONLY, ENTRY, RETURN = "cuda_enter_only", "cuda_enter", "cuda_return"
 PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS = 64, 16
 COPY_KINDS = {0: "H2H", 1: "H2D", 2: "D2H", 3: "D2D", 4: "Default"}
 MEMORY_KINDS = {1: "device", 2: "host"}
-TALLIES = ("nested", "agg_full", "unpaired")
+TALLIES = ("nested", "agg_full", "unpaired", "pending_full")
 _U32_P = ctypes.POINTER(ctypes.c_uint32)
 
 
@@ -54,7 +54,7 @@ class CudaCollector:
         self.apis: list[runtime.Api] = []
         self.files: list[runtime.RuntimeFile] = []
         self.probed_files: set[tuple[int, int]] = set()
-        self.placements: dict[str, tuple] = {}   # function: (entry probe's place, first one)
+        self.placements: dict[str, placement.Placement] = {}   # function: its entry probe's place
         self.obj: libbpf.BpfObject | None = None
         self.names: dict[int, KernelNames] = {}       # per process
         self.warnings: list[str] = []
@@ -144,14 +144,16 @@ class CudaCollector:
                 sym = rf.elf.find(api.name)
                 if sym is None:
                     continue
-                # the entry probe where no argument register nor the stack pointer has moved
-                # yet (placement.choose): an emulated instruction where there is one; the
-                # return probe sits on the first instruction
+                # an entry-only probe where no argument register nor the stack pointer has
+                # moved yet (placement.choose): an emulated instruction where there is one. A
+                # function probed at return too has its entry probe on the first instruction,
+                # with the return probe: one trap, before the return address is replaced
                 code = rf.elf.code_bytes(sym, 64)
-                entry, first = placement.choose(code, (1, 2, 3, 4, 5, 6)), placement.choose(code)
-                self.placements[api.name] = (entry, first)
+                entry = placement.choose(code, (1, 2, 3, 4, 5, 6)) if not api.returns else \
+                    _first_instruction(code)
+                self.placements[api.name] = entry
                 for prog in ((ENTRY, RETURN) if api.returns else (ENTRY_ONLY,)):
-                    groups[prog][0].append(sym.file_offset + (entry.offset if prog != RETURN else 0))
+                    groups[prog][0].append(sym.file_offset + entry.offset)
                     groups[prog][1].append(api.index)
             for prog, (offsets, cookies) in groups.items():
                 if not offsets:
@@ -177,8 +179,14 @@ class CudaCollector:
             exe = os.readlink(f"/proc/{tgid}/exe").removesuffix(" (deleted)")
         except OSError:
             pass
-        names.read_handle_statics(sorted({exe, *(f.path for f in files if f.static)} - {""}))
-        ranges = runtime.runtime_ranges(tgid, self.files)[: self.consts["PC_RUNTIME_RANGES"]]
+        names.read_handle_statics(sorted({exe, *(f.path for f in files if f.static),
+                                          *names.cuda_modules()} - {""}))
+        ranges = runtime.runtime_ranges(tgid, self.files)
+        if len(ranges) > self.consts["PC_RUNTIME_RANGES"]:
+            self.warnings.append(f"PID {tgid} maps {len(ranges)} CUDA runtime code ranges; the nested-call "
+                                 f"check holds {self.consts['PC_RUNTIME_RANGES']}: a driver launch made by "
+                                 "a runtime beyond them is counted besides its runtime call")
+            ranges = ranges[: self.consts["PC_RUNTIME_RANGES"]]
         value = np.zeros(1, self.dt["pc_runtime_ranges"])
         for i, (lo, hi) in enumerate(ranges):
             value["start"][0, i], value["end"][0, i] = lo, hi
@@ -348,7 +356,7 @@ class CudaCollector:
             self._copy_kind(api, int(k["copy_kind"])), 0,
             int(k["handle"]) if api.what != "launch" else 0, int(k["ret"]), "",
             bool(flags & self.consts["PC_CAPTURED"]), 0,
-            self._op(int(k["engine"]), int(k["op"]), flags))
+            self._op(int(k["engine"]), int(k["op"]), flags), max_ns=int(v["max_ns"]))
 
     def _meta(self, tallies: dict[str, int], stats: dict, calls: list[CudaCall]) -> dict[str, str]:
         meta = {"cuda_timeline": str(int(self.timeline)), "cuda_probes": str(self.n_probes),
@@ -365,12 +373,12 @@ class CudaCollector:
             for c in calls:
                 by_api[c.api] = by_api.get(c.api, 0) + c.count
             for name, n in by_api.items():
-                entry, first = self.placements[name]
-                cost["hits_emulated" if entry.emulated else "hits_stepped"] += n
+                cost["hits_emulated" if self.placements[name].emulated else "hits_stepped"] += n
                 if name in returns:
                     cost["hits_return"] += n
-                    if entry.offset:      # the return probe's own trap at the first instruction
-                        cost["hits_emulated" if first.emulated and first.offset == 0 else "hits_stepped"] += n
+            # driver launches the runtime made: trapped, then skipped in BPF (emulated or not,
+            # as the driver's probes are placed: counted as single-stepped, the dearer)
+            cost["hits_stepped"] += tallies.get("nested", 0)
             meta.update((f"cuda_cost:{k}", str(v)) for k, v in cost.items())
         return meta
 
@@ -412,6 +420,11 @@ class KnownMemory:
             return kind
         s, d = self._side(tgid, src), self._side(tgid, dst)
         return f"Default:{s}2{d}" if s and d else kind
+
+
+def _first_instruction(code: bytes) -> placement.Placement:
+    first = placement.choose(code)
+    return first if first.offset == 0 else placement.Placement(0, False, "first instruction")
 
 
 def _text(b) -> str:

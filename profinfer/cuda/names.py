@@ -123,6 +123,24 @@ def handle_statics(path: str) -> list[tuple[int, str]]:
         return []
 
 
+_NEEDS_CUDART: dict[str, bool] = {}
+
+
+def needs_cudart(path: str) -> bool:
+    """Whether a shared object links libcudart dynamically (its DT_NEEDED), so that its
+    kernels' CUDA 13 stubs hold handles from it (read from the dynamic section only)."""
+    if path not in _NEEDS_CUDART:
+        try:
+            with open(path, "rb") as f:
+                dyn = ELFFile(f).get_section_by_name(".dynamic")
+                _NEEDS_CUDART[path] = bool(dyn) and any(
+                    t.entry.d_tag == "DT_NEEDED" and t.needed.startswith("libcudart")
+                    for t in dyn.iter_tags())
+        except (OSError, ELFError, ValueError, AttributeError):
+            _NEEDS_CUDART[path] = False
+    return _NEEDS_CUDART[path]
+
+
 def _stub_kernel(elf: ElfInfo, stub_tail: str) -> str | None:
     """The kernel's host function whose mangled name begins the stub's: the stub of
     `_ZN2ns5scaleIfEEvPT_S1_i` is `__device_stub__ZN2ns5scaleIfEEvPT_S1_iPffi` (the kernel's
@@ -152,6 +170,13 @@ class KernelNames:
             known = {(m.start, m.path) for m in current}
             self.maps = current + [m for m in self.maps if (m.start, m.path) not in known]
             self.maps.sort(key=lambda m: m.start)
+
+    def cuda_modules(self) -> list[str]:
+        """The mapped files that link libcudart dynamically (an engine's CUDA library)."""
+        seen = {}
+        for m in self.maps:
+            seen.setdefault(m.path, m.host_path)
+        return [p for p, host in seen.items() if needs_cudart(host)]
 
     def read_handle_statics(self, paths: list[str]) -> int:
         """The handles CUDA 13 stubs already hold (their kernels registered before attach),

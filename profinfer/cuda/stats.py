@@ -9,12 +9,14 @@ from ..model import CudaCall
 
 
 def live_memory(calls: list[CudaCall], memory: str = "device") -> tuple[list[tuple[int, int]], int, list[CudaCall]]:
-    """Successful allocations and frees of `memory` in time order: the live bytes after each
-    change as (ns, bytes), the peak, and the allocations never freed."""
+    """Successful allocations and frees of `memory` in the order they took effect (at their
+    return: an address freed on one thread can be allocated on another before the free's call
+    began): the live bytes after each change as (ns, bytes), the peak, and the allocations
+    never freed."""
     live: dict[tuple[int, int], CudaCall] = {}
     total, peak, series = 0, 0, []
     for c in sorted((c for c in calls if c.what == "memory" and c.copy_kind == memory and c.ret == 0
-                     and c.count == 1), key=lambda c: c.start_ns):
+                     and c.count == 1), key=lambda c: c.end_ns or c.start_ns):
         key = (c.pid, c.ptr)
         if c.api.startswith(("cudaMalloc", "cudaHostAlloc")):
             if c.ptr == 0:
@@ -72,7 +74,7 @@ def summary(calls: list[CudaCall], steps: int = 0) -> dict:
             s = syncs[c.api]
             s["calls"] += c.count
             s["blocked_ns"] += c.total_ns
-            s["max_ns"] = max(s["max_ns"], c.dur_ns)
+            s["max_ns"] = max(s["max_ns"], c.max_ns or c.dur_ns)
             per_op[op]["sync_ns"] += c.total_ns
             per_op[op]["syncs"] += c.count
         elif c.what == "graph":

@@ -133,11 +133,9 @@ def _compare(log: list[dict], calls, pointers: bool = True) -> None:
             return k
         return tuple(v for i, v in enumerate(k) if i != (3 if k[0].startswith("cudaMemcpy") else 2))
 
-    logged = [d for d in log if d["fn"] not in NOT_PROBED]
     want = Counter(copy_ptr(_key_from_log(d, log, cap)) for d, cap in zip(log, _captured(log))
                    if d["fn"] not in NOT_PROBED)
     got = Counter(copy_ptr(k) for k in (_key_from_call(_per_call(c)) for c in calls for _ in range(c.count)) if k)
-    assert sum(want.values()) == len(logged)
     missing, extra = want - got, got - want
     assert not missing and not extra, f"missing {dict(missing)}; extra {dict(extra)}"
 
@@ -290,11 +288,21 @@ def test_perfetto_nesting_streams_and_live_memory(tmp_path):
             by_stream.setdefault(_hex(d["stream"]), []).append(d["kernel"])
     for stream, kernels in by_stream.items():
         name = f"CUDA stream 0x{stream:x}" + (" (default)" if stream == 0 else "")
-        assert tracks[name] == kernels
-    from profinfer.cuda.stats import live_memory
-    _, _, leaks = live_memory(back.cuda_calls)
-    memory = tracks.get("CUDA live device memory (bytes)", [0])
-    assert memory[-1] == sum(c.bytes for c in leaks)
+        assert tracks[(profile.pid, name)] == kernels
+    # the program's own account of its device memory: what its successful allocations left
+    # (none here: without a driver they fail; the writer's counter is tested with made-up
+    # successful ones in test_cuda_memory_logic.py)
+    live: dict[int, int] = {}
+    for d in _log(log):
+        if d["ret"] == 0 and d["fn"] in ("cudaMalloc", "cudaMallocAsync"):
+            live[_hex(d["ptr"])] = d["size"]
+        elif d["ret"] == 0 and d["fn"] in ("cudaFree", "cudaFreeAsync"):
+            live.pop(_hex(d["ptr"]), None)
+    memory = tracks.get((profile.pid, "CUDA live device memory (bytes)"))
+    if memory is None:
+        assert not any(d["ret"] == 0 for d in _log(log) if d["fn"].startswith("cudaMalloc"))
+    else:
+        assert memory[-1] == sum(live.values())
 
 
 def test_a_stripped_static_runtime_is_named_not_silently_missed(tmp_path):
@@ -308,3 +316,37 @@ def test_a_stripped_static_runtime_is_named_not_silently_missed(tmp_path):
     assert "Traceback" not in out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert "stripped (no .symtab)" in last and str(stripped) in last
+
+
+def test_attach_to_a_process_tree_records_every_process(tmp_path, libcuda, cudart12):
+    """attach to a parent whose children make the CUDA calls (as vLLM's API server and its
+    workers): each child's calls are recorded, one of them from a runtime it dlopens after
+    profinfer attached."""
+    from exporters.trace_reader import read_trace
+    program = _program("cuda_calls", "static")
+    go, trace = tmp_path / "go", tmp_path / "t.pftrace"
+    logs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    script = (f"{program} --log {logs[0]} --libcuda {libcuda} --start-after {go} & "
+              f"{program} --log {logs[1]} --runtime dlopen:{cudart12} --start-after {go} & wait")
+    parent = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = sorted(int(parent.stdout.readline().split()[1]) for _ in logs)
+        prof = subprocess.Popen(PROFINFER + ["attach", "--pid", str(parent.pid), "--levels", "cuda",
+                                             "--quiet", "-o", str(trace)],
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and prof.poll() is None and not _attached(prof):
+            time.sleep(0.05)
+        go.write_text("")
+        parent.wait(timeout=60)
+        _, err = prof.communicate(timeout=60)
+        assert prof.returncode == 0, err
+    finally:
+        parent.kill()
+    back = read_trace(trace)
+    assert back.lost_events == 0
+    assert {c.pid for c in back.cuda_calls if c.what != "registration"} == set(pids)
+    for log in logs:
+        entries = _log(log)
+        pid = {d["tid"] for d in entries}.pop()       # one thread: its tid is its pid
+        _compare(entries, [c for c in back.cuda_calls if c.pid == pid])

@@ -54,7 +54,7 @@ def test_trace_live_memory_counter_ends_at_what_was_never_freed(tmp_path):
     prof = Profile(pid=1, process_name="p", cuda_calls=calls)
     path = tmp_path / "t.pftrace"
     write_perfetto(prof, path)
-    assert read_named_tracks(path)[LIVE_MEMORY_TRACK] == [0, 100, 150, 50, 120]
+    assert read_named_tracks(path)[(1, LIVE_MEMORY_TRACK)] == [0, 100, 150, 50, 120]
     back = read_trace(path)
     assert [(c.api, c.ptr, c.bytes, c.copy_kind) for c in back.cuda_calls] == \
         [(c.api, c.ptr, c.bytes, c.copy_kind) for c in calls]
