@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-need=(libbpf1 libbpf-dev clang lld bpftool graphviz python3-venv python3-pip cmake ninja-build gcc g++)
+need=(libbpf1 libbpf-dev clang lld bpftool graphviz python3-venv python3-pip cmake ninja-build gcc g++ prometheus)
 missing=()
 for p in "${need[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -22,7 +22,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
 # The CUDA level's test runtimes: Debian's libcuda1 (the driver API library) is in non-free.
-if ! apt-cache policy libcuda1 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+if ! apt-cache policy libcuda1 2>/dev/null | grep 'Candidate: [0-9]' >/dev/null; then
     echo "setup: enabling Debian's non-free component (libcuda1)" >&2
     cat > /etc/apt/sources.list.d/profinfer-debian-non-free.sources <<'PI_EOF'
 Types: deb
