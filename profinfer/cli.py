@@ -322,6 +322,90 @@ def doctor():
     sys.exit(run_doctor())
 
 
+DEFAULT_TOKEN_FILE = "/run/profinfer/token"
+DEFAULT_URL = "http://127.0.0.1:9464"
+
+
+@cli.command()
+@click.option("--listen", default="127.0.0.1:9464", show_default=True, help="HOST:PORT of the HTTP endpoint.")
+@click.option("--allow-remote", is_flag=True, help="Allow a --listen address other than loopback.")
+@click.option("--budget", type=click.FloatRange(0.0001, 1.0), default=0.04, show_default=True,
+              help="Share of the watched processes' CPU time profiling may cost.")
+@click.option("--levels", default="token", show_default=True, help="Always-on levels.")
+@click.option("--token", envvar="PROFINFER_TOKEN", help="Bearer token for the control endpoints "
+              "(default: read from, or made in, --token-file).")
+@click.option("--token-file", default=DEFAULT_TOKEN_FILE, show_default=True, type=click.Path(dir_okay=False))
+def daemon(listen, allow_remote, budget, levels, token, token_file):
+    """Run the node agent: watch every inference process, serve Prometheus metrics and traces."""
+    from .daemon.run import run_daemon
+    from .kernel import require_root
+    require_root()
+    levels = _levels(levels)
+    if not token and os.path.dirname(token_file):
+        os.makedirs(os.path.dirname(token_file), mode=0o700, exist_ok=True)
+    sys.exit(run_daemon(listen, budget, levels, token, token_file, allow_remote))
+
+
+def _daemon_request(method: str, url: str, token: str | None = None, timeout: float = 30):
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read()
+    except urllib.error.HTTPError as e:
+        body = e.read().decode(errors="replace")
+        try:
+            import json
+            body = json.loads(body).get("error", body)
+        except ValueError:
+            pass
+        raise ProfinferError(f"the daemon answered {e.code}: {body.strip()}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ProfinferError(f"no daemon at {url}: {getattr(e, 'reason', e)}") from None
+
+
+@cli.command()
+@click.option("--url", default=DEFAULT_URL, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the daemon's JSON as is.")
+def status(url, as_json):
+    """What the daemon watches, at which levels, and what it costs."""
+    import json
+    data = json.loads(_daemon_request("GET", url.rstrip("/") + "/status"))
+    if as_json:
+        click.echo(json.dumps(data, indent=1))
+        return
+    click.echo(f"daemon PID {data['pid']}, levels {','.join(data['levels'])}, budget {data['budget']:.1%}, "
+               f"GPU metrics {data['gpu']}, attach errors {data['attach_errors']}")
+    for p in data["processes"]:
+        where = " ".join(x for x in (f"container {p['container']}" if p["container"] else "",
+                                     f"pod {p['namespace']}/{p['pod']}" if p["pod_uid"] else "") if x)
+        click.echo(f"  PID {p['pid']:>7} {p['comm']:<16} {p['engine']:<10} {','.join(p['levels']):<12} "
+                   f"{p['probes']:>4} probes {p['events']:>10,} events {p['lost']} lost"
+                   + (f"  model {os.path.basename(p['model'])}" if p["model"] else "") + (f"  {where}" if where else ""))
+
+
+@cli.command()
+@click.option("-p", "--pid", type=int, required=True)
+@click.option("--seconds", type=click.FloatRange(0.01, 300), default=10, show_default=True)
+@click.option("--levels", default="token,graph,op", show_default=True)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
+@click.option("--url", default=DEFAULT_URL, show_default=True)
+@click.option("--token-file", default=DEFAULT_TOKEN_FILE, show_default=True, type=click.Path(dir_okay=False))
+def capture(pid, seconds, levels, output, url, token_file):
+    """Ask the daemon for a Perfetto trace of one process."""
+    from urllib.parse import urlencode
+    try:
+        token = open(token_file).read().strip()
+    except OSError as e:
+        raise ProfinferError(f"cannot read the token file {token_file}: {e.strerror}") from None
+    data = _daemon_request("POST", url.rstrip("/") + "/capture?" + urlencode(
+        {"pid": pid, "seconds": seconds, "levels": levels}), token, timeout=seconds + 120)
+    with open(output, "wb") as f:
+        f.write(data)
+    _note(f"wrote {output} ({len(data):,} bytes)")
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="profinfer", standalone_mode=False)

@@ -11,6 +11,7 @@ import resource
 import select
 import signal
 import sys
+import threading
 import time
 from typing import Callable, Protocol
 
@@ -432,7 +433,10 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     def on_signal(signum, _frame):
         stop_reason.append(signal.Signals(signum).name)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # only the main thread may set handlers (the daemon captures in its HTTP threads, where
+    # --duration ends the session)
+    in_main = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
     line = StatusLine(sys.stderr.isatty() if status is None else status)
 
     def attached(c: EngineCollector, where: int) -> None:

@@ -210,27 +210,52 @@ def _token_runs(t: TokenCall):
         yield seq, pos0, n, decoding_run(pos0, n)
 
 
-def sequences(tokens: list[TokenCall]) -> list[SequenceStats]:
-    seqs: list[SequenceStats] = []
-    current: dict[int | None, SequenceStats] = {}
-    for t in sorted(tokens, key=lambda t: (t.start_ns, t.tid)):
+class SequenceTracker:
+    """Each sequence's prompt and generation, from decode calls fed in start order. feed()
+    also says what each call showed: the time to first token of a sequence whose generation
+    it began, and the time per output token of each sequence it continued. With keep=False
+    (a daemon watching for days) a sequence is forgotten once a new prompt replaces it."""
+
+    def __init__(self, keep: bool = True):
+        self.keep = keep
+        self.seqs: list[SequenceStats] = []
+        self.current: dict[int | None, SequenceStats] = {}
+
+    def feed(self, t: TokenCall) -> tuple[list[int], list[tuple[float, int]]]:
+        """(TTFTs in ns, (ns per output token, tokens) per continued sequence) of this call."""
+        ttfts, tpots = [], []
         for key, pos0, n, decoding in _token_runs(t):
-            cur = current.get(key)
+            cur = self.current.get(key)
             if decoding:
                 if cur is None:
-                    cur = current[key] = SequenceStats(t.start_ns, key)
-                    seqs.append(cur)
+                    cur = self.current[key] = self._new(t.start_ns, key)
+                if not cur.decode_calls and cur.ttft_ns is not None:
+                    ttfts.append(cur.ttft_ns)
+                anchor = cur.end_ns or cur.prefill_end_ns or t.start_ns
+                tpots.append(((t.end_ns - anchor) / n, n))
                 cur.decode_calls += 1
                 cur.decode_tokens += n
                 cur.end_ns = t.end_ns
                 continue
             if cur is None or cur.decode_calls or (pos0 == 0 and cur.prefill_calls):
-                cur = current[key] = SequenceStats(t.start_ns, key)   # a new prompt
-                seqs.append(cur)
+                cur = self.current[key] = self._new(t.start_ns, key)   # a new prompt
             cur.prefill_calls += 1
             cur.prefill_tokens += n
             cur.prefill_end_ns = t.end_ns
-    return seqs
+        return ttfts, tpots
+
+    def _new(self, start_ns: int, key) -> SequenceStats:
+        s = SequenceStats(start_ns, key)
+        if self.keep:
+            self.seqs.append(s)
+        return s
+
+
+def sequences(tokens: list[TokenCall]) -> list[SequenceStats]:
+    tracker = SequenceTracker()
+    for t in sorted(tokens, key=lambda t: (t.start_ns, t.tid)):
+        tracker.feed(t)
+    return tracker.seqs
 
 
 def op_phases(arr: OpArrays, tokens: list[TokenCall]) -> np.ndarray:

@@ -467,6 +467,16 @@ class Collector:
                                               ev["runs"]["n_tokens"])
         self.n_events += len(ev)
 
+    def take_tokens(self) -> list[TokenCall]:
+        """The llama_decode calls collected since the last take, in start order, handed over
+        and forgotten (a daemon that watches a server for days keeps none of them)."""
+        parts, self._tokens = self._tokens, []
+        if not parts:
+            return []
+        t = np.sort(np.concatenate(parts), order="start_ns")
+        return [TokenCall.of_batch(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
+                                   int(r["n_tokens"]), int(r["ret"]), _runs(r)) for r in t]
+
     def _add_experts(self, rec: bytes) -> None:
         dt = self.dt["pi_experts_event"]
         ev = np.frombuffer(rec.ljust(dt.itemsize, b"\0"), dt, count=1)[0]
@@ -667,11 +677,7 @@ class Collector:
                        self.thread_names.get(self.pid, ""), lost_events=lost)
         prof.thread_names = dict(self.thread_names)
         prof.meta = self._meta()
-        if self._tokens:
-            t = np.concatenate(self._tokens)
-            prof.tokens = [TokenCall.of_batch(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
-                                              int(r["n_tokens"]), int(r["ret"]), _runs(r))
-                           for r in np.sort(t, order="start_ns")]
+        prof.tokens = self.take_tokens()
         # Index = the probe number BPF put in each graph event (the pack's order of graph probes, as resolve() numbered them).
         graph_probes = [p for p in self.probes if p.spec.graph_backend is not None]
         backend_cache: dict[int, str] = {}

@@ -1,0 +1,261 @@
+"""The daemon's metrics, kept per watched process and exposed through prometheus-client at
+scrape time (a custom collector): a process's series exist while it is watched and for a TTL
+after it exits, then go away. Names: the `profinfer_` prefix, base units, `_total` for
+counters; labels bounded (engine, pid, comm, container, pod, namespace, phase, program).
+
+GPU metrics come from NVML (nvidia-ml-py) where a driver is present, named so that a DCGM
+exporter user finds their way (the DCGM field each matches is in its help text); without
+one, they are off, said once.
+"""
+from __future__ import annotations
+
+import bisect
+import resource
+import threading
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from ..model import TokenCall
+from .identity import Identity
+
+PROCESS_LABELS = ("engine", "pid", "comm", "container", "pod", "namespace")
+# seconds: TTFT from a few ms (tiny models) to a minute (long prompts on a busy server)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# seconds per output token: 1 ms to 2.5 s
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+CALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+@dataclass
+class _Histogram:
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self):
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, v: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += n
+        self.total += v * n
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, acc = [], 0
+        for le, c in zip(list(self.bounds) + [float("inf")], self.counts):
+            acc += c
+            out.append(("+Inf" if le == float("inf") else repr(float(le)), acc))
+        return out
+
+
+@dataclass
+class _Process:
+    identity: Identity
+    calls: dict[str, int] = field(default_factory=dict)     # phase -> decode calls
+    tokens: dict[str, int] = field(default_factory=dict)    # prefill/decode -> tokens
+    ttft: _Histogram = field(default_factory=lambda: _Histogram(TTFT_BUCKETS))
+    tpot: _Histogram = field(default_factory=lambda: _Histogram(TPOT_BUCKETS))
+    call_time: dict[str, _Histogram] = field(default_factory=dict)
+    lost: int = 0
+
+    def labels(self) -> list[str]:
+        i = self.identity
+        return [i.engine, str(i.pid), i.comm, i.container, i.pod, i.namespace]
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.lock = threading.Lock()
+        self.processes: dict[int, _Process] = {}
+        self.attach_errors = Counter("profinfer_attach_errors", "Processes found but not watched "
+                                     "(attaching failed)", ["engine"], registry=self.registry)
+        self.watched_now = 0
+        self.programs: dict[str, tuple[int, int]] = {}
+        self.retired_programs: dict[str, tuple[int, int]] = {}
+        self.gpu_state = "off"
+        self.gpus: list[dict] = []
+        self.registry.register(_Exposer(self))
+
+    # ---- fed by the agent ----
+
+    def watched(self, ident: Identity, keep_counts: bool = False) -> None:
+        with self.lock:
+            p = self.processes.get(ident.pid) if keep_counts else None
+            if p is not None:
+                p.identity = ident
+            else:
+                self.processes[ident.pid] = _Process(ident)
+
+    def exited(self, ident: Identity) -> None:
+        pass       # kept until forget(): a scrape after the exit still sees its last counts
+
+    def forget(self, ident: Identity) -> None:
+        with self.lock:
+            p = self.processes.get(ident.pid)
+            if p is not None and p.identity.pid == ident.pid and p.identity.comm == ident.comm:
+                del self.processes[ident.pid]
+
+    def decode_call(self, ident: Identity, t: TokenCall, ttfts: list[int],
+                    tpots: list[tuple[float, int]]) -> None:
+        with self.lock:
+            p = self.processes.get(ident.pid)
+            if p is None:
+                return
+            p.calls[t.phase] = p.calls.get(t.phase, 0) + 1
+            p.tokens["prefill"] = p.tokens.get("prefill", 0) + t.prefill_tokens
+            p.tokens["decode"] = p.tokens.get("decode", 0) + t.decode_tokens
+            p.call_time.setdefault(t.phase, _Histogram(CALL_BUCKETS)).observe(t.dur_ns / 1e9)
+            for v in ttfts:
+                p.ttft.observe(v / 1e9)
+            for per_token, n in tpots:
+                p.tpot.observe(per_token / 1e9, n)
+
+    def lost(self, ident: Identity, n: int) -> None:
+        with self.lock:
+            p = self.processes.get(ident.pid)
+            if p is not None:
+                p.lost += n
+
+    def self_metrics(self, agent) -> None:
+        stats = agent.program_stats()
+        with self.lock:
+            self.watched_now = len(agent.watches)
+            # a program's counts vanish with its process: keep what the gone ones ran
+            for prog, (ns, runs) in self.programs.items():
+                now_ns, now_runs = stats.get(prog, (0, 0))
+                if now_ns < ns or now_runs < runs:
+                    a, b = self.retired_programs.get(prog, (0, 0))
+                    self.retired_programs[prog] = (a + ns - min(ns, now_ns), b + runs - min(runs, now_runs))
+            self.programs = stats
+        self.gpus = gpu_sample(self)
+
+
+class _Exposer:
+    """prometheus-client custom collector: the families, built at each scrape."""
+
+    def __init__(self, m: Metrics):
+        self.m = m
+
+    def collect(self):
+        m = self.m
+        with m.lock:
+            procs = list(m.processes.values())
+            programs = {k: m.programs.get(k, (0, 0)) for k in set(m.programs) | set(m.retired_programs)}
+            retired = dict(m.retired_programs)
+            watched = m.watched_now
+        labels = list(PROCESS_LABELS)
+        info = GaugeMetricFamily("profinfer_process_info", "A watched inference process (value 1): "
+                                 "its executable and model file", labels=labels + ["exe", "model"])
+        calls = CounterMetricFamily("profinfer_decode_calls", "Engine decode calls (llama_decode) by "
+                                    "phase: prefill, decode, mixed", labels=labels + ["phase"])
+        tokens = CounterMetricFamily("profinfer_tokens", "Tokens the engine computed, by phase: "
+                                     "prefill (prompt) and decode (generated)", labels=labels + ["phase"])
+        ttft = HistogramMetricFamily("profinfer_time_to_first_token_seconds", "Time from a "
+                                     "sequence's first prompt decode call to the end of its prefill "
+                                     "(its first token), per sequence", labels=labels)
+        tpot = HistogramMetricFamily("profinfer_time_per_output_token_seconds", "Time per generated "
+                                     "token of a sequence (since its previous token)", labels=labels)
+        dur = HistogramMetricFamily("profinfer_decode_call_duration_seconds", "Duration of each "
+                                    "decode call, by phase", labels=labels + ["phase"])
+        lost = CounterMetricFamily("profinfer_events_lost", "Events BPF could not hand to the "
+                                   "collector", labels=labels)
+        for p in procs:
+            lv = p.labels()
+            info.add_metric(lv + [p.identity.exe, p.identity.model], 1)
+            for phase, n in sorted(p.calls.items()):
+                calls.add_metric(lv + [phase], n)
+            for phase in ("prefill", "decode"):
+                tokens.add_metric(lv + [phase], p.tokens.get(phase, 0))
+            ttft.add_metric(lv, p.ttft.buckets(), p.ttft.total)
+            tpot.add_metric(lv, p.tpot.buckets(), p.tpot.total)
+            for phase, h in sorted(p.call_time.items()):
+                dur.add_metric(lv + [phase], h.buckets(), h.total)
+            lost.add_metric(lv, p.lost)
+        yield from (info, calls, tokens, ttft, tpot, dur, lost)
+        g = GaugeMetricFamily("profinfer_processes_watched", "Inference processes being watched now")
+        g.add_metric([], watched)
+        yield g
+        runs = CounterMetricFamily("profinfer_bpf_program_runs", "Runs of profinfer's BPF programs "
+                                   "(the kernel's count, run-time statistics on)", labels=["program"])
+        secs = CounterMetricFamily("profinfer_bpf_program_run_seconds", "Time profinfer's BPF "
+                                   "programs ran (the kernel's count)", labels=["program"])
+        for prog, (ns, n) in sorted(programs.items()):
+            rns, rn = retired.get(prog, (0, 0))
+            runs.add_metric([prog], n + rn)
+            secs.add_metric([prog], (ns + rns) / 1e9)
+        yield from (runs, secs)
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = CounterMetricFamily("profinfer_collector_cpu_seconds", "CPU time the daemon itself used")
+        cpu.add_metric([], ru.ru_utime + ru.ru_stime)
+        yield cpu
+        gpu_on = GaugeMetricFamily("profinfer_gpu_metrics_enabled", "1 when NVML answers (a GPU driver "
+                                   "is present), else 0")
+        gpu_on.add_metric([], 1 if m.gpu_state == "on" else 0)
+        yield gpu_on
+        yield from _gpu_families(m.gpus)
+
+
+# ---- NVML ----
+
+_nvml = {"state": None}
+
+
+def _nvml_init() -> str:
+    """"on", or why GPU metrics are off (said once by the caller)."""
+    if _nvml["state"] is None:
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            _nvml["state"] = "on"
+        except Exception as e:        # NVMLError, a missing libnvidia-ml: GPU metrics off
+            _nvml["state"] = f"off: {type(e).__name__}: {e}"
+    return _nvml["state"]
+
+
+def gpu_sample(m: Metrics) -> list[dict]:
+    state = _nvml_init()
+    m.gpu_state = "on" if state == "on" else state
+    if state != "on":
+        return []
+    import pynvml
+    out = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            util = pynvml.nvmlDeviceGetUtilizationRates(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            procs = [(p.pid, p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+            out.append({"gpu": str(i), "uuid": pynvml.nvmlDeviceGetUUID(h), "util": util.gpu / 100,
+                        "used": mem.used, "total": mem.total,
+                        "power": pynvml.nvmlDeviceGetPowerUsage(h) / 1000, "processes": procs})
+    except pynvml.NVMLError as e:
+        m.gpu_state = f"off: {e}"
+        return []
+    return out
+
+
+def _gpu_families(gpus: list[dict]):
+    if not gpus:
+        return
+    util = GaugeMetricFamily("profinfer_gpu_utilization_ratio", "GPU busy share over the last "
+                             "sample period (DCGM_FI_DEV_GPU_UTIL / 100)", labels=["gpu", "uuid"])
+    used = GaugeMetricFamily("profinfer_gpu_memory_used_bytes", "GPU memory used (DCGM_FI_DEV_FB_USED, "
+                             "in bytes)", labels=["gpu", "uuid"])
+    total = GaugeMetricFamily("profinfer_gpu_memory_total_bytes", "GPU memory (DCGM_FI_DEV_FB_TOTAL, "
+                              "in bytes)", labels=["gpu", "uuid"])
+    power = GaugeMetricFamily("profinfer_gpu_power_watts", "GPU power draw (DCGM_FI_DEV_POWER_USAGE)",
+                              labels=["gpu", "uuid"])
+    pmem = GaugeMetricFamily("profinfer_gpu_process_memory_bytes", "GPU memory a process uses "
+                             "(NVML's compute processes; host pids)", labels=["gpu", "uuid", "pid"])
+    for g in gpus:
+        lv = [g["gpu"], g["uuid"]]
+        util.add_metric(lv, g["util"])
+        used.add_metric(lv, g["used"])
+        total.add_metric(lv, g["total"])
+        power.add_metric(lv, g["power"])
+        for pid, b in g["processes"]:
+            pmem.add_metric(lv + [str(pid)], b)
+    yield from (util, used, total, power, pmem)
+

@@ -1,0 +1,53 @@
+"""`profinfer daemon`: the agent loop in the main thread, the HTTP endpoint in its own."""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+
+from ..errors import ProfinferError
+from .agent import Agent
+from .server import is_loopback, load_token, make_server, parse_listen
+
+
+def log(msg: str) -> None:
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} profinfer daemon: {msg}", file=sys.stderr, flush=True)
+
+
+def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, token_file: str,
+               allow_remote: bool) -> int:
+    host, port = parse_listen(listen)
+    if not is_loopback(host) and not allow_remote:
+        raise ProfinferError(f"--listen {listen}: not a loopback address; pass --allow-remote to "
+                             "serve other machines (metrics are readable without a token)")
+    secret = load_token(token, token_file)
+    agent = Agent(levels, budget, log=log)
+    try:
+        server = make_server(agent, host, port, secret, log)
+    except OSError as e:
+        agent.close()
+        raise ProfinferError(f"cannot listen on {listen}: {e.strerror}") from None
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    agent.metrics.self_metrics(agent)
+    if agent.metrics.gpu_state != "on":
+        log(f"GPU metrics are off ({agent.metrics.gpu_state})")
+    log(f"listening on http://{host}:{port} (metrics; control endpoints need the token"
+        + ("" if token else f" in {token_file}") + f"); levels {','.join(sorted(agent.levels))}")
+    try:
+        while not stop.is_set():
+            agent.poll(0.2)
+    finally:
+        server.shutdown()
+        server.server_close()
+        agent.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+        log("stopped: every probe detached")
+    return 0

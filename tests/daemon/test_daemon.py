@@ -1,0 +1,228 @@
+"""The node agent against real processes: a real Prometheus server (Debian's) scrapes the
+daemon while the real llama.cpp workload runs, and what Prometheus stored equals llama.cpp's
+own count; traces captured on demand; bad requests answered, the daemon running on.
+
+The workload reads its prompt from a FIFO (-f), so it waits, its libraries mapped, until the
+daemon has found it: then every decode call is seen, and the counts can be exact."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import PROMPT, completion_cmd, llama_perf
+
+PROFINFER = [sys.executable, "-m", "profinfer.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, token: str | None = None, method: str = "GET", timeout: float = 30):
+    req = urllib.request.Request(url, method=method,
+                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class Daemon:
+    def __init__(self, tmp_path: Path, extra: tuple[str, ...] = ()):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token_file = tmp_path / "token"
+        self.log = open(tmp_path / "daemon.log", "w+")
+        self.proc = subprocess.Popen(PROFINFER + ["daemon", "--listen", f"127.0.0.1:{self.port}",
+                                                  "--token-file", str(self.token_file), *extra],
+                                     stderr=self.log, stdout=self.log)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if _get(self.url + "/healthz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert self.proc.poll() is None, self.text()
+            time.sleep(0.1)
+        self.token = self.token_file.read_text().strip()
+        assert (self.token_file.stat().st_mode & 0o777) == 0o600
+
+    def text(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def watched(self, pid: int, timeout: float = 15) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = json.loads(_get(self.url + "/status")[1])
+            found = [p for p in status["processes"] if p["pid"] == pid]
+            if found:
+                return found[0]
+            time.sleep(0.1)
+        raise AssertionError(f"PID {pid} not watched within {timeout} s:\n{self.text()}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+class Workload:
+    """llama-completion waiting for its prompt on a FIFO."""
+
+    def __init__(self, llama_build, model, llama_env, tmp_path: Path, n: int = 24):
+        self.fifo = tmp_path / f"prompt-{time.monotonic_ns()}"
+        os.mkfifo(self.fifo)
+        cmd = completion_cmd(llama_build, model, n=n)
+        i = cmd.index("-p")
+        cmd[i:i + 2] = ["-f", str(self.fifo)]
+        self.proc = subprocess.Popen(cmd, env=llama_env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+
+    def go(self, prompt: str = PROMPT) -> None:
+        with open(self.fifo, "w") as f:
+            f.write(prompt)
+
+    def finish(self) -> str:
+        _, err = self.proc.communicate(timeout=120)
+        assert self.proc.returncode == 0, err
+        return err
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(tmp_path)
+    yield d
+    d.stop()
+
+
+def _prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(f"global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                      f"scrape_configs:\n  - job_name: profinfer\n    static_configs:\n"
+                      f"      - targets: ['{target}']\n")
+    proc = subprocess.Popen(["prometheus", f"--config.file={config}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _query(prom: str, q: str) -> list[dict]:
+    status, body = _get(prom + "/api/v1/query?" + urllib.parse.urlencode({"query": q}))
+    assert status == 200, body
+    return json.loads(body)["data"]["result"]
+
+
+def test_prometheus_counts_equal_llama_perf(daemon, tmp_path, llama_build, tiny_model, llama_env):
+    prom, prom_url = _prometheus(tmp_path, f"127.0.0.1:{daemon.port}")
+    try:
+        for attempt in range(4):      # llama.cpp's async logger can lose its last lines
+            w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=32)
+            info = daemon.watched(w.proc.pid)
+            assert info["engine"] == "llama.cpp"
+            w.go()
+            perf = llama_perf(w.finish())
+            if {"prompt eval", "eval"} <= perf.keys():
+                break
+        else:
+            raise AssertionError("llama.cpp's perf lines missing in 4 runs")
+        pid = w.proc.pid
+        want = {"prefill": perf["prompt eval"][1], "decode": perf["eval"][1]}
+        deadline, got = time.monotonic() + 30, {}
+        while time.monotonic() < deadline:
+            rows = _query(prom_url, f'profinfer_tokens_total{{pid="{pid}"}}')
+            got = {r["metric"]["phase"]: int(float(r["value"][1])) for r in rows}
+            if got == want:
+                break
+            time.sleep(0.5)
+        assert got == want, daemon.text()
+        calls = _query(prom_url, f'sum(profinfer_decode_calls_total{{pid="{pid}",phase="decode"}})')
+        assert int(float(calls[0]["value"][1])) == perf["eval"][1]
+        ttft = _query(prom_url, f'profinfer_time_to_first_token_seconds_count{{pid="{pid}"}}')
+        assert int(float(ttft[0]["value"][1])) == 1
+    finally:
+        prom.terminate()
+        prom.wait(timeout=30)
+    text = _get(daemon.url + "/metrics")[1]
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_capture_and_bad_requests(daemon, tmp_path, llama_build, tiny_model, llama_env):
+    from exporters.trace_reader import read_trace
+    # ~2 s of decoding from when it is let go, 1 s into a 2 s capture: it outlives the capture
+    w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=1900)
+    pid = w.proc.pid
+    daemon.watched(pid)
+    cap = daemon.url + f"/capture?pid={pid}&seconds=2&levels=token,graph,op"
+    # without the token, with a wrong one: refused
+    assert _get(cap, method="POST")[0] == 401
+    assert _get(cap, "wrong", method="POST")[0] == 401
+    # bad requests: a clear status and a JSON body
+    for query, status in ((f"pid={pid}&levels=token,bogus", 400), ("pid=notanumber", 400),
+                          (f"pid={pid}&seconds=-1", 400), ("pid=999999999", 404)):
+        code, body = _get(daemon.url + "/capture?" + query, daemon.token, method="POST")
+        assert code == status and "error" in json.loads(body), (query, code, body)
+    results = {}
+
+    def run_capture():
+        results["main"] = _get(cap, daemon.token, method="POST", timeout=120)
+
+    t = threading.Thread(target=run_capture)
+    t.start()
+    time.sleep(1.0)
+    # a second capture of the same process while the first runs: refused
+    code, body = _get(cap, daemon.token, method="POST")
+    assert code == 409 and "already running" in json.loads(body)["error"]
+    w.go()
+    t.join(timeout=120)
+    w.finish()
+    code, data = results["main"]
+    assert code == 200, data[:300]
+    trace = tmp_path / "captured.pftrace"
+    trace.write_bytes(data)
+    prof = read_trace(trace)
+    assert prof.pid == pid and len(prof.ops) > 0 and prof.tokens
+    assert _get(daemon.url + "/healthz")[0] == 200       # still serving
+    assert daemon.proc.poll() is None
+
+
+def test_a_process_exiting_mid_capture_is_an_error(daemon, tmp_path, llama_build, tiny_model, llama_env):
+    w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=8)
+    pid = w.proc.pid
+    daemon.watched(pid)
+    results = {}
+    t = threading.Thread(target=lambda: results.setdefault("r", _get(
+        daemon.url + f"/capture?pid={pid}&seconds=20&levels=token", daemon.token, method="POST", timeout=120)))
+    t.start()
+    time.sleep(1.0)
+    w.go()
+    w.finish()
+    t.join(timeout=60)
+    code, body = results["r"]
+    assert code == 410 and "exited" in json.loads(body)["error"]
+    assert _get(daemon.url + "/healthz")[0] == 200
+
+
+def test_listening_beyond_loopback_needs_the_flag(tmp_path):
+    r = subprocess.run(PROFINFER + ["daemon", "--listen", "0.0.0.0:0", "--token-file", str(tmp_path / "t")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--allow-remote" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,73 @@
+"""The deployment files, checked offline: the Kubernetes manifests against the API's own
+schemas (kubernetes-validate bundles them; strict: no field the schema does not know), and
+each file's profinfer command against profinfer's own command line."""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import kubernetes_validate
+import yaml
+
+from profinfer.cli import cli
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+MANIFEST = DEPLOY / "kubernetes" / "profinfer.yaml"
+NEEDED_CAPS = {"BPF", "PERFMON", "SYS_PTRACE", "CHECKPOINT_RESTORE", "DAC_READ_SEARCH", "SYS_RESOURCE", "KILL"}
+
+
+def _docs():
+    return [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
+
+
+def _daemon_args_parse(args: list[str]) -> dict:
+    """The daemon command's options as profinfer's own CLI parses them (nothing runs)."""
+    assert args[0] == "daemon"
+    ctx = cli.commands["daemon"].make_context("daemon", list(args[1:]))
+    return ctx.params
+
+
+def test_manifests_valid_strict():
+    docs = _docs()
+    assert {d["kind"] for d in docs} == {"Namespace", "ServiceAccount", "DaemonSet"}
+    for d in docs:
+        kubernetes_validate.validate(d, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_daemonset_not_privileged_and_each_capability_explained():
+    ds = next(d for d in _docs() if d["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    (c,) = pod["containers"]
+    sc = c["securityContext"]
+    assert sc["privileged"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    assert set(sc["capabilities"]["add"]) == NEEDED_CAPS
+    text = MANIFEST.read_text()
+    for cap in NEEDED_CAPS:       # each with a comment saying why
+        assert re.search(rf"^\s*- {cap}\s+#\s*\S", text, re.M), cap
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    params = _daemon_args_parse(c["args"])
+    port = int(params["listen"].rsplit(":", 1)[1])
+    assert c["ports"][0]["containerPort"] == port
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["path"] == "/healthz"
+    ann = ds["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and int(ann["prometheus.io/port"]) == port
+    assert params["allow_remote"]          # listening on every address needs the flag
+
+
+def test_systemd_unit_and_containerfile_commands_parse():
+    unit = (DEPLOY / "systemd" / "profinfer.service").read_text()
+    exec_start = next(l.split("=", 1)[1] for l in unit.splitlines() if l.startswith("ExecStart="))
+    args = shlex.split(exec_start)
+    assert args[0].endswith("/profinfer")
+    params = _daemon_args_parse(args[1:])
+    assert params["listen"].startswith("127.0.0.1:")
+    caps = next(l.split("=", 1)[1].split() for l in unit.splitlines() if l.startswith("AmbientCapabilities="))
+    assert {c.removeprefix("CAP_") for c in caps} == NEEDED_CAPS
+    container = (DEPLOY / "Containerfile").read_text()
+    cmd = re.search(r'^CMD \[(.*)\]$', container, re.M).group(1)
+    _daemon_args_parse([a.strip().strip('"') for a in cmd.split(",")])
