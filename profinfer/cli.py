@@ -335,7 +335,11 @@ DEFAULT_URL = "http://127.0.0.1:9464"
 @click.option("--token", envvar="PROFINFER_TOKEN", help="Bearer token for the control endpoints "
               "(default: read from, or made in, --token-file).")
 @click.option("--token-file", default=DEFAULT_TOKEN_FILE, show_default=True, type=click.Path(dir_okay=False))
-def daemon(listen, allow_remote, budget, levels, token, token_file):
+@click.option("--otlp", metavar="ENDPOINT", help="Also send the metrics by OTLP/HTTP to this collector "
+              "(e.g. http://127.0.0.1:4318).")
+@click.option("--otlp-interval", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True,
+              help="Seconds between OTLP exports.")
+def daemon(listen, allow_remote, budget, levels, token, token_file, otlp, otlp_interval):
     """Run the node agent: watch every inference process, serve Prometheus metrics and traces."""
     from .daemon.run import run_daemon
     from .kernel import require_root
@@ -343,7 +347,7 @@ def daemon(listen, allow_remote, budget, levels, token, token_file):
     levels = _levels(levels)
     if not token and os.path.dirname(token_file):
         os.makedirs(os.path.dirname(token_file), mode=0o700, exist_ok=True)
-    sys.exit(run_daemon(listen, budget, levels, token, token_file, allow_remote))
+    sys.exit(run_daemon(listen, budget, levels, token, token_file, allow_remote, otlp, otlp_interval))
 
 
 def _daemon_request(method: str, url: str, token: str | None = None, timeout: float = 30):

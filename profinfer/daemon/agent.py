@@ -3,7 +3,9 @@ metrics of each, and forget each one when it exits.
 
 Discovery scans /proc once a second: a process qualifies when it maps an engine's libraries
 (or its executable defines the engine's marker). A process that maps none is looked at again
-every RECHECK_S (Python loads llama.cpp with dlopen). Each watched process gets its engine's
+when its address space has changed size since (Python loads llama.cpp with dlopen): one read
+of /proc/PID/stat a second per process, its mappings only when they may have changed. Each
+watched process gets its engine's
 collector at the daemon's levels, with probes filtered to that process; a process that exits
 is detached at once, and its metric series are dropped after a TTL.
 """
@@ -24,7 +26,6 @@ from .identity import Identity, identify, model_file
 from .metrics import Metrics
 
 SCAN_S = 1.0
-RECHECK_S = 5.0          # a process that maps no engine yet is looked at again after this
 SERIES_TTL_S = 300.0     # an exited process's series stay this long (a last scrape sees them)
 DEFAULT_LEVELS = ("token",)
 
@@ -40,13 +41,20 @@ class Watch:
     lost_seen: int = 0
 
 
-def _start_time(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot): a pid's identity with its number."""
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(start time in clock ticks since boot: a pid's identity with its number; virtual
+    memory size: what a new mapping changes), from /proc/PID/stat."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[19]), int(fields[20])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _start_time(pid: int) -> int | None:
+    st = _stat(pid)
+    return st[0] if st else None
 
 
 class Agent:
@@ -60,7 +68,8 @@ class Agent:
         self.metrics = Metrics()
         self.watches: dict[int, Watch] = {}
         self.exited: list[Watch] = []
-        self.not_engines: dict[tuple[int, int], float] = {}   # (pid, start time) -> last looked
+        self.not_engines: dict[tuple[int, int], int] = {}   # (pid, start time) -> vsize when looked at
+        self.executables_seen: dict[tuple, bool] = {}       # executable file: defines a marker
         self.attach_errors = 0
         self.lock = threading.Lock()          # watches, as the HTTP thread reads them
         self._stats_fd = libbpf.enable_run_time_stats()
@@ -71,7 +80,6 @@ class Agent:
     # ---- discovery ----
 
     def scan(self) -> None:
-        now = time.monotonic()
         pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
         alive = set(pids)
         for pid, w in list(self.watches.items()):
@@ -87,18 +95,18 @@ class Agent:
         for pid in pids:
             if pid in self.watches or pid == self.own_pid:
                 continue
-            start = _start_time(pid)
-            if start is None:
+            st = _stat(pid)
+            if st is None:
                 continue
-            looked = self.not_engines.get((pid, start))
-            if looked is not None and now - looked < RECHECK_S:
-                continue
+            start, vsize = st
+            if self.not_engines.get((pid, start)) == vsize:
+                continue              # looked at, and nothing mapped since
             try:
-                found = find_engine(self.packs, pid, True, {})
+                found = find_engine(self.packs, pid, True, self.executables_seen)
             except (OSError, ProfinferError):
                 found = None
             if found is None:
-                self.not_engines[(pid, start)] = now
+                self.not_engines[(pid, start)] = vsize
                 continue
             self._watch(pid, *found)
 
@@ -110,7 +118,9 @@ class Agent:
         except ProfinferError as e:
             self.attach_errors += 1
             self.metrics.attach_errors.labels(engine=pack.engine).inc()
-            self.not_engines[(pid, _start_time(pid) or 0)] = time.monotonic()
+            st = _stat(pid)
+            if st is not None:
+                self.not_engines[(pid, st[0])] = st[1]
             if discovery.process_exists(pid):
                 self.log(f"PID {pid} ({pack.engine}): not watched: {e}")
             return

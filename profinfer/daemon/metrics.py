@@ -76,6 +76,7 @@ class Metrics:
         self.retired_programs: dict[str, tuple[int, int]] = {}
         self.gpu_state = "off"
         self.gpus: list[dict] = []
+        self.otlp = None          # an OtlpExport, with --otlp: fed the same observations
         self.registry.register(_Exposer(self))
 
     # ---- fed by the agent ----
@@ -111,6 +112,8 @@ class Metrics:
                 p.ttft.observe(v / 1e9)
             for per_token, n in tpots:
                 p.tpot.observe(per_token / 1e9, n)
+        if self.otlp is not None:
+            self.otlp.decode_call(ident, t, ttfts, tpots)
 
     def lost(self, ident: Identity, n: int) -> None:
         with self.lock:

@@ -16,7 +16,7 @@ def log(msg: str) -> None:
 
 
 def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, token_file: str,
-               allow_remote: bool) -> int:
+               allow_remote: bool, otlp: str | None = None, otlp_interval_s: float = 10.0) -> int:
     host, port = parse_listen(listen)
     if not is_loopback(host) and not allow_remote:
         raise ProfinferError(f"--listen {listen}: not a loopback address; pass --allow-remote to "
@@ -28,6 +28,10 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
     except OSError as e:
         agent.close()
         raise ProfinferError(f"cannot listen on {listen}: {e.strerror}") from None
+    if otlp:
+        from .otlp import OtlpExport
+        agent.metrics.otlp = OtlpExport(otlp, otlp_interval_s)
+        log(f"exporting OTLP metrics to {agent.metrics.otlp.endpoint} every {otlp_interval_s:g} s")
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -47,6 +51,8 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
         server.shutdown()
         server.server_close()
         agent.close()
+        if agent.metrics.otlp is not None:
+            agent.metrics.otlp.close()
         for s, h in old.items():
             signal.signal(s, h)
         log("stopped: every probe detached")

@@ -43,6 +43,7 @@ def _get(url: str, token: str | None = None, method: str = "GET", timeout: float
 
 class Daemon:
     def __init__(self, tmp_path: Path, extra: tuple[str, ...] = ()):
+        self.tmp_path = tmp_path
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token_file = tmp_path / "token"
@@ -226,3 +227,77 @@ def test_listening_beyond_loopback_needs_the_flag(tmp_path):
     r = subprocess.run(PROFINFER + ["daemon", "--listen", "0.0.0.0:0", "--token-file", str(tmp_path / "t")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--allow-remote" in r.stderr and "Traceback" not in r.stderr
+
+
+class OtlpReceiver:
+    """An OTLP/HTTP metrics endpoint: each request decoded with OpenTelemetry's protobufs."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+        received = self.requests = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                received.append((self.path, ExportMetricsServiceRequest.FromString(body)))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def points(self, name: str) -> list:
+        """The data points of `name` in the last request that had it (cumulative)."""
+        for path, req in reversed(self.requests):
+            found = [dp for rm in req.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+                     if m.name == name for dp in getattr(m, m.WhichOneof("data")).data_points]
+            if found:
+                assert path == "/v1/metrics"
+                return found
+        return []
+
+    def close(self):
+        self.server.shutdown()
+
+
+def _attrs(dp) -> dict:
+    return {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in dp.attributes}
+
+
+def test_otlp_carries_the_same_counts_under_genai_names(tmp_path, llama_build, tiny_model, llama_env):
+    receiver = OtlpReceiver()
+    d = Daemon(tmp_path, ("--otlp", receiver.url, "--otlp-interval", "0.5"))
+    try:
+        for attempt in range(4):
+            w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=32)
+            d.watched(w.proc.pid)
+            w.go()
+            perf = llama_perf(w.finish())
+            if {"prompt eval", "eval"} <= perf.keys():
+                break
+        else:
+            raise AssertionError("llama.cpp's perf lines missing in 4 runs")
+        pid = w.proc.pid
+        want = {"input": perf["prompt eval"][1], "output": perf["eval"][1]}
+        deadline, got = time.monotonic() + 20, {}
+        while time.monotonic() < deadline:
+            got = {_attrs(dp)["gen_ai.token.type"]: dp.as_int for dp in receiver.points("profinfer.tokens")
+                   if _attrs(dp)["process.pid"] == pid}
+            if got == want:
+                break
+            time.sleep(0.3)
+        assert got == want, d.text()
+        ttft = [dp for dp in receiver.points("gen_ai.server.time_to_first_token") if _attrs(dp)["process.pid"] == pid]
+        assert len(ttft) == 1 and ttft[0].count == 1
+        tpot = [dp for dp in receiver.points("gen_ai.server.time_per_output_token") if _attrs(dp)["process.pid"] == pid]
+        assert tpot[0].count == perf["eval"][1]
+    finally:
+        d.stop()
+        receiver.close()

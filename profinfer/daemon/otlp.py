@@ -1,0 +1,73 @@
+"""The daemon's metrics through OTLP (opentelemetry-sdk; OTLP/HTTP, protobuf), for
+`--otlp ENDPOINT`: the same counts as /metrics, under the OpenTelemetry GenAI semantic
+conventions' names where they exist (gen_ai.server.time_to_first_token,
+gen_ai.server.time_per_output_token) and profinfer's own elsewhere. Each data point carries
+the process's attributes (process.pid, process.command, container.id, k8s.pod.name,
+k8s.namespace.name, k8s.pod.uid) and the engine."""
+from __future__ import annotations
+
+import socket
+
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.resources import Resource
+
+from ..model import TokenCall
+from .identity import Identity
+from .metrics import TPOT_BUCKETS, TTFT_BUCKETS
+
+TTFT = "gen_ai.server.time_to_first_token"
+TPOT = "gen_ai.server.time_per_output_token"
+
+
+def attributes(ident: Identity) -> dict[str, str | int]:
+    out: dict[str, str | int] = {"profinfer.engine": ident.engine, "process.pid": ident.pid,
+                                 "process.command": ident.comm}
+    for key, value in (("container.id", ident.container), ("k8s.pod.name", ident.pod),
+                       ("k8s.namespace.name", ident.namespace), ("k8s.pod.uid", ident.pod_uid)):
+        if value:
+            out[key] = value
+    return out
+
+
+class OtlpExport:
+    def __init__(self, endpoint: str, interval_s: float = 10.0):
+        url = endpoint.rstrip("/")
+        if not url.endswith("/v1/metrics"):
+            url += "/v1/metrics"
+        reader = PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=url),
+                                               export_interval_millis=int(interval_s * 1000))
+        views = [View(instrument_name=TTFT, aggregation=ExplicitBucketHistogramAggregation(TTFT_BUCKETS)),
+                 View(instrument_name=TPOT, aggregation=ExplicitBucketHistogramAggregation(TPOT_BUCKETS))]
+        self.provider = MeterProvider(resource=Resource.create({"service.name": "profinfer",
+                                                                "host.name": socket.gethostname()}),
+                                      metric_readers=[reader], views=views)
+        meter = self.provider.get_meter("profinfer")
+        self.ttft = meter.create_histogram(TTFT, unit="s", description="Time to generate the first "
+                                           "token of a sequence, from its first prompt decode call")
+        self.tpot = meter.create_histogram(TPOT, unit="s", description="Time per output token "
+                                           "after the first, per sequence")
+        self.tokens = meter.create_counter("profinfer.tokens", unit="{token}", description="Tokens the "
+                                           "engine computed, by gen_ai.token.type: input (prompt), output")
+        self.calls = meter.create_counter("profinfer.decode_calls", unit="{call}",
+                                          description="Engine decode calls, by phase")
+        self.endpoint = url
+
+    def decode_call(self, ident: Identity, t: TokenCall, ttfts: list[int],
+                    tpots: list[tuple[float, int]]) -> None:
+        attrs = attributes(ident)
+        self.calls.add(1, {**attrs, "profinfer.phase": t.phase})
+        if t.prefill_tokens:
+            self.tokens.add(t.prefill_tokens, {**attrs, "gen_ai.token.type": "input"})
+        if t.decode_tokens:
+            self.tokens.add(t.decode_tokens, {**attrs, "gen_ai.token.type": "output"})
+        for v in ttfts:
+            self.ttft.record(v / 1e9, attrs)
+        for per_token, n in tpots:
+            for _ in range(n):
+                self.tpot.record(per_token / 1e9, attrs)
+
+    def close(self) -> None:
+        self.provider.shutdown()       # exports what is left
