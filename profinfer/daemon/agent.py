@@ -43,10 +43,13 @@ class Watch:
 
 def _stat(pid: int) -> tuple[int, int] | None:
     """(start time in clock ticks since boot: a pid's identity with its number; virtual
-    memory size: what a new mapping changes), from /proc/PID/stat."""
+    memory size: what a new mapping changes), from /proc/PID/stat; None once it has exited
+    (a zombie not yet reaped included)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X"):
+            return None
         return int(fields[19]), int(fields[20])
     except (OSError, ValueError, IndexError):
         return None
@@ -143,6 +146,7 @@ class Agent:
         except ProfinferError as e:
             self.log(f"PID {w.identity.pid}: detaching: {e}")
         w.exited_at = time.time()
+        w.collector = None          # its buffers go now; the series stay (metrics)
         with self.lock:
             self.watches.pop(w.identity.pid, None)
             self.exited.append(w)

@@ -84,6 +84,20 @@ class Daemon:
         self.log.close()
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_workload_left():
+    """A failed test leaves no llama-completion waiting on its FIFO."""
+    yield
+    while _STARTED:
+        p = _STARTED.pop()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 class Workload:
     """llama-completion waiting for its prompt on a FIFO."""
 
@@ -95,6 +109,7 @@ class Workload:
         cmd[i:i + 2] = ["-f", str(self.fifo)]
         self.proc = subprocess.Popen(cmd, env=llama_env, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
+        _STARTED.append(self.proc)
 
     def go(self, prompt: str = PROMPT) -> None:
         with open(self.fifo, "w") as f:

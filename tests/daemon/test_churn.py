@@ -1,0 +1,84 @@
+"""Churn: 50 llama.cpp processes start and end while the daemon runs (five at a time; in
+each wave one is killed with SIGKILL before it decodes and one while it decodes). Each is
+found and the ones that finish are counted as llama.cpp counts itself; the daemon's fds,
+BPF objects and memory are the same after the last wave as after the first; nothing is
+left in the kernel after it stops."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+from conftest import _fds, llama_perf
+from test_daemon import Daemon, Workload, _get, _no_workload_left  # noqa: F401 (a fixture)
+
+WAVES, PER_WAVE = 10, 5
+
+
+def _footprint(pid: int) -> dict[str, int]:
+    fds = _fds(pid)
+    rss = next(int(l.split()[1]) for l in Path(f"/proc/{pid}/status").read_text().splitlines()
+               if l.startswith("VmRSS:"))
+    return {"fds": len(fds), "bpf_fds": sum(1 for t, _ in fds if t.startswith("anon_inode:bpf")),
+            "perf_fds": sum(1 for t, _ in fds if t == "anon_inode:[perf_event]"), "rss_kb": rss}
+
+
+def _idle(d: Daemon, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not json.loads(_get(d.url + "/status")[1])["processes"]:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes still watched after they exited: {_get(d.url + '/status')[1][:2000]!r}\n"
+                         + d.text()[-3000:])
+
+
+def _tokens(d: Daemon) -> dict[int, int]:
+    out = {}
+    for line in _get(d.url + "/metrics")[1].decode().splitlines():
+        if line.startswith("profinfer_tokens_total{") and 'phase="decode"' in line:
+            pid = int(line.split('pid="', 1)[1].split('"', 1)[0])
+            out[pid] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def test_churn_keeps_the_daemon_flat(tmp_path, llama_build, tiny_model, llama_env, bpf_watch):
+    d = Daemon(tmp_path)
+    footprints, finished, killed = [], {}, []
+    try:
+        for wave in range(WAVES):
+            ws = [Workload(llama_build, tiny_model, llama_env, tmp_path, n=24) for _ in range(PER_WAVE)]
+            for w in ws:
+                d.watched(w.proc.pid)           # each one found
+            ws[0].proc.send_signal(signal.SIGKILL)    # before it decodes
+            killed.append(ws[0].proc.pid)
+            for w in ws[1:]:
+                w.go()
+            time.sleep(0.02)
+            ws[1].proc.send_signal(signal.SIGKILL)    # while it decodes (or just after)
+            killed.append(ws[1].proc.pid)
+            for w in ws[:2]:
+                w.proc.wait(timeout=60)
+            for w in ws[2:]:
+                finished[w.proc.pid] = llama_perf(w.finish())
+            _idle(d)
+            footprints.append(_footprint(d.proc.pid))
+        counted = _tokens(d)
+    finally:
+        d.stop()
+    print("daemon footprint after each wave:", footprints)
+    first, last = footprints[0], footprints[-1]
+    assert (last["fds"], last["bpf_fds"], last["perf_fds"]) == (first["fds"], first["bpf_fds"], first["perf_fds"])
+    # memory: caches fill over the first waves (symbols, DWARF, the allocator's arenas), then
+    # stay: the second half of the run grows by less than one wave's first-time cost
+    rss = [f["rss_kb"] for f in footprints]
+    assert rss[-1] - rss[WAVES // 2] < 8 * 1024, rss
+    checked = 0
+    for pid, perf in finished.items():
+        assert pid in counted, pid
+        if "eval" in perf:           # the line made it out of llama.cpp's async logger
+            assert counted[pid] == perf["eval"][1], (pid, counted[pid], perf)
+            checked += 1
+    assert checked >= len(finished) // 2
+    assert not bpf_watch.leftovers(set())
