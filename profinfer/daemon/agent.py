@@ -27,6 +27,9 @@ from .metrics import Metrics
 
 SCAN_S = 1.0
 SERIES_TTL_S = 300.0     # an exited process's series stay this long (a last scrape sees them)
+# each watched process's event ring: 64 KiB holds a few hundred token events, drained every
+# 0.2 s (a ring of 4 MiB each, attach's default, would be 4 MiB of locked memory a process)
+RING_PAGES = 16
 DEFAULT_LEVELS = ("token",)
 
 
@@ -71,6 +74,7 @@ class Agent:
         self.metrics = Metrics()
         self.watches: dict[int, Watch] = {}
         self.exited: list[Watch] = []
+        self.unwatched: dict[int, Identity] = {}    # found, with no always-on level
         self.not_engines: dict[tuple[int, int], int] = {}   # (pid, start time) -> vsize when looked at
         self.executables_seen: dict[tuple, bool] = {}       # executable file: defines a marker
         self.attach_errors = 0
@@ -89,6 +93,7 @@ class Agent:
             if pid not in alive or _start_time(pid) is None:
                 self._gone(w)
         self.not_engines = {k: v for k, v in self.not_engines.items() if k[0] in alive}
+        self.unwatched = {p: i for p, i in self.unwatched.items() if p in alive}
         for w in list(self.watches.values()):
             if not w.identity.model:        # a model loaded after the process was found
                 found = model_file(w.identity.pid)
@@ -114,9 +119,22 @@ class Agent:
             self._watch(pid, *found)
 
     def _watch(self, pid: int, pack: Pack, files: list[tuple[str, str]]) -> None:
+        cls = pack.collector_class()
+        if not hasattr(cls, "take_tokens"):
+            # no always-on level for this engine yet (vLLM's steps come from its op level,
+            # whose calls a daemon would have to aggregate in BPF): found and listed, not probed
+            st = _stat(pid)
+            if st is not None:
+                self.not_engines[(pid, st[0])] = st[1]
+            ident = identify(pid, pack.engine)
+            if pid not in self.unwatched:
+                self.unwatched[pid] = ident
+                self.log(f"PID {pid} ({ident.comm}) runs {pack.engine}: found, not watched (no "
+                         "always-on level for this engine yet)")
+            return
         levels = {lv for lv in self.levels if lv in pack.raw.get("levels", self.levels)} or self.levels
         try:
-            coll = pack.collector_class()(pid, levels, pack, files, root=f"/proc/{pid}/root")
+            coll = cls(pid, levels, pack, files, root=f"/proc/{pid}/root", ringbuf_pages=RING_PAGES)
             coll.attach()
         except ProfinferError as e:
             self.attach_errors += 1
@@ -234,6 +252,8 @@ class Agent:
                            "events": getattr(w.collector, "n_events", 0),
                            "lost": w.lost_seen, "watched_since": w.started_at} for w in watches],
             "gpu": self.metrics.gpu_state,
+            "found_not_watched": [{**i.as_dict(), "why": "no always-on level for this engine yet"}
+                                  for i in self.unwatched.values()],
         }
 
     def close(self) -> None:

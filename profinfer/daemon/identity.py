@@ -47,16 +47,18 @@ def _read(path: str) -> str:
 
 
 def cgroup_path(pid: int) -> str:
-    """The process's cgroup (v2's unified path; on v1, the memory controller's or the first)."""
-    lines = _read(f"/proc/{pid}/cgroup").splitlines()
-    for line in lines:
-        if line.startswith("0::"):
-            return line[3:]
-    for line in lines:
+    """The process's cgroup: the first of its paths (v2's unified one first, then v1's) that
+    names a container or pod, else v2's, else v1's memory controller's."""
+    paths = []
+    for line in _read(f"/proc/{pid}/cgroup").splitlines():
         parts = line.split(":", 2)
-        if len(parts) == 3 and "memory" in parts[1].split(","):
-            return parts[2]
-    return lines[0].split(":", 2)[-1] if lines else ""
+        if len(parts) == 3:
+            paths.append((parts[0] != "0", "memory" not in parts[1].split(","), parts[2]))
+    paths.sort()
+    for *_, path in paths:
+        if _CONTAINER.search(path) or _POD.search(path):
+            return path
+    return paths[0][2] if paths else ""
 
 
 def container_of(cgroup: str) -> str:

@@ -1,0 +1,111 @@
+"""What the daemon's tests share: the daemon run as its command, a llama.cpp workload
+waiting on a FIFO for its prompt (so that the daemon finds it before it decodes), HTTP."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from conftest import PROMPT, completion_cmd
+
+PROFINFER = [sys.executable, "-m", "profinfer.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, token: str | None = None, method: str = "GET", timeout: float = 30):
+    req = urllib.request.Request(url, method=method,
+                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class Daemon:
+    def __init__(self, tmp_path: Path, extra: tuple[str, ...] = ()):
+        self.tmp_path = tmp_path
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token_file = tmp_path / "token"
+        self.log = open(tmp_path / "daemon.log", "w+")
+        self.proc = subprocess.Popen(PROFINFER + ["daemon", "--listen", f"127.0.0.1:{self.port}",
+                                                  "--token-file", str(self.token_file), *extra],
+                                     stderr=self.log, stdout=self.log)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if _get(self.url + "/healthz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert self.proc.poll() is None, self.text()
+            time.sleep(0.1)
+        self.token = self.token_file.read_text().strip()
+        assert (self.token_file.stat().st_mode & 0o777) == 0o600
+
+    def text(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def watched(self, pid: int, timeout: float = 15) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = json.loads(_get(self.url + "/status")[1])
+            found = [p for p in status["processes"] if p["pid"] == pid]
+            if found:
+                return found[0]
+            time.sleep(0.1)
+        raise AssertionError(f"PID {pid} not watched within {timeout} s:\n{self.text()}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+_STARTED: list[subprocess.Popen] = []
+
+
+def kill_started() -> None:
+    """What a test started and left waiting on its FIFO (a failed test) is killed."""
+    while _STARTED:
+        p = _STARTED.pop()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+class Workload:
+    """llama-completion waiting for its prompt on a FIFO."""
+
+    def __init__(self, llama_build, model, llama_env, tmp_path: Path, n: int = 24):
+        self.fifo = tmp_path / f"prompt-{time.monotonic_ns()}"
+        os.mkfifo(self.fifo)
+        cmd = completion_cmd(llama_build, model, n=n)
+        i = cmd.index("-p")
+        cmd[i:i + 2] = ["-f", str(self.fifo)]
+        self.proc = subprocess.Popen(cmd, env=llama_env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        _STARTED.append(self.proc)
+
+    def go(self, prompt: str = PROMPT) -> None:
+        with open(self.fifo, "w") as f:
+            f.write(prompt)
+
+    def finish(self) -> str:
+        _, err = self.proc.communicate(timeout=120)
+        assert self.proc.returncode == 0, err
+        return err
