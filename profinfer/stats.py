@@ -225,6 +225,8 @@ class SequenceTracker:
         """(TTFTs in ns, (ns per output token, tokens) per continued sequence) of this call."""
         ttfts, tpots = [], []
         for key, pos0, n, decoding in _token_runs(t):
+            if n <= 0:          # an empty batch (llama_decode refuses it): no tokens
+                continue
             cur = self.current.get(key)
             if decoding:
                 if cur is None:

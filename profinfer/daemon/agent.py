@@ -3,21 +3,25 @@ metrics of each, and forget each one when it exits.
 
 Discovery scans /proc once a second: a process qualifies when it maps an engine's libraries
 (or its executable defines the engine's marker). A process that maps none is looked at again
-when its address space has changed size since (Python loads llama.cpp with dlopen): one read
-of /proc/PID/stat a second per process, its mappings only when they may have changed. Each
-watched process gets its engine's
-collector at the daemon's levels, with probes filtered to that process; a process that exits
-is detached at once, and its metric series are dropped after a TTL.
+when its address space has changed size (Python loads llama.cpp with dlopen): one read of
+/proc/PID/stat a second per process, its mappings only when they may have changed. A process
+is (pid, start time): a pid reused by a new process is a new process. Each watched process
+gets its engine's collector at the daemon's levels, with probes filtered to that process; a
+process that exits is detached at once, and its metric series are dropped after a TTL.
+
+Nothing a process does, nor its vanishing at any moment, stops the loop: an error in one
+watch is logged and counted, and the others go on.
 """
 from __future__ import annotations
 
 import os
+import resource
 import select
 import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from .. import discovery, libbpf
+from .. import libbpf
 from ..errors import ProfinferError
 from ..probepack import Pack, load_pack, pack_names
 from ..session import find_engine
@@ -26,11 +30,14 @@ from .identity import Identity, identify, model_file
 from .metrics import Metrics
 
 SCAN_S = 1.0
-SERIES_TTL_S = 300.0     # an exited process's series stay this long (a last scrape sees them)
+SERIES_TTL_S = float(os.environ.get("PROFINFER_SERIES_TTL_S", "300"))   # a last scrape sees them
+MODEL_RECHECK_S = 10.0   # a watched process with no model file found yet is looked at again
+RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0    # a failed attach is tried again, backing off
+DEFAULT_LEVELS = ("token",)
 # each watched process's event ring: 64 KiB holds a few hundred token events, drained every
 # 0.2 s (a ring of 4 MiB each, attach's default, would be 4 MiB of locked memory a process)
 RING_PAGES = 16
-DEFAULT_LEVELS = ("token",)
+_SEEN_LIMIT = 4096       # executables remembered (does it define an engine's marker)
 
 
 @dataclass
@@ -40,8 +47,11 @@ class Watch:
     levels: set[str]
     started_at: float
     tracker: SequenceTracker = field(default_factory=lambda: SequenceTracker(keep=False))
-    exited_at: float | None = None
+    exited_at: float | None = None      # monotonic
     lost_seen: int = 0
+    programs: dict[str, tuple[int, int]] = field(default_factory=dict)   # last kernel counts
+    model_checked: float = 0.0
+    errors: int = 0
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -58,9 +68,12 @@ def _stat(pid: int) -> tuple[int, int] | None:
         return None
 
 
-def _start_time(pid: int) -> int | None:
-    st = _stat(pid)
-    return st[0] if st else None
+def raise_fd_limit() -> None:
+    """Each watched process holds ~25 fds (its BPF object's maps, programs, links, ring):
+    the soft limit goes up to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 class Agent:
@@ -74,11 +87,15 @@ class Agent:
         self.metrics = Metrics()
         self.watches: dict[int, Watch] = {}
         self.exited: list[Watch] = []
-        self.unwatched: dict[int, Identity] = {}    # found, with no always-on level
-        self.not_engines: dict[tuple[int, int], int] = {}   # (pid, start time) -> vsize when looked at
-        self.executables_seen: dict[tuple, bool] = {}       # executable file: defines a marker
+        self.unwatched: dict[tuple[int, int], Identity] = {}    # found, no always-on level
+        self.not_engines: dict[tuple[int, int], int] = {}       # (pid, start) -> vsize looked at
+        self.failed: dict[tuple[int, int], tuple[float, float]] = {}   # -> (next try, backoff)
+        self.executables_seen: dict[tuple, bool] = {}
         self.attach_errors = 0
-        self.lock = threading.Lock()          # watches, as the HTTP thread reads them
+        self.loop_errors = 0
+        self.retired_programs: dict[str, tuple[int, int]] = {}  # what exited watches' programs ran
+        self.lock = threading.Lock()          # watches, unwatched: the HTTP threads read them
+        raise_fd_limit()
         self._stats_fd = libbpf.enable_run_time_stats()
         self._last_scan = 0.0
         self.started = time.time()
@@ -87,15 +104,26 @@ class Agent:
     # ---- discovery ----
 
     def scan(self) -> None:
-        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+        try:
+            pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+        except OSError as e:
+            self._error(f"reading /proc: {e}")
+            return
         alive = set(pids)
         for pid, w in list(self.watches.items()):
-            if pid not in alive or _start_time(pid) is None:
+            st = _stat(pid)
+            if st is None or st[0] != w.identity.start:     # exited (its pid maybe reused)
                 self._gone(w)
+        now = time.monotonic()
         self.not_engines = {k: v for k, v in self.not_engines.items() if k[0] in alive}
-        self.unwatched = {p: i for p, i in self.unwatched.items() if p in alive}
+        self.failed = {k: v for k, v in self.failed.items() if k[0] in alive}
+        with self.lock:
+            self.unwatched = {k: v for k, v in self.unwatched.items() if k[0] in alive}
+        if len(self.executables_seen) > _SEEN_LIMIT:
+            self.executables_seen.clear()
         for w in list(self.watches.values()):
-            if not w.identity.model:        # a model loaded after the process was found
+            if not w.identity.model and now - w.model_checked >= MODEL_RECHECK_S:
+                w.model_checked = now          # a model loaded after the process was found
                 found = model_file(w.identity.pid)
                 if found:
                     w.identity = replace(w.identity, model=found)
@@ -106,49 +134,53 @@ class Agent:
             st = _stat(pid)
             if st is None:
                 continue
-            start, vsize = st
-            if self.not_engines.get((pid, start)) == vsize:
+            key, vsize = (pid, st[0]), st[1]
+            if self.not_engines.get(key) == vsize or key in self.unwatched:
                 continue              # looked at, and nothing mapped since
+            retry = self.failed.get(key)
+            if retry is not None and now < retry[0]:
+                continue
             try:
                 found = find_engine(self.packs, pid, True, self.executables_seen)
             except (OSError, ProfinferError):
                 found = None
+            except Exception as e:          # an unreadable file of a vanishing process
+                self._error(f"PID {pid}: looking for an engine: {type(e).__name__}: {e}")
+                found = None
             if found is None:
-                self.not_engines[(pid, start)] = vsize
+                self.not_engines[key] = vsize
                 continue
-            self._watch(pid, *found)
+            self._watch(pid, st[0], *found)
 
-    def _watch(self, pid: int, pack: Pack, files: list[tuple[str, str]]) -> None:
+    def _watch(self, pid: int, start: int, pack: Pack, files: list[tuple[str, str]]) -> None:
         cls = pack.collector_class()
         if not hasattr(cls, "take_tokens"):
             # no always-on level for this engine yet (vLLM's steps come from its op level,
             # whose calls a daemon would have to aggregate in BPF): found and listed, not probed
-            st = _stat(pid)
-            if st is not None:
-                self.not_engines[(pid, st[0])] = st[1]
-            ident = identify(pid, pack.engine)
-            if pid not in self.unwatched:
-                self.unwatched[pid] = ident
-                self.log(f"PID {pid} ({ident.comm}) runs {pack.engine}: found, not watched (no "
-                         "always-on level for this engine yet)")
+            ident = identify(pid, start, pack.engine)
+            with self.lock:
+                self.unwatched[(pid, start)] = ident
+            self.log(f"PID {pid} ({ident.comm}) runs {pack.engine}: found, not watched (no "
+                     "always-on level for this engine yet)")
             return
         levels = {lv for lv in self.levels if lv in pack.raw.get("levels", self.levels)} or self.levels
+        coll = None
         try:
             coll = cls(pid, levels, pack, files, root=f"/proc/{pid}/root", ringbuf_pages=RING_PAGES)
             coll.attach()
-        except ProfinferError as e:
-            self.attach_errors += 1
-            self.metrics.attach_errors.labels(engine=pack.engine).inc()
-            st = _stat(pid)
-            if st is not None:
-                self.not_engines[(pid, st[0])] = st[1]
-            if discovery.process_exists(pid):
-                self.log(f"PID {pid} ({pack.engine}): not watched: {e}")
+        except Exception as e:              # ProfinferError, or a process vanishing mid-read
+            if coll is not None:
+                try:
+                    coll.detach()
+                except Exception:
+                    pass
+            self._attach_failed(pid, start, pack, e)
             return
-        ident = identify(pid, pack.engine)
-        w = Watch(ident, coll, levels, time.time())
+        ident = identify(pid, start, pack.engine)
+        w = Watch(ident, coll, levels, time.time(), model_checked=time.monotonic())
         with self.lock:
             self.watches[pid] = w
+        self.failed.pop((pid, start), None)
         self.metrics.watched(ident)
         self.log(f"watching PID {pid} ({ident.comm}, {pack.engine}"
                  + (f", model {os.path.basename(ident.model)}" if ident.model else "")
@@ -156,23 +188,39 @@ class Agent:
                  + (f", pod {ident.namespace}/{ident.pod}" if ident.pod_uid else "")
                  + f") at {','.join(sorted(levels))}, {coll.n_probes} probes")
 
+    def _attach_failed(self, pid: int, start: int, pack: Pack, e: Exception) -> None:
+        st = _stat(pid)
+        if st is None or st[0] != start:
+            return                          # it exited meanwhile: nothing to report
+        key = (pid, start)
+        first = key not in self.failed
+        backoff = RETRY_FIRST_S if first else min(self.failed[key][1] * 2, RETRY_MAX_S)
+        self.failed[key] = (time.monotonic() + backoff, backoff)
+        if first:                           # counted and said once a process
+            self.attach_errors += 1
+            self.metrics.attach_errors.labels(engine=pack.engine).inc()
+            self.log(f"PID {pid} ({pack.engine}): not watched: {e} (tried again, backing off)")
+
     def _gone(self, w: Watch) -> None:
         """Detach at once; the series stay for SERIES_TTL_S."""
         self._drain(w)
+        self._sample_programs(w)
         try:
             w.collector.detach()
-        except ProfinferError as e:
-            self.log(f"PID {w.identity.pid}: detaching: {e}")
-        w.exited_at = time.time()
+        except Exception as e:
+            self._error(f"PID {w.identity.pid}: detaching: {type(e).__name__}: {e}")
+        for prog, (ns, runs) in w.programs.items():
+            a, b = self.retired_programs.get(prog, (0, 0))
+            self.retired_programs[prog] = (a + ns, b + runs)
+        w.exited_at = time.monotonic()
         w.collector = None          # its buffers go now; the series stay (metrics)
         with self.lock:
             self.watches.pop(w.identity.pid, None)
             self.exited.append(w)
-        self.metrics.exited(w.identity)
         self.log(f"PID {w.identity.pid} ({w.identity.comm}) exited: detached")
 
     def expire(self) -> None:
-        now = time.time()
+        now = time.monotonic()
         keep = []
         for w in self.exited:
             if now - w.exited_at >= SERIES_TTL_S:
@@ -183,36 +231,52 @@ class Agent:
 
     # ---- collecting ----
 
+    def _error(self, msg: str) -> None:
+        self.loop_errors += 1
+        self.log(msg)
+
     def _drain(self, w: Watch) -> None:
         coll = w.collector
+        if coll is None:
+            return
         try:
             coll.poll(0)
-        except ProfinferError as e:
-            self.log(f"PID {w.identity.pid}: {e}")
+            take = getattr(coll, "take_tokens", None)
+            if take is not None:
+                for t in take():
+                    ttfts, tpots = w.tracker.feed(t)
+                    self.metrics.decode_call(w.identity, t, ttfts, tpots)
+            lost = coll.lost()
+            if lost > w.lost_seen:
+                self.metrics.lost(w.identity, lost - w.lost_seen)
+                w.lost_seen = lost
+        except Exception as e:             # this watch's trouble, not the loop's
+            w.errors += 1
+            if w.errors <= 3:
+                self._error(f"PID {w.identity.pid}: {type(e).__name__}: {e}")
+
+    def _sample_programs(self, w: Watch) -> None:
+        obj = getattr(w.collector, "obj", None)
+        if obj is None:
             return
-        take = getattr(coll, "take_tokens", None)
-        if take is not None:
-            for t in take():
-                ttfts, tpots = w.tracker.feed(t)
-                self.metrics.decode_call(w.identity, t, ttfts, tpots)
-        lost = coll.lost()
-        if lost > w.lost_seen:
-            self.metrics.lost(w.identity, lost - w.lost_seen)
-            w.lost_seen = lost
+        try:
+            w.programs = obj.program_stats()
+        except Exception:
+            pass
 
     def poll(self, timeout_s: float) -> None:
         """Wait for events (up to timeout_s), drain every watch, scan when due."""
         self.last_loop = time.monotonic()
         with self.lock:
             watches = list(self.watches.values())
-        fds = []
+        poller = select.poll()          # no FD_SETSIZE limit: ~25 fds a watched process
         for w in watches:
             try:
-                fds.append(w.collector.fileno())
-            except (AttributeError, ProfinferError):
+                poller.register(w.collector.fileno(), select.POLLIN)
+            except Exception:
                 pass
-        if fds:
-            select.select(fds, [], [], timeout_s)
+        if watches:
+            poller.poll(timeout_s * 1000)
         else:
             time.sleep(timeout_s)
         for w in watches:
@@ -221,22 +285,18 @@ class Agent:
             self._last_scan = time.monotonic()
             self.scan()
             self.expire()
+            for w in list(self.watches.values()):
+                self._sample_programs(w)
             self.metrics.self_metrics(self)
 
-    def program_stats(self) -> dict[str, tuple[int, int]]:
-        """The kernel's count of every watched collector's BPF programs: {program: (ns, runs)}."""
-        out: dict[str, tuple[int, int]] = {}
+    def program_totals(self) -> dict[str, tuple[int, int]]:
+        """Every watched and exited collector's BPF programs: {program: (ns, runs)}, from the
+        kernel's counts (each watch's last sample, exited ones' final)."""
+        out = dict(self.retired_programs)
         with self.lock:
             watches = list(self.watches.values())
         for w in watches:
-            obj = getattr(w.collector, "obj", None)
-            if obj is None:
-                continue
-            try:
-                stats = obj.program_stats()
-            except ProfinferError:
-                continue
-            for prog, (ns, runs) in stats.items():
+            for prog, (ns, runs) in w.programs.items():
                 a, b = out.get(prog, (0, 0))
                 out[prog] = (a + ns, b + runs)
         return out
@@ -244,16 +304,17 @@ class Agent:
     def status(self) -> dict:
         with self.lock:
             watches = list(self.watches.values())
+            unwatched = list(self.unwatched.values())
         return {
             "pid": self.own_pid, "started": self.started, "levels": sorted(self.levels),
-            "budget": self.budget, "attach_errors": self.attach_errors,
+            "budget": self.budget, "attach_errors": self.attach_errors, "loop_errors": self.loop_errors,
             "processes": [{**w.identity.as_dict(), "levels": sorted(w.levels),
                            "probes": getattr(w.collector, "n_probes", 0),
                            "events": getattr(w.collector, "n_events", 0),
                            "lost": w.lost_seen, "watched_since": w.started_at} for w in watches],
-            "gpu": self.metrics.gpu_state,
             "found_not_watched": [{**i.as_dict(), "why": "no always-on level for this engine yet"}
-                                  for i in self.unwatched.values()],
+                                  for i in unwatched],
+            "gpu": self.metrics.gpu_state,
         }
 
     def close(self) -> None:
@@ -263,8 +324,9 @@ class Agent:
         for w in watches:
             try:
                 w.collector.detach()
-            except ProfinferError:
+            except Exception:
                 pass
         if self._stats_fd >= 0:
             os.close(self._stats_fd)
             self._stats_fd = -1
+

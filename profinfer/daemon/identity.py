@@ -24,6 +24,7 @@ MODEL_SUFFIXES = (".gguf", ".safetensors")
 @dataclass(frozen=True)
 class Identity:
     pid: int
+    start: int               # start time (clock ticks since boot): with the pid, one process
     comm: str
     exe: str
     engine: str
@@ -107,7 +108,7 @@ def model_file(pid: int) -> str:
     return ""
 
 
-def identify(pid: int, engine: str) -> Identity:
+def identify(pid: int, start: int, engine: str) -> Identity:
     comm = _read(f"/proc/{pid}/comm").strip()
     try:
         exe = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
@@ -116,5 +117,5 @@ def identify(pid: int, engine: str) -> Identity:
     cgroup = cgroup_path(pid)
     pod_uid = pod_uid_of(cgroup)
     pod = _environ(pid).get("HOSTNAME", "") if pod_uid else ""
-    return Identity(pid, comm, exe, engine, model_file(pid), cgroup, container_of(cgroup),
+    return Identity(pid, start, comm, exe, engine, model_file(pid), cgroup, container_of(cgroup),
                     pod_uid, pod, namespace_of_pod(pod_uid))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import resource
 import threading
+import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter
@@ -40,6 +41,11 @@ class _Histogram:
     def observe(self, v: float, n: int = 1) -> None:
         self.counts[bisect.bisect_left(self.bounds, v)] += n
         self.total += v * n
+
+    def copy(self) -> "_Histogram":
+        h = _Histogram(self.bounds)
+        h.counts, h.total = list(self.counts), self.total
+        return h
 
     def buckets(self) -> list[tuple[str, int]]:
         out, acc = [], 0
@@ -73,7 +79,6 @@ class Metrics:
                                      "(attaching failed)", ["engine"], registry=self.registry)
         self.watched_now = 0
         self.programs: dict[str, tuple[int, int]] = {}
-        self.retired_programs: dict[str, tuple[int, int]] = {}
         self.gpu_state = "off"
         self.gpus: list[dict] = []
         self.otlp = None          # an OtlpExport, with --otlp: fed the same observations
@@ -93,16 +98,18 @@ class Metrics:
         pass       # kept until forget(): a scrape after the exit still sees its last counts
 
     def forget(self, ident: Identity) -> None:
+        """Drop an exited process's series, unless its pid is a newer process's now (whose
+        series replaced them: two series may not have the same labels)."""
         with self.lock:
             p = self.processes.get(ident.pid)
-            if p is not None and p.identity.pid == ident.pid and p.identity.comm == ident.comm:
+            if p is not None and p.identity.start == ident.start:
                 del self.processes[ident.pid]
 
     def decode_call(self, ident: Identity, t: TokenCall, ttfts: list[int],
                     tpots: list[tuple[float, int]]) -> None:
         with self.lock:
             p = self.processes.get(ident.pid)
-            if p is None:
+            if p is None or p.identity.start != ident.start:
                 return
             p.calls[t.phase] = p.calls.get(t.phase, 0) + 1
             p.tokens["prefill"] = p.tokens.get("prefill", 0) + t.prefill_tokens
@@ -122,16 +129,10 @@ class Metrics:
                 p.lost += n
 
     def self_metrics(self, agent) -> None:
-        stats = agent.program_stats()
+        totals = agent.program_totals()
         with self.lock:
             self.watched_now = len(agent.watches)
-            # a program's counts vanish with its process: keep what the gone ones ran
-            for prog, (ns, runs) in self.programs.items():
-                now_ns, now_runs = stats.get(prog, (0, 0))
-                if now_ns < ns or now_runs < runs:
-                    a, b = self.retired_programs.get(prog, (0, 0))
-                    self.retired_programs[prog] = (a + ns - min(ns, now_ns), b + runs - min(runs, now_runs))
-            self.programs = stats
+            self.programs = totals
         self.gpus = gpu_sample(self)
 
 
@@ -143,10 +144,11 @@ class _Exposer:
 
     def collect(self):
         m = self.m
-        with m.lock:
-            procs = list(m.processes.values())
-            programs = {k: m.programs.get(k, (0, 0)) for k in set(m.programs) | set(m.retired_programs)}
-            retired = dict(m.retired_programs)
+        with m.lock:                  # one moment's values: copied while the agent waits
+            procs = [_Process(p.identity, dict(p.calls), dict(p.tokens), p.ttft.copy(), p.tpot.copy(),
+                              {k: h.copy() for k, h in p.call_time.items()}, p.lost)
+                     for p in m.processes.values()]
+            programs = dict(m.programs)
             watched = m.watched_now
         labels = list(PROCESS_LABELS)
         info = GaugeMetricFamily("profinfer_process_info", "A watched inference process (value 1): "
@@ -185,12 +187,12 @@ class _Exposer:
         secs = CounterMetricFamily("profinfer_bpf_program_run_seconds", "Time profinfer's BPF "
                                    "programs ran (the kernel's count)", labels=["program"])
         for prog, (ns, n) in sorted(programs.items()):
-            rns, rn = retired.get(prog, (0, 0))
-            runs.add_metric([prog], n + rn)
-            secs.add_metric([prog], (ns + rns) / 1e9)
+            runs.add_metric([prog], n)
+            secs.add_metric([prog], ns / 1e9)
         yield from (runs, secs)
         ru = resource.getrusage(resource.RUSAGE_SELF)
-        cpu = CounterMetricFamily("profinfer_collector_cpu_seconds", "CPU time the daemon itself used")
+        cpu = CounterMetricFamily("profinfer_collector_cpu_seconds", "CPU time the daemon process "
+                                  "used (its loop, HTTP, NVML; captures run as processes of their own)")
         cpu.add_metric([], ru.ru_utime + ru.ru_stime)
         yield cpu
         gpu_on = GaugeMetricFamily("profinfer_gpu_metrics_enabled", "1 when NVML answers (a GPU driver "
@@ -202,12 +204,15 @@ class _Exposer:
 
 # ---- NVML ----
 
-_nvml = {"state": None}
+_nvml = {"state": None, "tried": 0.0}
+NVML_RETRY_S = 60.0      # a driver loaded after the daemon started is found within this
 
 
 def _nvml_init() -> str:
-    """"on", or why GPU metrics are off (said once by the caller)."""
-    if _nvml["state"] is None:
+    """"on", or why GPU metrics are off (the caller says it once); tried again now and then."""
+    now = time.monotonic()
+    if _nvml["state"] != "on" and (_nvml["state"] is None or now - _nvml["tried"] >= NVML_RETRY_S):
+        _nvml["tried"] = now
         try:
             import pynvml
             pynvml.nvmlInit()
@@ -217,25 +222,36 @@ def _nvml_init() -> str:
     return _nvml["state"]
 
 
+def _nvml_value(fn, *args, default=None):
+    """One NVML query; a query a device does not support (MIG, some boards) is left out."""
+    import pynvml
+    try:
+        return fn(*args)
+    except pynvml.NVMLError:
+        return default
+
+
 def gpu_sample(m: Metrics) -> list[dict]:
     state = _nvml_init()
-    m.gpu_state = "on" if state == "on" else state
+    m.gpu_state = state
     if state != "on":
         return []
     import pynvml
+    count = _nvml_value(pynvml.nvmlDeviceGetCount, default=0)
     out = []
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            util = pynvml.nvmlDeviceGetUtilizationRates(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            procs = [(p.pid, p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
-            out.append({"gpu": str(i), "uuid": pynvml.nvmlDeviceGetUUID(h), "util": util.gpu / 100,
-                        "used": mem.used, "total": mem.total,
-                        "power": pynvml.nvmlDeviceGetPowerUsage(h) / 1000, "processes": procs})
-    except pynvml.NVMLError as e:
-        m.gpu_state = f"off: {e}"
-        return []
+    for i in range(count):
+        h = _nvml_value(pynvml.nvmlDeviceGetHandleByIndex, i)
+        if h is None:
+            continue
+        util = _nvml_value(pynvml.nvmlDeviceGetUtilizationRates, h)
+        mem = _nvml_value(pynvml.nvmlDeviceGetMemoryInfo, h)
+        power = _nvml_value(pynvml.nvmlDeviceGetPowerUsage, h)
+        procs = _nvml_value(pynvml.nvmlDeviceGetComputeRunningProcesses, h, default=[])
+        out.append({"gpu": str(i), "uuid": _nvml_value(pynvml.nvmlDeviceGetUUID, h, default=""),
+                    "util": None if util is None else util.gpu / 100,
+                    "used": None if mem is None else mem.used, "total": None if mem is None else mem.total,
+                    "power": None if power is None else power / 1000,
+                    "processes": [(p.pid, p.usedGpuMemory or 0) for p in procs]})
     return out
 
 
@@ -254,10 +270,9 @@ def _gpu_families(gpus: list[dict]):
                              "(NVML's compute processes; host pids)", labels=["gpu", "uuid", "pid"])
     for g in gpus:
         lv = [g["gpu"], g["uuid"]]
-        util.add_metric(lv, g["util"])
-        used.add_metric(lv, g["used"])
-        total.add_metric(lv, g["total"])
-        power.add_metric(lv, g["power"])
+        for fam, key in ((util, "util"), (used, "used"), (total, "total"), (power, "power")):
+            if g[key] is not None:
+                fam.add_metric(lv, g[key])
         for pid, b in g["processes"]:
             pmem.add_metric(lv + [str(pid)], b)
     yield from (util, used, total, power, pmem)

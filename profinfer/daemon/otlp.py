@@ -1,16 +1,17 @@
 """The daemon's metrics through OTLP (opentelemetry-sdk; OTLP/HTTP, protobuf), for
 `--otlp ENDPOINT`: the same counts as /metrics, under the OpenTelemetry GenAI semantic
 conventions' names where they exist (gen_ai.server.time_to_first_token,
-gen_ai.server.time_per_output_token) and profinfer's own elsewhere. Each data point carries
-the process's attributes (process.pid, process.command, container.id, k8s.pod.name,
-k8s.namespace.name, k8s.pod.uid) and the engine."""
+gen_ai.server.time_per_output_token, with gen_ai.operation.name and gen_ai.provider.name) and
+profinfer's own elsewhere. Each data point carries the process's attributes (process.pid,
+process.executable.name, container.id, k8s.pod.name, k8s.namespace.name, k8s.pod.uid) and the
+engine. Delta temporality: each export holds what happened since the previous one."""
 from __future__ import annotations
 
 import socket
 
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider
+from opentelemetry.sdk.metrics.export import AggregationTemporality, PeriodicExportingMetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 
@@ -23,8 +24,9 @@ TPOT = "gen_ai.server.time_per_output_token"
 
 
 def attributes(ident: Identity) -> dict[str, str | int]:
-    out: dict[str, str | int] = {"profinfer.engine": ident.engine, "process.pid": ident.pid,
-                                 "process.command": ident.comm}
+    out: dict[str, str | int] = {"gen_ai.operation.name": "text_completion",
+                                 "gen_ai.provider.name": ident.engine, "profinfer.engine": ident.engine,
+                                 "process.pid": ident.pid, "process.executable.name": ident.comm}
     for key, value in (("container.id", ident.container), ("k8s.pod.name", ident.pod),
                        ("k8s.namespace.name", ident.namespace), ("k8s.pod.uid", ident.pod_uid)):
         if value:
@@ -37,7 +39,10 @@ class OtlpExport:
         url = endpoint.rstrip("/")
         if not url.endswith("/v1/metrics"):
             url += "/v1/metrics"
-        reader = PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=url),
+        # delta temporality: the SDK keeps no state for a process once it has gone quiet
+        # (cumulative would export every process that ever ran, for ever)
+        delta = {kind: AggregationTemporality.DELTA for kind in (Counter, Histogram)}
+        reader = PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=url, preferred_temporality=delta),
                                                export_interval_millis=int(interval_s * 1000))
         views = [View(instrument_name=TTFT, aggregation=ExplicitBucketHistogramAggregation(TTFT_BUCKETS)),
                  View(instrument_name=TPOT, aggregation=ExplicitBucketHistogramAggregation(TPOT_BUCKETS))]

@@ -77,34 +77,40 @@ def test_container_process_found_probed_and_labelled(tmp_path, llama_build, tiny
                   "mkdir -p .host && pivot_root . .host && "
                   "exec /pi/bin/llama-completion -m /models/tiny.gguf -f /prompt -n 16 -t 2 --temp 0 "
                   "--seed 1 -no-cnv --no-warmup -c 512")
-        proc = subprocess.Popen(
-            ["unshare", "--mount", "sh", "-c", script],
-            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LD_LIBRARY_PATH": "/pi/lib",
-                 "HOSTNAME": "llama-7d9f-x2"}, preexec_fn=into_the_pods_cgroup,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        _STARTED.append(proc)
-        info = d.watched(proc.pid)
-        assert info["exe"] == "/pi/bin/llama-completion"          # as the process sees it
-        assert info["container"] == CONTAINER[:12]
-        assert (info["pod_uid"], info["pod"], info["namespace"]) == (POD_UID, "llama-7d9f-x2", "inference")
-        with open(root / "prompt", "w") as f:
-            f.write(PROMPT)
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        perf = llama_perf(err)
+        for attempt in range(4):      # llama.cpp's async logger can lose its last lines
+            if attempt:
+                os.mkfifo(root / "prompt")
+            proc = subprocess.Popen(
+                ["unshare", "--mount", "sh", "-c", script],
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LD_LIBRARY_PATH": "/pi/lib",
+                     "HOSTNAME": "llama-7d9f-x2"}, preexec_fn=into_the_pods_cgroup,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            _STARTED.append(proc)
+            info = d.watched(proc.pid)
+            assert info["exe"] == "/pi/bin/llama-completion"          # as the process sees it
+            assert info["container"] == CONTAINER[:12]
+            assert (info["pod_uid"], info["pod"], info["namespace"]) == (POD_UID, "llama-7d9f-x2", "inference")
+            with open(root / "prompt", "w") as f:
+                f.write(PROMPT)
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            (root / "prompt").unlink()
+            perf = llama_perf(err)
+            if "eval" in perf:
+                break
+        else:
+            raise AssertionError("llama.cpp's perf lines missing in 4 runs")
         deadline, line = time.monotonic() + 10, ""
         while time.monotonic() < deadline:
             text = _get(d.url + "/metrics")[1].decode()
             line = next((l for l in text.splitlines() if l.startswith("profinfer_tokens_total{")
                          and f'pid="{proc.pid}"' in l and 'phase="decode"' in l), "")
-            if line and "eval" in perf and int(float(line.rsplit(" ", 1)[1])) == perf["eval"][1]:
+            if line and int(float(line.rsplit(" ", 1)[1])) == perf["eval"][1]:
                 break
             time.sleep(0.2)
         assert f'container="{CONTAINER[:12]}"' in line and 'namespace="inference"' in line
         assert 'pod="llama-7d9f-x2"' in line
-        if "eval" in perf:           # llama.cpp's own count made it out of its async logger
-            assert int(float(line.rsplit(" ", 1)[1])) == perf["eval"][1]
-        assert int(float(line.rsplit(" ", 1)[1])) > 0
+        assert int(float(line.rsplit(" ", 1)[1])) == perf["eval"][1]
     finally:
         d.stop()
         if proc is not None and proc.poll() is None:

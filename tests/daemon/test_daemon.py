@@ -174,14 +174,19 @@ class OtlpReceiver:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def points(self, name: str) -> list:
-        """The data points of `name` in the last request that had it (cumulative)."""
-        for path, req in reversed(self.requests):
-            found = [dp for rm in req.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-                     if m.name == name for dp in getattr(m, m.WhichOneof("data")).data_points]
-            if found:
-                assert path == "/v1/metrics"
-                return found
-        return []
+        """Every data point of `name` received so far (delta temporality: each is what
+        happened since the previous export)."""
+        out = []
+        for path, req in list(self.requests):
+            assert path == "/v1/metrics"
+            for rm in req.resource_metrics:
+                for sm in rm.scope_metrics:
+                    for m in sm.metrics:
+                        if m.name == name:
+                            data = getattr(m, m.WhichOneof("data"))
+                            assert data.aggregation_temporality == 1     # DELTA
+                            out.extend(data.data_points)
+        return out
 
     def close(self):
         self.server.shutdown()
@@ -208,16 +213,20 @@ def test_otlp_carries_the_same_counts_under_genai_names(tmp_path, llama_build, t
         want = {"input": perf["prompt eval"][1], "output": perf["eval"][1]}
         deadline, got = time.monotonic() + 20, {}
         while time.monotonic() < deadline:
-            got = {_attrs(dp)["gen_ai.token.type"]: dp.as_int for dp in receiver.points("profinfer.tokens")
-                   if _attrs(dp)["process.pid"] == pid}
+            got = {}
+            for dp in receiver.points("profinfer.tokens"):
+                a = _attrs(dp)
+                if a["process.pid"] == pid:
+                    got[a["gen_ai.token.type"]] = got.get(a["gen_ai.token.type"], 0) + dp.as_int
             if got == want:
                 break
             time.sleep(0.3)
         assert got == want, d.text()
         ttft = [dp for dp in receiver.points("gen_ai.server.time_to_first_token") if _attrs(dp)["process.pid"] == pid]
-        assert len(ttft) == 1 and ttft[0].count == 1
+        assert sum(dp.count for dp in ttft) == 1
+        assert _attrs(ttft[0])["gen_ai.provider.name"] == "llama.cpp"
         tpot = [dp for dp in receiver.points("gen_ai.server.time_per_output_token") if _attrs(dp)["process.pid"] == pid]
-        assert tpot[0].count == perf["eval"][1]
+        assert sum(dp.count for dp in tpot) == perf["eval"][1]
     finally:
         d.stop()
         receiver.close()

@@ -1,0 +1,86 @@
+"""The daemon's pure logic: the token file's checks, a pid reused by a new process, the
+histograms' buckets, an empty batch."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from profinfer.daemon.identity import Identity, container_of, pod_uid_of
+from profinfer.daemon.metrics import Metrics, _Histogram
+from profinfer.daemon.server import load_token, parse_listen
+from profinfer.errors import ProfinferError
+from profinfer.model import TokenCall
+from profinfer.stats import SequenceTracker
+
+
+def test_token_file_made_private_and_checked(tmp_path):
+    path = tmp_path / "token"
+    token = load_token(None, str(path))
+    assert (path.stat().st_mode & 0o777) == 0o600 and len(token) >= 32
+    assert load_token(None, str(path)) == token            # read back, the same
+    os.chmod(path, 0o644)
+    with pytest.raises(ProfinferError, match="readable by others"):
+        load_token(None, str(path))
+    link = tmp_path / "link"
+    os.chmod(path, 0o600)
+    link.symlink_to(path)
+    with pytest.raises(ProfinferError):                    # a link is not followed
+        load_token(None, str(link))
+    empty = tmp_path / "empty"
+    fd = os.open(empty, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.close(fd)
+    with pytest.raises(ProfinferError, match="empty"):
+        load_token(None, str(empty))
+
+
+def test_listen_addresses():
+    assert parse_listen("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert parse_listen("[::1]:9464") == ("::1", 9464)
+    for bad in ("9464", "host:", "h:99999", "h:x"):
+        with pytest.raises(ProfinferError):
+            parse_listen(bad)
+
+
+def _ident(pid: int, start: int) -> Identity:
+    return Identity(pid, start, "llama-server", "/bin/llama-server", "llama.cpp")
+
+
+def test_a_reused_pid_is_a_new_process():
+    m = Metrics()
+    old, new = _ident(42, 1000), _ident(42, 2000)
+    m.watched(old)
+    call = TokenCall(42, 0, 10, 1, False)
+    m.decode_call(old, call, [], [])
+    m.watched(new)                         # the same pid, a new process: its series replace
+    m.decode_call(old, call, [], [])       # a late event of the old one is not the new one's
+    m.decode_call(new, call, [], [])
+    assert m.processes[42].identity == new and m.processes[42].calls == {"decode": 1}
+    m.forget(old)                          # the old one's TTL ends: the new one stays
+    assert 42 in m.processes
+    m.forget(new)
+    assert 42 not in m.processes
+
+
+def test_histogram_buckets_are_cumulative_and_inclusive():
+    h = _Histogram((0.001, 0.01, 0.1))
+    for v in (0.001, 0.005, 0.01, 0.5):
+        h.observe(v)
+    assert h.buckets() == [("0.001", 1), ("0.01", 3), ("0.1", 3), ("+Inf", 4)]
+    assert h.total == pytest.approx(0.516)
+
+
+def test_an_empty_batch_counts_nothing():
+    t = SequenceTracker(keep=False)
+    assert t.feed(TokenCall.of_batch(1, 0, 10, 0, -1)) == ([], [])
+
+
+def test_container_and_pod_from_cgroup_paths():
+    cid = "ab" * 32
+    assert container_of(f"/system.slice/docker-{cid}.scope") == cid[:12]
+    assert container_of(f"/docker/{cid}") == cid[:12]
+    assert container_of(f"/kubepods/besteffort/pod1/{cid}") == cid[:12]
+    assert container_of("/user.slice/session-1.scope") == ""
+    assert pod_uid_of("/kubepods.slice/kubepods-burstable.slice/"
+                      "kubepods-burstable-pod7a1f3c2e_5b6d_4e8f_9a0b_1c2d3e4f5a6b.slice/x") == \
+        "7a1f3c2e-5b6d-4e8f-9a0b-1c2d3e4f5a6b"
