@@ -34,6 +34,16 @@ SERIES_TTL_S = float(os.environ.get("PROFINFER_SERIES_TTL_S", "300"))   # a last
 MODEL_RECHECK_S = 10.0   # a watched process with no model file found yet is looked at again
 RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0    # a failed attach is tried again, backing off
 DEFAULT_LEVELS = ("token",)
+# The governor: each process's cost (kernel-counted BPF time + probe hits x this machine's
+# calibrated trap costs, plus its share of the daemon's own CPU, over its own CPU time) is
+# checked every GOVERN_S; over the
+# budget, its levels step down (op, then graph; the token level stays), and back up one at a
+# time after STEP_UP_S with room (under half the budget), waiting twice as long each time a
+# step up went over again.
+GOVERN_S = 2.0
+STEP_DOWN_ORDER = ("op", "graph")
+STEP_UP_S = 20.0
+LEVEL_RANK = {"op": 3, "graph": 2, "token": 1}
 # each watched process's event ring: 64 KiB holds a few hundred token events, drained every
 # 0.2 s (a ring of 4 MiB each, attach's default, would be 4 MiB of locked memory a process)
 RING_PAGES = 16
@@ -46,6 +56,13 @@ class Watch:
     collector: object
     levels: set[str]
     started_at: float
+    pack: Pack | None = None
+    files: list = field(default_factory=list)
+    cost_mark: tuple[float, int, int, int] | None = None   # (t, its CPU ns, probe cost ns, daemon CPU ns)
+    share: float | None = None          # what the probes cost it, as a share of its CPU time
+    calm_since: float | None = None     # under the budget with room since
+    step_up_wait_s: float = 0.0
+    stepped_up: bool = False            # the last change was a step up
     tracker: SequenceTracker = field(default_factory=lambda: SequenceTracker(keep=False))
     exited_at: float | None = None      # monotonic
     lost_seen: int = 0
@@ -98,6 +115,15 @@ class Agent:
         raise_fd_limit()
         self._stats_fd = libbpf.enable_run_time_stats()
         self._last_scan = 0.0
+        self._last_govern = 0.0
+        self._ticks = os.sysconf("SC_CLK_TCK")
+        from ..probecost import cached
+        costs = cached()
+        # a probe hit's trap by kind, as calibrated here (profinfer calibrate); without it,
+        # the kernel-counted BPF time alone (said in /status and at start)
+        keys = ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")
+        self.trap_costs = {k: float(costs[k]) for k in keys} if costs else dict.fromkeys(keys, 0.0)
+        self.traps_calibrated = costs is not None
         self.started = time.time()
         self.last_loop = time.monotonic()     # /healthz: the loop is alive
 
@@ -177,11 +203,13 @@ class Agent:
             self._attach_failed(pid, start, pack, e)
             return
         ident = identify(pid, start, pack.engine)
-        w = Watch(ident, coll, levels, time.time(), model_checked=time.monotonic())
+        w = Watch(ident, coll, levels, time.time(), pack=pack, files=files, model_checked=time.monotonic(),
+                  step_up_wait_s=STEP_UP_S)
         with self.lock:
             self.watches[pid] = w
         self.failed.pop((pid, start), None)
         self.metrics.watched(ident)
+        self.metrics.level(ident, self._rank(levels))
         self.log(f"watching PID {pid} ({ident.comm}, {pack.engine}"
                  + (f", model {os.path.basename(ident.model)}" if ident.model else "")
                  + (f", container {ident.container}" if ident.container else "")
@@ -246,6 +274,10 @@ class Agent:
                 for t in take():
                     ttfts, tpots = w.tracker.feed(t)
                     self.metrics.decode_call(w.identity, t, ttfts, tpots)
+            if "op" in w.levels and hasattr(coll, "take_op_totals"):
+                totals = coll.take_op_totals()
+                if totals:
+                    self.metrics.op_totals(w.identity, totals)
             lost = coll.lost()
             if lost > w.lost_seen:
                 self.metrics.lost(w.identity, lost - w.lost_seen)
@@ -288,6 +320,102 @@ class Agent:
             for w in list(self.watches.values()):
                 self._sample_programs(w)
             self.metrics.self_metrics(self)
+        if time.monotonic() - self._last_govern >= GOVERN_S:
+            self._last_govern = time.monotonic()
+            self.govern()
+
+    # ---- the overhead budget ----
+
+    @staticmethod
+    def _rank(levels: set[str]) -> int:
+        return max((LEVEL_RANK.get(lv, 0) for lv in levels), default=0)
+
+    def _cpu_ns(self, pid: int) -> int | None:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // self._ticks
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _probe_cost_ns(self, w: Watch) -> int | None:
+        """What the probes cost the process so far: kernel-counted BPF time plus the hits by
+        kind at this machine's calibrated trap costs (the accounting `attach` reports)."""
+        counts = getattr(w.collector, "cost_counts", None)
+        if counts is None:
+            return None
+        try:
+            c = counts()
+        except Exception:
+            return None
+        if not c:
+            return None
+        t = self.trap_costs
+        return int(c["bpf_ns"] + c["hits_emulated"] * t["emulated_ns"] + c["hits_stepped"] * t["stepped_ns"]
+                   + c["hits_return"] * t["uretprobe_extra_ns"])
+
+    def govern(self) -> None:
+        now = time.monotonic()
+        watches = list(self.watches.values())
+        own = self._cpu_ns(self.own_pid) or 0
+        for w in watches:
+            cpu = self._cpu_ns(w.identity.pid)
+            probes = self._probe_cost_ns(w)
+            if cpu is None or probes is None:
+                continue
+            mark = w.cost_mark
+            if mark is not None and cpu - mark[1] < 50_000_000:   # too little CPU yet to judge
+                continue
+            w.cost_mark = (now, cpu, probes, own)
+            if mark is None:
+                continue
+            # the daemon's own CPU, shared out among the processes it watches: on a busy
+            # machine it is taken from them
+            daemon = (own - mark[3]) / max(len(watches), 1)
+            w.share = max(0.0, ((probes - mark[2]) + daemon) / (cpu - mark[1]))
+            self.metrics.cost(w.identity, w.share)
+            lower = next((lv for lv in STEP_DOWN_ORDER if lv in w.levels), None)
+            if w.share > self.budget:
+                w.calm_since = None
+                if lower is not None and self._relevel(
+                        w, w.levels - {lower}, f"costs {w.share:.1%} > budget {self.budget:.1%}"):
+                    if w.stepped_up:          # the level it went back up to did not fit
+                        w.step_up_wait_s = min(w.step_up_wait_s * 2, 600.0)
+                    w.stepped_up = False
+            elif w.share <= self.budget / 2:
+                w.calm_since = now if w.calm_since is None else w.calm_since
+                missing = [lv for lv in reversed(STEP_DOWN_ORDER) if lv in self.levels and lv not in w.levels]
+                if missing and now - w.calm_since >= w.step_up_wait_s and self._relevel(
+                        w, w.levels | {missing[0]}, f"costs {w.share:.1%}, room under {self.budget:.1%}"):
+                    w.stepped_up, w.calm_since = True, None
+            else:
+                w.calm_since = None
+
+    def _relevel(self, w: Watch, levels: set[str], why: str) -> bool:
+        """Re-attach the process's collector at other levels (the new one first: it is never
+        left unprofiled)."""
+        pid = w.identity.pid
+        try:
+            new = w.pack.collector_class()(pid, levels, w.pack, w.files, root=f"/proc/{pid}/root",
+                                           ringbuf_pages=RING_PAGES)
+            new.attach()
+        except Exception as e:
+            self._error(f"PID {pid}: changing levels to {','.join(sorted(levels))}: {e}")
+            return False
+        self._drain(w)
+        self._sample_programs(w)
+        for prog, (ns, runs) in w.programs.items():
+            a, b = self.retired_programs.get(prog, (0, 0))
+            self.retired_programs[prog] = (a + ns, b + runs)
+        try:
+            w.collector.detach()
+        except Exception:
+            pass
+        old = w.levels
+        w.collector, w.levels, w.programs, w.cost_mark = new, set(levels), {}, None
+        self.metrics.level(w.identity, self._rank(levels), changed=True)
+        self.log(f"PID {pid}: levels {','.join(sorted(old))} -> {','.join(sorted(levels))} ({why})")
+        return True
 
     def program_totals(self) -> dict[str, tuple[int, int]]:
         """Every watched and exited collector's BPF programs: {program: (ns, runs)}, from the
@@ -308,7 +436,8 @@ class Agent:
         return {
             "pid": self.own_pid, "started": self.started, "levels": sorted(self.levels),
             "budget": self.budget, "attach_errors": self.attach_errors, "loop_errors": self.loop_errors,
-            "processes": [{**w.identity.as_dict(), "levels": sorted(w.levels),
+            "trap_costs_ns": self.trap_costs, "traps_calibrated": self.traps_calibrated,
+            "processes": [{**w.identity.as_dict(), "levels": sorted(w.levels), "cost_share": w.share,
                            "probes": getattr(w.collector, "n_probes", 0),
                            "events": getattr(w.collector, "n_events", 0),
                            "lost": w.lost_seen, "watched_since": w.started_at} for w in watches],

@@ -64,6 +64,10 @@ class _Process:
     tpot: _Histogram = field(default_factory=lambda: _Histogram(TPOT_BUCKETS))
     call_time: dict[str, _Histogram] = field(default_factory=dict)
     lost: int = 0
+    ops: dict[str, list[int]] = field(default_factory=dict)    # op type -> [ops, ns]
+    level: int = 0
+    share: float | None = None
+    changes: int = 0
 
     def labels(self) -> list[str]:
         i = self.identity
@@ -122,6 +126,29 @@ class Metrics:
         if self.otlp is not None:
             self.otlp.decode_call(ident, t, ttfts, tpots)
 
+    def op_totals(self, ident: Identity, totals: dict[str, tuple[int, int]]) -> None:
+        with self.lock:
+            p = self.processes.get(ident.pid)
+            if p is None or p.identity.start != ident.start:
+                return
+            for op, (n, ns) in totals.items():
+                acc = p.ops.setdefault(op, [0, 0])
+                acc[0] += n
+                acc[1] += ns
+
+    def level(self, ident: Identity, rank: int, changed: bool = False) -> None:
+        with self.lock:
+            p = self.processes.get(ident.pid)
+            if p is not None and p.identity.start == ident.start:
+                p.level = rank
+                p.changes += int(changed)
+
+    def cost(self, ident: Identity, share: float) -> None:
+        with self.lock:
+            p = self.processes.get(ident.pid)
+            if p is not None and p.identity.start == ident.start:
+                p.share = share
+
     def lost(self, ident: Identity, n: int) -> None:
         with self.lock:
             p = self.processes.get(ident.pid)
@@ -146,7 +173,8 @@ class _Exposer:
         m = self.m
         with m.lock:                  # one moment's values: copied while the agent waits
             procs = [_Process(p.identity, dict(p.calls), dict(p.tokens), p.ttft.copy(), p.tpot.copy(),
-                              {k: h.copy() for k, h in p.call_time.items()}, p.lost)
+                              {k: h.copy() for k, h in p.call_time.items()}, p.lost,
+                              {k: list(v) for k, v in p.ops.items()}, p.level, p.share, p.changes)
                      for p in m.processes.values()]
             programs = dict(m.programs)
             watched = m.watched_now
@@ -166,8 +194,26 @@ class _Exposer:
                                     "decode call, by phase", labels=labels + ["phase"])
         lost = CounterMetricFamily("profinfer_events_lost", "Events BPF could not hand to the "
                                    "collector", labels=labels)
+        op_calls = CounterMetricFamily("profinfer_op_calls", "Engine ops (graph nodes) run, by op "
+                                       "type (the op level, when the budget allows it)", labels=labels + ["op"])
+        op_secs = CounterMetricFamily("profinfer_op_seconds", "Time in engine ops, by op type",
+                                      labels=labels + ["op"])
+        level = GaugeMetricFamily("profinfer_governor_level", "The levels a process is profiled at, "
+                                  "as the governor set them: 3 op, 2 graph, 1 token", labels=labels)
+        share = GaugeMetricFamily("profinfer_overhead_ratio", "What the probes cost a process: "
+                                  "kernel-counted BPF time + probe hits x calibrated trap cost, over "
+                                  "its CPU time (last governor window)", labels=labels)
+        changes = CounterMetricFamily("profinfer_governor_changes", "Level changes the governor made",
+                                      labels=labels)
         for p in procs:
             lv = p.labels()
+            for op, (n, ns) in sorted(p.ops.items()):
+                op_calls.add_metric(lv + [op], n)
+                op_secs.add_metric(lv + [op], ns / 1e9)
+            level.add_metric(lv, p.level)
+            if p.share is not None:
+                share.add_metric(lv, p.share)
+            changes.add_metric(lv, p.changes)
             info.add_metric(lv + [p.identity.exe, p.identity.model], 1)
             for phase, n in sorted(p.calls.items()):
                 calls.add_metric(lv + [phase], n)
@@ -178,7 +224,7 @@ class _Exposer:
             for phase, h in sorted(p.call_time.items()):
                 dur.add_metric(lv + [phase], h.buckets(), h.total)
             lost.add_metric(lv, p.lost)
-        yield from (info, calls, tokens, ttft, tpot, dur, lost)
+        yield from (info, calls, tokens, ttft, tpot, dur, lost, op_calls, op_secs, level, share, changes)
         g = GaugeMetricFamily("profinfer_processes_watched", "Inference processes being watched now")
         g.add_metric([], watched)
         yield g

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import llama_perf
-from daemon_helpers import PROFINFER, Daemon, Workload, _free_port, _get, kill_started
+from conftest import completion_cmd, llama_perf
+from daemon_helpers import _STARTED, PROFINFER, Daemon, Workload, _free_port, _get, kill_started
 
 @pytest.fixture(autouse=True)
 def _no_workload_left():
@@ -230,3 +230,34 @@ def test_otlp_carries_the_same_counts_under_genai_names(tmp_path, llama_build, t
     finally:
         d.stop()
         receiver.close()
+
+
+def test_governor_steps_an_expensive_process_down(tmp_path, llama_build, tiny_model, llama_env):
+    """The tiny model at the op level costs far more than 4% (its ops take microseconds): the
+    daemon steps it down to the token level, says so, and keeps it profiled; its op counts up
+    to then are kept."""
+    d = Daemon(tmp_path, ("--levels", "token,op", "--budget", "0.04"))
+    cmd = completion_cmd(llama_build, tiny_model, n=-1, extra=("--context-shift", "--ignore-eos", "-c", "256"))
+    target = subprocess.Popen(cmd, env=llama_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _STARTED.append(target)
+    try:
+        info = d.watched(target.pid)
+        assert info["levels"] == ["op", "token"]
+        deadline, info = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            info = d.watched(target.pid)
+            if info["levels"] == ["token"]:
+                break
+            time.sleep(0.2)
+        assert info["levels"] == ["token"], d.text()
+        assert info["cost_share"] is None or info["cost_share"] >= 0
+        assert "levels op,token -> token" in d.text() and "budget 4.0%" in d.text()
+        text = _get(d.url + "/metrics")[1].decode()
+        assert 'profinfer_governor_level{' in text and any(
+            l.startswith("profinfer_governor_level{") and f'pid="{target.pid}"' in l and l.endswith(" 1.0")
+            for l in text.splitlines())
+        assert any(l.startswith("profinfer_op_calls_total{") and 'op="MUL_MAT"' in l for l in text.splitlines())
+    finally:
+        target.kill()
+        target.wait()
+        d.stop()

@@ -171,6 +171,28 @@ class OpAssembler:
                 col["fused_tensor"][i], src_ne, src_dtypes))
         return out
 
+    def take_totals(self) -> dict[str, tuple[int, int]]:
+        """Per op name, (ops, ns in them) of the ops received since the last take, which are
+        then forgotten (a daemon's always-on op level keeps totals, not ops). An op whose end
+        is not known yet counts, without time."""
+        self._compact()
+        chunks, self.chunks = self.chunks, []
+        if not chunks:
+            return {}
+        self._build_descs()
+        ids = np.concatenate([c[5] for c in chunks])
+        start = np.concatenate([c[2] for c in chunks])
+        end = np.concatenate([c[3] for c in chunks])
+        dur = np.where(end > start, end - start, 0)
+        n = np.bincount(ids, minlength=len(self.descs))
+        ns = np.bincount(ids, weights=dur, minlength=len(self.descs))
+        out: dict[str, tuple[int, int]] = {}
+        for i in np.flatnonzero(n).tolist():
+            name = self.descs[i].op
+            a, b = out.get(name, (0, 0))
+            out[name] = (a + int(n[i]), b + int(ns[i]))
+        return out
+
     def finish(self, graphs: list[GraphCall], experts: dict | None = None) -> OpColumns:
         """All ops as OpColumns sorted by start, with open ends closed against `graphs`."""
         self._compact()

@@ -477,6 +477,19 @@ class Collector:
         return [TokenCall.of_batch(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
                                    int(r["n_tokens"]), int(r["ret"]), _runs(r)) for r in t]
 
+    def cost_counts(self) -> dict[str, int]:
+        """What the probes cost so far, as the kernel counts it: BPF run time and the hits by
+        kind (bpf_ns, hits_emulated, hits_stepped, hits_return; see _program_stats), while
+        collecting (a daemon's governor reads it)."""
+        if self._stats_fd < 0 or self.obj is None:
+            return {}
+        self.tallies = self._op_tallies()
+        return self._program_stats()
+
+    def take_op_totals(self) -> dict[str, tuple[int, int]]:
+        """Per op type, (ops, ns) since the last take, forgotten after (see take_tokens)."""
+        return self._op_asm.take_totals() if self._op_asm is not None else {}
+
     def _add_experts(self, rec: bytes) -> None:
         dt = self.dt["pi_experts_event"]
         ev = np.frombuffer(rec.ljust(dt.itemsize, b"\0"), dt, count=1)[0]
