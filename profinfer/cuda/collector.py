@@ -73,6 +73,7 @@ class CudaCollector:
         self._events: EventTransport | None = None
         self._multi = False
         self._kernel_names: dict[tuple[int, int, bool], str] = {}   # named once per kernel
+        self._memory = KnownMemory()        # allocations seen: which way Default copies went
         self._sites: dict[tuple[int, int], str] = {}
 
     # ---- attach ----
@@ -277,6 +278,17 @@ class CudaCollector:
         prof.meta.update(self._meta(tallies, stats, calls))
         return prof
 
+    def take(self) -> tuple[list[CudaCall], list[CudaCall]]:
+        """While collecting (a daemon): the calls BPF counted so far, as cumulative groups
+        (without a timeline), and the calls sent since the last take (allocations, frees,
+        graph and registration calls, Default copies; every call with a timeline), which are
+        then forgotten."""
+        self._events.consume()
+        self._parse()
+        calls = self._calls()
+        self._records = []
+        return ([] if self.timeline else self._groups()), calls
+
     def _groups(self) -> list[np.ndarray]:
         key_dt, val_dt = self.dt["pc_agg_key"], self.dt["pc_agg_value"]
         out = []
@@ -326,7 +338,7 @@ class CudaCollector:
         ev = np.concatenate(self._records)
         ev = ev[np.argsort(ev["start_ns"], kind="stable")]
         captured, step_open = self.consts["PC_CAPTURED"], self.consts["PC_STEP_OPEN"]
-        memory = KnownMemory()
+        memory = self._memory
         out = []
         for e in ev:
             api = self.apis[int(e["api"])]

@@ -33,7 +33,7 @@ SCAN_S = 1.0
 SERIES_TTL_S = float(os.environ.get("PROFINFER_SERIES_TTL_S", "300"))   # a last scrape sees them
 MODEL_RECHECK_S = 10.0   # a watched process with no model file found yet is looked at again
 RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0    # a failed attach is tried again, backing off
-DEFAULT_LEVELS = ("token",)
+DEFAULT_LEVELS = ("token", "cuda")
 # The governor: each process's cost (kernel-counted BPF time + probe hits x this machine's
 # calibrated trap costs, plus its share of the daemon's own CPU, over its own CPU time) is
 # checked every GOVERN_S; over the
@@ -58,6 +58,7 @@ class Watch:
     started_at: float
     pack: Pack | None = None
     files: list = field(default_factory=list)
+    cuda: object = None                 # the cuda level's collector, where it maps a CUDA runtime
     cost_mark: tuple[float, int, int, int] | None = None   # (t, its CPU ns, probe cost ns, daemon CPU ns)
     share: float | None = None          # what the probes cost it, as a share of its CPU time
     calm_since: float | None = None     # under the budget with room since
@@ -100,7 +101,10 @@ class Agent:
         self.budget = budget
         self.log = log
         self.own_pid = own_pid or os.getpid()
-        self.packs: list[Pack] = [p for p in (load_pack(n) for n in pack_names()) if not p.level]
+        all_packs = [load_pack(n) for n in pack_names()]
+        self.packs: list[Pack] = [p for p in all_packs if not p.level]
+        self.cuda_pack = next((p for p in all_packs if p.level == "cuda"), None) if "cuda" in self.levels else None
+        self.cuda_checked: dict[tuple[int, int], int] = {}   # watched, no runtime: vsize looked at
         self.metrics = Metrics()
         self.watches: dict[int, Watch] = {}
         self.exited: list[Watch] = []
@@ -142,6 +146,7 @@ class Agent:
                 self._gone(w)
         now = time.monotonic()
         self.not_engines = {k: v for k, v in self.not_engines.items() if k[0] in alive}
+        self.cuda_checked = {k: v for k, v in self.cuda_checked.items() if k[0] in alive}
         self.failed = {k: v for k, v in self.failed.items() if k[0] in alive}
         with self.lock:
             self.unwatched = {k: v for k, v in self.unwatched.items() if k[0] in alive}
@@ -168,15 +173,45 @@ class Agent:
                 continue
             try:
                 found = find_engine(self.packs, pid, True, self.executables_seen)
+                cuda = (find_engine([self.cuda_pack], pid, True, self.executables_seen)
+                        if self.cuda_pack is not None else None)
             except (OSError, ProfinferError):
-                found = None
+                found = cuda = None
             except Exception as e:          # an unreadable file of a vanishing process
                 self._error(f"PID {pid}: looking for an engine: {type(e).__name__}: {e}")
-                found = None
-            if found is None:
+                found = cuda = None
+            if found is None and cuda is None:
                 self.not_engines[key] = vsize
                 continue
-            self._watch(pid, st[0], *found)
+            if found is not None:
+                self._watch(pid, st[0], *found)
+            else:
+                self._watch_runtime_only(pid, st[0])
+            if cuda is not None and pid in self.watches:
+                self._watch_cuda(self.watches[pid], cuda[1])
+        # a watched process that loads a CUDA runtime or driver later (PyTorch dlopens
+        # libcudart, which dlopens libcuda): probed within a scan (unlike attach and record,
+        # the daemon does not stop processes at their loader's hook; calls made before the
+        # next scan are not seen)
+        if self.cuda_pack is not None:
+            for pid, w in list(self.watches.items()):
+                st = _stat(pid)
+                if st is None or self.cuda_checked.get((pid, st[0])) == st[1]:
+                    continue
+                self.cuda_checked[(pid, st[0])] = st[1]
+                try:
+                    cuda = find_engine([self.cuda_pack], pid, False, self.executables_seen)
+                except Exception:
+                    cuda = None
+                if cuda is None:
+                    continue
+                if w.cuda is None:
+                    self._watch_cuda(w, cuda[1])
+                else:
+                    try:
+                        w.cuda.attach_files(cuda[1], pid)
+                    except Exception as e:
+                        self._error(f"PID {pid}: probing a runtime it loaded: {e}")
 
     def _watch(self, pid: int, start: int, pack: Pack, files: list[tuple[str, str]]) -> None:
         cls = pack.collector_class()
@@ -216,6 +251,40 @@ class Agent:
                  + (f", pod {ident.namespace}/{ident.pod}" if ident.pod_uid else "")
                  + f") at {','.join(sorted(levels))}, {coll.n_probes} probes")
 
+    def _watch_runtime_only(self, pid: int, start: int) -> None:
+        """A process that runs no known engine but a CUDA runtime: watched at the cuda level."""
+        ident = identify(pid, start, self.cuda_pack.engine)
+        w = Watch(ident, None, set(), time.time(), model_checked=time.monotonic())
+        with self.lock:
+            self.watches[pid] = w
+        self.metrics.watched(ident)
+
+    def _watch_cuda(self, w: Watch, files: list[tuple[str, str]]) -> None:
+        """The cuda level beside the process's engine: counted in BPF (no timeline)."""
+        pid = w.identity.pid
+        coll = None
+        try:
+            coll = self.cuda_pack.collector_class()(pid, {"cuda"}, self.cuda_pack, files,
+                                                    root=f"/proc/{pid}/root", ringbuf_pages=RING_PAGES,
+                                                    timeline=False)
+            coll.attach()
+        except Exception as e:
+            if coll is not None:
+                try:
+                    coll.detach()
+                except Exception:
+                    pass
+            if w.collector is None:           # nothing else watches it: forget it
+                with self.lock:
+                    self.watches.pop(pid, None)
+                self.metrics.forget(w.identity)
+            self._attach_failed(pid, w.identity.start, self.cuda_pack, e)
+            return
+        w.cuda = coll
+        w.levels = w.levels | {"cuda"}
+        self.log(f"PID {pid} ({w.identity.comm}): cuda level, {coll.n_probes} probes in "
+                 + ", ".join(os.path.basename(f.path) for f in coll.files))
+
     def _attach_failed(self, pid: int, start: int, pack: Pack, e: Exception) -> None:
         st = _stat(pid)
         if st is None or st[0] != start:
@@ -233,15 +302,18 @@ class Agent:
         """Detach at once; the series stay for SERIES_TTL_S."""
         self._drain(w)
         self._sample_programs(w)
-        try:
-            w.collector.detach()
-        except Exception as e:
-            self._error(f"PID {w.identity.pid}: detaching: {type(e).__name__}: {e}")
+        for coll in (w.collector, w.cuda):
+            if coll is None:
+                continue
+            try:
+                coll.detach()
+            except Exception as e:
+                self._error(f"PID {w.identity.pid}: detaching: {type(e).__name__}: {e}")
         for prog, (ns, runs) in w.programs.items():
             a, b = self.retired_programs.get(prog, (0, 0))
             self.retired_programs[prog] = (a + ns, b + runs)
         w.exited_at = time.monotonic()
-        w.collector = None          # its buffers go now; the series stay (metrics)
+        w.collector = w.cuda = None     # their buffers go now; the series stay (metrics)
         with self.lock:
             self.watches.pop(w.identity.pid, None)
             self.exited.append(w)
@@ -264,6 +336,14 @@ class Agent:
         self.log(msg)
 
     def _drain(self, w: Watch) -> None:
+        if w.cuda is not None:
+            try:
+                groups, calls = w.cuda.take()
+                self.metrics.cuda(w.identity, groups, calls)
+            except Exception as e:
+                w.errors += 1
+                if w.errors <= 3:
+                    self._error(f"PID {w.identity.pid}: cuda: {type(e).__name__}: {e}")
         coll = w.collector
         if coll is None:
             return
@@ -288,13 +368,16 @@ class Agent:
                 self._error(f"PID {w.identity.pid}: {type(e).__name__}: {e}")
 
     def _sample_programs(self, w: Watch) -> None:
-        obj = getattr(w.collector, "obj", None)
-        if obj is None:
-            return
-        try:
-            w.programs = obj.program_stats()
-        except Exception:
-            pass
+        programs: dict[str, tuple[int, int]] = {}
+        for coll in (w.collector, w.cuda):
+            obj = getattr(coll, "obj", None)
+            if obj is None:
+                continue
+            try:
+                programs.update(obj.program_stats())
+            except Exception:
+                return
+        w.programs = programs
 
     def poll(self, timeout_s: float) -> None:
         """Wait for events (up to timeout_s), drain every watch, scan when due."""
@@ -303,10 +386,11 @@ class Agent:
             watches = list(self.watches.values())
         poller = select.poll()          # no FD_SETSIZE limit: ~25 fds a watched process
         for w in watches:
-            try:
-                poller.register(w.collector.fileno(), select.POLLIN)
-            except Exception:
-                pass
+            for coll in (w.collector, w.cuda):
+                try:
+                    poller.register(coll.fileno(), select.POLLIN)
+                except Exception:
+                    pass
         if watches:
             poller.poll(timeout_s * 1000)
         else:
@@ -396,8 +480,8 @@ class Agent:
         left unprofiled)."""
         pid = w.identity.pid
         try:
-            new = w.pack.collector_class()(pid, levels, w.pack, w.files, root=f"/proc/{pid}/root",
-                                           ringbuf_pages=RING_PAGES)
+            new = w.pack.collector_class()(pid, levels - {"cuda"}, w.pack, w.files,
+                                           root=f"/proc/{pid}/root", ringbuf_pages=RING_PAGES)
             new.attach()
         except Exception as e:
             self._error(f"PID {pid}: changing levels to {','.join(sorted(levels))}: {e}")
@@ -438,8 +522,8 @@ class Agent:
             "budget": self.budget, "attach_errors": self.attach_errors, "loop_errors": self.loop_errors,
             "trap_costs_ns": self.trap_costs, "traps_calibrated": self.traps_calibrated,
             "processes": [{**w.identity.as_dict(), "levels": sorted(w.levels), "cost_share": w.share,
-                           "probes": getattr(w.collector, "n_probes", 0),
-                           "events": getattr(w.collector, "n_events", 0),
+                           "probes": getattr(w.collector, "n_probes", 0) + getattr(w.cuda, "n_probes", 0),
+                           "events": getattr(w.collector, "n_events", 0) + getattr(w.cuda, "n_events", 0),
                            "lost": w.lost_seen, "watched_since": w.started_at} for w in watches],
             "found_not_watched": [{**i.as_dict(), "why": "no always-on level for this engine yet"}
                                   for i in unwatched],
@@ -451,10 +535,11 @@ class Agent:
             watches = list(self.watches.values())
             self.watches.clear()
         for w in watches:
-            try:
-                w.collector.detach()
-            except Exception:
-                pass
+            for coll in (w.collector, w.cuda):
+                try:
+                    coll.detach()
+                except Exception:
+                    pass
         if self._stats_fd >= 0:
             os.close(self._stats_fd)
             self._stats_fd = -1

@@ -68,6 +68,8 @@ class _Process:
     level: int = 0
     share: float | None = None
     changes: int = 0
+    cuda: dict | None = None            # the cuda level's counts (cumulative, from BPF)
+    live: dict[int, int] = field(default_factory=dict)   # device allocations: pointer -> bytes
 
     def labels(self) -> list[str]:
         i = self.identity
@@ -149,6 +151,54 @@ class Metrics:
             if p is not None and p.identity.start == ident.start:
                 p.share = share
 
+    def cuda(self, ident: Identity, groups: list, calls: list) -> None:
+        """The cuda level: BPF's cumulative counts (groups) replace the last ones; the calls
+        sent since (allocations and frees) move the live device memory."""
+        with self.lock:
+            p = self.processes.get(ident.pid)
+            if p is None or p.identity.start != ident.start:
+                return
+            if groups or p.cuda is None:
+                kernels: dict[str, int] = {}
+                copies: dict[str, list[int]] = {}
+                syncs: dict[str, list[float]] = {}
+                graphs = 0
+                for c in groups:
+                    if c.what == "launch" and not c.captured:
+                        kernels[c.kernel] = kernels.get(c.kernel, 0) + c.count
+                    elif c.what in ("copy", "set"):
+                        acc = copies.setdefault(c.copy_kind if c.what == "copy" else "memset", [0, 0])
+                        acc[0] += c.count
+                        acc[1] += c.bytes
+                    elif c.what == "sync":
+                        acc = syncs.setdefault(c.api, [0, 0.0])
+                        acc[0] += c.count
+                        acc[1] += c.total_ns / 1e9
+                    elif "GraphLaunch" in c.api:
+                        graphs += c.count
+                old = p.cuda or {}
+                if self.otlp is not None:     # OTLP counters take what was added since
+                    before = old.get("kernels", {})
+                    top = {k for k, _ in sorted(kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]}
+                    added: dict[str, int] = {}
+                    for k, n in kernels.items():
+                        if n > before.get(k, 0):
+                            name = k if k in top else "other"
+                            added[name] = added.get(name, 0) + n - before.get(k, 0)
+                    self.otlp.cuda(ident, added, graphs - old.get("graphs", 0))
+                p.cuda = {"kernels": kernels, "copies": copies, "syncs": syncs, "graphs": graphs,
+                          "sent_copies": old.get("sent_copies", {})}
+            for c in calls:
+                if c.what == "memory" and c.ret == 0 and c.copy_kind == "device":
+                    if c.api.startswith("cudaMalloc") and c.ptr:
+                        p.live[c.ptr] = c.bytes
+                    elif c.api.startswith("cudaFree"):
+                        p.live.pop(c.ptr, None)
+                elif c.what == "copy":       # Default copies are sent, not counted in BPF
+                    acc = p.cuda["sent_copies"].setdefault(c.copy_kind, [0, 0])
+                    acc[0] += 1
+                    acc[1] += c.bytes
+
     def lost(self, ident: Identity, n: int) -> None:
         with self.lock:
             p = self.processes.get(ident.pid)
@@ -174,7 +224,8 @@ class _Exposer:
         with m.lock:                  # one moment's values: copied while the agent waits
             procs = [_Process(p.identity, dict(p.calls), dict(p.tokens), p.ttft.copy(), p.tpot.copy(),
                               {k: h.copy() for k, h in p.call_time.items()}, p.lost,
-                              {k: list(v) for k, v in p.ops.items()}, p.level, p.share, p.changes)
+                              {k: list(v) for k, v in p.ops.items()}, p.level, p.share, p.changes,
+                              _copy_cuda(p.cuda), dict(p.live))
                      for p in m.processes.values()]
             programs = dict(m.programs)
             watched = m.watched_now
@@ -225,6 +276,7 @@ class _Exposer:
                 dur.add_metric(lv + [phase], h.buckets(), h.total)
             lost.add_metric(lv, p.lost)
         yield from (info, calls, tokens, ttft, tpot, dur, lost, op_calls, op_secs, level, share, changes)
+        yield from _cuda_families(procs, labels)
         g = GaugeMetricFamily("profinfer_processes_watched", "Inference processes being watched now")
         g.add_metric([], watched)
         yield g
@@ -246,6 +298,56 @@ class _Exposer:
         gpu_on.add_metric([], 1 if m.gpu_state == "on" else 0)
         yield gpu_on
         yield from _gpu_families(m.gpus)
+
+
+TOP_KERNELS = 20        # kernel names per process in metrics; the rest are "other"
+
+
+def _copy_cuda(c: dict | None) -> dict | None:
+    if c is None:
+        return None
+    return {"kernels": dict(c["kernels"]), "copies": {k: list(v) for k, v in c["copies"].items()},
+            "syncs": {k: list(v) for k, v in c["syncs"].items()}, "graphs": c["graphs"],
+            "sent_copies": {k: list(v) for k, v in c["sent_copies"].items()}}
+
+
+def _cuda_families(procs: list[_Process], labels: list[str]):
+    launches = CounterMetricFamily("profinfer_cuda_kernel_launches", "CUDA kernel launches, by kernel "
+                                   f"(each process's top {TOP_KERNELS} by launches; the rest: other)",
+                                   labels=labels + ["kernel"])
+    graphs = CounterMetricFamily("profinfer_cuda_graph_launches", "CUDA graph launches", labels=labels)
+    copies = CounterMetricFamily("profinfer_cuda_copies", "CUDA copies and sets, by kind "
+                                 "(H2H, H2D, D2H, D2D, Default..., memset)", labels=labels + ["kind"])
+    copy_bytes = CounterMetricFamily("profinfer_cuda_copy_bytes", "Bytes CUDA copies and sets moved, "
+                                     "by kind", labels=labels + ["kind"])
+    syncs = CounterMetricFamily("profinfer_cuda_sync_seconds", "Host time blocked in CUDA syncs, by "
+                                "call", labels=labels + ["call"])
+    live = GaugeMetricFamily("profinfer_cuda_live_device_bytes", "Device memory allocated by the "
+                             "process's CUDA runtime calls since profinfer watched it, not freed",
+                             labels=labels)
+    for p in procs:
+        if p.cuda is None:
+            continue
+        lv = p.labels()
+        ranked = sorted(p.cuda["kernels"].items(), key=lambda kv: -kv[1])
+        for name, n in ranked[:TOP_KERNELS]:
+            launches.add_metric(lv + [name], n)
+        if len(ranked) > TOP_KERNELS:
+            launches.add_metric(lv + ["other"], sum(n for _, n in ranked[TOP_KERNELS:]))
+        graphs.add_metric(lv, p.cuda["graphs"])
+        kinds: dict[str, list[int]] = {}
+        for src in (p.cuda["copies"], p.cuda["sent_copies"]):
+            for kind, (n, b) in src.items():
+                acc = kinds.setdefault(kind, [0, 0])
+                acc[0] += n
+                acc[1] += b
+        for kind, (n, b) in sorted(kinds.items()):
+            copies.add_metric(lv + [kind], n)
+            copy_bytes.add_metric(lv + [kind], b)
+        for call, (_, secs) in sorted(p.cuda["syncs"].items()):
+            syncs.add_metric(lv + [call], secs)
+        live.add_metric(lv, sum(p.live.values()))
+    yield from (launches, graphs, copies, copy_bytes, syncs, live)
 
 
 # ---- NVML ----

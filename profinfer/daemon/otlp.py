@@ -58,6 +58,11 @@ class OtlpExport:
                                            "engine computed, by gen_ai.token.type: input (prompt), output")
         self.calls = meter.create_counter("profinfer.decode_calls", unit="{call}",
                                           description="Engine decode calls, by phase")
+        # OpenTelemetry eBPF Instrumentation's names for CUDA
+        self.launches = meter.create_counter("gpu.cuda.kernel.launch.calls", unit="{call}",
+                                             description="CUDA kernel launches (cuda.kernel.name)")
+        self.graph_launches = meter.create_counter("gpu.cuda.graph.launch.calls", unit="{call}",
+                                                   description="CUDA graph launches")
         self.endpoint = url
 
     def decode_call(self, ident: Identity, t: TokenCall, ttfts: list[int],
@@ -73,6 +78,14 @@ class OtlpExport:
         for per_token, n in tpots:
             for _ in range(n):
                 self.tpot.record(per_token / 1e9, attrs)
+
+    def cuda(self, ident: Identity, launches: dict[str, int], graphs: int) -> None:
+        attrs = attributes(ident)
+        for kernel, n in launches.items():
+            # each process's top kernels by name, the rest as "other" (bounded, as /metrics)
+            self.launches.add(n, {**attrs, "cuda.kernel.name": kernel})
+        if graphs > 0:
+            self.graph_launches.add(graphs, attrs)
 
     def close(self) -> None:
         self.provider.shutdown()       # exports what is left

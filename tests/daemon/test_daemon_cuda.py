@@ -1,0 +1,80 @@
+"""The daemon's cuda level (on by default): a program built with nvcc that logs every CUDA
+call it makes runs while the daemon watches it (counted in BPF, no timeline); the daemon's
+metrics hold its kernel launches by kernel, its copies' bytes by kind and its graph launches,
+as the program's own log counts them."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from daemon_helpers import _STARTED, Daemon, _get, kill_started
+from profinfer.cuda import workload
+
+PROGRAM = Path(__file__).resolve().parents[1] / "cuda" / "programs" / "cuda_calls.cu"
+KINDS = {0: "H2H", 1: "H2D", 2: "D2H", 3: "D2D", 4: "Default"}
+
+
+@pytest.fixture(autouse=True)
+def _no_workload_left():
+    yield
+    kill_started()
+
+
+def _series(text: str, name: str, pid: int, label: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'pid="{pid}"' in line:
+            key = line.split(f'{label}="', 1)[1].split('"', 1)[0] if label else ""
+            out[key] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_cuda_counts_in_the_daemon_equal_the_programs_log(tmp_path):
+    # the runtime linked in (the driver part, dlopen'd when the calls begin, is left out: the
+    # daemon probes a library a process loads later within a scan, not before its first call)
+    program = workload.build_program(PROGRAM, "static")
+    d = Daemon(tmp_path)
+    log, go = tmp_path / "calls.jsonl", tmp_path / "go"
+    try:
+        proc = subprocess.Popen([str(program), "--log", str(log), "--repeat", "2",
+                                 "--start-after", str(go)], stdout=subprocess.PIPE, text=True)
+        _STARTED.append(proc)
+        assert proc.stdout.readline().startswith("ready ")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            info = d.watched(proc.pid)
+            if "cuda" in info["levels"]:
+                break
+            time.sleep(0.1)
+        assert "cuda" in info["levels"] and info["engine"] == "CUDA", info
+        go.write_text("")
+        assert proc.wait(timeout=60) == 0
+        entries = [json.loads(l) for l in log.read_text().splitlines()]
+        want_kernels = Counter(d_["kernel"] if d_["fn"].startswith("cuda") else f"CUfunction@{d_['func']}"
+                               for d_ in entries if d_["fn"] in ("cudaLaunchKernel", "cudaLaunchKernelExC",
+                                                                  "cuLaunchKernel", "cuLaunchKernelEx"))
+        want_bytes: Counter = Counter()
+        for e in entries:
+            if e["fn"].startswith("cudaMemcpy"):
+                want_bytes[KINDS[e["kind"]]] += e["bytes"]
+            elif e["fn"].startswith("cudaMemset"):
+                want_bytes["memset"] += e["bytes"]
+        graphs = sum(1 for e in entries if e["fn"] == "cudaGraphLaunch")
+        deadline, text = time.monotonic() + 10, ""
+        while time.monotonic() < deadline:
+            text = _get(d.url + "/metrics")[1].decode()
+            got = _series(text, "profinfer_cuda_kernel_launches_total", proc.pid, "kernel")
+            if got and sum(got.values()) == sum(want_kernels.values()):
+                break
+            time.sleep(0.2)
+        assert {k: int(v) for k, v in got.items()} == dict(want_kernels), d.text()
+        got_bytes = _series(text, "profinfer_cuda_copy_bytes_total", proc.pid, "kind")
+        assert {k: int(v) for k, v in got_bytes.items()} == dict(want_bytes)
+        assert _series(text, "profinfer_cuda_graph_launches_total", proc.pid, None) == {"": graphs}
+    finally:
+        d.stop()
