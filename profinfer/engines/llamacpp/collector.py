@@ -182,11 +182,13 @@ class Collector:
             # 64; llamacpp.bpf.c) and a small hash map for threads whose slot another holds,
             # or, without slots, the hash map for four per CPU. A thread beyond them has its
             # ops counted as lost. (A preallocated hash map holds one more element per CPU.)
+            # Without the op level, one (its programs are not loaded: 6 MB of kernel memory a
+            # watched process saved, bench/daemon_footprint.py).
             if self.thread_slots:
                 self.obj.set_max_entries("op_threads_direct", self.thread_slots)
                 self.obj.set_max_entries("op_threads", max(16, self.n_cpus // 2))
             else:
-                self.obj.set_max_entries("op_threads", max(64, 4 * self.n_cpus))
+                self.obj.set_max_entries("op_threads", max(64, 4 * self.n_cpus) if "op" in self.levels else 1)
             programs = {fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn}
             if "op" in self.levels:
                 programs.add(THREAD_EXIT_PROGRAM)
