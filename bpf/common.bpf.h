@@ -113,6 +113,30 @@ static __always_inline int in_target(void)
     return bpf_map_lookup_elem(&followed, &tgid) != 0;
 }
 
+#ifndef PT_REGS_PARM6           /* libbpf before 1.2 names five */
+#if defined(__TARGET_ARCH_x86)
+#define PT_REGS_PARM6(x) (((const struct pt_regs *)(x))->r9)
+#elif defined(__TARGET_ARCH_arm64)
+#define PT_REGS_PARM6(x) (((const struct user_pt_regs *)(x))->regs[5])
+#endif
+#endif
+
+/* A user-space word; 0 where it cannot be read. */
+static __always_inline u64 read_u64(u64 addr)
+{
+    u64 v = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+    return v;
+}
+
+/* Count one more of `which` in an object's array of u64 tallies. */
+static __always_inline void tally_in(void *tallies, u32 which)
+{
+    u64 *v = bpf_map_lookup_elem(tallies, &which);
+    if (v)
+        __sync_fetch_and_add(v, 1);
+}
+
 static __always_inline u32 current_tid(void)
 {
     return (u32)bpf_get_current_pid_tgid();

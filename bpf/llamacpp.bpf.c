@@ -913,13 +913,6 @@ int op_fused_mark(struct pt_regs *ctx)
     return 0;
 }
 
-static __always_inline u64 read_u64(u64 addr)
-{
-    u64 v = 0;
-    bpf_probe_read_user(&v, sizeof(v), (void *)addr);
-    return v;
-}
-
 static __always_inline int op_is_empty(u32 op)
 {
     return op < 128 && (cfg.empty_ops[op >> 6 & 1] >> (op & 63) & 1);

@@ -16,14 +16,6 @@
 
 char LICENSE[] SEC("license") = "GPL";
 
-#ifndef PT_REGS_PARM6           /* libbpf before 1.2 names five */
-#if defined(__TARGET_ARCH_x86)
-#define PT_REGS_PARM6(x) (((const struct pt_regs *)(x))->r9)
-#elif defined(__TARGET_ARCH_arm64)
-#define PT_REGS_PARM6(x) (((const struct user_pt_regs *)(x))->regs[5])
-#endif
-#endif
-
 struct {
     __uint(type, BPF_MAP_TYPE_ARRAY);
     __uint(max_entries, PV_MAX_OPS);
@@ -58,16 +50,7 @@ struct {
 
 static __always_inline void tally(u32 which)
 {
-    u64 *v = bpf_map_lookup_elem(&tallies, &which);
-    if (v)
-        __sync_fetch_and_add(v, 1);
-}
-
-static __always_inline u64 read_u64(u64 addr)
-{
-    u64 v = 0;
-    bpf_probe_read_user(&v, sizeof(v), (void *)addr);
-    return v;
+    tally_in(&tallies, which);
 }
 
 /* An integer argument slot: registers first, then the stack above the return address (the

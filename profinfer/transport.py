@@ -3,6 +3,8 @@ space drains on a timer (BPF wakes it only when the ring fills), or per-CPU perf
 kernels before 5.12; and the counter of records BPF could not submit."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from . import discovery, layout, libbpf
@@ -47,6 +49,36 @@ class EventTransport:
         """Records BPF could not submit, plus those the perf buffers dropped."""
         raw = libbpf.map_lookup(self._lost_fd, _ZERO_U32, 8)
         return (int.from_bytes(raw, "little") if raw else 0) + self.perf_lost
+
+
+class RecordSlots:
+    """Records of one layout that are as long as what they hold, each copied once into a
+    slot of the full record size in one reused buffer, which numpy then reads in place (what
+    lies past a record's end in its slot is never read, unless zeroed is asked for)."""
+
+    def __init__(self, dtype: np.dtype, zeroed: bool = False):
+        self.dtype = dtype
+        self.zeroed = zeroed
+        self.raw = ctypes.create_string_buffer(64 * dtype.itemsize)
+        self.n = 0
+
+    def add(self, data, size: int) -> None:
+        stride = self.dtype.itemsize
+        if (self.n + 1) * stride > len(self.raw):
+            grown = ctypes.create_string_buffer(2 * len(self.raw) + stride)
+            ctypes.memmove(grown, self.raw, self.n * stride)
+            self.raw = grown
+        at = ctypes.addressof(self.raw) + self.n * stride
+        if self.zeroed:
+            ctypes.memset(at, 0, stride)
+        ctypes.memmove(at, data, min(size, stride))
+        self.n += 1
+
+    def take(self) -> np.ndarray | None:
+        """The records added since the last take (a view of the buffer, valid until the
+        next add: copy what is kept)."""
+        n, self.n = self.n, 0
+        return np.frombuffer(self.raw, self.dtype, count=n) if n else None
 
 
 def attach_failed(pid: int, error: ProfinferError) -> ProfinferError:

@@ -8,7 +8,6 @@ is no known engine. Its interface is the one the session drives for every engine
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import platform
 import time
@@ -21,7 +20,7 @@ from ..arch import placement
 from ..errors import ProfinferError
 from ..model import CudaCall, Profile
 from ..probepack import Pack
-from ..transport import EventTransport, attach_failed
+from ..transport import EventTransport, RecordSlots, attach_failed
 from . import runtime
 from .names import KernelNames
 
@@ -30,7 +29,6 @@ PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS = 64, 16
 COPY_KINDS = {0: "H2H", 1: "H2D", 2: "D2H", 3: "D2D", 4: "Default"}
 MEMORY_KINDS = {1: "device", 2: "host"}
 TALLIES = ("nested", "agg_full", "unpaired", "pending_full")
-_U32_P = ctypes.POINTER(ctypes.c_uint32)
 
 
 class CudaCollector:
@@ -65,8 +63,9 @@ class CudaCollector:
         self.decoding = False
         self.thread_names: dict[int, str] = {}
         self.op_name: Callable[[int, int], str] | None = None   # (engine, op index) -> name
-        self._raw = ctypes.create_string_buffer(64 * self.ev_dt.itemsize)
-        self._pending = 0
+        # records end where what they hold ends (registrations alone carry a name): zeroed
+        # past their end in their slot, as every field is read
+        self._slots = RecordSlots(self.ev_dt, zeroed=True)
         self._records: list[np.ndarray] = []
         self._stats_fd = -1
         self._lost_at_end = 0
@@ -202,15 +201,7 @@ class CudaCollector:
     # ---- collect ----
 
     def _on_record(self, data, size):
-        stride = self.ev_dt.itemsize
-        if (self._pending + 1) * stride > len(self._raw):
-            grown = ctypes.create_string_buffer(2 * len(self._raw) + stride)
-            ctypes.memmove(grown, self._raw, self._pending * stride)
-            self._raw = grown
-        at = ctypes.addressof(self._raw) + self._pending * stride
-        ctypes.memset(at, 0, stride)
-        ctypes.memmove(at, data, min(size, stride))
-        self._pending += 1
+        self._slots.add(data, size)
 
     def fileno(self) -> int:
         return self._events.fileno()
@@ -220,10 +211,11 @@ class CudaCollector:
         self._parse()
 
     def _parse(self) -> None:
-        n, self._pending = self._pending, 0
-        if not n:
+        ev = self._slots.take()
+        if ev is None:
             return
-        ev = np.frombuffer(self._raw, self.ev_dt, count=n).copy()
+        n = len(ev)
+        ev = ev.copy()
         self._learn_names(ev)
         self._records.append(ev)
         self.n_events += n

@@ -104,26 +104,20 @@ def static_runtime_span(elf: ElfInfo) -> tuple[int, int] | None:
 def runtime_ranges(pid: int, files: list[RuntimeFile]) -> list[tuple[int, int]]:
     """The process's address ranges of CUDA runtime code (for the nested-call check):
     libcudart's executable mappings, and each static copy's span."""
+    from .names import executable_mappings
+    maps = executable_mappings(pid)
     out = []
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
     for rf in files:
-        if rf.elf.path and os.path.basename(rf.path).startswith("libcuda.so"):
+        if os.path.basename(rf.path).startswith("libcuda.so"):
             continue        # the driver itself: its calls are the ones checked
         span = static_runtime_span(rf.elf) if rf.static else None
-        for line in lines:
-            parts = line.split(None, 5)
-            if len(parts) < 6 or "x" not in parts[1] or parts[5].removesuffix(" (deleted)") != rf.path:
+        for m in maps:
+            if m.path != rf.path:
                 continue
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            off = int(parts[2], 16)
             if span is None:
-                out.append((lo, hi))
+                out.append((m.start, m.end))
             else:
-                a, b = max(span[0], off), min(span[1], off + hi - lo)
+                a, b = max(span[0], m.offset), min(span[1], m.offset + m.end - m.start)
                 if a < b:
-                    out.append((lo + a - off, lo + b - off))
+                    out.append((m.start + a - m.offset, m.start + b - m.offset))
     return out

@@ -100,7 +100,9 @@ def ensure_libcuda() -> Path:
 def build_program(source: Path, variant: str = "static", extra: tuple[str, ...] = ()) -> Path:
     """`source` built with nvcc (variant: how cudart is linked), cached by content."""
     flags = ["-O2", "-g", "-std=c++17", *VARIANTS[variant], *extra]
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    # the source and the headers beside it (what it includes with "")
+    inputs = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(inputs + " ".join(flags).encode()).hexdigest()[:12]
     out = _dir() / "programs" / f"{source.stem}-{variant}-{key}"
     if out.is_file():
         return out

@@ -195,16 +195,7 @@ def _attach_and_run(tmp_path, program_args: list[str]) -> tuple[Path, Path, Path
                               stdout=subprocess.PIPE, text=True)
     try:
         assert target.stdout.readline().startswith("ready ")
-        prof = subprocess.Popen(PROFINFER + ["attach", "--pid", str(target.pid), "--levels", "cuda",
-                                             "--quiet", "--json", str(summary), "-o", str(trace)],
-                                stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and prof.poll() is None and not _attached(prof):
-            time.sleep(0.05)
-        go.write_text("")
-        target.wait(timeout=60)
-        _, err = prof.communicate(timeout=60)
-        assert prof.returncode == 0, err
+        _attach_then(target, go, ["--json", str(summary), "-o", str(trace)])
     finally:
         target.kill()
     return log, summary, trace
@@ -231,6 +222,19 @@ def test_attach_then_a_runtime_dlopened_later_loses_no_call(tmp_path, libcuda, c
     assert back.lost_events == 0
     _compare(_log(log), back.cuda_calls)
     assert any("libcudart.so.12" in k for k in back.meta)
+
+
+def _attach_then(target: subprocess.Popen, go: Path, outputs: list[str]) -> None:
+    """attach (cuda level) to the waiting target, then let it go; its end ends the attach."""
+    prof = subprocess.Popen(PROFINFER + ["attach", "--pid", str(target.pid), "--levels", "cuda", "--quiet",
+                                         *outputs], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and prof.poll() is None and not _attached(prof):
+        time.sleep(0.05)
+    go.write_text("")
+    target.wait(timeout=60)
+    _, err = prof.communicate(timeout=60)
+    assert prof.returncode == 0, err
 
 
 def _attached(proc: subprocess.Popen) -> bool:
@@ -331,16 +335,7 @@ def test_attach_to_a_process_tree_records_every_process(tmp_path, libcuda, cudar
     parent = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = sorted(int(parent.stdout.readline().split()[1]) for _ in logs)
-        prof = subprocess.Popen(PROFINFER + ["attach", "--pid", str(parent.pid), "--levels", "cuda",
-                                             "--quiet", "-o", str(trace)],
-                                stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and prof.poll() is None and not _attached(prof):
-            time.sleep(0.05)
-        go.write_text("")
-        parent.wait(timeout=60)
-        _, err = prof.communicate(timeout=60)
-        assert prof.returncode == 0, err
+        _attach_then(parent, go, ["-o", str(trace)])
     finally:
         parent.kill()
     back = read_trace(trace)

@@ -33,6 +33,18 @@ def daemon(tmp_path):
     d.stop()
 
 
+def _generate_watched(d: Daemon, llama_build, model, llama_env, tmp_path: Path) -> tuple[int, dict]:
+    """A generation the daemon found before it began: (its pid, llama.cpp's own counts)."""
+    for _ in range(4):      # llama.cpp's async logger can lose its last lines
+        w = Workload(llama_build, model, llama_env, tmp_path, n=32)
+        assert d.watched(w.proc.pid)["engine"] == "llama.cpp"
+        w.go()
+        perf = llama_perf(w.finish())
+        if {"prompt eval", "eval"} <= perf.keys():
+            return w.proc.pid, perf
+    raise AssertionError("llama.cpp's perf lines missing in 4 runs")
+
+
 def _prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     config = tmp_path / "prometheus.yml"
@@ -55,17 +67,7 @@ def _query(prom: str, q: str) -> list[dict]:
 def test_prometheus_counts_equal_llama_perf(daemon, tmp_path, llama_build, tiny_model, llama_env):
     prom, prom_url = _prometheus(tmp_path, f"127.0.0.1:{daemon.port}")
     try:
-        for attempt in range(4):      # llama.cpp's async logger can lose its last lines
-            w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=32)
-            info = daemon.watched(w.proc.pid)
-            assert info["engine"] == "llama.cpp"
-            w.go()
-            perf = llama_perf(w.finish())
-            if {"prompt eval", "eval"} <= perf.keys():
-                break
-        else:
-            raise AssertionError("llama.cpp's perf lines missing in 4 runs")
-        pid = w.proc.pid
+        pid, perf = _generate_watched(daemon, llama_build, tiny_model, llama_env, tmp_path)
         want = {"prefill": perf["prompt eval"][1], "decode": perf["eval"][1]}
         deadline, got = time.monotonic() + 30, {}
         while time.monotonic() < deadline:
@@ -200,16 +202,7 @@ def test_otlp_carries_the_same_counts_under_genai_names(tmp_path, llama_build, t
     receiver = OtlpReceiver()
     d = Daemon(tmp_path, ("--otlp", receiver.url, "--otlp-interval", "0.5"))
     try:
-        for attempt in range(4):
-            w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=32)
-            d.watched(w.proc.pid)
-            w.go()
-            perf = llama_perf(w.finish())
-            if {"prompt eval", "eval"} <= perf.keys():
-                break
-        else:
-            raise AssertionError("llama.cpp's perf lines missing in 4 runs")
-        pid = w.proc.pid
+        pid, perf = _generate_watched(d, llama_build, tiny_model, llama_env, tmp_path)
         want = {"input": perf["prompt eval"][1], "output": perf["eval"][1]}
         deadline, got = time.monotonic() + 20, {}
         while time.monotonic() < deadline:

@@ -20,7 +20,7 @@ from ...arch import placement
 from ...errors import ProfinferError
 from ...model import OpCall, Profile, TensorArg
 from ...probepack import Pack, copies_of_probed, engine_libraries
-from ...transport import EventTransport, attach_failed, steps_begun
+from ...transport import EventTransport, RecordSlots, attach_failed, steps_begun
 from . import ops as native, steps as stepmaker, tensors
 from .server_metrics import MetricsWindow
 
@@ -61,8 +61,7 @@ class VllmCollector:
         self.decoding = False
         self.thread_names: dict[int, str] = {}
         self.probed_files: set[tuple[int, int]] = set()
-        self._raw = ctypes.create_string_buffer(64 * self.ev_dt.itemsize)   # records, until parsed
-        self._pending = 0
+        self._slots = RecordSlots(self.ev_dt)      # records, until parsed
         self._columns: list[dict[str, np.ndarray]] = []   # per call: CALL_COLUMNS
         self._sig_ids: list[np.ndarray] = []      # per call: its argument signature's index
         self._signatures: list[tuple[TensorArg, ...]] = []
@@ -253,16 +252,9 @@ class VllmCollector:
         if ctypes.cast(data, _U32_P)[0] != self._kind_op:         # the sched level's
             self._sched_raw.append(ctypes.string_at(data, self._sched_dt.itemsize))
             return
-        # records are as long as what they hold: each is copied once, into a slot of full
-        # event size in one reused buffer that numpy reads in place (what lies past a
-        # record's end in its slot is never read: n_tensors and n_values bound it)
-        stride = self.ev_dt.itemsize
-        if (self._pending + 1) * stride > len(self._raw):
-            grown = ctypes.create_string_buffer(2 * len(self._raw) + stride)
-            ctypes.memmove(grown, self._raw, self._pending * stride)
-            self._raw = grown
-        ctypes.memmove(ctypes.addressof(self._raw) + self._pending * stride, data, min(size, stride))
-        self._pending += 1
+        # what lies past a record's end in its slot is never read: n_tensors and n_values
+        # bound it
+        self._slots.add(data, size)
 
     def fileno(self) -> int:
         return self._events.fileno()
@@ -272,10 +264,10 @@ class VllmCollector:
         self._parse()
 
     def _parse(self) -> None:
-        n, self._pending = self._pending, 0
-        if not n:
+        ev = self._slots.take()
+        if ev is None:
             return
-        ev = np.frombuffer(self._raw, self.ev_dt, count=n)
+        n = len(ev)
         if not self._layout_trusted:
             self._check_layout(ev)
         # per call: its columns and the id of its argument signature (op and tensors, as

@@ -39,6 +39,8 @@
 
 #include <string>
 
+#include "call_log.h"
+
 // ---------------------------------------------------------------------------------------
 // The fixed numbers of the sequence
 // ---------------------------------------------------------------------------------------
@@ -280,69 +282,6 @@ static bool driver_dlopen(Driver* d, const char* path) {
     }
     return true;
 }
-
-// ---------------------------------------------------------------------------------------
-// The log
-// ---------------------------------------------------------------------------------------
-
-static FILE* g_log = nullptr;
-
-static void flush_log() {
-    if (g_log) fflush(g_log);
-}
-
-static void on_signal(int sig) {  // keeps the lines logged so far, even on a crash
-    flush_log();
-    signal(sig, SIG_DFL);
-    raise(sig);
-}
-
-static int64_t now_ns() {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-struct Line {
-    std::string s;
-    Line(const char* fn, int64_t t_ns, int ret) {
-        char b[256];
-        snprintf(b, sizeof b, "{\"fn\": \"%s\", \"tid\": %d, \"t_ns\": %lld, \"ret\": %d, \"op\": null",
-                 fn, (int)gettid(), (long long)t_ns, ret);
-        s = b;
-    }
-    Line& str(const char* k, const char* v) {  // v: no characters that need escaping
-        s += ", \"";
-        s += k;
-        s += "\": \"";
-        s += v;
-        s += "\"";
-        return *this;
-    }
-    Line& num(const char* k, unsigned long long v) {
-        char b[96];
-        snprintf(b, sizeof b, ", \"%s\": %llu", k, v);
-        s += b;
-        return *this;
-    }
-    Line& hex(const char* k, uintptr_t v) {
-        char b[96];
-        snprintf(b, sizeof b, ", \"%s\": \"0x%llx\"", k, (unsigned long long)v);
-        s += b;
-        return *this;
-    }
-    Line& hex(const char* k, const void* v) { return hex(k, (uintptr_t)v); }
-    Line& dims(const char* k, unsigned x, unsigned y, unsigned z) {
-        char b[96];
-        snprintf(b, sizeof b, ", \"%s\": [%u, %u, %u]", k, x, y, z);
-        s += b;
-        return *this;
-    }
-    void emit() {
-        s += "}\n";
-        fputs(s.c_str(), g_log);
-    }
-};
 
 // ---------------------------------------------------------------------------------------
 // The sequence

@@ -29,6 +29,8 @@
 #include <thread>
 #include <vector>
 
+#include "call_log.h"
+
 // ---------------------------------------------------------------------------------------
 // The fixed numbers
 // ---------------------------------------------------------------------------------------
@@ -68,78 +70,6 @@ __global__ void norm_kernel(float* p, int layer) {
     if (i < kElems) p[i] -= (float)layer;
 }
 }  // namespace pi_ops
-
-// ---------------------------------------------------------------------------------------
-// The log
-// ---------------------------------------------------------------------------------------
-
-static FILE* g_log = nullptr;
-static std::mutex g_log_mutex;
-
-static void flush_log() {
-    if (g_log) fflush(g_log);
-}
-
-static void on_signal(int sig) {  // keeps the lines logged so far, even on a crash
-    flush_log();
-    signal(sig, SIG_DFL);
-    raise(sig);
-}
-
-static int64_t now_ns() {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-struct Line {
-    std::string s;
-    Line(const char* fn, int64_t t_ns, int ret, const char* op) {
-        char b[256];
-        snprintf(b, sizeof b, "{\"fn\": \"%s\", \"tid\": %d, \"t_ns\": %lld, \"ret\": %d, \"op\": ",
-                 fn, (int)gettid(), (long long)t_ns, ret);
-        s = b;
-        if (op) {
-            s += "\"";
-            s += op;
-            s += "\"";
-        } else {
-            s += "null";
-        }
-    }
-    Line& str(const char* k, const char* v) {
-        s += ", \"";
-        s += k;
-        s += "\": \"";
-        s += v;
-        s += "\"";
-        return *this;
-    }
-    Line& num(const char* k, unsigned long long v) {
-        char b[96];
-        snprintf(b, sizeof b, ", \"%s\": %llu", k, v);
-        s += b;
-        return *this;
-    }
-    Line& hex(const char* k, uintptr_t v) {
-        char b[96];
-        snprintf(b, sizeof b, ", \"%s\": \"0x%llx\"", k, (unsigned long long)v);
-        s += b;
-        return *this;
-    }
-    Line& hex(const char* k, const void* v) { return hex(k, (uintptr_t)v); }
-    Line& dims(const char* k, const unsigned* d) {
-        char b[96];
-        snprintf(b, sizeof b, ", \"%s\": [%u, %u, %u]", k, d[0], d[1], d[2]);
-        s += b;
-        return *this;
-    }
-    void emit() {
-        s += "}\n";
-        std::lock_guard<std::mutex> g(g_log_mutex);
-        fputs(s.c_str(), g_log);
-    }
-};
 
 // ---------------------------------------------------------------------------------------
 // The ops
