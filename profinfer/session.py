@@ -281,22 +281,24 @@ def _stripped_note(executables_seen: dict[tuple, bool]) -> str:
 
 def find_engine(packs: list[Pack], pid: int, new_image: bool,
                 executables_seen: dict[tuple, bool]) -> tuple[Pack, list[tuple[str, str]]] | None:
-    """The first engine whose files `pid` maps now, and those files."""
-    found = find_packs(packs, pid, new_image, executables_seen, first=True)
+    """The first pack whose files `pid` maps now, and those files."""
+    found = find_packs(packs, pid, new_image, executables_seen)
     return found[0] if found else None
 
 
-def find_packs(packs: list[Pack], pid: int, new_image: bool, executables_seen: dict[tuple, bool],
-               first: bool = False) -> list[tuple[Pack, list[tuple[str, str]]]]:
-    """Each pack whose files `pid` maps now, with those files."""
+def find_packs(packs: list[Pack], pid: int, new_image: bool,
+               executables_seen: dict[tuple, bool]) -> list[tuple[Pack, list[tuple[str, str]]]]:
+    """The packs whose files `pid` maps now, with those files (its mappings read once): the
+    first engine among them (a process runs one), and every level's."""
     files = discovery.mapped_files(pid)
-    out = []
+    out, engine_found = [], False
     for pack in packs:
+        if engine_found and not pack.level:
+            continue
         libs = engine_files(pack, pid, files, new_image, executables_seen)
         if libs:
             out.append((pack, libs))
-            if first:
-                break
+            engine_found |= not pack.level
     return out
 
 
@@ -524,10 +526,8 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                             engines = [pack]
                         else:
                             engines = packs
-                        for found in find_packs(engines, change.tgid, change.what == "exec",
-                                                executables_seen, first=True) + \
-                                find_packs(level_packs, change.tgid, change.what == "exec",
-                                           executables_seen):
+                        for found in find_packs(engines + level_packs, change.tgid,
+                                                change.what == "exec", executables_seen):
                             engine_appeared(change.tgid, *found)
                     except ProfinferError as e:
                         if coll is None:

@@ -60,7 +60,7 @@ def _build_id(elf: ELFFile) -> str:
 
 # Elf64_Sym, parsed in bulk: a C++ library has tens of thousands of symbols, and decoding
 # them one by one through pyelftools takes seconds.
-_SYM64 = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
+SYM64 = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
                    ("value", "<u8"), ("size", "<u8")])
 _STT_FUNC, _STT_GNU_IFUNC = 2, 10
 
@@ -74,7 +74,7 @@ def _read_symbols(elf: ELFFile, into: dict[str, Symbol], offsets_from: ELFFile) 
             continue
         found_symtab |= sec.name == ".symtab"
         strtab = elf.get_section(sec.header.sh_link).data()
-        syms = np.frombuffer(sec.data(), _SYM64)
+        syms = np.frombuffer(sec.data(), SYM64)
         kind = syms["info"] & 0xF
         syms = syms[((kind == _STT_FUNC) | (kind == _STT_GNU_IFUNC)) & (syms["value"] != 0)
                     & (syms["shndx"] != 0)]

@@ -24,11 +24,9 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
 from ..errors import ProfinferError
-from ..symbols import ElfInfo, load_elf
+from ..symbols import SYM64, ElfInfo, load_elf
 
 _HANDLE_STATIC = re.compile(r"^_ZZ(L?)(\d+)__device_stub__(\w+)E8__handle$")
-_SYM64 = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
-                   ("value", "<u8"), ("size", "<u8")])
 _STT_OBJECT = 1
 
 
@@ -110,7 +108,7 @@ def handle_statics(path: str) -> list[tuple[int, str]]:
             if sec is None:
                 return []
             strtab = elf.get_section(sec.header.sh_link).data()
-            syms = np.frombuffer(sec.data(), _SYM64)
+            syms = np.frombuffer(sec.data(), SYM64)
             syms = syms[((syms["info"] & 0xF) == _STT_OBJECT) & (syms["value"] != 0)]
             out = []
             for name_off, value in zip(syms["name"].tolist(), syms["value"].tolist()):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from .. import libbpf
 from ..errors import ProfinferError
 from ..probepack import Pack, load_pack, pack_names
-from ..session import find_engine
+from ..session import find_engine, find_packs
 from ..stats import SequenceTracker
 from .identity import Identity, identify, model_file
 from .metrics import Metrics
@@ -172,14 +172,15 @@ class Agent:
             if retry is not None and now < retry[0]:
                 continue
             try:
-                found = find_engine(self.packs, pid, True, self.executables_seen)
-                cuda = (find_engine([self.cuda_pack], pid, True, self.executables_seen)
-                        if self.cuda_pack is not None else None)
+                packs = self.packs + ([self.cuda_pack] if self.cuda_pack is not None else [])
+                matched = find_packs(packs, pid, True, self.executables_seen)
             except (OSError, ProfinferError):
-                found = cuda = None
+                matched = []
             except Exception as e:          # an unreadable file of a vanishing process
                 self._error(f"PID {pid}: looking for an engine: {type(e).__name__}: {e}")
-                found = cuda = None
+                matched = []
+            found = next((m for m in matched if not m[0].level), None)
+            cuda = next((m for m in matched if m[0].level), None)
             if found is None and cuda is None:
                 self.not_engines[key] = vsize
                 continue

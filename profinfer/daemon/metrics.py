@@ -100,9 +100,6 @@ class Metrics:
             else:
                 self.processes[ident.pid] = _Process(ident)
 
-    def exited(self, ident: Identity) -> None:
-        pass       # kept until forget(): a scrape after the exit still sees its last counts
-
     def forget(self, ident: Identity) -> None:
         """Drop an exited process's series, unless its pid is a newer process's now (whose
         series replaced them: two series may not have the same labels)."""
