@@ -45,6 +45,8 @@ struct pi_token_event {
     u32 n_runs;               /* 0: the batch's sequences were not read (older API) */
     u32 unread;               /* tokens past PI_MAX_RUNS runs or PI_BATCH_SCAN tokens */
     struct pi_batch_run runs[PI_MAX_RUNS];
+    u32 tgid;                 /* the process (probes on a file serve every process mapping it) */
+    u32 pad;
 };
 
 /* The first llama_decode seen: sent at its entry, so that user space can count the target's
@@ -66,6 +68,24 @@ struct pi_graph_event {
     u64 graph;
     s32 n_nodes;
     u32 probe;     /* index of the probed function in the probe pack */
+};
+
+/* Graph computes counted in BPF (cfg.graph_totals_only: no graph events), per process,
+ * probe and backend: calls, time, nodes, and a histogram of durations (bucket k: under
+ * 2^(k+1) microseconds; the last: the rest). */
+#define PI_GRAPH_BUCKETS 24
+
+struct pi_graph_key {
+    u32 tgid;
+    u32 probe;
+    u64 name_fn;
+};
+
+struct pi_graph_total {
+    u64 calls;
+    u64 ns;
+    u64 nodes;
+    u64 buckets[PI_GRAPH_BUCKETS];
 };
 
 /* One graph node computed by one thread. */
@@ -287,7 +307,7 @@ struct pi_config {
     u64 t_off_nb;          /* ggml_tensor.nb[] (byte strides) */
     u64 t_off_data;        /* ggml_tensor.data */
     s32 op_mul_mat_id;     /* GGML_OP_MUL_MAT_ID in this build's numbering (-1: none) */
-    u32 pad2;
+    u32 graph_totals_only; /* graph computes counted in graph_totals, not sent */
     u32 graph_has_backend; /* bit i: graph probe i's first argument is a ggml_backend */
     u32 n_counters;        /* perf counters in `counters`, at index counter * n_cpus + cpu */
     u32 n_cpus;

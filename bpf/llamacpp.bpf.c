@@ -141,6 +141,7 @@ int token_enter(struct pt_regs *ctx)
     struct pi_token_event ev = {};
     ev.kind = PI_EV_TOKEN;
     ev.tid = tid;
+    ev.tgid = bpf_get_current_pid_tgid() >> 32;
     ev.start_ns = bpf_ktime_get_ns();
     bpf_probe_read_user(&ev.n_tokens, sizeof(ev.n_tokens),
                         (void *)(PT_REGS_SP(ctx) + cfg.token_sp_off));
@@ -214,6 +215,7 @@ static __always_inline int token_enter_batch(struct pt_regs *ctx, int read_seque
     u64 vec[2] = {};   /* std::vector: begin, end */
     ev.kind = PI_EV_TOKEN;
     ev.tid = tid;
+    ev.tgid = bpf_get_current_pid_tgid() >> 32;
     ev.start_ns = bpf_ktime_get_ns();
     bpf_probe_read_user(vec, sizeof(vec), (void *)(PT_REGS_PARM2(ctx) + cfg.bext_off_tokens));
     u64 size = cfg.bext_token_size ? cfg.bext_token_size : 1;
@@ -290,6 +292,51 @@ static __always_inline int graph_enter(struct pt_regs *ctx, u32 probe)
     return 0;
 }
 
+/* Per (process, probe, backend): a daemon's always-on graph level (events.h). */
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, 1024);
+    __type(key, struct pi_graph_key);
+    __type(value, struct pi_graph_total);
+} graph_totals SEC(".maps");
+
+static __always_inline u32 log2_u64(u64 v)
+{
+    u32 r = 0;
+    if (v >> 32) { v >>= 32; r += 32; }
+    if (v >> 16) { v >>= 16; r += 16; }
+    if (v >> 8) { v >>= 8; r += 8; }
+    if (v >> 4) { v >>= 4; r += 4; }
+    if (v >> 2) { v >>= 2; r += 2; }
+    if (v >> 1) r += 1;
+    return r;
+}
+
+static __always_inline void count_graph(struct pi_graph_event *ev)
+{
+    struct pi_graph_key key = {.tgid = bpf_get_current_pid_tgid() >> 32, .probe = ev->probe,
+                               .name_fn = ev->name_fn};
+    struct pi_graph_total *t = bpf_map_lookup_elem(&graph_totals, &key);
+    if (!t) {
+        struct pi_graph_total zero = {};
+        bpf_map_update_elem(&graph_totals, &key, &zero, BPF_NOEXIST);   /* or another made it */
+        t = bpf_map_lookup_elem(&graph_totals, &key);
+        if (!t) {                     /* full: counted as lost */
+            count_lost(1);
+            return;
+        }
+    }
+    u64 ns = ev->end_ns - ev->start_ns;
+    u64 us = ns >> 10;                /* ~microseconds: bucket k holds under 2^(k+1) */
+    u32 b = us ? log2_u64(us) : 0;
+    if (b >= PI_GRAPH_BUCKETS)
+        b = PI_GRAPH_BUCKETS - 1;
+    __sync_fetch_and_add(&t->calls, 1);
+    __sync_fetch_and_add(&t->ns, ns);
+    __sync_fetch_and_add(&t->nodes, ev->n_nodes > 0 ? (u64)ev->n_nodes : 0);
+    __sync_fetch_and_add(&t->buckets[b], 1);
+}
+
 static __always_inline int graph_return(struct pt_regs *ctx, u32 probe)
 {
     u64 key = ((u64)current_tid() << 32) | probe;
@@ -297,7 +344,9 @@ static __always_inline int graph_return(struct pt_regs *ctx, u32 probe)
     if (!ev)
         return cfg.transport.follow && !in_target() ? other_return() : 0;
     ev->end_ns = bpf_ktime_get_ns();
-    if (emit(ctx, ev, sizeof(*ev)))
+    if (cfg.graph_totals_only)
+        count_graph(ev);
+    else if (emit(ctx, ev, sizeof(*ev)))
         count_lost(1);
     bpf_map_delete_elem(&graph_open, &key);
     return 0;

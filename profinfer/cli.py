@@ -331,7 +331,7 @@ DEFAULT_URL = "http://127.0.0.1:9464"
 @click.option("--allow-remote", is_flag=True, help="Allow a --listen address other than loopback.")
 @click.option("--budget", type=click.FloatRange(0.0001, 1.0), default=0.04, show_default=True,
               help="Share of the watched processes' CPU time profiling may cost.")
-@click.option("--levels", default="token,cuda", show_default=True, help="Always-on levels: token, and op under the budget; cuda where a process maps a CUDA runtime.")
+@click.option("--levels", default="token,graph,cuda", show_default=True, help="Always-on levels: token and graph (probes shared per build), op under the budget (per process), cuda where a process maps a CUDA runtime.")
 @click.option("--token", envvar="PROFINFER_TOKEN", help="Bearer token for the control endpoints "
               "(default: read from, or made in, --token-file).")
 @click.option("--token-file", default=DEFAULT_TOKEN_FILE, show_default=True, type=click.Path(dir_okay=False))

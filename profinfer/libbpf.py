@@ -108,6 +108,7 @@ def lib() -> ctypes.CDLL:
                                           ctypes.c_uint32, ctypes.c_uint32, _vp]),
         "bpf_map_update_elem": (ctypes.c_int, [ctypes.c_int, _vp, _vp, ctypes.c_uint64]),
         "bpf_map_get_next_key": (ctypes.c_int, [ctypes.c_int, _vp, _vp]),
+        "bpf_map_delete_elem": (ctypes.c_int, [ctypes.c_int, _vp]),
         "ring_buffer__new": (_vp, [ctypes.c_int, _SAMPLE_FN, _vp, _vp]),
         "ring_buffer__poll": (ctypes.c_int, [_vp, ctypes.c_int]),
         "ring_buffer__consume": (ctypes.c_int, [_vp]),
@@ -358,6 +359,7 @@ class RingBuffer:
         if self._rb:
             lib().ring_buffer__free(self._rb)
             self._rb = None
+        self._cb = None      # its closure holds the reader: no cycle left for the GC
 
 
 class PerfBuffer:
@@ -401,8 +403,10 @@ class PerfBuffer:
         if self._pb:
             lib().perf_buffer__free(self._pb)
             self._pb = None
+        self._cb = None
 
 
+BPF_MAP_TYPE_HASH = 1
 BPF_MAP_TYPE_LRU_HASH = 9
 
 
@@ -425,6 +429,10 @@ def map_lookup(fd: int, key: bytes, value_size: int) -> bytes | None:
 def map_update(fd: int, key: bytes, value: bytes) -> None:
     if lib().bpf_map_update_elem(fd, key, value, 0):
         raise _failure("BPF map update")
+
+
+def map_delete(fd: int, key: bytes) -> None:
+    lib().bpf_map_delete_elem(fd, key)     # a key already gone is no error here
 
 
 def map_items(fd: int, key_size: int, value_size: int):

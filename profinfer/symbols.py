@@ -6,8 +6,8 @@ first byte, computed from the PT_LOAD segment that holds it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from functools import lru_cache
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 
 import numpy as np
 from elftools.common.exceptions import ELFError
@@ -103,9 +103,42 @@ def _debug_file_for(build_id: str, root: str) -> str | None:
     return None
 
 
-@lru_cache(maxsize=64)
+_ELF_CACHE: OrderedDict = OrderedDict()
+_ELF_CACHE_SIZE = 64
+_ELF_KEYS: dict[tuple[str, str], tuple] = {}     # (path, root) -> the identity it had
+
+
 def load_elf(path: str, root: str = "/") -> ElfInfo:
-    """Read the symbols of one ELF file. `root` is the target's root (/proc/PID/root) for debug files."""
+    """Read the symbols of one ELF file. `root` is the target's root (/proc/PID/root) for debug
+    files. Remembered by file identity, not path: one library reached through many processes'
+    /proc/PID/root (a daemon's) is read once."""
+    given = (path, root)
+    try:
+        st = os.stat(path)
+        if root != "/" and os.path.samestat(os.stat(root), os.stat("/")):
+            root = "/"
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, root)
+    except OSError as e:
+        # a path read before, through a process that has exited since: what it held then
+        key = _ELF_KEYS.get(given)
+        if key not in _ELF_CACHE:
+            raise ProfinferError(f"cannot read {path}: {e.strerror}") from None
+    info = _ELF_CACHE.get(key)
+    if info is None:
+        info = _ELF_CACHE[key] = _read_elf(path, root)
+        if len(_ELF_CACHE) > _ELF_CACHE_SIZE:
+            _ELF_CACHE.popitem(last=False)
+    else:
+        _ELF_CACHE.move_to_end(key)
+    _ELF_KEYS[given] = key
+    if len(_ELF_KEYS) > 64 * _ELF_CACHE_SIZE:
+        _ELF_KEYS.pop(next(iter(_ELF_KEYS)))
+    if info.path != path:
+        info = replace(info, path=path, dwarf_path=path if info.dwarf_path == info.path else info.dwarf_path)
+    return info
+
+
+def _read_elf(path: str, root: str) -> ElfInfo:
     try:
         f = open(path, "rb")
     except OSError as e:

@@ -6,8 +6,10 @@ Discovery scans /proc once a second: a process qualifies when it maps an engine'
 when its address space has changed size (Python loads llama.cpp with dlopen): one read of
 /proc/PID/stat a second per process, its mappings only when they may have changed. A process
 is (pid, start time): a pid reused by a new process is a new process. Each watched process
-gets its engine's collector at the daemon's levels, with probes filtered to that process; a
-process that exits is detached at once, and its metric series are dropped after a TTL.
+is served by its build's shared probes (shared.py: one object per engine and library files,
+the processes in a BPF map) at the always-on levels, and by its own op-level probes where the
+budget allows; a process that exits leaves the map at once (the object goes with the last
+one), and its metric series are dropped after a TTL.
 
 Nothing a process does, nor its vanishing at any moment, stops the loop: an error in one
 watch is logged and counted, and the others go on.
@@ -28,20 +30,22 @@ from ..session import find_engine, find_packs
 from ..stats import SequenceTracker
 from .identity import Identity, identify, model_file
 from .metrics import Metrics
+from .shared import SharedProbes, group_key
 
 SCAN_S = 1.0
 SERIES_TTL_S = float(os.environ.get("PROFINFER_SERIES_TTL_S", "300"))   # a last scrape sees them
 MODEL_RECHECK_S = 10.0   # a watched process with no model file found yet is looked at again
 RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0    # a failed attach is tried again, backing off
-DEFAULT_LEVELS = ("token", "cuda")
+DEFAULT_LEVELS = ("token", "graph", "cuda")
+SHARED_LEVELS = ("token", "graph")    # shared per build; the op level is per process
 # The governor: each process's cost (kernel-counted BPF time + probe hits x this machine's
 # calibrated trap costs, plus its share of the daemon's own CPU, over its own CPU time) is
-# checked every GOVERN_S; over the
-# budget, its levels step down (op, then graph; the token level stays), and back up one at a
-# time after STEP_UP_S with room (under half the budget), waiting twice as long each time a
-# step up went over again.
+# checked every GOVERN_S; over the budget, its op level goes (the token and graph levels,
+# a few probe hits per decode call shared by every process of its build, are the floor),
+# and comes back after STEP_UP_S with room (under half the budget), waiting twice as long
+# each time a step up went over again.
 GOVERN_S = 2.0
-STEP_DOWN_ORDER = ("op", "graph")
+STEP_DOWN_ORDER = ("op",)
 STEP_UP_S = 20.0
 LEVEL_RANK = {"op": 3, "graph": 2, "token": 1}
 # each watched process's event ring: 64 KiB holds a few hundred token events, drained every
@@ -53,11 +57,12 @@ _SEEN_LIMIT = 4096       # executables remembered (does it define an engine's ma
 @dataclass
 class Watch:
     identity: Identity
-    collector: object
+    collector: object                   # its own op-level probes, or None
     levels: set[str]
     started_at: float
     pack: Pack | None = None
     files: list = field(default_factory=list)
+    group: SharedProbes | None = None   # its build's shared probes (token, graph)
     cuda: object = None                 # the cuda level's collector, where it maps a CUDA runtime
     cost_mark: tuple[float, int, int, int] | None = None   # (t, its CPU ns, probe cost ns, daemon CPU ns)
     share: float | None = None          # what the probes cost it, as a share of its CPU time
@@ -107,6 +112,7 @@ class Agent:
         self.cuda_checked: dict[tuple[int, int], int] = {}   # watched, no runtime: vsize looked at
         self.metrics = Metrics()
         self.watches: dict[int, Watch] = {}
+        self.groups: dict[tuple, SharedProbes] = {}
         self.exited: list[Watch] = []
         self.unwatched: dict[tuple[int, int], Identity] = {}    # found, no always-on level
         self.not_engines: dict[tuple[int, int], int] = {}       # (pid, start) -> vsize looked at
@@ -216,7 +222,7 @@ class Agent:
 
     def _watch(self, pid: int, start: int, pack: Pack, files: list[tuple[str, str]]) -> None:
         cls = pack.collector_class()
-        if not hasattr(cls, "take_tokens"):
+        if not hasattr(cls, "take_tokens_by_process"):
             # no always-on level for this engine yet (vLLM's steps come from its op level,
             # whose calls a daemon would have to aggregate in BPF): found and listed, not probed
             ident = identify(pid, start, pack.engine)
@@ -225,32 +231,77 @@ class Agent:
             self.log(f"PID {pid} ({ident.comm}) runs {pack.engine}: found, not watched (no "
                      "always-on level for this engine yet)")
             return
-        levels = {lv for lv in self.levels if lv in pack.raw.get("levels", self.levels)} or self.levels
+        shared = {lv for lv in SHARED_LEVELS if lv in self.levels} or {"token"}
+        group = None
+        try:
+            key = group_key(pack, files)
+            group = self.groups.get(key)
+            if group is None:
+                group = SharedProbes.open(key, pack, pid, files, shared)
+                self.groups[key] = group
+                self.log(f"{pack.engine}: {group.collector.n_probes} probes on "
+                         + ", ".join(sorted(os.path.basename(h) for h, _ in files))
+                         + f" at {','.join(sorted(shared))}, shared by every process that maps them")
+            else:
+                group.add(pid)
+        except Exception as e:              # ProfinferError, or a process vanishing mid-read
+            self._attach_failed(pid, start, pack, e)
+            return
+        ident = identify(pid, start, pack.engine)
+        w = Watch(ident, None, set(shared), time.time(), pack=pack, files=files, group=group,
+                  model_checked=time.monotonic(), step_up_wait_s=STEP_UP_S)
+        if "op" in self.levels:
+            self._attach_op(w)
+        with self.lock:
+            self.watches[pid] = w
+        self.failed.pop((pid, start), None)
+        self.metrics.watched(ident)
+        self.metrics.level(ident, self._rank(w.levels))
+        self.log(f"watching PID {pid} ({ident.comm}, {pack.engine}"
+                 + (f", model {os.path.basename(ident.model)}" if ident.model else "")
+                 + (f", container {ident.container}" if ident.container else "")
+                 + (f", pod {ident.namespace}/{ident.pod}" if ident.pod_uid else "")
+                 + f") at {','.join(sorted(w.levels))}"
+                 + (f", {w.collector.n_probes} op-level probes of its own" if w.collector else ""))
+
+    def _attach_op(self, w: Watch) -> bool:
+        """The op level's probes, attached to this process alone (with the graph probes
+        its ops are bounded by)."""
+        pid = w.identity.pid
         coll = None
         try:
-            coll = cls(pid, levels, pack, files, root=f"/proc/{pid}/root", ringbuf_pages=RING_PAGES)
+            coll = w.pack.collector_class()(pid, {"op"}, w.pack, w.files, root=f"/proc/{pid}/root",
+                                            ringbuf_pages=RING_PAGES)
             coll.attach()
-        except Exception as e:              # ProfinferError, or a process vanishing mid-read
+        except Exception as e:
             if coll is not None:
                 try:
                     coll.detach()
                 except Exception:
                     pass
-            self._attach_failed(pid, start, pack, e)
+            self._error(f"PID {pid}: the op level not attached: {e}")
+            return False
+        w.collector = coll
+        w.levels = w.levels | {"op"}
+        return True
+
+    def _detach_op(self, w: Watch) -> None:
+        coll, w.collector = w.collector, None
+        w.levels = w.levels - {"op"}
+        if coll is None:
             return
-        ident = identify(pid, start, pack.engine)
-        w = Watch(ident, coll, levels, time.time(), pack=pack, files=files, model_checked=time.monotonic(),
-                  step_up_wait_s=STEP_UP_S)
-        with self.lock:
-            self.watches[pid] = w
-        self.failed.pop((pid, start), None)
-        self.metrics.watched(ident)
-        self.metrics.level(ident, self._rank(levels))
-        self.log(f"watching PID {pid} ({ident.comm}, {pack.engine}"
-                 + (f", model {os.path.basename(ident.model)}" if ident.model else "")
-                 + (f", container {ident.container}" if ident.container else "")
-                 + (f", pod {ident.namespace}/{ident.pod}" if ident.pod_uid else "")
-                 + f") at {','.join(sorted(levels))}, {coll.n_probes} probes")
+        self._retire(w.programs)
+        w.programs = {}
+        try:
+            coll.detach()
+        except Exception as e:
+            self._error(f"PID {w.identity.pid}: detaching its op level: {type(e).__name__}: {e}")
+
+    def _retire(self, programs: dict[str, tuple[int, int]]) -> None:
+        """What detached programs ran stays in the totals."""
+        for prog, (ns, runs) in programs.items():
+            a, b = self.retired_programs.get(prog, (0, 0))
+            self.retired_programs[prog] = (a + ns, b + runs)
 
     def _watch_runtime_only(self, pid: int, start: int) -> None:
         """A process that runs no known engine but a CUDA runtime: watched at the cuda level."""
@@ -301,24 +352,45 @@ class Agent:
 
     def _gone(self, w: Watch) -> None:
         """Detach at once; the series stay for SERIES_TTL_S."""
+        group = w.group
+        if group is not None:
+            self._drain_group(group)
+            self._group_totals(group)
         self._drain(w)
         self._sample_programs(w)
-        for coll in (w.collector, w.cuda):
-            if coll is None:
-                continue
+        self._detach_op(w)
+        if w.cuda is not None:
             try:
-                coll.detach()
+                w.cuda.detach()
             except Exception as e:
                 self._error(f"PID {w.identity.pid}: detaching: {type(e).__name__}: {e}")
-        for prog, (ns, runs) in w.programs.items():
-            a, b = self.retired_programs.get(prog, (0, 0))
-            self.retired_programs[prog] = (a + ns, b + runs)
+        self._retire(w.programs)
+        if group is not None:
+            try:
+                group.remove(w.identity.pid)
+            except Exception as e:
+                self._error(f"PID {w.identity.pid}: leaving its shared probes: {type(e).__name__}: {e}")
+            if not group.pids:
+                self._close_group(group)
         w.exited_at = time.monotonic()
-        w.collector = w.cuda = None     # their buffers go now; the series stay (metrics)
+        w.collector = w.cuda = w.group = None     # their buffers go now; the series stay (metrics)
         with self.lock:
             self.watches.pop(w.identity.pid, None)
             self.exited.append(w)
         self.log(f"PID {w.identity.pid} ({w.identity.comm}) exited: detached")
+
+    def _close_group(self, group: SharedProbes) -> None:
+        """Its last process has gone: its links, programs and maps go."""
+        try:
+            group.programs = dict(group.collector.obj.program_stats())
+        except Exception:
+            pass
+        self._retire(group.programs)
+        self.groups.pop(group.key, None)
+        try:
+            group.close()
+        except Exception as e:
+            self._error(f"closing shared probes: {type(e).__name__}: {e}")
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -337,6 +409,7 @@ class Agent:
         self.log(msg)
 
     def _drain(self, w: Watch) -> None:
+        """The process's own probes: its op level and its cuda level."""
         if w.cuda is not None:
             try:
                 groups, calls = w.cuda.take()
@@ -350,15 +423,9 @@ class Agent:
             return
         try:
             coll.poll(0)
-            take = getattr(coll, "take_tokens", None)
-            if take is not None:
-                for t in take():
-                    ttfts, tpots = w.tracker.feed(t)
-                    self.metrics.decode_call(w.identity, t, ttfts, tpots)
-            if "op" in w.levels and hasattr(coll, "take_op_totals"):
-                totals = coll.take_op_totals()
-                if totals:
-                    self.metrics.op_totals(w.identity, totals)
+            totals = coll.take_op_totals()
+            if totals:
+                self.metrics.op_totals(w.identity, totals)
             lost = coll.lost()
             if lost > w.lost_seen:
                 self.metrics.lost(w.identity, lost - w.lost_seen)
@@ -367,6 +434,47 @@ class Agent:
             w.errors += 1
             if w.errors <= 3:
                 self._error(f"PID {w.identity.pid}: {type(e).__name__}: {e}")
+
+    def _drain_group(self, group: SharedProbes) -> None:
+        """A build's shared probes: each decode call goes to the process that made it."""
+        coll = group.collector
+        try:
+            coll.poll(0)
+            for tgid, calls in coll.take_tokens_by_process().items():
+                w = self.watches.get(tgid)
+                if w is None or w.group is not group:
+                    continue            # a process that left the map while its call was queued
+                group.token_calls[tgid] = group.token_calls.get(tgid, 0) + len(calls)
+                for t in calls:
+                    ttfts, tpots = w.tracker.feed(t)
+                    self.metrics.decode_call(w.identity, t, ttfts, tpots)
+            lost = coll.lost()
+            if lost > group.lost_seen:
+                # a shared ring's losses cannot be told apart: each process it serves counts them
+                for pid in group.pids:
+                    if pid in self.watches:
+                        self.metrics.lost(self.watches[pid].identity, lost - group.lost_seen)
+                group.lost_seen = lost
+        except Exception as e:
+            group.errors += 1
+            if group.errors <= 3:
+                self._error(f"{group.key[0]} shared probes: {type(e).__name__}: {e}")
+
+    def _group_totals(self, group: SharedProbes) -> None:
+        """The graph level, counted in BPF: its cumulative counts, by process and backend."""
+        try:
+            totals = group.collector.take_graph_totals()
+        except Exception as e:
+            group.errors += 1
+            if group.errors <= 3:
+                self._error(f"{group.key[0]} shared probes: graph totals: {type(e).__name__}: {e}")
+            return
+        for tgid, backends in totals.items():
+            w = self.watches.get(tgid)
+            if w is None or w.group is not group:
+                continue
+            group.graph_calls[tgid] = sum(v[0] for v in backends.values())
+            self.metrics.graphs(w.identity, backends)
 
     def _sample_programs(self, w: Watch) -> None:
         programs: dict[str, tuple[int, int]] = {}
@@ -385,23 +493,31 @@ class Agent:
         self.last_loop = time.monotonic()
         with self.lock:
             watches = list(self.watches.values())
-        poller = select.poll()          # no FD_SETSIZE limit: ~25 fds a watched process
-        for w in watches:
-            for coll in (w.collector, w.cuda):
-                try:
-                    poller.register(coll.fileno(), select.POLLIN)
-                except Exception:
-                    pass
+        groups = list(self.groups.values())
+        poller = select.poll()          # no FD_SETSIZE limit
+        for coll in [g.collector for g in groups] + [c for w in watches for c in (w.collector, w.cuda)]:
+            try:
+                poller.register(coll.fileno(), select.POLLIN)
+            except Exception:
+                pass
         if watches:
             poller.poll(timeout_s * 1000)
         else:
             time.sleep(timeout_s)
+        for g in groups:
+            self._drain_group(g)
         for w in watches:
             self._drain(w)
         if time.monotonic() - self._last_scan >= SCAN_S:
             self._last_scan = time.monotonic()
             self.scan()
             self.expire()
+            for g in list(self.groups.values()):
+                self._group_totals(g)
+                try:
+                    g.programs = dict(g.collector.obj.program_stats())
+                except Exception:
+                    pass
             for w in list(self.watches.values()):
                 self._sample_programs(w)
             self.metrics.self_metrics(self)
@@ -423,14 +539,11 @@ class Agent:
         except (OSError, ValueError, IndexError):
             return None
 
-    def _probe_cost_ns(self, w: Watch) -> int | None:
-        """What the probes cost the process so far: kernel-counted BPF time plus the hits by
+    def _cost_ns(self, coll) -> int | None:
+        """What a collector's probes cost so far: kernel-counted BPF time plus the hits by
         kind at this machine's calibrated trap costs (the accounting `attach` reports)."""
-        counts = getattr(w.collector, "cost_counts", None)
-        if counts is None:
-            return None
         try:
-            c = counts()
+            c = coll.cost_counts()
         except Exception:
             return None
         if not c:
@@ -439,8 +552,19 @@ class Agent:
         return int(c["bpf_ns"] + c["hits_emulated"] * t["emulated_ns"] + c["hits_stepped"] * t["stepped_ns"]
                    + c["hits_return"] * t["uretprobe_extra_ns"])
 
+    def _probe_cost_ns(self, w: Watch) -> int | None:
+        """The process's own probes' cost, plus its share of its build's shared probes'."""
+        if w.group is None:
+            return None
+        own = self._cost_ns(w.collector) if w.collector is not None else 0
+        return None if own is None else int(own + w.group.charged_ns.get(w.identity.pid, 0.0))
+
     def govern(self) -> None:
         now = time.monotonic()
+        for g in self.groups.values():
+            cost = self._cost_ns(g.collector)
+            if cost is not None:
+                g.charge(cost)
         watches = list(self.watches.values())
         own = self._cpu_ns(self.own_pid) or 0
         for w in watches:
@@ -477,29 +601,19 @@ class Agent:
                 w.calm_since = None
 
     def _relevel(self, w: Watch, levels: set[str], why: str) -> bool:
-        """Re-attach the process's collector at other levels (the new one first: it is never
-        left unprofiled)."""
-        pid = w.identity.pid
-        try:
-            new = w.pack.collector_class()(pid, levels - {"cuda"}, w.pack, w.files,
-                                           root=f"/proc/{pid}/root", ringbuf_pages=RING_PAGES)
-            new.attach()
-        except Exception as e:
-            self._error(f"PID {pid}: changing levels to {','.join(sorted(levels))}: {e}")
-            return False
-        self._drain(w)
-        self._sample_programs(w)
-        for prog, (ns, runs) in w.programs.items():
-            a, b = self.retired_programs.get(prog, (0, 0))
-            self.retired_programs[prog] = (a + ns, b + runs)
-        try:
-            w.collector.detach()
-        except Exception:
-            pass
-        old = w.levels
-        w.collector, w.levels, w.programs, w.cost_mark = new, set(levels), {}, None
-        self.metrics.level(w.identity, self._rank(levels), changed=True)
-        self.log(f"PID {pid}: levels {','.join(sorted(old))} -> {','.join(sorted(levels))} ({why})")
+        """Add or take away the process's op level (its shared levels stay: it is never left
+        unprofiled)."""
+        pid, old = w.identity.pid, set(w.levels)
+        if "op" in levels and "op" not in w.levels:
+            if not self._attach_op(w):
+                return False
+        elif "op" not in levels and "op" in w.levels:
+            self._drain(w)
+            self._sample_programs(w)
+            self._detach_op(w)
+        w.cost_mark = None
+        self.metrics.level(w.identity, self._rank(w.levels), changed=True)
+        self.log(f"PID {pid}: levels {','.join(sorted(old))} -> {','.join(sorted(w.levels))} ({why})")
         return True
 
     def program_totals(self) -> dict[str, tuple[int, int]]:
@@ -508,8 +622,8 @@ class Agent:
         out = dict(self.retired_programs)
         with self.lock:
             watches = list(self.watches.values())
-        for w in watches:
-            for prog, (ns, runs) in w.programs.items():
+        for programs in [w.programs for w in watches] + [g.programs for g in list(self.groups.values())]:
+            for prog, (ns, runs) in programs.items():
                 a, b = out.get(prog, (0, 0))
                 out[prog] = (a + ns, b + runs)
         return out
@@ -524,8 +638,12 @@ class Agent:
             "trap_costs_ns": self.trap_costs, "traps_calibrated": self.traps_calibrated,
             "processes": [{**w.identity.as_dict(), "levels": sorted(w.levels), "cost_share": w.share,
                            "probes": getattr(w.collector, "n_probes", 0) + getattr(w.cuda, "n_probes", 0),
+                           "shared_probes": w.group.collector.n_probes if w.group else 0,
                            "events": getattr(w.collector, "n_events", 0) + getattr(w.cuda, "n_events", 0),
                            "lost": w.lost_seen, "watched_since": w.started_at} for w in watches],
+            "shared_probes": [{"engine": g.key[0], "files": sorted(os.path.basename(f.path) for f in g.collector.elfs),
+                               "probes": g.collector.n_probes, "processes": sorted(g.pids)}
+                              for g in list(self.groups.values())],
             "found_not_watched": [{**i.as_dict(), "why": "no always-on level for this engine yet"}
                                   for i in unwatched],
             "gpu": self.metrics.gpu_state,
@@ -541,6 +659,12 @@ class Agent:
                     coll.detach()
                 except Exception:
                     pass
+        for g in list(self.groups.values()):
+            try:
+                g.close()
+            except Exception:
+                pass
+        self.groups.clear()
         if self._stats_fd >= 0:
             os.close(self._stats_fd)
             self._stats_fd = -1

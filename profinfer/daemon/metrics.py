@@ -70,6 +70,8 @@ class _Process:
     changes: int = 0
     cuda: dict | None = None            # the cuda level's counts (cumulative, from BPF)
     live: dict[int, int] = field(default_factory=dict)   # device allocations: pointer -> bytes
+    # the graph level, counted in BPF (cumulative): backend -> (computes, ns, nodes, buckets)
+    graphs: dict[str, tuple[int, int, int, list[int]]] = field(default_factory=dict)
 
     def labels(self) -> list[str]:
         i = self.identity
@@ -134,6 +136,20 @@ class Metrics:
                 acc = p.ops.setdefault(op, [0, 0])
                 acc[0] += n
                 acc[1] += ns
+
+    def graphs(self, ident: Identity, backends: dict[str, tuple[int, int, int, list[int]]]) -> None:
+        """The graph level's cumulative counts from BPF, replacing the last ones."""
+        with self.lock:
+            p = self.processes.get(ident.pid)
+            if p is None or p.identity.start != ident.start:
+                return
+            before = p.graphs
+            p.graphs = dict(backends)
+        if self.otlp is not None:
+            for backend, (n, ns, _, _) in backends.items():
+                old = before.get(backend, (0, 0, 0, []))
+                if n > old[0]:
+                    self.otlp.graphs(ident, backend, n - old[0], (ns - old[1]) / 1e9)
 
     def level(self, ident: Identity, rank: int, changed: bool = False) -> None:
         with self.lock:
@@ -222,7 +238,7 @@ class _Exposer:
             procs = [_Process(p.identity, dict(p.calls), dict(p.tokens), p.ttft.copy(), p.tpot.copy(),
                               {k: h.copy() for k, h in p.call_time.items()}, p.lost,
                               {k: list(v) for k, v in p.ops.items()}, p.level, p.share, p.changes,
-                              _copy_cuda(p.cuda), dict(p.live))
+                              _copy_cuda(p.cuda), dict(p.live), dict(p.graphs))
                      for p in m.processes.values()]
             programs = dict(m.programs)
             watched = m.watched_now
@@ -253,8 +269,21 @@ class _Exposer:
                                   "its CPU time (last governor window)", labels=labels)
         changes = CounterMetricFamily("profinfer_governor_changes", "Level changes the governor made",
                                       labels=labels)
+        graph_n = CounterMetricFamily("profinfer_graph_computes", "Backend graph computes (the "
+                                      "graph level, counted in BPF), by backend (CPU, CUDA, ...; "
+                                      "sched: the scheduler's, over every backend)",
+                                      labels=labels + ["backend"])
+        graph_t = HistogramMetricFamily("profinfer_graph_compute_duration_seconds", "Duration of "
+                                        "each backend graph compute, by backend (log2 buckets "
+                                        "counted in BPF)", labels=labels + ["backend"])
+        graph_nodes = CounterMetricFamily("profinfer_graph_nodes", "Graph nodes computed (each "
+                                          "compute's node count), by backend", labels=labels + ["backend"])
         for p in procs:
             lv = p.labels()
+            for backend, (n, ns, nodes, buckets) in sorted(p.graphs.items()):
+                graph_n.add_metric(lv + [backend], n)
+                graph_nodes.add_metric(lv + [backend], nodes)
+                graph_t.add_metric(lv + [backend], _log2_buckets(buckets), ns / 1e9)
             for op, (n, ns) in sorted(p.ops.items()):
                 op_calls.add_metric(lv + [op], n)
                 op_secs.add_metric(lv + [op], ns / 1e9)
@@ -272,7 +301,8 @@ class _Exposer:
             for phase, h in sorted(p.call_time.items()):
                 dur.add_metric(lv + [phase], h.buckets(), h.total)
             lost.add_metric(lv, p.lost)
-        yield from (info, calls, tokens, ttft, tpot, dur, lost, op_calls, op_secs, level, share, changes)
+        yield from (info, calls, tokens, ttft, tpot, dur, lost, graph_n, graph_t, graph_nodes,
+                    op_calls, op_secs, level, share, changes)
         yield from _cuda_families(procs, labels)
         g = GaugeMetricFamily("profinfer_processes_watched", "Inference processes being watched now")
         g.add_metric([], watched)
@@ -295,6 +325,17 @@ class _Exposer:
         gpu_on.add_metric([], 1 if m.gpu_state == "on" else 0)
         yield gpu_on
         yield from _gpu_families(m.gpus)
+
+
+def _log2_buckets(counts: list[int]) -> list[tuple[str, int]]:
+    """BPF's histogram (bucket k: under 2^(k+1) x 1024 ns; the last: the rest) as cumulative
+    Prometheus buckets in seconds."""
+    out, acc = [], 0
+    for k, c in enumerate(counts):
+        acc += c
+        le = "+Inf" if k == len(counts) - 1 else repr((1 << (k + 1)) * 1024 / 1e9)
+        out.append((le, acc))
+    return out
 
 
 TOP_KERNELS = 20        # kernel names per process in metrics; the rest are "other"

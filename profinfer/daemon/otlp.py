@@ -63,6 +63,10 @@ class OtlpExport:
                                              description="CUDA kernel launches (cuda.kernel.name)")
         self.graph_launches = meter.create_counter("gpu.cuda.graph.launch.calls", unit="{call}",
                                                    description="CUDA graph launches")
+        self.graph_computes = meter.create_counter("profinfer.graph.computes", unit="{compute}",
+                                                   description="Backend graph computes, by profinfer.backend")
+        self.graph_time = meter.create_counter("profinfer.graph.compute.time", unit="s",
+                                               description="Time in backend graph computes, by profinfer.backend")
         self.endpoint = url
 
     def decode_call(self, ident: Identity, t: TokenCall, ttfts: list[int],
@@ -86,6 +90,11 @@ class OtlpExport:
             self.launches.add(n, {**attrs, "cuda.kernel.name": kernel})
         if graphs > 0:
             self.graph_launches.add(graphs, attrs)
+
+    def graphs(self, ident: Identity, backend: str, computes: int, seconds: float) -> None:
+        attrs = {**attributes(ident), "profinfer.backend": backend}
+        self.graph_computes.add(computes, attrs)
+        self.graph_time.add(seconds, attrs)
 
     def close(self) -> None:
         self.provider.shutdown()       # exports what is left

@@ -1,6 +1,7 @@
 """Churn: 50 llama.cpp processes start and end while the daemon runs (five at a time; in
 each wave one is killed with SIGKILL before it decodes and one while it decodes). Each is
-found and the ones that finish are counted as llama.cpp counts itself; the daemon's fds,
+found, served by the one set of probes on their build's files, and the ones that finish are
+counted as llama.cpp counts itself; the daemon's fds,
 BPF objects and memory are the same after the last wave as after the first; nothing is
 left in the kernel after it stops."""
 from __future__ import annotations
@@ -62,6 +63,9 @@ def test_churn_keeps_the_daemon_flat(tmp_path, llama_build, tiny_model, llama_en
             ws = [Workload(llama_build, tiny_model, llama_env, tmp_path, n=24) for _ in range(PER_WAVE)]
             for w in ws:
                 d.watched(w.proc.pid)           # each one found
+            # one build: one set of probes serves the wave (a process joins a BPF map)
+            groups = json.loads(_get(d.url + "/status")[1])["shared_probes"]
+            assert len(groups) == 1 and {w.proc.pid for w in ws} <= set(groups[0]["processes"]), groups
             ws[0].proc.send_signal(signal.SIGKILL)    # before it decodes
             killed.append(ws[0].proc.pid)
             for w in ws[1:]:

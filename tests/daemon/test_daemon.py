@@ -81,6 +81,13 @@ def test_prometheus_counts_equal_llama_perf(daemon, tmp_path, llama_build, tiny_
         assert int(float(calls[0]["value"][1])) == perf["eval"][1]
         ttft = _query(prom_url, f'profinfer_time_to_first_token_seconds_count{{pid="{pid}"}}')
         assert int(float(ttft[0]["value"][1])) == 1
+        # the graph level, counted in BPF: a graph per decode call (the prompt, under one
+        # ubatch of 512, is one), on the scheduler and on the CPU backend
+        for backend in ("sched", "CPU"):
+            graphs = _query(prom_url, f'profinfer_graph_computes_total{{pid="{pid}",backend="{backend}"}}')
+            assert graphs and int(float(graphs[0]["value"][1])) == perf["eval"][1] + 1, (backend, graphs)
+        hist = _query(prom_url, f'profinfer_graph_compute_duration_seconds_count{{pid="{pid}",backend="CPU"}}')
+        assert int(float(hist[0]["value"][1])) == perf["eval"][1] + 1
     finally:
         prom.terminate()
         prom.wait(timeout=30)
@@ -239,7 +246,7 @@ def test_governor_steps_an_expensive_process_down(tmp_path, llama_build, tiny_mo
         deadline, info = time.monotonic() + 30, None
         while time.monotonic() < deadline:
             info = d.watched(target.pid)
-            if info["levels"] == ["token"]:
+            if info["levels"] == ["token"] and "levels op,token -> token" in d.text():
                 break
             time.sleep(0.2)
         assert info["levels"] == ["token"], d.text()

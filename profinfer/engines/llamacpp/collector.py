@@ -61,10 +61,14 @@ class Collector:
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
                  buffer: str = "auto", counters: list[str] | None = None,
-                 followed_map_fd: int | None = None, open_spans_fd: int | None = None):
-        """With followed_map_fd (a Follower's map), probes go on the library files for every
-        process, and the programs run for the followed ones only."""
+                 followed_map_fd: int | None = None, open_spans_fd: int | None = None,
+                 graph_totals: bool = False):
+        """With followed_map_fd (a Follower's map, or a daemon's set of watched processes),
+        probes go on the library files for every process, and the programs run for the
+        processes in the map only. With graph_totals, graph computes are counted in BPF per
+        process and backend (take_graph_totals), not sent."""
         self.pid = pid
+        self.graph_totals = graph_totals
         self.followed_map_fd = followed_map_fd
         self.open_spans_fd = open_spans_fd    # shared with a level under the engine (cuda)
         self.probed_files: set[tuple[int, int]] = set()
@@ -116,6 +120,9 @@ class Collector:
         self.decoding = False          # the target's first llama_decode has begun
         self._experts: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
         self._sched: list[np.ndarray] = []
+        self._backend_names: dict[tuple[int, int], str] = {}   # (tgid, get_name address)
+        self._process_maps: dict[int, str] = {}     # followed processes' mappings, last read
+        self._inodes: dict[str, int] = {}
 
     # ---- attach ----
 
@@ -318,6 +325,7 @@ class Collector:
         cfg["nodes_by_generation"] = int(self.nodes_by_generation)
         cfg["thread_slots"] = self.thread_slots
         cfg["transport"]["follow"] = int(self.followed_map_fd is not None)
+        cfg["graph_totals_only"] = int(self.graph_totals)
         cfg["init_params_sp_off"] = 8   # above the return address (probes never move sp)
         if self.walk:
             w = self.walk
@@ -472,12 +480,69 @@ class Collector:
     def take_tokens(self) -> list[TokenCall]:
         """The llama_decode calls collected since the last take, in start order, handed over
         and forgotten (a daemon that watches a server for days keeps none of them)."""
+        return [t for _, t in self._take_token_rows()]
+
+    def take_tokens_by_process(self) -> dict[int, list[TokenCall]]:
+        """The same, by process (probes on files serve every process in the followed map)."""
+        out: dict[int, list[TokenCall]] = {}
+        for tgid, t in self._take_token_rows():
+            out.setdefault(tgid, []).append(t)
+        return out
+
+    def _take_token_rows(self) -> list[tuple[int, TokenCall]]:
         parts, self._tokens = self._tokens, []
         if not parts:
             return []
         t = np.sort(np.concatenate(parts), order="start_ns")
-        return [TokenCall.of_batch(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
-                                   int(r["n_tokens"]), int(r["ret"]), _runs(r)) for r in t]
+        return [(int(r["tgid"]), TokenCall.of_batch(int(r["tid"]), int(r["start_ns"]), int(r["end_ns"]),
+                                                    int(r["n_tokens"]), int(r["ret"]), _runs(r)))
+                for r in t]
+
+    def take_graph_totals(self) -> dict[int, dict[str, tuple[int, int, int, list[int]]]]:
+        """With graph_totals: what BPF counted so far (cumulative), by process and backend
+        ("sched" for the scheduler's graph calls): (calls, ns, nodes, histogram counts, bucket
+        k under 2^(k+1) x 1024 ns)."""
+        if self.obj is None or not self.graph_totals:
+            return {}
+        key_dt, val_dt = self.dt["pi_graph_key"], self.dt["pi_graph_total"]
+        graph_probes = [p for p in self.probes if p.spec.graph_backend is not None]
+        out: dict[int, dict[str, tuple[int, int, int, list[int]]]] = {}
+        for k, v in self.obj.map_items("graph_totals"):
+            key, val = np.frombuffer(k, key_dt)[0], np.frombuffer(v, val_dt)[0]
+            tgid, probe, fn = int(key["tgid"]), int(key["probe"]), int(key["name_fn"])
+            if probe < len(graph_probes) and graph_probes[probe].spec.graph_backend:
+                backend = self._backend_names.get((tgid, fn))
+                if backend is None:
+                    backend = self._backend_names[(tgid, fn)] = self._backend_name(fn, tgid)
+            else:
+                backend = "sched"
+            calls, ns, nodes, buckets = out.setdefault(tgid, {}).get(backend, (0, 0, 0, [0] * len(val["buckets"])))
+            out[tgid][backend] = (calls + int(val["calls"]), ns + int(val["ns"]), nodes + int(val["nodes"]),
+                                  [a + int(b) for a, b in zip(buckets, val["buckets"])])
+        return out
+
+    def note_process_maps(self, tgid: int) -> str:
+        """Read a followed process's mappings while it lives (its backends' names are read
+        from them, maybe after it has exited); the last ones read."""
+        try:
+            with open(f"/proc/{tgid}/maps") as f:
+                text = f.read()
+            if text:                        # a zombie's are empty
+                self._process_maps[tgid] = text
+        except OSError:
+            pass
+        return self._process_maps.get(tgid, "")
+
+    def forget_process(self, tgid: int) -> None:
+        """A followed process is gone: its graph totals and backend names go too."""
+        if self.obj is None:
+            return
+        fd, key_size = self.obj.map_fd("graph_totals"), self.dt["pi_graph_key"].itemsize
+        for k, _ in list(self.obj.map_items("graph_totals")):
+            if int.from_bytes(k[:4], "little") == tgid:
+                libbpf.map_delete(fd, k[:key_size])
+        self._backend_names = {k: v for k, v in self._backend_names.items() if k[0] != tgid}
+        self._process_maps.pop(tgid, None)
 
     def cost_counts(self) -> dict[str, int]:
         """What the probes cost so far, as the kernel counts it: BPF run time and the hits by
@@ -745,9 +810,13 @@ class Collector:
                 np.sort(np.concatenate(self._sched), order="ts_ns"), {self.pid})
         return prof
 
-    def _backend_name(self, fn_addr: int) -> str:
-        """Name of the backend whose get_name function is at fn_addr in the target."""
-        for line in self._maps_raw.splitlines():
+    def _backend_name(self, fn_addr: int, pid: int | None = None) -> str:
+        """Name of the backend whose get_name function is at fn_addr in the target (or in
+        process pid, its mappings read now)."""
+        maps_raw = self._maps_raw if pid is None else self.note_process_maps(pid)
+        root = self.root if pid is None else f"/proc/{pid}/root"
+        pid = self.pid if pid is None else pid
+        for line in maps_raw.splitlines():
             parts = line.split(None, 5)
             if len(parts) < 6:
                 continue
@@ -757,8 +826,10 @@ class Collector:
             path = parts[5].replace(" (deleted)", "")
             file_off = fn_addr - lo + int(parts[2], 16)
             try:
-                elf = load_elf(discovery.host_path(self.pid, path, int(parts[4]), parts[0],
-                                                    parts[5].endswith("(deleted)")), self.root)
+                # one of the engine's files already read (by inode), else read now
+                elf = next((e for e in self.elfs if self._inode(e.path) == int(parts[4])), None) or \
+                    load_elf(discovery.host_path(pid, path, int(parts[4]), parts[0],
+                                                 parts[5].endswith("(deleted)")), root)
                 for s in elf.symbols.values():
                     if s.file_offset <= file_off < s.file_offset + max(s.size, 1):
                         m = re.match(r"ggml_backend_(\w+?)_(?:get_)?name$", s.name)
@@ -769,6 +840,14 @@ class Collector:
             m = re.match(r"libggml-(\w+)", os.path.basename(path))
             return m.group(1).upper() if m else os.path.basename(path)
         return "unknown"
+
+    def _inode(self, path: str) -> int:
+        if path not in self._inodes:
+            try:
+                self._inodes[path] = os.stat(path).st_ino
+            except OSError:
+                self._inodes[path] = -1
+        return self._inodes[path]
 
     def _meta(self) -> dict[str, str]:
         meta = {"engine": self.pack.engine, "levels": ",".join(sorted(self.levels)),

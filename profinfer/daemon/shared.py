@@ -1,0 +1,104 @@
+"""Probes shared per library file: one engine object for every watched process that maps
+the same engine files.
+
+A uprobe belongs to a file (its inode), not to a process: attached without a pid, it fires
+in every process that maps the file, and the programs run for the processes in the object's
+`followed` map only. So N processes of one build cost one BPF object, one set of uprobes and
+one ring, and a process found later costs a map update (bench/daemon_footprint.py measures
+both ways). The object is keyed by the engine and the files' (device, inode): a container with
+its own copy of the libraries gets its own. Its links close when its last process exits.
+
+Only the always-on levels are shared (token and graph: a few probe hits per decode call);
+the op level, which traps on every node, stays per process (a pid-filtered attach puts its
+breakpoints in that process alone), so the governor can take it from one process without
+touching the others.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .. import discovery, libbpf
+from ..probepack import Pack
+
+# the token level's events of every process in the group share one ring (its graph level is
+# counted in BPF): 256 KiB holds ~850 decode calls between drains
+SHARED_RING_PAGES = 64
+_FOLLOWED_MAX = 4096      # PI_MAX_FOLLOWED (transport.h)
+
+
+def group_key(pack: Pack, files: list[tuple[str, str]]) -> tuple:
+    """The engine and its files' identities; OSError when a file has gone."""
+    return (pack.engine, frozenset(discovery.file_key(host) for host, _ in files))
+
+
+@dataclass
+class SharedProbes:
+    key: tuple
+    collector: object
+    followed_fd: int
+    pids: set[int] = field(default_factory=set)
+    # per process: decode calls and graph computes seen (each one probe hit at entry and
+    # one at return): its share of what the shared probes cost
+    token_calls: dict[int, int] = field(default_factory=dict)
+    graph_calls: dict[int, int] = field(default_factory=dict)
+    charged_ns: dict[int, float] = field(default_factory=dict)   # cost charged to each so far
+    _charge_mark: tuple[int, dict[int, int]] | None = None
+    programs: dict[str, tuple[int, int]] = field(default_factory=dict)   # last kernel counts
+    lost_seen: int = 0
+    errors: int = 0
+
+    @classmethod
+    def open(cls, key: tuple, pack: Pack, pid: int, files: list[tuple[str, str]],
+             levels: set[str]) -> "SharedProbes":
+        """Attach the levels' probes to the files, for pid to begin with."""
+        fd = libbpf.create_map(libbpf.BPF_MAP_TYPE_HASH, "followed", 4, 4, _FOLLOWED_MAX)
+        coll = None
+        try:
+            libbpf.map_update(fd, pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
+            coll = pack.collector_class()(pid, levels, pack, files, root=f"/proc/{pid}/root",
+                                          ringbuf_pages=SHARED_RING_PAGES, followed_map_fd=fd,
+                                          graph_totals=True)
+            coll.attach()
+        except BaseException:
+            if coll is not None:
+                try:
+                    coll.detach()
+                except Exception:
+                    pass
+            os.close(fd)
+            raise
+        coll.note_process_maps(pid)
+        return cls(key, coll, fd, {pid})
+
+    def add(self, pid: int) -> None:
+        libbpf.map_update(self.followed_fd, pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
+        self.pids.add(pid)
+        self.collector.note_process_maps(pid)
+
+    def remove(self, pid: int) -> None:
+        """The process is gone (drained first): its entries go; the object stays for the rest."""
+        libbpf.map_delete(self.followed_fd, pid.to_bytes(4, "little"))
+        self.pids.discard(pid)
+        for d in (self.token_calls, self.graph_calls, self.charged_ns):
+            d.pop(pid, None)
+        self.collector.forget_process(pid)
+
+    def charge(self, cost_ns: int) -> None:
+        """Share out what the probes cost since the last charge (cost_ns: so far, in all)
+        among the processes by the probe hits each made since."""
+        hits = {pid: self.token_calls.get(pid, 0) + self.graph_calls.get(pid, 0) for pid in self.pids}
+        if self._charge_mark is not None:
+            spent = cost_ns - self._charge_mark[0]
+            made = {pid: n - self._charge_mark[1].get(pid, 0) for pid, n in hits.items()}
+            total = sum(made.values())
+            for pid, n in made.items():
+                share = n / total if total else 1 / len(made)
+                self.charged_ns[pid] = self.charged_ns.get(pid, 0.0) + spent * share
+        self._charge_mark = (cost_ns, hits)
+
+    def close(self) -> None:
+        try:
+            self.collector.detach()
+        finally:
+            os.close(self.followed_fd)
