@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from .. import libbpf
 from ..errors import ProfinferError
+from ..model import Step, TokenCall
 from ..probepack import Pack, load_pack, pack_names
 from ..session import find_engine, find_packs
 from ..stats import SequenceTracker
@@ -75,6 +76,12 @@ class Watch:
     programs: dict[str, tuple[int, int]] = field(default_factory=dict)   # last kernel counts
     model_checked: float = 0.0
     errors: int = 0
+
+
+def step_call(step: Step) -> TokenCall:
+    """An engine step as a forward call: its prompt tokens and decoding sequences' tokens."""
+    return TokenCall(step.tid, step.start_ns, step.end_ns, step.n_tokens, prefill=step.prefill_seqs > 0,
+                     decode_tokens=step.decode_seqs)
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -222,16 +229,18 @@ class Agent:
 
     def _watch(self, pid: int, start: int, pack: Pack, files: list[tuple[str, str]]) -> None:
         cls = pack.collector_class()
-        if not hasattr(cls, "take_tokens_by_process"):
-            # no always-on level for this engine yet (vLLM's steps come from its op level,
-            # whose calls a daemon would have to aggregate in BPF): found and listed, not probed
+        if not (hasattr(cls, "take_tokens_by_process") or hasattr(cls, "take_steps_by_process")):
+            # an engine with no always-on level: found and listed, not probed
             ident = identify(pid, start, pack.engine)
             with self.lock:
                 self.unwatched[(pid, start)] = ident
             self.log(f"PID {pid} ({ident.comm}) runs {pack.engine}: found, not watched (no "
                      "always-on level for this engine yet)")
             return
-        shared = {lv for lv in SHARED_LEVELS if lv in self.levels} or {"token"}
+        if hasattr(cls, "take_steps_by_process"):
+            shared = {"step"}             # the token level of an engine that works in steps
+        else:
+            shared = {lv for lv in SHARED_LEVELS if lv in self.levels} or {"token"}
         group = None
         try:
             key = group_key(pack, files)
@@ -250,7 +259,7 @@ class Agent:
         ident = identify(pid, start, pack.engine)
         w = Watch(ident, None, set(shared), time.time(), pack=pack, files=files, group=group,
                   model_checked=time.monotonic(), step_up_wait_s=STEP_UP_S)
-        if "op" in self.levels:
+        if "op" in self.levels and hasattr(cls, "take_op_totals"):
             self._attach_op(w)
         with self.lock:
             self.watches[pid] = w
@@ -440,14 +449,21 @@ class Agent:
         coll = group.collector
         try:
             coll.poll(0)
-            for tgid, calls in coll.take_tokens_by_process().items():
+            steps = hasattr(coll, "take_steps_by_process")
+            taken = coll.take_steps_by_process() if steps else coll.take_tokens_by_process()
+            for tgid, calls in taken.items():
                 w = self.watches.get(tgid)
                 if w is None or w.group is not group:
                     continue            # a process that left the map while its call was queued
                 group.token_calls[tgid] = group.token_calls.get(tgid, 0) + len(calls)
                 for t in calls:
-                    ttfts, tpots = w.tracker.feed(t)
-                    self.metrics.decode_call(w.identity, t, ttfts, tpots)
+                    if steps:
+                        # a step is known by its first op's call alone: no duration, and no
+                        # sequence ids to follow (time to first token, per output token)
+                        self.metrics.decode_call(w.identity, step_call(t), [], [], timed=False)
+                    else:
+                        ttfts, tpots = w.tracker.feed(t)
+                        self.metrics.decode_call(w.identity, t, ttfts, tpots)
             lost = coll.lost()
             if lost > group.lost_seen:
                 # a shared ring's losses cannot be told apart: each process it serves counts them
@@ -462,6 +478,8 @@ class Agent:
 
     def _group_totals(self, group: SharedProbes) -> None:
         """The graph level, counted in BPF: its cumulative counts, by process and backend."""
+        if not hasattr(group.collector, "take_graph_totals"):
+            return
         try:
             totals = group.collector.take_graph_totals()
         except Exception as e:

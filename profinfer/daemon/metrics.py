@@ -111,7 +111,7 @@ class Metrics:
                 del self.processes[ident.pid]
 
     def decode_call(self, ident: Identity, t: TokenCall, ttfts: list[int],
-                    tpots: list[tuple[float, int]]) -> None:
+                    tpots: list[tuple[float, int]], timed: bool = True) -> None:
         with self.lock:
             p = self.processes.get(ident.pid)
             if p is None or p.identity.start != ident.start:
@@ -119,7 +119,8 @@ class Metrics:
             p.calls[t.phase] = p.calls.get(t.phase, 0) + 1
             p.tokens["prefill"] = p.tokens.get("prefill", 0) + t.prefill_tokens
             p.tokens["decode"] = p.tokens.get("decode", 0) + t.decode_tokens
-            p.call_time.setdefault(t.phase, _Histogram(CALL_BUCKETS)).observe(t.dur_ns / 1e9)
+            if timed:
+                p.call_time.setdefault(t.phase, _Histogram(CALL_BUCKETS)).observe(t.dur_ns / 1e9)
             for v in ttfts:
                 p.ttft.observe(v / 1e9)
             for per_token, n in tpots:

@@ -56,9 +56,10 @@ class SharedProbes:
         coll = None
         try:
             libbpf.map_update(fd, pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
-            coll = pack.collector_class()(pid, levels, pack, files, root=f"/proc/{pid}/root",
-                                          ringbuf_pages=SHARED_RING_PAGES, followed_map_fd=fd,
-                                          graph_totals=True)
+            engine = pack.collector_class()
+            extra = {"graph_totals": True} if hasattr(engine, "take_graph_totals") else {}
+            coll = engine(pid, levels, pack, files, root=f"/proc/{pid}/root",
+                       ringbuf_pages=SHARED_RING_PAGES, followed_map_fd=fd, **extra)
             coll.attach()
         except BaseException:
             if coll is not None:
@@ -68,13 +69,19 @@ class SharedProbes:
                     pass
             os.close(fd)
             raise
-        coll.note_process_maps(pid)
-        return cls(key, coll, fd, {pid})
+        group = cls(key, coll, fd, {pid})
+        group._note_maps(pid)
+        return group
+
+    def _note_maps(self, pid: int) -> None:
+        note = getattr(self.collector, "note_process_maps", None)    # graph backends' names
+        if note is not None:
+            note(pid)
 
     def add(self, pid: int) -> None:
         libbpf.map_update(self.followed_fd, pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
         self.pids.add(pid)
-        self.collector.note_process_maps(pid)
+        self._note_maps(pid)
 
     def remove(self, pid: int) -> None:
         """The process is gone (drained first): its entries go; the object stays for the rest."""
@@ -82,7 +89,9 @@ class SharedProbes:
         self.pids.discard(pid)
         for d in (self.token_calls, self.graph_calls, self.charged_ns):
             d.pop(pid, None)
-        self.collector.forget_process(pid)
+        forget = getattr(self.collector, "forget_process", None)
+        if forget is not None:
+            forget(pid)
 
     def charge(self, cost_ns: int) -> None:
         """Share out what the probes cost since the last charge (cost_ns: so far, in all)

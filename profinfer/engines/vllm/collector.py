@@ -18,7 +18,7 @@ from ... import bpfobj, discovery, kernel, layout, libbpf, schedprobe, selfcost
 from ... import counters as perfcounters
 from ...arch import placement
 from ...errors import ProfinferError
-from ...model import OpCall, Profile, TensorArg
+from ...model import OpCall, Profile, Step, TensorArg
 from ...probepack import Pack, copies_of_probed, engine_libraries
 from ...transport import EventTransport, RecordSlots, attach_failed, steps_begun
 from . import ops as native, steps as stepmaker, tensors
@@ -87,6 +87,8 @@ class VllmCollector:
         self.processes: set[int] = set()    # attach: the tree's processes followed
         self.placements: dict[str, tuple] = {}   # op: (entry probe's place, the first emulated one)
         self._tree_fd = -1
+        self._calls_per_op = np.zeros(0, np.int64)   # calls parsed so far, by op index
+        self._taken = 0                  # calls handed over by take_steps_by_process
 
     # ---- attach ----
 
@@ -109,6 +111,15 @@ class VllmCollector:
         if not self.ops:
             raise ProfinferError(f"{', '.join(e.path for e in self.elfs)}: no op schema matches a "
                                  "C++ function: not a torch custom-op library profinfer can read")
+        if "op" not in self.levels:
+            # the step level alone (a daemon's): only the op that begins each step is probed
+            step_ops = set(stepmaker.rules(self.pack, self.ops))
+            if not step_ops:
+                raise ProfinferError(f"{', '.join(e.path for e in self.elfs)}: none of the pack's "
+                                     "step ops is probed: no step level without the op level")
+            keep = [i for i, op in enumerate(self.ops) if op.name in step_ops]
+            self.ops = [self.ops[i] for i in keep]
+            self.op_library = [self.op_library[i] for i in keep]
         if len(self.ops) > self.consts["PV_MAX_OPS"]:
             raise ProfinferError(f"{len(self.ops)} native ops; profinfer probes at most "
                                  f"{self.consts['PV_MAX_OPS']}")
@@ -273,6 +284,10 @@ class VllmCollector:
         # per call: its columns and the id of its argument signature (op and tensors, as
         # BPF read them: few distinct, so each is decoded once)
         self._columns.append({c: ev[c].copy() for c in CALL_COLUMNS})
+        per_op = np.bincount(ev["op"], minlength=len(self.ops))
+        if len(per_op) > len(self._calls_per_op):
+            self._calls_per_op = np.pad(self._calls_per_op, (0, len(per_op) - len(self._calls_per_op)))
+        self._calls_per_op[:len(per_op)] += per_op
         ops, counts, t = ev["op"], ev["n_tensors"], ev["t"]
         ids = np.empty(n, np.int32)
         index = self._sig_index
@@ -360,6 +375,33 @@ class VllmCollector:
     def lost(self) -> int:
         return self._events.lost() if self.obj else self._lost_at_end
 
+    def take_steps_by_process(self) -> dict[int, list[Step]]:
+        """While collecting (a daemon, at the step level): the steps begun since the last
+        take, by process, each one its step op's call (its end is that call's), handed over
+        and forgotten with the calls behind them."""
+        cols, self._columns, self._sig_ids = self._columns, [], []
+        values, self._values = self._values, {}
+        out: dict[int, list[Step]] = {}
+        i = self._taken
+        for c in cols:
+            for k in range(len(c["op"])):
+                if c["step"][k] and c["depth"][k] == 0 and self.ops[int(c["op"][k])].name in self.step_rules:
+                    qsl = values.get(i, ())
+                    tgid = int(c["tgid"][k])
+                    out.setdefault(tgid, []).append(Step(
+                        tgid, int(c["tid"][k]), int(c["start_ns"][k]), int(c["end_ns"][k]),
+                        qsl[-1] if qsl else 0, tuple(b - a for a, b in zip(qsl, qsl[1:])), 1))
+                i += 1
+        self._taken = i
+        return out
+
+    def cost_counts(self) -> dict[str, int]:
+        """What the probes cost so far (see _cost), while collecting (a daemon's governor)."""
+        if self._stats_fd < 0 or self.obj is None:
+            return {}
+        return self._cost(self.obj.program_stats(),
+                          {self.ops[i].name: int(n) for i, n in enumerate(self._calls_per_op) if n})
+
     def op_name(self, index: int) -> str:
         """The op a thread's open span names (a level under the engine reads it)."""
         return self.ops[index].name if 0 <= index < len(self.ops) else f"op#{index}"
@@ -378,7 +420,10 @@ class VllmCollector:
         steps = steps_begun(self.obj)
         self.detach()
         calls = self._calls()
-        self.bpf_stats = self._cost(stats, calls)
+        per_op: dict[str, int] = {}
+        for c in calls:
+            per_op[c.op] = per_op.get(c.op, 0) + 1
+        self.bpf_stats = self._cost(stats, per_op)
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
         if self._sched_raw:
@@ -399,7 +444,7 @@ class VllmCollector:
             self.warnings.append(f"only {self._layout_checked} calls checked the TensorImpl layout")
         return prof
 
-    def _cost(self, stats: dict[str, tuple[int, int]], calls: list[OpCall]) -> dict[str, int]:
+    def _cost(self, stats: dict[str, tuple[int, int]], per_op: dict[str, int]) -> dict[str, int]:
         """The kernel's count of our programs' runs and run time, and the probe hits behind
         the calls by what each costs (selfcost): the entry's trap, emulated or single-stepped
         where the probe sits; the return's; and the return probe's own trap at the function's
@@ -407,9 +452,6 @@ class VllmCollector:
         if not stats:
             return {}
         out = selfcost.program_totals(stats)
-        per_op: dict[str, int] = {}
-        for c in calls:
-            per_op[c.op] = per_op.get(c.op, 0) + 1
         for name, n in per_op.items():
             entry, first = self.placements[name]
             out["hits_emulated" if entry.emulated else "hits_stepped"] += n

@@ -1,0 +1,70 @@
+"""vLLM in the daemon: a real vLLM generation (CPU) found by the daemon and watched at its
+step level (one probe, on the op that begins each step, shared per build), its steps and
+tokens counted as vLLM's own scheduler made them (the generation records its scheduler's
+outputs: tests/vllm/offline_truth.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from daemon_helpers import _STARTED, Daemon, _get, kill_started
+
+TRUTH_SCRIPT = Path(__file__).parent.parent / "vllm" / "offline_truth.py"
+
+
+def _series(text: str, name: str, pid: int, label: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'pid="{pid}"' in line:
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[value] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_vllm_steps_in_the_daemon_equal_its_scheduler(vllm_python, vllm_model, tmp_path):
+    go, truth_path = tmp_path / "go", tmp_path / "truth.json"
+    target = subprocess.Popen([str(vllm_python), str(TRUTH_SCRIPT), str(vllm_model), "eager", str(go),
+                               str(truth_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    _STARTED.append(target)
+    d = None
+    try:
+        seen = []
+        for line in target.stdout:              # vLLM logs to stdout too
+            seen.append(line)
+            if line.strip() == "READY":
+                break
+        assert seen and seen[-1].strip() == "READY", "".join(seen[-20:])
+        threading.Thread(target=target.stdout.read, daemon=True).start()
+        # the daemon starts after the generation's warm-up, which the truth leaves out
+        d = Daemon(tmp_path)
+        info = d.watched(target.pid, timeout=30)
+        assert info["engine"] == "vLLM" and info["levels"] == ["step"], info
+        status = json.loads(_get(d.url + "/status")[1])
+        group = next(g for g in status["shared_probes"] if target.pid in g["processes"])
+        assert group["engine"] == "vLLM" and group["probes"] == 2, group    # entry and return
+        go.touch()
+        assert target.wait(timeout=300) == 0
+        truth = json.loads(truth_path.read_text())
+        # vLLM's rule: a sequence with one new token decodes; more, it prefills
+        want_tokens = {"prefill": sum(q for s in truth["steps"] for q in s if q > 1),
+                       "decode": sum(1 for s in truth["steps"] for q in s if q == 1)}
+        phases = ["decode" if all(q == 1 for q in s) else "prefill" if all(q > 1 for q in s) else "mixed"
+                  for s in truth["steps"]]
+        want_calls = {p: float(phases.count(p)) for p in set(phases)}
+        deadline, got = time.monotonic() + 15, {}
+        while time.monotonic() < deadline:
+            text = _get(d.url + "/metrics")[1].decode()
+            got = {k: int(v) for k, v in _series(text, "profinfer_tokens_total", target.pid, "phase").items()}
+            if got == want_tokens:
+                break
+            time.sleep(0.3)
+        assert got == want_tokens, d.text()
+        assert _series(text, "profinfer_decode_calls_total", target.pid, "phase") == want_calls
+        assert want_tokens["decode"] > 0 and want_tokens["prefill"] > 0
+    finally:
+        if d is not None:
+            d.stop()
+        kill_started()
