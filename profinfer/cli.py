@@ -385,8 +385,11 @@ def status(url, as_json):
         where = " ".join(x for x in (f"container {p['container']}" if p["container"] else "",
                                      f"pod {p['namespace']}/{p['pod']}" if p["pod_uid"] else "") if x)
         click.echo(f"  PID {p['pid']:>7} {p['comm']:<16} {p['engine']:<10} {','.join(p['levels']):<12} "
-                   f"{p['probes']:>4} probes {p['events']:>10,} events {p['lost']} lost"
+                   f"{p['probes']:>4} own probes {p['events']:>10,} events {p['lost']} lost"
                    + (f"  model {os.path.basename(p['model'])}" if p["model"] else "") + (f"  {where}" if where else ""))
+    for g in data.get("shared_probes", []):
+        click.echo(f"  shared by {len(g['processes'])} process(es): {g['engine']}, {g['probes']} probes on "
+                   + ", ".join(g["files"]))
 
 
 @cli.command()

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import _fds, llama_perf
-from daemon_helpers import Daemon, Workload, _get, kill_started
+from daemon_helpers import PROFINFER, Daemon, Workload, _get, kill_started
 
 
 @pytest.fixture(autouse=True)
@@ -66,6 +67,9 @@ def test_churn_keeps_the_daemon_flat(tmp_path, llama_build, tiny_model, llama_en
             # one build: one set of probes serves the wave (a process joins a BPF map)
             groups = json.loads(_get(d.url + "/status")[1])["shared_probes"]
             assert len(groups) == 1 and {w.proc.pid for w in ws} <= set(groups[0]["processes"]), groups
+            if wave == 0:
+                out = subprocess.run(PROFINFER + ["status", "--url", d.url], capture_output=True, text=True).stdout
+                assert f"shared by {len(groups[0]['processes'])} process(es): llama.cpp" in out, out
             ws[0].proc.send_signal(signal.SIGKILL)    # before it decodes
             killed.append(ws[0].proc.pid)
             for w in ws[1:]:
