@@ -159,6 +159,17 @@ struct pi_op_event {
                             entry on this thread (the last to arrive: one trap; 0: none) */
 };
 
+/* The op level counted in BPF (cfg.op_totals_only, a daemon's): per op type, its runs and
+ * their time (start to end, as user space's totals). A node's number is then its type,
+ * PI_OP_KEY(op, fused_op), not a description's number: no descriptions are sent, and the
+ * per-thread tables (slots, walk memo) that remember numbers remember types. */
+#define PI_OP_KEY(op, fused_op) (((u32)(op) & 0xff) | ((((u32)(fused_op) + 1) & 0xff) << 8))
+
+struct pi_op_total {
+    u64 calls;
+    u64 ns;
+};
+
 /* Op events travel in per-thread batches: one ring-buffer record, one wakeup per batch. */
 struct pi_op_batch {
     u32 kind;
@@ -313,7 +324,7 @@ struct pi_config {
     u32 n_cpus;
     u32 nodes_by_generation;  /* graph_generation is kept (its probes are attached) */
     u32 thread_slots;         /* op_threads_direct's size, a power of two; 0: unused */
-    u32 pad3;
+    u32 op_totals_only;       /* ops counted in op_totals by type, not sent (struct pi_op_total) */
     u64 init_params_sp_off;   /* ggml_init's params (by value) relative to sp at its entry */
     u32 check_layout;         /* a table layout: fill pi_node_check for the first nodes */
     u32 pad4;

@@ -428,9 +428,39 @@ static __always_inline void send_batch(void *ctx, struct pi_op_thread *st, u32 n
     st->batch.count = 0;
 }
 
+/* Per op type (events.h: PI_OP_KEY): the op level counted, not sent. */
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, 1024);
+    __type(key, u32);
+    __type(value, struct pi_op_total);
+} op_totals SEC(".maps");
+
+static __always_inline void count_op(struct pi_op_event *op)
+{
+    u32 key = op->node;
+    struct pi_op_total *t = bpf_map_lookup_elem(&op_totals, &key);
+    if (!t) {
+        struct pi_op_total zero = {};
+        bpf_map_update_elem(&op_totals, &key, &zero, BPF_NOEXIST);   /* or another made it */
+        t = bpf_map_lookup_elem(&op_totals, &key);
+        if (!t) {
+            count_lost(1);
+            return;
+        }
+    }
+    __sync_fetch_and_add(&t->calls, 1);
+    if (op->end_ns > op->start_ns)
+        __sync_fetch_and_add(&t->ns, op->end_ns - op->start_ns);
+}
+
 /* Add the thread's finished node to its batch, sending the batch when full. */
 static __always_inline void push_op(void *ctx, struct pi_op_thread *st)
 {
+    if (cfg.op_totals_only) {
+        count_op(&st->cur);
+        return;
+    }
     u32 i = st->batch.count;
     if (i >= PI_OP_BATCH)                 /* cannot happen; keeps the verifier's bounds */
         return;
@@ -638,11 +668,16 @@ static __always_inline u32 node_number(struct pt_regs *ctx, struct pi_op_thread 
         }
     st->node.kind = PI_EV_NODE;
     st->node.tid = tid;
-    st->node.node = st->next_node++ & ~PI_NODE_EXPERTS;
     st->node.pad = 0;
-    u32 flags = cfg.op_mul_mat_id >= 0 && st->node.desc.op == cfg.op_mul_mat_id &&
+    u32 flags = 0;
+    if (cfg.op_totals_only) {       /* its type is all that is counted: nothing to send */
+        st->node.node = PI_OP_KEY(st->node.desc.op, st->node.desc.fused_op);
+    } else {
+        st->node.node = st->next_node++ & ~PI_NODE_EXPERTS;
+        flags = cfg.op_mul_mat_id >= 0 && st->node.desc.op == cfg.op_mul_mat_id &&
                 st->node.desc.src[2] ? PI_NODE_EXPERTS : 0;
-    if (emit(ctx, &st->node, sizeof(st->node))) {
+    }
+    if (!cfg.op_totals_only && emit(ctx, &st->node, sizeof(st->node))) {
         count_lost(1);
         return st->node.node | flags;   /* not remembered: described again next time */
     }

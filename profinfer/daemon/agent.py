@@ -275,12 +275,12 @@ class Agent:
 
     def _attach_op(self, w: Watch) -> bool:
         """The op level's probes, attached to this process alone (with the graph probes
-        its ops are bounded by)."""
+        its ops are bounded by), its ops counted in BPF by type."""
         pid = w.identity.pid
         coll = None
         try:
             coll = w.pack.collector_class()(pid, {"op"}, w.pack, w.files, root=f"/proc/{pid}/root",
-                                            ringbuf_pages=RING_PAGES)
+                                            ringbuf_pages=RING_PAGES, op_totals=True)
             coll.attach()
         except Exception as e:
             if coll is not None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import completion_cmd, llama_perf
+from conftest import completion_cmd, llama_perf, run_profinfer
 from daemon_helpers import _STARTED, PROFINFER, Daemon, Workload, _free_port, _get, kill_started
 
 @pytest.fixture(autouse=True)
@@ -261,3 +261,34 @@ def test_governor_steps_an_expensive_process_down(tmp_path, llama_build, tiny_mo
         target.kill()
         target.wait()
         d.stop()
+
+
+@pytest.mark.parametrize("design", ["one-probe", "two-probe"])
+def test_op_totals_counted_in_bpf_equal_the_op_level(design, tmp_path, llama_build, tiny_model, llama_env,
+                                                     monkeypatch):
+    """The daemon's op level counts ops by type in BPF (no op events): the same counts, fused
+    pairs included, as the op level's events give for the same generation (`record --levels
+    op`, whose ops the tests check against the engine's own graph), in either op design."""
+    monkeypatch.setenv("PROFINFER_OP_DESIGN", design)
+    d = Daemon(tmp_path, ("--levels", "token,op", "--budget", "1.0"))
+    try:
+        w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=16)
+        assert d.watched(w.proc.pid)["levels"] == ["op", "token"]
+        w.go()
+        w.finish()
+        deadline, got = time.monotonic() + 15, {}
+        while time.monotonic() < deadline:
+            if not any(p["pid"] == w.proc.pid for p in json.loads(_get(d.url + "/status")[1])["processes"]):
+                break                    # exited and drained
+            time.sleep(0.2)
+        for line in _get(d.url + "/metrics")[1].decode().splitlines():
+            if line.startswith("profinfer_op_calls_total{") and f'pid="{w.proc.pid}"' in line:
+                got[line.split('op="', 1)[1].split('"', 1)[0]] = int(float(line.rsplit(" ", 1)[1]))
+    finally:
+        d.stop()
+    r = run_profinfer(["record", "--levels", "op", "--quiet", "--",
+                       *completion_cmd(llama_build, tiny_model, n=16)],
+                      env={**llama_env, "PROFINFER_OP_DESIGN": design}, tmp_path=tmp_path)
+    assert r.rc == 0, r.stderr
+    want = {o["op"]: o["count"] for o in r.summary["ops"]}
+    assert got == want and "MUL_MAT" in got

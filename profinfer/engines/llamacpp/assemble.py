@@ -18,6 +18,15 @@ DESC_FIELDS = ("tensor", "ne", "src", "src_view", "fused_tensor", "src0_ne", "sr
                "op", "fused_op", "type", "src0_type", "src1_type", "name")
 
 
+def op_name(names: list[str], op: int, fused: int) -> str:
+    """An op's name in this build's numbering; a fused pair's as FIRST+SECOND."""
+    n = len(names)
+    base = names[op] if 0 <= op < n else f"OP{op}"
+    if fused >= 0:
+        return base + "+" + (names[fused] if fused < n else f"OP{fused}")
+    return base
+
+
 class OpAssembler:
     """Takes pi_node_event and pi_op_event arrays as they arrive and keeps them compact
     (OpColumns' layout): each distinct node's descriptor once, its runs as rows of numbers
@@ -144,11 +153,7 @@ class OpAssembler:
         return self.shared.setdefault(x, x)
 
     def _op_name(self, op: int, fused: int) -> str:
-        names, n = self.names, len(self.names)
-        base = names[op] if 0 <= op < n else f"OP{op}"
-        if fused >= 0:
-            return base + "+" + (names[fused] if fused < n else f"OP{fused}")
-        return base
+        return op_name(self.names, op, fused)
 
     def _describe(self, rows: np.ndarray) -> list[NodeDesc]:
         """NodeDescs of raw op records (columns converted at once: this runs per new node)."""

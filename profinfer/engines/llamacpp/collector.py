@@ -62,13 +62,16 @@ class Collector:
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
                  buffer: str = "auto", counters: list[str] | None = None,
                  followed_map_fd: int | None = None, open_spans_fd: int | None = None,
-                 graph_totals: bool = False):
+                 graph_totals: bool = False, op_totals: bool = False):
         """With followed_map_fd (a Follower's map, or a daemon's set of watched processes),
         probes go on the library files for every process, and the programs run for the
         processes in the map only. With graph_totals, graph computes are counted in BPF per
-        process and backend (take_graph_totals), not sent."""
+        process and backend (take_graph_totals), not sent; with op_totals, ops are counted in
+        BPF per op type (take_op_totals), not sent."""
         self.pid = pid
         self.graph_totals = graph_totals
+        self.op_totals = op_totals
+        self._op_totals_seen: dict[int, tuple[int, int]] = {}
         self.followed_map_fd = followed_map_fd
         self.open_spans_fd = open_spans_fd    # shared with a level under the engine (cuda)
         self.probed_files: set[tuple[int, int]] = set()
@@ -326,6 +329,7 @@ class Collector:
         cfg["thread_slots"] = self.thread_slots
         cfg["transport"]["follow"] = int(self.followed_map_fd is not None)
         cfg["graph_totals_only"] = int(self.graph_totals)
+        cfg["op_totals_only"] = int(self.op_totals)
         cfg["init_params_sp_off"] = 8   # above the return address (probes never move sp)
         if self.walk:
             w = self.walk
@@ -555,7 +559,21 @@ class Collector:
 
     def take_op_totals(self) -> dict[str, tuple[int, int]]:
         """Per op type, (ops, ns) since the last take, forgotten after (see take_tokens)."""
-        return self._op_asm.take_totals() if self._op_asm is not None else {}
+        if not self.op_totals:
+            return self._op_asm.take_totals() if self._op_asm is not None else {}
+        if self.obj is None:
+            return {}
+        out: dict[str, tuple[int, int]] = {}
+        for k, v in self.obj.map_items("op_totals"):
+            key = int.from_bytes(k[:4], "little")
+            calls, ns = int.from_bytes(v[:8], "little"), int.from_bytes(v[8:16], "little")
+            seen = self._op_totals_seen.get(key, (0, 0))
+            if calls > seen[0]:
+                self._op_totals_seen[key] = (calls, ns)
+                name = assemble.op_name(self.op_names, key & 0xff, ((key >> 8) & 0xff) - 1)
+                a, b = out.get(name, (0, 0))
+                out[name] = (a + calls - seen[0], b + ns - seen[1])
+        return out
 
     def _add_experts(self, rec: bytes) -> None:
         dt = self.dt["pi_experts_event"]
