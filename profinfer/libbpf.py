@@ -212,8 +212,9 @@ class BpfObject:
             raise _failure("the kernel refused the BPF programs")
 
     def attach_uprobe(self, program: str, path: str, file_offset: int, pid: int,
-                      retprobe: bool = False, cookie: int | None = None) -> None:
-        """With a cookie (Linux 5.15), the program reads it with bpf_get_attach_cookie."""
+                      retprobe: bool = False, cookie: int | None = None) -> tuple[str, int]:
+        """With a cookie (Linux 5.15), the program reads it with bpf_get_attach_cookie.
+        Returns the link (for detach_links)."""
         L = lib()
         prog = L.bpf_object__find_program_by_name(self._obj, program.encode())
         if not prog:
@@ -228,6 +229,7 @@ class BpfObject:
         if not link:
             raise _failure(f"uprobe {program} at {path}+{file_offset:#x}")
         self._links.append(link)
+        return ("link", link)
 
     def set_uprobe_multi(self, program: str) -> None:
         """Before load: the program will be attached with attach_uprobe_multi (Linux 6.6)."""
@@ -236,7 +238,7 @@ class BpfObject:
             raise _failure(f"cannot make {program} a uprobe-multi program")
 
     def attach_uprobe_multi(self, program: str, path: str, offsets: list[int], cookies: list[int],
-                            pid: int, retprobe: bool = False) -> None:
+                            pid: int, retprobe: bool = False) -> tuple[str, int]:
         """Probe many offsets of one file with one link (Linux 6.6; libbpf 1.3 wraps this call,
         Debian 12's 1.1 does not). Removing a uprobe waits for an RCU grace period, ~0.1 s
         here, once per link: hundreds of perf-event uprobes took 18 s to remove, one link
@@ -258,6 +260,17 @@ class BpfObject:
             raise ProfinferError(f"uprobe-multi link for {program} at {len(offsets)} offsets of "
                                  f"{path}: {os.strerror(err)}")
         self._link_fds.append(link)
+        return ("fd", link)
+
+    def detach_links(self, links: list[tuple[str, int]]) -> None:
+        """Close these links (from attach_uprobe, attach_uprobe_multi) before the rest."""
+        for kind, link in links:
+            if kind == "link" and link in self._links:
+                self._links.remove(link)
+                lib().bpf_link__destroy(link)
+            elif kind == "fd" and link in self._link_fds:
+                self._link_fds.remove(link)
+                os.close(link)
 
     def _program(self, program: str):
         prog = lib().bpf_object__find_program_by_name(self._obj, program.encode())

@@ -74,6 +74,9 @@ class CudaCollector:
         self._kernel_names: dict[tuple[int, int, bool], str] = {}   # named once per kernel
         self._memory = KnownMemory()        # allocations seen: which way Default copies went
         self._sites: dict[tuple[int, int], str] = {}
+        self._file_links: dict[tuple[int, int], list] = {}   # a probed file's links
+        self._file_probes: dict[tuple[int, int], tuple[runtime.RuntimeFile, int]] = {}   # and its probes
+        self.process_files: dict[int, set[tuple[int, int]]] = {}   # the runtime files each uses
 
     # ---- attach ----
 
@@ -136,8 +139,10 @@ class CudaCollector:
         pid = -1 if self.followed_map_fd is not None else self.pid
         for rf in files:
             key = discovery.file_key(rf.host_path)
+            self.process_files.setdefault(tgid, set()).add(key)
             if key in self.probed_files:
                 continue
+            links = self._file_links.setdefault(key, [])
             groups: dict[str, tuple[list[int], list[int]]] = {ENTRY_ONLY: ([], []), ENTRY: ([], []),
                                                               RETURN: ([], [])}
             for api in self.apis:
@@ -159,13 +164,14 @@ class CudaCollector:
                 if not offsets:
                     continue
                 if self._multi:
-                    self.obj.attach_uprobe_multi(prog, rf.host_path, offsets, cookies, pid,
-                                                 retprobe=prog == RETURN)
+                    links.append(self.obj.attach_uprobe_multi(prog, rf.host_path, offsets, cookies, pid,
+                                                              retprobe=prog == RETURN))
                 else:
                     for off, cookie in zip(offsets, cookies):
-                        self.obj.attach_uprobe(prog, rf.host_path, off, pid, retprobe=prog == RETURN,
-                                               cookie=cookie)
+                        links.append(self.obj.attach_uprobe(prog, rf.host_path, off, pid,
+                                                            retprobe=prog == RETURN, cookie=cookie))
                 self.n_probes += len(offsets)
+                self._file_probes[key] = (rf, self._file_probes.get(key, (rf, 0))[1] + len(offsets))
             self.probed_files.add(key)
             self.files.append(rf)
         self._watch_process(tgid, files)
@@ -192,11 +198,37 @@ class CudaCollector:
             value["start"][0, i], value["end"][0, i] = lo, hi
         libbpf.map_update(self.obj.map_fd("runtime_ranges"), tgid.to_bytes(4, "little"), value.tobytes())
 
-    def attach_files(self, lib_paths: list[tuple[str, str]], tgid: int | None = None) -> list[str]:
-        """More files a followed process maps (a runtime it dlopened): probed before it runs on."""
-        files, warnings = runtime.runtime_files(self.pack, lib_paths, self.root)
+    def attach_files(self, lib_paths: list[tuple[str, str]], tgid: int | None = None,
+                     root: str | None = None) -> list[str]:
+        """More files a followed process maps (a runtime it dlopened, or another process's
+        runtime: root is then its /proc/PID/root): probed before it runs on."""
+        files, warnings = runtime.runtime_files(self.pack, lib_paths, root or self.root)
         self._attach_files(tgid or self.pid, files)
         return warnings
+
+    def forget_process(self, tgid: int) -> None:
+        """A followed process is gone (drained first): its counts, names and runtime ranges
+        go, and the probes on runtime files that no followed process uses any more."""
+        self.process_files.pop(tgid, None)
+        self.names.pop(tgid, None)
+        self._kernel_names = {k: v for k, v in self._kernel_names.items() if k[0] != tgid}
+        self._sites = {k: v for k, v in self._sites.items() if k[0] != tgid}
+        self._memory.blocks = {k: v for k, v in self._memory.blocks.items() if k[0] != tgid}
+        if self.obj is None:
+            return
+        key_dt = self.dt["pc_agg_key"]
+        fd = self.obj.map_fd("agg")
+        for k, _ in list(self.obj.map_items("agg")):
+            if int(np.frombuffer(k[:key_dt.itemsize], key_dt)[0]["tgid"]) == tgid:
+                libbpf.map_delete(fd, k[:key_dt.itemsize])
+        libbpf.map_delete(self.obj.map_fd("runtime_ranges"), tgid.to_bytes(4, "little"))
+        used = set().union(*self.process_files.values()) if self.process_files else set()
+        for key in [k for k in self._file_links if k not in used]:
+            self.obj.detach_links(self._file_links.pop(key))
+            self.probed_files.discard(key)
+            rf, n = self._file_probes.pop(key, (None, 0))
+            self.n_probes -= n
+            self.files = [f for f in self.files if f is not rf]
 
     # ---- collect ----
 

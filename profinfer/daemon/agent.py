@@ -31,7 +31,7 @@ from ..session import find_engine, find_packs
 from ..stats import SequenceTracker
 from .identity import Identity, identify, model_file
 from .metrics import Metrics
-from .shared import SharedProbes, group_key
+from .shared import SharedProbes, SharedRuntime, group_key
 
 SCAN_S = 1.0
 SERIES_TTL_S = float(os.environ.get("PROFINFER_SERIES_TTL_S", "300"))   # a last scrape sees them
@@ -64,7 +64,7 @@ class Watch:
     pack: Pack | None = None
     files: list = field(default_factory=list)
     group: SharedProbes | None = None   # its build's shared probes (token, graph)
-    cuda: object = None                 # the cuda level's collector, where it maps a CUDA runtime
+    cuda: bool = False                  # served by the shared cuda level (it maps a CUDA runtime)
     cost_mark: tuple[float, int, int, int] | None = None   # (t, its CPU ns, probe cost ns, daemon CPU ns)
     share: float | None = None          # what the probes cost it, as a share of its CPU time
     calm_since: float | None = None     # under the budget with room since
@@ -120,6 +120,7 @@ class Agent:
         self.metrics = Metrics()
         self.watches: dict[int, Watch] = {}
         self.groups: dict[tuple, SharedProbes] = {}
+        self.runtime: SharedRuntime | None = None    # the cuda level, once a process has one
         self.exited: list[Watch] = []
         self.unwatched: dict[tuple[int, int], Identity] = {}    # found, no always-on level
         self.not_engines: dict[tuple[int, int], int] = {}       # (pid, start) -> vsize looked at
@@ -219,11 +220,11 @@ class Agent:
                     cuda = None
                 if cuda is None:
                     continue
-                if w.cuda is None:
+                if not w.cuda:
                     self._watch_cuda(w, cuda[1])
                 else:
                     try:
-                        w.cuda.attach_files(cuda[1], pid)
+                        self.runtime.add(pid, cuda[1])
                     except Exception as e:
                         self._error(f"PID {pid}: probing a runtime it loaded: {e}")
 
@@ -321,30 +322,39 @@ class Agent:
         self.metrics.watched(ident)
 
     def _watch_cuda(self, w: Watch, files: list[tuple[str, str]]) -> None:
-        """The cuda level beside the process's engine: counted in BPF (no timeline)."""
+        """The cuda level beside the process's engine: counted in BPF (no timeline), by the
+        one object that serves every process with a runtime."""
         pid = w.identity.pid
-        coll = None
         try:
-            coll = self.cuda_pack.collector_class()(pid, {"cuda"}, self.cuda_pack, files,
-                                                    root=f"/proc/{pid}/root", ringbuf_pages=RING_PAGES,
-                                                    timeline=False)
-            coll.attach()
+            if self.runtime is None:
+                self.runtime = SharedRuntime.open(self.cuda_pack, pid, files)
+            else:
+                self.runtime.add(pid, files)
         except Exception as e:
-            if coll is not None:
-                try:
-                    coll.detach()
-                except Exception:
-                    pass
-            if w.collector is None:           # nothing else watches it: forget it
+            if self.runtime is not None and not self.runtime.pids:
+                self._close_runtime()
+            if w.collector is None and w.group is None:     # nothing else watches it: forget it
                 with self.lock:
                     self.watches.pop(pid, None)
                 self.metrics.forget(w.identity)
             self._attach_failed(pid, w.identity.start, self.cuda_pack, e)
             return
-        w.cuda = coll
+        w.cuda = True
         w.levels = w.levels | {"cuda"}
-        self.log(f"PID {pid} ({w.identity.comm}): cuda level, {coll.n_probes} probes in "
-                 + ", ".join(os.path.basename(f.path) for f in coll.files))
+        self.log(f"PID {pid} ({w.identity.comm}): cuda level, {self.runtime.collector.n_probes} probes "
+                 f"on {', '.join(self.runtime.files())}, shared by {len(self.runtime.pids)} process(es)")
+
+    def _close_runtime(self) -> None:
+        rt, self.runtime = self.runtime, None
+        try:
+            rt.programs = dict(rt.collector.obj.program_stats())
+        except Exception:
+            pass
+        self._retire(rt.programs)
+        try:
+            rt.close()
+        except Exception as e:
+            self._error(f"closing the cuda level: {type(e).__name__}: {e}")
 
     def _attach_failed(self, pid: int, start: int, pack: Pack, e: Exception) -> None:
         st = _stat(pid)
@@ -368,11 +378,14 @@ class Agent:
         self._drain(w)
         self._sample_programs(w)
         self._detach_op(w)
-        if w.cuda is not None:
+        if w.cuda and self.runtime is not None:
+            self._drain_runtime()
             try:
-                w.cuda.detach()
+                self.runtime.remove(w.identity.pid)
             except Exception as e:
-                self._error(f"PID {w.identity.pid}: detaching: {type(e).__name__}: {e}")
+                self._error(f"PID {w.identity.pid}: leaving the cuda level: {type(e).__name__}: {e}")
+            if not self.runtime.pids:
+                self._close_runtime()
         self._retire(w.programs)
         if group is not None:
             try:
@@ -382,7 +395,8 @@ class Agent:
             if not group.pids:
                 self._close_group(group)
         w.exited_at = time.monotonic()
-        w.collector = w.cuda = w.group = None     # their buffers go now; the series stay (metrics)
+        w.collector = w.group = None     # their buffers go now; the series stay (metrics)
+        w.cuda = False
         with self.lock:
             self.watches.pop(w.identity.pid, None)
             self.exited.append(w)
@@ -418,15 +432,7 @@ class Agent:
         self.log(msg)
 
     def _drain(self, w: Watch) -> None:
-        """The process's own probes: its op level and its cuda level."""
-        if w.cuda is not None:
-            try:
-                groups, calls = w.cuda.take()
-                self.metrics.cuda(w.identity, groups, calls)
-            except Exception as e:
-                w.errors += 1
-                if w.errors <= 3:
-                    self._error(f"PID {w.identity.pid}: cuda: {type(e).__name__}: {e}")
+        """The process's own probes: its op level."""
         coll = w.collector
         if coll is None:
             return
@@ -476,6 +482,30 @@ class Agent:
             if group.errors <= 3:
                 self._error(f"{group.key[0]} shared probes: {type(e).__name__}: {e}")
 
+    def _drain_runtime(self) -> None:
+        """The cuda level: BPF's counts (cumulative) and the calls sent since, by process."""
+        rt = self.runtime
+        if rt is None:
+            return
+        try:
+            groups, calls = rt.collector.take()
+        except Exception as e:
+            rt.errors += 1
+            if rt.errors <= 3:
+                self._error(f"cuda level: {type(e).__name__}: {e}")
+            return
+        by_pid: dict[int, tuple[list, list]] = {pid: ([], []) for pid in rt.pids}
+        for c in groups:
+            if c.pid in by_pid:
+                by_pid[c.pid][0].append(c)
+        for c in calls:
+            if c.pid in by_pid:
+                by_pid[c.pid][1].append(c)
+        for pid, (g, c) in by_pid.items():
+            w = self.watches.get(pid)
+            if w is not None and w.cuda:
+                self.metrics.cuda(w.identity, g, c)
+
     def _group_totals(self, group: SharedProbes) -> None:
         """The graph level, counted in BPF: its cumulative counts, by process and backend."""
         if not hasattr(group.collector, "take_graph_totals"):
@@ -496,7 +526,7 @@ class Agent:
 
     def _sample_programs(self, w: Watch) -> None:
         programs: dict[str, tuple[int, int]] = {}
-        for coll in (w.collector, w.cuda):
+        for coll in (w.collector,):
             obj = getattr(coll, "obj", None)
             if obj is None:
                 continue
@@ -513,7 +543,8 @@ class Agent:
             watches = list(self.watches.values())
         groups = list(self.groups.values())
         poller = select.poll()          # no FD_SETSIZE limit
-        for coll in [g.collector for g in groups] + [c for w in watches for c in (w.collector, w.cuda)]:
+        shared = [g.collector for g in groups] + ([self.runtime.collector] if self.runtime else [])
+        for coll in shared + [w.collector for w in watches]:
             try:
                 poller.register(coll.fileno(), select.POLLIN)
             except Exception:
@@ -524,14 +555,16 @@ class Agent:
             time.sleep(timeout_s)
         for g in groups:
             self._drain_group(g)
+        self._drain_runtime()
         for w in watches:
             self._drain(w)
         if time.monotonic() - self._last_scan >= SCAN_S:
             self._last_scan = time.monotonic()
             self.scan()
             self.expire()
-            for g in list(self.groups.values()):
-                self._group_totals(g)
+            for g in list(self.groups.values()) + ([self.runtime] if self.runtime else []):
+                if isinstance(g, SharedProbes):
+                    self._group_totals(g)
                 try:
                     g.programs = dict(g.collector.obj.program_stats())
                 except Exception:
@@ -640,7 +673,8 @@ class Agent:
         out = dict(self.retired_programs)
         with self.lock:
             watches = list(self.watches.values())
-        for programs in [w.programs for w in watches] + [g.programs for g in list(self.groups.values())]:
+        shared = list(self.groups.values()) + ([self.runtime] if self.runtime else [])
+        for programs in [w.programs for w in watches] + [g.programs for g in shared]:
             for prog, (ns, runs) in programs.items():
                 a, b = out.get(prog, (0, 0))
                 out[prog] = (a + ns, b + runs)
@@ -655,13 +689,15 @@ class Agent:
             "budget": self.budget, "attach_errors": self.attach_errors, "loop_errors": self.loop_errors,
             "trap_costs_ns": self.trap_costs, "traps_calibrated": self.traps_calibrated,
             "processes": [{**w.identity.as_dict(), "levels": sorted(w.levels), "cost_share": w.share,
-                           "probes": getattr(w.collector, "n_probes", 0) + getattr(w.cuda, "n_probes", 0),
+                           "probes": getattr(w.collector, "n_probes", 0),
                            "shared_probes": w.group.collector.n_probes if w.group else 0,
-                           "events": getattr(w.collector, "n_events", 0) + getattr(w.cuda, "n_events", 0),
+                           "events": getattr(w.collector, "n_events", 0),
                            "lost": w.lost_seen, "watched_since": w.started_at} for w in watches],
             "shared_probes": [{"engine": g.key[0], "files": sorted(os.path.basename(f.path) for f in g.collector.elfs),
                                "probes": g.collector.n_probes, "processes": sorted(g.pids)}
-                              for g in list(self.groups.values())],
+                              for g in list(self.groups.values())]
+            + ([{"engine": "CUDA", "files": self.runtime.files(), "probes": self.runtime.collector.n_probes,
+                 "processes": sorted(self.runtime.pids)}] if self.runtime else []),
             "found_not_watched": [{**i.as_dict(), "why": "no always-on level for this engine yet"}
                                   for i in unwatched],
             "gpu": self.metrics.gpu_state,
@@ -672,11 +708,17 @@ class Agent:
             watches = list(self.watches.values())
             self.watches.clear()
         for w in watches:
-            for coll in (w.collector, w.cuda):
-                try:
-                    coll.detach()
-                except Exception:
-                    pass
+            try:
+                if w.collector is not None:
+                    w.collector.detach()
+            except Exception:
+                pass
+        if self.runtime is not None:
+            try:
+                self.runtime.close()
+            except Exception:
+                pass
+            self.runtime = None
         for g in list(self.groups.values()):
             try:
                 g.close()

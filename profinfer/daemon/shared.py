@@ -111,3 +111,62 @@ class SharedProbes:
             self.collector.detach()
         finally:
             os.close(self.followed_fd)
+
+
+@dataclass
+class SharedRuntime:
+    """The cuda level for every watched process that maps a CUDA runtime (or links one): one
+    object, counted in BPF per process (no per-call event but allocations and registrations),
+    each runtime file probed once, on the file, the processes in its `followed` map. A file's
+    links close when the last process using it exits; the object with the last process."""
+    collector: object
+    followed_fd: int
+    pids: set[int] = field(default_factory=set)
+    programs: dict[str, tuple[int, int]] = field(default_factory=dict)
+    lost_seen: int = 0
+    errors: int = 0
+
+    @classmethod
+    def open(cls, pack: Pack, pid: int, files: list[tuple[str, str]]) -> "SharedRuntime":
+        fd = libbpf.create_map(libbpf.BPF_MAP_TYPE_HASH, "followed", 4, 4, _FOLLOWED_MAX)
+        coll = None
+        try:
+            libbpf.map_update(fd, pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
+            coll = pack.collector_class()(pid, {"cuda"}, pack, files, root=f"/proc/{pid}/root",
+                                          ringbuf_pages=SHARED_RING_PAGES, followed_map_fd=fd,
+                                          timeline=False)
+            coll.attach()
+        except BaseException:
+            if coll is not None:
+                try:
+                    coll.detach()
+                except Exception:
+                    pass
+            os.close(fd)
+            raise
+        return cls(coll, fd, {pid})
+
+    def add(self, pid: int, files: list[tuple[str, str]]) -> None:
+        """A process (or a runtime it loaded later): its files probed where not yet."""
+        libbpf.map_update(self.followed_fd, pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
+        try:
+            self.collector.attach_files(files, pid, root=f"/proc/{pid}/root")
+        except BaseException:
+            if pid not in self.pids:
+                libbpf.map_delete(self.followed_fd, pid.to_bytes(4, "little"))
+            raise
+        self.pids.add(pid)
+
+    def remove(self, pid: int) -> None:
+        libbpf.map_delete(self.followed_fd, pid.to_bytes(4, "little"))
+        self.pids.discard(pid)
+        self.collector.forget_process(pid)
+
+    def files(self) -> list[str]:
+        return sorted(os.path.basename(f.path) for f in self.collector.files)
+
+    def close(self) -> None:
+        try:
+            self.collector.detach()
+        finally:
+            os.close(self.followed_fd)

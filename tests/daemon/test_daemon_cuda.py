@@ -1,7 +1,8 @@
 """The daemon's cuda level (on by default): a program built with nvcc that logs every CUDA
 call it makes runs while the daemon watches it (counted in BPF, no timeline); the daemon's
 metrics hold its kernel launches by kernel, its copies' bytes by kind and its graph launches,
-as the program's own log counts them."""
+as the program's own log counts them. One object serves every process with a runtime, each
+runtime file probed once."""
 from __future__ import annotations
 
 import json
@@ -34,47 +35,70 @@ def _series(text: str, name: str, pid: int, label: str) -> dict[str, float]:
     return out
 
 
+def _expected(log: Path) -> tuple[Counter, Counter, int]:
+    entries = [json.loads(l) for l in log.read_text().splitlines()]
+    kernels = Counter(d_["kernel"] if d_["fn"].startswith("cuda") else f"CUfunction@{d_['func']}"
+                      for d_ in entries if d_["fn"] in ("cudaLaunchKernel", "cudaLaunchKernelExC",
+                                                         "cuLaunchKernel", "cuLaunchKernelEx"))
+    copied: Counter = Counter()
+    for e in entries:
+        if e["fn"].startswith("cudaMemcpy"):
+            copied[KINDS[e["kind"]]] += e["bytes"]
+        elif e["fn"].startswith("cudaMemset"):
+            copied["memset"] += e["bytes"]
+    return kernels, copied, sum(1 for e in entries if e["fn"] == "cudaGraphLaunch")
+
+
 def test_cuda_counts_in_the_daemon_equal_the_programs_log(tmp_path):
+    """Three programs at once: two of one static build (one executable file: probed once)
+    and one linked to the shared runtime; one object serves them, each counted apart."""
     # the runtime linked in (the driver part, dlopen'd when the calls begin, is left out: the
     # daemon probes a library a process loads later within a scan, not before its first call)
-    program = workload.build_program(PROGRAM, "static")
+    static, shared = workload.build_program(PROGRAM, "static"), workload.build_program(PROGRAM, "shared")
     d = Daemon(tmp_path)
-    log, go = tmp_path / "calls.jsonl", tmp_path / "go"
+    go = tmp_path / "go"
     try:
-        proc = subprocess.Popen([str(program), "--log", str(log), "--repeat", "2",
-                                 "--start-after", str(go)], stdout=subprocess.PIPE, text=True)
-        _STARTED.append(proc)
-        assert proc.stdout.readline().startswith("ready ")
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            info = d.watched(proc.pid)
-            if "cuda" in info["levels"]:
-                break
-            time.sleep(0.1)
-        assert "cuda" in info["levels"] and info["engine"] == "CUDA", info
+        procs = []
+        for i, program in enumerate((static, static, shared)):
+            log = tmp_path / f"calls{i}.jsonl"
+            proc = subprocess.Popen([str(program), "--log", str(log), "--repeat", "2",
+                                     "--start-after", str(go)], stdout=subprocess.PIPE, text=True)
+            _STARTED.append(proc)
+            assert proc.stdout.readline().startswith("ready ")
+            procs.append((proc, log))
+        for proc, _ in procs:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                info = d.watched(proc.pid)
+                if "cuda" in info["levels"]:
+                    break
+                time.sleep(0.1)
+            assert "cuda" in info["levels"] and info["engine"] == "CUDA", info
+        groups = [g for g in json.loads(_get(d.url + "/status")[1])["shared_probes"] if g["engine"] == "CUDA"]
+        assert len(groups) == 1 and {p.pid for p, _ in procs} <= set(groups[0]["processes"]), groups
+        assert groups[0]["files"].count(static.name) == 1 and any("libcudart.so" in f for f in groups[0]["files"])
         go.write_text("")
-        assert proc.wait(timeout=60) == 0
-        entries = [json.loads(l) for l in log.read_text().splitlines()]
-        want_kernels = Counter(d_["kernel"] if d_["fn"].startswith("cuda") else f"CUfunction@{d_['func']}"
-                               for d_ in entries if d_["fn"] in ("cudaLaunchKernel", "cudaLaunchKernelExC",
-                                                                  "cuLaunchKernel", "cuLaunchKernelEx"))
-        want_bytes: Counter = Counter()
-        for e in entries:
-            if e["fn"].startswith("cudaMemcpy"):
-                want_bytes[KINDS[e["kind"]]] += e["bytes"]
-            elif e["fn"].startswith("cudaMemset"):
-                want_bytes["memset"] += e["bytes"]
-        graphs = sum(1 for e in entries if e["fn"] == "cudaGraphLaunch")
-        deadline, text = time.monotonic() + 10, ""
+        for proc, _ in procs:
+            assert proc.wait(timeout=60) == 0
+        for proc, log in procs:
+            want_kernels, want_bytes, graphs = _expected(log)
+            deadline, text, got = time.monotonic() + 10, "", {}
+            while time.monotonic() < deadline:
+                text = _get(d.url + "/metrics")[1].decode()
+                got = _series(text, "profinfer_cuda_kernel_launches_total", proc.pid, "kernel")
+                if got and sum(got.values()) == sum(want_kernels.values()):
+                    break
+                time.sleep(0.2)
+            assert {k: int(v) for k, v in got.items()} == dict(want_kernels), d.text()
+            got_bytes = _series(text, "profinfer_cuda_copy_bytes_total", proc.pid, "kind")
+            assert {k: int(v) for k, v in got_bytes.items()} == dict(want_bytes)
+            assert _series(text, "profinfer_cuda_graph_launches_total", proc.pid, None) == {"": graphs}
+        # its last process gone, the object goes
+        deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            text = _get(d.url + "/metrics")[1].decode()
-            got = _series(text, "profinfer_cuda_kernel_launches_total", proc.pid, "kernel")
-            if got and sum(got.values()) == sum(want_kernels.values()):
+            if not any(g["engine"] == "CUDA" for g in json.loads(_get(d.url + "/status")[1])["shared_probes"]):
                 break
             time.sleep(0.2)
-        assert {k: int(v) for k, v in got.items()} == dict(want_kernels), d.text()
-        got_bytes = _series(text, "profinfer_cuda_copy_bytes_total", proc.pid, "kind")
-        assert {k: int(v) for k, v in got_bytes.items()} == dict(want_bytes)
-        assert _series(text, "profinfer_cuda_graph_launches_total", proc.pid, None) == {"": graphs}
+        assert not any(g["engine"] == "CUDA" for g in json.loads(_get(d.url + "/status")[1])["shared_probes"])
     finally:
         d.stop()
