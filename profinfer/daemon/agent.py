@@ -76,6 +76,7 @@ class Watch:
     programs: dict[str, tuple[int, int]] = field(default_factory=dict)   # last kernel counts
     model_checked: float = 0.0
     errors: int = 0
+    pidfd: int = -1                     # readable once the process has exited
 
 
 def step_call(step: Step) -> TokenCall:
@@ -96,6 +97,20 @@ def _stat(pid: int) -> tuple[int, int] | None:
         return int(fields[19]), int(fields[20])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _pidfd(pid: int, start: int) -> int:
+    """An fd that polls readable when the process (pid, start) exits; -1 where the kernel
+    has no pidfd (before 5.3: exits are then seen at the next scan)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return -1
+    st = _stat(pid)
+    if st is None or st[0] != start:      # another process by now
+        os.close(fd)
+        return -1
+    return fd
 
 
 def raise_fd_limit() -> None:
@@ -262,6 +277,7 @@ class Agent:
                   model_checked=time.monotonic(), step_up_wait_s=STEP_UP_S)
         if "op" in self.levels and hasattr(cls, "take_op_totals"):
             self._attach_op(w)
+        w.pidfd = _pidfd(pid, start)
         with self.lock:
             self.watches[pid] = w
         self.failed.pop((pid, start), None)
@@ -316,7 +332,7 @@ class Agent:
     def _watch_runtime_only(self, pid: int, start: int) -> None:
         """A process that runs no known engine but a CUDA runtime: watched at the cuda level."""
         ident = identify(pid, start, self.cuda_pack.engine)
-        w = Watch(ident, None, set(), time.time(), model_checked=time.monotonic())
+        w = Watch(ident, None, set(), time.time(), model_checked=time.monotonic(), pidfd=_pidfd(pid, start))
         with self.lock:
             self.watches[pid] = w
         self.metrics.watched(ident)
@@ -337,6 +353,9 @@ class Agent:
                 with self.lock:
                     self.watches.pop(pid, None)
                 self.metrics.forget(w.identity)
+                if w.pidfd >= 0:
+                    os.close(w.pidfd)
+                    w.pidfd = -1
             self._attach_failed(pid, w.identity.start, self.cuda_pack, e)
             return
         w.cuda = True
@@ -397,6 +416,9 @@ class Agent:
         w.exited_at = time.monotonic()
         w.collector = w.group = None     # their buffers go now; the series stay (metrics)
         w.cuda = False
+        if w.pidfd >= 0:
+            os.close(w.pidfd)
+            w.pidfd = -1
         with self.lock:
             self.watches.pop(w.identity.pid, None)
             self.exited.append(w)
@@ -549,15 +571,19 @@ class Agent:
                 poller.register(coll.fileno(), select.POLLIN)
             except Exception:
                 pass
-        if watches:
-            poller.poll(timeout_s * 1000)
-        else:
-            time.sleep(timeout_s)
+        exits = {w.pidfd: w for w in watches if w.pidfd >= 0}
+        for fd in exits:
+            poller.register(fd, select.POLLIN)
+        ready = poller.poll(timeout_s * 1000) if watches else time.sleep(timeout_s) or []
         for g in groups:
             self._drain_group(g)
         self._drain_runtime()
         for w in watches:
             self._drain(w)
+        for fd, _ in ready:                 # exited: detached now, not at the next scan
+            w = exits.get(fd)
+            if w is not None and self.watches.get(w.identity.pid) is w:
+                self._gone(w)
         if time.monotonic() - self._last_scan >= SCAN_S:
             self._last_scan = time.monotonic()
             self.scan()
@@ -713,6 +739,8 @@ class Agent:
                     w.collector.detach()
             except Exception:
                 pass
+            if w.pidfd >= 0:
+                os.close(w.pidfd)
         if self.runtime is not None:
             try:
                 self.runtime.close()
