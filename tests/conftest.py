@@ -275,6 +275,24 @@ def start_profinfer(args: list[str], env=None) -> subprocess.Popen:
     return p
 
 
+def start_vllm_truth(vllm_python: Path, vllm_model: Path, mode: str, go: Path,
+                     truth_path: Path) -> subprocess.Popen:
+    """tests/vllm/offline_truth.py started and past its warm-up (READY), its output drained."""
+    script = Path(__file__).parent / "vllm" / "offline_truth.py"
+    target = subprocess.Popen([str(vllm_python), str(script), str(vllm_model), mode, str(go), str(truth_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    seen = []
+    for line in target.stdout:              # vLLM logs to stdout too
+        seen.append(line)
+        if line.strip() == "READY":
+            break
+    if not seen or seen[-1].strip() != "READY":
+        target.kill()
+        raise AssertionError("".join(seen[-20:]))
+    threading.Thread(target=target.stdout.read, daemon=True).start()
+    return target
+
+
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
     """vLLM for CPU, in its own venv (profinfer.engines.vllm.workload)."""

@@ -9,7 +9,8 @@ is (pid, start time): a pid reused by a new process is a new process. Each watch
 is served by its build's shared probes (shared.py: one object per engine and library files,
 the processes in a BPF map) at the always-on levels, and by its own op-level probes where the
 budget allows; a process that exits leaves the map at once (the object goes with the last
-one), and its metric series are dropped after a TTL.
+one; an exit is seen at once through the process's pidfd), and its metric series are dropped
+after a TTL. The cuda level is one object for every process that has a runtime.
 
 Nothing a process does, nor its vanishing at any moment, stops the loop: an error in one
 watch is logged and counted, and the others go on.
@@ -48,9 +49,10 @@ SHARED_LEVELS = ("token", "graph")    # shared per build; the op level is per pr
 GOVERN_S = 2.0
 STEP_DOWN_ORDER = ("op",)
 STEP_UP_S = 20.0
-LEVEL_RANK = {"op": 3, "graph": 2, "token": 1}
-# each watched process's event ring: 64 KiB holds a few hundred token events, drained every
-# 0.2 s (a ring of 4 MiB each, attach's default, would be 4 MiB of locked memory a process)
+LEVEL_RANK = {"op": 3, "graph": 2, "token": 1, "step": 1}
+# a process's own op-level object sends next to nothing (its ops are counted in BPF; its
+# graph events bound them): 64 KiB (a ring of 4 MiB, attach's default, would be 4 MiB of
+# locked memory a process)
 RING_PAGES = 16
 _SEEN_LIMIT = 4096       # executables remembered (does it define an engine's marker)
 

@@ -264,7 +264,7 @@ class _Exposer:
         op_secs = CounterMetricFamily("profinfer_op_seconds", "Time in engine ops, by op type",
                                       labels=labels + ["op"])
         level = GaugeMetricFamily("profinfer_governor_level", "The levels a process is profiled at, "
-                                  "as the governor set them: 3 op, 2 graph, 1 token", labels=labels)
+                                  "as the governor set them: 3 op, 2 graph, 1 token (or step)", labels=labels)
         share = GaugeMetricFamily("profinfer_overhead_ratio", "What the probes cost a process: "
                                   "kernel-counted BPF time + probe hits x calibrated trap cost, over "
                                   "its CPU time (last governor window)", labels=labels)

@@ -27,6 +27,28 @@ SHARED_RING_PAGES = 64
 _FOLLOWED_MAX = 4096      # PI_MAX_FOLLOWED (transport.h)
 
 
+def open_followed(pack: Pack, pid: int, files: list[tuple[str, str]], levels: set[str],
+                  **options) -> tuple[object, int]:
+    """The pack's collector attached to its files for the processes in a new `followed` map,
+    pid first: (the collector, the map's fd)."""
+    fd = libbpf.create_map(libbpf.BPF_MAP_TYPE_HASH, "followed", 4, 4, _FOLLOWED_MAX)
+    coll = None
+    try:
+        libbpf.map_update(fd, pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
+        coll = pack.collector_class()(pid, levels, pack, files, root=f"/proc/{pid}/root",
+                                      ringbuf_pages=SHARED_RING_PAGES, followed_map_fd=fd, **options)
+        coll.attach()
+    except BaseException:
+        if coll is not None:
+            try:
+                coll.detach()
+            except Exception:
+                pass
+        os.close(fd)
+        raise
+    return coll, fd
+
+
 def group_key(pack: Pack, files: list[tuple[str, str]]) -> tuple:
     """The engine and its files' identities; OSError when a file has gone."""
     return (pack.engine, frozenset(discovery.file_key(host) for host, _ in files))
@@ -52,23 +74,9 @@ class SharedProbes:
     def open(cls, key: tuple, pack: Pack, pid: int, files: list[tuple[str, str]],
              levels: set[str]) -> "SharedProbes":
         """Attach the levels' probes to the files, for pid to begin with."""
-        fd = libbpf.create_map(libbpf.BPF_MAP_TYPE_HASH, "followed", 4, 4, _FOLLOWED_MAX)
-        coll = None
-        try:
-            libbpf.map_update(fd, pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
-            engine = pack.collector_class()
-            extra = {"graph_totals": True} if hasattr(engine, "take_graph_totals") else {}
-            coll = engine(pid, levels, pack, files, root=f"/proc/{pid}/root",
-                       ringbuf_pages=SHARED_RING_PAGES, followed_map_fd=fd, **extra)
-            coll.attach()
-        except BaseException:
-            if coll is not None:
-                try:
-                    coll.detach()
-                except Exception:
-                    pass
-            os.close(fd)
-            raise
+        engine = pack.collector_class()
+        extra = {"graph_totals": True} if hasattr(engine, "take_graph_totals") else {}
+        coll, fd = open_followed(pack, pid, files, levels, **extra)
         group = cls(key, coll, fd, {pid})
         group._note_maps(pid)
         return group
@@ -128,22 +136,7 @@ class SharedRuntime:
 
     @classmethod
     def open(cls, pack: Pack, pid: int, files: list[tuple[str, str]]) -> "SharedRuntime":
-        fd = libbpf.create_map(libbpf.BPF_MAP_TYPE_HASH, "followed", 4, 4, _FOLLOWED_MAX)
-        coll = None
-        try:
-            libbpf.map_update(fd, pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
-            coll = pack.collector_class()(pid, {"cuda"}, pack, files, root=f"/proc/{pid}/root",
-                                          ringbuf_pages=SHARED_RING_PAGES, followed_map_fd=fd,
-                                          timeline=False)
-            coll.attach()
-        except BaseException:
-            if coll is not None:
-                try:
-                    coll.detach()
-                except Exception:
-                    pass
-            os.close(fd)
-            raise
+        coll, fd = open_followed(pack, pid, files, {"cuda"}, timeline=False)
         return cls(coll, fd, {pid})
 
     def add(self, pid: int, files: list[tuple[str, str]]) -> None:

@@ -65,7 +65,8 @@ def test_churn_keeps_the_daemon_flat(tmp_path, llama_build, tiny_model, llama_en
             for w in ws:
                 d.watched(w.proc.pid)           # each one found
             # one build: one set of probes serves the wave (a process joins a BPF map)
-            groups = json.loads(_get(d.url + "/status")[1])["shared_probes"]
+            groups = [g for g in json.loads(_get(d.url + "/status")[1])["shared_probes"]
+                      if g["engine"] == "llama.cpp"]
             assert len(groups) == 1 and {w.proc.pid for w in ws} <= set(groups[0]["processes"]), groups
             if wave == 0:
                 out = subprocess.run(PROFINFER + ["status", "--url", d.url], capture_output=True, text=True).stdout

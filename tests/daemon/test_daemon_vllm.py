@@ -5,14 +5,10 @@ outputs: tests/vllm/offline_truth.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import threading
 import time
-from pathlib import Path
 
+from conftest import start_vllm_truth
 from daemon_helpers import _STARTED, Daemon, _get, kill_started
-
-TRUTH_SCRIPT = Path(__file__).parent.parent / "vllm" / "offline_truth.py"
 
 
 def _series(text: str, name: str, pid: int, label: str) -> dict[str, float]:
@@ -26,18 +22,10 @@ def _series(text: str, name: str, pid: int, label: str) -> dict[str, float]:
 
 def test_vllm_steps_in_the_daemon_equal_its_scheduler(vllm_python, vllm_model, tmp_path):
     go, truth_path = tmp_path / "go", tmp_path / "truth.json"
-    target = subprocess.Popen([str(vllm_python), str(TRUTH_SCRIPT), str(vllm_model), "eager", str(go),
-                               str(truth_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    target = start_vllm_truth(vllm_python, vllm_model, "eager", go, truth_path)
     _STARTED.append(target)
     d = None
     try:
-        seen = []
-        for line in target.stdout:              # vLLM logs to stdout too
-            seen.append(line)
-            if line.strip() == "READY":
-                break
-        assert seen and seen[-1].strip() == "READY", "".join(seen[-20:])
-        threading.Thread(target=target.stdout.read, daemon=True).start()
         # the daemon starts after the generation's warm-up, which the truth leaves out
         d = Daemon(tmp_path)
         info = d.watched(target.pid, timeout=30)

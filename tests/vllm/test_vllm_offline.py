@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from conftest import PROFINFER, start_profinfer
+from conftest import PROFINFER, start_profinfer, start_vllm_truth
 
-TRUTH_SCRIPT = Path(__file__).with_name("offline_truth.py")
 # torch.profiler's dtype names for the ScalarTypes seen (c10's C++ type names)
 PROFILER_DTYPES = {"c10::BFloat16": "bfloat16", "float": "float32", "int": "int32",
                    "long int": "int64", "signed char": "int8", "c10::Half": "float16",
@@ -35,16 +33,8 @@ def _truth_key(call: dict) -> tuple:
 def run_offline(vllm_python, vllm_model, mode: str, tmp_path: Path,
                 extra: tuple[str, ...] = ()) -> tuple[dict, dict, str]:
     go, truth_path, summary_path = tmp_path / "go", tmp_path / "truth.json", tmp_path / "summary.json"
-    target = subprocess.Popen([str(vllm_python), str(TRUTH_SCRIPT), str(vllm_model), mode, str(go),
-                               str(truth_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    target = start_vllm_truth(vllm_python, vllm_model, mode, go, truth_path)
     try:
-        seen = []
-        for line in target.stdout:              # vLLM logs to stdout too
-            seen.append(line)
-            if line.strip() == "READY":
-                break
-        assert seen and seen[-1].strip() == "READY", "".join(seen[-20:])
-        threading.Thread(target=target.stdout.read, daemon=True).start()
         prof = start_profinfer(["attach", "--pid", str(target.pid), "--json", str(summary_path),
                                 "-o", str(tmp_path / "trace.pftrace"), "--quiet", *extra])
         go.touch()
