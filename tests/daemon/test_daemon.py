@@ -81,11 +81,18 @@ def test_prometheus_counts_equal_llama_perf(daemon, tmp_path, llama_build, tiny_
         assert int(float(calls[0]["value"][1])) == perf["eval"][1]
         ttft = _query(prom_url, f'profinfer_time_to_first_token_seconds_count{{pid="{pid}"}}')
         assert int(float(ttft[0]["value"][1])) == 1
-        # the graph level, counted in BPF: a graph per decode call (the prompt, under one
-        # ubatch of 512, is one), on the scheduler and on the CPU backend
-        for backend in ("sched", "CPU"):
-            graphs = _query(prom_url, f'profinfer_graph_computes_total{{pid="{pid}",backend="{backend}"}}')
-            assert graphs and int(float(graphs[0]["value"][1])) == perf["eval"][1] + 1, (backend, graphs)
+        # the graph level, counted in BPF (read once a second, and at the process's exit): a
+        # graph per decode call (the prompt, under one ubatch of 512, is one), on the
+        # scheduler and on the CPU backend
+        want_graphs = {"sched": perf["eval"][1] + 1, "CPU": perf["eval"][1] + 1}
+        deadline, graphs = time.monotonic() + 30, {}
+        while time.monotonic() < deadline:
+            rows = _query(prom_url, f'profinfer_graph_computes_total{{pid="{pid}"}}')
+            graphs = {r["metric"]["backend"]: int(float(r["value"][1])) for r in rows}
+            if graphs == want_graphs:
+                break
+            time.sleep(0.5)
+        assert graphs == want_graphs, daemon.text()
         hist = _query(prom_url, f'profinfer_graph_compute_duration_seconds_count{{pid="{pid}",backend="CPU"}}')
         assert int(float(hist[0]["value"][1])) == perf["eval"][1] + 1
     finally:

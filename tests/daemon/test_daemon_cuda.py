@@ -80,15 +80,15 @@ def test_cuda_counts_in_the_daemon_equal_the_programs_log(tmp_path):
         go.write_text("")
         for proc, _ in procs:
             assert proc.wait(timeout=60) == 0
+        # each one's exit seen, and what it sent drained, before its series are read
+        pids, deadline = {p.pid for p, _ in procs}, time.monotonic() + 10
+        while time.monotonic() < deadline and pids & {
+                p["pid"] for p in json.loads(_get(d.url + "/status")[1])["processes"]}:
+            time.sleep(0.1)
+        text = _get(d.url + "/metrics")[1].decode()
         for proc, log in procs:
             want_kernels, want_bytes, graphs = _expected(log)
-            deadline, text, got = time.monotonic() + 10, "", {}
-            while time.monotonic() < deadline:
-                text = _get(d.url + "/metrics")[1].decode()
-                got = _series(text, "profinfer_cuda_kernel_launches_total", proc.pid, "kernel")
-                if got and sum(got.values()) == sum(want_kernels.values()):
-                    break
-                time.sleep(0.2)
+            got = _series(text, "profinfer_cuda_kernel_launches_total", proc.pid, "kernel")
             assert {k: int(v) for k, v in got.items()} == dict(want_kernels), d.text()
             got_bytes = _series(text, "profinfer_cuda_copy_bytes_total", proc.pid, "kind")
             assert {k: int(v) for k, v in got_bytes.items()} == dict(want_bytes)
