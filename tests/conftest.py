@@ -111,11 +111,17 @@ def bpf_snapshot() -> dict[tuple[str, int], str]:
 
 def _fds(pid: int) -> list[tuple[str, str]]:
     """(link target, fdinfo text) of each open fd of a process ([] once it is gone)."""
+    return [(target, info) for _, target, info in open_fds(pid)]
+
+
+def open_fds(pid: int) -> list[tuple[int, str, str]]:
+    """(fd, link target, fdinfo text) of each open fd of a process ([] once it is gone; an
+    fd it closes meanwhile is left out)."""
     out = []
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
-                out.append((os.readlink(f"/proc/{pid}/fd/{fd}"),
+                out.append((int(fd), os.readlink(f"/proc/{pid}/fd/{fd}"),
                             Path(f"/proc/{pid}/fdinfo/{fd}").read_text()))
             except OSError:
                 pass      # closed meanwhile

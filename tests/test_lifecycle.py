@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import BpfWatch, Target, endless_cmd, run_profinfer, start_profinfer
+from conftest import BpfWatch, Target, endless_cmd, open_fds, run_profinfer, start_profinfer
 
 
 @pytest.fixture
@@ -96,8 +96,7 @@ def test_leak_check_fails_on_a_link_kept_alive(target, bpf_watch):
     """The leftover check can fail: a copy of one of profinfer's uprobe links, held by this
     process, keeps its program attached to the target after profinfer is killed."""
     p = start_profinfer(["attach", "--pid", str(target.proc.pid), "--quiet", "--levels", "token"])
-    links = [fd for fd in os.listdir(f"/proc/{p.pid}/fd")
-             if os.readlink(f"/proc/{p.pid}/fd/{fd}") == "anon_inode:bpf_link"]
+    links = [fd for fd, what, _ in open_fds(p.pid) if what == "anon_inode:bpf_link"]
     assert links
     kept = _pidfd_getfd(p.pid, int(links[0]))
     try:

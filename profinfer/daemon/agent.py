@@ -525,10 +525,14 @@ class Agent:
         for c in calls:
             if c.pid in by_pid:
                 by_pid[c.pid][1].append(c)
+        lost = rt.collector.lost()
         for pid, (g, c) in by_pid.items():
             w = self.watches.get(pid)
             if w is not None and w.cuda:
                 self.metrics.cuda(w.identity, g, c)
+                if lost > rt.lost_seen:       # as for a build's shared ring
+                    self.metrics.lost(w.identity, lost - rt.lost_seen)
+        rt.lost_seen = max(rt.lost_seen, lost)
 
     def _group_totals(self, group: SharedProbes) -> None:
         """The graph level, counted in BPF: its cumulative counts, by process and backend."""

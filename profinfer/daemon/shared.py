@@ -8,10 +8,11 @@ one ring, and a process found later costs a map update (bench/daemon_footprint.p
 both ways). The object is keyed by the engine and the files' (device, inode): a container with
 its own copy of the libraries gets its own. Its links close when its last process exits.
 
-Only the always-on levels are shared (token and graph: a few probe hits per decode call);
-the op level, which traps on every node, stays per process (a pid-filtered attach puts its
-breakpoints in that process alone), so the governor can take it from one process without
-touching the others.
+Shared: the engines' always-on levels (llama.cpp's token and graph, vLLM's step: a few
+probe hits per forward call) and the cuda level (one object for every process with a
+runtime, each runtime file probed once). The op level, which traps on every node, stays per
+process (a pid-filtered attach puts its breakpoints in that process alone), so the governor
+can take it from one process without touching the others.
 """
 from __future__ import annotations
 
