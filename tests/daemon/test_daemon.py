@@ -64,18 +64,24 @@ def _query(prom: str, q: str) -> list[dict]:
     return json.loads(body)["data"]["result"]
 
 
+def _stored(prom: str, q: str, label: str, want: dict[str, int], timeout: float = 30) -> dict[str, int]:
+    """What Prometheus stored for q, by label: polled until it equals want (scrapes are a
+    second apart) or the time is up."""
+    deadline, got = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        got = {r["metric"][label]: int(float(r["value"][1])) for r in _query(prom, q)}
+        if got == want:
+            break
+        time.sleep(0.5)
+    return got
+
+
 def test_prometheus_counts_equal_llama_perf(daemon, tmp_path, llama_build, tiny_model, llama_env):
     prom, prom_url = _prometheus(tmp_path, f"127.0.0.1:{daemon.port}")
     try:
         pid, perf = _generate_watched(daemon, llama_build, tiny_model, llama_env, tmp_path)
         want = {"prefill": perf["prompt eval"][1], "decode": perf["eval"][1]}
-        deadline, got = time.monotonic() + 30, {}
-        while time.monotonic() < deadline:
-            rows = _query(prom_url, f'profinfer_tokens_total{{pid="{pid}"}}')
-            got = {r["metric"]["phase"]: int(float(r["value"][1])) for r in rows}
-            if got == want:
-                break
-            time.sleep(0.5)
+        got = _stored(prom_url, f'profinfer_tokens_total{{pid="{pid}"}}', "phase", want)
         assert got == want, daemon.text()
         calls = _query(prom_url, f'sum(profinfer_decode_calls_total{{pid="{pid}",phase="decode"}})')
         assert int(float(calls[0]["value"][1])) == perf["eval"][1]
@@ -85,13 +91,7 @@ def test_prometheus_counts_equal_llama_perf(daemon, tmp_path, llama_build, tiny_
         # graph per decode call (the prompt, under one ubatch of 512, is one), on the
         # scheduler and on the CPU backend
         want_graphs = {"sched": perf["eval"][1] + 1, "CPU": perf["eval"][1] + 1}
-        deadline, graphs = time.monotonic() + 30, {}
-        while time.monotonic() < deadline:
-            rows = _query(prom_url, f'profinfer_graph_computes_total{{pid="{pid}"}}')
-            graphs = {r["metric"]["backend"]: int(float(r["value"][1])) for r in rows}
-            if graphs == want_graphs:
-                break
-            time.sleep(0.5)
+        graphs = _stored(prom_url, f'profinfer_graph_computes_total{{pid="{pid}"}}', "backend", want_graphs)
         assert graphs == want_graphs, daemon.text()
         hist = _query(prom_url, f'profinfer_graph_compute_duration_seconds_count{{pid="{pid}",backend="CPU"}}')
         assert int(float(hist[0]["value"][1])) == perf["eval"][1] + 1
