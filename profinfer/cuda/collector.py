@@ -50,8 +50,6 @@ class CudaCollector:
         self.consts, self.dt = layout.parse(header=runtime.HEADER)
         self.ev_dt = self.dt["pc_call"]
         self.apis: list[runtime.Api] = []
-        self.files: list[runtime.RuntimeFile] = []
-        self.probed_files: set[tuple[int, int]] = set()
         self.placements: dict[str, placement.Placement] = {}   # function: its entry probe's place
         self.obj: libbpf.BpfObject | None = None
         self.names: dict[int, KernelNames] = {}       # per process
@@ -74,8 +72,8 @@ class CudaCollector:
         self._kernel_names: dict[tuple[int, int, bool], str] = {}   # named once per kernel
         self._memory = KnownMemory()        # allocations seen: which way Default copies went
         self._sites: dict[tuple[int, int], str] = {}
-        self._file_links: dict[tuple[int, int], list] = {}   # a probed file's links
-        self._file_probes: dict[tuple[int, int], tuple[runtime.RuntimeFile, int]] = {}   # and its probes
+        # each probed file by (device, inode): the file, its links, its probes
+        self._probed: dict[tuple[int, int], tuple[runtime.RuntimeFile, list, int]] = {}
         self.process_files: dict[int, set[tuple[int, int]]] = {}   # the runtime files each uses
 
     # ---- attach ----
@@ -140,9 +138,9 @@ class CudaCollector:
         for rf in files:
             key = discovery.file_key(rf.host_path)
             self.process_files.setdefault(tgid, set()).add(key)
-            if key in self.probed_files:
+            if key in self._probed:
                 continue
-            links = self._file_links.setdefault(key, [])
+            links: list = []
             groups: dict[str, tuple[list[int], list[int]]] = {ENTRY_ONLY: ([], []), ENTRY: ([], []),
                                                               RETURN: ([], [])}
             for api in self.apis:
@@ -160,20 +158,23 @@ class CudaCollector:
                 for prog in ((ENTRY, RETURN) if api.returns else (ENTRY_ONLY,)):
                     groups[prog][0].append(sym.file_offset + entry.offset)
                     groups[prog][1].append(api.index)
-            for prog, (offsets, cookies) in groups.items():
-                if not offsets:
-                    continue
-                if self._multi:
-                    links.append(self.obj.attach_uprobe_multi(prog, rf.host_path, offsets, cookies, pid,
-                                                              retprobe=prog == RETURN))
-                else:
-                    for off, cookie in zip(offsets, cookies):
-                        links.append(self.obj.attach_uprobe(prog, rf.host_path, off, pid,
-                                                            retprobe=prog == RETURN, cookie=cookie))
-                self.n_probes += len(offsets)
-                self._file_probes[key] = (rf, self._file_probes.get(key, (rf, 0))[1] + len(offsets))
-            self.probed_files.add(key)
-            self.files.append(rf)
+            try:
+                for prog, (offsets, cookies) in groups.items():
+                    if not offsets:
+                        continue
+                    if self._multi:
+                        links.append(self.obj.attach_uprobe_multi(prog, rf.host_path, offsets, cookies,
+                                                                  pid, retprobe=prog == RETURN))
+                    else:
+                        for off, cookie in zip(offsets, cookies):
+                            links.append(self.obj.attach_uprobe(prog, rf.host_path, off, pid,
+                                                                retprobe=prog == RETURN, cookie=cookie))
+            except BaseException:
+                self.obj.detach_links(links)      # the file is probed whole or not at all
+                raise
+            n = sum(len(offsets) for offsets, _ in groups.values())
+            self.n_probes += n
+            self._probed[key] = (rf, links, n)
         self._watch_process(tgid, files)
 
     def _watch_process(self, tgid: int, files: list[runtime.RuntimeFile]) -> None:
@@ -197,6 +198,11 @@ class CudaCollector:
         for i, (lo, hi) in enumerate(ranges):
             value["start"][0, i], value["end"][0, i] = lo, hi
         libbpf.map_update(self.obj.map_fd("runtime_ranges"), tgid.to_bytes(4, "little"), value.tobytes())
+
+    @property
+    def files(self) -> list[runtime.RuntimeFile]:
+        """The runtime files probed, in the order they were."""
+        return [rf for rf, _, _ in self._probed.values()]
 
     def attach_files(self, lib_paths: list[tuple[str, str]], tgid: int | None = None,
                      root: str | None = None) -> list[str]:
@@ -223,12 +229,10 @@ class CudaCollector:
                 libbpf.map_delete(fd, k[:key_dt.itemsize])
         libbpf.map_delete(self.obj.map_fd("runtime_ranges"), tgid.to_bytes(4, "little"))
         used = set().union(*self.process_files.values()) if self.process_files else set()
-        for key in [k for k in self._file_links if k not in used]:
-            self.obj.detach_links(self._file_links.pop(key))
-            self.probed_files.discard(key)
-            rf, n = self._file_probes.pop(key, (None, 0))
+        for key in [k for k in self._probed if k not in used]:
+            _, links, n = self._probed.pop(key)
+            self.obj.detach_links(links)
             self.n_probes -= n
-            self.files = [f for f in self.files if f is not rf]
 
     # ---- collect ----
 

@@ -87,18 +87,23 @@ def step_call(step: Step) -> TokenCall:
                      decode_tokens=step.decode_seqs)
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(start time in clock ticks since boot: a pid's identity with its number; virtual
-    memory size: what a new mapping changes), from /proc/PID/stat; None once it has exited
-    (a zombie not yet reaped included)."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first); None when unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        if fields[0] in ("Z", "X"):
-            return None
-        return int(fields[19]), int(fields[20])
-    except (OSError, ValueError, IndexError):
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
         return None
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(start time in clock ticks since boot: a pid's identity with its number; virtual
+    memory size: what a new mapping changes); None once it has exited (a zombie not yet
+    reaped included)."""
+    fields = _stat_fields(pid)
+    if fields is None or len(fields) < 21 or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19]), int(fields[20])
 
 
 def _pidfd(pid: int, start: int) -> int:
@@ -116,8 +121,8 @@ def _pidfd(pid: int, start: int) -> int:
 
 
 def raise_fd_limit() -> None:
-    """Each watched process holds ~25 fds (its BPF object's maps, programs, links, ring):
-    the soft limit goes up to the hard one."""
+    """Each build's shared object, and each process's own op level, holds ~25 fds (maps,
+    programs, links, ring): the soft limit goes up to the hard one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -171,10 +176,13 @@ class Agent:
             self._error(f"reading /proc: {e}")
             return
         alive = set(pids)
+        stats: dict[int, tuple[int, int]] = {}     # read once a scan
         for pid, w in list(self.watches.items()):
             st = _stat(pid)
             if st is None or st[0] != w.identity.start:     # exited (its pid maybe reused)
                 self._gone(w)
+            else:
+                stats[pid] = st
         now = time.monotonic()
         self.not_engines = {k: v for k, v in self.not_engines.items() if k[0] in alive}
         self.cuda_checked = {k: v for k, v in self.cuda_checked.items() if k[0] in alive}
@@ -190,10 +198,11 @@ class Agent:
                 if found:
                     w.identity = replace(w.identity, model=found)
                     self.metrics.watched(w.identity, keep_counts=True)
+        packs = self.packs + ([self.cuda_pack] if self.cuda_pack is not None else [])
         for pid in pids:
             if pid in self.watches or pid == self.own_pid:
                 continue
-            st = _stat(pid)
+            st = stats[pid] = _stat(pid)
             if st is None:
                 continue
             key, vsize = (pid, st[0]), st[1]
@@ -203,7 +212,6 @@ class Agent:
             if retry is not None and now < retry[0]:
                 continue
             try:
-                packs = self.packs + ([self.cuda_pack] if self.cuda_pack is not None else [])
                 matched = find_packs(packs, pid, True, self.executables_seen)
             except (OSError, ProfinferError):
                 matched = []
@@ -227,7 +235,7 @@ class Agent:
         # next scan are not seen)
         if self.cuda_pack is not None:
             for pid, w in list(self.watches.items()):
-                st = _stat(pid)
+                st = stats.get(pid)
                 if st is None or self.cuda_checked.get((pid, st[0])) == st[1]:
                     continue
                 self.cuda_checked[(pid, st[0])] = st[1]
@@ -314,6 +322,10 @@ class Agent:
         return True
 
     def _detach_op(self, w: Watch) -> None:
+        """Its op level drained, its programs' counts kept, then detached."""
+        if w.collector is not None:
+            self._drain(w)
+            self._sample_programs(w)
         coll, w.collector = w.collector, None
         w.levels = w.levels - {"op"}
         if coll is None:
@@ -396,8 +408,6 @@ class Agent:
         if group is not None:
             self._drain_group(group)
             self._group_totals(group)
-        self._drain(w)
-        self._sample_programs(w)
         self._detach_op(w)
         if w.cuda and self.runtime is not None:
             self._drain_runtime()
@@ -407,7 +417,6 @@ class Agent:
                 self._error(f"PID {w.identity.pid}: leaving the cuda level: {type(e).__name__}: {e}")
             if not self.runtime.pids:
                 self._close_runtime()
-        self._retire(w.programs)
         if group is not None:
             try:
                 group.remove(w.identity.pid)
@@ -416,7 +425,7 @@ class Agent:
             if not group.pids:
                 self._close_group(group)
         w.exited_at = time.monotonic()
-        w.collector = w.group = None     # their buffers go now; the series stay (metrics)
+        w.group = None     # its buffers go now; the series stay (metrics)
         w.cuda = False
         if w.pidfd >= 0:
             os.close(w.pidfd)
@@ -494,13 +503,7 @@ class Agent:
                     else:
                         ttfts, tpots = w.tracker.feed(t)
                         self.metrics.decode_call(w.identity, t, ttfts, tpots)
-            lost = coll.lost()
-            if lost > group.lost_seen:
-                # a shared ring's losses cannot be told apart: each process it serves counts them
-                for pid in group.pids:
-                    if pid in self.watches:
-                        self.metrics.lost(self.watches[pid].identity, lost - group.lost_seen)
-                group.lost_seen = lost
+            self._shared_lost(group, coll.lost())
         except Exception as e:
             group.errors += 1
             if group.errors <= 3:
@@ -525,14 +528,20 @@ class Agent:
         for c in calls:
             if c.pid in by_pid:
                 by_pid[c.pid][1].append(c)
-        lost = rt.collector.lost()
         for pid, (g, c) in by_pid.items():
             w = self.watches.get(pid)
             if w is not None and w.cuda:
                 self.metrics.cuda(w.identity, g, c)
-                if lost > rt.lost_seen:       # as for a build's shared ring
-                    self.metrics.lost(w.identity, lost - rt.lost_seen)
-        rt.lost_seen = max(rt.lost_seen, lost)
+        self._shared_lost(rt, rt.collector.lost())
+
+    def _shared_lost(self, shared: SharedProbes | SharedRuntime, lost: int) -> None:
+        """A shared ring's losses cannot be told apart: each process it serves counts them."""
+        if lost <= shared.lost_seen:
+            return
+        for pid in shared.pids:
+            if pid in self.watches:
+                self.metrics.lost(self.watches[pid].identity, lost - shared.lost_seen)
+        shared.lost_seen = lost
 
     def _group_totals(self, group: SharedProbes) -> None:
         """The graph level, counted in BPF: its cumulative counts, by process and backend."""
@@ -553,16 +562,16 @@ class Agent:
             self.metrics.graphs(w.identity, backends)
 
     def _sample_programs(self, w: Watch) -> None:
-        programs: dict[str, tuple[int, int]] = {}
-        for coll in (w.collector,):
-            obj = getattr(coll, "obj", None)
-            if obj is None:
-                continue
-            try:
-                programs.update(obj.program_stats())
-            except Exception:
-                return
-        w.programs = programs
+        """The process's own op-level programs' kernel counts (the shared objects' are sampled
+        apart)."""
+        obj = getattr(w.collector, "obj", None)
+        if obj is None:
+            w.programs = {}
+            return
+        try:
+            w.programs = dict(obj.program_stats())
+        except Exception:
+            pass
 
     def poll(self, timeout_s: float) -> None:
         """Wait for events (up to timeout_s), drain every watch, scan when due."""
@@ -615,12 +624,10 @@ class Agent:
         return max((LEVEL_RANK.get(lv, 0) for lv in levels), default=0)
 
     def _cpu_ns(self, pid: int) -> int | None:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // self._ticks
-        except (OSError, ValueError, IndexError):
+        fields = _stat_fields(pid)
+        if fields is None or len(fields) < 13:
             return None
+        return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // self._ticks
 
     def _cost_ns(self, coll) -> int | None:
         """What a collector's probes cost so far: kernel-counted BPF time plus the hits by
@@ -691,8 +698,6 @@ class Agent:
             if not self._attach_op(w):
                 return False
         elif "op" not in levels and "op" in w.levels:
-            self._drain(w)
-            self._sample_programs(w)
             self._detach_op(w)
         w.cost_mark = None
         self.metrics.level(w.identity, self._rank(w.levels), changed=True)

@@ -125,7 +125,6 @@ class Collector:
         self._sched: list[np.ndarray] = []
         self._backend_names: dict[tuple[int, int], str] = {}   # (tgid, get_name address)
         self._process_maps: dict[int, str] = {}     # followed processes' mappings, last read
-        self._inodes: dict[str, int] = {}
 
     # ---- attach ----
 
@@ -564,9 +563,11 @@ class Collector:
         if self.obj is None:
             return {}
         out: dict[str, tuple[int, int]] = {}
+        total_dt = self.dt["pi_op_total"]
         for k, v in self.obj.map_items("op_totals"):
             key = int.from_bytes(k[:4], "little")
-            calls, ns = int.from_bytes(v[:8], "little"), int.from_bytes(v[8:16], "little")
+            total = np.frombuffer(v, total_dt)[0]
+            calls, ns = int(total["calls"]), int(total["ns"])
             seen = self._op_totals_seen.get(key, (0, 0))
             if calls > seen[0]:
                 self._op_totals_seen[key] = (calls, ns)
@@ -844,10 +845,8 @@ class Collector:
             path = parts[5].replace(" (deleted)", "")
             file_off = fn_addr - lo + int(parts[2], 16)
             try:
-                # one of the engine's files already read (by inode), else read now
-                elf = next((e for e in self.elfs if self._inode(e.path) == int(parts[4])), None) or \
-                    load_elf(discovery.host_path(pid, path, int(parts[4]), parts[0],
-                                                 parts[5].endswith("(deleted)")), root)
+                elf = load_elf(discovery.host_path(pid, path, int(parts[4]), parts[0],
+                                                    parts[5].endswith("(deleted)")), root)
                 for s in elf.symbols.values():
                     if s.file_offset <= file_off < s.file_offset + max(s.size, 1):
                         m = re.match(r"ggml_backend_(\w+?)_(?:get_)?name$", s.name)
@@ -858,14 +857,6 @@ class Collector:
             m = re.match(r"libggml-(\w+)", os.path.basename(path))
             return m.group(1).upper() if m else os.path.basename(path)
         return "unknown"
-
-    def _inode(self, path: str) -> int:
-        if path not in self._inodes:
-            try:
-                self._inodes[path] = os.stat(path).st_ino
-            except OSError:
-                self._inodes[path] = -1
-        return self._inodes[path]
 
     def _meta(self) -> dict[str, str]:
         meta = {"engine": self.pack.engine, "levels": ",".join(sorted(self.levels)),

@@ -87,7 +87,7 @@ class VllmCollector:
         self.processes: set[int] = set()    # attach: the tree's processes followed
         self.placements: dict[str, tuple] = {}   # op: (entry probe's place, the first emulated one)
         self._tree_fd = -1
-        self._calls_per_op = np.zeros(0, np.int64)   # calls parsed so far, by op index
+        self._calls_per_op = np.zeros(0, np.int64)   # calls parsed so far, by op index (attach)
         self._taken = 0                  # calls handed over by take_steps_by_process
 
     # ---- attach ----
@@ -130,6 +130,7 @@ class VllmCollector:
         self.layout = tensors.layout_for(version, self.forced_layout)
         self.torch_version = version or ""
         self.step_rules = stepmaker.rules(self.pack, self.ops)
+        self._calls_per_op = np.zeros(len(self.ops), np.int64)
         # the argument whose values a cost model needs (attention: each sequence's length)
         self.cost_values = {}
         for name, rule in self.pack.cost_rules().items():
@@ -284,10 +285,7 @@ class VllmCollector:
         # per call: its columns and the id of its argument signature (op and tensors, as
         # BPF read them: few distinct, so each is decoded once)
         self._columns.append({c: ev[c].copy() for c in CALL_COLUMNS})
-        per_op = np.bincount(ev["op"], minlength=len(self.ops))
-        if len(per_op) > len(self._calls_per_op):
-            self._calls_per_op = np.pad(self._calls_per_op, (0, len(per_op) - len(self._calls_per_op)))
-        self._calls_per_op[:len(per_op)] += per_op
+        self._calls_per_op += np.bincount(ev["op"], minlength=len(self.ops))
         ops, counts, t = ev["op"], ev["n_tensors"], ev["t"]
         ids = np.empty(n, np.int32)
         index = self._sig_index
@@ -399,8 +397,15 @@ class VllmCollector:
         """What the probes cost so far (see _cost), while collecting (a daemon's governor)."""
         if self._stats_fd < 0 or self.obj is None:
             return {}
-        return self._cost(self.obj.program_stats(),
-                          {self.ops[i].name: int(n) for i, n in enumerate(self._calls_per_op) if n})
+        return self._cost(self.obj.program_stats(), self._calls_by_op())
+
+    def _calls_by_op(self) -> dict[str, int]:
+        """Calls parsed so far, by op name (an op in two libraries: both counted)."""
+        out: dict[str, int] = {}
+        for op, n in zip(self.ops, self._calls_per_op.tolist()):
+            if n:
+                out[op.name] = out.get(op.name, 0) + n
+        return out
 
     def op_name(self, index: int) -> str:
         """The op a thread's open span names (a level under the engine reads it)."""
@@ -420,10 +425,7 @@ class VllmCollector:
         steps = steps_begun(self.obj)
         self.detach()
         calls = self._calls()
-        per_op: dict[str, int] = {}
-        for c in calls:
-            per_op[c.op] = per_op.get(c.op, 0) + 1
-        self.bpf_stats = self._cost(stats, per_op)
+        self.bpf_stats = self._cost(stats, self._calls_by_op())
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
         if self._sched_raw:
