@@ -81,6 +81,83 @@ def _load_address(pid: int, inode: int) -> int | None:
     return None
 
 
+class LoaderHooks:
+    """glibc's loader hook (_dl_debug_state) probed with one program of an object, once per
+    loader file, and whether a process stopped there has finished changing its library list."""
+
+    def __init__(self, obj: libbpf.BpfObject, program: str, table: str | None = None):
+        """table: a map of the object where each hooked loader's hook and _r_debug vaddrs are
+        written, at the index the program gets as its attach cookie (bpf/discover.bpf.c)."""
+        self.obj, self.program, self.table = obj, program, table
+        self._loaders: dict[tuple[int, int], int | None] = {}   # loader file: _r_debug's vaddr
+        self._r_state: dict[int, int | None] = {}    # process: its r_debug.r_state's address
+        self._unhookable: set[tuple[int, int]] = set()   # loaders without the hook (not glibc's)
+
+    def watch(self, pid: int) -> None:
+        """Hook the dynamic loader of `pid`'s current image (once per loader file)."""
+        self._r_state.pop(pid, None)      # a new image: its loader is mapped anew
+        path = interpreter(pid)
+        if path is None:          # a static executable: nothing is loaded later
+            return
+        key = discovery.file_key(path)
+        if key in self._loaders or key in self._unhookable:
+            return
+        hook = load_elf(path).find(LOADER_HOOK)
+        if hook is None:
+            self._unhookable.add(key)     # said once per loader file
+            raise ProfinferError(f"the dynamic loader {path} has no {LOADER_HOOK}: libraries it "
+                                 "loads later (dlopen) cannot be followed")
+        r_debug = _data_symbol(path, R_DEBUG)
+        if self.table is None:
+            self.obj.attach_uprobe(self.program, path, hook.file_offset, -1)
+        else:
+            index = len(self._loaders)
+            libbpf.map_update(self.obj.map_fd(self.table), index.to_bytes(4, "little"),
+                              hook.vaddr.to_bytes(8, "little") + (r_debug or 0).to_bytes(8, "little"))
+            self.obj.attach_uprobe(self.program, path, hook.file_offset, -1, cookie=index)
+        self._loaders[key] = r_debug
+
+    def forget(self, pid: int) -> None:
+        self._r_state.pop(pid, None)
+
+    def hooked(self, pid: int) -> bool:
+        """Whether `pid`'s loader is hooked (True for a static executable: it has none)."""
+        path = interpreter(pid)
+        try:
+            return path is None or discovery.file_key(path) in self._loaders.keys() | self._unhookable
+        except OSError:
+            return False
+
+    def settled(self, pid: int) -> bool:
+        """Whether `pid`'s loader, stopped at its hook, has finished changing its library list
+        (True when that cannot be read: then every stop is looked at)."""
+        if pid not in self._r_state:      # once per image: a stop per dlopen reads 4 bytes
+            self._r_state[pid] = self._r_state_address(pid)
+        address = self._r_state[pid]
+        if address is None:
+            return True
+        try:
+            with open(f"/proc/{pid}/mem", "rb") as mem:
+                mem.seek(address)
+                return int.from_bytes(mem.read(4), "little") == RT_CONSISTENT
+        except (OSError, ValueError):
+            return True
+
+    def _r_state_address(self, pid: int) -> int | None:
+        """Where `pid`'s loader keeps r_debug.r_state, or None."""
+        path = interpreter(pid)
+        try:
+            key = discovery.file_key(path) if path else None
+            vaddr = self._loaders.get(key)
+            base = _load_address(pid, key[1]) if vaddr is not None else None
+        except OSError:
+            return None
+        return None if base is None else base + vaddr + R_STATE_OFFSET
+
+    def __len__(self) -> int:
+        return len(self._loaders)
+
+
 class Follower:
     def __init__(self, root_pid: int, buffer: str):
         consts, dt = layout.parse(header="transport.h")
@@ -89,8 +166,7 @@ class Follower:
         self.obj = libbpf.BpfObject(bpfobj.object_path("follow.bpf.c", buffer))
         self.fork_obj: libbpf.BpfObject | None = None
         self._records: list[bytes] = []
-        self._loaders: dict[tuple[int, int], int | None] = {}   # loader file: _r_debug's vaddr
-        self._r_state: dict[int, int | None] = {}    # process: its r_debug.r_state's address
+        self.loaders = LoaderHooks(self.obj, LOADER_PROGRAM)
         self.processes = {root_pid}     # every process followed so far
         self._live = {root_pid}         # those that have not exited (their PIDs are theirs)
         self.forks_followed = os.path.exists("/sys/kernel/btf/vmlinux")
@@ -142,51 +218,9 @@ class Follower:
                 self._live.add(change.child)
             elif change.what == "exit":     # its PID may be given to another process
                 self._live.discard(change.tgid)
-                self._r_state.pop(change.tgid, None)
+                self.loaders.forget(change.tgid)
             out.append(change)
         return out
-
-    def watch_loader(self, pid: int) -> None:
-        """Hook the dynamic loader of `pid`'s current image (once per loader file)."""
-        self._r_state.pop(pid, None)      # a new image: its loader is mapped anew
-        path = interpreter(pid)
-        if path is None:          # a static executable: nothing is loaded later
-            return
-        key = discovery.file_key(path)
-        if key in self._loaders:
-            return
-        hook = load_elf(path).find(LOADER_HOOK)
-        if hook is None:
-            raise ProfinferError(f"the dynamic loader {path} has no {LOADER_HOOK}: libraries it "
-                                 "loads later (dlopen) cannot be followed")
-        self.obj.attach_uprobe(LOADER_PROGRAM, path, hook.file_offset, -1)
-        self._loaders[key] = _data_symbol(path, R_DEBUG)
-
-    def libraries_settled(self, pid: int) -> bool:
-        """Whether `pid`'s loader, stopped at its hook, has finished changing its library list
-        (True when that cannot be read: then every stop is looked at)."""
-        if pid not in self._r_state:      # once per image: a stop per dlopen reads 4 bytes
-            self._r_state[pid] = self._r_state_address(pid)
-        address = self._r_state[pid]
-        if address is None:
-            return True
-        try:
-            with open(f"/proc/{pid}/mem", "rb") as mem:
-                mem.seek(address)
-                return int.from_bytes(mem.read(4), "little") == RT_CONSISTENT
-        except (OSError, ValueError):
-            return True
-
-    def _r_state_address(self, pid: int) -> int | None:
-        """Where `pid`'s loader keeps r_debug.r_state, or None."""
-        path = interpreter(pid)
-        try:
-            key = discovery.file_key(path) if path else None
-            vaddr = self._loaders.get(key)
-            base = _load_address(pid, key[1]) if vaddr is not None else None
-        except OSError:
-            return None
-        return None if base is None else base + vaddr + R_STATE_OFFSET
 
     def add(self, pid: int) -> None:
         """Follow a process that already runs (a descendant of an attached process)."""
