@@ -39,9 +39,7 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    agent.metrics.self_metrics(agent)
-    if agent.metrics.gpu_state != "on":
-        log(f"GPU metrics are off ({agent.metrics.gpu_state})")
+    agent.metrics.self_metrics(agent)           # says whether GPU metrics are on, and if not why
     log(f"listening on http://{host}:{port} (metrics; control endpoints need the token"
         + ("" if token else f" in {token_file}") + f"); levels {','.join(sorted(agent.levels))}")
     try:
