@@ -22,7 +22,6 @@ char LICENSE[] SEC("license") = "GPL";
 
 #define SIGSTOP 19
 #define PI_NAME_PREFIXES 16
-#define PI_MAX_LOADERS 64
 #define PI_NAME_MAX 32
 
 struct super_block {
@@ -72,20 +71,19 @@ struct {
     __type(value, u32);
 } candidates SEC(".maps");
 
-/* Where a hooked loader keeps what the program reads (its attach cookie indexes this):
- * the vaddr of the probed instruction (so the loader's load address is ip - hook) and of
- * _r_debug. */
-struct pi_loader {
-    u64 hook;
+/* Each probed site of a loader's hook (a `call _dl_debug_state`; its attach cookie indexes
+ * this): the site's vaddr (so the loader's load address is ip - site) and _r_debug's. */
+struct pi_hook_site {
+    u64 site;
     u64 r_debug;
 };
 
 struct {
     __uint(type, BPF_MAP_TYPE_ARRAY);
-    __uint(max_entries, PI_MAX_LOADERS);
+    __uint(max_entries, PI_MAX_HOOK_SITES);
     __type(key, u32);
-    __type(value, struct pi_loader);
-} loaders SEC(".maps");
+    __type(value, struct pi_hook_site);
+} hook_sites SEC(".maps");
 
 /* Per process, the last link_map entry looked at: a dlopen appends to the list. */
 struct {
@@ -210,16 +208,16 @@ static long look_at_entry(u64 i, void *unused)
     return 0;
 }
 
-/* _dl_debug_state() in each loader file user space has hooked, for all processes. */
+/* Each call of _dl_debug_state() in the loader files user space has hooked, for all processes. */
 SEC("uprobe")
 int discover_loader(struct pt_regs *ctx)
 {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     u32 idx = bpf_get_attach_cookie(ctx);
-    struct pi_loader *ld = bpf_map_lookup_elem(&loaders, &idx);
-    if (!ld || !ld->r_debug)
+    struct pi_hook_site *site = bpf_map_lookup_elem(&hook_sites, &idx);
+    if (!site || !site->r_debug)
         return 0;
-    u64 r_debug = PT_REGS_IP(ctx) - ld->hook + ld->r_debug;
+    u64 r_debug = PT_REGS_IP(ctx) - site->site + site->r_debug;
     int state = -1;
     bpf_probe_read_user(&state, sizeof(state), (void *)(r_debug + R_STATE));
     if (state != RT_CONSISTENT)

@@ -53,7 +53,8 @@ struct pi_file_key {
  * process has been sent SIGSTOP: user space looks, then sends SIGCONT. */
 #define PI_DISCOVER_EXEC 1        /* it exec'd a file not looked at yet (`file`); not stopped */
 #define PI_DISCOVER_CANDIDATE 2   /* it maps a file named like an engine's, or exec'd an engine */
-#define PI_DISCOVER_LOADED 3      /* a candidate's loader announced a library list change */
+#define PI_DISCOVER_LOADED 3      /* its loader completed a list with an engine-named library */
+#define PI_MAX_HOOK_SITES 256     /* calls of _dl_debug_state probed, over every loader file */
 
 struct pi_discover_event {
     u32 kind;

@@ -22,6 +22,7 @@ from elftools.elf.elffile import ELFFile
 
 from . import bpfobj, discovery, layout, libbpf
 from .errors import ProfinferError
+from .arch.callsites import direct_calls
 from .symbols import load_elf
 
 # glibc's loader calls this empty function after each change of its library list (mapped,
@@ -85,10 +86,13 @@ class LoaderHooks:
     """glibc's loader hook (_dl_debug_state) probed with one program of an object, once per
     loader file, and whether a process stopped there has finished changing its library list."""
 
-    def __init__(self, obj: libbpf.BpfObject, program: str, table: str | None = None):
-        """table: a map of the object where each hooked loader's hook and _r_debug vaddrs are
-        written, at the index the program gets as its attach cookie (bpf/discover.bpf.c)."""
+    def __init__(self, obj: libbpf.BpfObject, program: str, table: str | None = None, table_size: int = 0):
+        """table: a map of the object where each probed site's vaddr and its loader's _r_debug
+        vaddr are written, at the index the program gets as its attach cookie
+        (bpf/discover.bpf.c)."""
         self.obj, self.program, self.table = obj, program, table
+        self.table_size = table_size
+        self._sites = 0
         self._loaders: dict[tuple[int, int], int | None] = {}   # loader file: _r_debug's vaddr
         self._r_state: dict[int, int | None] = {}    # process: its r_debug.r_state's address
         self._unhookable: set[tuple[int, int]] = set()   # loaders without the hook (not glibc's)
@@ -108,13 +112,20 @@ class LoaderHooks:
             raise ProfinferError(f"the dynamic loader {path} has no {LOADER_HOOK}: libraries it "
                                  "loads later (dlopen) cannot be followed")
         r_debug = _data_symbol(path, R_DEBUG)
-        if self.table is None:
-            self.obj.attach_uprobe(self.program, path, hook.file_offset, -1)
-        else:
-            index = len(self._loaders)
+        # its callers' `call` instructions (emulated), else its own first one (a `ret`,
+        # single-stepped: ~30x the cost, in every process that uses this loader)
+        sites = direct_calls(path, hook.vaddr) or [(hook.vaddr, hook.file_offset)]
+        for vaddr, offset in sites:
+            if self.table is None:
+                self.obj.attach_uprobe(self.program, path, offset, -1)
+                continue
+            index = self._sites
+            if index >= self.table_size:
+                raise ProfinferError(f"more loader hook sites than {self.table_size}: {path} not hooked")
             libbpf.map_update(self.obj.map_fd(self.table), index.to_bytes(4, "little"),
-                              hook.vaddr.to_bytes(8, "little") + (r_debug or 0).to_bytes(8, "little"))
-            self.obj.attach_uprobe(self.program, path, hook.file_offset, -1, cookie=index)
+                              vaddr.to_bytes(8, "little") + (r_debug or 0).to_bytes(8, "little"))
+            self.obj.attach_uprobe(self.program, path, offset, -1, cookie=index)
+            self._sites += 1
         self._loaders[key] = r_debug
 
     def forget(self, pid: int) -> None:

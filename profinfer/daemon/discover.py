@@ -83,7 +83,8 @@ class NodeDiscovery:
                 raw = prefix.encode()
                 libbpf.map_update(fd, i.to_bytes(4, "little"), raw.ljust(NAME_MAX, b"\0")
                                   + (b"\xff" * len(raw)).ljust(NAME_MAX, b"\0"))
-            self.loaders = LoaderHooks(self.obj, LOADER_PROGRAM, table="loaders")
+            self.loaders = LoaderHooks(self.obj, LOADER_PROGRAM, table="hook_sites",
+                                       table_size=consts["PI_MAX_HOOK_SITES"])
             self._buf = self.obj.ring_buffer("events", self._on_record)
             for prog in PROGRAMS:
                 self.obj.attach(prog)
