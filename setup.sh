@@ -45,6 +45,12 @@ fi
 # PyPI, libcuda.so.1 unpacked from Debian's libcuda1; CUDA 13's is the toolkit's (nvcc): the
 # installed one, else nvcc and the runtime from PyPI's wheels, into the cache.
 .venv/bin/python -m profinfer.cuda.workload >/dev/null
+# The daemon's image, for the test that runs the DaemonSet's pod: built with Debian's podman
+# and no registry (deploy/build-image.sh installs podman, buildah, runc and debootstrap when
+# missing; cached by content). Not inside a container, where podman would be nested.
+if [ ! -e /run/.containerenv ] && [ ! -e /.dockerenv ]; then
+    deploy/build-image.sh >/dev/null
+fi
 # This machine's roofs (memory bandwidth, f32 FMA peak) for the roofline verdicts, and what a
 # probe hit costs; cached when the measurement passes its check. A busy machine (exit 75)
 # caches nothing and does not fail the setup: calibrate later, as the roofline tests do.
