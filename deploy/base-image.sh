@@ -47,5 +47,5 @@ rm -rf "$rootfs"/usr/share/{man,info,locale,lintian}/* "$rootfs"/var/cache/apt/*
        "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/log/*.log "$rootfs"/var/cache/debconf/*-old
 : > "$rootfs/etc/hostname"
 tar --numeric-owner -C "$rootfs" -c . |
-    podman import --change 'CMD ["/bin/bash"]' --message "debootstrap $suite (minbase)" - "$name" >&2
+    podman import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' --change 'CMD ["/bin/bash"]' --message "debootstrap $suite (minbase)" - "$name" >&2
 echo "$name"

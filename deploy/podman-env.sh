@@ -3,7 +3,7 @@
 _deploy=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export CONTAINERS_CONF="${CONTAINERS_CONF:-$_deploy/containers.conf}"
 _missing=()
-for _p in podman buildah runc debootstrap containernetworking-plugins; do
+for _p in podman buildah runc catatonit debootstrap containernetworking-plugins; do
     dpkg -s "$_p" >/dev/null 2>&1 || _missing+=("$_p")
 done
 if [ ${#_missing[@]} -gt 0 ]; then
