@@ -13,8 +13,12 @@ base=$("$here/base-image.sh")
 # what goes into the image: the build context (.containerignore), the Containerfile, the base
 content=$(cd "$repo" && {
     podman image inspect --format '{{.Id}}' "$base"
-    git ls-files -co --exclude-standard -- pyproject.toml profinfer bpf exporters viewers probes \
-            deploy/Containerfile .containerignore | grep -v '__pycache__\|\.pyc$\|\.egg-info' | sort |
+    inputs=(pyproject.toml profinfer bpf exporters viewers probes deploy/Containerfile .containerignore)
+    if git rev-parse --git-dir >/dev/null 2>&1; then
+        git ls-files -co --exclude-standard -- "${inputs[@]}"
+    else
+        find "${inputs[@]}" -type f
+    fi | grep -v '__pycache__\|\.pyc$\|\.egg-info' | sort |
         while read -r f; do [ -f "$f" ] && printf '%s %s\n' "$(sha256sum < "$f" | cut -c1-64)" "$f"; done
 } | sha256sum | cut -c1-16)
 have=$(podman image inspect --format '{{index .Labels "profinfer.content"}}' "$name" 2>/dev/null || true)
