@@ -90,9 +90,13 @@ def host_path(pid: int, path: str, inode: int, span: str, deleted: bool, dev: in
     via_root = f"/proc/{pid}/root{path}"
     if not deleted:
         try:
-            st = procfs.stat_file(via_root)
+            st = procfs.stat_file(via_root, nofollow=True)    # the kernel's name for it
             if st.st_ino == inode and (dev is None or st.st_dev == dev):
                 return via_root
+        except PermissionError:
+            # not ours to open (no CAP_SYS_PTRACE for its root, no CAP_DAC_READ_SEARCH for
+            # another user's directory): map_files needs both too; the error names the root
+            return via_root
         except OSError:
             pass
     # Deleted or replaced since it was mapped: map_files names the mapped inode itself.

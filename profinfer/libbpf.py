@@ -144,11 +144,25 @@ _PROG_INFO_SIZE = 208
 _BPF_STATS_RUN_TIME = 0
 
 
+BPF_STATS_SYSCTL = "/proc/sys/kernel/bpf_stats_enabled"
+
+
 def enable_run_time_stats() -> int:
     """Make the kernel count every BPF program's run time (system-wide, a few ns a run) until
-    the returned fd is closed; -1 where it refuses (before 5.8, or not permitted)."""
+    the returned fd is closed; -1 where it refuses (before 5.8, or not permitted: the switch
+    needs CAP_SYS_ADMIN). Where the node counts them already (sysctl
+    kernel.bpf_stats_enabled=1, which needs no capability of ours), a descriptor of that
+    sysctl stands for the switch: counted while it is open, closed as the switch is."""
     fd = lib().bpf_enable_stats(_BPF_STATS_RUN_TIME)
-    return fd if fd >= 0 else -1
+    if fd >= 0:
+        return fd
+    try:
+        with open(BPF_STATS_SYSCTL) as f:
+            if f.read().strip() == "1":
+                return os.open(BPF_STATS_SYSCTL, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        pass
+    return -1
 
 
 def version() -> str:

@@ -6,9 +6,11 @@ through /proc/PID/root, where a plain open() resolves an absolute symlink agains
 follows `..` out of it, and blocks on a FIFO. Here:
 
 - `/proc/PID/root/<rest>` is opened with openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
-  against an O_PATH descriptor of /proc/PID/root: symlinks and `..` resolve inside the target's
-  root, /proc magic links are refused; O_NOFOLLOW | O_NONBLOCK on the last component, and it
-  must be a regular file.
+  against an O_PATH descriptor of /proc/PID/root: symlinks (the last component's too: a
+  loader's PT_INTERP, a debug file's build-id link) and `..` resolve inside the target's root,
+  /proc magic links are refused; O_NONBLOCK, and it must be a regular file. A path read from
+  /proc/PID/maps is the file's own (the kernel's name for it), so it is opened with
+  O_NOFOLLOW as well.
 - `/proc/PID/map_files/<range>` (a mapping whose file was deleted or replaced) is the mapped
   file itself, as the kernel names it; it must be a regular file too.
 - Anything else is a path of our own (a process we started): opened as it is, O_NONBLOCK, a
@@ -16,8 +18,8 @@ follows `..` out of it, and blocks on a FIFO. Here:
 
 `pinned` gives a path the kernel resolves to the open descriptor (/proc/self/fd/N): a uprobe
 is attached to the file that was opened and checked, never to a path resolved again. For a
-path inside a target's root the file must also be one the process maps under that path, by
-(device, inode) as /proc/PID/maps shows them.
+path inside a target's root the file must also be one the process maps, by (device, inode)
+as /proc/PID/maps shows them.
 
 Permissions (measured, Linux 6.18): opening /proc/PID/root of a process whose capabilities
 are not a subset of ours, or of another user, needs CAP_SYS_PTRACE (the magic link's ptrace
@@ -60,16 +62,17 @@ def openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
     return fd
 
 
-_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_NOCTTY", 0)
+_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
 
 
-def open_in_root(pid: int, path: str) -> int:
+def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
     """`path` (absolute, as process `pid` sees it) opened inside its root: a regular file's
-    descriptor, or OSError (ELOOP for a symlink as the last component or a magic link,
-    EXDEV/ENOENT when it would leave the root, EINVAL for what is not a regular file)."""
+    descriptor, or OSError (ELOOP for a magic link, or with nofollow a symlink as the last
+    component; EINVAL for what is not a regular file)."""
     root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = openat2(root, path.lstrip("/") or ".", _FLAGS, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+        fd = openat2(root, path.lstrip("/") or ".", _FLAGS | (os.O_NOFOLLOW if nofollow else 0),
+                     RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
     finally:
         os.close(root)
     return _regular(fd, path)
@@ -87,14 +90,13 @@ def _regular(fd: int, path: str) -> int:
     return fd
 
 
-def open_file(path: str) -> int:
+def open_file(path: str, nofollow: bool = False) -> int:
     """A descriptor of the regular file `path` names: inside the target's root for
     /proc/PID/root/..., the mapped file for /proc/PID/map_files/..., else our own path."""
     m = _ROOT_PATH.match(path)
     if m:
-        return open_in_root(int(m.group(1)), m.group(2))
-    flags = _FLAGS & ~os.O_NOFOLLOW if _MAP_FILES.match(path) else os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
-    return _regular(os.open(path, flags), path)
+        return open_in_root(int(m.group(1)), m.group(2), nofollow)
+    return _regular(os.open(path, _FLAGS), path)
 
 
 def open_binary(path: str):
@@ -108,17 +110,17 @@ def open_binary(path: str):
         raise
 
 
-def stat_file(path: str) -> os.stat_result:
+def stat_file(path: str, nofollow: bool = False) -> os.stat_result:
     """fstat of what open_file opens (the file we would read, not a path resolved again)."""
-    fd = open_file(path)
+    fd = open_file(path, nofollow)
     try:
         return os.fstat(fd)
     finally:
         os.close(fd)
 
 
-def mapped_identities(pid: int, path: str) -> set[tuple[int, int]]:
-    """(device, inode) of every mapping of `path` in the process (as its maps show them)."""
+def mapped_identities(pid: int) -> set[tuple[int, int]]:
+    """(device, inode) of every file the process maps (as its maps show them)."""
     out = set()
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -127,7 +129,7 @@ def mapped_identities(pid: int, path: str) -> set[tuple[int, int]]:
         return out
     for line in lines:
         parts = line.split(None, 5)
-        if len(parts) < 6 or parts[5].removesuffix(" (deleted)") != path:
+        if len(parts) < 6 or not parts[5].startswith("/"):
             continue
         major, minor = (int(x, 16) for x in parts[3].split(":"))
         out.add((os.makedev(major, minor), int(parts[4])))
@@ -135,17 +137,17 @@ def mapped_identities(pid: int, path: str) -> set[tuple[int, int]]:
 
 
 def check_mapped(fd: int, pid: int, path: str) -> None:
-    """The open file must be one the process maps as `path` (same device and inode)."""
+    """The open file must be one the process maps (same device and inode)."""
     st = os.fstat(fd)
-    if (st.st_dev, st.st_ino) not in mapped_identities(pid, path):
-        raise ProfinferError(f"{path} in process {pid} is not the file it maps (replaced since, "
+    if (st.st_dev, st.st_ino) not in mapped_identities(pid):
+        raise ProfinferError(f"{path} in process {pid} is not a file it maps (replaced since, "
                              "or another file behind a link): not probed")
 
 
 @contextlib.contextmanager
 def pinned(path: str):
     """A name the kernel resolves to the file `path` names, opened and checked as open_file
-    does (for a target's root: a file the process maps under that path): /proc/self/fd/N,
+    does (for a target's root: a file the process maps): /proc/self/fd/N,
     valid inside the block. A uprobe attached there stays on that inode after the block."""
     try:
         fd = open_file(path)
