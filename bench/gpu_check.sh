@@ -4,6 +4,9 @@
 # `profinfer record --levels token,graph,op,cuda`, and check that kernel launches were
 # recorded, that CUDA graph launches were counted (llama.cpp replays a graph per decode
 # token), and how much profiling slowed decoding (llama.cpp's own llama_perf eval rate).
+# Then the daemon's GPU metrics against `nvidia-smi --query-gpu` (bench/gpu_metrics_check.py):
+# memory used and total, utilization (within UTIL_TOL points), idle and under a decode load,
+# and the load's own GPU memory against `nvidia-smi --query-compute-apps`.
 #
 #   bench/gpu_check.sh            # CUDA_ARCH=90 (Hopper); e.g. CUDA_ARCH=80 for Ampere
 #
@@ -31,7 +34,8 @@ export LD_LIBRARY_PATH="$BUILD/bin:${LD_LIBRARY_PATH:-}"
 "${CMD[@]}" >"$OUT/plain.out" 2>"$OUT/plain.err"
 $PY -m profinfer.cli record --levels token,graph,op,cuda --quiet --json "$OUT/profiled.json" \
     -o "$OUT/profiled.pftrace" -- "${CMD[@]}" >"$OUT/profiled.out" 2>"$OUT/profiled.err"
-$PY - "$OUT" <<'PY'
+rc=0
+$PY - "$OUT" <<'PY' || rc=1
 import json, re, sys
 out = sys.argv[1]
 rate = lambda f: float(re.search(r"(?:llama_perf_context_print|common_perf_print):\s+eval time =.*?([\d.]+) tokens per second",
@@ -55,3 +59,7 @@ for name, ok in checks.items():
     print(("PASS " if ok else "FAIL ") + name)
 sys.exit(0 if all(checks.values()) else 1)
 PY
+LOAD=("$BUILD/bin/llama-completion" -m "$MODEL" -p "The quick brown fox jumps over the lazy dog" \
+      -n 8000 -c 8192 --ignore-eos -ngl 99 --temp 0 -no-cnv)
+$PY bench/gpu_metrics_check.py --util-tol "${UTIL_TOL:-10}" --log "$OUT/daemon.log" -- "${LOAD[@]}" || rc=1
+exit $rc

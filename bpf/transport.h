@@ -9,6 +9,7 @@
 #pragma once
 
 #define PI_EV_FOLLOW 9
+#define PI_EV_DISCOVER 20
 
 /* The transport and process following, configured by the core for every object. */
 struct pi_transport {
@@ -39,6 +40,29 @@ struct pi_follow_event {
     u32 what;                 /* PI_FOLLOW_* */
     u32 child;                /* PI_FOLLOW_FORK: the new process */
     u64 ts_ns;
+};
+
+/* A file as the kernel names it (inode number, the kernel's encoding of its device). */
+struct pi_file_key {
+    u64 ino;
+    u32 dev;
+    u32 pad;
+};
+
+/* Node-wide discovery (discover.bpf.c). At PI_DISCOVER_CANDIDATE and PI_DISCOVER_LOADED the
+ * process has been sent SIGSTOP: user space looks, then sends SIGCONT. */
+#define PI_DISCOVER_EXEC 1        /* it exec'd a file not looked at yet (`file`); not stopped */
+#define PI_DISCOVER_CANDIDATE 2   /* it maps a file named like an engine's, or exec'd an engine */
+#define PI_DISCOVER_LOADED 3      /* its loader completed a list with an engine-named library */
+#define PI_MAX_HOOK_SITES 256     /* calls of _dl_debug_state probed, over every loader file */
+
+struct pi_discover_event {
+    u32 kind;
+    u32 tgid;
+    u32 what;                 /* PI_DISCOVER_* */
+    u32 pad;
+    u64 ts_ns;
+    struct pi_file_key file;  /* PI_DISCOVER_EXEC */
 };
 
 

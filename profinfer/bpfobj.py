@@ -17,9 +17,13 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from importlib import resources
 
+from . import buildcache
 from .errors import ProfinferError
+
+_scratch: tempfile.TemporaryDirectory | None = None
 
 # The ring-buffer build is used from Linux 5.12 on (kernel.ring_buffer_supported): BPF ISA v3
 # and atomics that return a value (compare-and-swap claims per-thread slots). The
@@ -28,9 +32,13 @@ VARIANTS = {"ring": ["-mcpu=v3"], "perf": ["-DPI_PERF_BUFFER"]}
 _ARCH = {"x86_64": "x86", "aarch64": "arm64"}
 
 
+# Objects built ahead of time where nothing may be written or compiled at run time (the
+# image's read-only root): looked at before the cache.
+PREBUILT_ENV = "PROFINFER_BPF_PREBUILT"
+
+
 def cache_dir() -> str:
-    base = os.environ.get("PROFINFER_CACHE") or os.path.expanduser("~/.cache/profinfer")
-    return os.path.join(base, "bpf")
+    return str(buildcache.cache_dir() / "bpf")
 
 
 def find_clang() -> str | None:
@@ -57,9 +65,10 @@ def object_path(source: str, variant: str = "ring") -> str:
         raise ProfinferError(f"no BPF register mapping for {platform.machine()} in this profinfer")
     key = hashlib.sha256(text + repr((VARIANTS[variant], arch)).encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.splitext(source)[0])[0]
-    out = os.path.join(cache_dir(), f"{stem}-{variant}-{key}.o")
-    if os.path.exists(out):
-        return out
+    name = f"{stem}-{variant}-{key}.o"
+    for directory in (os.environ.get(PREBUILT_ENV), cache_dir()):
+        if directory and os.path.exists(os.path.join(directory, name)):
+            return os.path.join(directory, name)
     clang = find_clang()
     if clang is None:
         raise ProfinferError("the BPF object is not built and there is no clang to build it: "
@@ -67,7 +76,12 @@ def object_path(source: str, variant: str = "ring") -> str:
     if not os.path.exists("/usr/include/bpf/bpf_helpers.h"):
         raise ProfinferError("the BPF object is not built and libbpf's headers are missing: "
                              "apt-get install libbpf-dev")
-    os.makedirs(cache_dir(), exist_ok=True)
+    directory = buildcache.writable_dir("bpf")
+    if directory is None:       # kept for this process's life only
+        global _scratch
+        _scratch = _scratch or tempfile.TemporaryDirectory(prefix="profinfer-bpf-")
+        directory = _scratch.name
+    out = os.path.join(directory, name)
     tmp = f"{out}.{os.getpid()}.tmp"
     cmd = [clang, "-O2", "-g", "-Werror=implicit-function-declaration", "-target", "bpf", f"-D__TARGET_ARCH_{arch}", *VARIANTS[variant],
            f"-I{src_dir}", f"-I{_multiarch_include()}", "-c", str(src_dir.joinpath(source)), "-o", tmp]
@@ -79,7 +93,8 @@ def object_path(source: str, variant: str = "ring") -> str:
     return out
 
 
-SOURCES = ("llamacpp.bpf.c", "vllm.bpf.c", "cuda.bpf.c", "sched.bpf.c", "follow.bpf.c", "follow_fork.bpf.c")
+SOURCES = ("llamacpp.bpf.c", "vllm.bpf.c", "cuda.bpf.c", "sched.bpf.c", "follow.bpf.c", "follow_fork.bpf.c",
+           "discover.bpf.c")
 
 
 def main(argv: list[str]) -> int:

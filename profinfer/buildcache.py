@@ -19,9 +19,31 @@ def log(msg: str) -> None:
 
 
 def cache_dir() -> Path:
-    """Root of everything the workloads build or download."""
+    """Root of everything profinfer builds, downloads or remembers."""
     env = os.environ.get("PROFINFER_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "profinfer"
+
+
+_unwritable: set[Path] = set()
+
+
+def writable_dir(sub: str) -> Path | None:
+    """cache_dir()/sub, made if missing; None where it cannot be written (a read-only root, a
+    volume not mounted): the caller then keeps what it would cache in memory. Said once per
+    directory, in one line: a cache is an optimisation, never a reason not to profile."""
+    path = cache_dir() / sub
+    if path in _unwritable:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"{path} is not writable")
+    except OSError as e:
+        _unwritable.add(path)
+        print(f"profinfer: warning: cache {path} cannot be written ({e.strerror or e}); "
+              "keeping it in memory", file=sys.stderr, flush=True)
+        return None
+    return path
 
 
 @contextlib.contextmanager

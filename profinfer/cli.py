@@ -117,7 +117,7 @@ def _how_it_ended(code: int) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="profinfer")
 def cli():
-    """profinfer: eBPF profiler for LLM inference engines (llama.cpp)."""
+    """profinfer: eBPF profiler for LLM inference engines (llama.cpp, vLLM; the CUDA runtime under any)."""
 
 
 @cli.command()

@@ -8,19 +8,31 @@ import os
 from elftools.dwarf.ranges import BaseAddressEntry
 from elftools.elf.elffile import ELFFile
 
+from .buildcache import cache_dir, writable_dir
+
+
+_in_memory: dict[str, object] = {}     # where the cache cannot be written
+
 
 def _cached(name: str | None, compute):
     """compute()'s result, kept as JSON in the cache under `name` (None: not kept)."""
-    base = os.environ.get("PROFINFER_CACHE") or os.path.expanduser("~/.cache/profinfer")
-    cache = os.path.join(base, "layouts", name) if name else None
-    if cache and os.path.exists(cache):
+    if not name:
+        return compute()
+    if name in _in_memory:
+        return _in_memory[name]
+    cache = cache_dir() / "layouts" / name
+    if cache.exists():
         with open(cache) as f:
             return json.load(f)
     found = compute()
-    if cache:
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        with open(cache, "w") as f:
-            json.dump(found, f)
+    directory = writable_dir("layouts")
+    if directory is None:
+        _in_memory[name] = found
+        return found
+    tmp = directory / f"{name}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(found, f)
+    os.replace(tmp, directory / name)    # atomic: a concurrent reader sees all or nothing
     return found
 
 

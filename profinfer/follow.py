@@ -22,6 +22,7 @@ from elftools.elf.elffile import ELFFile
 
 from . import bpfobj, discovery, layout, libbpf, procfs
 from .errors import ProfinferError
+from .arch.callsites import direct_calls
 from .symbols import load_elf
 
 # glibc's loader calls this empty function after each change of its library list (mapped,
@@ -81,6 +82,93 @@ def _load_address(pid: int, inode: int) -> int | None:
     return None
 
 
+class LoaderHooks:
+    """glibc's loader hook (_dl_debug_state) probed with one program of an object, once per
+    loader file, and whether a process stopped there has finished changing its library list."""
+
+    def __init__(self, obj: libbpf.BpfObject, program: str, table: str | None = None, table_size: int = 0):
+        """table: a map of the object where each probed site's vaddr and its loader's _r_debug
+        vaddr are written, at the index the program gets as its attach cookie
+        (bpf/discover.bpf.c)."""
+        self.obj, self.program, self.table = obj, program, table
+        self.table_size = table_size
+        self._sites = 0
+        self._loaders: dict[tuple[int, int], int | None] = {}   # loader file: _r_debug's vaddr
+        self._r_state: dict[int, int | None] = {}    # process: its r_debug.r_state's address
+        self._unhookable: set[tuple[int, int]] = set()   # loaders without the hook (not glibc's)
+
+    def watch(self, pid: int) -> None:
+        """Hook the dynamic loader of `pid`'s current image (once per loader file)."""
+        self._r_state.pop(pid, None)      # a new image: its loader is mapped anew
+        path = interpreter(pid)
+        if path is None:          # a static executable: nothing is loaded later
+            return
+        key = discovery.file_key(path)
+        if key in self._loaders or key in self._unhookable:
+            return
+        hook = load_elf(path).find(LOADER_HOOK)
+        if hook is None:
+            self._unhookable.add(key)     # said once per loader file
+            raise ProfinferError(f"the dynamic loader {path} has no {LOADER_HOOK}: libraries it "
+                                 "loads later (dlopen) cannot be followed")
+        r_debug = _data_symbol(path, R_DEBUG)
+        # its callers' `call` instructions (emulated), else its own first one (a `ret`,
+        # single-stepped: ~30x the cost, in every process that uses this loader)
+        sites = direct_calls(path, hook.vaddr) or [(hook.vaddr, hook.file_offset)]
+        for vaddr, offset in sites:
+            if self.table is None:
+                self.obj.attach_uprobe(self.program, path, offset, -1)
+                continue
+            index = self._sites
+            if index >= self.table_size:
+                raise ProfinferError(f"more loader hook sites than {self.table_size}: {path} not hooked")
+            libbpf.map_update(self.obj.map_fd(self.table), index.to_bytes(4, "little"),
+                              vaddr.to_bytes(8, "little") + (r_debug or 0).to_bytes(8, "little"))
+            self.obj.attach_uprobe(self.program, path, offset, -1, cookie=index)
+            self._sites += 1
+        self._loaders[key] = r_debug
+
+    def forget(self, pid: int) -> None:
+        self._r_state.pop(pid, None)
+
+    def hooked(self, pid: int) -> bool:
+        """Whether `pid`'s loader is hooked (True for a static executable: it has none)."""
+        path = interpreter(pid)
+        try:
+            return path is None or discovery.file_key(path) in self._loaders.keys() | self._unhookable
+        except OSError:
+            return False
+
+    def settled(self, pid: int) -> bool:
+        """Whether `pid`'s loader, stopped at its hook, has finished changing its library list
+        (True when that cannot be read: then every stop is looked at)."""
+        if pid not in self._r_state:      # once per image: a stop per dlopen reads 4 bytes
+            self._r_state[pid] = self._r_state_address(pid)
+        address = self._r_state[pid]
+        if address is None:
+            return True
+        try:
+            with open(f"/proc/{pid}/mem", "rb") as mem:
+                mem.seek(address)
+                return int.from_bytes(mem.read(4), "little") == RT_CONSISTENT
+        except (OSError, ValueError):
+            return True
+
+    def _r_state_address(self, pid: int) -> int | None:
+        """Where `pid`'s loader keeps r_debug.r_state, or None."""
+        path = interpreter(pid)
+        try:
+            key = discovery.file_key(path) if path else None
+            vaddr = self._loaders.get(key)
+            base = _load_address(pid, key[1]) if vaddr is not None else None
+        except OSError:
+            return None
+        return None if base is None else base + vaddr + R_STATE_OFFSET
+
+    def __len__(self) -> int:
+        return len(self._loaders)
+
+
 class Follower:
     def __init__(self, root_pid: int, buffer: str):
         consts, dt = layout.parse(header="transport.h")
@@ -89,8 +177,7 @@ class Follower:
         self.obj = libbpf.BpfObject(bpfobj.object_path("follow.bpf.c", buffer))
         self.fork_obj: libbpf.BpfObject | None = None
         self._records: list[bytes] = []
-        self._loaders: dict[tuple[int, int], int | None] = {}   # loader file: _r_debug's vaddr
-        self._r_state: dict[int, int | None] = {}    # process: its r_debug.r_state's address
+        self.loaders = LoaderHooks(self.obj, LOADER_PROGRAM)
         self.processes = {root_pid}     # every process followed so far
         self._live = {root_pid}         # those that have not exited (their PIDs are theirs)
         self.forks_followed = os.path.exists("/sys/kernel/btf/vmlinux")
@@ -142,51 +229,9 @@ class Follower:
                 self._live.add(change.child)
             elif change.what == "exit":     # its PID may be given to another process
                 self._live.discard(change.tgid)
-                self._r_state.pop(change.tgid, None)
+                self.loaders.forget(change.tgid)
             out.append(change)
         return out
-
-    def watch_loader(self, pid: int) -> None:
-        """Hook the dynamic loader of `pid`'s current image (once per loader file)."""
-        self._r_state.pop(pid, None)      # a new image: its loader is mapped anew
-        path = interpreter(pid)
-        if path is None:          # a static executable: nothing is loaded later
-            return
-        key = discovery.file_key(path)
-        if key in self._loaders:
-            return
-        hook = load_elf(path).find(LOADER_HOOK)
-        if hook is None:
-            raise ProfinferError(f"the dynamic loader {path} has no {LOADER_HOOK}: libraries it "
-                                 "loads later (dlopen) cannot be followed")
-        self.obj.attach_uprobe(LOADER_PROGRAM, path, hook.file_offset, -1)
-        self._loaders[key] = _data_symbol(path, R_DEBUG)
-
-    def libraries_settled(self, pid: int) -> bool:
-        """Whether `pid`'s loader, stopped at its hook, has finished changing its library list
-        (True when that cannot be read: then every stop is looked at)."""
-        if pid not in self._r_state:      # once per image: a stop per dlopen reads 4 bytes
-            self._r_state[pid] = self._r_state_address(pid)
-        address = self._r_state[pid]
-        if address is None:
-            return True
-        try:
-            with open(f"/proc/{pid}/mem", "rb") as mem:
-                mem.seek(address)
-                return int.from_bytes(mem.read(4), "little") == RT_CONSISTENT
-        except (OSError, ValueError):
-            return True
-
-    def _r_state_address(self, pid: int) -> int | None:
-        """Where `pid`'s loader keeps r_debug.r_state, or None."""
-        path = interpreter(pid)
-        try:
-            key = discovery.file_key(path) if path else None
-            vaddr = self._loaders.get(key)
-            base = _load_address(pid, key[1]) if vaddr is not None else None
-        except OSError:
-            return None
-        return None if base is None else base + vaddr + R_STATE_OFFSET
 
     def add(self, pid: int) -> None:
         """Follow a process that already runs (a descendant of an attached process)."""

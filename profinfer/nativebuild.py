@@ -7,11 +7,12 @@ import shutil
 import subprocess
 from importlib import resources
 
+from . import buildcache
 from .errors import ProfinferError
 
 
 def cache_dir() -> str:
-    return os.environ.get("PROFINFER_CACHE") or os.path.expanduser("~/.cache/profinfer")
+    return str(buildcache.cache_dir())
 
 
 def build(source: str, flags: list[str]) -> str:

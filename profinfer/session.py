@@ -169,7 +169,7 @@ def _watch_tree(pid: int, buffer: str, warn: Callable[[str], None]) -> Follower 
         try:
             if p != pid:
                 follower.add(p)
-            follower.watch_loader(p)
+            follower.loaders.watch(p)
         except (OSError, ProfinferError) as e:
             if discovery.process_exists(p):
                 warn(f"PID {p}: libraries it loads from now on will not be probed: {e}")
@@ -517,8 +517,8 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
                         continue
                     try:      # the process is stopped until resumed, whatever happens here
                         if change.what == "exec":
-                            follower.watch_loader(change.tgid)
-                        elif not follower.libraries_settled(change.tgid):
+                            follower.loaders.watch(change.tgid)
+                        elif not follower.loaders.settled(change.tgid):
                             continue              # its loader stops it again when done
                         if not follow:        # attach: only a level's runtime can appear
                             engines = []

@@ -4,6 +4,7 @@ barrier), which stays where the one-probe design cannot work (counters, builds w
 DWARF: test_other_build)."""
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 from conftest import completion_cmd, run_profinfer
@@ -15,12 +16,21 @@ def _op_hits(summary: dict) -> int:
     return sum(int(summary["meta"].get(f"cost:runs:{p}", 0)) for p in OP_PROGRAMS)
 
 
+def _steal_ns() -> int:
+    """Time the hypervisor took from this VM's CPUs, summed (/proc/stat's steal column)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
 def test_one_probe_per_node_times_the_same_nodes(llama_build, tiny_model, llama_env, tmp_path):
-    runs = {}
+    runs, steal = {}, {}
     for design in ("one-probe", "two-probe"):
-        r = run_profinfer(["record", "--levels", "token,graph,op", "--",
+        before = _steal_ns()
+        r = run_profinfer(["record", "--levels", "token,graph,op,sched", "--",
                            *completion_cmd(llama_build, tiny_model, n=16)],
                           env={**llama_env, "PROFINFER_OP_DESIGN": design}, tmp_path=tmp_path)
+        steal[design] = _steal_ns() - before
         assert r.rc == 0, r.stderr[-2000:]
         runs[design] = r.summary
     one, two = runs["one-probe"], runs["two-probe"]
@@ -37,11 +47,15 @@ def test_one_probe_per_node_times_the_same_nodes(llama_build, tiny_model, llama_
     assert _op_hits(two) / slices >= 1.95
     assert _op_hits(one) / slices <= 1.25
     # a thread's wait at each barrier is still measured, and ops and waits cover the graphs
-    # (strictly on the 1.5B model: test_tracing; a short run here has the VM's stalls of a
-    # millisecond or more before a graph's first node, which no design charges to a node)
+    # (strictly on the 1.5B model: test_tracing) but for the time the thread could not run:
+    # runnable and waiting for a CPU (the sched level's count) or its CPU taken by the
+    # hypervisor (steal), stalls of a millisecond or more that no design charges to a node
+    waiting = {t["tid"]: t["runnable_ns"] for t in one["sched"]["threads"]}
     for t in (t for t in one["threads"] if t["op_ns"] > 0):
         assert t["barrier_ns"] > 0
-        assert (t["op_ns"] + t["barrier_ns"] + t["arrival_ns"]) / t["graph_ns"] >= 0.8, t
+        uncovered = t["graph_ns"] - (t["op_ns"] + t["barrier_ns"] + t["arrival_ns"])
+        assert uncovered <= 0.1 * t["graph_ns"] + waiting.get(t["tid"], 0) + steal["one-probe"], (
+            uncovered, t, waiting, steal)
     # the recording measures a trap as the target meets it (fused ops' entries)
     assert 0 < int(one["meta"]["trap_in_situ_ns"]) < 20_000
 

@@ -72,3 +72,26 @@ def call_sites(elf: ElfInfo, callers: str, target: str) -> list[tuple[str, int]]
                     and insn.operands[0].imm in wanted):
                 sites.append((name, insn.address - sym.vaddr))
     return sites
+
+
+def direct_calls(path: str, target_vaddr: int) -> list[tuple[int, int]]:
+    """(vaddr, file offset) of every `call rel32` to target_vaddr in the file's executable
+    segments, found by their bytes (e8 and a displacement that lands on the target; a chance
+    match inside another instruction is one in 2^32 per e8 byte). For a function whose own
+    first instruction the kernel would single-step (glibc's _dl_debug_state is one `ret`),
+    its call sites are emulated: a uprobe there costs ~0.5 µs instead of ~15 µs."""
+    out = []
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        for seg in elf.iter_segments():
+            h = seg.header
+            if h.p_type != "PT_LOAD" or not h.p_flags & 1:       # PF_X
+                continue
+            code = np.frombuffer(seg.data()[: h.p_filesz], np.uint8)
+            at = np.nonzero(code[:-4] == 0xE8)[0]
+            disp = (code[at + 1].astype(np.int64) | code[at + 2].astype(np.int64) << 8
+                    | code[at + 3].astype(np.int64) << 16 | code[at + 4].astype(np.int64) << 24)
+            disp = np.where(disp >= 1 << 31, disp - (1 << 32), disp)
+            for i in at[h.p_vaddr + at + 5 + disp == target_vaddr].tolist():
+                out.append((h.p_vaddr + i, h.p_offset + i))
+    return out

@@ -28,7 +28,10 @@ from .. import libbpf
 from ..errors import ProfinferError
 from ..model import Step, TokenCall
 from ..probepack import Pack, load_pack, pack_names
-from ..session import find_engine, find_packs
+from ..discovery import mapped_files
+from ..session import engine_files, find_engine, find_packs
+from . import discover
+from .discover import NodeDiscovery
 from ..stats import SequenceTracker
 from .identity import Identity, identify, model_file
 from .metrics import Metrics
@@ -130,7 +133,7 @@ def raise_fd_limit() -> None:
 
 class Agent:
     def __init__(self, levels: set[str] | None = None, budget: float = 0.04,
-                 log=lambda msg: None, own_pid: int | None = None):
+                 log=lambda msg: None, own_pid: int | None = None, discover_processes: bool = True):
         self.levels = set(levels or DEFAULT_LEVELS)
         self.budget = budget
         self.log = log
@@ -138,6 +141,7 @@ class Agent:
         all_packs = [load_pack(n) for n in pack_names()]
         self.packs: list[Pack] = [p for p in all_packs if not p.level]
         self.cuda_pack = next((p for p in all_packs if p.level == "cuda"), None) if "cuda" in self.levels else None
+        self.all_packs = self.packs + ([self.cuda_pack] if self.cuda_pack is not None else [])
         self.cuda_checked: dict[tuple[int, int], int] = {}   # watched, no runtime: vsize looked at
         self.metrics = Metrics()
         self.watches: dict[int, Watch] = {}
@@ -148,6 +152,7 @@ class Agent:
         self.not_engines: dict[tuple[int, int], int] = {}       # (pid, start) -> vsize looked at
         self.failed: dict[tuple[int, int], tuple[float, float]] = {}   # -> (next try, backoff)
         self.executables_seen: dict[tuple, bool] = {}
+        self.loader_seen: set[tuple[int, int]] = set()       # (pid, start): its loader hooked
         self.attach_errors = 0
         self.loop_errors = 0
         self.retired_programs: dict[str, tuple[int, int]] = {}  # what exited watches' programs ran
@@ -172,6 +177,14 @@ class Agent:
         self.traps_calibrated = costs is not None
         self.started = time.time()
         self.last_loop = time.monotonic()     # /healthz: the loop is alive
+        self.discovery: NodeDiscovery | None = None
+        why = discover.available() if discover_processes else "turned off"
+        if why is None:
+            try:
+                self.discovery = NodeDiscovery(self.all_packs)
+            except ProfinferError as e:
+                why = str(e)
+        self.discovery_off = why
 
     # ---- discovery ----
 
@@ -193,6 +206,7 @@ class Agent:
         self.not_engines = {k: v for k, v in self.not_engines.items() if k[0] in alive}
         self.cuda_checked = {k: v for k, v in self.cuda_checked.items() if k[0] in alive}
         self.failed = {k: v for k, v in self.failed.items() if k[0] in alive}
+        self.loader_seen = {k for k in self.loader_seen if k[0] in alive}
         with self.lock:
             self.unwatched = {k: v for k, v in self.unwatched.items() if k[0] in alive}
         if len(self.executables_seen) > _SEEN_LIMIT:
@@ -204,60 +218,145 @@ class Agent:
                 if found:
                     w.identity = replace(w.identity, model=found)
                     self.metrics.watched(w.identity, keep_counts=True)
-        packs = self.packs + ([self.cuda_pack] if self.cuda_pack is not None else [])
         for pid in pids:
             if pid in self.watches or pid == self.own_pid:
                 continue
             st = stats[pid] = _stat(pid)
-            if st is None:
-                continue
-            key, vsize = (pid, st[0]), st[1]
-            if self.not_engines.get(key) == vsize or key in self.unwatched:
-                continue              # looked at, and nothing mapped since
-            retry = self.failed.get(key)
-            if retry is not None and now < retry[0]:
-                continue
-            try:
-                matched = find_packs(packs, pid, True, self.executables_seen)
-            except (OSError, ProfinferError):
-                matched = []
-            except Exception as e:          # an unreadable file of a vanishing process
-                self._error(f"PID {pid}: looking for an engine: {type(e).__name__}: {e}")
-                matched = []
-            found = next((m for m in matched if not m[0].level), None)
-            cuda = next((m for m in matched if m[0].level), None)
-            if found is None and cuda is None:
-                self.not_engines[key] = vsize
-                continue
-            if found is not None:
-                self._watch(pid, st[0], *found)
-            else:
-                self._watch_runtime_only(pid, st[0])
-            if cuda is not None and pid in self.watches:
-                self._watch_cuda(self.watches[pid], cuda[1])
+            if st is not None:
+                self._look(pid, st, now)
         # a watched process that loads a CUDA runtime or driver later (PyTorch dlopens
-        # libcudart, which dlopens libcuda): probed within a scan (unlike attach and record,
-        # the daemon does not stop processes at their loader's hook; calls made before the
-        # next scan are not seen)
+        # libcudart, which dlopens libcuda): probed at once where discovery holds it at its
+        # loader's hook, else within a scan
         if self.cuda_pack is not None:
             for pid, w in list(self.watches.items()):
                 st = stats.get(pid)
-                if st is None or self.cuda_checked.get((pid, st[0])) == st[1]:
-                    continue
-                self.cuda_checked[(pid, st[0])] = st[1]
-                try:
-                    cuda = find_engine([self.cuda_pack], pid, False, self.executables_seen)
-                except Exception:
-                    cuda = None
-                if cuda is None:
-                    continue
-                if not w.cuda:
-                    self._watch_cuda(w, cuda[1])
-                else:
-                    try:
-                        self.runtime.add(pid, cuda[1])
-                    except Exception as e:
-                        self._error(f"PID {pid}: probing a runtime it loaded: {e}")
+                if st is not None and self.cuda_checked.get((pid, st[0])) != st[1]:
+                    self._look_runtime(pid, w, st)
+
+    def _look(self, pid: int, st: tuple[int, int], now: float, settled: bool = False) -> None:
+        """Watch `pid` if it maps an engine or a runtime now (settled: discovery holds it with
+        its library list complete, so look even if its size is the one looked at before)."""
+        key, vsize = (pid, st[0]), st[1]
+        if not settled and (self.not_engines.get(key) == vsize or key in self.unwatched):
+            return                    # looked at, and nothing mapped since
+        if not settled and self.discovery is not None:
+            if self.discovery.pending(pid):
+                return                # loading: looked at once its loader is done
+            if key not in self.loader_seen:
+                self.loader_seen.add(key)
+                self._hook_loader(pid)
+        retry = self.failed.get(key)
+        if retry is not None and now < retry[0]:
+            return
+        try:
+            matched = find_packs(self.all_packs, pid, True, self.executables_seen)
+        except (OSError, ProfinferError):
+            matched = []
+        except Exception as e:          # an unreadable file of a vanishing process
+            self._error(f"PID {pid}: looking for an engine: {type(e).__name__}: {e}")
+            matched = []
+        found = next((m for m in matched if not m[0].level), None)
+        cuda = next((m for m in matched if m[0].level), None)
+        if found is None and cuda is None:
+            self.not_engines[key] = vsize
+            return
+        if found is not None:
+            self._watch(pid, st[0], *found)
+        else:
+            self._watch_runtime_only(pid, st[0])
+        if cuda is not None and pid in self.watches:
+            self._watch_cuda(self.watches[pid], cuda[1])
+
+    def _look_runtime(self, pid: int, w: Watch, st: tuple[int, int]) -> None:
+        """A watched process that may have loaded a CUDA runtime since it was looked at."""
+        self.cuda_checked[(pid, st[0])] = st[1]
+        try:
+            cuda = find_engine([self.cuda_pack], pid, False, self.executables_seen)
+        except Exception:
+            cuda = None
+        if cuda is None:
+            return
+        if not w.cuda:
+            self._watch_cuda(w, cuda[1])
+        else:
+            try:
+                self.runtime.add(pid, cuda[1])
+            except Exception as e:
+                self._error(f"PID {pid}: probing a runtime it loaded: {e}")
+
+    # ---- discovery from the kernel ----
+
+    def _discovered(self) -> None:
+        """What the kernel told of new processes: the held ones first (each continued
+        whatever looking at it found or raised), then new executables."""
+        events = self.discovery.events()
+        for ev in sorted(events, key=lambda e: e.what == "exec"):
+            try:
+                if ev.what == "exec":
+                    self._new_executable(ev.tgid, ev.file)
+                elif ev.what == "candidate":
+                    self._candidate(ev.tgid)
+                elif ev.what == "loaded":
+                    self._libraries_loaded(ev.tgid)
+            except Exception as e:
+                self._error(f"PID {ev.tgid}: discovery ({ev.what}): {type(e).__name__}: {e}")
+            finally:
+                if ev.what != "exec" and ev.tgid in self.discovery.held:
+                    self.discovery.release(ev.tgid, done=False)
+
+    def _new_executable(self, pid: int, file: bytes) -> None:
+        """An executable not looked at yet: does it define an engine's or a runtime's marker
+        (linked in statically)? Its later execs are held at exec if so; this one, already
+        running, is looked at now."""
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
+            if os.stat(f"/proc/{pid}/exe").st_ino != int.from_bytes(file[:8], "little"):
+                return              # another image by now: nothing known of that one
+            main = [m for m in mapped_files(pid) if m.path == exe]
+        except (OSError, ProfinferError):
+            return
+        engine = any(engine_files(p, pid, main, True, self.executables_seen)
+                     for p in self.all_packs if p.marker)
+        self.discovery.executable(file, engine)
+        self._hook_loader(pid)
+        st = _stat(pid)
+        if engine and st is not None and pid not in self.watches:
+            self._look(pid, st, time.monotonic(), settled=True)
+
+    def _hook_loader(self, pid: int) -> None:
+        """Its loader's hook probed, so that a library it (or another process using the same
+        loader) completes a list with later is seen at once."""
+        try:
+            self.discovery.hook_loader(pid)
+        except (OSError, ProfinferError) as e:
+            self._error(f"PID {pid}: hooking its loader: {e}")
+
+    def _candidate(self, pid: int) -> None:
+        """Held at the exec of an engine's executable: hook its loader (it is held again once
+        its library list is complete); a static executable, whose libraries are all there,
+        is looked at now."""
+        from ..follow import interpreter
+        if interpreter(pid) is None:
+            self._libraries_loaded(pid)
+            return
+        try:
+            self.discovery.hook_loader(pid)
+        except ProfinferError as e:     # no hook to wait for: look now
+            self._error(f"PID {pid}: {e}")
+            self._libraries_loaded(pid)
+
+    def _libraries_loaded(self, pid: int) -> None:
+        """Held at its loader's hook: once the library list is complete, watch what it maps."""
+        if not self.discovery.settled(pid):
+            return
+        st = _stat(pid)
+        if st is not None and pid != self.own_pid:
+            w = self.watches.get(pid)
+            if w is None:
+                self._look(pid, st, time.monotonic(), settled=True)
+            elif self.cuda_pack is not None:
+                self._look_runtime(pid, w, st)
+        self.discovery.release(pid, done=True)
 
     def _watch(self, pid: int, start: int, pack: Pack, files: list[tuple[str, str]]) -> None:
         cls = pack.collector_class()
@@ -595,7 +694,11 @@ class Agent:
         exits = {w.pidfd: w for w in watches if w.pidfd >= 0}
         for fd in exits:
             poller.register(fd, select.POLLIN)
-        ready = poller.poll(timeout_s * 1000) if watches else time.sleep(timeout_s) or []
+        if self.discovery is not None:
+            poller.register(self.discovery.fileno(), select.POLLIN)
+        ready = poller.poll(timeout_s * 1000)
+        if self.discovery is not None:      # a held process waits on this: first
+            self._discovered()
         for g in groups:
             self._drain_group(g)
         self._drain_runtime()
@@ -744,9 +847,17 @@ class Agent:
             "found_not_watched": [{**i.as_dict(), "why": "no always-on level for this engine yet"}
                                   for i in unwatched],
             "gpu": self.metrics.gpu_state,
+            "discovery": ({"loaders_hooked": len(self.discovery.loaders), "held": sorted(self.discovery.held)}
+                          if self.discovery is not None else {"off": self.discovery_off}),
         }
 
     def close(self) -> None:
+        if self.discovery is not None:
+            try:
+                self.discovery.close()        # every held process continued
+            except Exception as e:
+                self._error(f"closing discovery: {type(e).__name__}: {e}")
+            self.discovery = None
         with self.lock:
             watches = list(self.watches.values())
             self.watches.clear()

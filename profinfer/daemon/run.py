@@ -38,10 +38,13 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    agent.poll(0)     # the first scan (and each loader hooked) before /healthz says ready
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    agent.metrics.self_metrics(agent)
-    if agent.metrics.gpu_state != "on":
-        log(f"GPU metrics are off ({agent.metrics.gpu_state})")
+    agent.metrics.self_metrics(agent)           # says whether GPU metrics are on, and if not why
+    log("new processes found " + ("from the kernel (exec and the loader's hook), and by a scan "
+                                  "of /proc each second" if agent.discovery is not None else
+                                  f"by a scan of /proc each second (discovery from the kernel is off: "
+                                  f"{agent.discovery_off})"))
     log(f"listening on http://{host}:{port} (metrics; control endpoints need the token"
         + ("" if token else f" in {token_file}") + f"); levels {','.join(sorted(agent.levels))}")
     try:

@@ -3,6 +3,7 @@ waiting on a FIFO for its prompt (so that the daemon finds it before it decodes)
 from __future__ import annotations
 
 import json
+from collections import Counter
 import os
 import socket
 import subprocess
@@ -13,6 +14,8 @@ import urllib.request
 from pathlib import Path
 
 from conftest import PROMPT, completion_cmd
+
+CUDA_COPY_KINDS = {0: "H2H", 1: "H2D", 2: "D2H", 3: "D2D", 4: "Default"}
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "profinfer.yaml"
@@ -132,3 +135,29 @@ class Workload:
         _, err = self.proc.communicate(timeout=120)
         assert self.proc.returncode == 0, err
         return err
+
+
+def series(text: str, name: str, pid: int, label: str | None) -> dict[str, float]:
+    """One process's samples of a metric in a /metrics text, by the value of `label`."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'pid="{pid}"' in line:
+            key = line.split(f'{label}="', 1)[1].split('"', 1)[0] if label else ""
+            out[key] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def cuda_log_counts(log: Path) -> tuple[Counter, Counter, int]:
+    """What a CUDA test program's own log counts: launches by kernel, bytes by copy kind,
+    graph launches (the daemon's metrics' terms)."""
+    entries = [json.loads(l) for l in log.read_text().splitlines()]
+    kernels = Counter(d_["kernel"] if d_["fn"].startswith("cuda") else f"CUfunction@{d_['func']}"
+                      for d_ in entries if d_["fn"] in ("cudaLaunchKernel", "cudaLaunchKernelExC",
+                                                         "cuLaunchKernel", "cuLaunchKernelEx"))
+    copied: Counter = Counter()
+    for e in entries:
+        if e["fn"].startswith("cudaMemcpy"):
+            copied[CUDA_COPY_KINDS[e["kind"]]] += e["bytes"]
+        elif e["fn"].startswith("cudaMemset"):
+            copied["memset"] += e["bytes"]
+    return kernels, copied, sum(1 for e in entries if e["fn"] == "cudaGraphLaunch")

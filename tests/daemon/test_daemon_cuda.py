@@ -8,45 +8,20 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from daemon_helpers import _STARTED, Daemon, _get, kill_started
+from daemon_helpers import _STARTED, Daemon, _get, cuda_log_counts, kill_started, series
 from profinfer.cuda import workload
 
 PROGRAM = Path(__file__).resolve().parents[1] / "cuda" / "programs" / "cuda_calls.cu"
-KINDS = {0: "H2H", 1: "H2D", 2: "D2H", 3: "D2D", 4: "Default"}
 
 
 @pytest.fixture(autouse=True)
 def _no_workload_left():
     yield
     kill_started()
-
-
-def _series(text: str, name: str, pid: int, label: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{") and f'pid="{pid}"' in line:
-            key = line.split(f'{label}="', 1)[1].split('"', 1)[0] if label else ""
-            out[key] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def _expected(log: Path) -> tuple[Counter, Counter, int]:
-    entries = [json.loads(l) for l in log.read_text().splitlines()]
-    kernels = Counter(d_["kernel"] if d_["fn"].startswith("cuda") else f"CUfunction@{d_['func']}"
-                      for d_ in entries if d_["fn"] in ("cudaLaunchKernel", "cudaLaunchKernelExC",
-                                                         "cuLaunchKernel", "cuLaunchKernelEx"))
-    copied: Counter = Counter()
-    for e in entries:
-        if e["fn"].startswith("cudaMemcpy"):
-            copied[KINDS[e["kind"]]] += e["bytes"]
-        elif e["fn"].startswith("cudaMemset"):
-            copied["memset"] += e["bytes"]
-    return kernels, copied, sum(1 for e in entries if e["fn"] == "cudaGraphLaunch")
 
 
 def test_cuda_counts_in_the_daemon_equal_the_programs_log(tmp_path):
@@ -87,12 +62,12 @@ def test_cuda_counts_in_the_daemon_equal_the_programs_log(tmp_path):
             time.sleep(0.1)
         text = _get(d.url + "/metrics")[1].decode()
         for proc, log in procs:
-            want_kernels, want_bytes, graphs = _expected(log)
-            got = _series(text, "profinfer_cuda_kernel_launches_total", proc.pid, "kernel")
+            want_kernels, want_bytes, graphs = cuda_log_counts(log)
+            got = series(text, "profinfer_cuda_kernel_launches_total", proc.pid, "kernel")
             assert {k: int(v) for k, v in got.items()} == dict(want_kernels), d.text()
-            got_bytes = _series(text, "profinfer_cuda_copy_bytes_total", proc.pid, "kind")
+            got_bytes = series(text, "profinfer_cuda_copy_bytes_total", proc.pid, "kind")
             assert {k: int(v) for k, v in got_bytes.items()} == dict(want_bytes)
-            assert _series(text, "profinfer_cuda_graph_launches_total", proc.pid, None) == {"": graphs}
+            assert series(text, "profinfer_cuda_graph_launches_total", proc.pid, None) == {"": graphs}
         # its last process gone, the object goes
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

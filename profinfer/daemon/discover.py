@@ -1,0 +1,154 @@
+"""Node-wide discovery from the kernel (bpf/discover.bpf.c): a process whose loader completes
+a library list with a file named like a pack's library, or that execs an executable found to
+define a pack's marker, is held (SIGSTOP from BPF) until the agent has attached what it maps.
+So a process is watched before its first call however briefly it lives, and a library it
+loads late (dlopen) is probed before its first call. Unrelated processes are not stopped:
+they cost a map lookup at exec and a look at the names their loader adds.
+
+The loader's hook is probed per loader file: the host's and every one a process found so far
+uses (at the daemon's start, each scan's new process, each new executable). The first
+process to use a loader not seen yet (a container of a new image) is found by the scan.
+
+A process stopped here is always continued: after it has been looked at, whatever that
+found, and when the daemon stops (except if it is killed with SIGKILL in those milliseconds).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import bpfobj, kernel, layout, libbpf
+from ..errors import ProfinferError
+from ..follow import LoaderHooks
+from ..probepack import Pack
+
+PROGRAMS = ("discover_exec", "discover_exit")
+LOADER_PROGRAM = "discover_loader"
+RING_PAGES = 16
+NAME_MAX = 32
+MAX_PREFIXES = 16
+
+
+@dataclass(frozen=True)
+class Discovered:
+    tgid: int
+    what: str                   # "exec" (not stopped), "candidate", "loaded" (both stopped)
+    file: bytes = b""           # exec: the executable as the kernel names it (a map key)
+
+
+def name_prefixes(packs: list[Pack]) -> list[str]:
+    """Each pack library glob's file name up to its first wildcard ("libllama.so*" ->
+    "libllama.so", "*/vllm/_C*.so" -> "_C"): what the kernel compares a mapped file's name with."""
+    out: list[str] = []
+    for pack in packs:
+        for pattern in pack.libraries:
+            name = pattern.rsplit("/", 1)[-1]
+            cut = min((i for i, c in enumerate(name) if c in "*?["), default=len(name))
+            prefix = name[:cut]
+            if prefix and prefix not in out:
+                out.append(prefix)
+    return out
+
+
+def available() -> str | None:
+    """None where node-wide discovery can run here, else why not."""
+    if not os.path.exists("/sys/kernel/btf/vmlinux"):
+        return "no kernel BTF (/sys/kernel/btf/vmlinux)"
+    if not kernel.release_at_least(5, 17):
+        return "Linux before 5.17 (no bpf_loop)"
+    return None
+
+
+class NodeDiscovery:
+    def __init__(self, packs: list[Pack]):
+        consts, dt = layout.parse(header="transport.h")
+        self._names = {consts[f"PI_DISCOVER_{w.upper()}"]: w for w in ("exec", "candidate", "loaded")}
+        self._dt = dt["pi_discover_event"]
+        self._records: list[bytes] = []
+        self.held: set[int] = set()      # stopped here, not yet continued
+        prefixes = name_prefixes(packs)
+        if len(prefixes) > MAX_PREFIXES or any(len(p.encode()) > NAME_MAX for p in prefixes):
+            raise ProfinferError(f"the packs' library names do not fit discovery's table: {prefixes}")
+        self.obj = libbpf.BpfObject(bpfobj.object_path("discover.bpf.c", "ring"))
+        try:
+            self.obj.set_rodata(np.zeros(1, dt["pi_core_config"]).tobytes())
+            self.obj.set_max_entries("events", RING_PAGES * 4096)
+            self.obj.load(set(PROGRAMS) | {LOADER_PROGRAM})
+            fd = self.obj.map_fd("name_prefixes")
+            for i, prefix in enumerate(prefixes):     # its bytes, then a mask of them
+                raw = prefix.encode()
+                libbpf.map_update(fd, i.to_bytes(4, "little"), raw.ljust(NAME_MAX, b"\0")
+                                  + (b"\xff" * len(raw)).ljust(NAME_MAX, b"\0"))
+            self.loaders = LoaderHooks(self.obj, LOADER_PROGRAM, table="hook_sites",
+                                       table_size=consts["PI_MAX_HOOK_SITES"])
+            self._buf = self.obj.ring_buffer("events", self._on_record)
+            for prog in PROGRAMS:
+                self.obj.attach(prog)
+        except ProfinferError:
+            self.obj.close()
+            raise
+
+    def _on_record(self, data, size):
+        self._records.append(ctypes.string_at(data, size))
+
+    def fileno(self) -> int:
+        return self._buf.fileno()
+
+    def events(self) -> list[Discovered]:
+        self._buf.consume()
+        records, self._records = self._records, []
+        out = []
+        for rec in records:
+            ev = np.frombuffer(rec[: self._dt.itemsize], self._dt, count=1)[0]
+            what = self._names.get(int(ev["what"]), "?")
+            tgid = int(ev["tgid"])
+            if what in ("candidate", "loaded"):
+                self.held.add(tgid)
+            out.append(Discovered(tgid, what, ev["file"].tobytes() if what == "exec" else b""))
+        return out
+
+    def hook_loader(self, pid: int) -> None:
+        """Its dynamic loader's hook probed (once per loader file)."""
+        if not self.loaders.hooked(pid):
+            self.loaders.watch(pid)
+
+    def settled(self, pid: int) -> bool:
+        return self.loaders.settled(pid)
+
+    def executable(self, key: bytes, engine: bool) -> None:
+        """What an executable is, for its later execs: an engine's are held at exec."""
+        libbpf.map_update(self.obj.map_fd("executables"), key, int(engine).to_bytes(4, "little"))
+
+    def pending(self, pid: int) -> bool:
+        """A candidate whose loader has not finished yet."""
+        return libbpf.map_lookup(self.obj.map_fd("candidates"), pid.to_bytes(4, "little"), 4) is not None
+
+    def release(self, pid: int, done: bool) -> None:
+        """Continue a held process; done: what it maps is attached (held again only when it
+        maps another engine-named file or execs)."""
+        if done:
+            libbpf.map_delete(self.obj.map_fd("candidates"), pid.to_bytes(4, "little"))
+        self.loaders.forget(pid)        # it may exec another image before its next stop
+        self.held.discard(pid)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        """Detach, then continue every process still held."""
+        obj, self.obj = self.obj, None
+        if obj is None:
+            return
+        try:
+            self.events()
+        except ProfinferError:
+            pass
+        obj.close()
+        for pid in list(self.held):
+            self.release(pid, done=False)
+

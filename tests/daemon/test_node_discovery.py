@@ -1,0 +1,88 @@
+"""Discovery from the kernel: a process started after the daemon is held at its loader's
+hook (bpf/discover.bpf.c) until its engine's probes are on, however briefly it lives, and a
+runtime it dlopens later is probed before its first call. The truths are the programs' own:
+llama.cpp's perf report, the CUDA program's log of every call. Nothing waits for the daemon:
+the programs start and run straight through."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from conftest import llama_perf
+from daemon_helpers import _STARTED, Daemon, _get, cuda_log_counts, kill_started, series
+from profinfer.cuda import workload as cuda_workload
+
+from test_daemon_cuda import PROGRAM as CUDA_PROGRAM
+
+
+@pytest.fixture(autouse=True)
+def _no_workload_left():
+    yield
+    kill_started()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(tmp_path)
+    status = json.loads(_get(d.url + "/status")[1])
+    assert "loaders_hooked" in status["discovery"], status["discovery"]
+    yield d
+    d.stop()
+
+
+def _metrics_after_exit(d: Daemon, pids: set[int]) -> str:
+    """/metrics once each process's exit has been seen (what it sent drained)."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and pids & {
+            p["pid"] for p in json.loads(_get(d.url + "/status")[1])["processes"]}:
+        time.sleep(0.1)
+    return _get(d.url + "/metrics")[1].decode()
+
+
+def test_short_llama_simple_runs_counted_exactly(daemon, llama_build, tiny_model, llama_env):
+    """llama-simple, 40 tokens in ~0.1 s, three times: each run's prompt and generated
+    tokens and decode calls equal its own report (the scan alone saw none of them)."""
+    runs = []
+    for _ in range(3):
+        proc = subprocess.Popen([str(llama_build / "bin" / "llama-simple"), "-m", str(tiny_model),
+                                 "-n", "40", "Once upon a time, in a quiet town"],
+                                env=llama_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _STARTED.append(proc)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        perf = llama_perf(err)
+        assert {"prompt eval", "eval"} <= perf.keys(), err[-2000:]
+        runs.append((proc.pid, perf))
+    text = _metrics_after_exit(daemon, {pid for pid, _ in runs})
+    for pid, perf in runs:
+        tokens = series(text, "profinfer_tokens_total", pid, "phase")
+        calls = series(text, "profinfer_decode_calls_total", pid, "phase")
+        assert tokens == {"prefill": perf["prompt eval"][1], "decode": perf["eval"][1]}, (
+            daemon.text() + "\n".join(l for l in text.splitlines() if "tokens_total" in l))
+        assert calls.get("decode") == perf["eval"][1]
+
+
+def test_runtime_dlopened_later_probed_before_its_first_call(daemon, tmp_path):
+    """A program on the shared CUDA 13 runtime (held at start: it maps libcudart) that then
+    dlopens CUDA 12's runtime and libcuda and calls them at once: every call in its log is
+    counted, those of the late runtime included."""
+    program = cuda_workload.build_program(CUDA_PROGRAM, "shared")
+    log = tmp_path / "calls.jsonl"
+    proc = subprocess.Popen([str(program), "--log", str(log), "--repeat", "2",
+                             "--runtime", f"dlopen:{cuda_workload.ensure_cudart12()}",
+                             "--libcuda", str(cuda_workload.ensure_libcuda())],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _STARTED.append(proc)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    text = _metrics_after_exit(daemon, {proc.pid})
+    kernels, copied, graphs = cuda_log_counts(log)
+    assert sum(kernels.values()) > 0
+    got = series(text, "profinfer_cuda_kernel_launches_total", proc.pid, "kernel")
+    assert {k: int(v) for k, v in got.items()} == dict(kernels), daemon.text()
+    got_bytes = series(text, "profinfer_cuda_copy_bytes_total", proc.pid, "kind")
+    assert {k: int(v) for k, v in got_bytes.items()} == dict(copied)
+    assert series(text, "profinfer_cuda_graph_launches_total", proc.pid, None) == {"": graphs}
