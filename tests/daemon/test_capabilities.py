@@ -4,7 +4,7 @@ without it that fails, and fails in the way WHY says.
 
 The capability set is the daemon's bounding set (setpriv, as a container runtime sets it: the
 daemon, root, gets exactly those as permitted and effective), so nothing is hidden by root.
-Four llama.cpp processes wait on a FIFO for their prompt while the daemon finds them:
+Five llama.cpp processes wait on a FIFO for their prompt while the daemon finds them:
 
 - host:      a root process on the host, from the build;
 - user:      another user's process (uid 65534), its libraries in a directory only that user
@@ -12,7 +12,10 @@ Four llama.cpp processes wait on a FIFO for their prompt while the daemon finds 
 - upgraded:  a root process whose libllama was deleted after it was mapped (an upgrade under a
              running server): it is reachable only through /proc/PID/map_files;
 - container: a process in its own mount namespace and root (pivot_root), its own copies of
-             the libraries: reached through /proc/PID/root.
+             the libraries: reached through /proc/PID/root;
+- late:      another user's process in a session of its own, started after the daemon: held
+             (stopped) by the daemon's discovery at its loader's hook until its probes are on,
+             then continued with SIGCONT, which needs CAP_KILL for another user's process.
 
 With every capability each counts exactly what llama.cpp reports of itself (prompt tokens and
 decode calls). CAP_SYS_ADMIN is never given: uprobes are attached as uprobe-multi links
@@ -25,9 +28,7 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -45,15 +46,16 @@ TOKENS = 8
 # what breaks without each capability the manifest gives: the targets that are no longer
 # counted, and the daemon's own words for it (a regular expression on its log)
 WHY = {
-    "BPF": ({"host", "user", "upgraded", "container"}, r"not watched: .*Operation not permitted"),
-    "PERFMON": ({"host", "user", "upgraded", "container"}, r"not watched: .*Operation not permitted"),
-    "SYS_PTRACE": ({"host", "user", "upgraded", "container"}, r"not watched: .*Permission denied.*/proc/\d+/root/"),
-    "DAC_READ_SEARCH": ({"user"}, r"not watched: .*Permission denied.*/proc/\d+/root/"),
+    "BPF": ({"host", "user", "upgraded", "container", "late"}, r"not watched: .*Operation not permitted"),
+    "PERFMON": ({"host", "user", "upgraded", "container", "late"}, r"not watched: .*Operation not permitted"),
+    "SYS_PTRACE": ({"host", "user", "upgraded", "container", "late"},
+                   r"not watched: .*Permission denied.*/proc/\d+/root/"),
+    "DAC_READ_SEARCH": ({"user", "late"}, r"not watched: .*Permission denied.*/proc/\d+/root/"),
     "CHECKPOINT_RESTORE": ({"upgraded"}, r"not watched: .*Operation not permitted: '/proc/\d+/map_files/"),
-    # signals: not a daemon run here (test_kill_resumes_another_users_process)
-    "KILL": None,
+    # the late process, held by discovery, is never continued: it stays stopped
+    "KILL": ({"late"}, None),
 }
-TARGETS = ("host", "user", "upgraded", "container")
+TARGETS = ("host", "user", "upgraded", "container", "late")
 
 
 def cap_mask(caps) -> int:
@@ -145,12 +147,29 @@ class Target:
     fifo: Path
     perf: dict = field(default_factory=dict)
 
-    def go(self) -> None:
-        with open(self.fifo, "w") as f:
+    stuck: str = ""          # why it never read its prompt (a held process never continued)
+
+    def go(self, deadline: float) -> None:
+        """The prompt, once it opens its FIFO (a process left stopped never does)."""
+        while True:
+            try:
+                fd = os.open(self.fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:          # ENXIO: no reader yet
+                if time.monotonic() > deadline:
+                    state = re.search(r"State:\s*(.*)", Path(f"/proc/{self.proc.pid}/status").read_text())
+                    self.stuck = state.group(1) if state else "?"
+                    self.proc.kill()
+                    return
+                time.sleep(0.05)
+        with os.fdopen(fd, "w") as f:
+            os.set_blocking(fd, True)
             f.write(PROMPT)
 
     def finish(self) -> None:
         _, err = self.proc.communicate(timeout=120)
+        if self.stuck:
+            return
         assert self.proc.returncode == 0, f"{self.name}: {err[-2000:]}"
         self.perf = llama_perf(err)
 
@@ -177,7 +196,7 @@ def _start_targets(places: Places, llama_build, tiny_model, llama_env, tmp: Path
         ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
          str(places.user / "bin" / "llama-completion"), *_llama_args(llama_build, str(places.user / "tiny.gguf"), str(fifo))],
         env={"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(places.user / "bin")},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd="/"), fifo)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd="/", start_new_session=True), fifo)
 
     lib = places.upgraded / "bin" / "libllama.so.0"
     if lib.exists():
@@ -223,6 +242,22 @@ def _start_targets(places: Places, llama_build, tiny_model, llama_env, tmp: Path
     return out
 
 
+def _start_late(places: Places, llama_build, tmp: Path) -> Target:
+    """Another user's process in a session of its own, started after the daemon: held by the
+    daemon's discovery at its loader's hook until its probes are on, then continued."""
+    fifo = places.user / f"late-{tmp.name}.fifo"
+    os.mkfifo(fifo)
+    os.chown(fifo, NOBODY, NOBODY)
+    t = Target("late", subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
+         str(places.user / "bin" / "llama-completion"),
+         *_llama_args(llama_build, str(places.user / "tiny.gguf"), str(fifo))],
+        env={"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(places.user / "bin")},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd="/", start_new_session=True), fifo)
+    _STARTED.append(t.proc)
+    return t
+
+
 def _llama_pid(t: Target) -> int | None:
     """The llama.cpp process: the one started, or (container) the shell's exec of it."""
     try:
@@ -248,6 +283,7 @@ class Run:
     want: dict[str, dict[str, int]]        # per target: what llama.cpp reports
     log: str
     status: dict
+    stuck: dict[str, str]                  # targets that never read their prompt: their state
 
 
 def _run(caps, places, llama_build, tiny_model, llama_env, truth, tmp: Path) -> Run:
@@ -257,6 +293,7 @@ def _run(caps, places, llama_build, tiny_model, llama_env, truth, tmp: Path) -> 
     try:
         eff = int(re.search(r"CapEff:\s*(\w+)", Path(f"/proc/{d.proc.pid}/status").read_text()).group(1), 16)
         assert eff == cap_mask(caps), (hex(eff), caps)
+        targets["late"] = _start_late(places, llama_build, tmp)
         pids = {t.proc.pid for t in targets.values()}
         deadline = time.monotonic() + 12
         while time.monotonic() < deadline:     # every target watched, or the time is up
@@ -265,8 +302,9 @@ def _run(caps, places, llama_build, tiny_model, llama_env, truth, tmp: Path) -> 
                 break
             time.sleep(0.2)
         time.sleep(0.5)
+        deadline = time.monotonic() + 8
         for t in targets.values():
-            t.go()
+            t.go(deadline)
         for t in targets.values():
             t.finish()
         reported = {n: {"prefill": t.perf["prompt eval"][1], "decode": t.perf["eval"][1]}
@@ -281,7 +319,7 @@ def _run(caps, places, llama_build, tiny_model, llama_env, truth, tmp: Path) -> 
                 break
             time.sleep(0.3)
         status = json.loads(_get(d.url + "/status")[1])
-        return Run(counted, want, d.text(), status)
+        return Run(counted, want, d.text(), status, {n: t.stuck for n, t in targets.items() if t.stuck})
     finally:
         d.stop()
 
@@ -336,36 +374,3 @@ def test_op_level_refused_where_its_cost_cannot_be_measured(tmp_path):
         assert "op level off: BPF run-time statistics are refused" in d.text()
     finally:
         d.stop()
-
-
-def test_kill_resumes_another_users_process(tmp_path):
-    """A capture with a runtime level follows the process tree: the loader's hook stops a
-    process (bpf_send_signal, no capability) while a late library is probed, and the daemon's
-    capture resumes it with SIGCONT (profinfer.follow.Follower.resume). For another user's
-    process that signal needs CAP_KILL: without it the process would stay stopped."""
-    caps = manifest_caps()
-    # a session of its own, as a tenant's process is (SIGCONT within one session needs nothing)
-    victim = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                               "sleep", "60"], start_new_session=True)
-    _STARTED.append(victim)
-    resume = [sys.executable, "-c", "import sys; from profinfer.follow import Follower; "
-              "Follower.resume(int(sys.argv[1]))", str(victim.pid)]
-
-    def state() -> str:
-        return re.search(r"State:\s*(\w)", Path(f"/proc/{victim.pid}/status").read_text()).group(1)
-
-    try:
-        time.sleep(0.2)
-        os.kill(victim.pid, signal.SIGSTOP)
-        time.sleep(0.1)
-        assert state() == "T"
-        r = subprocess.run(with_caps([c for c in caps if c != "KILL"]) + resume, capture_output=True, text=True)
-        assert r.returncode != 0 and "PermissionError" in r.stderr
-        assert state() == "T"
-        r = subprocess.run(with_caps(caps) + resume, capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        time.sleep(0.1)
-        assert state() == "S"
-    finally:
-        victim.kill()
-        victim.wait()
