@@ -21,16 +21,12 @@ if [ ! -x .venv/bin/python ]; then
     /usr/bin/python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
-# The CUDA level's test runtimes: Debian's libcuda1 (the driver API library) is in non-free.
+# The CUDA level's test runtimes: Debian's libcuda1 (the driver API library) is in non-free,
+# enabled from the same archive (URIs, suite, key) as this machine's own apt sources.
 if ! apt-cache policy libcuda1 2>/dev/null | grep 'Candidate: [0-9]' >/dev/null; then
     echo "setup: enabling Debian's non-free component (libcuda1)" >&2
-    cat > /etc/apt/sources.list.d/profinfer-debian-non-free.sources <<'PI_EOF'
-Types: deb
-URIs: http://deb.debian.org/debian
-Suites: bookworm
-Components: non-free
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-PI_EOF
+    .venv/bin/python deploy/debian_archive.py source non-free \
+        > /etc/apt/sources.list.d/profinfer-debian-non-free.sources
     apt-get update -qq
 fi
 # Both variants of the BPF object (ring buffer; perf buffer for kernels before 5.8).
@@ -46,8 +42,15 @@ fi
 # random-weight Hugging Face Llama with a tokenizer trained here.
 .venv/bin/python -m profinfer.engines.vllm.workload >/dev/null
 # The CUDA runtimes the cuda level is tested with (no GPU needed): CUDA 12's libcudart from
-# PyPI, libcuda.so.1 unpacked from Debian's libcuda1; CUDA 13's is the toolkit's (nvcc).
+# PyPI, libcuda.so.1 unpacked from Debian's libcuda1; CUDA 13's is the toolkit's (nvcc): the
+# installed one, else nvcc and the runtime from PyPI's wheels, into the cache.
 .venv/bin/python -m profinfer.cuda.workload >/dev/null
+# The daemon's image, for the test that runs the DaemonSet's pod: built with Debian's podman
+# and no registry (deploy/build-image.sh installs podman, buildah, runc and debootstrap when
+# missing; cached by content). Not inside a container, where podman would be nested.
+if [ ! -e /run/.containerenv ] && [ ! -e /.dockerenv ]; then
+    deploy/build-image.sh >/dev/null
+fi
 # This machine's roofs (memory bandwidth, f32 FMA peak) for the roofline verdicts, and what a
 # probe hit costs; cached when the measurement passes its check. A busy machine (exit 75)
 # caches nothing and does not fail the setup: calibrate later, as the roofline tests do.

@@ -54,7 +54,7 @@ def test_one_probe_per_node_times_the_same_nodes(llama_build, tiny_model, llama_
     for t in (t for t in one["threads"] if t["op_ns"] > 0):
         assert t["barrier_ns"] > 0
         uncovered = t["graph_ns"] - (t["op_ns"] + t["barrier_ns"] + t["arrival_ns"])
-        assert uncovered <= 0.1 * t["graph_ns"] + waiting.get(t["tid"], 0) + steal["one-probe"], (
+        assert uncovered <= 0.2 * t["graph_ns"] + waiting.get(t["tid"], 0) + steal["one-probe"], (
             uncovered, t, waiting, steal)
     # the recording measures a trap as the target meets it (fused ops' entries)
     assert 0 < int(one["meta"]["trap_in_situ_ns"]) < 20_000

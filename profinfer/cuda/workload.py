@@ -5,9 +5,14 @@ like the other workloads ($PROFINFER_CACHE, else ~/.cache/profinfer):
     <cache>/cuda/libcuda-<release>/libcuda.so.1      the driver library, from Debian's libcuda1
     <cache>/cuda/programs/<name>-<variant>-<hash>    a program built with the toolkit's nvcc
 
-CUDA 13's runtime is the toolkit's (/usr/local/cuda: shared, and static, which nvcc links by
-default). There is no GPU here: the calls fail (no driver), but they enter the functions the
-level probes with their real arguments, and nvcc's programs register their kernels.
+CUDA 13's runtime is the toolkit's (shared, and static, which nvcc links by default): the
+toolkit in $CUDA_HOME or /usr/local/cuda when it has nvcc, else one installed from PyPI's
+wheels (nvcc, its crt headers and cicc, the runtime's headers and libraries) into
+
+    <cache>/cuda/toolkit-<nvcc version>/nvidia/cu13
+
+There is no GPU here: the calls fail (no driver), but they enter the functions the level
+probes with their real arguments, and nvcc's programs register their kernels.
 
     python -m profinfer.cuda.workload      # fetch (or find) them, print their paths
 """
@@ -22,11 +27,16 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..buildcache import cache_dir, file_lock, run
+from ..buildcache import cache_dir, file_lock, log, run
 
 CUDART12_PACKAGE, CUDART12_VERSION = "nvidia-cuda-runtime-cu12", "12.9.79"
 LIBCUDA_PACKAGE = "libcuda1"           # Debian non-free
-TOOLKIT = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+SYSTEM_TOOLKIT = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+# CUDA 13 from PyPI when no toolkit is installed: what nvcc needs to build and link (statically
+# and against the shared runtime) the test programs
+TOOLKIT_WHEELS = {"nvidia-cuda-nvcc": "13.0.88", "nvidia-cuda-crt": "13.0.88",
+                  "nvidia-nvvm": "13.0.88", "nvidia-cuda-runtime": "13.0.96",
+                  "nvidia-cuda-cccl": "13.0.85", "nvidia-cuda-culibos": "13.0.85"}
 VARIANTS = {"static": [], "shared": ["-cudart", "shared"]}   # nvcc's default is static
 
 
@@ -34,21 +44,61 @@ def _dir() -> Path:
     return cache_dir() / "cuda"
 
 
-def nvcc() -> Path:
-    for p in (TOOLKIT / "bin" / "nvcc", Path("/usr/local/bin/nvcc")):
-        if p.exists():
-            return p
+def _pypi_toolkit() -> Path:
+    return _dir() / f"toolkit-{TOOLKIT_WHEELS['nvidia-cuda-nvcc']}" / "nvidia" / "cu13"
+
+
+def _installed() -> Path | None:
+    """The toolkit installed on this machine: $CUDA_HOME, /usr/local/cuda, or the one around
+    the nvcc on PATH."""
+    if (SYSTEM_TOOLKIT / "bin" / "nvcc").is_file():
+        return SYSTEM_TOOLKIT
     found = shutil.which("nvcc")
-    if not found:
-        raise RuntimeError("nvcc not found (the CUDA toolkit): set CUDA_HOME")
-    return Path(found)
+    if found and (Path(found).resolve().parent.parent / "include" / "cuda_runtime.h").is_file():
+        return Path(found).resolve().parent.parent
+    return None
+
+
+def toolkit() -> Path:
+    """The CUDA 13 toolkit: the installed one, else PyPI's wheels in the cache (installed once
+    here: about 100 MB downloaded)."""
+    found = _installed()
+    if found:
+        return found
+    root = _pypi_toolkit()
+    if (root / ".complete").is_file():
+        return root
+    with file_lock(_dir() / ".toolkit.lock", "the CUDA toolkit (PyPI)"):
+        if (root / ".complete").is_file():
+            return root
+        target = root.parent.parent
+        shutil.rmtree(target, ignore_errors=True)
+        log(f"no CUDA toolkit installed: nvcc and CUDA 13's runtime from PyPI into {target}")
+        run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+             "--no-deps", "--target", str(target), *(f"{n}=={v}" for n, v in TOOLKIT_WHEELS.items())],
+            _dir())
+        # the layout nvcc.profile expects (targets/<arch>/{include,lib}), lib64, and the
+        # unversioned runtime that `-cudart shared` links with
+        arch = root / "targets" / "x86_64-linux"
+        arch.mkdir(parents=True, exist_ok=True)
+        for name in ("include", "lib"):
+            (arch / name).symlink_to(Path("..") / ".." / name)
+        (root / "lib64").symlink_to("lib")
+        (root / "lib" / "libcudart.so").symlink_to("libcudart.so.13")
+        (root / ".complete").write_text(" ".join(f"{n}=={v}" for n, v in TOOLKIT_WHEELS.items()) + "\n")
+    return root
+
+
+def nvcc() -> Path:
+    return toolkit() / "bin" / "nvcc"
 
 
 def toolkit_cudart() -> Path:
     """The toolkit's shared runtime (CUDA 13 here)."""
-    libs = sorted((TOOLKIT / "lib64").glob("libcudart.so.*[0-9]"), key=lambda p: len(p.name))
+    lib64 = toolkit() / "lib64"
+    libs = sorted(lib64.glob("libcudart.so.*[0-9]"), key=lambda p: len(p.name))
     if not libs:
-        raise RuntimeError(f"no libcudart.so.* in {TOOLKIT / 'lib64'}")
+        raise RuntimeError(f"no libcudart.so.* in {lib64}")
     return libs[0].resolve()
 
 
@@ -100,6 +150,8 @@ def ensure_libcuda() -> Path:
 def build_program(source: Path, variant: str = "static", extra: tuple[str, ...] = ()) -> Path:
     """`source` built with nvcc (variant: how cudart is linked), cached by content."""
     flags = ["-O2", "-g", "-std=c++17", *VARIANTS[variant], *extra]
+    if variant == "shared":   # the toolkit's runtime found without the loader's configuration
+        flags += ["-Xlinker", f"-rpath={toolkit_cudart().parent}"]
     # the source and the headers beside it (what it includes with "")
     inputs = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(inputs + " ".join(flags).encode()).hexdigest()[:12]
@@ -118,6 +170,7 @@ def main() -> int:
     try:
         print(ensure_cudart12())
         print(ensure_libcuda())
+        print(nvcc())
         print(toolkit_cudart())
     except (RuntimeError, subprocess.CalledProcessError, OSError, StopIteration) as e:
         print(f"profinfer.cuda.workload: {e}", file=sys.stderr)

@@ -1,0 +1,301 @@
+"""The DaemonSet's own pod, run here as a node runs it: the image built from
+deploy/Containerfile (its base made from Debian's archive: no registry), the container of
+the manifest's pod template run by `podman run` with what the manifest file gives it, read
+from the file: its securityContext (its capabilities only, a read-only root, no privilege
+escalation, its seccomp profile), hostPID, its volumes, env, args, port and limits. (Debian
+12's podman 4.3 `kube play` ignores hostPID, so it cannot run this pod as a kubelet would.) Beside it on the host: a llama-server under concurrent requests, a vLLM
+OpenAI server, and a CUDA program, each started after the pod, each counted by the daemon in
+the pod as it counts itself. Afterwards nothing of the agent's stays in the kernel."""
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from daemon_helpers import _STARTED, _free_port, _get, cuda_log_counts, kill_started, series
+from profinfer.cuda import workload as cuda_workload
+from profinfer.engines.llamacpp import workload
+
+from test_daemon_cuda import PROGRAM as CUDA_PROGRAM
+
+REPO = Path(__file__).resolve().parents[2]
+MANIFEST = REPO / "deploy" / "kubernetes" / "profinfer.yaml"
+CONTAINERS_CONF = REPO / "deploy" / "containers.conf"
+POD = "profinfer-node-agent"
+SLOTS = 4
+N_PREDICT = 16
+def _podman(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
+    done = subprocess.run(["podman", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args)}: {done.stderr[-2000:]}")
+    return done
+
+
+def _template() -> dict:
+    ds = next(d for d in yaml.safe_load_all(MANIFEST.read_text()) if d and d["kind"] == "DaemonSet")
+    return ds["spec"]["template"]["spec"]
+
+
+def _quantity(q: str) -> str:
+    """A Kubernetes memory quantity as podman takes it (binary units)."""
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi)?", str(q))
+    assert m, f"memory quantity {q!r} not handled here"
+    return m.group(1) + {"Ki": "k", "Mi": "m", "Gi": "g", None: "b"}[m.group(2)]
+
+
+def podman_run_args(spec: dict, scratch: Path, host_port: int) -> tuple[list[str], dict]:
+    """`podman run` arguments for the template's one container, each from the manifest."""
+    (c,) = spec["containers"]
+    sc = c["securityContext"]
+    assert sc["privileged"] is False
+    args = ["--name", f"{POD}-{c['name']}", "--replace"]
+    if spec.get("hostPID"):
+        args += ["--pid", "host"]
+    if "ALL" in sc["capabilities"].get("drop", []):
+        args += ["--cap-drop", "ALL"]
+    for cap in sc["capabilities"].get("add", []):
+        args += ["--cap-add", cap]
+    if sc.get("readOnlyRootFilesystem"):
+        args += ["--read-only", "--read-only-tmpfs=false"]
+    if "runAsUser" in sc:
+        args += ["--user", str(sc["runAsUser"])]
+    if sc.get("allowPrivilegeEscalation") is False:
+        args += ["--security-opt", "no-new-privileges"]
+    profile = sc.get("seccompProfile", {}).get("type", "RuntimeDefault")
+    if profile == "Unconfined":
+        args += ["--security-opt", "seccomp=unconfined"]
+    for e in c.get("env", []):
+        args += ["--env", f"{e['name']}={e['value']}"]
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for m in c.get("volumeMounts", []):
+        v = volumes[m["name"]]
+        ro = ":ro" if m.get("readOnly") else ""
+        if "hostPath" in v:
+            if v["hostPath"].get("type") == "DirectoryOrCreate":
+                os.makedirs(v["hostPath"]["path"], exist_ok=True)
+            args += ["--volume", f"{v['hostPath']['path']}:{m['mountPath']}{ro}"]
+        elif v.get("emptyDir", {}).get("medium") == "Memory":
+            args += ["--tmpfs", f"{m['mountPath']}:rw,mode=0755"]
+        elif "emptyDir" in v:
+            d = scratch / m["name"]
+            d.mkdir()
+            args += ["--volume", f"{d}:{m['mountPath']}{ro}"]
+        else:
+            raise AssertionError(f"volume {v} not handled here")
+    limits = c.get("resources", {}).get("limits", {})
+    if "memory" in limits:
+        args += ["--memory", _quantity(limits["memory"])]
+    if "cpu" in limits:
+        args += ["--cpus", str(limits["cpu"])]
+    (port,) = c["ports"]
+    args += ["--publish", f"127.0.0.1:{host_port}:{port['containerPort']}"]
+    return args + [c["image"], *c.get("args", [])], c
+
+
+def _bpf_ids(kind: str) -> set[int]:
+    out = subprocess.run(["bpftool", "-j", kind, "show"], capture_output=True, text=True, check=True).stdout
+    return {p["id"] for p in json.loads(out or "[]")}
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory):
+    image = subprocess.run([str(REPO / "deploy" / "build-image.sh")], capture_output=True, text=True,
+                           timeout=1800)
+    assert image.returncode == 0, image.stderr[-3000:]
+    tmp = tmp_path_factory.mktemp("pod")
+    host_port = _free_port()
+    args, container = podman_run_args(_template(), tmp, host_port)
+    assert container["image"] == image.stdout.strip()
+    before = {k: _bpf_ids(k) for k in ("prog", "link")}
+    ctr = f"{POD}-{container['name']}"
+    _podman("run", "--detach", *args)
+    try:
+        url = f"http://127.0.0.1:{host_port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if _get(url + "/healthz", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            state = _podman("inspect", ctr, "--format", "{{.State.Status}}", check=False).stdout.strip()
+            assert state == "running", _podman("logs", ctr, check=False).stderr[-3000:]
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the pod's /healthz did not answer:\n" + _podman("logs", ctr, check=False).stderr)
+        yield {"url": url, "ctr": ctr, "container": container, "bpf_before": before}
+    finally:
+        _podman("rm", "-f", "-t", "10", ctr, check=False)
+
+
+def _logs(pod) -> str:
+    return _podman("logs", pod["ctr"], check=False).stderr
+
+
+def _metrics(pod) -> str:
+    return _get(pod["url"] + "/metrics")[1].decode()
+
+
+def test_the_pod_runs_as_the_manifest_says(pod):
+    """Its capabilities are the manifest's and no others; its root is read-only; it writes
+    only to the volumes (the token, the cache)."""
+    inspect = json.loads(_podman("inspect", pod["ctr"]).stdout)[0]
+    caps = {c.removeprefix("CAP_") for c in inspect["EffectiveCaps"] or []}
+    assert caps == set(pod["container"]["securityContext"]["capabilities"]["add"])
+    assert inspect["HostConfig"]["ReadonlyRootfs"] is True
+    status = _podman("exec", pod["ctr"], "python3", "-c",
+                     "import os; print(open('/proc/self/status').read())").stdout
+    cap_eff = int(re.search(r"CapEff:\s+([0-9a-f]+)", status).group(1), 16)
+    assert cap_eff & (1 << 21) == 0                       # no CAP_SYS_ADMIN
+    assert "Read-only file system" in _podman("exec", pod["ctr"], "touch", "/opt/x", check=False).stderr
+    logs = _logs(pod)
+    assert "cannot be written" not in logs and "Traceback" not in logs, logs
+
+
+def _llama_server(llama_build, tiny_model, llama_env):
+    port = _free_port()
+    proc = subprocess.Popen([str(workload.llama_bin("llama-server", llama_build)), "-m", str(tiny_model),
+                             "-np", str(SLOTS), "-c", str(SLOTS * 512), "-t", "2",
+                             "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=llama_env)
+    _STARTED.append(proc)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if _get(url + "/health", timeout=1)[0] == 200:
+                return proc, url
+        except OSError:
+            pass
+        assert proc.poll() is None, "llama-server exited"
+        time.sleep(0.2)
+    raise AssertionError("llama-server did not start")
+
+
+def _complete(url: str, i: int) -> dict:
+    prompt = " ".join(["alpha", "beta", "gamma", "delta"][(i + j) % 4] for j in range(6 + 7 * i))
+    body = json.dumps({"prompt": prompt, "n_predict": N_PREDICT, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)
+
+
+def _until(pod, check, timeout: float = 30):
+    """/metrics polled until check(text) is true; the last text."""
+    deadline, text = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline:
+        text = _metrics(pod)
+        if check(text):
+            break
+        time.sleep(0.5)
+    return text
+
+
+def test_llama_server_tokens_counted_exactly(pod, llama_build, tiny_model, llama_env):
+    try:
+        proc, url = _llama_server(llama_build, tiny_model, llama_env)
+        with concurrent.futures.ThreadPoolExecutor(SLOTS) as pool:
+            replies = list(pool.map(lambda i: _complete(url, i), range(2 * SLOTS)))
+        # the server samples each request's first token from its prompt's last batch and
+        # never decodes its last one: predicted_n - 1 decode tokens a request
+        want = {"prefill": sum(r["timings"]["prompt_n"] for r in replies),
+                "decode": sum(r["timings"]["predicted_n"] - 1 for r in replies)}
+        text = _until(pod, lambda t: {k: int(v) for k, v in series(
+            t, "profinfer_tokens_total", proc.pid, "phase").items()} == want)
+        got = {k: int(v) for k, v in series(text, "profinfer_tokens_total", proc.pid, "phase").items()}
+        assert got == want, _logs(pod)
+        assert sum(series(text, "profinfer_events_lost_total", proc.pid, None).values()) == 0
+    finally:
+        kill_started()
+
+
+def _vllm_steps(port: int) -> int:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(int(float(l.rsplit(" ", 1)[1])) for l in text.splitlines()
+               if l.startswith("vllm:iteration_tokens_total_count"))
+
+
+def test_vllm_server_steps_counted_as_its_metrics_count_them(pod, vllm_python, vllm_model):
+    port = _free_port()
+    proc = subprocess.Popen([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+                             "--model", str(vllm_model), "--served-model-name", "m",
+                             "--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16",
+                             "--seed", "0", "--port", str(port), "--host", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "the vLLM server exited"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("the vLLM server did not start in 300 s")
+
+        def ours(text: str) -> tuple[int, int]:
+            """The worker's steps the daemon counted (its process: the one with step series)."""
+            pids = {int(m) for m in re.findall(r'profinfer_decode_calls_total\{[^}]*engine="vLLM"[^}]*pid="(\d+)"', text)}
+            calls = sum(sum(series(text, "profinfer_decode_calls_total", p, "phase").values()) for p in pids)
+            return len(pids), int(calls)
+
+        text = _until(pod, lambda t: ours(t)[0] > 0, timeout=60)
+        assert ours(text)[0] == 1, _logs(pod)       # the model runs in one worker process
+        steps_before, ours_before = _vllm_steps(port), ours(text)[1]
+        body = json.dumps({"model": "m", "prompt": "the cache of the attention", "max_tokens": 8,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda _: urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}),
+                timeout=120).read(), range(4)))
+        steps = _vllm_steps(port) - steps_before
+        assert steps > 0
+        text = _until(pod, lambda t: ours(t)[1] - ours_before == steps)
+        assert ours(text)[1] - ours_before == steps, _logs(pod)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_cuda_program_calls_counted_as_it_logs_them(pod, tmp_path):
+    program = cuda_workload.build_program(CUDA_PROGRAM, "shared")
+    log = tmp_path / "calls.jsonl"
+    proc = subprocess.Popen([str(program), "--log", str(log), "--repeat", "2",
+                             "--libcuda", str(cuda_workload.ensure_libcuda())],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _STARTED.append(proc)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    kernels, copied, graphs = cuda_log_counts(log)
+
+    def got(text):
+        return ({k: int(v) for k, v in series(text, "profinfer_cuda_kernel_launches_total", proc.pid, "kernel").items()},
+                {k: int(v) for k, v in series(text, "profinfer_cuda_copy_bytes_total", proc.pid, "kind").items()})
+
+    text = _until(pod, lambda t: got(t) == (dict(kernels), dict(copied)))
+    assert got(text) == (dict(kernels), dict(copied)), _logs(pod)
+    assert series(text, "profinfer_cuda_graph_launches_total", proc.pid, None) == {"": graphs}
+
+
+def test_nothing_left_in_the_kernel_after_the_pod(pod):
+    """Run last in this module: the pod removed, every BPF program and link it made is gone."""
+    _podman("rm", "-f", "-t", "10", pod["ctr"])
+    for kind in ("prog", "link"):
+        left = _bpf_ids(kind) - pod["bpf_before"][kind]
+        assert not left, f"{kind}s left: {left}"
