@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import procfs
 from .errors import ProfinferError
 
 
@@ -46,7 +47,7 @@ def thread_names(pid: int) -> dict[int, str]:
     return names
 
 
-_MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ (\d+)\s+(.*)$")
+_MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ ([0-9a-f]+):([0-9a-f]+) (\d+)\s+(.*)$")
 
 
 def mapped_files(pid: int) -> list[MappedFile]:
@@ -62,7 +63,7 @@ def mapped_files(pid: int) -> list[MappedFile]:
         m = _MAPS_LINE.match(line)
         if not m or "x" not in m.group(3):
             continue
-        start, end, _, inode, path = m.groups()
+        start, end, _, major, minor, inode, path = m.groups()
         if not path.startswith("/"):
             continue
         deleted = path.endswith(" (deleted)")
@@ -70,7 +71,8 @@ def mapped_files(pid: int) -> list[MappedFile]:
             path = path[: -len(" (deleted)")]
         if path in seen:
             continue
-        seen[path] = MappedFile(path, host_path(pid, path, int(inode), f"{start}-{end}", deleted),
+        dev = os.makedev(int(major, 16), int(minor, 16))
+        seen[path] = MappedFile(path, host_path(pid, path, int(inode), f"{start}-{end}", deleted, dev),
                                 int(inode), deleted)
     return list(seen.values())
 
@@ -81,13 +83,20 @@ def file_key(path: str) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def host_path(pid: int, path: str, inode: int, span: str, deleted: bool) -> str:
-    # Through the target's root, a container's file is visible at the same path it uses.
+def host_path(pid: int, path: str, inode: int, span: str, deleted: bool, dev: int | None = None) -> str:
+    """Where we open the mapped file: through the target's root, where a container's file is
+    at the path it uses, when what that path names inside that root (procfs.open_file: no link
+    followed out of it, a regular file) is the mapped file, by device (when given) and inode."""
     via_root = f"/proc/{pid}/root{path}"
     if not deleted:
         try:
-            if os.stat(via_root).st_ino == inode:
+            st = procfs.stat_file(via_root, nofollow=True)    # the kernel's name for it
+            if st.st_ino == inode and (dev is None or st.st_dev == dev):
                 return via_root
+        except PermissionError:
+            # not ours to open (no CAP_SYS_PTRACE for its root, no CAP_DAC_READ_SEARCH for
+            # another user's directory): map_files needs both too; the error names the root
+            return via_root
         except OSError:
             pass
     # Deleted or replaced since it was mapped: map_files names the mapped inode itself.

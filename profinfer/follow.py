@@ -20,7 +20,7 @@ import numpy as np
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-from . import bpfobj, discovery, layout, libbpf
+from . import bpfobj, discovery, layout, libbpf, procfs
 from .errors import ProfinferError
 from .arch.callsites import direct_calls
 from .symbols import load_elf
@@ -64,7 +64,7 @@ def interpreter(pid: int) -> str | None:
 def _data_symbol(path: str, name: str) -> int | None:
     """The address (vaddr) of a data symbol in the file's dynamic symbol table."""
     try:
-        with open(path, "rb") as f:
+        with procfs.open_binary(path) as f:
             dynsym = ELFFile(f).get_section_by_name(".dynsym")
             found = dynsym.get_symbol_by_name(name) if dynsym else None
             return found[0]["st_value"] if found else None

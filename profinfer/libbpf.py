@@ -13,6 +13,7 @@ import os
 import platform
 import struct
 
+from . import kernel, procfs
 from .counters import PERF_TYPE_SOFTWARE, PerfEventAttr
 from .errors import ProfinferError
 
@@ -55,6 +56,14 @@ BPF_F_UPROBE_MULTI_RETURN = 1
 _LINK_CREATE_SIZE = 64      # through link_create.uprobe_multi.pid
 
 
+def uprobe_multi_ok() -> bool:
+    """Whether uprobes are attached as uprobe-multi links (Linux 6.6). Those need CAP_BPF and
+    CAP_PERFMON; a perf-event uprobe needs CAP_SYS_ADMIN since commit ba677dbe77af ("perf:
+    Revert to requiring CAP_SYS_ADMIN for uprobes", 6.16, backported to stable releases).
+    PROFINFER_UPROBE_LINKS=perf keeps perf-event uprobes (kernels that lack the links)."""
+    return kernel.release_at_least(6, 6) and os.environ.get("PROFINFER_UPROBE_LINKS") != "perf"
+
+
 # syscall(2), typed for the bpf call
 _bpf_syscall = _libc.syscall
 _bpf_syscall.restype = ctypes.c_long
@@ -86,6 +95,7 @@ def lib() -> ctypes.CDLL:
         "bpf_object__find_program_by_name": (_vp, [_vp, ctypes.c_char_p]),
         "bpf_object__next_program": (_vp, [_vp, _vp]),
         "bpf_program__name": (ctypes.c_char_p, [_vp]),
+        "bpf_program__section_name": (ctypes.c_char_p, [_vp]),
         "bpf_program__set_autoload": (ctypes.c_int, [_vp, ctypes.c_bool]),
         "bpf_program__fd": (ctypes.c_int, [_vp]),
         "bpf_enable_stats": (ctypes.c_int, [ctypes.c_int]),
@@ -134,11 +144,25 @@ _PROG_INFO_SIZE = 208
 _BPF_STATS_RUN_TIME = 0
 
 
+BPF_STATS_SYSCTL = "/proc/sys/kernel/bpf_stats_enabled"
+
+
 def enable_run_time_stats() -> int:
     """Make the kernel count every BPF program's run time (system-wide, a few ns a run) until
-    the returned fd is closed; -1 where it refuses (before 5.8, or not permitted)."""
+    the returned fd is closed; -1 where it refuses (before 5.8, or not permitted: the switch
+    needs CAP_SYS_ADMIN). Where the node counts them already (sysctl
+    kernel.bpf_stats_enabled=1, which needs no capability of ours), a descriptor of that
+    sysctl stands for the switch: counted while it is open, closed as the switch is."""
     fd = lib().bpf_enable_stats(_BPF_STATS_RUN_TIME)
-    return fd if fd >= 0 else -1
+    if fd >= 0:
+        return fd
+    try:
+        with open(BPF_STATS_SYSCTL) as f:
+            if f.read().strip() == "1":
+                return os.open(BPF_STATS_SYSCTL, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        pass
+    return -1
 
 
 def version() -> str:
@@ -166,6 +190,7 @@ class BpfObject:
         self._links: list[int] = []
         self._link_fds: list[int] = []   # links made by the bpf syscall directly
         self._buffers: list = []
+        self._multi: set[str] = set()     # programs loaded as uprobe-multi programs
 
     def _map(self, name: str) -> int:
         m = lib().bpf_object__find_map_by_name(self._obj, name.encode())
@@ -200,13 +225,20 @@ class BpfObject:
             raise _failure(f"cannot size BPF map {map_name}")
 
     def load(self, programs: set[str]) -> None:
-        """Load only `programs` (the verifier's time is spent on what is attached)."""
+        """Load only `programs` (the verifier's time is spent on what is attached). Where the
+        kernel has uprobe-multi links, every uprobe program is made one (uprobe_multi_ok)."""
         L, prog = lib(), None
+        multi = uprobe_multi_ok()
         while True:
             prog = L.bpf_object__next_program(self._obj, prog)
             if not prog:
                 break
-            L.bpf_program__set_autoload(prog, L.bpf_program__name(prog).decode() in programs)
+            name = L.bpf_program__name(prog).decode()
+            L.bpf_program__set_autoload(prog, name in programs)
+            section = (L.bpf_program__section_name(prog) or b"").decode()
+            if multi and name in programs and section.startswith(("uprobe", "uretprobe")) \
+                    and name not in self._multi:
+                self.set_uprobe_multi(name)
         _messages.clear()
         if L.bpf_object__load(self._obj):
             raise _failure("the kernel refused the BPF programs")
@@ -214,20 +246,32 @@ class BpfObject:
     def attach_uprobe(self, program: str, path: str, file_offset: int, pid: int,
                       retprobe: bool = False, cookie: int | None = None) -> tuple[str, int]:
         """With a cookie (Linux 5.15), the program reads it with bpf_get_attach_cookie.
-        Returns the link (for detach_links)."""
+        Returns the link (for detach_links). A uprobe-multi program (Linux 6.6, see load)
+        gets a uprobe-multi link of one offset; else a perf-event uprobe, which needs
+        CAP_SYS_ADMIN on kernels with commit ba677dbe77af (6.16, and stable releases since
+        2025-07). The file is the one `path` names, opened and checked (procfs.pinned)."""
+        if program in self._multi:
+            return self.attach_uprobe_multi(program, path, [file_offset], [cookie or 0], pid,
+                                            retprobe=retprobe)
         L = lib()
         prog = L.bpf_object__find_program_by_name(self._obj, program.encode())
         if not prog:
             raise ProfinferError(f"BPF object has no program {program}")
         _messages.clear()
-        if cookie is None:
-            link = L.bpf_program__attach_uprobe(prog, retprobe, pid, path.encode(), file_offset)
-        else:
-            opts = _UprobeOpts(sz=ctypes.sizeof(_UprobeOpts), bpf_cookie=cookie, retprobe=retprobe)
-            link = L.bpf_program__attach_uprobe_opts(prog, pid, path.encode(), file_offset,
-                                                     ctypes.byref(opts))
-        if not link:
-            raise _failure(f"uprobe {program} at {path}+{file_offset:#x}")
+        with procfs.pinned(path) as name:
+            if cookie is None:
+                link = L.bpf_program__attach_uprobe(prog, retprobe, pid, name.encode(), file_offset)
+            else:
+                opts = _UprobeOpts(sz=ctypes.sizeof(_UprobeOpts), bpf_cookie=cookie, retprobe=retprobe)
+                link = L.bpf_program__attach_uprobe_opts(prog, pid, name.encode(), file_offset,
+                                                         ctypes.byref(opts))
+            if not link:
+                err = _failure(f"uprobe {program} at {path}+{file_offset:#x}")
+                if ctypes.get_errno() == 13:       # EACCES: perf_uprobe_event_init
+                    err = ProfinferError(f"{err} (a perf-event uprobe needs CAP_SYS_ADMIN on this "
+                                         "kernel; Linux 6.6+ attaches with uprobe-multi links, "
+                                         "which need CAP_BPF and CAP_PERFMON only)")
+                raise err
         self._links.append(link)
         return ("link", link)
 
@@ -236,6 +280,7 @@ class BpfObject:
         prog = self._program(program)
         if lib().bpf_program__set_expected_attach_type(prog, BPF_TRACE_UPROBE_MULTI):
             raise _failure(f"cannot make {program} a uprobe-multi program")
+        self._multi.add(program)
 
     def attach_uprobe_multi(self, program: str, path: str, offsets: list[int], cookies: list[int],
                             pid: int, retprobe: bool = False) -> tuple[str, int]:
@@ -246,17 +291,18 @@ class BpfObject:
         prog = self._program(program)
         fd = lib().bpf_program__fd(prog)
         n = len(offsets)
-        path_buf = ctypes.create_string_buffer(path.encode())
         offs = (ctypes.c_uint64 * n)(*offsets)
         cks = (ctypes.c_uint64 * n)(*cookies)
         attr = ctypes.create_string_buffer(_LINK_CREATE_SIZE)
-        struct.pack_into("<IIII", attr, 0, fd, 0, BPF_TRACE_UPROBE_MULTI, 0)
-        struct.pack_into("<QQQQIII", attr, 16, ctypes.addressof(path_buf), ctypes.addressof(offs), 0,
-                         ctypes.addressof(cks), n, BPF_F_UPROBE_MULTI_RETURN if retprobe else 0,
-                         max(pid, 0))
-        link = _bpf_syscall(_SYS_BPF, _BPF_LINK_CREATE, attr, _LINK_CREATE_SIZE)
-        if link < 0:
+        with procfs.pinned(path) as name:
+            path_buf = ctypes.create_string_buffer(name.encode())
+            struct.pack_into("<IIII", attr, 0, fd, 0, BPF_TRACE_UPROBE_MULTI, 0)
+            struct.pack_into("<QQQQIII", attr, 16, ctypes.addressof(path_buf), ctypes.addressof(offs), 0,
+                             ctypes.addressof(cks), n, BPF_F_UPROBE_MULTI_RETURN if retprobe else 0,
+                             max(pid, 0))
+            link = _bpf_syscall(_SYS_BPF, _BPF_LINK_CREATE, attr, _LINK_CREATE_SIZE)
             err = ctypes.get_errno()
+        if link < 0:
             raise ProfinferError(f"uprobe-multi link for {program} at {len(offsets)} offsets of "
                                  f"{path}: {os.strerror(err)}")
         self._link_fds.append(link)

@@ -13,6 +13,7 @@ import numpy as np
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
+from . import procfs
 from .errors import ProfinferError
 
 DEBUG_DIRS = ("/usr/lib/debug",)
@@ -98,8 +99,11 @@ def _debug_file_for(build_id: str, root: str) -> str | None:
     for d in DEBUG_DIRS:
         for base in (root.rstrip("/") + d, d):
             p = os.path.join(base, ".build-id", build_id[:2], build_id[2:] + ".debug")
-            if os.path.exists(p):
+            try:
+                procfs.stat_file(p)      # inside a target's root, what it names there
                 return p
+            except OSError:
+                pass
     return None
 
 
@@ -114,7 +118,7 @@ def load_elf(path: str, root: str = "/") -> ElfInfo:
     /proc/PID/root (a daemon's) is read once."""
     given = (path, root)
     try:
-        st = os.stat(path)
+        st = procfs.stat_file(path)
         if root != "/" and os.path.samestat(os.stat(root), os.stat("/")):
             root = "/"
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, root)
@@ -140,7 +144,7 @@ def load_elf(path: str, root: str = "/") -> ElfInfo:
 
 def _read_elf(path: str, root: str) -> ElfInfo:
     try:
-        f = open(path, "rb")
+        f = procfs.open_binary(path)
     except OSError as e:
         raise ProfinferError(f"cannot read {path}: {e.strerror}") from None
     with f:
@@ -157,7 +161,7 @@ def _read_elf(path: str, root: str) -> ElfInfo:
             if not has_symtab or dwarf_path is None:
                 debug_file = _debug_file_for(bid, root)
                 if debug_file:
-                    with open(debug_file, "rb") as df:
+                    with procfs.open_binary(debug_file) as df:
                         delf = ELFFile(df)
                         has_symtab |= _read_symbols(delf, symbols, elf)
                         if delf.get_section_by_name(".debug_info"):

@@ -97,7 +97,7 @@ class CudaCollector:
             self.obj.set_rodata(self._config().tobytes())
             if self.buffer == "ring":
                 self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
-            self._multi = kernel.release_at_least(6, 6)
+            self._multi = libbpf.uprobe_multi_ok()
             if self._multi:
                 for prog in (ENTRY_ONLY, ENTRY, RETURN):
                     self.obj.set_uprobe_multi(prog)

@@ -23,6 +23,7 @@ import numpy as np
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
+from .. import procfs
 from ..errors import ProfinferError
 from ..symbols import SYM64, ElfInfo, load_elf
 
@@ -89,7 +90,7 @@ def symbol_at(elf: ElfInfo, file_offset: int) -> tuple[str, int] | None:
 
 def _load_bias(path: str, maps: list[Mapping]) -> int | None:
     """Where the file's virtual addresses are in the process (its load bias)."""
-    with open(path, "rb") as f:
+    with procfs.open_binary(path) as f:
         loads = [seg.header for seg in ELFFile(f).iter_segments() if seg.header.p_type == "PT_LOAD"]
     for m in maps:
         for h in loads:
@@ -102,7 +103,7 @@ def handle_statics(path: str) -> list[tuple[int, str]]:
     """CUDA 13 stubs' static `__handle` variables in the file's .symtab: (vaddr, the kernel's
     host stub symbol)."""
     try:
-        with open(path, "rb") as f:
+        with procfs.open_binary(path) as f:
             elf = ELFFile(f)
             sec = elf.get_section_by_name(".symtab")
             if sec is None:

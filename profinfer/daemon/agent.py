@@ -159,6 +159,12 @@ class Agent:
         self.lock = threading.Lock()          # watches, unwatched: the HTTP threads read them
         raise_fd_limit()
         self._stats_fd = libbpf.enable_run_time_stats()
+        if self._stats_fd < 0 and "op" in self.levels:
+            # the governor measures the op level's cost from the kernel's BPF run-time counts
+            # (run time, and runs: the probe hits): without them it would run ungoverned
+            self.levels = self.levels - {"op"}
+            self.log("op level off: BPF run-time statistics are refused (they need CAP_SYS_ADMIN, "
+                     "or sysctl kernel.bpf_stats_enabled=1 on the node), so its cost cannot be governed")
         self._last_scan = 0.0
         self._last_govern = 0.0
         self._ticks = os.sysconf("SC_CLK_TCK")

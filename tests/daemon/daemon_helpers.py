@@ -18,6 +18,24 @@ from conftest import PROMPT, completion_cmd
 CUDA_COPY_KINDS = {0: "H2H", 1: "H2D", 2: "D2H", 3: "D2D", 4: "Default"}
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
+MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "profinfer.yaml"
+
+
+def manifest_caps() -> list[str]:
+    """The capabilities the DaemonSet's container is given (read from the manifest)."""
+    import yaml
+    ds = next(d for d in yaml.safe_load_all(MANIFEST.read_text()) if d and d["kind"] == "DaemonSet")
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    sc = c["securityContext"]["capabilities"]
+    assert sc["drop"] == ["ALL"]
+    return list(sc["add"])
+
+
+def with_caps(caps) -> list[str]:
+    """setpriv: run as root with exactly these capabilities (the bounding set, as a container
+    runtime sets it: root's permitted and effective sets become it; none inherited)."""
+    return ["setpriv", "--bounding-set=-all" + "".join(f",+{c.lower()}" for c in caps),
+            "--inh-caps=-all", "--ambient-caps=-all", "--"]
 
 
 def _free_port() -> int:
@@ -37,15 +55,20 @@ def _get(url: str, token: str | None = None, method: str = "GET", timeout: float
 
 
 class Daemon:
-    def __init__(self, tmp_path: Path, extra: tuple[str, ...] = ()):
+    def __init__(self, tmp_path: Path, extra: tuple[str, ...] = (), prefix: tuple[str, ...] = (),
+                 env: dict | None = None):
+        """prefix: what runs the daemon's command (setpriv with a capability set). With
+        PROFINFER_TEST_DAEMON_CAPS=manifest every daemon test runs with the manifest's."""
+        if not prefix and os.environ.get("PROFINFER_TEST_DAEMON_CAPS") == "manifest":
+            prefix = tuple(with_caps(manifest_caps()))
         self.tmp_path = tmp_path
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token_file = tmp_path / "token"
         self.log = open(tmp_path / "daemon.log", "w+")
-        self.proc = subprocess.Popen(PROFINFER + ["daemon", "--listen", f"127.0.0.1:{self.port}",
-                                                  "--token-file", str(self.token_file), *extra],
-                                     stderr=self.log, stdout=self.log)
+        self.proc = subprocess.Popen([*prefix, *PROFINFER, "daemon", "--listen", f"127.0.0.1:{self.port}",
+                                      "--token-file", str(self.token_file), *extra],
+                                     stderr=self.log, stdout=self.log, env=env)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:

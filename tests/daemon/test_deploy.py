@@ -11,10 +11,13 @@ import kubernetes_validate
 import yaml
 
 from profinfer.cli import cli
+from test_capabilities import WHY
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFEST = DEPLOY / "kubernetes" / "profinfer.yaml"
-NEEDED_CAPS = {"BPF", "PERFMON", "SYS_PTRACE", "CHECKPOINT_RESTORE", "DAC_READ_SEARCH", "SYS_RESOURCE", "KILL"}
+# each capability the manifest gives is justified by a run without it that fails
+# (test_capabilities.WHY): the list here is that one, not a copy of the manifest's
+NEEDED_CAPS = set(WHY)
 
 
 def _docs():
@@ -68,6 +71,10 @@ def test_systemd_unit_and_containerfile_commands_parse():
     assert params["listen"].startswith("127.0.0.1:")
     caps = next(l.split("=", 1)[1].split() for l in unit.splitlines() if l.startswith("AmbientCapabilities="))
     assert {c.removeprefix("CAP_") for c in caps} == NEEDED_CAPS
+    bounding = next(l.split("=", 1)[1].split() for l in unit.splitlines() if l.startswith("CapabilityBoundingSet="))
+    assert set(bounding) == set(caps)
+    for cap in caps:        # each with a line saying why
+        assert re.search(rf"^#\s+{cap}\s+\S", unit, re.M), cap
     container = (DEPLOY / "Containerfile").read_text()
     cmd = re.search(r'^CMD \[(.*)\]$', container, re.M).group(1)
     _daemon_args_parse([a.strip().strip('"') for a in cmd.split(",")])

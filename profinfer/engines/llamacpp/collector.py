@@ -845,8 +845,9 @@ class Collector:
             path = parts[5].replace(" (deleted)", "")
             file_off = fn_addr - lo + int(parts[2], 16)
             try:
+                dev = os.makedev(*(int(x, 16) for x in parts[3].split(":")))
                 elf = load_elf(discovery.host_path(pid, path, int(parts[4]), parts[0],
-                                                    parts[5].endswith("(deleted)")), root)
+                                                    parts[5].endswith("(deleted)"), dev), root)
                 for s in elf.symbols.values():
                     if s.file_offset <= file_off < s.file_offset + max(s.size, 1):
                         m = re.match(r"ggml_backend_(\w+?)_(?:get_)?name$", s.name)

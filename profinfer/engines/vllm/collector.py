@@ -158,7 +158,7 @@ class VllmCollector:
             self.obj.set_max_entries("threads", 256)
             self.obj.set_max_entries("counters", self.consts["PI_MAX_COUNTERS"] * self.n_cpus)
             # one link per library for all its ops where the kernel has uprobe-multi links
-            self.multi = kernel.release_at_least(6, 6)
+            self.multi = libbpf.uprobe_multi_ok()
             if self.multi:
                 for prog in (ENTRY_PROGRAM, RETURN_PROGRAM):
                     self.obj.set_uprobe_multi(prog)

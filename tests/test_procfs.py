@@ -1,0 +1,94 @@
+"""Files a process names, opened inside its root (profinfer.procfs): a process in its own
+mount namespace and root offers a symlink to a host file, a `..` way out, a FIFO, and a file
+it does not map. None of them reaches the host's file, none blocks, and only a file it maps
+can be probed."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from profinfer import procfs
+from profinfer.errors import ProfinferError
+
+HOST_FILE = Path("/etc/os-release")
+
+
+@pytest.fixture
+def jailed(tmp_path):
+    root = tmp_path / "root"
+    (root / "bin").mkdir(parents=True)
+    sleep = Path(shutil.which("sleep")).resolve()
+    shutil.copy2(sleep, root / "bin" / "sleep")
+    out = subprocess.run(["ldd", str(sleep)], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        parts = line.split()
+        path = parts[2] if "=>" in parts and len(parts) > 2 else parts[0]
+        if path.startswith("/"):
+            dest = root / path.lstrip("/")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(os.path.realpath(path), dest)
+    (root / "etc").mkdir()
+    (root / "etc" / "os-release").write_text("ID=jail\n")
+    os.symlink(str(HOST_FILE), root / "abs-link")                  # absolute: its own /etc
+    os.symlink("../../../../../../../../etc/os-release", root / "dotdot-link")
+    os.symlink("/proc/self/root/etc/os-release", root / "magic-link")
+    os.mkfifo(root / "fifo")
+    (root / "not-mapped").write_bytes(b"\x7fELF")
+    proc = subprocess.Popen(["unshare", "--mount", "sh", "-c",
+                             f"mount --make-rprivate / && mount --bind {root} {root} && cd {root} && "
+                             "mkdir -p .host && pivot_root . .host && exec /bin/sleep 60"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if os.readlink(f"/proc/{proc.pid}/exe") == "/bin/sleep":
+                break
+        except OSError:
+            pass
+        time.sleep(0.05)
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def _read(path: str) -> bytes:
+    with procfs.open_binary(path) as f:
+        return f.read()
+
+
+def test_links_resolve_inside_the_root(jailed):
+    base = f"/proc/{jailed}/root"
+    assert _read(f"{base}/etc/os-release") == b"ID=jail\n"
+    assert _read(f"{base}/abs-link") == b"ID=jail\n"        # not the host's file
+    assert _read(f"{base}/dotdot-link") == b"ID=jail\n"
+    with pytest.raises(OSError) as e:
+        _read(f"{base}/magic-link")
+    assert e.value.errno in (errno.ELOOP, errno.EXDEV, errno.ENOENT)
+    with pytest.raises(OSError) as e:                        # a name from maps: no link at all
+        procfs.open_file(f"{base}/abs-link", nofollow=True)
+    assert e.value.errno == errno.ELOOP
+
+
+def test_fifo_refused_at_once(jailed):
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as e:
+        _read(f"/proc/{jailed}/root/fifo")
+    assert e.value.errno == errno.EINVAL and time.monotonic() - t0 < 1
+
+
+def test_only_a_mapped_file_is_pinned(jailed):
+    with procfs.pinned(f"/proc/{jailed}/root/bin/sleep") as name:
+        assert name.startswith("/proc/self/fd/")
+        st = os.stat(name)
+        assert (st.st_dev, st.st_ino) in procfs.mapped_identities(jailed)
+    with pytest.raises(ProfinferError, match="not a file it maps"):
+        with procfs.pinned(f"/proc/{jailed}/root/not-mapped"):
+            pass
+    with pytest.raises(ProfinferError, match="cannot open"):
+        with procfs.pinned(f"/proc/{jailed}/root/fifo"):
+            pass
