@@ -20,6 +20,7 @@
 
 char LICENSE[] SEC("license") = "GPL";
 
+#define SIGCONT 18
 #define SIGSTOP 19
 #define PI_NAME_PREFIXES 16
 #define PI_NAME_MAX 32
@@ -118,19 +119,33 @@ struct {
     __type(value, struct walk);
 } walk_buf SEC(".maps");
 
-static __always_inline void tell(void *ctx, u32 tgid, u32 what, struct pi_file_key *file)
+/* Tell user space; 0 when the record is in the buffer. */
+static __always_inline int tell(void *ctx, u32 tgid, u32 what, struct pi_file_key *file)
 {
     struct pi_discover_event ev = {.kind = PI_EV_DISCOVER, .tgid = tgid, .what = what,
                                    .ts_ns = bpf_ktime_get_ns()};
     if (file)
         ev.file = *file;
 #ifdef PI_PERF_BUFFER
-    if (bpf_perf_event_output(ctx, &events, BPF_F_CURRENT_CPU, &ev, sizeof(ev)))
+    long err = bpf_perf_event_output(ctx, &events, BPF_F_CURRENT_CPU, &ev, sizeof(ev));
 #else
     /* a stopped process waits for this record: wake the reader now */
-    if (bpf_ringbuf_output(&events, &ev, sizeof(ev), BPF_RB_FORCE_WAKEUP))
+    long err = bpf_ringbuf_output(&events, &ev, sizeof(ev), BPF_RB_FORCE_WAKEUP);
 #endif
+    if (err)
         count_lost(1);
+    return err;
+}
+
+/* Stop the current process for user space. The stop is pending before the record can be
+ * read (so user space's SIGCONT always comes after it); a record that could not be sent takes
+ * the stop back (SIGCONT discards a pending stop): a process stopped without its record would
+ * wait for ever. */
+static __always_inline void hold_and_tell(void *ctx, u32 tgid, u32 what)
+{
+    bpf_send_signal(SIGSTOP);
+    if (tell(ctx, tgid, what, 0))
+        bpf_send_signal(SIGCONT);
 }
 
 /* Make the current process a candidate; stopped and told when it was not one already. */
@@ -138,8 +153,7 @@ static __always_inline void hold(void *ctx, u32 tgid)
 {
     u32 one = 1;
     if (bpf_map_update_elem(&candidates, &tgid, &one, BPF_NOEXIST) == 0) {
-        bpf_send_signal(SIGSTOP);
-        tell(ctx, tgid, PI_DISCOVER_CANDIDATE, 0);
+        hold_and_tell(ctx, tgid, PI_DISCOVER_CANDIDATE);
     }
 }
 
@@ -223,8 +237,7 @@ int discover_loader(struct pt_regs *ctx)
     if (state != RT_CONSISTENT)
         return 0;
     if (bpf_map_lookup_elem(&candidates, &tgid)) {       /* an engine's executable */
-        bpf_send_signal(SIGSTOP);
-        tell(ctx, tgid, PI_DISCOVER_LOADED, 0);
+        hold_and_tell(ctx, tgid, PI_DISCOVER_LOADED);
         return 0;
     }
     u32 zero = 0;
@@ -245,8 +258,7 @@ int discover_loader(struct pt_regs *ctx)
     if (w->found) {
         u32 one = 1;
         bpf_map_update_elem(&candidates, &tgid, &one, BPF_ANY);
-        bpf_send_signal(SIGSTOP);
-        tell(ctx, tgid, PI_DISCOVER_LOADED, 0);
+        hold_and_tell(ctx, tgid, PI_DISCOVER_LOADED);
     }
     return 0;
 }

@@ -16,13 +16,17 @@
 
 char LICENSE[] SEC("license") = "GPL";
 
+#define SIGCONT 18
 #define SIGSTOP 19
 
-/* Stop the current (followed) process until user space has looked at its new mappings. */
+/* Stop the current (followed) process until user space has looked at its new mappings; a
+ * record that could not be sent takes the pending stop back (SIGCONT discards it), as the
+ * process would wait for ever. */
 static __always_inline void stop_and_tell(void *ctx, u32 tgid, u32 what)
 {
     bpf_send_signal(SIGSTOP);
-    tell(ctx, tgid, what, 0);
+    if (tell(ctx, tgid, what, 0))
+        bpf_send_signal(SIGCONT);
 }
 
 /* sched_process_exec: `current` has its new image (same tgid). */

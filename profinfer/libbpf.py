@@ -380,8 +380,8 @@ class BpfObject:
         self._buffers.append(pb)
         return pb
 
-    def close(self) -> None:
-        """Detach every probe (perf-event uprobes vanish with their fds), free buffers and maps."""
+    def detach(self) -> None:
+        """Detach every probe; maps and buffers stay, to be read once more."""
         L = lib()
         for link in self._links:
             L.bpf_link__destroy(link)
@@ -389,6 +389,11 @@ class BpfObject:
         for fd in self._link_fds:
             os.close(fd)
         self._link_fds = []
+
+    def close(self) -> None:
+        """Detach every probe (perf-event uprobes vanish with their fds), free buffers and maps."""
+        L = lib()
+        self.detach()
         for b in self._buffers:
             b.free()
         self._buffers = []

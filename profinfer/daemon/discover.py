@@ -140,15 +140,17 @@ class NodeDiscovery:
             pass
 
     def close(self) -> None:
-        """Detach, then continue every process still held."""
-        obj, self.obj = self.obj, None
-        if obj is None:
+        """Detach (no process is stopped from then on), read what was told meanwhile, then
+        continue every process still held."""
+        if self.obj is None:
             return
+        self.obj.detach()
         try:
             self.events()
         except ProfinferError:
             pass
-        obj.close()
         for pid in list(self.held):
             self.release(pid, done=False)
+        obj, self.obj = self.obj, None
+        obj.close()
 
