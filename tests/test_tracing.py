@@ -30,7 +30,9 @@ def test_counts_and_times_match_llama_perf(llama_build, tiny_model, llama_env, t
     assert prefill_calls >= 1 and s["decode_calls"] == prefill_calls + eval_runs
     # the per-thread open-span state (what a level under the engine reads) counted each call
     assert int(s["meta"]["steps_begun"]) == s["decode_calls"]
-    assert s["time_ns"]["prefill"] == pytest.approx(prompt_ms * 1e6, rel=0.05)
+    # llama.cpp's timers run inside the calls that ours bound: per call, what the VM's stalls
+    # there (a millisecond or more, now and then) add to ours only is bounded by a millisecond
+    assert s["time_ns"]["prefill"] == pytest.approx(prompt_ms * 1e6, rel=0.05, abs=1e6 * prefill_calls)
     assert s["time_ns"]["decode"] == pytest.approx(eval_ms * 1e6, rel=0.05)
     assert s["lost_events"] == 0 and s["meta"]["event_buffer"] == buffer
     assert s["sched"]["switches"] > 0 and s["counters"]["names"] == ["task-clock"]
