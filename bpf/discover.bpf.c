@@ -42,6 +42,15 @@ struct linux_binprm {
     struct file *file;
 } __attribute__((preserve_access_index));
 
+struct signal_struct {
+    void *tty;
+} __attribute__((preserve_access_index));
+
+struct task_struct {
+    unsigned int ptrace;
+    struct signal_struct *signal;
+} __attribute__((preserve_access_index));
+
 /* A name prefix as 8-byte words and the mask of its bytes: compared without a loop per byte. */
 struct pi_name_prefix {
     u64 word[PI_NAME_MAX / 8];
@@ -56,7 +65,8 @@ struct {
     __type(value, struct pi_name_prefix);
 } name_prefixes SEC(".maps");
 
-/* Executable files user space has looked at: 1 defines an engine's marker, 0 does not. */
+/* Executable files told about: PI_EXEC_ENGINE defines an engine's marker, PI_EXEC_NONE does
+ * not, PI_EXEC_UNKNOWN not known (told, not looked at, or gone before it could be). */
 struct {
     __uint(type, BPF_MAP_TYPE_LRU_HASH);
     __uint(max_entries, 8192);
@@ -64,12 +74,12 @@ struct {
     __type(value, u32);
 } executables SEC(".maps");
 
-/* Processes held until user space has attached what they map (tgid -> 1). */
+/* Processes held until user space has attached what they map (tgid -> when, ns). */
 struct {
     __uint(type, BPF_MAP_TYPE_LRU_HASH);
     __uint(max_entries, PI_MAX_FOLLOWED);
     __type(key, u32);
-    __type(value, u32);
+    __type(value, u64);
 } candidates SEC(".maps");
 
 /* Each probed site of a loader's hook (a `call _dl_debug_state`; its attach cookie indexes
@@ -100,12 +110,15 @@ struct {
 #define R_MAP 8
 #define R_STATE 24
 #define RT_CONSISTENT 0
+#define RT_DELETE 2
 #define L_NAME 8
 #define L_NEXT 24
-#define PATH_MAX_READ 256
+#define PATH_MAX_READ 512
 #define PI_MAX_ENTRIES 512      /* link_map entries looked at per hook call */
 
 struct walk {
+    u32 owner;          /* the process walking (a preempted walk's buffer is not another's) */
+    u32 pad;
     u64 entry;          /* the next link_map entry to look at, 0 at the list's end */
     u64 last;           /* the last one looked at */
     int found;
@@ -137,24 +150,38 @@ static __always_inline int tell(void *ctx, u32 tgid, u32 what, struct pi_file_ke
     return err;
 }
 
-/* Stop the current process for user space. The stop is pending before the record can be
- * read (so user space's SIGCONT always comes after it); a record that could not be sent takes
- * the stop back (SIGCONT discards a pending stop): a process stopped without its record would
- * wait for ever. */
-static __always_inline void hold_and_tell(void *ctx, u32 tgid, u32 what)
+/* Whether stopping the current process would be seen by anyone but user space here: a
+ * debugger's (traced), a shell's job control (a controlling terminal), the daemon itself. */
+static __always_inline int may_stop(u32 tgid)
 {
+    struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+    return tgid != cfg.target_tgid && BPF_CORE_READ(task, ptrace) == 0
+        && BPF_CORE_READ(task, signal, tty) == 0;
+}
+
+/* Stop the current process for user space, or only tell where it may not be stopped
+ * (PI_DISCOVER_SEEN). The stop is pending before the record can be read (so user space's
+ * SIGCONT always comes after it); a record that could not be sent takes the stop back
+ * (SIGCONT discards a pending stop): a process stopped without its record would wait for
+ * ever. 0 when user space was told. */
+static __always_inline int hold_and_tell(void *ctx, u32 tgid, u32 what)
+{
+    if (!may_stop(tgid))
+        return tell(ctx, tgid, PI_DISCOVER_SEEN, 0);
     bpf_send_signal(SIGSTOP);
-    if (tell(ctx, tgid, what, 0))
+    int err = tell(ctx, tgid, what, 0);
+    if (err)
         bpf_send_signal(SIGCONT);
+    return err;
 }
 
 /* Make the current process a candidate; stopped and told when it was not one already. */
-static __always_inline void hold(void *ctx, u32 tgid)
+static __always_inline void hold(void *ctx, u32 tgid, u32 what)
 {
-    u32 one = 1;
-    if (bpf_map_update_elem(&candidates, &tgid, &one, BPF_NOEXIST) == 0) {
-        hold_and_tell(ctx, tgid, PI_DISCOVER_CANDIDATE);
-    }
+    u64 now = bpf_ktime_get_ns();
+    if (bpf_map_update_elem(&candidates, &tgid, &now, BPF_NOEXIST) == 0
+        && hold_and_tell(ctx, tgid, what))
+        bpf_map_delete_elem(&candidates, &tgid);      /* untold: nothing waits on it */
 }
 
 /* sched_process_exec(task, old_pid, bprm): `current` runs its new image. */
@@ -168,10 +195,13 @@ int discover_exec(struct bpf_raw_tracepoint_args *ctx)
     bpf_map_delete_elem(&candidates, &tgid);     /* a new image: what it was holds no more */
     bpf_map_delete_elem(&looked_at, &tgid);
     u32 *verdict = bpf_map_lookup_elem(&executables, &key);
-    if (!verdict)
-        tell(ctx, tgid, PI_DISCOVER_EXEC, &key);
-    else if (*verdict)
-        hold(ctx, tgid);
+    u32 unknown = PI_EXEC_UNKNOWN;
+    if (!verdict) {         /* told once per file (a flood of new files fills no ring twice) */
+        if (bpf_map_update_elem(&executables, &key, &unknown, BPF_NOEXIST) == 0)
+            tell(ctx, tgid, PI_DISCOVER_EXEC, &key);
+    } else if (*verdict == PI_EXEC_ENGINE) {
+        hold(ctx, tgid, PI_DISCOVER_CANDIDATE);
+    }
     return 0;
 }
 
@@ -194,7 +224,7 @@ static long look_at_entry(u64 i, void *unused)
 {
     u32 zero = 0;
     struct walk *w = bpf_map_lookup_elem(&walk_buf, &zero);
-    if (!w || !w->entry)
+    if (!w || !w->entry || w->owner != bpf_get_current_pid_tgid() >> 32)
         return 1;
     u64 name = 0, next = 0;
     bpf_probe_read_user(&name, sizeof(name), (void *)(w->entry + L_NAME));
@@ -234,10 +264,13 @@ int discover_loader(struct pt_regs *ctx)
     u64 r_debug = PT_REGS_IP(ctx) - site->site + site->r_debug;
     int state = -1;
     bpf_probe_read_user(&state, sizeof(state), (void *)(r_debug + R_STATE));
+    if (state == RT_DELETE)         /* entries may be freed: look from the list's head next */
+        bpf_map_delete_elem(&looked_at, &tgid);
     if (state != RT_CONSISTENT)
         return 0;
     if (bpf_map_lookup_elem(&candidates, &tgid)) {       /* an engine's executable */
-        hold_and_tell(ctx, tgid, PI_DISCOVER_LOADED);
+        if (hold_and_tell(ctx, tgid, PI_DISCOVER_LOADED))
+            bpf_map_delete_elem(&candidates, &tgid);
         return 0;
     }
     u32 zero = 0;
@@ -252,13 +285,17 @@ int discover_loader(struct pt_regs *ctx)
         bpf_probe_read_user(&w->entry, sizeof(w->entry), (void *)(r_debug + R_MAP));
     w->last = last ? *last : 0;
     w->found = 0;
+    w->owner = tgid;
     bpf_loop(PI_MAX_ENTRIES, look_at_entry, 0, 0);
+    if (w->owner != tgid)           /* another process's walk took the buffer meanwhile */
+        return 0;
     if (w->last)
         bpf_map_update_elem(&looked_at, &tgid, &w->last, BPF_ANY);
     if (w->found) {
-        u32 one = 1;
-        bpf_map_update_elem(&candidates, &tgid, &one, BPF_ANY);
-        hold_and_tell(ctx, tgid, PI_DISCOVER_LOADED);
+        u64 now = bpf_ktime_get_ns();
+        bpf_map_update_elem(&candidates, &tgid, &now, BPF_ANY);
+        if (hold_and_tell(ctx, tgid, PI_DISCOVER_LOADED))
+            bpf_map_delete_elem(&candidates, &tgid);
     }
     return 0;
 }

@@ -54,6 +54,10 @@ struct pi_file_key {
 #define PI_DISCOVER_EXEC 1        /* it exec'd a file not looked at yet (`file`); not stopped */
 #define PI_DISCOVER_CANDIDATE 2   /* it maps a file named like an engine's, or exec'd an engine */
 #define PI_DISCOVER_LOADED 3      /* its loader completed a list with an engine-named library */
+#define PI_DISCOVER_SEEN 4        /* either of those where it may not be stopped: not stopped */
+#define PI_EXEC_NONE 0            /* discover.bpf.c's verdicts on an executable file */
+#define PI_EXEC_ENGINE 1
+#define PI_EXEC_UNKNOWN 2
 #define PI_MAX_HOOK_SITES 256     /* calls of _dl_debug_state probed, over every loader file */
 
 struct pi_discover_event {

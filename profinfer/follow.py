@@ -17,13 +17,11 @@ import signal
 from dataclasses import dataclass
 
 import numpy as np
-from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-from . import bpfobj, discovery, layout, libbpf, procfs
+from . import bpfobj, layout, libbpf, procfs
 from .errors import ProfinferError
 from .arch.callsites import direct_calls
-from .symbols import load_elf
 
 # glibc's loader calls this empty function after each change of its library list (mapped,
 # not yet relocated, constructors not yet run): the debuggers' r_debug breakpoint.
@@ -50,26 +48,40 @@ class Change:
 
 
 def interpreter(pid: int) -> str | None:
-    """The dynamic loader named by the process's executable (PT_INTERP), as a path we can open."""
+    """The dynamic loader named by the process's executable (PT_INTERP), as a path inside its
+    root (/proc/PID/root/...: open it with procfs, which resolves it there); None for a static
+    executable, or one that cannot be read."""
     try:
         with open(f"/proc/{pid}/exe", "rb") as f:
             for seg in ELFFile(f).iter_segments():
                 if seg.header.p_type == "PT_INTERP":
-                    return f"/proc/{pid}/root{seg.get_interp_name()}"
-    except (OSError, ELFError):
+                    name = os.fsdecode(seg.data().split(b"\0", 1)[0])
+                    return f"/proc/{pid}/root{name}" if name.startswith("/") else None
+    except Exception:       # anything a tenant's file makes the ELF reader raise
         return None
     return None
 
 
-def _data_symbol(path: str, name: str) -> int | None:
-    """The address (vaddr) of a data symbol in the file's dynamic symbol table."""
-    try:
-        with procfs.open_binary(path) as f:
-            dynsym = ELFFile(f).get_section_by_name(".dynsym")
-            found = dynsym.get_symbol_by_name(name) if dynsym else None
-            return found[0]["st_value"] if found else None
-    except (OSError, ELFError):
-        return None
+def _loader_symbols(file: str) -> tuple[tuple[int, int] | None, int | None]:
+    """An x86-64 loader's hook ((vaddr, file offset) of _dl_debug_state) and _r_debug's vaddr,
+    from its dynamic symbols; (None, None) for another machine or class."""
+    with open(file, "rb") as f:
+        elf = ELFFile(f)
+        if elf.elfclass != 64 or elf["e_machine"] != "EM_X86_64":
+            return None, None
+        dynsym = elf.get_section_by_name(".dynsym")
+        if dynsym is None:
+            return None, None
+        hook, r_debug = dynsym.get_symbol_by_name(LOADER_HOOK), dynsym.get_symbol_by_name(R_DEBUG)
+        if not hook:
+            return None, None
+        vaddr = hook[0]["st_value"]
+        offset = next((vaddr - seg["p_vaddr"] + seg["p_offset"] for seg in elf.iter_segments()
+                       if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= vaddr < seg["p_vaddr"] + seg["p_filesz"]),
+                      None)
+        if offset is None:
+            return None, None
+        return (vaddr, offset), (r_debug[0]["st_value"] if r_debug else None)
 
 
 def _load_address(pid: int, inode: int) -> int | None:
@@ -98,46 +110,73 @@ class LoaderHooks:
         self._unhookable: set[tuple[int, int]] = set()   # loaders without the hook (not glibc's)
 
     def watch(self, pid: int) -> None:
-        """Hook the dynamic loader of `pid`'s current image (once per loader file)."""
+        """Hook the dynamic loader of `pid`'s current image (once per loader file). The loader
+        is opened once, inside the process's root, and must be a file the process maps; its
+        symbols, its call sites and the probes all come from that one descriptor."""
         self._r_state.pop(pid, None)      # a new image: its loader is mapped anew
         path = interpreter(pid)
         if path is None:          # a static executable: nothing is loaded later
             return
-        key = discovery.file_key(path)
-        if key in self._loaders or key in self._unhookable:
-            return
-        hook = load_elf(path).find(LOADER_HOOK)
+        try:
+            fd = procfs.open_file(path)
+        except OSError as e:
+            raise ProfinferError(f"cannot open the loader {path}: {e.strerror}") from None
+        try:
+            procfs.check_mapped(fd, pid, path)
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            if key in self._loaders or key in self._unhookable:
+                return
+            self._hook(f"/proc/self/fd/{fd}", key, path)
+        finally:
+            os.close(fd)
+
+    def _hook(self, file: str, key: tuple[int, int], path: str) -> None:
+        try:
+            hook, r_debug = _loader_symbols(file)
+        except Exception as e:      # a tenant's file: whatever the ELF reader raises
+            self._unhookable.add(key)
+            raise ProfinferError(f"the dynamic loader {path} cannot be read: {type(e).__name__}") from None
         if hook is None:
             self._unhookable.add(key)     # said once per loader file
-            raise ProfinferError(f"the dynamic loader {path} has no {LOADER_HOOK}: libraries it "
-                                 "loads later (dlopen) cannot be followed")
-        r_debug = _data_symbol(path, R_DEBUG)
+            raise ProfinferError(f"the dynamic loader {path} has no {LOADER_HOOK} (not glibc's, or "
+                                 "not x86-64): libraries it loads later (dlopen) cannot be followed")
         # its callers' `call` instructions (emulated), else its own first one (a `ret`,
         # single-stepped: ~30x the cost, in every process that uses this loader)
-        sites = direct_calls(path, hook.vaddr) or [(hook.vaddr, hook.file_offset)]
-        for vaddr, offset in sites:
-            if self.table is None:
-                self.obj.attach_uprobe(self.program, path, offset, -1)
-                continue
-            index = self._sites
-            if index >= self.table_size:
-                raise ProfinferError(f"more loader hook sites than {self.table_size}: {path} not hooked")
-            libbpf.map_update(self.obj.map_fd(self.table), index.to_bytes(4, "little"),
-                              vaddr.to_bytes(8, "little") + (r_debug or 0).to_bytes(8, "little"))
-            self.obj.attach_uprobe(self.program, path, offset, -1, cookie=index)
-            self._sites += 1
+        sites = direct_calls(file, hook[0]) or [hook]
+        if self.table is not None and self._sites + len(sites) > self.table_size:
+            self._unhookable.add(key)
+            raise ProfinferError(f"{path}: more loader hook sites than {self.table_size}: not hooked")
+        links = []
+        try:
+            for vaddr, offset in sites:
+                if self.table is None:
+                    links.append(self.obj.attach_uprobe(self.program, file, offset, -1))
+                    continue
+                index = self._sites + len(links)
+                libbpf.map_update(self.obj.map_fd(self.table), index.to_bytes(4, "little"),
+                                  vaddr.to_bytes(8, "little") + (r_debug or 0).to_bytes(8, "little"))
+                links.append(self.obj.attach_uprobe(self.program, file, offset, -1, cookie=index))
+        except ProfinferError:
+            self.obj.detach_links(links)        # all of its sites or none
+            raise
+        if self.table is not None:
+            self._sites += len(links)
         self._loaders[key] = r_debug
 
     def forget(self, pid: int) -> None:
         self._r_state.pop(pid, None)
 
     def hooked(self, pid: int) -> bool:
-        """Whether `pid`'s loader is hooked (True for a static executable: it has none)."""
+        """Whether `pid`'s loader is hooked, or cannot be (True for a static executable)."""
         path = interpreter(pid)
+        if path is None:
+            return True
         try:
-            return path is None or discovery.file_key(path) in self._loaders.keys() | self._unhookable
+            st = procfs.stat_file(path)
         except OSError:
             return False
+        return (st.st_dev, st.st_ino) in self._loaders.keys() | self._unhookable
 
     def settled(self, pid: int) -> bool:
         """Whether `pid`'s loader, stopped at its hook, has finished changing its library list
@@ -158,9 +197,9 @@ class LoaderHooks:
         """Where `pid`'s loader keeps r_debug.r_state, or None."""
         path = interpreter(pid)
         try:
-            key = discovery.file_key(path) if path else None
-            vaddr = self._loaders.get(key)
-            base = _load_address(pid, key[1]) if vaddr is not None else None
+            st = procfs.stat_file(path) if path else None
+            vaddr = self._loaders.get((st.st_dev, st.st_ino)) if st else None
+            base = _load_address(pid, st.st_ino) if vaddr is not None else None
         except OSError:
             return None
         return None if base is None else base + vaddr + R_STATE_OFFSET
@@ -249,8 +288,12 @@ class Follower:
     def close(self) -> None:
         """Detach, then let every followed process still alive go: none is left stopped,
         whatever happened before (an exited one's PID may be another process's now)."""
+        for name in ("fork_obj", "obj"):      # no stop, fork or record from here on
+            obj = getattr(self, name, None)
+            if obj is not None:
+                obj.detach()
         if getattr(self, "_buf", None) is not None and self.obj is not None:
-            self.changes()          # forks and exits not read yet
+            self.changes()          # forks and exits not read yet (a fork's child is live)
         for name in ("fork_obj", "obj"):
             obj = getattr(self, name, None)
             if obj is not None:

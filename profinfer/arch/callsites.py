@@ -75,23 +75,24 @@ def call_sites(elf: ElfInfo, callers: str, target: str) -> list[tuple[str, int]]
 
 
 def direct_calls(path: str, target_vaddr: int) -> list[tuple[int, int]]:
-    """(vaddr, file offset) of every `call rel32` to target_vaddr in the file's executable
-    segments, found by their bytes (e8 and a displacement that lands on the target; a chance
-    match inside another instruction is one in 2^32 per e8 byte). For a function whose own
-    first instruction the kernel would single-step (glibc's _dl_debug_state is one `ret`),
-    its call sites are emulated: a uprobe there costs ~0.5 µs instead of ~15 µs."""
-    out = []
+    """(vaddr, file offset) of every `call target_vaddr` in the file's .text, found by
+    disassembling it from its start (a probe placed at a chance match of bytes inside another
+    instruction would corrupt every process that runs it). For a function whose own first
+    instruction the kernel would single-step (glibc's _dl_debug_state is one `ret`), its call
+    sites are emulated: a uprobe there costs ~0.5 µs instead of ~15 µs."""
     with open(path, "rb") as f:
         elf = ELFFile(f)
-        for seg in elf.iter_segments():
-            h = seg.header
-            if h.p_type != "PT_LOAD" or not h.p_flags & 1:       # PF_X
-                continue
-            code = np.frombuffer(seg.data()[: h.p_filesz], np.uint8)
-            at = np.nonzero(code[:-4] == 0xE8)[0]
-            disp = (code[at + 1].astype(np.int64) | code[at + 2].astype(np.int64) << 8
-                    | code[at + 3].astype(np.int64) << 16 | code[at + 4].astype(np.int64) << 24)
-            disp = np.where(disp >= 1 << 31, disp - (1 << 32), disp)
-            for i in at[h.p_vaddr + at + 5 + disp == target_vaddr].tolist():
-                out.append((h.p_vaddr + i, h.p_offset + i))
+        text = elf.get_section_by_name(".text")
+        if text is None or text["sh_type"] != "SHT_PROGBITS":
+            return []
+        code, base, offset = text.data(), text["sh_addr"], text["sh_offset"]
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    want, out, at = hex(target_vaddr), [], 0
+    while at < len(code):
+        end = at
+        for address, size, mnemonic, op_str in md.disasm_lite(code[at:], base + at):
+            if mnemonic == "call" and op_str == want:
+                out.append((address, address - base + offset))
+            end = address - base + size
+        at = max(end, at) + (1 if end == at or end < len(code) else 0)   # past a byte it cannot decode
     return out

@@ -181,7 +181,7 @@ class Agent:
         why = discover.available() if discover_processes else "turned off"
         if why is None:
             try:
-                self.discovery = NodeDiscovery(self.all_packs)
+                self.discovery = NodeDiscovery(self.all_packs, log=self.log)
             except ProfinferError as e:
                 why = str(e)
         self.discovery_off = why
@@ -298,6 +298,8 @@ class Agent:
                     self._candidate(ev.tgid)
                 elif ev.what == "loaded":
                     self._libraries_loaded(ev.tgid)
+                elif ev.what == "seen":         # not stopped (traced, or a terminal's): look now
+                    self._look_now(ev.tgid)
             except Exception as e:
                 self._error(f"PID {ev.tgid}: discovery ({ev.what}): {type(e).__name__}: {e}")
             finally:
@@ -328,8 +330,8 @@ class Agent:
         loader) completes a list with later is seen at once."""
         try:
             self.discovery.hook_loader(pid)
-        except (OSError, ProfinferError) as e:
-            self._error(f"PID {pid}: hooking its loader: {e}")
+        except Exception as e:          # a tenant's loader file: whatever reading it raised
+            self._error(f"PID {pid}: hooking its loader: {type(e).__name__}: {e}")
 
     def _candidate(self, pid: int) -> None:
         """Held at the exec of an engine's executable: hook its loader (it is held again once
@@ -349,6 +351,11 @@ class Agent:
         """Held at its loader's hook: once the library list is complete, watch what it maps."""
         if not self.discovery.settled(pid):
             return
+        self._look_now(pid)
+        self.discovery.release(pid, done=True)
+
+    def _look_now(self, pid: int) -> None:
+        """What it maps now, watched (a watched process: a runtime it loaded since)."""
         st = _stat(pid)
         if st is not None and pid != self.own_pid:
             w = self.watches.get(pid)
@@ -356,7 +363,6 @@ class Agent:
                 self._look(pid, st, time.monotonic(), settled=True)
             elif self.cuda_pack is not None:
                 self._look_runtime(pid, w, st)
-        self.discovery.release(pid, done=True)
 
     def _watch(self, pid: int, start: int, pack: Pack, files: list[tuple[str, str]]) -> None:
         cls = pack.collector_class()
@@ -830,6 +836,7 @@ class Agent:
         with self.lock:
             watches = list(self.watches.values())
             unwatched = list(self.unwatched.values())
+        discovery = self.discovery       # the loop may close it meanwhile
         return {
             "pid": self.own_pid, "started": self.started, "levels": sorted(self.levels),
             "budget": self.budget, "attach_errors": self.attach_errors, "loop_errors": self.loop_errors,
@@ -847,8 +854,8 @@ class Agent:
             "found_not_watched": [{**i.as_dict(), "why": "no always-on level for this engine yet"}
                                   for i in unwatched],
             "gpu": self.metrics.gpu_state,
-            "discovery": ({"loaders_hooked": len(self.discovery.loaders), "held": sorted(self.discovery.held)}
-                          if self.discovery is not None else {"off": self.discovery_off}),
+            "discovery": ({"loaders_hooked": len(discovery.loaders), "held": discovery.held_now()}
+                          if discovery is not None else {"off": self.discovery_off}),
         }
 
     def close(self) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,12 +33,16 @@ LOADER_PROGRAM = "discover_loader"
 RING_PAGES = 16
 NAME_MAX = 32
 MAX_PREFIXES = 16
+# A held process is continued after this long whatever the agent is doing (its look then
+# comes late, as a scan's would): no tenant's process waits on a busy or stuck agent.
+HOLD_MAX_S = 2.0
 
 
 @dataclass(frozen=True)
 class Discovered:
     tgid: int
-    what: str                   # "exec" (not stopped), "candidate", "loaded" (both stopped)
+    what: str       # "exec" (not stopped), "candidate", "loaded" (both stopped), "seen" (either,
+                    # where it may not be stopped: traced, or with a controlling terminal)
     file: bytes = b""           # exec: the executable as the kernel names it (a map key)
 
 
@@ -60,22 +66,34 @@ def available() -> str | None:
         return "no kernel BTF (/sys/kernel/btf/vmlinux)"
     if not kernel.release_at_least(5, 17):
         return "Linux before 5.17 (no bpf_loop)"
+    try:
+        with open("/proc/self/status") as f:
+            nspid = next((l.split()[1:] for l in f if l.startswith("NSpid:")), [])
+    except OSError:
+        nspid = []
+    if len(nspid) != 1:     # BPF names processes by their host pids, which we could not signal
+        return "not in the host's PID namespace (hostPID)"
     return None
 
 
 class NodeDiscovery:
-    def __init__(self, packs: list[Pack]):
+    def __init__(self, packs: list[Pack], log=lambda msg: None):
         consts, dt = layout.parse(header="transport.h")
-        self._names = {consts[f"PI_DISCOVER_{w.upper()}"]: w for w in ("exec", "candidate", "loaded")}
+        self._names = {consts[f"PI_DISCOVER_{w.upper()}"]: w for w in ("exec", "candidate", "loaded", "seen")}
+        self._verdicts = {True: consts["PI_EXEC_ENGINE"], False: consts["PI_EXEC_NONE"]}
         self._dt = dt["pi_discover_event"]
         self._records: list[bytes] = []
-        self.held: set[int] = set()      # stopped here, not yet continued
+        self.log = log
+        self.held: dict[int, float] = {}      # stopped here, not yet continued: since (monotonic)
+        self._lock = threading.Lock()          # held: the watchdog continues what waits too long
         prefixes = name_prefixes(packs)
         if len(prefixes) > MAX_PREFIXES or any(len(p.encode()) > NAME_MAX for p in prefixes):
             raise ProfinferError(f"the packs' library names do not fit discovery's table: {prefixes}")
         self.obj = libbpf.BpfObject(bpfobj.object_path("discover.bpf.c", "ring"))
         try:
-            self.obj.set_rodata(np.zeros(1, dt["pi_core_config"]).tobytes())
+            config = np.zeros(1, dt["pi_core_config"])
+            config["target_tgid"] = os.getpid()          # never itself
+            self.obj.set_rodata(config.tobytes())
             self.obj.set_max_entries("events", RING_PAGES * 4096)
             self.obj.load(set(PROGRAMS) | {LOADER_PROGRAM})
             fd = self.obj.map_fd("name_prefixes")
@@ -91,6 +109,9 @@ class NodeDiscovery:
         except ProfinferError:
             self.obj.close()
             raise
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._continue_late, name="discovery-watchdog", daemon=True)
+        self._watchdog.start()
 
     def _on_record(self, data, size):
         self._records.append(ctypes.string_at(data, size))
@@ -107,9 +128,14 @@ class NodeDiscovery:
             what = self._names.get(int(ev["what"]), "?")
             tgid = int(ev["tgid"])
             if what in ("candidate", "loaded"):
-                self.held.add(tgid)
+                with self._lock:
+                    self.held.setdefault(tgid, time.monotonic())
             out.append(Discovered(tgid, what, ev["file"].tobytes() if what == "exec" else b""))
         return out
+
+    def held_now(self) -> list[int]:
+        with self._lock:
+            return sorted(self.held)
 
     def hook_loader(self, pid: int) -> None:
         """Its dynamic loader's hook probed (once per loader file)."""
@@ -121,23 +147,44 @@ class NodeDiscovery:
 
     def executable(self, key: bytes, engine: bool) -> None:
         """What an executable is, for its later execs: an engine's are held at exec."""
-        libbpf.map_update(self.obj.map_fd("executables"), key, int(engine).to_bytes(4, "little"))
+        libbpf.map_update(self.obj.map_fd("executables"), key, self._verdicts[engine].to_bytes(4, "little"))
 
     def pending(self, pid: int) -> bool:
-        """A candidate whose loader has not finished yet."""
-        return libbpf.map_lookup(self.obj.map_fd("candidates"), pid.to_bytes(4, "little"), 4) is not None
+        """A candidate whose loader has not finished yet (for at most HOLD_MAX_S: one whose
+        record never came is not waited for)."""
+        since = libbpf.map_lookup(self.obj.map_fd("candidates"), pid.to_bytes(4, "little"), 8)
+        return since is not None and time.monotonic_ns() - int.from_bytes(since, "little") < HOLD_MAX_S * 1e9
 
     def release(self, pid: int, done: bool) -> None:
         """Continue a held process; done: what it maps is attached (held again only when it
         maps another engine-named file or execs)."""
-        if done:
+        if done and self.obj is not None:
             libbpf.map_delete(self.obj.map_fd("candidates"), pid.to_bytes(4, "little"))
         self.loaders.forget(pid)        # it may exec another image before its next stop
-        self.held.discard(pid)
+        with self._lock:
+            held = self.held.pop(pid, None) is not None
+        if held:
+            self._continue(pid)
+
+    def _continue(self, pid: int) -> None:
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
+        except OSError as e:            # never the loop's end: said, and the others go on
+            self.log(f"PID {pid}: cannot continue it after discovery held it: {e.strerror}")
+
+    def _continue_late(self) -> None:
+        while not self._stop.wait(HOLD_MAX_S / 4):
+            now = time.monotonic()
+            with self._lock:
+                late = [pid for pid, since in self.held.items() if now - since > HOLD_MAX_S]
+                for pid in late:
+                    del self.held[pid]
+            for pid in late:
+                self.log(f"PID {pid}: held {HOLD_MAX_S:g} s by discovery while the agent was busy: "
+                         "continued (it is looked at late)")
+                self._continue(pid)
 
     def close(self) -> None:
         """Detach (no process is stopped from then on), read what was told meanwhile, then
@@ -149,8 +196,11 @@ class NodeDiscovery:
             self.events()
         except ProfinferError:
             pass
-        for pid in list(self.held):
-            self.release(pid, done=False)
+        self._stop.set()
+        self._watchdog.join()
+        with self._lock:
+            held, self.held = list(self.held), {}
+        for pid in held:
+            self._continue(pid)
         obj, self.obj = self.obj, None
         obj.close()
-

@@ -38,20 +38,23 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    agent.poll(0)     # the first scan (and each loader hooked) before /healthz says ready
-    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    agent.metrics.self_metrics(agent)           # says whether GPU metrics are on, and if not why
-    log("new processes found " + ("from the kernel (exec and the loader's hook), and by a scan "
-                                  "of /proc each second" if agent.discovery is not None else
-                                  f"by a scan of /proc each second (discovery from the kernel is off: "
-                                  f"{agent.discovery_off})"))
-    log(f"listening on http://{host}:{port} (metrics; control endpoints need the token"
-        + ("" if token else f" in {token_file}") + f"); levels {','.join(sorted(agent.levels))}")
+    serving = False
     try:
+        agent.poll(0)     # the first scan (and each loader hooked) before /healthz says ready
+        threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+        serving = True
+        agent.metrics.self_metrics(agent)           # says whether GPU metrics are on, and if not why
+        log("new processes found " + ("from the kernel (exec and the loader's hook), and by a scan "
+                                      "of /proc each second" if agent.discovery is not None else
+                                      f"by a scan of /proc each second (discovery from the kernel is off: "
+                                      f"{agent.discovery_off})"))
+        log(f"listening on http://{host}:{port} (metrics; control endpoints need the token"
+            + ("" if token else f" in {token_file}") + f"); levels {','.join(sorted(agent.levels))}")
         while not stop.is_set():
             agent.poll(0.2)
     finally:
-        server.shutdown()
+        if serving:           # shutdown() waits for serve_forever: only once it runs
+            server.shutdown()
         server.server_close()
         agent.close()
         if agent.metrics.otlp is not None:
