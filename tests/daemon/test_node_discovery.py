@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,45 @@ def test_runtime_dlopened_later_probed_before_its_first_call(daemon, tmp_path):
     got_bytes = series(text, "profinfer_cuda_copy_bytes_total", proc.pid, "kind")
     assert {k: int(v) for k, v in got_bytes.items()} == dict(copied)
     assert series(text, "profinfer_cuda_graph_launches_total", proc.pid, None) == {"": graphs}
+
+
+WATCH_STOPS = r"""
+import os, sys
+stopped = 0
+for i in range(int(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+        os.execv(sys.argv[2], sys.argv[2:])
+    while True:
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        if os.WIFSTOPPED(status):       # what a shell's job control would report
+            stopped += 1
+            os.kill(pid, 18)
+            continue
+        break
+print(stopped)
+"""
+
+
+def test_unrelated_processes_are_never_stopped(daemon, tmp_path):
+    """A parent that waits with WUNTRACED (as a shell's job control does) sees no stop of 200
+    children that exec and load libraries no engine has (python importing ctypes and libm)."""
+    script = tmp_path / "watch.py"
+    script.write_text(WATCH_STOPS)
+    child = ["/usr/bin/python3", "-c", "import ctypes, ctypes.util; ctypes.CDLL(ctypes.util.find_library('m'))"]
+    out = subprocess.run(["/usr/bin/python3", str(script), "200", *child], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == 0
+    # the same watch sees the stops where there are some: a library named like an engine's
+    # (a copy of libm named libllama.so) holds each child once
+    import ctypes.util
+    fake = tmp_path / "libllama.so"
+    libm = ctypes.util.find_library("m")
+    fake.write_bytes(next(Path(d, libm).read_bytes() for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu")
+                          if Path(d, libm).exists()))
+    engine_like = ["/usr/bin/python3", "-c", f"import ctypes; ctypes.CDLL({str(fake)!r})"]
+    out = subprocess.run(["/usr/bin/python3", str(script), "5", *engine_like], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == 5
