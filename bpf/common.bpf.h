@@ -93,6 +93,33 @@ static __always_inline int emit(void *ctx, void *data, u32 size)
 }
 #endif
 
+/* Send a record a stopped process waits on: the reader is woken now. 0 when it was sent. */
+static __always_inline long emit_urgent(void *ctx, void *data, u32 size)
+{
+#ifdef PI_PERF_BUFFER
+    long err = bpf_perf_event_output(ctx, &events, BPF_F_CURRENT_CPU, data, size);
+#else
+    long err = bpf_ringbuf_output(&events, data, size, BPF_RB_FORCE_WAKEUP);
+#endif
+    if (err)
+        count_lost(1);
+    return err;
+}
+
+#define PI_SIGCONT 18
+#define PI_SIGSTOP 19
+
+/* Stop the current process for user space, which is told by `told` (0: it was). The stop is
+ * pending before the record can be read, so user space's SIGCONT always comes after it; a
+ * record that could not be sent takes the stop back (SIGCONT discards a pending stop), as a
+ * process stopped without its record would wait for ever. */
+#define PI_STOP_AND_TELL(told) ({                   \
+    bpf_send_signal(PI_SIGSTOP);                    \
+    long __err = (told);                            \
+    if (__err)                                      \
+        bpf_send_signal(PI_SIGCONT);                \
+    __err; })
+
 /* The processes a `record` follows (the command, its exec'd images and forked children):
  * follow.bpf.c keeps the set; engine objects reuse the map. */
 struct {

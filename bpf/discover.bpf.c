@@ -20,8 +20,6 @@
 
 char LICENSE[] SEC("license") = "GPL";
 
-#define SIGCONT 18
-#define SIGSTOP 19
 #define PI_NAME_PREFIXES 16
 #define PI_NAME_MAX 32
 
@@ -133,21 +131,13 @@ struct {
 } walk_buf SEC(".maps");
 
 /* Tell user space; 0 when the record is in the buffer. */
-static __always_inline int tell(void *ctx, u32 tgid, u32 what, struct pi_file_key *file)
+static __always_inline long tell(void *ctx, u32 tgid, u32 what, struct pi_file_key *file)
 {
     struct pi_discover_event ev = {.kind = PI_EV_DISCOVER, .tgid = tgid, .what = what,
                                    .ts_ns = bpf_ktime_get_ns()};
     if (file)
         ev.file = *file;
-#ifdef PI_PERF_BUFFER
-    long err = bpf_perf_event_output(ctx, &events, BPF_F_CURRENT_CPU, &ev, sizeof(ev));
-#else
-    /* a stopped process waits for this record: wake the reader now */
-    long err = bpf_ringbuf_output(&events, &ev, sizeof(ev), BPF_RB_FORCE_WAKEUP);
-#endif
-    if (err)
-        count_lost(1);
-    return err;
+    return emit_urgent(ctx, &ev, sizeof(ev));
 }
 
 /* Whether stopping the current process would be seen by anyone but user space here: a
@@ -160,19 +150,12 @@ static __always_inline int may_stop(u32 tgid)
 }
 
 /* Stop the current process for user space, or only tell where it may not be stopped
- * (PI_DISCOVER_SEEN). The stop is pending before the record can be read (so user space's
- * SIGCONT always comes after it); a record that could not be sent takes the stop back
- * (SIGCONT discards a pending stop): a process stopped without its record would wait for
- * ever. 0 when user space was told. */
-static __always_inline int hold_and_tell(void *ctx, u32 tgid, u32 what)
+ * (PI_DISCOVER_SEEN). 0 when user space was told. */
+static __always_inline long hold_and_tell(void *ctx, u32 tgid, u32 what)
 {
     if (!may_stop(tgid))
         return tell(ctx, tgid, PI_DISCOVER_SEEN, 0);
-    bpf_send_signal(SIGSTOP);
-    int err = tell(ctx, tgid, what, 0);
-    if (err)
-        bpf_send_signal(SIGCONT);
-    return err;
+    return PI_STOP_AND_TELL(tell(ctx, tgid, what, 0));
 }
 
 /* Make the current process a candidate; stopped and told when it was not one already. */

@@ -16,17 +16,11 @@
 
 char LICENSE[] SEC("license") = "GPL";
 
-#define SIGCONT 18
-#define SIGSTOP 19
 
-/* Stop the current (followed) process until user space has looked at its new mappings; a
- * record that could not be sent takes the pending stop back (SIGCONT discards it), as the
- * process would wait for ever. */
+/* Stop the current (followed) process until user space has looked at its new mappings. */
 static __always_inline void stop_and_tell(void *ctx, u32 tgid, u32 what)
 {
-    bpf_send_signal(SIGSTOP);
-    if (tell(ctx, tgid, what, 0))
-        bpf_send_signal(SIGCONT);
+    PI_STOP_AND_TELL(tell(ctx, tgid, what, 0));
 }
 
 /* sched_process_exec: `current` has its new image (same tgid). */

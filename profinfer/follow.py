@@ -84,14 +84,10 @@ def _loader_symbols(file: str) -> tuple[tuple[int, int] | None, int | None]:
         return (vaddr, offset), (r_debug[0]["st_value"] if r_debug else None)
 
 
-def _load_address(pid: int, inode: int) -> int | None:
-    """Where `pid` mapped the start (file offset 0) of the file with this inode."""
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            fields = line.split(None, 5)
-            if len(fields) == 6 and int(fields[4]) == inode and int(fields[2], 16) == 0:
-                return int(fields[0].split("-")[0], 16)
-    return None
+def _load_address(pid: int, file: tuple[int, int]) -> int | None:
+    """Where `pid` mapped the start (file offset 0) of the file (device, inode)."""
+    return next((m.start for m in procfs.file_mappings(pid)
+                 if (m.dev, m.inode) == file and m.offset == 0), None)
 
 
 class LoaderHooks:
@@ -167,17 +163,6 @@ class LoaderHooks:
     def forget(self, pid: int) -> None:
         self._r_state.pop(pid, None)
 
-    def hooked(self, pid: int) -> bool:
-        """Whether `pid`'s loader is hooked, or cannot be (True for a static executable)."""
-        path = interpreter(pid)
-        if path is None:
-            return True
-        try:
-            st = procfs.stat_file(path)
-        except OSError:
-            return False
-        return (st.st_dev, st.st_ino) in self._loaders.keys() | self._unhookable
-
     def settled(self, pid: int) -> bool:
         """Whether `pid`'s loader, stopped at its hook, has finished changing its library list
         (True when that cannot be read: then every stop is looked at)."""
@@ -199,7 +184,7 @@ class LoaderHooks:
         try:
             st = procfs.stat_file(path) if path else None
             vaddr = self._loaders.get((st.st_dev, st.st_ino)) if st else None
-            base = _load_address(pid, st.st_ino) if vaddr is not None else None
+            base = _load_address(pid, (st.st_dev, st.st_ino)) if vaddr is not None else None
         except OSError:
             return None
         return None if base is None else base + vaddr + R_STATE_OFFSET

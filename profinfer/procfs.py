@@ -33,6 +33,7 @@ import os
 import platform
 import re
 import stat
+from dataclasses import dataclass
 
 from .errors import ProfinferError
 
@@ -119,21 +120,41 @@ def stat_file(path: str, nofollow: bool = False) -> os.stat_result:
         os.close(fd)
 
 
-def mapped_identities(pid: int) -> set[tuple[int, int]]:
-    """(device, inode) of every file the process maps (as its maps show them)."""
-    out = set()
+@dataclass(frozen=True, slots=True)
+class FileMapping:
+    start: int
+    end: int
+    perms: str
+    offset: int      # in the file
+    dev: int         # as stat gives it
+    inode: int
+    path: str        # as the process sees it, " (deleted)" dropped
+    deleted: bool
+
+
+def file_mappings(pid: int) -> list[FileMapping]:
+    """The process's mappings of files, as /proc/PID/maps shows them; [] once it has gone."""
     try:
         with open(f"/proc/{pid}/maps") as f:
             lines = f.read().splitlines()
     except OSError:
-        return out
+        return []
+    out = []
     for line in lines:
         parts = line.split(None, 5)
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue
+        start, end = (int(x, 16) for x in parts[0].split("-"))
         major, minor = (int(x, 16) for x in parts[3].split(":"))
-        out.add((os.makedev(major, minor), int(parts[4])))
+        path = parts[5].removesuffix(" (deleted)")
+        out.append(FileMapping(start, end, parts[1], int(parts[2], 16), os.makedev(major, minor),
+                               int(parts[4]), path, path != parts[5]))
     return out
+
+
+def mapped_identities(pid: int) -> set[tuple[int, int]]:
+    """(device, inode) of every file the process maps (as its maps show them)."""
+    return {(m.dev, m.inode) for m in file_mappings(pid)}
 
 
 def check_mapped(fd: int, pid: int, path: str) -> None:

@@ -1,13 +1,17 @@
 """Shared fixtures: the real workload (llama.cpp + GGUF models) and a way to run profinfer."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -297,6 +301,66 @@ def start_vllm_truth(vllm_python: Path, vllm_model: Path, mode: str, go: Path,
         raise AssertionError("".join(seen[-20:]))
     threading.Thread(target=target.stdout.read, daemon=True).start()
     return target
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{what} exited"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{what} did not start in {timeout:g} s")
+
+
+@contextlib.contextmanager
+def llama_server(build: Path, model: Path, env: dict, slots: int, ctx_per_slot: int = 1024):
+    """A llama-server with `slots` parallel slots, healthy: (its process, its URL)."""
+    port = free_port()
+    proc = subprocess.Popen([str(workload.llama_bin("llama-server", build)), "-m", str(model),
+                             "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", "2",
+                             "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, f"{url}/health", "llama-server", 60)
+        yield proc, url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def vllm_server(vllm_python: Path, vllm_model: Path):
+    """vLLM's OpenAI server (its own session, so that its children go with it), healthy:
+    (the API server's process, its port)."""
+    port = free_port()
+    proc = subprocess.Popen([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+                             "--model", str(vllm_model), "--served-model-name", "m",
+                             "--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16",
+                             "--seed", "0", "--port", str(port), "--host", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
+    try:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}/health", "the vLLM server", 300)
+        yield proc, port
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.fixture(scope="session")

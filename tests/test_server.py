@@ -5,48 +5,21 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
-import socket
-import subprocess
-import time
 import urllib.request
 
 import pytest
 
-from conftest import start_profinfer
-from profinfer.engines.llamacpp import workload
+from conftest import llama_server, start_profinfer
 
 SLOTS = 8
 N_PREDICT = 24
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(llama_build, tiny_model, llama_env):
-    port = _free_port()
-    proc = subprocess.Popen([str(workload.llama_bin("llama-server", llama_build)), "-m", str(tiny_model),
-                             "-np", str(SLOTS), "-c", str(SLOTS * 1024), "-t", "2",
-                             "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=llama_env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, "llama-server did not start"
-        time.sleep(0.2)
-    yield proc, url
-    proc.kill()
-    proc.wait()
+    with llama_server(llama_build, tiny_model, llama_env, SLOTS) as found:
+        yield found
 
 
 def _complete(url: str, i: int) -> dict:

@@ -49,20 +49,8 @@ class Mapping:
 
 def executable_mappings(pid: int) -> list[Mapping]:
     """The process's executable file mappings, with their file offsets."""
-    out = []
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        parts = line.split(None, 5)
-        if len(parts) < 6 or "x" not in parts[1] or not parts[5].startswith("/"):
-            continue
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        path = parts[5].removesuffix(" (deleted)")
-        out.append(Mapping(lo, hi, int(parts[2], 16), path, f"/proc/{pid}/root{path}"))
-    return out
+    return [Mapping(m.start, m.end, m.offset, m.path, f"/proc/{pid}/root{m.path}")
+            for m in procfs.file_mappings(pid) if "x" in m.perms]
 
 
 _SORTED: dict[tuple[str, str], tuple[list[int], list]] = {}

@@ -29,6 +29,7 @@ from ..errors import ProfinferError
 from ..model import Step, TokenCall
 from ..probepack import Pack, load_pack, pack_names
 from ..discovery import mapped_files
+from ..follow import interpreter
 from ..session import engine_files, find_engine, find_packs
 from . import discover
 from .discover import NodeDiscovery
@@ -337,7 +338,6 @@ class Agent:
         """Held at the exec of an engine's executable: hook its loader (it is held again once
         its library list is complete); a static executable, whose libraries are all there,
         is looked at now."""
-        from ..follow import interpreter
         if interpreter(pid) is None:
             self._libraries_loaded(pid)
             return

@@ -139,8 +139,7 @@ class NodeDiscovery:
 
     def hook_loader(self, pid: int) -> None:
         """Its dynamic loader's hook probed (once per loader file)."""
-        if not self.loaders.hooked(pid):
-            self.loaders.watch(pid)
+        self.loaders.watch(pid)
 
     def settled(self, pid: int) -> bool:
         return self.loaders.settled(pid)

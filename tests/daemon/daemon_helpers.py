@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from collections import Counter
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from conftest import PROMPT, completion_cmd
+from conftest import PROMPT, completion_cmd, free_port as _free_port
 
 CUDA_COPY_KINDS = {0: "H2H", 1: "H2D", 2: "D2H", 3: "D2D", 4: "Default"}
 
@@ -36,12 +35,6 @@ def with_caps(caps) -> list[str]:
     runtime sets it: root's permitted and effective sets become it; none inherited)."""
     return ["setpriv", "--bounding-set=-all" + "".join(f",+{c.lower()}" for c in caps),
             "--inh-caps=-all", "--ambient-caps=-all", "--"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, token: str | None = None, method: str = "GET", timeout: float = 30):

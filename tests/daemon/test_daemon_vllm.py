@@ -8,16 +8,7 @@ import json
 import time
 
 from conftest import start_vllm_truth
-from daemon_helpers import _STARTED, Daemon, _get, kill_started
-
-
-def _series(text: str, name: str, pid: int, label: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{") and f'pid="{pid}"' in line:
-            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
-            out[value] = float(line.rsplit(" ", 1)[1])
-    return out
+from daemon_helpers import _STARTED, Daemon, _get, kill_started, series
 
 
 def test_vllm_steps_in_the_daemon_equal_its_scheduler(vllm_python, vllm_model, tmp_path):
@@ -45,12 +36,12 @@ def test_vllm_steps_in_the_daemon_equal_its_scheduler(vllm_python, vllm_model, t
         deadline, got = time.monotonic() + 15, {}
         while time.monotonic() < deadline:
             text = _get(d.url + "/metrics")[1].decode()
-            got = {k: int(v) for k, v in _series(text, "profinfer_tokens_total", target.pid, "phase").items()}
+            got = {k: int(v) for k, v in series(text, "profinfer_tokens_total", target.pid, "phase").items()}
             if got == want_tokens:
                 break
             time.sleep(0.3)
         assert got == want_tokens, d.text()
-        assert _series(text, "profinfer_decode_calls_total", target.pid, "phase") == want_calls
+        assert series(text, "profinfer_decode_calls_total", target.pid, "phase") == want_calls
         assert want_tokens["decode"] > 0 and want_tokens["prefill"] > 0
     finally:
         if d is not None:

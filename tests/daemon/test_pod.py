@@ -9,11 +9,9 @@ the pod as it counts itself. Afterwards nothing of the agent's stays in the kern
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import json
 import os
 import re
-import signal
 import subprocess
 import time
 import urllib.request
@@ -22,9 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon_helpers import _STARTED, _free_port, _get, cuda_log_counts, kill_started, series
+from conftest import bpf_snapshot, free_port, llama_server, vllm_server
+from daemon_helpers import _STARTED, _get, cuda_log_counts, kill_started, series
 from profinfer.cuda import workload as cuda_workload
-from profinfer.engines.llamacpp import workload
 
 from test_daemon_cuda import PROGRAM as CUDA_PROGRAM
 
@@ -103,21 +101,16 @@ def podman_run_args(spec: dict, scratch: Path, host_port: int) -> tuple[list[str
     return args + [c["image"], *c.get("args", [])], c
 
 
-def _bpf_ids(kind: str) -> set[int]:
-    out = subprocess.run(["bpftool", "-j", kind, "show"], capture_output=True, text=True, check=True).stdout
-    return {p["id"] for p in json.loads(out or "[]")}
-
-
 @pytest.fixture(scope="module")
 def pod(tmp_path_factory):
     image = subprocess.run([str(REPO / "deploy" / "build-image.sh")], capture_output=True, text=True,
                            timeout=1800)
     assert image.returncode == 0, image.stderr[-3000:]
     tmp = tmp_path_factory.mktemp("pod")
-    host_port = _free_port()
+    host_port = free_port()
     args, container = podman_run_args(_template(), tmp, host_port)
     assert container["image"] == image.stdout.strip()
-    before = {k: _bpf_ids(k) for k in ("prog", "link")}
+    before = bpf_snapshot()
     ctr = f"{POD}-{container['name']}"
     _podman("run", "--detach", *args)
     try:
@@ -137,6 +130,12 @@ def pod(tmp_path_factory):
         yield {"url": url, "ctr": ctr, "container": container, "bpf_before": before}
     finally:
         _podman("rm", "-f", "-t", "10", ctr, check=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_workload_left():
+    yield
+    kill_started()
 
 
 def _logs(pod) -> str:
@@ -163,25 +162,6 @@ def test_the_pod_runs_as_the_manifest_says(pod):
     assert "cannot be written" not in logs and "Traceback" not in logs, logs
 
 
-def _llama_server(llama_build, tiny_model, llama_env):
-    port = _free_port()
-    proc = subprocess.Popen([str(workload.llama_bin("llama-server", llama_build)), "-m", str(tiny_model),
-                             "-np", str(SLOTS), "-c", str(SLOTS * 512), "-t", "2",
-                             "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=llama_env)
-    _STARTED.append(proc)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if _get(url + "/health", timeout=1)[0] == 200:
-                return proc, url
-        except OSError:
-            pass
-        assert proc.poll() is None, "llama-server exited"
-        time.sleep(0.2)
-    raise AssertionError("llama-server did not start")
-
-
 def _complete(url: str, i: int) -> dict:
     prompt = " ".join(["alpha", "beta", "gamma", "delta"][(i + j) % 4] for j in range(6 + 7 * i))
     body = json.dumps({"prompt": prompt, "n_predict": N_PREDICT, "ignore_eos": True}).encode()
@@ -202,8 +182,7 @@ def _until(pod, check, timeout: float = 30):
 
 
 def test_llama_server_tokens_counted_exactly(pod, llama_build, tiny_model, llama_env):
-    try:
-        proc, url = _llama_server(llama_build, tiny_model, llama_env)
+    with llama_server(llama_build, tiny_model, llama_env, SLOTS, ctx_per_slot=512) as (proc, url):
 
         def tokens(text: str) -> dict[str, int]:
             return {k: int(v) for k, v in series(text, "profinfer_tokens_total", proc.pid, "phase").items()}
@@ -223,8 +202,6 @@ def test_llama_server_tokens_counted_exactly(pod, llama_build, tiny_model, llama
         text = _until(pod, lambda t: tokens(t) == want)
         assert tokens(text) == want, _logs(pod)
         assert sum(series(text, "profinfer_events_lost_total", proc.pid, None).values()) == 0
-    finally:
-        kill_started()
 
 
 def _vllm_steps(port: int) -> int:
@@ -234,25 +211,7 @@ def _vllm_steps(port: int) -> int:
 
 
 def test_vllm_server_steps_counted_as_its_metrics_count_them(pod, vllm_python, vllm_model):
-    port = _free_port()
-    proc = subprocess.Popen([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server",
-                             "--model", str(vllm_model), "--served-model-name", "m",
-                             "--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16",
-                             "--seed", "0", "--port", str(port), "--host", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "the vLLM server exited"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail("the vLLM server did not start in 300 s")
-
+    with vllm_server(vllm_python, vllm_model) as (_, port):
         def ours(text: str) -> tuple[int, int]:
             """(vLLM processes watched, the steps the daemon counted in them)."""
             pids = {int(m) for m in re.findall(r'profinfer_process_info\{[^}]*engine="vLLM"[^}]*pid="(\d+)"', text)}
@@ -277,13 +236,6 @@ def test_vllm_server_steps_counted_as_its_metrics_count_them(pod, vllm_python, v
         assert "profinfer_events_lost_total{" not in text or all(
             float(l.rsplit(" ", 1)[1]) == 0 for l in text.splitlines()
             if l.startswith("profinfer_events_lost_total{") and 'engine="vLLM"' in l)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_cuda_program_calls_counted_as_it_logs_them(pod, tmp_path):
@@ -310,6 +262,5 @@ def test_cuda_program_calls_counted_as_it_logs_them(pod, tmp_path):
 def test_nothing_left_in_the_kernel_after_the_pod(pod):
     """Run last in this module: the pod removed, every BPF program and link it made is gone."""
     _podman("rm", "-f", "-t", "10", pod["ctr"])
-    for kind in ("prog", "link"):
-        left = _bpf_ids(kind) - pod["bpf_before"][kind]
-        assert not left, f"{kind}s left: {left}"
+    left = {k: v for k, v in bpf_snapshot().items() if k not in pod["bpf_before"]}
+    assert not left, f"left in the kernel: {left}"

@@ -5,28 +5,18 @@ without profiling, and the steps' tokens are the server's own token counts."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
 
-from conftest import start_profinfer
+from conftest import start_profinfer, vllm_server
 
 PROMPTS = ["hello world model token", "the cache of the attention", "query key value",
            "a thread of the server engine", "graph node shape tensor", "the request and the step"]
 MAX_TOKENS = 10
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(port: int, prompt: str) -> dict:
@@ -45,33 +35,8 @@ def _burst(port: int) -> list[dict]:
 
 @pytest.fixture
 def server(vllm_python, vllm_model):
-    port = _free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.Popen([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server",
-                             "--model", str(vllm_model), "--served-model-name", "m",
-                             "--max-model-len", "512", "--enforce-eager", "--dtype", "bfloat16",
-                             "--seed", "0", "--port", str(port), "--host", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the vLLM server exited"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                break
-        except OSError:
-            time.sleep(1)
-    else:
-        pytest.fail("the vLLM server did not start in 300 s")
-    try:
-        yield proc, port
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with vllm_server(vllm_python, vllm_model) as found:
+        yield found
 
 
 def test_attach_to_the_api_server_records_its_worker(server, tmp_path):
