@@ -8,7 +8,8 @@ import time
 
 from ..errors import ProfinferError
 from .agent import Agent
-from .server import is_loopback, load_token, make_server, parse_listen
+from .server import is_loopback, make_server, parse_listen
+from .tokens import load_token
 
 
 def log(msg: str) -> None:

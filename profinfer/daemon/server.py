@@ -14,14 +14,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
-import os
-import secrets
 import socket
-import stat
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
@@ -29,18 +22,9 @@ from urllib.parse import parse_qs, urlparse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..errors import ProfinferError
-from ..probepack import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
+from .captures import BadRequest, Captures
 
-MAX_CAPTURE_S = 300
-MAX_CAPTURES = 2             # at once (each is a full attach: its own CPU and memory)
 REQUEST_TIMEOUT_S = 10
-CAPTURE_LEVELS = set(LEVELS) | {"step"} | set(KERNEL_LEVELS) | set(RUNTIME_LEVELS)
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 def is_loopback(host: str) -> bool:
@@ -57,100 +41,6 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ProfinferError(f"--listen {value!r}: expected HOST:PORT (e.g. 127.0.0.1:9464)")
     return host.strip("[]"), int(port)
-
-
-def load_token(token: str | None, token_file: str) -> str:
-    """The control token: given, or read from token_file, made there (mode 0600) if absent.
-    An existing file must be a regular file of ours, readable by nobody else (opened without
-    following a link, checked on the open file)."""
-    if token:
-        return token
-    try:
-        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        try:
-            fd = os.open(token_file, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as e:
-            raise ProfinferError(f"cannot open the token file {token_file}: {e.strerror}") from None
-        with os.fdopen(fd) as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise ProfinferError(f"{token_file} is not a regular file of this user's") from None
-            if st.st_mode & 0o077:
-                raise ProfinferError(f"{token_file} is readable by others (mode {st.st_mode & 0o777:o}): "
-                                     "chmod 600 it") from None
-            value = f.read().strip()
-        if not value:
-            raise ProfinferError(f"{token_file} is empty") from None
-        return value
-    except OSError as e:
-        raise ProfinferError(f"cannot make the token file {token_file}: {e.strerror}") from None
-    value = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(value + "\n")
-    return value
-
-
-class Captures:
-    """At most one capture per process, MAX_CAPTURES at once; each runs as a process of its
-    own (`profinfer attach --duration`), so that its memory, its CPU and its failures are not
-    the daemon's, and the trace comes back as the file it wrote."""
-
-    def __init__(self, agent, note):
-        self.agent = agent
-        self.note = note
-        self.running: set[int] = set()
-        self.lock = threading.Lock()
-
-    def run(self, query: dict[str, list[str]]) -> bytes:
-        try:
-            pid = int(query["pid"][0])
-            seconds = float(query.get("seconds", ["10"])[0])
-        except (KeyError, ValueError, IndexError):
-            raise BadRequest(400, "pid (an integer) and seconds (a number) are required") from None
-        if not 0 < seconds <= MAX_CAPTURE_S:
-            raise BadRequest(400, f"seconds must be in (0, {MAX_CAPTURE_S}]")
-        levels = {v.strip() for v in query.get("levels", ["token,graph,op"])[0].split(",") if v.strip()}
-        bad = levels - CAPTURE_LEVELS
-        if bad or not levels:
-            raise BadRequest(400, f"unknown level(s) {', '.join(sorted(bad)) or '(none)'}; "
-                                  f"choose from {','.join(sorted(CAPTURE_LEVELS))}")
-        with self.agent.lock:
-            watched = pid in self.agent.watches
-        if not watched:
-            raise BadRequest(404, f"PID {pid} is not an inference process this daemon watches")
-        with self.lock:
-            if pid in self.running:
-                raise BadRequest(409, f"a capture of PID {pid} is already running")
-            if len(self.running) >= MAX_CAPTURES:
-                raise BadRequest(429, f"{MAX_CAPTURES} captures are running; try again later")
-            self.running.add(pid)
-        try:
-            with tempfile.TemporaryDirectory(prefix="profinfer-capture-") as tmp:
-                trace, summary = os.path.join(tmp, "t.pftrace"), os.path.join(tmp, "s.json")
-                cmd = [sys.executable, "-m", "profinfer.cli", "attach", "--pid", str(pid), "--levels",
-                       ",".join(sorted(levels)), "--duration", f"{seconds:g}", "--quiet",
-                       "-o", trace, "--json", summary]
-                try:
-                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 300)
-                except subprocess.TimeoutExpired:
-                    raise BadRequest(504, f"the capture of PID {pid} did not end") from None
-                if done.returncode != 0 or not os.path.exists(trace):
-                    gone = not os.path.exists(f"/proc/{pid}")
-                    last = (done.stderr.strip().splitlines() or ["failed"])[-1]
-                    raise BadRequest(410 if gone else 500,
-                                     f"PID {pid} exited during the capture" if gone else last)
-                with open(summary) as f:
-                    stopped = json.load(f).get("meta", {}).get("stopped_by", "")
-                if stopped.startswith("target exited"):
-                    raise BadRequest(410, f"PID {pid} exited during the capture")
-                with open(trace, "rb") as f:
-                    data = f.read()
-            self.note(f"captured PID {pid} for {seconds:g} s at {','.join(sorted(levels))}: {len(data):,} bytes")
-            return data
-        finally:
-            with self.lock:
-                self.running.discard(pid)
 
 
 def make_server(agent, host: str, port: int, token: str, note) -> ThreadingHTTPServer:

@@ -8,7 +8,8 @@ import pytest
 
 from profinfer.daemon.identity import Identity, container_of, pod_uid_of
 from profinfer.daemon.metrics import Metrics, _Histogram
-from profinfer.daemon.server import load_token, parse_listen
+from profinfer.daemon.server import parse_listen
+from profinfer.daemon.tokens import load_token
 from profinfer.errors import ProfinferError
 from profinfer.model import TokenCall
 from profinfer.stats import SequenceTracker
