@@ -78,8 +78,9 @@ def mapped_files(pid: int) -> list[MappedFile]:
 
 
 def file_key(path: str) -> tuple[int, int]:
-    """(device, inode): one file however it is reached (uprobes belong to the inode)."""
-    st = os.stat(path)
+    """(device, inode): one file however it is reached (uprobes belong to the inode); what
+    procfs opens (inside a target's root: nothing followed out of it, no FIFO waited on)."""
+    st = procfs.stat_file(path)
     return st.st_dev, st.st_ino
 
 

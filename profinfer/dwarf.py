@@ -1,5 +1,6 @@
 """Struct layouts and a function's facts from DWARF, cached by build id (a C++ library
-takes seconds to scan)."""
+takes seconds to scan). A scan reads a file a tenant may have made: it runs away from the
+daemon's loop with a deadline (parsing.py), and reads no more DWARF than MAX_DWARF_BYTES."""
 from __future__ import annotations
 
 import json
@@ -8,14 +9,21 @@ import os
 from elftools.dwarf.ranges import BaseAddressEntry
 from elftools.elf.elffile import ELFFile
 
+from . import parsing, procfs
 from .buildcache import cache_dir, writable_dir
+from .errors import ProfinferError
+
+MAX_DWARF_BYTES = 256 << 20     # its .debug_* sections together (llama.cpp's largest: ~60 MiB)
 
 
 _in_memory: dict[str, object] = {}     # where the cache cannot be written
 
 
-def _cached(name: str | None, compute):
-    """compute()'s result, kept as JSON in the cache under `name` (None: not kept)."""
+def _cached(name: str | None, function: str, *args):
+    """function(*args)'s result (a scan of this module), kept as JSON in the cache under
+    `name` (None: not kept)."""
+    def compute():
+        return parsing.run(("dwarf", name or args), __name__, function, *args)
     if not name:
         return compute()
     if name in _in_memory:
@@ -40,7 +48,7 @@ def struct_layout(path: str, build_id: str, struct: str) -> dict | None:
     """{"size": n, "members": {name: offset}, "nested": {name: size},
     "nested_members": {name: {member: offset}}} for a struct definition in the file's DWARF,
     or None when the file has no such definition."""
-    return _cached(build_id and f"{build_id}.{struct}.v2.json", lambda: _scan(path, struct.encode()))
+    return _cached(build_id and f"{build_id}.{struct}.v2.json", "_scan", path, struct.encode())
 
 
 def _members(die) -> dict[str, int]:
@@ -53,10 +61,29 @@ def _members(die) -> dict[str, int]:
     return out
 
 
+def _elf(f) -> ELFFile | None:
+    """The file's ELF, if it has DWARF no larger than we read."""
+    elf = ELFFile(f)
+    if not elf.has_dwarf_info():
+        return None
+    size = sum(sec.header.sh_size for sec in elf.iter_sections() if sec.name.startswith(".debug_"))
+    if size > MAX_DWARF_BYTES:
+        raise ProfinferError(f"{size >> 20} MiB of DWARF: over the {MAX_DWARF_BYTES >> 20} MiB read")
+    return elf
+
+
+def _open(path: str):
+    """The file, opened inside its process's root (procfs)."""
+    try:
+        return procfs.open_binary(path)
+    except OSError as e:
+        raise ProfinferError(f"cannot read {path}: {e.strerror}") from None
+
+
 def _scan(path: str, name: bytes) -> dict | None:
-    with open(path, "rb") as f:
-        elf = ELFFile(f)
-        if not elf.has_dwarf_info():
+    with _open(path) as f:
+        elf = _elf(f)
+        if elf is None:
             return None
         for cu in elf.get_dwarf_info().iter_CUs():
             for die in cu.get_top_DIE().iter_children():
@@ -85,7 +112,7 @@ def function_facts(path: str, build_id: str, vaddr: int, structs: tuple[str, ...
     defines them ({"structs": {name: {member: offset}}}), and its enumerators whose names
     start with `enum_prefix` ({"enums": {name: value}}). None without DWARF for it."""
     return _cached(build_id and f"{build_id}.fn{vaddr:x}.v1.json",
-                   lambda: _function_facts(path, vaddr, structs, enum_prefix))
+                   "_function_facts", path, vaddr, tuple(structs), enum_prefix)
 
 
 def _die_ranges(die, cu, range_lists) -> list[tuple[int, int]]:
@@ -111,9 +138,9 @@ def _die_ranges(die, cu, range_lists) -> list[tuple[int, int]]:
 
 
 def _function_facts(path: str, vaddr: int, structs: tuple[str, ...], enum_prefix: str) -> dict | None:
-    with open(path, "rb") as f:
-        elf = ELFFile(f)
-        if not elf.has_dwarf_info():
+    with _open(path) as f:
+        elf = _elf(f)
+        if elf is None:
             return None
         dw = elf.get_dwarf_info()
         aranges = dw.get_aranges()

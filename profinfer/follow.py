@@ -47,14 +47,21 @@ class Change:
     child: int = 0   # fork: the new process
 
 
+# A loader is read on the daemon's loop (it is hooked while its process is held): one larger
+# than this is not a loader we hook (glibc's: ~250 KiB); PT_INTERP is a path.
+MAX_LOADER_BYTES = 16 << 20
+MAX_INTERP_BYTES = 4096
+
+
 def interpreter(pid: int) -> str | None:
     """The dynamic loader named by the process's executable (PT_INTERP), as a path inside its
     root (/proc/PID/root/...: open it with procfs, which resolves it there); None for a static
-    executable, or one that cannot be read."""
+    executable, or one that cannot be read. (/proc/PID/exe is the kernel's link to the
+    executable it runs: a regular file, not a path the process names.)"""
     try:
         with open(f"/proc/{pid}/exe", "rb") as f:
             for seg in ELFFile(f).iter_segments():
-                if seg.header.p_type == "PT_INTERP":
+                if seg.header.p_type == "PT_INTERP" and seg.header.p_filesz <= MAX_INTERP_BYTES:
                     name = os.fsdecode(seg.data().split(b"\0", 1)[0])
                     return f"/proc/{pid}/root{name}" if name.startswith("/") else None
     except Exception:       # anything a tenant's file makes the ELF reader raise
@@ -123,6 +130,10 @@ class LoaderHooks:
             key = (st.st_dev, st.st_ino)
             if key in self._loaders or key in self._unhookable:
                 return
+            if st.st_size > MAX_LOADER_BYTES:
+                self._unhookable.add(key)
+                raise ProfinferError(f"the dynamic loader {path} is {st.st_size >> 20} MiB, not a "
+                                     "loader this reads: libraries it loads later are not followed")
             self._hook(f"/proc/self/fd/{fd}", key, path)
         finally:
             os.close(fd)

@@ -165,11 +165,25 @@ def check_mapped(fd: int, pid: int, path: str) -> None:
                              "or another file behind a link): not probed")
 
 
+_READ_AS: dict[str, tuple[int, int]] = {}     # path -> (device, inode) its symbols came from
+_READ_AS_LIMIT = 4096
+
+
+def read_as(path: str, file_id: tuple[int, int]) -> None:
+    """`path`'s symbols (and so a probe's offsets) were read from the file `file_id`: a probe
+    on `path` must land in that file, not in whatever the path names when it is attached."""
+    _READ_AS.pop(path, None)
+    _READ_AS[path] = file_id
+    if len(_READ_AS) > _READ_AS_LIMIT:
+        _READ_AS.pop(next(iter(_READ_AS)))
+
+
 @contextlib.contextmanager
 def pinned(path: str):
     """A name the kernel resolves to the file `path` names, opened and checked as open_file
-    does (for a target's root: a file the process maps): /proc/self/fd/N,
-    valid inside the block. A uprobe attached there stays on that inode after the block."""
+    does (for a target's root: a file the process maps; for a path whose symbols were read:
+    that very file), /proc/self/fd/N, valid inside the block. A uprobe attached there stays
+    on that inode after the block."""
     try:
         fd = open_file(path)
     except OSError as e:
@@ -178,6 +192,10 @@ def pinned(path: str):
         m = _ROOT_PATH.match(path)
         if m:
             check_mapped(fd, int(m.group(1)), m.group(2))
+        st = os.fstat(fd)
+        if _READ_AS.get(path, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
+            raise ProfinferError(f"{path} names another file than the one its symbols were read "
+                                 "from (replaced since): not probed")
         yield f"/proc/self/fd/{fd}"
     finally:
         os.close(fd)

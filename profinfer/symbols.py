@@ -13,10 +13,14 @@ import numpy as np
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-from . import procfs
+from . import parsing, procfs
 from .errors import ProfinferError
 
 DEBUG_DIRS = ("/usr/lib/debug",)
+# What is read of a file a tenant may have made: a symbol table's or string table's section
+# header can claim any size (a sparse 50 GB file reads as zeros), a symbol any length.
+MAX_TABLE_BYTES = 64 << 20     # a .symtab/.dynsym (2.8 M symbols) or its string table
+MAX_CODE_BYTES = 1 << 20       # one function's code read to place or find calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,7 @@ class ElfInfo:
     dwarf_path: str | None    # file that holds .debug_info, if any
 
     needed: tuple[str, ...] = ()   # DT_NEEDED: the shared libraries it links
+    file_id: tuple[int, int] = (0, 0)   # (device, inode) of the file read
 
     def find(self, name: str) -> Symbol | None:
         return self.symbols.get(name)
@@ -45,14 +50,29 @@ class ElfInfo:
         return any(n.startswith(prefix) for n in self.needed)
 
     def code_bytes(self, sym: Symbol, n: int) -> bytes:
-        with open(self.path, "rb") as f:
+        with open_checked(self.path, self.file_id) as f:
             f.seek(sym.file_offset)
-            return f.read(min(n, sym.size) if sym.size else n)
+            return f.read(min(n, sym.size or n, MAX_CODE_BYTES))
+
+
+def open_checked(path: str, file_id: tuple[int, int]):
+    """The file (device, inode) `file_id` that `path` named when its symbols were read
+    (procfs: inside the target's root, a regular file), as a binary file object;
+    ProfinferError when the path names another by now."""
+    try:
+        f = procfs.open_binary(path)
+    except OSError as e:
+        raise ProfinferError(f"cannot read {path}: {e.strerror}") from None
+    st = os.fstat(f.fileno())
+    if file_id != (0, 0) and (st.st_dev, st.st_ino) != file_id:
+        f.close()
+        raise ProfinferError(f"{path} was replaced since its symbols were read: not used")
+    return f
 
 
 def _build_id(elf: ELFFile) -> str:
     for sec in elf.iter_sections():
-        if sec.header.sh_type == "SHT_NOTE":
+        if sec.header.sh_type == "SHT_NOTE" and sec.header.sh_size <= 1 << 16:
             for note in sec.iter_notes():
                 if note["n_type"] == "NT_GNU_BUILD_ID":
                     return note["n_desc"]
@@ -66,6 +86,13 @@ SYM64 = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<
 _STT_FUNC, _STT_GNU_IFUNC = 2, 10
 
 
+def _data(sec, what: str) -> bytes:
+    if sec.header.sh_size > MAX_TABLE_BYTES:
+        raise ProfinferError(f"{what} of {sec.header.sh_size >> 20} MiB: over the "
+                             f"{MAX_TABLE_BYTES >> 20} MiB read")
+    return sec.data()
+
+
 def _read_symbols(elf: ELFFile, into: dict[str, Symbol], offsets_from: ELFFile) -> bool:
     found_symtab = False
     loads = [(h.p_vaddr, h.p_vaddr + h.p_filesz, h.p_offset) for h in
@@ -74,8 +101,8 @@ def _read_symbols(elf: ELFFile, into: dict[str, Symbol], offsets_from: ELFFile) 
         if sec.header.sh_type not in ("SHT_SYMTAB", "SHT_DYNSYM") or sec.header.sh_type == "SHT_NOBITS":
             continue
         found_symtab |= sec.name == ".symtab"
-        strtab = elf.get_section(sec.header.sh_link).data()
-        syms = np.frombuffer(sec.data(), SYM64)
+        strtab = _data(elf.get_section(sec.header.sh_link), "a string table")
+        syms = np.frombuffer(_data(sec, "a symbol table"), SYM64)
         kind = syms["info"] & 0xF
         syms = syms[((kind == _STT_FUNC) | (kind == _STT_GNU_IFUNC)) & (syms["value"] != 0)
                     & (syms["shndx"] != 0)]
@@ -93,17 +120,18 @@ def _read_symbols(elf: ELFFile, into: dict[str, Symbol], offsets_from: ELFFile) 
     return found_symtab
 
 
-def _debug_file_for(build_id: str, root: str) -> str | None:
+def _open_debug_file(build_id: str, root: str):
+    """The separate debug file for `build_id`, open (its path, a binary file object), or None.
+    Looked for inside `root` only: for a target in a container, its own /usr/lib/debug, where
+    the build-id link resolves inside its root (procfs); never the host's for its file."""
     if len(build_id) < 3:
         return None
     for d in DEBUG_DIRS:
-        for base in (root.rstrip("/") + d, d):
-            p = os.path.join(base, ".build-id", build_id[:2], build_id[2:] + ".debug")
-            try:
-                procfs.stat_file(p)      # inside a target's root, what it names there
-                return p
-            except OSError:
-                pass
+        p = os.path.join(root.rstrip("/") + d, ".build-id", build_id[:2], build_id[2:] + ".debug")
+        try:
+            return p, procfs.open_binary(p)
+        except OSError:
+            pass
     return None
 
 
@@ -129,12 +157,17 @@ def load_elf(path: str, root: str = "/") -> ElfInfo:
             raise ProfinferError(f"cannot read {path}: {e.strerror}") from None
     info = _ELF_CACHE.get(key)
     if info is None:
-        info = _ELF_CACHE[key] = _read_elf(path, root)
+        # a tenant's file: read away from the daemon's loop, with a deadline (parsing.py)
+        info = parsing.run(("elf", key), __name__, "_read_elf", path, root)
+        if key[:2] != info.file_id:
+            raise ProfinferError(f"{path} was replaced while it was read: looked at again later")
+        _ELF_CACHE[key] = info
         if len(_ELF_CACHE) > _ELF_CACHE_SIZE:
             _ELF_CACHE.popitem(last=False)
     else:
         _ELF_CACHE.move_to_end(key)
     _ELF_KEYS[given] = key
+    procfs.read_as(path, key[:2])      # what a probe on this path must land in
     if len(_ELF_KEYS) > 64 * _ELF_CACHE_SIZE:
         _ELF_KEYS.pop(next(iter(_ELF_KEYS)))
     if info.path != path:
@@ -148,6 +181,7 @@ def _read_elf(path: str, root: str) -> ElfInfo:
     except OSError as e:
         raise ProfinferError(f"cannot read {path}: {e.strerror}") from None
     with f:
+        st = os.fstat(f.fileno())
         try:
             elf = ELFFile(f)
             symbols: dict[str, Symbol] = {}
@@ -159,13 +193,15 @@ def _read_elf(path: str, root: str) -> ElfInfo:
             dwarf_path = path if elf.get_section_by_name(".debug_info") else None
             debug_file = None
             if not has_symtab or dwarf_path is None:
-                debug_file = _debug_file_for(bid, root)
-                if debug_file:
-                    with procfs.open_binary(debug_file) as df:
+                found = _open_debug_file(bid, root)
+                if found:
+                    debug_file, df = found
+                    with df:
                         delf = ELFFile(df)
                         has_symtab |= _read_symbols(delf, symbols, elf)
                         if delf.get_section_by_name(".debug_info"):
                             dwarf_path = debug_file
         except (ELFError, ValueError) as e:
             raise ProfinferError(f"{path} is not a readable ELF file: {e}") from None
-    return ElfInfo(path, bid, symbols, has_symtab, debug_file, dwarf_path, needed)
+    return ElfInfo(path, bid, symbols, has_symtab, debug_file, dwarf_path, needed,
+                   (st.st_dev, st.st_ino))

@@ -10,7 +10,7 @@ import numpy as np
 from capstone import x86_const as X
 from elftools.elf.elffile import ELFFile
 
-from ..symbols import ElfInfo
+from ..symbols import MAX_TABLE_BYTES, ElfInfo, open_checked
 
 _md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
 _md.detail = True
@@ -22,14 +22,18 @@ _SYM64_NAME = np.dtype([("name", "<u4"), ("rest", "V20")])
 
 
 @lru_cache(maxsize=16)
-def plt_stubs(path: str) -> dict[int, str]:
-    """{PLT stub address: name of the function it jumps to} (.plt and .plt.sec)."""
-    with open(path, "rb") as f:
+def plt_stubs(path: str, file_id: tuple[int, int]) -> dict[int, str]:
+    """{PLT stub address: name of the function it jumps to} (.plt and .plt.sec), read from
+    the file `file_id` (the one the symbols came from)."""
+    with open_checked(path, file_id) as f:
         elf = ELFFile(f)
         rela = elf.get_section_by_name(".rela.plt")
         if rela is None or rela.header.sh_entsize != _RELA64.itemsize:
             return {}
         dynsym = elf.get_section(rela.header.sh_link)
+        if max(rela.header.sh_size, dynsym.header.sh_size,
+               elf.get_section(dynsym.header.sh_link).header.sh_size) > MAX_TABLE_BYTES:
+            return {}
         strtab = elf.get_section(dynsym.header.sh_link).data()
         name_offs = np.frombuffer(dynsym.data(), _SYM64_NAME)["name"]
         relocs = np.frombuffer(rela.data(), _RELA64)
@@ -63,7 +67,7 @@ def call_sites(elf: ElfInfo, callers: str, target: str) -> list[tuple[str, int]]
     if not callers_here:
         return []
     direct = elf.find(target)
-    stubs = {a for a, n in plt_stubs(elf.path).items() if n == target}
+    stubs = {a for a, n in plt_stubs(elf.path, elf.file_id).items() if n == target}
     wanted = stubs | ({direct.vaddr} if direct else set())
     sites = []
     for name, sym in callers_here:

@@ -18,6 +18,7 @@ from capstone import x86_const as X
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
+from .. import procfs
 from ..errors import ProfinferError
 
 SUPPORTED_MACHINE = "EM_X86_64"
@@ -45,7 +46,7 @@ _md.detail = True
 def require_supported(path: str) -> None:
     """Refuse an ELF file whose code is not x86-64, naming its architecture."""
     try:
-        with open(path, "rb") as f:
+        with procfs.open_binary(path) as f:      # inside the target's root
             machine = ELFFile(f).header.e_machine
     except (OSError, ELFError) as e:
         raise ProfinferError(f"cannot read the ELF header of {path}: {e}") from None

@@ -25,7 +25,7 @@ from elftools.elf.elffile import ELFFile
 
 from .. import procfs
 from ..errors import ProfinferError
-from ..symbols import SYM64, ElfInfo, load_elf
+from ..symbols import MAX_TABLE_BYTES, SYM64, ElfInfo, load_elf
 
 _HANDLE_STATIC = re.compile(r"^_ZZ(L?)(\d+)__device_stub__(\w+)E8__handle$")
 _STT_OBJECT = 1
@@ -96,7 +96,10 @@ def handle_statics(path: str) -> list[tuple[int, str]]:
             sec = elf.get_section_by_name(".symtab")
             if sec is None:
                 return []
-            strtab = elf.get_section(sec.header.sh_link).data()
+            strtab = elf.get_section(sec.header.sh_link)
+            if max(sec.header.sh_size, strtab.header.sh_size) > MAX_TABLE_BYTES:
+                return []
+            strtab = strtab.data()
             syms = np.frombuffer(sec.data(), SYM64)
             syms = syms[((syms["info"] & 0xF) == _STT_OBJECT) & (syms["value"] != 0)]
             out = []
@@ -118,7 +121,7 @@ def needs_cudart(path: str) -> bool:
     kernels' CUDA 13 stubs hold handles from it (read from the dynamic section only)."""
     if path not in _NEEDS_CUDART:
         try:
-            with open(path, "rb") as f:
+            with procfs.open_binary(path) as f:       # inside the target's root
                 dyn = ELFFile(f).get_section_by_name(".dynamic")
                 _NEEDS_CUDART[path] = bool(dyn) and any(
                     t.entry.d_tag == "DT_NEEDED" and t.needed.startswith("libcudart")

@@ -13,7 +13,9 @@ one; an exit is seen at once through the process's pidfd), and its metric series
 after a TTL. The cuda level is one object for every process that has a runtime.
 
 Nothing a process does, nor its vanishing at any moment, stops the loop: an error in one
-watch is logged and counted, and the others go on.
+watch is logged and counted, and the others go on. The files a process maps are its own (a
+tenant's): their symbols and DWARF are read in a worker process with a deadline
+(parsing.py); one still being read leaves its process to be looked at again at a later scan.
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from .. import libbpf
+from .. import libbpf, parsing
 from ..errors import ProfinferError
+from ..parsing import NotReady
 from ..model import Step, TokenCall
 from ..probepack import Pack, load_pack, pack_names
 from ..discovery import mapped_files
@@ -178,6 +181,7 @@ class Agent:
         self.traps_calibrated = costs is not None
         self.started = time.time()
         self.last_loop = time.monotonic()     # /healthz: the loop is alive
+        parsing.start()         # tenants' files read away from this loop, from now on
         self.discovery: NodeDiscovery | None = None
         why = discover.available() if discover_processes else "turned off"
         if why is None:
@@ -251,6 +255,8 @@ class Agent:
             return
         try:
             matched = find_packs(self.all_packs, pid, True, self.executables_seen)
+        except NotReady:
+            return                    # its executable is being read: looked at again later
         except (OSError, ProfinferError):
             matched = []
         except Exception as e:          # an unreadable file of a vanishing process
@@ -282,6 +288,8 @@ class Agent:
         else:
             try:
                 self.runtime.add(pid, cuda[1])
+            except NotReady:
+                self.cuda_checked.pop((pid, st[0]), None)     # looked at again at the next scan
             except Exception as e:
                 self._error(f"PID {pid}: probing a runtime it loaded: {e}")
 
@@ -316,10 +324,10 @@ class Agent:
             if os.stat(f"/proc/{pid}/exe").st_ino != int.from_bytes(file[:8], "little"):
                 return              # another image by now: nothing known of that one
             main = [m for m in mapped_files(pid) if m.path == exe]
-        except (OSError, ProfinferError):
+            engine = any(engine_files(p, pid, main, True, self.executables_seen)
+                         for p in self.all_packs if p.marker)
+        except (OSError, ProfinferError):    # NotReady included: the scan looks at it later
             return
-        engine = any(engine_files(p, pid, main, True, self.executables_seen)
-                     for p in self.all_packs if p.marker)
         self.discovery.executable(file, engine)
         self._hook_loader(pid)
         st = _stat(pid)
@@ -390,6 +398,8 @@ class Agent:
                          + f" at {','.join(sorted(shared))}, shared by every process that maps them")
             else:
                 group.add(pid)
+        except NotReady:
+            return                          # a file still being read: the next scan tries again
         except Exception as e:              # ProfinferError, or a process vanishing mid-read
             self._attach_failed(pid, start, pack, e)
             return
@@ -426,7 +436,8 @@ class Agent:
                     coll.detach()
                 except Exception:
                     pass
-            self._error(f"PID {pid}: the op level not attached: {e}")
+            if not isinstance(e, NotReady):       # else tried again at the next step up
+                self._error(f"PID {pid}: the op level not attached: {e}")
             return False
         w.collector = coll
         w.levels = w.levels | {"op"}
@@ -481,6 +492,9 @@ class Agent:
                 if w.pidfd >= 0:
                     os.close(w.pidfd)
                     w.pidfd = -1
+            if isinstance(e, NotReady):     # a file still being read: looked at again later
+                self.cuda_checked.pop((pid, w.identity.start), None)
+                return
             self._attach_failed(pid, w.identity.start, self.cuda_pack, e)
             return
         w.cuda = True
@@ -703,6 +717,7 @@ class Agent:
         if self.discovery is not None:
             poller.register(self.discovery.fileno(), select.POLLIN)
         ready = poller.poll(timeout_s * 1000)
+        parsing.pump()                      # readings finished meanwhile, the next one started
         if self.discovery is not None:      # a held process waits on this: first
             self._discovered()
         for g in groups:
@@ -859,6 +874,7 @@ class Agent:
         }
 
     def close(self) -> None:
+        parsing.stop()
         if self.discovery is not None:
             try:
                 self.discovery.close()        # every held process continued

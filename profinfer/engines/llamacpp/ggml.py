@@ -17,7 +17,7 @@ import numpy as np
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
-from ... import dwarf
+from ... import dwarf, parsing, procfs
 from ...errors import ProfinferError
 from ...symbols import ElfInfo
 
@@ -125,7 +125,19 @@ def op_names(base: ElfInfo) -> list[str]:
     indexes it with a RIP-relative lea.
     """
     table = _op_table_vaddr(base)
-    with open(base.path, "rb") as f:
+    # every relocation of a file a tenant may have made: read away from the daemon's loop
+    names = parsing.run(("op_names", base.file_id, table), __name__, "_read_op_names", base.path, table)
+    if len(names) < 10 or names[0] != "NONE":
+        raise ProfinferError(f"cannot read the op-name table of {base.path}")
+    return names
+
+
+def _read_op_names(path: str, table: int) -> list[str]:
+    try:
+        f = procfs.open_binary(path)         # inside the target's root
+    except OSError as e:
+        raise ProfinferError(f"cannot read {path}: {e.strerror}") from None
+    with f:
         elf = ELFFile(f)
         relocs = {}
         for sec in elf.iter_sections():
@@ -141,8 +153,6 @@ def op_names(base: ElfInfo) -> list[str]:
             if not s or not _NAME_RE.match(s):
                 break
             names.append(s)
-    if len(names) < 10 or names[0] != "NONE":
-        raise ProfinferError(f"cannot read the op-name table of {base.path}")
     return names
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import cxxfilt
 from elftools.elf.elffile import ELFFile
 
+from ... import parsing, procfs
+from ...errors import ProfinferError
 from ...symbols import ElfInfo
 
 # the BPF side's argument kinds (bpf/vllm.h)
@@ -93,9 +95,14 @@ def parse_schema(name: str, args: str, returns: str) -> Schema:
 
 
 def schemas(path: str) -> dict[str, Schema]:
-    """Every op schema string in the library's read-only data, by op name."""
+    """Every op schema string in the library's read-only data, by op name (the file opened
+    inside its process's root)."""
     found: dict[str, Schema] = {}
-    with open(path, "rb") as f:
+    try:
+        f = procfs.open_binary(path)
+    except OSError as e:
+        raise ProfinferError(f"cannot read {path}: {e.strerror}") from None
+    with f:
         elf = ELFFile(f)
         for sec in elf.iter_sections():
             if sec.name not in (".rodata", ".data.rel.ro") and not sec.name.startswith(".rodata."):
@@ -222,7 +229,8 @@ def declared_ops(elf: ElfInfo, declared: list[dict]) -> tuple[list[NativeOp], li
 
 def native_ops(elf: ElfInfo) -> tuple[list[NativeOp], list[str]]:
     """The library's ops that can be probed, and the names of those that cannot (why)."""
-    found = schemas(elf.path)
+    # all its read-only data, of a file a tenant may have made: read away from the daemon's loop
+    found = parsing.run(("schemas", elf.file_id), __name__, "schemas", elf.path)
     if not found:
         return [], []
     by_name: dict[tuple[str, int], list[str]] = {}     # (op name, rank) -> mangled symbols

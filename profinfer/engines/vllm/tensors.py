@@ -12,6 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ... import procfs
 from ...errors import ProfinferError
 
 
@@ -45,9 +46,9 @@ def torch_version(mapped_paths: list[str], root: str = "/") -> str | None:
     for path in mapped_paths:
         if os.path.basename(path).startswith("libtorch_cpu.so") or os.path.basename(path) == "libc10.so":
             pkg = os.path.dirname(os.path.dirname(path))        # .../torch/lib/x -> .../torch
-            try:
-                with open(os.path.join(root, pkg.lstrip("/"), "version.py")) as f:
-                    m = re.search(r"__version__\s*=\s*'([^']+)'", f.read())
+            try:       # procfs: inside the target's root, a regular file, not waited on
+                with procfs.open_binary(os.path.join(root, pkg.lstrip("/"), "version.py")) as f:
+                    m = re.search(r"__version__\s*=\s*'([^']+)'", f.read(1 << 16).decode("utf-8", "replace"))
             except OSError:
                 continue
             if m:

@@ -1,0 +1,197 @@
+"""Reading files other processes control (their ELF symbols, their DWARF) away from the
+daemon's loop, with a deadline and a memory limit of their own.
+
+A tenant can offer a 50 GB "libllama.so", a symbol table a section header says is huge, or
+a DWARF bomb. Read in the daemon, any of them would stall its loop (/healthz turns 503 and
+the liveness probe restarts it, again and again) or exhaust its memory limit. Here each
+reading runs in one worker process (a fresh interpreter: nothing of the daemon's state, no
+token) whose address space is limited; the loop waits for it a short while (WAIT_S, once
+per reading), and if it is not done by then gets NotReady and looks again at a later scan,
+when it is. A reading that runs past DEADLINE_S has its worker killed: that reading fails,
+is told once, and is not tried again for that key (a file's identity). Without `start()`
+(the CLI: one target, the user's own) readings run in the caller, as before.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import resource
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections import OrderedDict, deque
+from multiprocessing.connection import Connection
+
+from .errors import ProfinferError
+
+WAIT_S = 2.0           # the loop waits this long for a reading it asks for (held processes: 2 s)
+DEADLINE_S = 20.0      # a reading still running after this is killed, and not tried again
+MEMORY_BYTES = 384 << 20   # the worker's address space beyond what it has after its imports
+_KEEP = 256            # results and failures remembered
+
+
+class NotReady(ProfinferError):
+    """Being read in the worker: ask again later (not a failure)."""
+
+
+class _Worker:
+    def __init__(self, wait_s: float, deadline_s: float, memory_bytes: int):
+        self.wait_s, self.deadline_s, self.memory_bytes = wait_s, deadline_s, memory_bytes
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.queue: deque = deque()          # (key, module, function, args)
+        self.current: tuple | None = None    # (key, sent at)
+        self.done: OrderedDict = OrderedDict()      # key -> result
+        self.failed: OrderedDict = OrderedDict()    # key -> why
+        self.started = 0                     # workers started (one more after each kill)
+
+    def _spawn(self) -> None:
+        mine, theirs = socket.socketpair()
+        # -I: no PYTHONPATH, no user site, not the current directory; the package's own
+        # directory named instead, so the worker runs the daemon's code; no environment
+        package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        code = (f"import sys; sys.path.insert(0, {package_dir!r}); "
+                f"from profinfer.parsing import serve; serve({theirs.fileno()}, {self.memory_bytes})")
+        self.proc = subprocess.Popen([sys.executable, "-I", "-c", code], pass_fds=[theirs.fileno()],
+                                     cwd="/", env={}, stdin=subprocess.DEVNULL, close_fds=True)
+        theirs.close()
+        self.conn = Connection(mine.detach())
+        self.started += 1
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.conn is not None:
+            self.conn.close()
+        self.proc = self.conn = None
+
+    def _remember(self, table: OrderedDict, key, value) -> None:
+        table[key] = value
+        if len(table) > _KEEP:
+            table.popitem(last=False)
+
+    def advance(self, wait_s: float, until=None) -> None:
+        """Collect what the worker finished, send it the next reading, kill one past its
+        deadline; for up to wait_s while `until` is not done yet."""
+        end = time.monotonic() + wait_s
+        while True:
+            if self.current is None and self.queue:
+                key, module, function, args = self.queue.popleft()
+                try:
+                    if self.proc is None or self.proc.poll() is not None:
+                        self._kill()
+                        self._spawn()
+                    self.conn.send((module, function, args))
+                except (OSError, pickle.PicklingError) as e:
+                    self._kill()
+                    self._remember(self.failed, key, f"the reader could not be started: {e}")
+                    continue
+                self.current = (key, time.monotonic())
+            if self.current is None:
+                return
+            key, sent = self.current
+            now = time.monotonic()
+            if now - sent >= self.deadline_s:
+                self._kill()
+                self.current = None
+                self._remember(self.failed, key, f"reading it took over {self.deadline_s:.0f} s: skipped")
+                continue
+            if until is not None and (until in self.done or until in self.failed):
+                return
+            left = min(end, sent + self.deadline_s) - now
+            try:
+                if not select.select([self.conn], [], [], max(left, 0))[0]:
+                    if time.monotonic() >= end:
+                        return
+                    continue            # its deadline: killed above
+                ok, value = self.conn.recv()
+            except (EOFError, OSError):
+                self._kill()
+                self.current = None
+                self._remember(self.failed, key, "its reader died (out of memory?): skipped")
+                continue
+            self.current = None
+            self._remember(self.done if ok else self.failed, key, value)
+
+    def run(self, key, module: str, function: str, args: tuple):
+        if key in self.failed:
+            raise ProfinferError(self.failed[key])
+        if key not in self.done:
+            if not (self.current and self.current[0] == key) and all(q[0] != key for q in self.queue):
+                self.queue.append((key, module, function, args))
+                self.advance(self.wait_s, until=key)   # a new reading: waited for, once
+            else:
+                self.advance(0)
+        if key in self.done:
+            return self.done.pop(key)     # the caller keeps it (its own cache)
+        if key in self.failed:
+            raise ProfinferError(self.failed[key])
+        raise NotReady("still being read (looked at again later)")
+
+    def close(self) -> None:
+        self._kill()
+
+
+_worker: _Worker | None = None
+
+
+def start(wait_s: float = WAIT_S, deadline_s: float = DEADLINE_S, memory_bytes: int = MEMORY_BYTES) -> None:
+    """Readings from now on run in a worker process (the daemon); it is started at once."""
+    global _worker
+    if _worker is None:
+        _worker = _Worker(wait_s, deadline_s, memory_bytes)
+        _worker._spawn()
+
+
+def stop() -> None:
+    global _worker
+    if _worker is not None:
+        _worker.close()
+        _worker = None
+
+
+def pump() -> None:
+    """The loop's turn: finished readings collected, the next one sent (never waits)."""
+    if _worker is not None:
+        _worker.advance(0)
+
+
+def run(key, module: str, function: str, *args):
+    """module.function(*args), a reading of a file a tenant controls: in the worker once
+    started (NotReady while it runs; ProfinferError once it failed or timed out, for that
+    key from then on), else here."""
+    if _worker is None:
+        return getattr(importlib.import_module(module), function)(*args)
+    return _worker.run(key, module, function, args)
+
+
+def serve(fd: int, memory_bytes: int) -> None:
+    """The worker: readings in, results out, until the daemon closes its end."""
+    conn = Connection(fd)
+    import numpy  # noqa: F401  (what the readings import, before the limit is set)
+    import elftools.elf.elffile  # noqa: F401
+    from . import dwarf, symbols  # noqa: F401
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + memory_bytes, vm + memory_bytes))
+    while True:
+        try:
+            module, function, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            result = (True, getattr(importlib.import_module(module), function)(*args))
+        except ProfinferError as e:
+            result = (False, str(e))
+        except MemoryError:
+            result = (False, f"over {memory_bytes >> 20} MiB to read: skipped")
+        except Exception as e:       # whatever a tenant's file makes a reader raise
+            result = (False, f"unreadable ({type(e).__name__}: {e})")
+        try:
+            conn.send(result)
+        except (OSError, pickle.PicklingError) as e:
+            conn.send((False, f"its result could not be sent back: {e}"))
