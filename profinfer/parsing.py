@@ -30,6 +30,7 @@ from .errors import ProfinferError
 WAIT_S = 2.0           # the loop waits this long for a reading it asks for (held processes: 2 s)
 DEADLINE_S = 20.0      # a reading still running after this is killed, and not tried again
 MEMORY_BYTES = 384 << 20   # the worker's address space beyond what it has after its imports
+STARTUP_S = 30.0       # the worker's imports
 _KEEP = 256            # results and failures remembered
 
 
@@ -48,7 +49,7 @@ class _Worker:
         self.failed: OrderedDict = OrderedDict()    # key -> why
         self.started = 0                     # workers started (one more after each kill)
 
-    def _spawn(self) -> None:
+    def _spawn(self, wait_ready: bool = False) -> None:
         mine, theirs = socket.socketpair()
         # -I: no PYTHONPATH, no user site, not the current directory; the package's own
         # directory named instead, so the worker runs the daemon's code; no environment
@@ -60,6 +61,13 @@ class _Worker:
         theirs.close()
         self.conn = Connection(mine.detach())
         self.started += 1
+        # at the daemon's start, its imports done before its first reading is timed (a
+        # loaded node: seconds); a worker started again after a kill: within the deadline
+        if wait_ready:
+            if not self.conn.poll(STARTUP_S):
+                self._kill()
+                raise OSError("the reader did not start")
+            self.conn.recv()
 
     def _kill(self) -> None:
         if self.proc is not None:
@@ -108,7 +116,10 @@ class _Worker:
                     if time.monotonic() >= end:
                         return
                     continue            # its deadline: killed above
-                ok, value = self.conn.recv()
+                message = self.conn.recv()
+                if message == "ready":
+                    continue
+                ok, value = message
             except (EOFError, OSError):
                 self._kill()
                 self.current = None
@@ -122,8 +133,9 @@ class _Worker:
             raise ProfinferError(self.failed[key])
         if key not in self.done:
             if not (self.current and self.current[0] == key) and all(q[0] != key for q in self.queue):
-                self.queue.append((key, module, function, args))
-                self.advance(self.wait_s, until=key)   # a new reading: waited for, once
+                # a new reading, waited for (once): before those whose callers went on
+                self.queue.appendleft((key, module, function, args))
+                self.advance(self.wait_s, until=key)
             else:
                 self.advance(0)
         if key in self.done:
@@ -140,11 +152,15 @@ _worker: _Worker | None = None
 
 
 def start(wait_s: float = WAIT_S, deadline_s: float = DEADLINE_S, memory_bytes: int = MEMORY_BYTES) -> None:
-    """Readings from now on run in a worker process (the daemon); it is started at once."""
+    """Readings from now on run in a worker process (the daemon); it is started at once
+    (a failed start is tried again at the first reading)."""
     global _worker
     if _worker is None:
         _worker = _Worker(wait_s, deadline_s, memory_bytes)
-        _worker._spawn()
+        try:
+            _worker._spawn(wait_ready=True)
+        except OSError:
+            pass
 
 
 def stop() -> None:
@@ -178,6 +194,7 @@ def serve(fd: int, memory_bytes: int) -> None:
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
     resource.setrlimit(resource.RLIMIT_AS, (vm + memory_bytes, vm + memory_bytes))
+    conn.send("ready")
     while True:
         try:
             module, function, args = conn.recv()

@@ -1,0 +1,286 @@
+"""Hostile tenants as the daemon meets them: processes in mount namespaces and roots of their
+own (no way back to the host's), each mapping a file named like an engine's library.
+
+- One maps a stripped copy of libllama: the daemon looks for its debug file by build-id.
+  Its own debug path is a FIFO, and the host has a debug file with that build-id. Once the
+  daemon has read the library, the tenant swaps its directory for an absolute symlink to a
+  host directory holding another libllama.so. Its loader's path is a FIFO too.
+- Another maps a sparse 16 GiB "libllama.so" whose symbol table's section header claims
+  12 GiB.
+
+The truths come from outside profinfer. fanotify on the host's files (inotify's events, with
+the process that made each: other daemons run on this node) shows the daemon never opens or
+reads them, whatever the tenant's links say. The daemon runs in a memory cgroup
+limited as the manifest limits it, and stays alive. /healthz, polled every 0.5 s from start
+to end, answers 200 every time (no FIFO is waited on, no file parsed on its loop). The huge
+file is told once."""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import struct
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from elftools.elf.elffile import ELFFile
+
+from daemon_helpers import MANIFEST, Daemon, _get
+
+HERE = Path(__file__).resolve().parent
+FAN_ACCESS, FAN_OPEN = 0x1, 0x20
+FAN_CLASS_NOTIF, FAN_CLOEXEC, FAN_NONBLOCK, FAN_MARK_ADD, AT_FDCWD = 0, 1, 2, 1, -100
+HUGE_FILE = 16 << 30
+HUGE_TABLE = 12 << 30      # under the VM's memory: an allocation of it is not refused at once
+
+
+def _manifest_memory_limit() -> int:
+    ds = next(d for d in yaml.safe_load_all(MANIFEST.read_text()) if d and d["kind"] == "DaemonSet")
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    limit = c["resources"]["limits"]["memory"]
+    assert limit.endswith("Mi")
+    return int(limit[:-2]) << 20
+
+
+class Accesses:
+    """Opens and reads of files, as the kernel reports them, with the process that made
+    each (fanotify: this node has other daemons and tests, whose accesses are not ours)."""
+
+    def __init__(self, paths: list[Path]):
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64,
+                                            ctypes.c_int, ctypes.c_char_p]
+        self.fd = self.libc.fanotify_init(FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK, os.O_RDONLY)
+        assert self.fd >= 0, os.strerror(ctypes.get_errno())
+        for p in paths:
+            assert self.libc.fanotify_mark(self.fd, FAN_MARK_ADD, FAN_OPEN | FAN_ACCESS, AT_FDCWD,
+                                           os.fsencode(p)) == 0, os.strerror(ctypes.get_errno())
+
+    def events(self) -> list[tuple[str, int, int]]:
+        """(file, mask, pid) of each access since the last call."""
+        out = []
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return out
+            at = 0
+            while at < len(buf):
+                length, _, _, _, mask, fd, pid = struct.unpack_from("IBBHQii", buf, at)
+                if fd >= 0:
+                    out.append((os.readlink(f"/proc/self/fd/{fd}"), mask, pid))
+                    os.close(fd)
+                at += length
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _of(pid: int, ancestor: int) -> bool:
+    """Whether `pid` is `ancestor` or one of its descendants (the daemon's parse worker)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+def _jail(root: Path, binary: Path) -> None:
+    """The tenant's binary and what it loads (ldd), at their own paths in root."""
+    (root / "bin").mkdir(parents=True)
+    shutil.copy2(binary, root / "bin" / "tenant")
+    out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        parts = line.split()
+        path = parts[2] if "=>" in parts and len(parts) > 2 else parts[0]
+        if path.startswith("/"):
+            dest = root / path.lstrip("/")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(os.path.realpath(path), dest)
+
+
+def _start_tenant(root: Path, *args: str) -> subprocess.Popen:
+    """The tenant in its own mount namespace, root pivoted to `root` (the tenant unmounts
+    the host's)."""
+    script = (f"mount --make-rprivate / && mount --bind {root} {root} && cd {root} && "
+              "mkdir -p .host && pivot_root . .host && "
+              "exec /bin/tenant " + " ".join(args))
+    proc = subprocess.Popen(["unshare", "--mount", "sh", "-c", script])
+    deadline = time.monotonic() + 15
+    while not (root / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the tenant did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def _build_id(path: Path) -> str:
+    with open(path, "rb") as f:
+        for sec in ELFFile(f).iter_sections():
+            if sec.header.sh_type == "SHT_NOTE":
+                for note in sec.iter_notes():
+                    if note["n_type"] == "NT_GNU_BUILD_ID":
+                        return note["n_desc"]
+    raise AssertionError(f"{path} has no build-id")
+
+
+def _huge_symbol_table(src: Path, dest: Path) -> None:
+    """A copy of src, sparse to HUGE_FILE, its .symtab's header claiming HUGE_TABLE bytes
+    in the hole."""
+    shutil.copy2(src, dest)
+    with open(dest, "rb") as f:
+        elf = ELFFile(f)
+        shoff, shentsize = elf.header.e_shoff, elf.header.e_shentsize
+        index = next(i for i, s in enumerate(elf.iter_sections()) if s.name == ".symtab")
+    with open(dest, "r+b") as f:
+        f.seek(shoff + index * shentsize + 24)          # Elf64_Shdr: sh_offset, sh_size
+        f.write(struct.pack("<QQ", 1 << 30, HUGE_TABLE))
+        f.truncate(HUGE_FILE)
+
+
+@pytest.fixture
+def memory_cgroup():
+    """A memory cgroup (v1, under ours) limited as the manifest limits the daemon."""
+    mine = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                if line.split(":")[1] == "memory")
+    base = Path("/sys/fs/cgroup/memory") / mine.lstrip("/")
+    if not (base / "memory.limit_in_bytes").exists():
+        pytest.skip("no cgroup v1 memory controller here")
+    cg = base / f"profinfer-hostile-{os.getpid()}"
+    cg.mkdir()
+    (cg / "memory.limit_in_bytes").write_text(str(_manifest_memory_limit()))
+    yield cg
+    for _ in range(50):
+        try:
+            cg.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def tenant_bin(tmp_path) -> Path:
+    out = tmp_path / "hostile_tenant"
+    subprocess.run(["gcc", "-O1", "-o", str(out), str(HERE / "hostile_tenant.c")], check=True)
+    return out
+
+
+class Watched:
+    """The daemon, in the memory cgroup, with /healthz polled every 0.5 s until stop()."""
+
+    def __init__(self, tmp_path: Path, cgroup: Path):
+        self.daemon = Daemon(tmp_path, prefix=("sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"))
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, daemon=True)
+        self._poller.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.statuses.append(_get(self.daemon.url + "/healthz", timeout=5)[0])
+            except OSError:
+                self.statuses.append(0)        # refused or timed out: the daemon gone or stuck
+
+    def stop_polling(self) -> None:
+        self._stop.set()
+        self._poller.join()
+
+    def assert_alive_and_healthy(self) -> None:
+        assert self.daemon.proc.poll() is None, "the daemon died (its memory limit?)\n" + self.daemon.text()
+        assert self.statuses and set(self.statuses) == {200}, \
+            f"/healthz answered {self.statuses}\n{self.daemon.text()}"
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.daemon.proc.poll() is None:
+            self.daemon.stop()
+        else:
+            self.daemon.log.close()
+
+
+def test_links_fifos_and_a_swapped_directory_never_reach_the_host(tmp_path, llama_build, tenant_bin,
+                                                                  memory_cgroup):
+    """A stripped libllama whose debug path is a FIFO in its root while the host has a debug
+    file of its build-id; its loader's path a FIFO; its directory swapped for a link to a host
+    directory once the daemon has read it. The daemon opens neither host file, and /healthz
+    stays 200."""
+    lib = (llama_build / "bin" / "libllama.so").resolve()
+    host_dir = tmp_path / "host-lib"
+    host_dir.mkdir()
+    host_lib = host_dir / "libllama.so"
+    shutil.copy2(lib, host_lib)
+    bid = _build_id(lib)
+    host_debug = Path("/usr/lib/debug/.build-id") / bid[:2] / f"{bid[2:]}.debug"
+    made_debug_dir = not host_debug.parent.exists()
+    host_debug.parent.mkdir(parents=True, exist_ok=True)
+    assert not host_debug.exists()
+    shutil.copy2(lib, host_debug)
+
+    root = tmp_path / "tenant"
+    _jail(root, tenant_bin)
+    (root / "opt" / "lib").mkdir(parents=True)
+    subprocess.run(["strip", "--strip-all", "-o", str(root / "opt" / "lib" / "libllama.so"), str(lib)],
+                   check=True)
+    assert _build_id(root / "opt" / "lib" / "libllama.so") == bid
+    debug_in_root = root / host_debug.relative_to("/")
+    debug_in_root.parent.mkdir(parents=True)
+    os.mkfifo(debug_in_root)
+
+    tenant = accesses = watched = None
+    try:
+        tenant = _start_tenant(root, "/opt/lib/libllama.so", "swap", str(host_dir))
+        accesses = Accesses([host_lib, host_debug])
+        watched = Watched(tmp_path, memory_cgroup)
+        deadline = time.monotonic() + 30
+        while not (root / "swapped").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (root / "swapped").exists(), "the daemon never read the tenant's library\n" + watched.daemon.text()
+        time.sleep(10)         # its attach, and a retry after it failed
+        watched.stop_polling()
+        pid = watched.daemon.proc.pid
+        events = [e for e in accesses.events() if _of(e[2], pid)]
+        assert events == [], f"the daemon opened or read host files: {events}\n{watched.daemon.text()}"
+        watched.assert_alive_and_healthy()
+    finally:
+        if accesses is not None:
+            accesses.close()
+        if watched is not None:
+            watched.close()
+        if tenant is not None:
+            tenant.kill()
+            tenant.wait()
+        host_debug.unlink()
+        if made_debug_dir:
+            host_debug.parent.rmdir()
+
+
+def test_a_huge_library_neither_exhausts_nor_stalls_the_daemon(tmp_path, llama_build, tenant_bin,
+                                                               memory_cgroup):
+    """A sparse 16 GiB libllama.so whose symbol table claims 12 GiB: the daemon, limited as
+    the manifest limits it, stays alive, /healthz stays 200, and the file is told once."""
+    root = tmp_path / "tenant"
+    _jail(root, tenant_bin)
+    (root / "opt" / "lib").mkdir(parents=True)
+    _huge_symbol_table((llama_build / "bin" / "libllama.so").resolve(), root / "opt" / "lib" / "libllama.so")
+    tenant = watched = None
+    try:
+        tenant = _start_tenant(root, "/opt/lib/libllama.so")
+        watched = Watched(tmp_path, memory_cgroup)
+        time.sleep(15)         # its first look, and retries (backing off from 2 s)
+        watched.stop_polling()
+        watched.assert_alive_and_healthy()
+        told = [l for l in watched.daemon.text().splitlines() if f"PID {tenant.pid}" in l or "over the" in l]
+        assert len([l for l in told if "over the 64 MiB read" in l]) == 1, watched.daemon.text()
+    finally:
+        if watched is not None:
+            watched.close()
+        if tenant is not None:
+            tenant.kill()
+            tenant.wait()
