@@ -29,7 +29,8 @@ import pytest
 import yaml
 from elftools.elf.elffile import ELFFile
 
-from daemon_helpers import MANIFEST, Daemon, _get
+from conftest import llama_perf
+from daemon_helpers import MANIFEST, Daemon, Workload, _get, kill_started, series
 
 HERE = Path(__file__).resolve().parent
 FAN_ACCESS, FAN_OPEN = 0x1, 0x20
@@ -261,10 +262,28 @@ def test_links_fifos_and_a_swapped_directory_never_reach_the_host(tmp_path, llam
             host_debug.parent.rmdir()
 
 
-def test_a_huge_library_neither_exhausts_nor_stalls_the_daemon(tmp_path, llama_build, tenant_bin,
-                                                               memory_cgroup):
+def _counted_beside(d: Daemon, llama_build, model, llama_env, tmp_path: Path) -> None:
+    """A llama.cpp generation beside the tenant: the daemon counts its tokens exactly."""
+    for _ in range(4):      # llama.cpp's async logger can lose its last lines
+        w = Workload(llama_build, model, llama_env, tmp_path, n=32)
+        d.watched(w.proc.pid, timeout=30)
+        w.go()
+        perf = llama_perf(w.finish())
+        if {"prompt eval", "eval"} <= perf.keys():
+            break
+    want = {"prefill": perf["prompt eval"][1], "decode": perf["eval"][1]}
+    deadline = time.monotonic() + 10
+    while (got := series(_get(d.url + "/metrics")[1].decode(), "profinfer_tokens_total", w.proc.pid, "phase")) \
+            != want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert got == want, d.text()
+
+
+def test_a_huge_library_neither_exhausts_nor_stalls_the_daemon(tmp_path, llama_build, tiny_model, llama_env,
+                                                               tenant_bin, memory_cgroup):
     """A sparse 16 GiB libllama.so whose symbol table claims 12 GiB: the daemon, limited as
-    the manifest limits it, stays alive, /healthz stays 200, and the file is told once."""
+    the manifest limits it, stays alive, /healthz stays 200, a llama.cpp generation beside it
+    is counted exactly, and the file is told once."""
     root = tmp_path / "tenant"
     _jail(root, tenant_bin)
     (root / "opt" / "lib").mkdir(parents=True)
@@ -273,12 +292,14 @@ def test_a_huge_library_neither_exhausts_nor_stalls_the_daemon(tmp_path, llama_b
     try:
         tenant = _start_tenant(root, "/opt/lib/libllama.so")
         watched = Watched(tmp_path, memory_cgroup)
-        time.sleep(15)         # its first look, and retries (backing off from 2 s)
+        _counted_beside(watched.daemon, llama_build, tiny_model, llama_env, tmp_path)
+        time.sleep(8)          # retries of the tenant (backing off from 2 s)
         watched.stop_polling()
         watched.assert_alive_and_healthy()
         told = [l for l in watched.daemon.text().splitlines() if f"PID {tenant.pid}" in l or "over the" in l]
         assert len([l for l in told if "over the 64 MiB read" in l]) == 1, watched.daemon.text()
     finally:
+        kill_started()
         if watched is not None:
             watched.close()
         if tenant is not None:
