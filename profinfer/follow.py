@@ -49,7 +49,7 @@ class Change:
 
 # A loader is read on the daemon's loop (it is hooked while its process is held): one larger
 # than this is not a loader we hook (glibc's: ~250 KiB); PT_INTERP is a path.
-MAX_LOADER_BYTES = 16 << 20
+MAX_LOADER_BYTES = 4 << 20
 MAX_INTERP_BYTES = 4096
 
 

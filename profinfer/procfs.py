@@ -91,6 +91,13 @@ def _regular(fd: int, path: str) -> int:
     return fd
 
 
+def root_of(path: str) -> str | None:
+    """/proc/PID/root for a path reached through another process (its root, its
+    map_files), else None."""
+    m = re.match(r"^/proc/(\d+)/(?:root|map_files)/", path)
+    return f"/proc/{m.group(1)}/root" if m else None
+
+
 def open_file(path: str, nofollow: bool = False) -> int:
     """A descriptor of the regular file `path` names: inside the target's root for
     /proc/PID/root/..., the mapped file for /proc/PID/map_files/..., else our own path."""

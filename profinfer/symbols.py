@@ -142,9 +142,11 @@ _ELF_KEYS: dict[tuple[str, str], tuple] = {}     # (path, root) -> the identity 
 
 def load_elf(path: str, root: str = "/") -> ElfInfo:
     """Read the symbols of one ELF file. `root` is the target's root (/proc/PID/root) for debug
-    files. Remembered by file identity, not path: one library reached through many processes'
-    /proc/PID/root (a daemon's) is read once."""
+    files (for a path reached through a process, its root whatever is given). Remembered by
+    file identity, not path: one library reached through many processes' /proc/PID/root (a
+    daemon's) is read once."""
     given = (path, root)
+    root = procfs.root_of(path) or root
     try:
         st = procfs.stat_file(path)
         if root != "/" and os.path.samestat(os.stat(root), os.stat("/")):

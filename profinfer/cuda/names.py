@@ -23,7 +23,7 @@ import numpy as np
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-from .. import procfs
+from .. import parsing, procfs
 from ..errors import ProfinferError
 from ..symbols import MAX_TABLE_BYTES, SYM64, ElfInfo, load_elf
 
@@ -179,7 +179,11 @@ class KernelNames:
         with mem:
             for path in paths:
                 file_maps = [m for m in self.maps if m.path == path]
-                statics = handle_statics(file_maps[0].host_path) if file_maps else []
+                try:      # every symbol of a tenant's file: read away from the daemon's loop
+                    statics = parsing.run(("handle_statics", file_maps[0].host_path), __name__,
+                                          "handle_statics", file_maps[0].host_path) if file_maps else []
+                except ProfinferError:      # still being read (NotReady), or unreadable
+                    statics = []
                 if not statics:
                     continue
                 try:
