@@ -92,3 +92,24 @@ def test_only_a_mapped_file_is_pinned(jailed):
     with pytest.raises(ProfinferError, match="cannot open"):
         with procfs.pinned(f"/proc/{jailed}/root/fifo"):
             pass
+
+
+def test_a_probe_lands_in_the_file_its_symbols_came_from(jailed, tmp_path):
+    """The process maps its executable and its C library. Once the executable's symbols are
+    read, the process puts its C library at the executable's path: a file it maps, but not
+    the one the probe's offsets came from. It is not pinned."""
+    from profinfer.symbols import Symbol, load_elf
+    path = f"/proc/{jailed}/root/bin/sleep"
+    elf = load_elf(path)
+    libc = next(m.path for m in procfs.file_mappings(jailed) if "/libc.so" in m.path)
+    root = tmp_path / "root"
+    os.rename(root / "bin" / "sleep", root / "bin" / "sleep.old")
+    os.link(root / libc.lstrip("/"), root / "bin" / "sleep")
+    st = os.stat(root / "bin" / "sleep")
+    assert (st.st_dev, st.st_ino) in procfs.mapped_identities(jailed)       # a file it maps
+    assert (st.st_dev, st.st_ino) != elf.file_id
+    with pytest.raises(ProfinferError, match="another file than the one its symbols were read"):
+        with procfs.pinned(path):
+            pass
+    with pytest.raises(ProfinferError, match="replaced since"):            # nor its code read
+        elf.code_bytes(Symbol("start", 0, 16, 0), 16)
