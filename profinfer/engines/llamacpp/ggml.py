@@ -17,9 +17,9 @@ import numpy as np
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
-from ... import dwarf, parsing, procfs
+from ... import dwarf, parsing
 from ...errors import ProfinferError
-from ...symbols import ElfInfo
+from ...symbols import ElfInfo, open_checked
 
 # enum ggml_type (fixed by the GGUF format; removed types keep their numbers as gaps)
 GGML_TYPES = {
@@ -126,18 +126,15 @@ def op_names(base: ElfInfo) -> list[str]:
     """
     table = _op_table_vaddr(base)
     # every relocation of a file a tenant may have made: read away from the daemon's loop
-    names = parsing.run(("op_names", base.file_id, table), __name__, "_read_op_names", base.path, table)
+    names = parsing.run(("op_names", base.file_id, table), __name__, "_read_op_names", base.path,
+                        base.file_id, table)
     if len(names) < 10 or names[0] != "NONE":
         raise ProfinferError(f"cannot read the op-name table of {base.path}")
     return names
 
 
-def _read_op_names(path: str, table: int) -> list[str]:
-    try:
-        f = procfs.open_binary(path)         # inside the target's root
-    except OSError as e:
-        raise ProfinferError(f"cannot read {path}: {e.strerror}") from None
-    with f:
+def _read_op_names(path: str, file_id: tuple[int, int], table: int) -> list[str]:
+    with open_checked(path, file_id) as f:       # the file the symbols came from
         elf = ELFFile(f)
         relocs = {}
         for sec in elf.iter_sections():
