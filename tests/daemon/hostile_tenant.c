@@ -1,7 +1,8 @@
 /* A hostile tenant, run in its own mount namespace and root: it unmounts the host's old
  * root, maps argv[1] (a file named
  * like an engine's library) executable, turns its loader's path into a FIFO, says so in
- * /ready, then waits. With "swap HOSTDIR": once a reader has read the library (IN_ACCESS,
+ * /ready, then waits. With "fifo PATH": it maps PATH executable too, then deletes it and
+ * makes a FIFO at its path (what /proc/PID/maps names). With "swap HOSTDIR": once a reader has read the library (IN_ACCESS,
  * then IN_CLOSE_NOWRITE) it swaps the library's directory for an absolute symlink to
  * HOSTDIR (a host directory: to a reader that resolves the path outside this root) and
  * says so in /swapped. */
@@ -24,6 +25,12 @@ int main(int argc, char **argv) {
     close(fd);
     rename("/lib64/ld-linux-x86-64.so.2", "/lib64/ld.real");
     mkfifo("/lib64/ld-linux-x86-64.so.2", 0600);
+    if (argc > 3 && !strcmp(argv[2], "fifo")) {
+        int k = open(argv[3], O_RDONLY);
+        if (k < 0 || mmap(0, 4096, PROT_READ | PROT_EXEC, MAP_PRIVATE, k, 0) == MAP_FAILED) return 1;
+        close(k);
+        if (unlink(argv[3]) || mkfifo(argv[3], 0600)) return 1;
+    }
     int in = -1;
     if (argc > 3 && !strcmp(argv[2], "swap")) {
         in = inotify_init();

@@ -1,19 +1,20 @@
 """Hostile tenants as the daemon meets them: processes in mount namespaces and roots of their
-own (no way back to the host's), each mapping a file named like an engine's library.
+own (the host's unmounted: no way back), each mapping a file named like an engine's library.
 
 - One maps a stripped copy of libllama: the daemon looks for its debug file by build-id.
   Its own debug path is a FIFO, and the host has a debug file with that build-id. Once the
   daemon has read the library, the tenant swaps its directory for an absolute symlink to a
   host directory holding another libllama.so. Its loader's path is a FIFO too.
-- Another maps a sparse 16 GiB "libllama.so" whose symbol table's section header claims
-  12 GiB.
+- One maps a sparse 16 GiB "libllama.so" whose symbol table's section header claims 12 GiB.
+- One maps a CUDA runtime and another library, deleted and replaced by a FIFO at its path.
 
 The truths come from outside profinfer. fanotify on the host's files (inotify's events, with
 the process that made each: other daemons run on this node) shows the daemon never opens or
-reads them, whatever the tenant's links say. The daemon runs in a memory cgroup
-limited as the manifest limits it, and stays alive. /healthz, polled every 0.5 s from start
-to end, answers 200 every time (no FIFO is waited on, no file parsed on its loop). The huge
-file is told once."""
+reads them, whatever the tenant's links say; a probe needs the file open, so none is on them
+either. The daemon runs in a memory cgroup limited as the manifest limits it, and stays
+alive. /healthz, polled every 0.5 s throughout, answers 200 every time (no FIFO is waited on,
+no file parsed on its loop); a llama.cpp generation beside the huge file is counted exactly.
+The huge file is told once."""
 from __future__ import annotations
 
 import ctypes
@@ -201,9 +202,13 @@ class Watched:
     def close(self) -> None:
         self._stop.set()
         if self.daemon.proc.poll() is None:
-            self.daemon.stop()
-        else:
-            self.daemon.log.close()
+            try:
+                self.daemon.stop()
+                return
+            except subprocess.TimeoutExpired:      # stuck (on a FIFO): not left behind
+                self.daemon.proc.kill()
+                self.daemon.proc.wait()
+        self.daemon.log.close()
 
 
 def test_links_fifos_and_a_swapped_directory_never_reach_the_host(tmp_path, llama_build, tenant_bin,
@@ -300,6 +305,32 @@ def test_a_huge_library_neither_exhausts_nor_stalls_the_daemon(tmp_path, llama_b
         assert len([l for l in told if "over the 64 MiB read" in l]) == 1, watched.daemon.text()
     finally:
         kill_started()
+        if watched is not None:
+            watched.close()
+        if tenant is not None:
+            tenant.kill()
+            tenant.wait()
+
+
+def test_a_fifo_where_a_mapped_library_was_is_not_waited_on(tmp_path, tenant_bin, memory_cgroup):
+    """A tenant with a CUDA runtime (the cuda level looks at each of its executable mappings)
+    maps a library, deletes it and makes a FIFO at its path: /healthz stays 200 for longer
+    than the 30 s after which it would answer 503 had the loop waited on the FIFO."""
+    from profinfer.cuda import workload as cuda_workload
+    root = tmp_path / "tenant"
+    _jail(root, tenant_bin)
+    (root / "opt" / "lib").mkdir(parents=True)
+    shutil.copy2(cuda_workload.ensure_cudart12(), root / "opt" / "lib" / "libcudart.so.12")
+    shutil.copy2(tenant_bin, root / "opt" / "lib" / "libkernels.so")
+    tenant = watched = None
+    try:
+        tenant = _start_tenant(root, "/opt/lib/libcudart.so.12", "fifo", "/opt/lib/libkernels.so")
+        watched = Watched(tmp_path, memory_cgroup)
+        time.sleep(35)
+        watched.stop_polling()
+        watched.assert_alive_and_healthy()
+        watched.daemon.watched(tenant.pid, timeout=5)     # at the cuda level, as any other
+    finally:
         if watched is not None:
             watched.close()
         if tenant is not None:
