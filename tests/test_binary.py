@@ -37,11 +37,11 @@ def test_op_names_equal_the_enum_in_the_source(llama_build):
 
 def test_dwarf_layouts(llama_build):
     base = lib(llama_build, "libggml-base")
-    t = ggml.tensor_layout_from_dwarf(base.dwarf_path, base.build_id)
+    t = ggml.tensor_layout_from_dwarf(base.dwarf_path)
     assert (t.type, t.ne, t.op, t.src, t.name_off) == (0, 16, 80, 152, 256)
     assert ggml.KNOWN_LAYOUTS[0].op == t.op and ggml.KNOWN_LAYOUTS[0].name_off == t.name_off
     llama = lib(llama_build, "libllama")
-    b = dwarf.struct_layout(llama.dwarf_path, llama.build_id, "llama_batch_ext")
+    b = dwarf.struct_layout(llama.dwarf_path, "llama_batch_ext")
     assert "tokens" in b["members"] and b["nested"]["token"] > 0
 
 
@@ -49,7 +49,7 @@ def test_tensor_layout_from_offsets(llama_build):
     """--tensor-layout spelled as offsets equals the DWARF layout it spells; a bad spelling is
     one clear error, not a traceback later."""
     base = lib(llama_build, "libggml-base")
-    t = ggml.tensor_layout_from_dwarf(base.dwarf_path, base.build_id)
+    t = ggml.tensor_layout_from_dwarf(base.dwarf_path)
     spec = (f"type={t.type},ne={t.ne},op={t.op},src={t.src},view_src={t.view_src},"
             f"data={t.data},name={t.name_off}")
     got = ggml.layout_by_name(spec)

@@ -71,7 +71,7 @@ def _layout_spec(lay: ggml.TensorLayout, **moved: int) -> str:
 @pytest.fixture(scope="module")
 def dwarf_layout(llama_build):
     base = load_elf(str(next((llama_build / "bin").glob("libggml-base.so.*.*"))))
-    return ggml.tensor_layout_from_dwarf(base.dwarf_path, base.build_id)
+    return ggml.tensor_layout_from_dwarf(base.dwarf_path)
 
 
 @pytest.mark.parametrize("moved,fault", [

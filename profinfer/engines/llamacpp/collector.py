@@ -363,7 +363,7 @@ class Collector:
         if probe is None:
             return 0, 1, 0, None, 0
         node_value = SEQ_NODE_VALUE["libc++" if probe.elf.needs("libc++.so") else "libstdc++"]
-        found = dwarf.struct_layout(probe.elf.dwarf_path, probe.elf.build_id, "llama_batch_ext") \
+        found = dwarf.struct_layout(probe.elf.dwarf_path, "llama_batch_ext") \
             if probe.elf.dwarf_path else None
         if found and "tokens" in found["members"] and "token" in found["nested"]:
             token = found.get("nested_members", {}).get("token", {})
@@ -386,7 +386,7 @@ class Collector:
             return
         for elf in [base] + [e for e in self.elfs if e is not base]:
             if elf.dwarf_path:
-                found = ggml.tensor_layout_from_dwarf(elf.dwarf_path, elf.build_id)
+                found = ggml.tensor_layout_from_dwarf(elf.dwarf_path)
                 if found:
                     self.layout = found
                     return

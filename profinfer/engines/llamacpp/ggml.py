@@ -102,9 +102,9 @@ def layout_by_name(name: str) -> TensorLayout:
                         view_src=offsets["view_src"], data=offsets["data"])
 
 
-def tensor_layout_from_dwarf(path: str, build_id: str) -> TensorLayout | None:
+def tensor_layout_from_dwarf(path: str) -> TensorLayout | None:
     """struct ggml_tensor member offsets from the file's DWARF."""
-    found = dwarf.struct_layout(path, build_id, "ggml_tensor")
+    found = dwarf.struct_layout(path, "ggml_tensor")
     if not found:
         return None
     m = found["members"]

@@ -53,7 +53,7 @@ def graph_walk(elf: ElfInfo, loop: Symbol, op_names: list[str]) -> tuple[GraphWa
         return None, "PROFINFER_OP_DESIGN=two-probe"
     if not elf.dwarf_path:
         return None, f"no DWARF for {os.path.basename(elf.path)}"
-    facts = dwarf.function_facts(elf.dwarf_path, elf.build_id, loop.vaddr, _STRUCTS,
+    facts = dwarf.function_facts(elf.dwarf_path, loop.vaddr, _STRUCTS,
                                  "GGML_TENSOR_FLAG_")
     if not facts:
         return None, f"no DWARF for {loop.name}"
