@@ -47,7 +47,7 @@ URL = "http://127.0.0.1:9464"          # the unit's --listen, inside the contain
 ENV = {**os.environ, "CONTAINERS_CONF": str(REPO / "deploy" / "containers.conf")}
 # the image: the daemon's, with systemd as its init (and curl, libstdc++ for the test program)
 CONTAINERFILE = """FROM {base}
-RUN apt-get update && apt-get install -y --no-install-recommends systemd systemd-sysv dbus curl libstdc++6 \\
+RUN apt-get update && apt-get install -y --no-install-recommends systemd systemd-sysv curl libstdc++6 \\
     && rm -rf /var/lib/apt/lists/*
 ENTRYPOINT ["/lib/systemd/systemd"]
 """
@@ -173,6 +173,10 @@ def test_the_unit_runs_in_its_sandbox(unit):
         assert "ro" in mounts[ro], (ro, mounts)
     for rw in ("/tmp", "/var/tmp", "/run/profinfer", "/var/cache/profinfer"):
         assert "rw" in mounts[rw], rw
+    # ProtectKernelLogs: the kernel's log mounted over (inaccessible); ProtectHostname: a UTS
+    # namespace of its own
+    assert "/proc/kmsg" in mounts and "/dev/kmsg" in mounts
+    assert _exec("readlink", f"/proc/{pid}/ns/uts").stdout != _exec("readlink", "/proc/1/ns/uts").stdout
     ours = _exec("stat", "-c", "%d:%i", "/tmp").stdout
     its = _exec("stat", "-L", "-c", "%d:%i", f"/proc/{pid}/root/tmp").stdout
     assert ours != its
