@@ -17,7 +17,7 @@ processes by their host pids: the workload gets the same pid in both (same_pid.p
 process has on a host.
 
 `systemd-analyze security --offline=true deploy/systemd/profinfer.service` (systemd 252):
-exposure 7.3 MEDIUM before this sandbox, 3.2 OK with it (bench/results.md)."""
+exposure 7.3 MEDIUM before this sandbox, 3.3 OK with it (bench/results.md)."""
 from __future__ import annotations
 
 import hashlib
