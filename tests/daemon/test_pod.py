@@ -5,7 +5,9 @@ from the file: its securityContext (its capabilities only, a read-only root, no 
 escalation, its seccomp profile), hostPID, its volumes, env, args, port and limits. (Debian
 12's podman 4.3 `kube play` ignores hostPID, so it cannot run this pod as a kubelet would.) Beside it on the host: a llama-server under concurrent requests, a vLLM
 OpenAI server, and a CUDA program, each started after the pod, each counted by the daemon in
-the pod as it counts itself. Afterwards nothing of the agent's stays in the kernel."""
+the pod as it counts itself; a llama.cpp generation captured through POST /capture (its trace
+written first in the pod's /tmp volume: the root is read-only). Afterwards nothing of the
+agent's stays in the kernel."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -150,7 +152,7 @@ def _metrics(pod) -> str:
 
 def test_the_pod_runs_as_the_manifest_says(pod):
     """Its capabilities are the manifest's and no others; its root is read-only; it writes
-    only to the volumes (the token, the cache)."""
+    only to the volumes (the token, the cache, /tmp)."""
     inspect = json.loads(_podman("inspect", pod["ctr"]).stdout)[0]
     caps = {c.removeprefix("CAP_") for c in inspect["EffectiveCaps"] or []}
     assert caps == set(pod["container"]["securityContext"]["capabilities"]["add"])
