@@ -5,7 +5,9 @@ from the file: its securityContext (its capabilities only, a read-only root, no 
 escalation, its seccomp profile), hostPID, its volumes, env, args, port and limits. (Debian
 12's podman 4.3 `kube play` ignores hostPID, so it cannot run this pod as a kubelet would.) Beside it on the host: a llama-server under concurrent requests, a vLLM
 OpenAI server, and a CUDA program, each started after the pod, each counted by the daemon in
-the pod as it counts itself. Afterwards nothing of the agent's stays in the kernel."""
+the pod as it counts itself; a llama.cpp generation captured through POST /capture (its trace
+written first in the pod's /tmp volume: the root is read-only). Afterwards nothing of the
+agent's stays in the kernel."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -13,6 +15,7 @@ import json
 import os
 import re
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -21,7 +24,7 @@ import pytest
 import yaml
 
 from conftest import bpf_snapshot, free_port, llama_server, vllm_server
-from daemon_helpers import _STARTED, _get, cuda_log_counts, kill_started, series
+from daemon_helpers import _STARTED, Workload, _get, cuda_log_counts, kill_started, series
 from profinfer.cuda import workload as cuda_workload
 
 from test_daemon_cuda import PROGRAM as CUDA_PROGRAM
@@ -84,7 +87,8 @@ def podman_run_args(spec: dict, scratch: Path, host_port: int) -> tuple[list[str
                 os.makedirs(v["hostPath"]["path"], exist_ok=True)
             args += ["--volume", f"{v['hostPath']['path']}:{m['mountPath']}{ro}"]
         elif v.get("emptyDir", {}).get("medium") == "Memory":
-            args += ["--tmpfs", f"{m['mountPath']}:rw,mode=0755"]
+            size = v["emptyDir"].get("sizeLimit")
+            args += ["--tmpfs", f"{m['mountPath']}:rw,mode=0755" + (f",size={_quantity(size)}" if size else "")]
         elif "emptyDir" in v:
             d = scratch / m["name"]
             d.mkdir()
@@ -148,7 +152,7 @@ def _metrics(pod) -> str:
 
 def test_the_pod_runs_as_the_manifest_says(pod):
     """Its capabilities are the manifest's and no others; its root is read-only; it writes
-    only to the volumes (the token, the cache)."""
+    only to the volumes (the token, the cache, /tmp)."""
     inspect = json.loads(_podman("inspect", pod["ctr"]).stdout)[0]
     caps = {c.removeprefix("CAP_") for c in inspect["EffectiveCaps"] or []}
     assert caps == set(pod["container"]["securityContext"]["capabilities"]["add"])
@@ -160,6 +164,47 @@ def test_the_pod_runs_as_the_manifest_says(pod):
     assert "Read-only file system" in _podman("exec", pod["ctr"], "touch", "/opt/x", check=False).stderr
     logs = _logs(pod)
     assert "cannot be written" not in logs and "Traceback" not in logs, logs
+
+
+def _token(pod) -> str:
+    return _podman("exec", pod["ctr"], "cat", "/run/profinfer/token").stdout.strip()
+
+
+def test_capture_in_the_pod(pod, tmp_path, llama_build, tiny_model, llama_env):
+    """POST /capture with the pod's token: the capture writes its trace in a temporary
+    directory, which the read-only root must leave somewhere to write (the manifest's /tmp
+    volume). The trace is the watched generation's: its pid, its ops and its tokens."""
+    from exporters.trace_reader import read_trace
+    token = _token(pod)
+    # decoding from when it is let go, 1 s into a 2 s capture, until it is killed afterwards
+    # (on an idle machine ~2 s; it outlives the capture)
+    w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=1900)
+    pid = w.proc.pid
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = json.loads(_get(pod["url"] + "/status", token)[1])
+        if any(p["pid"] == pid for p in status["processes"]):
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"PID {pid} not watched:\n{_logs(pod)}")
+    results = {}
+    cap = pod["url"] + f"/capture?pid={pid}&seconds=2&levels=token,graph,op"
+    t = threading.Thread(target=lambda: results.setdefault("r", _get(cap, token, method="POST", timeout=180)))
+    t.start()
+    time.sleep(1.0)
+    w.go()
+    t.join(timeout=180)
+    w.proc.kill()
+    code, data = results["r"]
+    assert code == 200, (data[:500], _logs(pod))
+    trace = tmp_path / "captured.pftrace"
+    trace.write_bytes(data)
+    prof = read_trace(trace)
+    assert prof.pid == pid and len(prof.ops) > 0 and prof.tokens
+    # nothing of the capture left behind in the pod's /tmp
+    assert _podman("exec", pod["ctr"], "ls", "-A", "/tmp").stdout.strip() == ""
+    assert _get(pod["url"] + "/healthz")[0] == 200
 
 
 def _complete(url: str, i: int) -> dict:
