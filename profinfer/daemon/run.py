@@ -8,12 +8,14 @@ import time
 
 from ..errors import ProfinferError
 from .agent import Agent
+from .identity import printable
 from .server import is_loopback, make_server, parse_listen
 from .tokens import load_token
 
 
 def log(msg: str) -> None:
-    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} profinfer daemon: {msg}", file=sys.stderr, flush=True)
+    # one line each, whatever names a process chose (its comm, its paths) are in it
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} profinfer daemon: {printable(msg)}", file=sys.stderr, flush=True)
 
 
 def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, token_file: str,
