@@ -154,3 +154,40 @@ def cuda_log_counts(log: Path) -> tuple[Counter, Counter, int]:
         elif e["fn"].startswith("cudaMemset"):
             copied["memset"] += e["bytes"]
     return kernels, copied, sum(1 for e in entries if e["fn"] == "cudaGraphLaunch")
+
+
+def containerd_spec(host: Path, container: str, pod_uid: str, pod: str, namespace: str) -> Path:
+    """containerd's bundle spec of a container in a pod, as its CRI plugin writes it, under
+    `host` (the host's root the daemon is pointed at with PROFINFER_HOST_ROOT)."""
+    bundle = host / "run" / "containerd" / "io.containerd.runtime.v2.task" / "k8s.io" / container
+    bundle.mkdir(parents=True)
+    spec = bundle / "config.json"
+    spec.write_text(json.dumps({"ociVersion": "1.1.0", "annotations": {
+        "io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.container-name": "main",
+        "io.kubernetes.cri.sandbox-id": "f" * 64, "io.kubernetes.cri.sandbox-uid": pod_uid,
+        "io.kubernetes.cri.sandbox-name": pod, "io.kubernetes.cri.sandbox-namespace": namespace}}))
+    spec.chmod(0o644)
+    return spec
+
+
+_TENANT = """
+import ctypes, sys
+if sys.argv[2]:
+    ctypes.CDLL(None).prctl(15, sys.argv[2].encode(), 0, 0, 0)   # PR_SET_NAME: its comm
+ctypes.CDLL(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def cudart_tenant(cudart: Path, python: str = sys.executable, comm: str = "", env: dict | None = None,
+                  preexec_fn=None) -> subprocess.Popen:
+    """A process in its own mount namespace that loads a CUDA runtime (what the daemon
+    watches: no GPU needed to load one) and waits, until its stdin closes, with a comm of
+    its choosing."""
+    proc = subprocess.Popen(["unshare", "--mount", python, "-c", _TENANT, str(cudart), comm],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env if env is not None else {"PATH": "/usr/bin:/bin"}, preexec_fn=preexec_fn)
+    _STARTED.append(proc)
+    assert proc.stdout.readline() == "ready\n"
+    return proc
