@@ -86,6 +86,8 @@ class Metrics:
         self.attach_errors = Counter("profinfer_attach_errors", "Processes found but not watched "
                                      "(attaching failed)", ["engine"], registry=self.registry)
         self.watched_now = 0
+        self.processes_dropped = 0    # found past the agent's cap on watched processes
+        self.series_dropped = 0       # exited processes' series dropped before their TTL (the cap)
         self.programs: dict[str, tuple[int, int]] = {}
         self.gpu_state = "off"
         self.gpus: list[dict] = []
@@ -317,6 +319,14 @@ class _Exposer:
         g = GaugeMetricFamily("profinfer_processes_watched", "Inference processes being watched now")
         g.add_metric([], watched)
         yield g
+        dropped = CounterMetricFamily("profinfer_processes_dropped", "Processes found but not watched: "
+                                      "the daemon already watched --max-processes")
+        dropped.add_metric([], m.processes_dropped)
+        yield dropped
+        early = CounterMetricFamily("profinfer_series_dropped", "Exited processes whose series went "
+                                    "before their TTL: more than --max-processes had exited within it")
+        early.add_metric([], m.series_dropped)
+        yield early
         runs = CounterMetricFamily("profinfer_bpf_program_runs", "Runs of profinfer's BPF programs "
                                    "(the kernel's count, run-time statistics on)", labels=["program"])
         secs = CounterMetricFamily("profinfer_bpf_program_run_seconds", "Time profinfer's BPF "

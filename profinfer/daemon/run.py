@@ -19,13 +19,14 @@ def log(msg: str) -> None:
 
 
 def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, token_file: str,
-               allow_remote: bool, otlp: str | None = None, otlp_interval_s: float = 10.0) -> int:
+               allow_remote: bool, otlp: str | None = None, otlp_interval_s: float = 10.0,
+               max_processes: int = 64) -> int:
     host, port = parse_listen(listen)
     if not is_loopback(host) and not allow_remote:
         raise ProfinferError(f"--listen {listen}: not a loopback address; pass --allow-remote to "
                              "serve other machines (metrics are readable without a token)")
     secret = load_token(token, token_file)
-    agent = Agent(levels, budget, log=log)
+    agent = Agent(levels, budget, log=log, max_processes=max_processes)
     try:
         server = make_server(agent, host, port, secret, log)
     except OSError as e:
