@@ -171,23 +171,25 @@ def containerd_spec(host: Path, container: str, pod_uid: str, pod: str, namespac
 
 
 _TENANT = """
-import ctypes, sys
+import ctypes, os, sys
 if sys.argv[2]:
     ctypes.CDLL(None).prctl(15, sys.argv[2].encode(), 0, 0, 0)   # PR_SET_NAME: its comm
 ctypes.CDLL(sys.argv[1])
-print("ready", flush=True)
+print("ready", os.getpid(), flush=True)
 sys.stdin.read()
 """
 
 
 def cudart_tenant(cudart: Path, python: str = sys.executable, comm: str = "", env: dict | None = None,
-                  preexec_fn=None) -> subprocess.Popen:
+                  preexec_fn=None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     """A process in its own mount namespace that loads a CUDA runtime (what the daemon
     watches: no GPU needed to load one) and waits, until its stdin closes, with a comm of
-    its choosing."""
-    proc = subprocess.Popen(["unshare", "--mount", python, "-c", _TENANT, str(cudart), comm],
+    its choosing. Its pid as its own PID namespace numbers it: `.ns_pid`."""
+    proc = subprocess.Popen([*prefix, "unshare", "--mount", python, "-c", _TENANT, str(cudart), comm],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=env if env is not None else {"PATH": "/usr/bin:/bin"}, preexec_fn=preexec_fn)
     _STARTED.append(proc)
-    assert proc.stdout.readline() == "ready\n"
+    ready, pid = proc.stdout.readline().split()
+    assert ready == "ready"
+    proc.ns_pid = int(pid)
     return proc
