@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PROMPT, llama_perf
-from daemon_helpers import Daemon, _STARTED, _get, containerd_spec, kill_started
+from daemon_helpers import Daemon, _STARTED, _get, kill_started, runtime_spec
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +58,7 @@ def test_container_process_found_probed_and_labelled(tmp_path, llama_build, tiny
     (root / "models").mkdir()
     shutil.copy2(tiny_model, root / "models" / "tiny.gguf")
     os.mkfifo(root / "prompt")
-    containerd_spec(tmp_path / "host", CONTAINER, POD_UID, "llama-7d9f-x2", "inference")
+    runtime_spec(tmp_path / "host", CONTAINER, POD_UID, "llama-7d9f-x2", "inference")
     CGROUP.mkdir(parents=True, exist_ok=True)
     d = Daemon(tmp_path, env={**os.environ, "PROFINFER_HOST_ROOT": str(tmp_path / "host")})
     proc = None

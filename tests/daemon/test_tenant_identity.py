@@ -4,8 +4,9 @@ the daemon's log or labels with the names it picks.
 Each tenant is a process in its own mount namespace and in a cgroup as a Kubernetes node's
 runtime makes one (kubepods pod slice, CRI container scope), with HOSTNAME=kube-apiserver-evil
 and, in the kubelet's pod directory, a projected volume named "aaa" that says kube-system.
-The truth is what the container runtime wrote on the host: containerd's bundle config.json
-(in a host root the daemon is pointed at; on a node, /proc/1/root). Only a root-owned spec
+The truth is what the container runtime wrote on the host: containerd's bundle config.json,
+CRI-O's, docker's config.v2.json (in a host root the daemon is pointed at; on a node,
+/proc/1/root). Only a root-owned spec
 naming the cgroup's pod UID counts; without one, pod and namespace stay empty."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_helpers import Daemon, _get, containerd_spec, cudart_tenant, kill_started
+from daemon_helpers import Daemon, _get, cudart_tenant, kill_started, runtime_spec
 from profinfer.cuda import workload
 
 
@@ -37,8 +38,8 @@ def _container(n: int) -> str:
     return f"{n:02x}" + "b0a7" * 15 + "cafe"[:2]
 
 
-def _spec(host: Path, container: str, uid: str) -> Path:
-    return containerd_spec(host, container, uid, "llama-7d9f-x2", "inference")
+def _spec(host: Path, container: str, uid: str, runtime: str = "containerd") -> Path:
+    return runtime_spec(host, container, uid, "llama-7d9f-x2", "inference", runtime)
 
 
 def test_pod_and_namespace_only_from_the_runtime_and_names_escaped(tmp_path):
@@ -55,13 +56,17 @@ def test_pod_and_namespace_only_from_the_runtime_and_names_escaped(tmp_path):
         (kubelet / volume / "namespace").write_text(ns)
     host = tmp_path / "host"
     # the runtime's truth for the first; none for the second; the third's names another pod;
-    # the fourth's was planted by someone other than root
-    containers = [_container(n) for n in range(4)]
+    # the fourth's was planted by someone other than root; the fifth's and sixth's are CRI-O's
+    # and docker's
+    containers = [_container(n) for n in range(6)]
     _spec(host, containers[0], POD_UID)
     _spec(host, containers[2], OTHER_UID)
     os.chown(_spec(host, containers[3], POD_UID), 65534, 65534)
+    _spec(host, containers[4], POD_UID, "cri-o")
+    _spec(host, containers[5], POD_UID, "docker")
+    scopes = ["cri-containerd"] * 4 + ["crio", "docker"]
     env = {**os.environ, "PROFINFER_KUBELET_PODS": str(kubelet.parents[2]), "PROFINFER_HOST_ROOT": str(host)}
-    cgroups = [PODS / f"cri-containerd-{c}.scope" for c in containers]
+    cgroups = [PODS / f"{scope}-{c}.scope" for scope, c in zip(scopes, containers)]
     d = Daemon(tmp_path, env=env)
     procs = []
     try:
@@ -74,7 +79,8 @@ def test_pod_and_namespace_only_from_the_runtime_and_names_escaped(tmp_path):
         for info, container in zip(infos, containers):
             assert (info["pod_uid"], info["container"]) == (POD_UID, container[:12]), info
         got = [(i["pod"], i["namespace"]) for i in infos]
-        assert got == [("llama-7d9f-x2", "inference"), ("", ""), ("", ""), ("", "")], got
+        truth, none = ("llama-7d9f-x2", "inference"), ("", "")
+        assert got == [truth, none, none, none, truth, truth], got
         # the names it chose, as the kernel holds them, escaped (Python's escapes) wherever shown
         raw_comm = Path(f"/proc/{procs[0].pid}/comm").read_text()[:-1]
         raw_exe = os.readlink(f"/proc/{procs[0].pid}/exe")
