@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ..model import TokenCall
-from .identity import Identity
+from .identity import Identity, printable
 
 PROCESS_LABELS = ("engine", "pid", "comm", "container", "pod", "namespace")
 # seconds: TTFT from a few ms (tiny models) to a minute (long prompts on a busy server)
@@ -293,6 +293,7 @@ class _Exposer:
         for p in procs:
             lv = p.labels()
             for backend, (n, ns, nodes, buckets) in sorted(p.graphs.items()):
+                backend = printable(backend)       # named after a symbol of the tenant's file
                 graph_n.add_metric(lv + [backend], n)
                 graph_nodes.add_metric(lv + [backend], nodes)
                 graph_t.add_metric(lv + [backend], _log2_buckets(buckets), ns / 1e9)
@@ -389,7 +390,7 @@ def _cuda_families(procs: list[_Process], labels: list[str]):
         lv = p.labels()
         ranked = sorted(p.cuda["kernels"].items(), key=lambda kv: -kv[1])
         for name, n in ranked[:TOP_KERNELS]:
-            launches.add_metric(lv + [name], n)
+            launches.add_metric(lv + [printable(name)], n)     # a symbol of the tenant's file
         if len(ranked) > TOP_KERNELS:
             launches.add_metric(lv + ["other"], sum(n for _, n in ranked[TOP_KERNELS:]))
         graphs.add_metric(lv, p.cuda["graphs"])
