@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -38,10 +39,10 @@ def _plant(directory: Path, owner: int | None = None) -> bytes:
 def _watched_at_cuda(d: Daemon, cudart: Path) -> str:
     """A tenant watched at the cuda level; the daemon stopped: its log."""
     proc = cudart_tenant(cudart)
-    info = d.watched(proc.pid)
-    for _ in range(100):
-        if "cuda" in info["levels"]:
-            break
+    deadline = time.monotonic() + 60         # a bound: its objects may be built first
+    info = d.watched(proc.pid, timeout=60)
+    while "cuda" not in info["levels"] and time.monotonic() < deadline:
+        time.sleep(0.1)
         info = d.watched(proc.pid)
     assert "cuda" in info["levels"], d.text()
     proc.stdin.close()
