@@ -17,13 +17,10 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from importlib import resources
 
 from . import buildcache
 from .errors import ProfinferError
-
-_scratch: tempfile.TemporaryDirectory | None = None
 
 # The ring-buffer build is used from Linux 5.12 on (kernel.ring_buffer_supported): BPF ISA v3
 # and atomics that return a value (compare-and-swap claims per-thread slots). The
@@ -67,7 +64,9 @@ def object_path(source: str, variant: str = "ring") -> str:
     stem = os.path.splitext(os.path.splitext(source)[0])[0]
     name = f"{stem}-{variant}-{key}.o"
     for directory in (os.environ.get(PREBUILT_ENV), cache_dir()):
-        if directory and os.path.exists(os.path.join(directory, name)):
+        # loaded as root: only an object nobody else could have put there
+        if directory and os.path.exists(os.path.join(directory, name)) and buildcache.trusted(
+                os.path.join(directory, name)):
             return os.path.join(directory, name)
     clang = find_clang()
     if clang is None:
@@ -76,11 +75,7 @@ def object_path(source: str, variant: str = "ring") -> str:
     if not os.path.exists("/usr/include/bpf/bpf_helpers.h"):
         raise ProfinferError("the BPF object is not built and libbpf's headers are missing: "
                              "apt-get install libbpf-dev")
-    directory = buildcache.writable_dir("bpf")
-    if directory is None:       # kept for this process's life only
-        global _scratch
-        _scratch = _scratch or tempfile.TemporaryDirectory(prefix="profinfer-bpf-")
-        directory = _scratch.name
+    directory = buildcache.writable_dir("bpf") or buildcache.private_dir()   # else for this process's life
     out = os.path.join(directory, name)
     tmp = f"{out}.{os.getpid()}.tmp"
     cmd = [clang, "-O2", "-g", "-Werror=implicit-function-declaration", "-target", "bpf", f"-D__TARGET_ARCH_{arch}", *VARIANTS[variant],
@@ -89,6 +84,7 @@ def object_path(source: str, variant: str = "ring") -> str:
     if done.returncode != 0:
         first = next((l for l in done.stderr.splitlines() if "error" in l), done.stderr.strip()[:300])
         raise ProfinferError(f"building {source} failed: {first}")
+    os.chmod(tmp, 0o644)   # whatever the umask: trusted when found again
     os.replace(tmp, out)   # atomic: a concurrent attach sees a whole object or none
     return out
 

@@ -1,13 +1,21 @@
 """The cache where the bundled workloads are built and generated ($PROFINFER_CACHE, else
 ~/.cache/profinfer), with what every engine's workload module uses to fill it: one builder at
-a time per item (flock), and commands whose output is the build's progress report."""
+a time per item (flock), and commands whose output is the build's progress report.
+
+What profinfer runs or loads from it (BPF objects, as root; native binaries) is used only
+if nobody but this user or root could have put it there: the file and every directory on
+its way from / (as given and as resolved) owned by root or the effective user, and none
+writable by group or others (a sticky directory such as /tmp aside). Under `sudo -E` the
+home cache is a user's: refused, said once, and built again in a private place."""
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -25,12 +33,69 @@ def cache_dir() -> Path:
 
 
 _unwritable: set[Path] = set()
+_distrusted: set[Path] = set()       # directories said to be refused
+_private: tempfile.TemporaryDirectory | None = None
+
+
+def _ancestry(path: str) -> list[str]:
+    """/, then each directory down to `path`, then `path`."""
+    out, cur = ["/"], "/"
+    for part in Path(path).parts[1:]:
+        cur = os.path.join(cur, part)
+        out.append(cur)
+    return out
+
+
+def untrusted(path: Path | str) -> str | None:
+    """Why this process may not trust `path` (someone else could have written it or can swap
+    it), or None when it may. Missing paths are for the caller to handle (OSError)."""
+    uid = os.geteuid()
+    given = os.path.abspath(path)
+    for p in dict.fromkeys(_ancestry(given) + _ancestry(os.path.realpath(given))):
+        st = os.lstat(p)
+        if st.st_uid not in (0, uid):
+            return f"{p} is owned by uid {st.st_uid}"
+        if stat.S_ISLNK(st.st_mode):
+            continue
+        if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+            return f"{p} is writable by {'others' if st.st_mode & 0o002 else 'group'}"
+    return None
+
+
+def trusted(path: Path | str) -> bool:
+    """Whether `path` exists and may be trusted; a refusal is said once per directory."""
+    try:
+        why = untrusted(path)
+    except OSError:
+        return False
+    if why is None:
+        return True
+    where = Path(path) if os.path.isdir(path) else Path(path).parent
+    if where not in _distrusted:
+        _distrusted.add(where)
+        print(f"profinfer: warning: not using what is in {where}: {why} (someone other than "
+              "root or this user could have put it there); building a private copy",
+              file=sys.stderr, flush=True)
+    return False
+
+
+def private_dir() -> Path:
+    """A directory of this process's own, gone when it exits: for what a cache that cannot be
+    written or trusted would have held (in the first trusted temporary directory)."""
+    global _private
+    if _private is None:
+        base = next((d for d in (tempfile.gettempdir(), "/tmp", "/dev/shm") if trusted(d)), None)
+        _private = tempfile.TemporaryDirectory(prefix="profinfer-", dir=base)
+    return Path(_private.name)
 
 
 def writable_dir(sub: str) -> Path | None:
     """cache_dir()/sub, made if missing; None where it cannot be written (a read-only root, a
-    volume not mounted): the caller then keeps what it would cache in memory. Said once per
-    directory, in one line: a cache is an optimisation, never a reason not to profile."""
+    volume not mounted) or trusted: the caller then keeps what it would cache in memory or
+    in private_dir(). Said once per directory, in one line: a cache is an optimisation, never
+    a reason not to profile. A cache root of our own that others may write (a Kubernetes
+    emptyDir is 0777) is closed to them first: what they could have put in it is refused by
+    its owner."""
     path = cache_dir() / sub
     if path in _unwritable:
         return None
@@ -38,10 +103,17 @@ def writable_dir(sub: str) -> Path | None:
         path.mkdir(parents=True, exist_ok=True)
         if not os.access(path, os.W_OK):
             raise PermissionError(f"{path} is not writable")
+        for p in {cache_dir(), path}:
+            st = os.stat(p)
+            if st.st_uid == os.geteuid() and st.st_mode & 0o022:
+                os.chmod(p, st.st_mode & ~0o022)
     except OSError as e:
         _unwritable.add(path)
         print(f"profinfer: warning: cache {path} cannot be written ({e.strerror or e}); "
               "keeping it in memory", file=sys.stderr, flush=True)
+        return None
+    if not trusted(path):
+        _unwritable.add(path)
         return None
     return path
 

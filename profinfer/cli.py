@@ -339,7 +339,10 @@ DEFAULT_URL = "http://127.0.0.1:9464"
               "(e.g. http://127.0.0.1:4318).")
 @click.option("--otlp-interval", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True,
               help="Seconds between OTLP exports.")
-def daemon(listen, allow_remote, budget, levels, token, token_file, otlp, otlp_interval):
+@click.option("--max-processes", type=click.IntRange(1, 100000), default=64, show_default=True,
+              help="Most processes watched at once (and exited ones' series kept); more are counted "
+              "in profinfer_processes_dropped_total, not watched.")
+def daemon(listen, allow_remote, budget, levels, token, token_file, otlp, otlp_interval, max_processes):
     """Run the node agent: watch every inference process, serve Prometheus metrics and traces."""
     from .daemon.run import run_daemon
     from .kernel import require_root
@@ -347,7 +350,8 @@ def daemon(listen, allow_remote, budget, levels, token, token_file, otlp, otlp_i
     levels = _levels(levels)
     if not token and os.path.dirname(token_file):
         os.makedirs(os.path.dirname(token_file), mode=0o700, exist_ok=True)
-    sys.exit(run_daemon(listen, budget, levels, token, token_file, allow_remote, otlp, otlp_interval))
+    sys.exit(run_daemon(listen, budget, levels, token, token_file, allow_remote, otlp, otlp_interval,
+                        max_processes=max_processes))
 
 
 def _daemon_request(method: str, url: str, token: str | None = None, timeout: float = 30):

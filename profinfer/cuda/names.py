@@ -116,6 +116,20 @@ def handle_statics(path: str) -> list[tuple[int, str]]:
 _NEEDS_CUDART: dict[str, bool] = {}
 
 
+def forget_process(pid: int) -> None:
+    """What was read through a process's /proc/PID/root paths goes with the process (a daemon
+    sees thousands come and go; the next one with this pid is another process)."""
+    prefix = f"/proc/{pid}/"
+    for key in [k for k in _SORTED if k[0].startswith(prefix)]:
+        del _SORTED[key]
+    for key in [k for k in _NEEDS_CUDART if k.startswith(prefix)]:
+        del _NEEDS_CUDART[key]
+
+
+def cache_sizes() -> dict[str, int]:
+    return {"kernel_symbol_tables": len(_SORTED), "cudart_links": len(_NEEDS_CUDART)}
+
+
 def needs_cudart(path: str) -> bool:
     """Whether a shared object links libcudart dynamically (its DT_NEEDED), so that its
     kernels' CUDA 13 stubs hold handles from it (read from the dynamic section only)."""

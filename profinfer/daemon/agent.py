@@ -36,6 +36,7 @@ from ..follow import interpreter
 from ..session import engine_files, find_engine, find_packs
 from . import discover
 from .discover import NodeDiscovery
+from ..cuda import names as cuda_names
 from ..stats import SequenceTracker
 from .identity import Identity, identify, model_file
 from .metrics import Metrics
@@ -62,6 +63,10 @@ LEVEL_RANK = {"op": 3, "graph": 2, "token": 1, "step": 1}
 # locked memory a process)
 RING_PAGES = 16
 _SEEN_LIMIT = 4096       # executables remembered (does it define an engine's marker)
+# Any process that maps a file named like an engine's library or a CUDA runtime is watched:
+# at most this many at once (each holds fds, probes and series), and at most as many exited
+# ones' series kept for their TTL; what is left out is counted.
+DEFAULT_MAX_PROCESSES = 64
 
 
 @dataclass
@@ -137,8 +142,12 @@ def raise_fd_limit() -> None:
 
 class Agent:
     def __init__(self, levels: set[str] | None = None, budget: float = 0.04,
-                 log=lambda msg: None, own_pid: int | None = None, discover_processes: bool = True):
+                 log=lambda msg: None, own_pid: int | None = None, discover_processes: bool = True,
+                 max_processes: int = DEFAULT_MAX_PROCESSES):
         self.levels = set(levels or DEFAULT_LEVELS)
+        self.max_processes = max_processes
+        self.over_cap: set[tuple[int, int]] = set()    # (pid, start): found, left out (the cap)
+        self.cap_said = False              # the cap said in the log since there was room last
         self.budget = budget
         self.log = log
         self.own_pid = own_pid or os.getpid()
@@ -212,6 +221,7 @@ class Agent:
         self.cuda_checked = {k: v for k, v in self.cuda_checked.items() if k[0] in alive}
         self.failed = {k: v for k, v in self.failed.items() if k[0] in alive}
         self.loader_seen = {k for k in self.loader_seen if k[0] in alive}
+        self.over_cap = {k for k in self.over_cap if k[0] in alive}
         with self.lock:
             self.unwatched = {k: v for k, v in self.unwatched.items() if k[0] in alive}
         if len(self.executables_seen) > _SEEN_LIMIT:
@@ -244,6 +254,8 @@ class Agent:
         key, vsize = (pid, st[0]), st[1]
         if not settled and (self.not_engines.get(key) == vsize or key in self.unwatched):
             return                    # looked at, and nothing mapped since
+        if key in self.over_cap and self._full():
+            return                    # left out, and still no room
         if not settled and self.discovery is not None:
             if self.discovery.pending(pid):
                 return                # loading: looked at once its loader is done
@@ -267,12 +279,30 @@ class Agent:
         if found is None and cuda is None:
             self.not_engines[key] = vsize
             return
+        if self._full():
+            self._left_out(key)
+            return
+        self.over_cap.discard(key)
         if found is not None:
             self._watch(pid, st[0], *found)
         else:
             self._watch_runtime_only(pid, st[0])
         if cuda is not None and pid in self.watches:
             self._watch_cuda(self.watches[pid], cuda[1])
+
+    def _full(self) -> bool:
+        return len(self.watches) + len(self.unwatched) >= self.max_processes
+
+    def _left_out(self, key: tuple[int, int]) -> None:
+        """A process found when max_processes are watched: counted once, said once a spell."""
+        if key in self.over_cap:
+            return
+        self.over_cap.add(key)
+        self.metrics.processes_dropped += 1
+        if not self.cap_said:
+            self.cap_said = True
+            self.log(f"watching {self.max_processes} processes (--max-processes): PID {key[0]} and any "
+                     "other found now are left out, counted in profinfer_processes_dropped_total")
 
     def _look_runtime(self, pid: int, w: Watch, st: tuple[int, int]) -> None:
         """A watched process that may have loaded a CUDA runtime since it was looked at."""
@@ -552,12 +582,20 @@ class Agent:
         w.exited_at = time.monotonic()
         w.group = None     # its buffers go now; the series stay (metrics)
         w.cuda = False
+        w.tracker = SequenceTracker(keep=False)    # its sequences: nothing more will come
+        cuda_names.forget_process(w.identity.pid)  # what was read through its /proc/PID/root
         if w.pidfd >= 0:
             os.close(w.pidfd)
             w.pidfd = -1
         with self.lock:
             self.watches.pop(w.identity.pid, None)
             self.exited.append(w)
+        # at most max_processes exited ones' series wait for their TTL: the oldest go first
+        while len(self.exited) > self.max_processes:
+            self.metrics.forget(self.exited.pop(0).identity)
+            self.metrics.series_dropped += 1
+        if not self._full():
+            self.cap_said = False
         self.log(f"PID {w.identity.pid} ({w.identity.comm}) exited: detached")
 
     def _close_group(self, group: SharedProbes) -> None:
@@ -869,6 +907,12 @@ class Agent:
             "found_not_watched": [{**i.as_dict(), "why": "no always-on level for this engine yet"}
                                   for i in unwatched],
             "gpu": self.metrics.gpu_state,
+            "limits": {"max_processes": self.max_processes,
+                       "processes_dropped": self.metrics.processes_dropped,
+                       "series_dropped": self.metrics.series_dropped,
+                       "left_out_now": len(self.over_cap)},
+            "caches": {**cuda_names.cache_sizes(), "process_series": len(self.metrics.processes),
+                       "sequences": sum(len(w.tracker.current) for w in watches + list(self.exited))},
             "discovery": ({"loaders_hooked": len(discovery.loaders), "held": discovery.held_now()}
                           if discovery is not None else {"off": self.discovery_off}),
         }

@@ -60,18 +60,24 @@ def name_prefixes(packs: list[Pack]) -> list[str]:
     return out
 
 
+_INIT_PID_NS = 0xEFFFFFFC
+
+
 def available() -> str | None:
     """None where node-wide discovery can run here, else why not."""
     if not os.path.exists("/sys/kernel/btf/vmlinux"):
         return "no kernel BTF (/sys/kernel/btf/vmlinux)"
     if not kernel.release_at_least(5, 17):
         return "Linux before 5.17 (no bpf_loop)"
+    # BPF names processes by their pids in the initial PID namespace, which we could not
+    # signal from another one. NSpid cannot tell: it starts at the namespace of the /proc
+    # mounted here (a container's own /proc shows one entry); the initial namespace's inode
+    # number is fixed (PROC_PID_INIT_INO).
     try:
-        with open("/proc/self/status") as f:
-            nspid = next((l.split()[1:] for l in f if l.startswith("NSpid:")), [])
+        ns = os.readlink("/proc/self/ns/pid")
     except OSError:
-        nspid = []
-    if len(nspid) != 1:     # BPF names processes by their host pids, which we could not signal
+        ns = ""
+    if ns != f"pid:[{_INIT_PID_NS}]":
         return "not in the host's PID namespace (hostPID)"
     return None
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ..model import TokenCall
-from .identity import Identity
+from .identity import Identity, printable
 
 PROCESS_LABELS = ("engine", "pid", "comm", "container", "pod", "namespace")
 # seconds: TTFT from a few ms (tiny models) to a minute (long prompts on a busy server)
@@ -86,6 +86,8 @@ class Metrics:
         self.attach_errors = Counter("profinfer_attach_errors", "Processes found but not watched "
                                      "(attaching failed)", ["engine"], registry=self.registry)
         self.watched_now = 0
+        self.processes_dropped = 0    # found past the agent's cap on watched processes
+        self.series_dropped = 0       # exited processes' series dropped before their TTL (the cap)
         self.programs: dict[str, tuple[int, int]] = {}
         self.gpu_state = "off"
         self.gpus: list[dict] = []
@@ -291,6 +293,7 @@ class _Exposer:
         for p in procs:
             lv = p.labels()
             for backend, (n, ns, nodes, buckets) in sorted(p.graphs.items()):
+                backend = printable(backend)       # named after a symbol of the tenant's file
                 graph_n.add_metric(lv + [backend], n)
                 graph_nodes.add_metric(lv + [backend], nodes)
                 graph_t.add_metric(lv + [backend], _log2_buckets(buckets), ns / 1e9)
@@ -317,6 +320,14 @@ class _Exposer:
         g = GaugeMetricFamily("profinfer_processes_watched", "Inference processes being watched now")
         g.add_metric([], watched)
         yield g
+        dropped = CounterMetricFamily("profinfer_processes_dropped", "Processes found but not watched: "
+                                      "the daemon already watched --max-processes")
+        dropped.add_metric([], m.processes_dropped)
+        yield dropped
+        early = CounterMetricFamily("profinfer_series_dropped", "Exited processes whose series went "
+                                    "before their TTL: more than --max-processes had exited within it")
+        early.add_metric([], m.series_dropped)
+        yield early
         runs = CounterMetricFamily("profinfer_bpf_program_runs", "Runs of profinfer's BPF programs "
                                    "(the kernel's count, run-time statistics on)", labels=["program"])
         secs = CounterMetricFamily("profinfer_bpf_program_run_seconds", "Time profinfer's BPF "
@@ -379,7 +390,7 @@ def _cuda_families(procs: list[_Process], labels: list[str]):
         lv = p.labels()
         ranked = sorted(p.cuda["kernels"].items(), key=lambda kv: -kv[1])
         for name, n in ranked[:TOP_KERNELS]:
-            launches.add_metric(lv + [name], n)
+            launches.add_metric(lv + [printable(name)], n)     # a symbol of the tenant's file
         if len(ranked) > TOP_KERNELS:
             launches.add_metric(lv + ["other"], sum(n for _, n in ranked[TOP_KERNELS:]))
         graphs.add_metric(lv, p.cuda["graphs"])

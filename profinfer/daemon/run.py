@@ -8,22 +8,25 @@ import time
 
 from ..errors import ProfinferError
 from .agent import Agent
+from .identity import printable
 from .server import is_loopback, make_server, parse_listen
 from .tokens import load_token
 
 
 def log(msg: str) -> None:
-    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} profinfer daemon: {msg}", file=sys.stderr, flush=True)
+    # one line each, whatever names a process chose (its comm, its paths) are in it
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} profinfer daemon: {printable(msg)}", file=sys.stderr, flush=True)
 
 
 def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, token_file: str,
-               allow_remote: bool, otlp: str | None = None, otlp_interval_s: float = 10.0) -> int:
+               allow_remote: bool, otlp: str | None = None, otlp_interval_s: float = 10.0,
+               max_processes: int = 64) -> int:
     host, port = parse_listen(listen)
     if not is_loopback(host) and not allow_remote:
         raise ProfinferError(f"--listen {listen}: not a loopback address; pass --allow-remote to "
                              "serve other machines (metrics are readable without a token)")
     secret = load_token(token, token_file)
-    agent = Agent(levels, budget, log=log)
+    agent = Agent(levels, budget, log=log, max_processes=max_processes)
     try:
         server = make_server(agent, host, port, secret, log)
     except OSError as e:

@@ -154,3 +154,58 @@ def cuda_log_counts(log: Path) -> tuple[Counter, Counter, int]:
         elif e["fn"].startswith("cudaMemset"):
             copied["memset"] += e["bytes"]
     return kernels, copied, sum(1 for e in entries if e["fn"] == "cudaGraphLaunch")
+
+
+def runtime_spec(host: Path, container: str, pod_uid: str, pod: str, namespace: str,
+                 runtime: str = "containerd") -> Path:
+    """A container runtime's spec of a container in a pod, where and as the runtime writes it
+    (containerd's CRI plugin: the bundle's config.json; CRI-O: its userdata config.json;
+    cri-dockerd: docker's config.v2.json, the kubelet's labels), under `host` (the host's
+    root the daemon is pointed at with PROFINFER_HOST_ROOT)."""
+    if runtime == "containerd":
+        spec = host / "run/containerd/io.containerd.runtime.v2.task/k8s.io" / container / "config.json"
+        doc = {"ociVersion": "1.1.0", "annotations": {
+            "io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.container-name": "main",
+            "io.kubernetes.cri.sandbox-id": "f" * 64, "io.kubernetes.cri.sandbox-uid": pod_uid,
+            "io.kubernetes.cri.sandbox-name": pod, "io.kubernetes.cri.sandbox-namespace": namespace}}
+    elif runtime == "cri-o":
+        spec = host / "run/containers/storage/overlay-containers" / container / "userdata/config.json"
+        doc = {"ociVersion": "1.0.2-dev", "annotations": {
+            "io.kubernetes.container.name": "main", "io.kubernetes.cri-o.SandboxID": "f" * 64,
+            "io.kubernetes.pod.uid": pod_uid, "io.kubernetes.pod.name": pod,
+            "io.kubernetes.pod.namespace": namespace}}
+    else:
+        spec = host / "var/lib/docker/containers" / container / "config.v2.json"
+        doc = {"ID": container, "Config": {"Labels": {
+            "io.kubernetes.container.name": "main", "io.kubernetes.docker.type": "container",
+            "io.kubernetes.pod.uid": pod_uid, "io.kubernetes.pod.name": pod,
+            "io.kubernetes.pod.namespace": namespace}}}
+    spec.parent.mkdir(parents=True)
+    spec.write_text(json.dumps(doc))
+    spec.chmod(0o644)
+    return spec
+
+
+_TENANT = """
+import ctypes, os, sys
+if sys.argv[2]:
+    ctypes.CDLL(None).prctl(15, sys.argv[2].encode(), 0, 0, 0)   # PR_SET_NAME: its comm
+ctypes.CDLL(sys.argv[1])
+print("ready", os.getpid(), flush=True)
+sys.stdin.read()
+"""
+
+
+def cudart_tenant(cudart: Path, python: str = sys.executable, comm: str = "", env: dict | None = None,
+                  preexec_fn=None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    """A process in its own mount namespace that loads a CUDA runtime (what the daemon
+    watches: no GPU needed to load one) and waits, until its stdin closes, with a comm of
+    its choosing. Its pid as its own PID namespace numbers it: `.ns_pid`."""
+    proc = subprocess.Popen([*prefix, "unshare", "--mount", python, "-c", _TENANT, str(cudart), comm],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env if env is not None else {"PATH": "/usr/bin:/bin"}, preexec_fn=preexec_fn)
+    _STARTED.append(proc)
+    ready, pid = proc.stdout.readline().split()
+    assert ready == "ready"
+    proc.ns_pid = int(pid)
+    return proc

@@ -1,8 +1,9 @@
 """A process in a container as the daemon meets one: its own mount namespace and root (an
 unshared chroot holding its own copy of llama.cpp's libraries and the model), a cgroup as a
 Kubernetes node's container runtime makes one (kubepods pod slice, CRI container scope), and
-the kubelet's pod directory. It is found, probed through /proc/PID/root, counted, and
-labelled with its container, pod and namespace, without any Kubernetes API."""
+the runtime's spec of the container on the host (containerd's bundle config.json). It is found,
+probed through /proc/PID/root, counted, and labelled with its container, pod and namespace,
+without any Kubernetes API."""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PROMPT, llama_perf
-from daemon_helpers import Daemon, _STARTED, _get, kill_started
+from daemon_helpers import Daemon, _STARTED, _get, kill_started, runtime_spec
 
 
 @pytest.fixture(autouse=True)
@@ -57,14 +58,9 @@ def test_container_process_found_probed_and_labelled(tmp_path, llama_build, tiny
     (root / "models").mkdir()
     shutil.copy2(tiny_model, root / "models" / "tiny.gguf")
     os.mkfifo(root / "prompt")
-    pods = tmp_path / "kubelet-pods"
-    ns_dir = pods / POD_UID / "volumes" / "kubernetes.io~projected" / "kube-api-access-x7k2p"
-    ns_dir.mkdir(parents=True)
-    (ns_dir / "namespace").write_text("inference")
+    runtime_spec(tmp_path / "host", CONTAINER, POD_UID, "llama-7d9f-x2", "inference")
     CGROUP.mkdir(parents=True, exist_ok=True)
-    os.environ["PROFINFER_KUBELET_PODS"] = str(pods)       # inherited by the daemon
-    d = Daemon(tmp_path)
-    del os.environ["PROFINFER_KUBELET_PODS"]
+    d = Daemon(tmp_path, env={**os.environ, "PROFINFER_HOST_ROOT": str(tmp_path / "host")})
     proc = None
     try:
         def into_the_pods_cgroup():
