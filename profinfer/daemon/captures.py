@@ -58,6 +58,13 @@ def temp_root() -> str:
     return os.environ.get("TMPDIR") or "/tmp"
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def _tree(pid: int) -> list[psutil.Process]:
     try:
         p = psutil.Process(pid)
@@ -163,6 +170,7 @@ class Captures:
                 raise BadRequest(504, f"the capture of PID {pid} did not end") from None
             if proc.returncode < 0:          # killed: it could not let the target go
                 self._continue_left(pid, stopped_before)
+                raise BadRequest(500, f"the capture of PID {pid} was killed ({_signal_name(-proc.returncode)})")
             if proc.returncode != 0 or not os.path.exists(trace):
                 gone = not os.path.exists(f"/proc/{pid}")
                 last = (stderr.strip().splitlines() or [f"the capture ended with status {proc.returncode}"])[-1]

@@ -3,6 +3,9 @@ histograms' buckets, an empty batch."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -28,11 +31,40 @@ def test_token_file_made_private_and_checked(tmp_path):
     link.symlink_to(path)
     with pytest.raises(ProfinferError):                    # a link is not followed
         load_token(None, str(link))
+
+
+def test_an_empty_token_file_of_ours_is_replaced(tmp_path):
+    """What a crash while writing it left: made anew, said once; an empty file readable by
+    others is still refused."""
     empty = tmp_path / "empty"
-    fd = os.open(empty, os.O_WRONLY | os.O_CREAT, 0o600)
-    os.close(fd)
-    with pytest.raises(ProfinferError, match="empty"):
-        load_token(None, str(empty))
+    os.close(os.open(empty, os.O_WRONLY | os.O_CREAT, 0o600))
+    said = []
+    token = load_token(None, str(empty), warn=said.append)
+    assert len(token) >= 32 and empty.read_text() == token + "\n" and (empty.stat().st_mode & 0o777) == 0o600
+    assert len(said) == 1 and "empty" in said[0]
+    assert load_token(None, str(empty), warn=said.append) == token and len(said) == 1
+    shared = tmp_path / "shared"
+    os.close(os.open(shared, os.O_WRONLY | os.O_CREAT, 0o644))
+    os.chmod(shared, 0o644)
+    with pytest.raises(ProfinferError, match="readable by others"):
+        load_token(None, str(shared))
+
+
+def test_a_crash_while_writing_the_token_leaves_no_file(tmp_path):
+    """The first start killed at its write (SIGXFSZ: a file size limit of 0): no token file
+    is left, so the next start makes one."""
+    path = tmp_path / "token"
+    code = ("import resource, signal\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
+            "from profinfer.daemon.tokens import load_token\n"
+            f"load_token(None, {str(path)!r})\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGXFSZ, done.stderr
+    assert not path.exists() and os.listdir(tmp_path) == []
+    token = load_token(None, str(path))
+    assert path.read_text() == token + "\n"
 
 
 def test_listen_addresses():
