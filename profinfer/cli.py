@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from .daemon.tokens import TOKEN_ENV
 from .errors import ProfinferError
 from .model import Profile
 from .probepack import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
@@ -325,7 +326,6 @@ def doctor():
 
 DEFAULT_TOKEN_FILE = "/run/profinfer/token"
 DEFAULT_URL = "http://127.0.0.1:9464"
-TOKEN_ENV = "PROFINFER_TOKEN"
 
 
 @cli.command()
@@ -334,7 +334,7 @@ TOKEN_ENV = "PROFINFER_TOKEN"
 @click.option("--budget", type=click.FloatRange(0.0001, 1.0), default=0.04, show_default=True,
               help="Share of the watched processes' CPU time profiling may cost.")
 @click.option("--levels", default="token,graph,cuda", show_default=True, help="Always-on levels: token and graph (probes shared per build), op under the budget (per process), cuda where a process maps a CUDA runtime.")
-@click.option("--token", envvar="PROFINFER_TOKEN", help="Bearer token for the control endpoints; "
+@click.option("--token", envvar=TOKEN_ENV, help="Bearer token for the control endpoints; "
               "prefer the environment variable PROFINFER_TOKEN or --token-file: a command line is "
               "readable by every user (/proc/PID/cmdline). Default: read from, or made in, --token-file.")
 @click.option("--token-file", default=DEFAULT_TOKEN_FILE, show_default=True, type=click.Path(dir_okay=False))

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import psutil
 
 from ..probepack import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
+from .tokens import TOKEN_ENV
 
 MAX_CAPTURE_S = 300
 MAX_CAPTURES = 2             # at once (each is a full attach: its own CPU and memory)
@@ -28,7 +29,6 @@ CAPTURE_LEVELS = set(LEVELS) | {"step"} | set(KERNEL_LEVELS) | set(RUNTIME_LEVEL
 # HOME (a BPF object not built yet), the locale, the temporary directory; PROFINFER_* settings
 # (the cache, prebuilt objects, probe options) but PROFINFER_TOKEN.
 CAPTURE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR")
-TOKEN_ENV = "PROFINFER_TOKEN"
 SIGSTOP_BIT = 1 << (signal.SIGSTOP - 1)       # in /proc/PID/status's pending-signal masks
 # The capture's first lines: it gets SIGTERM (and ends its session, letting what it follows
 # go) when the daemon's thread that started it dies; if the daemon is already gone, it ends.

@@ -96,8 +96,14 @@ def _captures_of(daemon: Daemon) -> list[psutil.Process]:
 
 def _capture_async(daemon: Daemon, query: str, timeout: float = 120) -> tuple[threading.Thread, dict]:
     results: dict = {}
-    t = threading.Thread(target=lambda: results.setdefault("r", _get(
-        daemon.url + "/capture?" + query, daemon.token, method="POST", timeout=timeout)))
+
+    def run():
+        try:
+            results["r"] = _get(daemon.url + "/capture?" + query, daemon.token, method="POST", timeout=timeout)
+        except OSError as e:         # the daemon went
+            results["r"] = (None, str(e).encode())
+
+    t = threading.Thread(target=run)
     t.start()
     return t, results
 
@@ -205,6 +211,33 @@ def test_a_killed_capture_leaves_no_target_stopped(tmp_path, llama_build, llama_
             if p and _state(p) != "gone":
                 os.kill(p, signal.SIGCONT)
         d.stop()
+
+
+def test_a_capture_ends_with_the_daemon(tmp_path, llama_build, llama_env):
+    """The daemon killed (SIGKILL: no clean-up of its own) during a 60 s capture: the capture
+    is told (its parent-death signal) and ends at once, leaving none of the target's tree
+    stopped, rather than running on for its minute as an orphan."""
+    d = Daemon(tmp_path)
+    target = _target(llama_build, llama_env)
+    child = None
+    try:
+        d.watched(target.pid)
+        t, results = _capture_async(d, f"pid={target.pid}&seconds=60&levels=token,cuda")
+        child = _wait_capture(d)
+        time.sleep(2.0)                    # attached and following
+        d.proc.kill()
+        d.proc.wait(timeout=30)
+        gone, _ = psutil.wait_procs([child], timeout=20)
+        assert gone, f"the capture runs on after its daemon died: {child.cmdline()}"
+        t.join(timeout=30)
+        time.sleep(0.5)
+        assert _stopped_child(target.pid) is None and _state(target.pid) != "T"
+    finally:
+        if child is not None and child.is_running():
+            child.kill()
+        if d.proc.poll() is None:
+            d.proc.kill()
+        d.log.close()
 
 
 def test_an_unwritable_temp_dir_is_named_in_one_line(tmp_path, llama_build, llama_env):
