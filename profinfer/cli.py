@@ -4,6 +4,7 @@ Every failure the user can act on ends as one line on stderr and a non-zero exit
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import sys
 
 import click
 
+from .daemon.tokens import TOKEN_ENV
 from .errors import ProfinferError
 from .model import Profile
 from .probepack import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
@@ -332,9 +334,14 @@ DEFAULT_URL = "http://127.0.0.1:9464"
 @click.option("--budget", type=click.FloatRange(0.0001, 1.0), default=0.04, show_default=True,
               help="Share of the watched processes' CPU time profiling may cost.")
 @click.option("--levels", default="token,graph,cuda", show_default=True, help="Always-on levels: token and graph (probes shared per build), op under the budget (per process), cuda where a process maps a CUDA runtime.")
-@click.option("--token", envvar="PROFINFER_TOKEN", help="Bearer token for the control endpoints "
-              "(default: read from, or made in, --token-file).")
+@click.option("--token", envvar=TOKEN_ENV, help="Bearer token for the control endpoints; "
+              "prefer the environment variable PROFINFER_TOKEN or --token-file: a command line is "
+              "readable by every user (/proc/PID/cmdline). Default: read from, or made in, --token-file.")
 @click.option("--token-file", default=DEFAULT_TOKEN_FILE, show_default=True, type=click.Path(dir_okay=False))
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False),
+              help="Serve HTTPS with this PEM certificate (chain): needed where the token crosses a network.")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False),
+              help="The certificate's PEM private key (default: in --tls-cert's file).")
 @click.option("--otlp", metavar="ENDPOINT", help="Also send the metrics by OTLP/HTTP to this collector "
               "(e.g. http://127.0.0.1:4318).")
 @click.option("--otlp-interval", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True,
@@ -342,24 +349,64 @@ DEFAULT_URL = "http://127.0.0.1:9464"
 @click.option("--max-processes", type=click.IntRange(1, 100000), default=64, show_default=True,
               help="Most processes watched at once (and exited ones' series kept); more are counted "
               "in profinfer_processes_dropped_total, not watched.")
-def daemon(listen, allow_remote, budget, levels, token, token_file, otlp, otlp_interval, max_processes):
+def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tls_key, otlp, otlp_interval,
+           max_processes):
     """Run the node agent: watch every inference process, serve Prometheus metrics and traces."""
+    from click.core import ParameterSource
     from .daemon.run import run_daemon
     from .kernel import require_root
     require_root()
     levels = _levels(levels)
+    if tls_key and not tls_cert:
+        raise click.BadParameter("--tls-key needs --tls-cert", param_hint="--tls-key")
+    if token and click.get_current_context().get_parameter_source("token") == ParameterSource.COMMANDLINE:
+        _warn("--token is readable by every user of this machine (/proc/PID/cmdline, ps): "
+              f"give it in the environment ({TOKEN_ENV}) or in --token-file")
+    os.environ.pop(TOKEN_ENV, None)          # nothing the daemon starts inherits it
     if not token and os.path.dirname(token_file):
         os.makedirs(os.path.dirname(token_file), mode=0o700, exist_ok=True)
     sys.exit(run_daemon(listen, budget, levels, token, token_file, allow_remote, otlp, otlp_interval,
-                        max_processes=max_processes))
+                        tls_cert=tls_cert, tls_key=tls_key, max_processes=max_processes))
 
 
-def _daemon_request(method: str, url: str, token: str | None = None, timeout: float = 30):
+def _client_token(token_file: str, required: bool) -> str | None:
+    """The token a client sends: PROFINFER_TOKEN, else the token file's (None when neither is
+    there and it is not required: loopback's /status needs none)."""
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token:
+        return token
+    try:
+        with open(token_file) as f:
+            token = f.read().strip()
+    except OSError as e:
+        if required or e.errno not in (errno.ENOENT, errno.EACCES):
+            raise ProfinferError(f"cannot read the token file {token_file}: {e.strerror} "
+                                 f"(or give the token in {TOKEN_ENV})") from None
+        return None
+    if not token and required:
+        raise ProfinferError(f"the token file {token_file} is empty")
+    return token or None
+
+
+def _daemon_request(method: str, url: str, token: str | None = None, timeout: float = 30,
+                    cacert: str | None = None, insecure_http: bool = False):
+    import ssl
     import urllib.error
+    import urllib.parse
     import urllib.request
+    from .daemon.server import is_loopback
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ProfinferError(f"--url {url}: expected http(s)://HOST:PORT")
+    if token and parts.scheme == "http" and not is_loopback(parts.hostname) and not insecure_http:
+        raise ProfinferError(f"refusing to send the control token over plain HTTP to {parts.hostname}: "
+                             "anyone on the path could read it and attach probes with it; use https:// "
+                             "(daemon --tls-cert/--tls-key, here --cacert), an SSH tunnel to 127.0.0.1, "
+                             "or --insecure-http on a network you trust")
+    context = ssl.create_default_context(cafile=cacert) if parts.scheme == "https" else None
     req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
             return r.read()
     except urllib.error.HTTPError as e:
         body = e.read().decode(errors="replace")
@@ -370,16 +417,34 @@ def _daemon_request(method: str, url: str, token: str | None = None, timeout: fl
             pass
         raise ProfinferError(f"the daemon answered {e.code}: {body.strip()}") from None
     except (urllib.error.URLError, OSError) as e:
-        raise ProfinferError(f"no daemon at {url}: {getattr(e, 'reason', e)}") from None
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            raise ProfinferError(f"{url}: the daemon's certificate is not trusted ({reason.verify_message}): "
+                                 "give its CA with --cacert") from None
+        raise ProfinferError(f"no daemon at {url}: {reason}") from None
+
+
+def client_options(f):
+    """How `status` and `capture` reach a daemon: its URL, the token, TLS."""
+    f = click.option("--insecure-http", is_flag=True, help="Send the token over plain HTTP to a "
+                     "host other than loopback (readable by anyone on the path).")(f)
+    f = click.option("--cacert", type=click.Path(exists=True, dir_okay=False),
+                     help="Trust this PEM CA certificate for an https:// URL (default: the system's).")(f)
+    f = click.option("--token-file", default=DEFAULT_TOKEN_FILE, show_default=True,
+                     type=click.Path(dir_okay=False), help=f"The control token (or {TOKEN_ENV}).")(f)
+    f = click.option("--url", default=DEFAULT_URL, show_default=True)(f)
+    return f
 
 
 @cli.command()
-@click.option("--url", default=DEFAULT_URL, show_default=True)
+@client_options
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's JSON as is.")
-def status(url, as_json):
+def status(url, token_file, cacert, insecure_http, as_json):
     """What the daemon watches, at which levels, and what it costs."""
     import json
-    data = json.loads(_daemon_request("GET", url.rstrip("/") + "/status"))
+    token = _client_token(token_file, required=False)
+    data = json.loads(_daemon_request("GET", url.rstrip("/") + "/status", token, cacert=cacert,
+                                      insecure_http=insecure_http))
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
@@ -401,17 +466,14 @@ def status(url, as_json):
 @click.option("--seconds", type=click.FloatRange(0.01, 300), default=10, show_default=True)
 @click.option("--levels", default="token,graph,op", show_default=True)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
-@click.option("--url", default=DEFAULT_URL, show_default=True)
-@click.option("--token-file", default=DEFAULT_TOKEN_FILE, show_default=True, type=click.Path(dir_okay=False))
-def capture(pid, seconds, levels, output, url, token_file):
+@client_options
+def capture(pid, seconds, levels, output, url, token_file, cacert, insecure_http):
     """Ask the daemon for a Perfetto trace of one process."""
     from urllib.parse import urlencode
-    try:
-        token = open(token_file).read().strip()
-    except OSError as e:
-        raise ProfinferError(f"cannot read the token file {token_file}: {e.strerror}") from None
+    token = _client_token(token_file, required=True)
     data = _daemon_request("POST", url.rstrip("/") + "/capture?" + urlencode(
-        {"pid": pid, "seconds": seconds, "levels": levels}), token, timeout=seconds + 120)
+        {"pid": pid, "seconds": seconds, "levels": levels}), token, timeout=seconds + 120,
+        cacert=cacert, insecure_http=insecure_http)
     with open(output, "wb") as f:
         f.write(data)
     _note(f"wrote {output} ({len(data):,} bytes)")

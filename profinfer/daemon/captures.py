@@ -1,24 +1,99 @@
-"""On-demand traces for the daemon's POST /capture: each a `profinfer attach` of its own."""
+"""On-demand traces for the daemon's POST /capture: each a `profinfer attach` of its own.
+
+The capture runs isolated from the daemon: `python -I` (neither the daemon's directory nor
+PYTHONPATH nor a user site on sys.path), in `/`, with an environment of CAPTURE_ENV and the
+PROFINFER_* settings only (never the token). A runtime level's follower stops the target at
+each exec and dlopen until it has probed the new code; if the capture dies before it lets the
+target go (a timeout, the OOM killer), the daemon continues what it left stopped."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
+
+import psutil
 
 from ..probepack import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
+from .tokens import TOKEN_ENV
 
 MAX_CAPTURE_S = 300
 MAX_CAPTURES = 2             # at once (each is a full attach: its own CPU and memory)
 CAPTURE_LEVELS = set(LEVELS) | {"step"} | set(KERNEL_LEVELS) | set(RUNTIME_LEVELS)
+# What the capture may see of the daemon's environment: a compiler on PATH and the cache under
+# HOME (a BPF object not built yet), the locale, the temporary directory; PROFINFER_* settings
+# (the cache, prebuilt objects, probe options) but PROFINFER_TOKEN.
+CAPTURE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR")
+SIGSTOP_BIT = 1 << (signal.SIGSTOP - 1)       # in /proc/PID/status's pending-signal masks
+# The capture's first lines: it gets SIGTERM (and ends its session, letting what it follows
+# go) when the daemon's thread that started it dies; if the daemon is already gone, it ends.
+_CHILD = ("import ctypes, signal, os, sys\n"
+          "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+          "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+          "from profinfer.cli import main\n"
+          "main(sys.argv[2:])\n")
 
 
 class BadRequest(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
+
+
+def capture_env(environ: dict[str, str], tmpdir: str) -> dict[str, str]:
+    env = {k: v for k, v in environ.items()
+           if k in CAPTURE_ENV or (k.startswith("PROFINFER_") and k != TOKEN_ENV)}
+    env["TMPDIR"] = tmpdir
+    return env
+
+
+def temp_root() -> str:
+    """Where captures write: $TMPDIR, else /tmp (read at each capture: never the daemon's
+    current directory, tempfile's last resort)."""
+    return os.environ.get("TMPDIR") or "/tmp"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        p = psutil.Process(pid)
+        return [p] + p.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _held(pid: int) -> bool:
+    """Stopped, or about to be (SIGSTOP pending: sent from BPF, not yet acted on)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return (fields["State"].split()[0] == "T"
+                or bool((int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)) & SIGSTOP_BIT))
+    except (OSError, KeyError, ValueError, IndexError):
+        return False
+
+
+def _stopped_tree(pid: int) -> set[tuple[int, float]]:
+    """The processes of pid's tree held stopped now, each as (pid, start time)."""
+    out = set()
+    for p in _tree(pid):
+        try:
+            if _held(p.pid):
+                out.add((p.pid, p.create_time()))
+        except psutil.Error:
+            pass
+    return out
 
 
 class Captures:
@@ -32,7 +107,24 @@ class Captures:
         self.running: set[int] = set()
         self.lock = threading.Lock()
 
-    def run(self, query: dict[str, list[str]]) -> bytes:
+    @contextlib.contextmanager
+    def slot(self, query: dict[str, list[str]]) -> Iterator[Callable[[], bytes]]:
+        """A capture's place, held until the with block ends: the trace is sent inside it, so
+        that MAX_CAPTURES also bounds the traces held in memory while slow clients read them."""
+        pid, seconds, levels = self._parse(query)
+        with self.lock:
+            if pid in self.running:
+                raise BadRequest(409, f"a capture of PID {pid} is already running")
+            if len(self.running) >= MAX_CAPTURES:
+                raise BadRequest(429, f"{MAX_CAPTURES} captures are running; try again later")
+            self.running.add(pid)
+        try:
+            yield lambda: self._capture(pid, seconds, levels)
+        finally:
+            with self.lock:
+                self.running.discard(pid)
+
+    def _parse(self, query: dict[str, list[str]]) -> tuple[int, float, set[str]]:
         try:
             pid = int(query["pid"][0])
             seconds = float(query.get("seconds", ["10"])[0])
@@ -49,35 +141,61 @@ class Captures:
             watched = pid in self.agent.watches
         if not watched:
             raise BadRequest(404, f"PID {pid} is not an inference process this daemon watches")
-        with self.lock:
-            if pid in self.running:
-                raise BadRequest(409, f"a capture of PID {pid} is already running")
-            if len(self.running) >= MAX_CAPTURES:
-                raise BadRequest(429, f"{MAX_CAPTURES} captures are running; try again later")
-            self.running.add(pid)
+        return pid, seconds, levels
+
+    def _capture(self, pid: int, seconds: float, levels: set[str]) -> bytes:
+        root = temp_root()
         try:
-            with tempfile.TemporaryDirectory(prefix="profinfer-capture-") as tmp:
-                trace, summary = os.path.join(tmp, "t.pftrace"), os.path.join(tmp, "s.json")
-                cmd = [sys.executable, "-m", "profinfer.cli", "attach", "--pid", str(pid), "--levels",
-                       ",".join(sorted(levels)), "--duration", f"{seconds:g}", "--quiet",
-                       "-o", trace, "--json", summary]
-                try:
-                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 300)
-                except subprocess.TimeoutExpired:
-                    raise BadRequest(504, f"the capture of PID {pid} did not end") from None
-                if done.returncode != 0 or not os.path.exists(trace):
-                    gone = not os.path.exists(f"/proc/{pid}")
-                    last = (done.stderr.strip().splitlines() or ["failed"])[-1]
-                    raise BadRequest(410 if gone else 500,
-                                     f"PID {pid} exited during the capture" if gone else last)
-                with open(summary) as f:
-                    stopped = json.load(f).get("meta", {}).get("stopped_by", "")
-                if stopped.startswith("target exited"):
-                    raise BadRequest(410, f"PID {pid} exited during the capture")
-                with open(trace, "rb") as f:
-                    data = f.read()
-            self.note(f"captured PID {pid} for {seconds:g} s at {','.join(sorted(levels))}: {len(data):,} bytes")
-            return data
-        finally:
-            with self.lock:
-                self.running.discard(pid)
+            tmp = tempfile.TemporaryDirectory(prefix="profinfer-capture-", dir=root)
+        except OSError as e:
+            raise BadRequest(503, f"cannot make the capture's temporary directory in {root}: {e.strerror}; "
+                                  "give the daemon a writable one (TMPDIR, systemd PrivateTmp=yes, "
+                                  "a Kubernetes emptyDir on /tmp)") from None
+        with tmp:
+            trace, summary = os.path.join(tmp.name, "t.pftrace"), os.path.join(tmp.name, "s.json")
+            cmd = [sys.executable, "-I", "-c", _CHILD, str(os.getpid()), "attach", "--pid", str(pid),
+                   "--levels", ",".join(sorted(levels)), "--duration", f"{seconds:g}", "--quiet",
+                   "-o", trace, "--json", summary]
+            stopped_before = _stopped_tree(pid)
+            # its own session: a timeout kills all it started
+            proc = subprocess.Popen(cmd, cwd="/", env=capture_env(os.environ, root), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+            try:
+                _, stderr = proc.communicate(timeout=seconds + 300)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                self._continue_left(pid, stopped_before)
+                raise BadRequest(504, f"the capture of PID {pid} did not end") from None
+            if proc.returncode < 0:          # killed: it could not let the target go
+                self._continue_left(pid, stopped_before)
+                raise BadRequest(500, f"the capture of PID {pid} was killed ({_signal_name(-proc.returncode)})")
+            if proc.returncode != 0 or not os.path.exists(trace):
+                gone = not os.path.exists(f"/proc/{pid}")
+                last = (stderr.strip().splitlines() or [f"the capture ended with status {proc.returncode}"])[-1]
+                raise BadRequest(410 if gone else 500,
+                                 f"PID {pid} exited during the capture" if gone else last)
+            with open(summary) as f:
+                stopped = json.load(f).get("meta", {}).get("stopped_by", "")
+            if stopped.startswith("target exited"):
+                raise BadRequest(410, f"PID {pid} exited during the capture")
+            with open(trace, "rb") as f:
+                data = f.read()
+        self.note(f"captured PID {pid} for {seconds:g} s at {','.join(sorted(levels))}: {len(data):,} bytes")
+        return data
+
+    def _continue_left(self, pid: int, stopped_before: set[tuple[int, float]]) -> None:
+        """SIGCONT to the processes of pid's tree that a dead capture left stopped: each one
+        held now that was not held when it began (someone else's stop stays), and not one the
+        daemon's own discovery holds. Its BPF programs went with it: no new stop comes."""
+        discovery = getattr(self.agent, "discovery", None)
+        ours = set(discovery.held_now()) if discovery is not None else set()
+        for p, started in _stopped_tree(pid) - stopped_before:
+            if p in ours:
+                continue
+            try:
+                os.kill(p, signal.SIGCONT)
+                self.note(f"PID {p} continued: the capture that stopped it died")
+            except ProcessLookupError:
+                pass

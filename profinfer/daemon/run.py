@@ -10,6 +10,7 @@ from ..errors import ProfinferError
 from .agent import Agent
 from .identity import printable
 from .server import is_loopback, make_server, parse_listen
+from .tls import server_context as tls_context
 from .tokens import load_token
 
 
@@ -20,15 +21,19 @@ def log(msg: str) -> None:
 
 def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, token_file: str,
                allow_remote: bool, otlp: str | None = None, otlp_interval_s: float = 10.0,
-               max_processes: int = 64) -> int:
+               tls_cert: str | None = None, tls_key: str | None = None, max_processes: int = 64) -> int:
     host, port = parse_listen(listen)
     if not is_loopback(host) and not allow_remote:
         raise ProfinferError(f"--listen {listen}: not a loopback address; pass --allow-remote to "
                              "serve other machines (metrics are readable without a token)")
-    secret = load_token(token, token_file)
+    secret = load_token(token, token_file, warn=log)
+    tls = tls_context(tls_cert, tls_key) if tls_cert else None
+    if tls is None and not is_loopback(host):
+        log("warning: serving beyond loopback over plain HTTP: the token crosses the network in "
+            "clear; give --tls-cert and --tls-key")
     agent = Agent(levels, budget, log=log, max_processes=max_processes)
     try:
-        server = make_server(agent, host, port, secret, log)
+        server = make_server(agent, host, port, secret, log, tls=tls)
     except OSError as e:
         agent.close()
         raise ProfinferError(f"cannot listen on {listen}: {e.strerror}") from None
@@ -52,7 +57,7 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
                                       "of /proc each second" if agent.discovery is not None else
                                       f"by a scan of /proc each second (discovery from the kernel is off: "
                                       f"{agent.discovery_off})"))
-        log(f"listening on http://{host}:{port} (metrics; control endpoints need the token"
+        log(f"listening on {'https' if tls else 'http'}://{host}:{port} (metrics; control endpoints need the token"
             + ("" if token else f" in {token_file}") + f"); levels {','.join(sorted(agent.levels))}")
         while not stop.is_set():
             agent.poll(0.2)

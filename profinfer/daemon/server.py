@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..errors import ProfinferError
 from .captures import BadRequest, Captures
+from .tls import handshake, wrap_accepted
 
 REQUEST_TIMEOUT_S = 10
 
@@ -43,7 +44,8 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def make_server(agent, host: str, port: int, token: str, note) -> ThreadingHTTPServer:
+def make_server(agent, host: str, port: int, token: str, note, tls=None) -> ThreadingHTTPServer:
+    """tls: an ssl.SSLContext to serve HTTPS with (tls.server_context)."""
     captures = Captures(agent, note)
     secret = token.encode("utf-8", "surrogateescape")
     local = is_loopback(host)
@@ -51,6 +53,10 @@ def make_server(agent, host: str, port: int, token: str, note) -> ThreadingHTTPS
     class Handler(BaseHTTPRequestHandler):
         server_version = "profinfer"
         timeout = REQUEST_TIMEOUT_S      # an idle connection does not hold a thread for ever
+
+        def handle(self):
+            if handshake(self.connection):       # TLS: in this thread, under its timeout
+                super().handle()
 
         def log_message(self, fmt, *args):     # requests are not logged (scrapes every few s)
             pass
@@ -97,8 +103,8 @@ def make_server(agent, host: str, port: int, token: str, note) -> ThreadingHTTPS
                 if not self._authorized():
                     self._json(401, {"error": "a bearer token is required (Authorization: Bearer <token>)"})
                     return
-                data = captures.run(parse_qs(url.query))
-                self._send(200, data, "application/octet-stream")
+                with captures.slot(parse_qs(url.query)) as capture:    # freed once the trace is sent
+                    self._send(200, capture(), "application/octet-stream")
             except BadRequest as e:
                 self._json(e.status, {"error": str(e)})
             except Exception as e:
@@ -107,6 +113,8 @@ def make_server(agent, host: str, port: int, token: str, note) -> ThreadingHTTPS
     server_class = _Server6 if ":" in host else ThreadingHTTPServer
     server = server_class((host, port), Handler)
     server.daemon_threads = True
+    if tls is not None:
+        wrap_accepted(server, tls)
     return server
 
 

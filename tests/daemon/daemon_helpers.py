@@ -37,11 +37,11 @@ def with_caps(caps) -> list[str]:
             "--inh-caps=-all", "--ambient-caps=-all", "--"]
 
 
-def _get(url: str, token: str | None = None, method: str = "GET", timeout: float = 30):
+def _get(url: str, token: str | None = None, method: str = "GET", timeout: float = 30, context=None):
     req = urllib.request.Request(url, method=method,
                                  headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -49,30 +49,39 @@ def _get(url: str, token: str | None = None, method: str = "GET", timeout: float
 
 class Daemon:
     def __init__(self, tmp_path: Path, extra: tuple[str, ...] = (), prefix: tuple[str, ...] = (),
-                 env: dict | None = None):
+                 env: dict | None = None, cwd: Path | None = None, command: list[str] = PROFINFER,
+                 listen: str = "127.0.0.1", url: str | None = None):
         """prefix: what runs the daemon's command (setpriv with a capability set). With
-        PROFINFER_TEST_DAEMON_CAPS=manifest every daemon test runs with the manifest's."""
+        PROFINFER_TEST_DAEMON_CAPS=manifest every daemon test runs with the manifest's.
+        A PROFINFER_TOKEN in env is the token (no file made); url: where it is reached (an
+        https:// one is checked against the certificate in extra's --tls-cert)."""
         if not prefix and os.environ.get("PROFINFER_TEST_DAEMON_CAPS") == "manifest":
             prefix = tuple(with_caps(manifest_caps()))
         self.tmp_path = tmp_path
         self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{url or 'http://127.0.0.1'}:{self.port}"
         self.token_file = tmp_path / "token"
         self.log = open(tmp_path / "daemon.log", "w+")
-        self.proc = subprocess.Popen([*prefix, *PROFINFER, "daemon", "--listen", f"127.0.0.1:{self.port}",
+        self.proc = subprocess.Popen([*prefix, *command, "daemon", "--listen", f"{listen}:{self.port}",
                                       "--token-file", str(self.token_file), *extra],
-                                     stderr=self.log, stdout=self.log, env=env)
+                                     stderr=self.log, stdout=self.log, env=env, cwd=cwd)
+        self.context = None
+        if self.url.startswith("https:"):
+            import ssl
+            self.context = ssl.create_default_context(cafile=extra[list(extra).index("--tls-cert") + 1])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
-                if _get(self.url + "/healthz")[0] == 200:
+                if _get(self.url + "/healthz", context=self.context)[0] == 200:
                     break
             except OSError:
                 pass
             assert self.proc.poll() is None, self.text()
             time.sleep(0.1)
-        self.token = self.token_file.read_text().strip()
-        assert (self.token_file.stat().st_mode & 0o777) == 0o600
+        self.token = extra[list(extra).index("--token") + 1] if "--token" in extra else (env or {}).get("PROFINFER_TOKEN")
+        if not self.token:
+            self.token = self.token_file.read_text().strip()
+            assert (self.token_file.stat().st_mode & 0o777) == 0o600
 
     def text(self) -> str:
         self.log.flush()
@@ -82,7 +91,7 @@ class Daemon:
     def watched(self, pid: int, timeout: float = 15) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            status = json.loads(_get(self.url + "/status")[1])
+            status = json.loads(_get(self.url + "/status", self.token, context=self.context)[1])
             found = [p for p in status["processes"] if p["pid"] == pid]
             if found:
                 return found[0]

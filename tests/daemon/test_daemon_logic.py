@@ -3,6 +3,10 @@ histograms' buckets, an empty batch."""
 from __future__ import annotations
 
 import os
+import urllib.error
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -28,11 +32,40 @@ def test_token_file_made_private_and_checked(tmp_path):
     link.symlink_to(path)
     with pytest.raises(ProfinferError):                    # a link is not followed
         load_token(None, str(link))
+
+
+def test_an_empty_token_file_of_ours_is_replaced(tmp_path):
+    """What a crash while writing it left: made anew, said once; an empty file readable by
+    others is still refused."""
     empty = tmp_path / "empty"
-    fd = os.open(empty, os.O_WRONLY | os.O_CREAT, 0o600)
-    os.close(fd)
-    with pytest.raises(ProfinferError, match="empty"):
-        load_token(None, str(empty))
+    os.close(os.open(empty, os.O_WRONLY | os.O_CREAT, 0o600))
+    said = []
+    token = load_token(None, str(empty), warn=said.append)
+    assert len(token) >= 32 and empty.read_text() == token + "\n" and (empty.stat().st_mode & 0o777) == 0o600
+    assert len(said) == 1 and "empty" in said[0]
+    assert load_token(None, str(empty), warn=said.append) == token and len(said) == 1
+    shared = tmp_path / "shared"
+    os.close(os.open(shared, os.O_WRONLY | os.O_CREAT, 0o644))
+    os.chmod(shared, 0o644)
+    with pytest.raises(ProfinferError, match="readable by others"):
+        load_token(None, str(shared))
+
+
+def test_a_crash_while_writing_the_token_leaves_no_file(tmp_path):
+    """The first start killed at its write (SIGXFSZ: a file size limit of 0): no token file
+    is left, so the next start makes one."""
+    path = tmp_path / "token"
+    code = ("import resource, signal\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
+            "from profinfer.daemon.tokens import load_token\n"
+            f"load_token(None, {str(path)!r})\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGXFSZ, done.stderr
+    assert not path.exists() and os.listdir(tmp_path) == []
+    token = load_token(None, str(path))
+    assert path.read_text() == token + "\n"
 
 
 def test_listen_addresses():
@@ -85,3 +118,59 @@ def test_container_and_pod_from_cgroup_paths():
     assert pod_uid_of("/kubepods.slice/kubepods-burstable.slice/"
                       "kubepods-burstable-pod7a1f3c2e_5b6d_4e8f_9a0b_1c2d3e4f5a6b.slice/x") == \
         "7a1f3c2e-5b6d-4e8f-9a0b-1c2d3e4f5a6b"
+
+
+def test_a_capture_slot_is_held_until_its_trace_is_sent(monkeypatch):
+    """The daemon's HTTP endpoint with a capture whose trace (16 MiB, more than the kernel's
+    socket buffers hold) a client does not read: the server's write blocks, and the slot is
+    still taken (a second capture of the process: 409) until the client reads it all. The
+    capture's output alone is stood in for: what is tested is when the slot is freed."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from profinfer.daemon import server as server_module
+    from profinfer.daemon.captures import Captures
+
+    trace = os.urandom(16 << 20)
+    monkeypatch.setattr(Captures, "_capture", lambda self, pid, seconds, levels: trace)
+
+    class Watching:
+        lock = threading.Lock()
+        watches = {os.getpid(): None}
+
+    srv = server_module.make_server(Watching(), "127.0.0.1", 0, "t" * 32, lambda msg: None)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    query = f"/capture?pid={os.getpid()}&seconds=1&levels=token"
+
+    def post() -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{query}", method="POST",
+                                     headers={"Authorization": "Bearer " + "t" * 32})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                r.read()
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    try:
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(("127.0.0.1", port))
+        slow.sendall(f"POST {query} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {'t' * 32}\r\n"
+                     "Content-Length: 0\r\n\r\n".encode())
+        slow.settimeout(30)
+        assert slow.recv(1, socket.MSG_PEEK) == b"H"      # the response has begun
+        time.sleep(0.5)
+        assert post() == 409
+        got = 0
+        while chunk := slow.recv(1 << 20):
+            got += len(chunk)
+        slow.close()
+        assert got > len(trace)
+        assert post() == 200                               # freed once sent
+    finally:
+        srv.shutdown()
+        srv.server_close()
