@@ -339,15 +339,31 @@ DEFAULT_URL = "http://127.0.0.1:9464"
               "(e.g. http://127.0.0.1:4318).")
 @click.option("--otlp-interval", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True,
               help="Seconds between OTLP exports.")
-def daemon(listen, allow_remote, budget, levels, token, token_file, otlp, otlp_interval):
-    """Run the node agent: watch every inference process, serve Prometheus metrics and traces."""
+@click.option("--labels", "labels", type=click.Choice(["full", "no-paths", "minimal"]), default="full",
+              show_default=True, help="Which labels /metrics gives anyone who can reach it: full; "
+              "no-paths, without the executable and model file paths; minimal, engine and pid "
+              "only (no paths, command, container, pod or namespace, no CUDA kernel names).")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="A Host header name to answer besides IP addresses, localhost and this "
+              "machine's hostname (e.g. a Service's DNS name; '.example.com' admits its "
+              "subdomains). Others are refused (421) against DNS rebinding. Repeatable.")
+@click.option("--max-connections", type=click.IntRange(4, 65536), default=256, show_default=True,
+              help="Open HTTP connections at most; over it the oldest still sending its request "
+              "is closed (each has 10 s to send it whole).")
+def daemon(listen, allow_remote, budget, levels, token, token_file, otlp, otlp_interval, labels,
+           allow_hosts, max_connections):
+    """Run the node agent: watch every inference process, serve Prometheus metrics and traces.
+
+    /status answers without a token only a client on loopback (its address, not the one
+    listened on); /capture always needs the token."""
     from .daemon.run import run_daemon
     from .kernel import require_root
     require_root()
     levels = _levels(levels)
     if not token and os.path.dirname(token_file):
         os.makedirs(os.path.dirname(token_file), mode=0o700, exist_ok=True)
-    sys.exit(run_daemon(listen, budget, levels, token, token_file, allow_remote, otlp, otlp_interval))
+    sys.exit(run_daemon(listen, budget, levels, token, token_file, allow_remote, otlp, otlp_interval,
+                        labels=labels, allow_hosts=allow_hosts, max_connections=max_connections))
 
 
 def _daemon_request(method: str, url: str, token: str | None = None, timeout: float = 30):
