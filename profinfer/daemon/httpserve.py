@@ -7,6 +7,11 @@ one go), or is closed at once when every open one is being answered. Each reques
 in a bounded thread pool, its lane (a capture may take minutes: it must not take the workers
 that answer /healthz); a lane with no free worker and no room in its queue is answered 503 at
 once. Handlers never touch the socket: the loop sends their answer, under a deadline too.
+
+The loop's thread and the workers use at most `cpu_share` of a CPU together: over it, the
+loop sleeps (connections wait in the kernel's queues, no new work reaches the workers). The agent loop shares the interpreter: a thread busy answering a flood
+holds the GIL, and each of the agent's reads of /proc would wait for it (measured: a scan
+taking over 30 s under two clients asking /metrics back to back, unthrottled).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import json
 import queue
 import socket
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -27,6 +33,8 @@ from urllib.parse import parse_qs, urlsplit
 MAX_HEAD = 16 * 1024          # request line and headers
 MAX_BODY = 64 * 1024          # no endpoint takes a body; a small form is let through
 SEND_RATE = 256 * 1024        # bytes a second a reader must take its answer at, at least
+THROTTLE_CHECK_S = 0.05       # how often the loop's CPU use is looked at
+MAX_PAUSE_S = 0.5
 
 
 @dataclass
@@ -79,7 +87,8 @@ class _Conn:
 class BoundedHTTPServer:
     def __init__(self, host: str, port: int, route: Route, lanes: dict[str, Lane], *,
                  max_connections: int, request_deadline_s: float, send_deadline_s: float,
-                 dropped: Callable[[str], None] = lambda reason: None, ssl_context=None):
+                 dropped: Callable[[str], None] = lambda reason: None, ssl_context=None,
+                 cpu_share: float = 0.2):
         """Binds now (an address in use is an OSError here); serves once start() is called.
         dropped(reason) is told of each connection cut short: "over_cap" (closed at once),
         "evicted" (the oldest slow client, for a new one), "deadline" (its request not whole
@@ -95,6 +104,9 @@ class BoundedHTTPServer:
         self.send_deadline_s = send_deadline_s
         self.dropped = dropped
         self.ssl_context = ssl_context
+        self.cpu_share = cpu_share
+        self._cpu_mark = (0.0, 0.0)          # (monotonic, the loop's and workers' CPU time)
+        self._workers_cpu = 0.0              # what the workers' jobs used, summed
         self.conns: OrderedDict[asyncio.Task, _Conn] = OrderedDict()   # in the order accepted
         self.loop = asyncio.new_event_loop()
         self.thread: threading.Thread | None = None
@@ -127,7 +139,9 @@ class BoundedHTTPServer:
     def _worker(self, lane: Lane) -> None:
         while (job := lane.jobs.get()) is not None:
             work, done = job
+            began = time.thread_time()
             answer = _run_work(work)
+            self._workers_cpu += time.thread_time() - began    # a statistic: a lost add is no harm
             try:
                 self.loop.call_soon_threadsafe(_settle, lane, done, answer)
             except RuntimeError:              # the loop has closed
@@ -140,7 +154,23 @@ class BoundedHTTPServer:
         finally:
             self.loop.close()
 
+    def _throttle(self) -> None:
+        """Sleep (the whole loop) for as long as it and the workers have used over cpu_share
+        since the last look (a long pause is made in turns: what is left is owed)."""
+        now, cpu = time.monotonic(), time.thread_time() + self._workers_cpu
+        wall, used = now - self._cpu_mark[0], cpu - self._cpu_mark[1]
+        over = used / self.cpu_share - wall
+        owed = 0.0
+        if over > 0:
+            time.sleep(min(over, MAX_PAUSE_S))
+            owed = max(0.0, over - MAX_PAUSE_S)
+            now = time.monotonic()
+        self._cpu_mark = (now, cpu - owed * self.cpu_share)
+        self.loop.call_later(THROTTLE_CHECK_S, self._throttle)
+
     async def _serve(self) -> None:
+        self._cpu_mark = (time.monotonic(), time.thread_time() + self._workers_cpu)
+        self.loop.call_later(THROTTLE_CHECK_S, self._throttle)
         self._server = await asyncio.start_server(
             self._connection, sock=self.sock, ssl=self.ssl_context,
             ssl_handshake_timeout=self.request_deadline_s if self.ssl_context else None,

@@ -35,6 +35,7 @@ SEND_DEADLINE_S = 30         # for an answer to be taken (plus a second per SEND
 MAX_CONNECTIONS = 256
 METRICS_MAX_AGE_S = 1.0      # a /metrics body serves every scrape within this: a flood costs one
 QUICK_WORKERS = 2            # /metrics, /status, /healthz (each quick; the cache makes them so)
+HTTP_CPU_SHARE = 0.1         # of a CPU, for the server's loop: a flood slows answers, not the agent
 LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
 
 
@@ -156,4 +157,5 @@ def make_server(agent, host: str, port: int, token: str, note, allow_hosts: tupl
              "capture": Lane(workers=MAX_CAPTURES, waiting=0)}
     return BoundedHTTPServer(host, port, route, lanes, max_connections=max_connections,
                              request_deadline_s=REQUEST_DEADLINE_S, send_deadline_s=SEND_DEADLINE_S,
-                             dropped=agent.metrics.http_dropped, ssl_context=ssl_context)
+                             dropped=agent.metrics.http_dropped, ssl_context=ssl_context,
+                             cpu_share=HTTP_CPU_SHARE)

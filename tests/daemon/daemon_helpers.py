@@ -49,9 +49,10 @@ def _get(url: str, token: str | None = None, method: str = "GET", timeout: float
 
 class Daemon:
     def __init__(self, tmp_path: Path, extra: tuple[str, ...] = (), prefix: tuple[str, ...] = (),
-                 env: dict | None = None):
+                 env: dict | None = None, host: str = "127.0.0.1"):
         """prefix: what runs the daemon's command (setpriv with a capability set). With
-        PROFINFER_TEST_DAEMON_CAPS=manifest every daemon test runs with the manifest's."""
+        PROFINFER_TEST_DAEMON_CAPS=manifest every daemon test runs with the manifest's.
+        host: the address it listens on (reached at 127.0.0.1 all the same)."""
         if not prefix and os.environ.get("PROFINFER_TEST_DAEMON_CAPS") == "manifest":
             prefix = tuple(with_caps(manifest_caps()))
         self.tmp_path = tmp_path
@@ -59,7 +60,7 @@ class Daemon:
         self.url = f"http://127.0.0.1:{self.port}"
         self.token_file = tmp_path / "token"
         self.log = open(tmp_path / "daemon.log", "w+")
-        self.proc = subprocess.Popen([*prefix, *PROFINFER, "daemon", "--listen", f"127.0.0.1:{self.port}",
+        self.proc = subprocess.Popen([*prefix, *PROFINFER, "daemon", "--listen", f"{host}:{self.port}",
                                       "--token-file", str(self.token_file), *extra],
                                      stderr=self.log, stdout=self.log, env=env)
         deadline = time.monotonic() + 30
