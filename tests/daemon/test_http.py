@@ -385,18 +385,15 @@ def test_llama_server_counted_exactly_under_slowloris_and_a_metrics_flood(daemon
             text = _get(daemon.url + "/metrics")[1].decode()
             return {k: int(v) for k, v in series(text, "profinfer_tokens_total", proc.pid, "phase").items()}
 
-        daemon.watched(proc.pid)
-        deadline = time.monotonic() + 30      # its warm-up decode, counted before any request
-        while tokens().get("prefill", 0) == 0 and time.monotonic() < deadline:
-            time.sleep(0.5)
+        daemon.watched(proc.pid)              # its probes attached: each request is seen
         time.sleep(2)
         before = tokens()
-        assert before.get("prefill", 0) > 0, daemon.text()
 
+        threads_before = _threads(daemon.proc.pid)
         slow = Slowloris(daemon.port, 100, every_s=3.0, reopen=True)
         flood = Flood(daemon.url, threads=2)
         health = HealthPoller(daemon.url, every_s=1.0)
-        rss, replies, end = [], [], time.monotonic() + 120
+        rss, threads, replies, end = [], [], [], time.monotonic() + 120
         try:
             def client(k: int) -> None:
                 i = k
@@ -404,6 +401,7 @@ def test_llama_server_counted_exactly_under_slowloris_and_a_metrics_flood(daemon
                     replies.append(_complete(url, i))
                     i += 2
                     rss.append(_rss_kib(daemon.proc.pid))
+                    threads.append(_threads(daemon.proc.pid))
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 for f in [pool.submit(client, k) for k in range(2)]:
                     f.result()
@@ -412,7 +410,7 @@ def test_llama_server_counted_exactly_under_slowloris_and_a_metrics_flood(daemon
             flood.close()
             codes = health.close()
         rss.append(_rss_kib(daemon.proc.pid))
-        want = {"prefill": before["prefill"] + sum(r["timings"]["prompt_n"] for r in replies),
+        want = {"prefill": before.get("prefill", 0) + sum(r["timings"]["prompt_n"] for r in replies),
                 "decode": before.get("decode", 0) + sum(r["timings"]["predicted_n"] - 1 for r in replies)}
         deadline, got = time.monotonic() + 30, {}
         while time.monotonic() < deadline:
@@ -425,8 +423,11 @@ def test_llama_server_counted_exactly_under_slowloris_and_a_metrics_flood(daemon
         assert sum(series(text, "profinfer_events_lost_total", proc.pid, None).values()) == 0
         assert codes and set(codes) == {200}, codes
         assert max(rss) < limit_kib, (max(rss), limit_kib)
+        # a hundred slow clients and the flood cost no thread each
+        assert max(threads) <= threads_before + 2, (threads_before, max(threads))
         # the attack happened: slow clients were cut off by the deadline, scrapes answered
         assert len(slow.lived) >= 100 and flood.answers.get(200, 0) > 100, (len(slow.lived), flood.answers)
         assert len(replies) >= 4
-        print(f"{len(replies)} requests, {want}, {len(slow.lived)} slow clients closed, "
-              f"{flood.answers} scrapes, /healthz {len(codes)}x 200, daemon RSS max {max(rss)} KiB")
+        print(f"{len(replies)} requests, {want}, {len(slow.lived)} slow clients closed (open for "
+              f"{min(slow.lived):.1f}-{max(slow.lived):.1f} s), {flood.answers} scrapes, /healthz "
+              f"{len(codes)}x 200, daemon RSS max {max(rss)} KiB, threads {threads_before}-{max(threads)}")
