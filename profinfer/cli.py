@@ -349,9 +349,23 @@ DEFAULT_URL = "http://127.0.0.1:9464"
 @click.option("--max-processes", type=click.IntRange(1, 100000), default=64, show_default=True,
               help="Most processes watched at once (and exited ones' series kept); more are counted "
               "in profinfer_processes_dropped_total, not watched.")
+@click.option("--labels", "labels", type=click.Choice(["full", "no-paths", "minimal"]), default="full",
+              show_default=True, help="Which labels /metrics gives anyone who can reach it: full; "
+              "no-paths, without the executable and model file paths; minimal, engine and pid "
+              "only (no paths, command, container, pod or namespace, no CUDA kernel names).")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="A Host header name to answer besides IP addresses, localhost and this "
+              "machine's hostname (e.g. a Service's DNS name; '.example.com' admits its "
+              "subdomains). Others are refused (421) against DNS rebinding. Repeatable.")
+@click.option("--max-connections", type=click.IntRange(4, 65536), default=256, show_default=True,
+              help="Open HTTP connections at most; over it the oldest still sending its request "
+              "is closed (each has 10 s to send it whole).")
 def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tls_key, otlp, otlp_interval,
-           max_processes):
-    """Run the node agent: watch every inference process, serve Prometheus metrics and traces."""
+           max_processes, labels, allow_hosts, max_connections):
+    """Run the node agent: watch every inference process, serve Prometheus metrics and traces.
+
+    /status answers without a token only a client on loopback (its address, not the one
+    listened on); /capture always needs the token."""
     from click.core import ParameterSource
     from .daemon.run import run_daemon
     from .kernel import require_root
@@ -366,7 +380,8 @@ def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tl
     if not token and os.path.dirname(token_file):
         os.makedirs(os.path.dirname(token_file), mode=0o700, exist_ok=True)
     sys.exit(run_daemon(listen, budget, levels, token, token_file, allow_remote, otlp, otlp_interval,
-                        tls_cert=tls_cert, tls_key=tls_key, max_processes=max_processes))
+                        tls_cert=tls_cert, tls_key=tls_key, max_processes=max_processes,
+                        labels=labels, allow_hosts=allow_hosts, max_connections=max_connections))
 
 
 def _client_token(token_file: str, required: bool) -> str | None:

@@ -49,8 +49,8 @@ RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0    # a failed attach is tried again, back
 DEFAULT_LEVELS = ("token", "graph", "cuda")
 SHARED_LEVELS = ("token", "graph")    # shared per build; the op level is per process
 # The governor: each process's cost (kernel-counted BPF time + probe hits x this machine's
-# calibrated trap costs, plus its share of the daemon's own CPU, over its own CPU time) is
-# checked every GOVERN_S; over the budget, its op level goes (the token and graph levels,
+# calibrated trap costs, plus its share of the CPU of the daemon's thread that watches, over
+# its own CPU time) is checked every GOVERN_S; over the budget, its op level goes (the token and graph levels,
 # a few probe hits per decode call shared by every process of its build, are the floor),
 # and comes back after STEP_UP_S with room (under half the budget), waiting twice as long
 # each time a step up went over again.
@@ -79,7 +79,7 @@ class Watch:
     files: list = field(default_factory=list)
     group: SharedProbes | None = None   # its build's shared probes (token, graph)
     cuda: bool = False                  # served by the shared cuda level (it maps a CUDA runtime)
-    cost_mark: tuple[float, int, int, int] | None = None   # (t, its CPU ns, probe cost ns, daemon CPU ns)
+    cost_mark: tuple[float, int, int, int] | None = None   # (t, its CPU ns, probe cost ns, watching CPU ns)
     share: float | None = None          # what the probes cost it, as a share of its CPU time
     calm_since: float | None = None     # under the budget with room since
     step_up_wait_s: float = 0.0
@@ -99,8 +99,9 @@ def step_call(step: Step) -> TokenCall:
                      decode_tokens=step.decode_seqs)
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (state first); None when unreadable."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first); None when unreadable.
+    pid may be "PID/task/TID": a thread's."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()
@@ -191,6 +192,7 @@ class Agent:
         self.started = time.time()
         self.last_loop = time.monotonic()     # /healthz: the loop is alive
         parsing.start()         # tenants' files read away from this loop, from now on
+        self.loop_tid: int | None = None      # the thread running poll(): the one that watches
         self.discovery: NodeDiscovery | None = None
         why = discover.available() if discover_processes else "turned off"
         if why is None:
@@ -739,6 +741,7 @@ class Agent:
     def poll(self, timeout_s: float) -> None:
         """Wait for events (up to timeout_s), drain every watch, scan when due."""
         self.last_loop = time.monotonic()
+        self.loop_tid = threading.get_native_id()
         with self.lock:
             watches = list(self.watches.values())
         groups = list(self.groups.values())
@@ -791,11 +794,21 @@ class Agent:
     def _rank(levels: set[str]) -> int:
         return max((LEVEL_RANK.get(lv, 0) for lv in levels), default=0)
 
-    def _cpu_ns(self, pid: int) -> int | None:
-        fields = _stat_fields(pid)
+    def _cpu_ns(self, pid: int, tid: int | None = None) -> int | None:
+        """A process's CPU time (utime + stime), or one of its threads' (tid)."""
+        fields = _stat_fields(pid if tid is None else f"{pid}/task/{tid}")
         if fields is None or len(fields) < 13:
             return None
         return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // self._ticks
+
+    def watching_cpu_ns(self) -> int:
+        """The CPU of the daemon's thread that watches: the loop, where every probe's events are
+        drained, every process looked at and every BPF object loaded. Not the HTTP threads'
+        (a flood of scrapes is no watched process's cost), nor NVML's or OTLP's; the discovery
+        watchdog's is left out too (it sleeps but to continue a process held too long)."""
+        if self.loop_tid is None:
+            return 0
+        return self._cpu_ns(os.getpid(), self.loop_tid) or 0
 
     def _cost_ns(self, coll) -> int | None:
         """What a collector's probes cost so far: kernel-counted BPF time plus the hits by
@@ -824,7 +837,7 @@ class Agent:
             if cost is not None:
                 g.charge(cost)
         watches = list(self.watches.values())
-        own = self._cpu_ns(self.own_pid) or 0
+        own = self.watching_cpu_ns()
         for w in watches:
             cpu = self._cpu_ns(w.identity.pid)
             probes = self._probe_cost_ns(w)
@@ -836,7 +849,7 @@ class Agent:
             w.cost_mark = (now, cpu, probes, own)
             if mark is None:
                 continue
-            # the daemon's own CPU, shared out among the processes it watches: on a busy
+            # the watching thread's CPU, shared out among the processes it watches: on a busy
             # machine it is taken from them
             daemon = (own - mark[3]) / max(len(watches), 1)
             w.share = max(0.0, ((probes - mark[2]) + daemon) / (cpu - mark[1]))

@@ -2,6 +2,7 @@
 scrape time (a custom collector): a process's series exist while it is watched and for a TTL
 after it exits, then go away. Names: the `profinfer_` prefix, base units, `_total` for
 counters; labels bounded (engine, pid, comm, container, pod, namespace, phase, program).
+Who can reach /metrics reads its labels: LABEL_SETS says which a daemon gives (--labels).
 
 GPU metrics come from NVML (nvidia-ml-py) where a driver is present, named so that a DCGM
 exporter user finds their way (the DCGM field each matches is in its help text); without
@@ -22,6 +23,10 @@ from ..model import TokenCall
 from .identity import Identity, printable
 
 PROCESS_LABELS = ("engine", "pid", "comm", "container", "pod", "namespace")
+# --labels: full, every label; no-paths, without the executable's and the model file's paths
+# (the node's file layout, tenants' file names); minimal, engine and pid alone: no paths, no
+# command, container, pod or namespace names, no CUDA kernel names (launches summed by process)
+LABEL_SETS = ("full", "no-paths", "minimal")
 # seconds: TTFT from a few ms (tiny models) to a minute (long prompts on a busy server)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # seconds per output token: 1 ms to 2.5 s
@@ -73,18 +78,29 @@ class _Process:
     # the graph level, counted in BPF (cumulative): backend -> (computes, ns, nodes, buckets)
     graphs: dict[str, tuple[int, int, int, list[int]]] = field(default_factory=dict)
 
-    def labels(self) -> list[str]:
+    def labels(self, minimal: bool = False) -> list[str]:
         i = self.identity
+        if minimal:
+            return [i.engine, str(i.pid)]
         return [i.engine, str(i.pid), i.comm, i.container, i.pod, i.namespace]
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, labels: str = "full"):
+        assert labels in LABEL_SETS, labels
+        self.label_set = labels
         self.registry = CollectorRegistry()
         self.lock = threading.Lock()
         self.processes: dict[int, _Process] = {}
         self.attach_errors = Counter("profinfer_attach_errors", "Processes found but not watched "
                                      "(attaching failed)", ["engine"], registry=self.registry)
+        self._http_dropped = Counter("profinfer_http_connections_dropped", "Connections to the "
+                                     "daemon's HTTP endpoint cut short, by reason: over_cap (closed at "
+                                     "once: every connection was being answered), evicted (the oldest "
+                                     "one still sending its request, for a new one), deadline (a request "
+                                     "not whole within its deadline), too_large, malformed, "
+                                     "send_deadline (an answer not taken in time)", ["reason"],
+                                     registry=self.registry)
         self.watched_now = 0
         self.processes_dropped = 0    # found past the agent's cap on watched processes
         self.series_dropped = 0       # exited processes' series dropped before their TTL (the cap)
@@ -96,6 +112,9 @@ class Metrics:
         self.gpu_sampler: GpuSampler | None = None   # NVML, in a thread of its own (daemon only)
         self.otlp = None          # an OtlpExport, with --otlp: fed the same observations
         self.registry.register(_Exposer(self))
+
+    def http_dropped(self, reason: str) -> None:
+        self._http_dropped.labels(reason).inc()
 
     # ---- fed by the agent ----
 
@@ -254,9 +273,12 @@ class _Exposer:
                      for p in m.processes.values()]
             programs = dict(m.programs)
             watched = m.watched_now
-        labels = list(PROCESS_LABELS)
-        info = GaugeMetricFamily("profinfer_process_info", "A watched inference process (value 1): "
-                                 "its executable and model file", labels=labels + ["exe", "model"])
+        minimal = m.label_set == "minimal"
+        paths = m.label_set == "full"
+        labels = list(PROCESS_LABELS[:2] if minimal else PROCESS_LABELS)
+        info = GaugeMetricFamily("profinfer_process_info", "A watched inference process (value 1)"
+                                 + (": its executable and model file" if paths else ""),
+                                 labels=labels + (["exe", "model"] if paths else []))
         calls = CounterMetricFamily("profinfer_decode_calls", "Engine decode calls (llama_decode) by "
                                     "phase: prefill, decode, mixed", labels=labels + ["phase"])
         tokens = CounterMetricFamily("profinfer_tokens", "Tokens the engine computed, by phase: "
@@ -291,7 +313,7 @@ class _Exposer:
         graph_nodes = CounterMetricFamily("profinfer_graph_nodes", "Graph nodes computed (each "
                                           "compute's node count), by backend", labels=labels + ["backend"])
         for p in procs:
-            lv = p.labels()
+            lv = p.labels(minimal)
             for backend, (n, ns, nodes, buckets) in sorted(p.graphs.items()):
                 backend = printable(backend)       # named after a symbol of the tenant's file
                 graph_n.add_metric(lv + [backend], n)
@@ -304,7 +326,7 @@ class _Exposer:
             if p.share is not None:
                 share.add_metric(lv, p.share)
             changes.add_metric(lv, p.changes)
-            info.add_metric(lv + [p.identity.exe, p.identity.model], 1)
+            info.add_metric(lv + ([p.identity.exe, p.identity.model] if paths else []), 1)
             for phase, n in sorted(p.calls.items()):
                 calls.add_metric(lv + [phase], n)
             for phase in ("prefill", "decode"):
@@ -316,7 +338,7 @@ class _Exposer:
             lost.add_metric(lv, p.lost)
         yield from (info, calls, tokens, ttft, tpot, dur, lost, graph_n, graph_t, graph_nodes,
                     op_calls, op_secs, level, share, changes)
-        yield from _cuda_families(procs, labels)
+        yield from _cuda_families(procs, labels, minimal)
         g = GaugeMetricFamily("profinfer_processes_watched", "Inference processes being watched now")
         g.add_metric([], watched)
         yield g
@@ -370,10 +392,11 @@ def _copy_cuda(c: dict | None) -> dict | None:
             "sent_copies": {k: list(v) for k, v in c["sent_copies"].items()}}
 
 
-def _cuda_families(procs: list[_Process], labels: list[str]):
-    launches = CounterMetricFamily("profinfer_cuda_kernel_launches", "CUDA kernel launches, by kernel "
-                                   f"(each process's top {TOP_KERNELS} by launches; the rest: other)",
-                                   labels=labels + ["kernel"])
+def _cuda_families(procs: list[_Process], labels: list[str], minimal: bool):
+    launches = CounterMetricFamily("profinfer_cuda_kernel_launches", "CUDA kernel launches" + (
+                                   "" if minimal else f", by kernel (each process's top {TOP_KERNELS} "
+                                   "by launches; the rest: other)"),
+                                   labels=labels + ([] if minimal else ["kernel"]))
     graphs = CounterMetricFamily("profinfer_cuda_graph_launches", "CUDA graph launches", labels=labels)
     copies = CounterMetricFamily("profinfer_cuda_copies", "CUDA copies and sets, by kind "
                                  "(H2H, H2D, D2H, D2D, Default..., memset)", labels=labels + ["kind"])
@@ -387,8 +410,11 @@ def _cuda_families(procs: list[_Process], labels: list[str]):
     for p in procs:
         if p.cuda is None:
             continue
-        lv = p.labels()
+        lv = p.labels(minimal)
         ranked = sorted(p.cuda["kernels"].items(), key=lambda kv: -kv[1])
+        if minimal:
+            launches.add_metric(lv, sum(n for _, n in ranked))
+            ranked = []
         for name, n in ranked[:TOP_KERNELS]:
             launches.add_metric(lv + [printable(name)], n)     # a symbol of the tenant's file
         if len(ranked) > TOP_KERNELS:

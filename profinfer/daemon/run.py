@@ -9,7 +9,8 @@ import time
 from ..errors import ProfinferError
 from .agent import Agent
 from .identity import printable
-from .server import is_loopback, make_server, parse_listen
+from .metrics import LABEL_SETS
+from .server import MAX_CONNECTIONS, is_loopback, make_server, parse_listen
 from .tls import server_context as tls_context
 from .tokens import load_token
 
@@ -21,19 +22,24 @@ def log(msg: str) -> None:
 
 def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, token_file: str,
                allow_remote: bool, otlp: str | None = None, otlp_interval_s: float = 10.0,
-               tls_cert: str | None = None, tls_key: str | None = None, max_processes: int = 64) -> int:
+               tls_cert: str | None = None, tls_key: str | None = None, max_processes: int = 64,
+               labels: str = "full", allow_hosts: tuple[str, ...] = (),
+               max_connections: int = MAX_CONNECTIONS) -> int:
     host, port = parse_listen(listen)
     if not is_loopback(host) and not allow_remote:
         raise ProfinferError(f"--listen {listen}: not a loopback address; pass --allow-remote to "
                              "serve other machines (metrics are readable without a token)")
+    if labels not in LABEL_SETS:
+        raise ProfinferError(f"--labels {labels!r}: choose from {', '.join(LABEL_SETS)}")
     secret = load_token(token, token_file, warn=log)
     tls = tls_context(tls_cert, tls_key) if tls_cert else None
     if tls is None and not is_loopback(host):
         log("warning: serving beyond loopback over plain HTTP: the token crosses the network in "
             "clear; give --tls-cert and --tls-key")
     agent = Agent(levels, budget, log=log, max_processes=max_processes)
+    agent.metrics.label_set = labels
     try:
-        server = make_server(agent, host, port, secret, log, tls=tls)
+        server = make_server(agent, host, port, secret, log, allow_hosts, max_connections, ssl_context=tls)
     except OSError as e:
         agent.close()
         raise ProfinferError(f"cannot listen on {listen}: {e.strerror}") from None
@@ -47,24 +53,24 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    serving = False
+    # the loop shares the interpreter with the HTTP threads: after each read of /proc or of a
+    # library (each lets the GIL go) it waits for a busy thread to hand it back; at 0.5 ms a
+    # turn rather than 5, a scrape's generation slows a scan down 10 times less
+    sys.setswitchinterval(0.0005)
     try:
         agent.poll(0)     # the first scan (and each loader hooked) before /healthz says ready
-        threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-        serving = True
+        server.start()
         agent.metrics.self_metrics(agent)           # says whether GPU metrics are on, and if not why
         log("new processes found " + ("from the kernel (exec and the loader's hook), and by a scan "
                                       "of /proc each second" if agent.discovery is not None else
                                       f"by a scan of /proc each second (discovery from the kernel is off: "
                                       f"{agent.discovery_off})"))
-        log(f"listening on {'https' if tls else 'http'}://{host}:{port} (metrics; control endpoints need the token"
+        log(f"listening on {'https' if tls else 'http'}://{host}:{port} (metrics, {labels} labels; control endpoints need the token"
             + ("" if token else f" in {token_file}") + f"); levels {','.join(sorted(agent.levels))}")
         while not stop.is_set():
             agent.poll(0.2)
     finally:
-        if serving:           # shutdown() waits for serve_forever: only once it runs
-            server.shutdown()
-        server.server_close()
+        server.close()
         agent.close()
         if agent.metrics.otlp is not None:
             agent.metrics.otlp.close()

@@ -1,13 +1,19 @@
-"""The daemon's HTTP endpoint: metrics for Prometheus (readable without a token), its
-status, and on-demand traces (a bearer token: control endpoints can attach probes).
+"""The daemon's HTTP endpoints, and who may read what: metrics for Prometheus (readable
+without a token), its status (without a token from a loopback peer only), and on-demand
+traces (a bearer token always: control endpoints can attach probes).
 
     GET  /metrics                     Prometheus text format
     GET  /healthz                     200 "ok" while the agent loop runs
     GET  /status                      JSON: what is watched, levels, cost, GPU metrics state
     POST /capture?pid=P&seconds=S&levels=L   a Perfetto trace of P for S seconds
 
+A request whose Host header names neither an IP address, nor localhost, nor this machine,
+nor a name given with --allow-host is refused (421): a web page whose own name an attacker
+rebinds to this machine's address (DNS rebinding) reads nothing through a browser on it.
+
 A bad request is answered with an HTTP error and a JSON body {"error": ...}; the daemon
-keeps running. Token text is never captured (no level records it).
+keeps running. Token text is never captured (no level records it). How a hostile client is
+kept from holding the endpoint: httpserve.py.
 """
 from __future__ import annotations
 
@@ -15,17 +21,22 @@ import hmac
 import ipaddress
 import json
 import socket
+import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..errors import ProfinferError
-from .captures import BadRequest, Captures
-from .tls import handshake, wrap_accepted
+from .captures import MAX_CAPTURES, BadRequest, Captures
+from .httpserve import BoundedHTTPServer, Lane, Request, Response
 
-REQUEST_TIMEOUT_S = 10
+REQUEST_DEADLINE_S = 10      # for a request's head and body, whole: a byte every 9 s gets nowhere
+SEND_DEADLINE_S = 30         # for an answer to be taken (plus a second per SEND_RATE bytes)
+MAX_CONNECTIONS = 256
+METRICS_MAX_AGE_S = 1.0      # a /metrics body serves every scrape within this: a flood costs one
+QUICK_WORKERS = 2            # /metrics, /status, /healthz (each quick; the cache makes them so)
+HTTP_CPU_SHARE = 0.1         # of a CPU, for the server's loop: a flood slows answers, not the agent
+LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
 
 
 def is_loopback(host: str) -> bool:
@@ -44,79 +55,119 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def make_server(agent, host: str, port: int, token: str, note, tls=None) -> ThreadingHTTPServer:
-    """tls: an ssl.SSLContext to serve HTTPS with (tls.server_context)."""
+class HostCheck:
+    """Which Host headers are this daemon's. Any IP address is (a rebinding needs a name: a
+    page at an address is that address's own origin), as are localhost's names, this
+    machine's hostname, the name it listens on, and the allowed names (".example.com": that
+    domain's names)."""
+
+    def __init__(self, listen_host: str, allowed: tuple[str, ...] = ()):
+        names = {n.lower().rstrip(".") for n in (*LOOPBACK_NAMES, socket.gethostname(), listen_host, *allowed)}
+        self.exact = {n for n in names if n and not n.startswith(".")}
+        self.suffixes = tuple(n for n in names if n.startswith("."))
+
+    def accepts(self, value: str | None) -> bool:
+        if value is None:          # HTTP/1.0 without one: no browser sends that
+            return True
+        value = value.strip().lower()
+        if value.startswith("["):                  # [v6]:port
+            host = value[1:].split("]", 1)[0]
+        else:
+            host, sep, port = value.rpartition(":")
+            if not sep or not port.isdigit():
+                host = value
+        host = host.rstrip(".")
+        try:
+            ipaddress.ip_address(host)
+            return True
+        except ValueError:
+            pass
+        return host in self.exact or (bool(host) and host.endswith(self.suffixes))
+
+
+class MetricsBody:
+    """/metrics' body, made at most once per METRICS_MAX_AGE_S: scrapes arriving meanwhile,
+    or while it is being made, get that one (the agent loop shares the interpreter with this:
+    a flood of scrapes must not be a flood of generations)."""
+
+    def __init__(self, registry, max_age_s: float = METRICS_MAX_AGE_S):
+        self.registry = registry
+        self.max_age_s = max_age_s
+        self.lock = threading.Lock()
+        self.body, self.made = b"", -max_age_s
+
+    def get(self) -> bytes:
+        with self.lock:
+            if time.monotonic() - self.made >= self.max_age_s:
+                self.body = generate_latest(self.registry)
+                self.made = time.monotonic()
+            return self.body
+
+
+def _json(status: int, obj) -> Response:
+    return Response(status, (json.dumps(obj, indent=1) + "\n").encode(), "application/json")
+
+
+def make_server(agent, host: str, port: int, token: str, note, allow_hosts: tuple[str, ...] = (),
+                max_connections: int = MAX_CONNECTIONS, ssl_context=None) -> BoundedHTTPServer:
     captures = Captures(agent, note)
     secret = token.encode("utf-8", "surrogateescape")
-    local = is_loopback(host)
+    hosts = HostCheck(host, allow_hosts)
+    metrics = MetricsBody(agent.metrics.registry)
 
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "profinfer"
-        timeout = REQUEST_TIMEOUT_S      # an idle connection does not hold a thread for ever
+    def authorized(req: Request) -> bool:
+        got = req.headers.get("Authorization", "")
+        return got.startswith("Bearer ") and hmac.compare_digest(
+            got[7:].strip().encode("utf-8", "surrogateescape"), secret)
 
-        def handle(self):
-            if handshake(self.connection):       # TLS: in this thread, under its timeout
-                super().handle()
+    def healthz() -> Response:
+        stale = time.monotonic() - agent.last_loop > 30
+        return Response(503 if stale else 200, b"stalled\n" if stale else b"ok\n")
 
-        def log_message(self, fmt, *args):     # requests are not logged (scrapes every few s)
-            pass
+    def capture(req: Request) -> Response:
+        """The trace, its slot held until the answer is sent (or fails): MAX_CAPTURES also
+        bounds the traces held in memory while slow clients read them."""
+        held = captures.slot(req.query)
+        try:
+            run = held.__enter__()
+        except BadRequest as e:
+            return _json(e.status, {"error": str(e)})
+        try:
+            return Response(200, run(), "application/octet-stream",
+                            after_send=lambda: held.__exit__(None, None, None))
+        except BadRequest as e:
+            held.__exit__(None, None, None)
+            return _json(e.status, {"error": str(e)})
+        except BaseException:
+            held.__exit__(None, None, None)
+            raise
 
-        def _send(self, status: int, body: bytes, ctype: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def route(req: Request):
+        """Cheap decisions here (the server's loop); the work on a lane's workers."""
+        if not hosts.accepts(req.headers.get("Host")):
+            return _json(421, {"error": f"Host {req.headers.get('Host')!r} is not this daemon's name "
+                                        "(DNS rebinding?); --allow-host admits a name"})
+        if req.method == "GET" and req.path == "/metrics":
+            return "quick", lambda: Response(200, metrics.get(), CONTENT_TYPE_LATEST)
+        if req.method == "GET" and req.path == "/healthz":
+            return "quick", healthz
+        if req.method == "GET" and req.path == "/status":
+            # paths, pods: not for the cluster. Who asks decides, not where the daemon listens
+            if not is_loopback(req.peer) and not authorized(req):
+                return _json(401, {"error": "a bearer token is required from a peer other than loopback"})
+            return "quick", lambda: _json(200, agent.status())
+        if req.method == "POST" and req.path == "/capture":
+            if not authorized(req):
+                return _json(401, {"error": "a bearer token is required (Authorization: Bearer <token>)"})
+            return "capture", lambda: capture(req)
+        if req.path in ("/metrics", "/healthz", "/status", "/capture"):
+            return _json(405, {"error": f"{req.method} is not for {req.path}"})
+        return _json(404, {"error": f"no such endpoint: {req.path}"})
 
-        def _json(self, status: int, obj) -> None:
-            self._send(status, (json.dumps(obj, indent=1) + "\n").encode(), "application/json")
-
-        def _authorized(self) -> bool:
-            got = self.headers.get("Authorization", "")
-            return got.startswith("Bearer ") and hmac.compare_digest(
-                got[7:].strip().encode("utf-8", "surrogateescape"), secret)
-
-        def do_GET(self):
-            url = urlparse(self.path)
-            try:
-                if url.path == "/metrics":
-                    self._send(200, generate_latest(agent.metrics.registry), CONTENT_TYPE_LATEST)
-                elif url.path == "/healthz":
-                    stale = time.monotonic() - agent.last_loop > 30
-                    self._send(503 if stale else 200, b"stalled\n" if stale else b"ok\n", "text/plain")
-                elif url.path == "/status":
-                    if not local and not self._authorized():   # paths, pods: not for the cluster
-                        self._json(401, {"error": "a bearer token is required off loopback"})
-                    else:
-                        self._json(200, agent.status())
-                else:
-                    self._json(404, {"error": f"no such endpoint: {url.path}"})
-            except Exception as e:          # the daemon keeps serving
-                self._json(500, {"error": f"{type(e).__name__}: {e}"})
-
-        def do_POST(self):
-            url = urlparse(self.path)
-            if url.path != "/capture":
-                self._json(404, {"error": f"no such endpoint: {url.path}"})
-                return
-            try:
-                if not self._authorized():
-                    self._json(401, {"error": "a bearer token is required (Authorization: Bearer <token>)"})
-                    return
-                with captures.slot(parse_qs(url.query)) as capture:    # freed once the trace is sent
-                    self._send(200, capture(), "application/octet-stream")
-            except BadRequest as e:
-                self._json(e.status, {"error": str(e)})
-            except Exception as e:
-                self._json(500, {"error": f"{type(e).__name__}: {e}"})
-
-    server_class = _Server6 if ":" in host else ThreadingHTTPServer
-    server = server_class((host, port), Handler)
-    server.daemon_threads = True
-    if tls is not None:
-        wrap_accepted(server, tls)
-    return server
-
-
-class _Server6(ThreadingHTTPServer):
-    address_family = socket.AF_INET6
+    # captures: lanes of their own, as many as may run at once (a 429 beyond is theirs)
+    lanes = {"quick": Lane(workers=QUICK_WORKERS, waiting=max_connections),
+             "capture": Lane(workers=MAX_CAPTURES, waiting=0)}
+    return BoundedHTTPServer(host, port, route, lanes, max_connections=max_connections,
+                             request_deadline_s=REQUEST_DEADLINE_S, send_deadline_s=SEND_DEADLINE_S,
+                             dropped=agent.metrics.http_dropped, ssl_context=ssl_context,
+                             cpu_share=HTTP_CPU_SHARE)

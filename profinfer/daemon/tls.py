@@ -19,27 +19,3 @@ def server_context(cert: str, key: str | None) -> ssl.SSLContext:
         raise ProfinferError(f"--tls-cert {cert} --tls-key {key}: not a certificate and its key "
                              f"({getattr(e, 'reason', None) or e.strerror or e})") from None
     return ctx
-
-
-def wrap_accepted(server, ctx: ssl.SSLContext) -> None:
-    """Each accepted connection wrapped, its handshake left to the thread that serves it
-    (handshake()): a client that never completes one holds no more than a request does."""
-    accept = server.get_request
-
-    def get_request():
-        sock, addr = accept()
-        return ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
-
-    server.get_request = get_request
-
-
-def handshake(conn) -> bool:
-    """The TLS handshake on an accepted connection (under its timeout); False when the client
-    does not complete it (plain HTTP, a certificate it refuses, gone)."""
-    if not isinstance(conn, ssl.SSLSocket):
-        return True
-    try:
-        conn.do_handshake()
-        return True
-    except (ssl.SSLError, OSError):
-        return False

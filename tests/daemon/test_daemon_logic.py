@@ -3,7 +3,6 @@ histograms' buckets, an empty batch."""
 from __future__ import annotations
 
 import os
-import urllib.error
 import signal
 import subprocess
 import sys
@@ -128,6 +127,7 @@ def test_a_capture_slot_is_held_until_its_trace_is_sent(monkeypatch):
     import socket
     import threading
     import time
+    import urllib.error
     import urllib.request
 
     from profinfer.daemon import server as server_module
@@ -136,13 +136,22 @@ def test_a_capture_slot_is_held_until_its_trace_is_sent(monkeypatch):
     trace = os.urandom(16 << 20)
     monkeypatch.setattr(Captures, "_capture", lambda self, pid, seconds, levels: trace)
 
+    from prometheus_client import CollectorRegistry
+
+    class Metrics:
+        registry = CollectorRegistry()
+
+        def http_dropped(self, reason):
+            pass
+
     class Watching:
         lock = threading.Lock()
         watches = {os.getpid(): None}
+        metrics = Metrics()
 
     srv = server_module.make_server(Watching(), "127.0.0.1", 0, "t" * 32, lambda msg: None)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    port = srv.server_address[1]
+    srv.start()
+    port = srv.port
     query = f"/capture?pid={os.getpid()}&seconds=1&levels=token"
 
     def post() -> int:
@@ -159,7 +168,7 @@ def test_a_capture_slot_is_held_until_its_trace_is_sent(monkeypatch):
         slow = socket.socket()
         slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         slow.connect(("127.0.0.1", port))
-        slow.sendall(f"POST {query} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {'t' * 32}\r\n"
+        slow.sendall(f"POST {query} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {'t' * 32}\r\n"
                      "Content-Length: 0\r\n\r\n".encode())
         slow.settimeout(30)
         assert slow.recv(1, socket.MSG_PEEK) == b"H"      # the response has begun
@@ -172,5 +181,4 @@ def test_a_capture_slot_is_held_until_its_trace_is_sent(monkeypatch):
         assert got > len(trace)
         assert post() == 200                               # freed once sent
     finally:
-        srv.shutdown()
-        srv.server_close()
+        srv.close()

@@ -33,9 +33,31 @@ def _daemon_args_parse(args: list[str]) -> dict:
 
 def test_manifests_valid_strict():
     docs = _docs()
-    assert {d["kind"] for d in docs} == {"Namespace", "ServiceAccount", "DaemonSet"}
+    assert {d["kind"] for d in docs} == {"Namespace", "ServiceAccount", "DaemonSet", "NetworkPolicy"}
     for d in docs:
         kubernetes_validate.validate(d, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_only_prometheus_reaches_the_metrics_port():
+    """The NetworkPolicy selects the DaemonSet's pods and admits ingress on its metrics port
+    alone, from one namespace's pods of one label (no rule open to all); /metrics there
+    carries no paths."""
+    docs = _docs()
+    ds = next(d for d in docs if d["kind"] == "DaemonSet")
+    (np,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert np["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert np["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert "Ingress" in np["spec"]["policyTypes"]
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    port_names = {p.get("name"): p["containerPort"] for p in c["ports"]}
+    listen_port = int(_daemon_args_parse(c["args"])["listen"].rsplit(":", 1)[1])
+    (rule,) = np["spec"]["ingress"]
+    assert [port_names.get(p["port"], p["port"]) for p in rule["ports"]] == [listen_port]
+    for peer in rule["from"]:
+        assert "ipBlock" not in peer
+        assert peer["namespaceSelector"]["matchLabels"] and peer["podSelector"]["matchLabels"]
+    assert _daemon_args_parse(c["args"])["labels"] in ("no-paths", "minimal")
 
 
 def test_daemonset_not_privileged_and_each_capability_explained():

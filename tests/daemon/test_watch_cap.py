@@ -10,7 +10,6 @@ is off in a PID namespace: the /proc scan finds them)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
