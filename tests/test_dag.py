@@ -50,7 +50,7 @@ def align(printed: list[tuple[str, list[str]]], ours: dag.GraphDag) -> list[int]
 
 @pytest.mark.parametrize("design", ["one-probe", "two-probe"])
 def test_dag_matches_ggml_graph(llama_build, tiny_model, llama_env, tmp_path, design):
-    """Both op-level designs (README, "How it works"): the one-probe design finds each
+    """Both op-level designs (docs/how-it-works.md): the one-probe design finds each
     node by walking the graph as ggml's loop does, the two-probe design from its argument."""
     trace = tmp_path / "g.pftrace"
     env = {**llama_env, "GGML_SCHED_DEBUG": "2", "PROFINFER_OP_DESIGN": design}
