@@ -405,38 +405,57 @@ def _client_token(token_file: str, required: bool) -> str | None:
 
 def _daemon_request(method: str, url: str, token: str | None = None, timeout: float = 30,
                     cacert: str | None = None, insecure_http: bool = False):
+    """One request to the daemon at url. The URL is parsed once, and that host is both the
+    one checked and the one connected to (http.client: no proxy, no redirect followed, a
+    redirect is an error); a token goes only in the Authorization header of this request, to
+    whatever listens at that host and port."""
+    import http.client
+    import json
     import ssl
-    import urllib.error
     import urllib.parse
-    import urllib.request
     from .daemon.server import is_loopback
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError as e:
+        raise ProfinferError(f"--url {url}: {e}") from None
+    if parts.scheme not in ("http", "https") or not host:
         raise ProfinferError(f"--url {url}: expected http(s)://HOST:PORT")
-    if token and parts.scheme == "http" and not is_loopback(parts.hostname) and not insecure_http:
-        raise ProfinferError(f"refusing to send the control token over plain HTTP to {parts.hostname}: "
+    if "@" in parts.netloc:
+        raise ProfinferError(f"--url {url}: a user name or password in the URL is not taken; give HOST:PORT only")
+    if token and parts.scheme == "http" and not is_loopback(host) and not insecure_http:
+        raise ProfinferError(f"refusing to send the control token over plain HTTP to {host}: "
                              "anyone on the path could read it and attach probes with it; use https:// "
                              "(daemon --tls-cert/--tls-key, here --cacert), an SSH tunnel to 127.0.0.1, "
                              "or --insecure-http on a network you trust")
-    context = ssl.create_default_context(cafile=cacert) if parts.scheme == "https" else None
-    req = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {token}"} if token else {})
+    if parts.scheme == "https":
+        conn = http.client.HTTPSConnection(host, port, timeout=timeout,
+                                           context=ssl.create_default_context(cafile=cacert))
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     try:
-        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
-            return r.read()
-    except urllib.error.HTTPError as e:
-        body = e.read().decode(errors="replace")
+        conn.request(method, target, headers={"Authorization": f"Bearer {token}"} if token else {})
+        r = conn.getresponse()
+        body = r.read()
+    except ssl.SSLCertVerificationError as e:
+        raise ProfinferError(f"{url}: the daemon's certificate is not trusted ({e.verify_message}): "
+                             "give its CA with --cacert") from None
+    except (OSError, http.client.HTTPException) as e:
+        raise ProfinferError(f"no daemon at {url}: {e or type(e).__name__}") from None
+    finally:
+        conn.close()
+    if 300 <= r.status < 400:
+        raise ProfinferError(f"{url} answered {r.status}, a redirect (to {r.getheader('Location')!r}): "
+                             "not followed; give the daemon's own URL")
+    if r.status >= 400:
+        text = body.decode(errors="replace")
         try:
-            import json
-            body = json.loads(body).get("error", body)
-        except ValueError:
+            text = json.loads(text).get("error", text)
+        except (ValueError, AttributeError):
             pass
-        raise ProfinferError(f"the daemon answered {e.code}: {body.strip()}") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        if isinstance(reason, ssl.SSLCertVerificationError):
-            raise ProfinferError(f"{url}: the daemon's certificate is not trusted ({reason.verify_message}): "
-                                 "give its CA with --cacert") from None
-        raise ProfinferError(f"no daemon at {url}: {reason}") from None
+        raise ProfinferError(f"the daemon answered {r.status}: {str(text).strip()}")
+    return body
 
 
 def client_options(f):
@@ -457,7 +476,15 @@ def client_options(f):
 def status(url, token_file, cacert, insecure_http, as_json):
     """What the daemon watches, at which levels, and what it costs."""
     import json
-    token = _client_token(token_file, required=False)
+    from urllib.parse import urlsplit
+    from .daemon.server import is_loopback
+    try:
+        remote = not is_loopback(urlsplit(url).hostname or "")
+    except ValueError:
+        remote = True                 # _daemon_request says what is wrong with it
+    # loopback's /status needs no token: never hand it to whatever listens there (a user's
+    # listener on the port while the daemon restarts)
+    token = _client_token(token_file, required=False) if remote else None
     data = json.loads(_daemon_request("GET", url.rstrip("/") + "/status", token, cacert=cacert,
                                       insecure_http=insecure_http))
     if as_json:
@@ -483,7 +510,8 @@ def status(url, token_file, cacert, insecure_http, as_json):
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
 @client_options
 def capture(pid, seconds, levels, output, url, token_file, cacert, insecure_http):
-    """Ask the daemon for a Perfetto trace of one process."""
+    """Ask the daemon for a Perfetto trace of one process. The token goes to whatever listens
+    at --url: on loopback, make sure that is the daemon."""
     from urllib.parse import urlencode
     token = _client_token(token_file, required=True)
     data = _daemon_request("POST", url.rstrip("/") + "/capture?" + urlencode(

@@ -24,6 +24,9 @@ from .tokens import TOKEN_ENV
 
 MAX_CAPTURE_S = 300
 MAX_CAPTURES = 2             # at once (each is a full attach: its own CPU and memory)
+# the biggest trace sent back: it is held in the daemon's memory until sent, and the target
+# decides how many events it makes (PROFINFER_MAX_TRACE_BYTES sets it lower)
+MAX_TRACE_BYTES = 128 * 1024 * 1024
 CAPTURE_LEVELS = set(LEVELS) | {"step"} | set(KERNEL_LEVELS) | set(RUNTIME_LEVELS)
 # What the capture may see of the daemon's environment: a compiler on PATH and the cache under
 # HOME (a BPF object not built yet), the locale, the temporary directory; PROFINFER_* settings
@@ -56,6 +59,13 @@ def temp_root() -> str:
     """Where captures write: $TMPDIR, else /tmp (read at each capture: never the daemon's
     current directory, tempfile's last resort)."""
     return os.environ.get("TMPDIR") or "/tmp"
+
+
+def max_trace_bytes() -> int:
+    try:
+        return min(MAX_TRACE_BYTES, int(os.environ.get("PROFINFER_MAX_TRACE_BYTES", MAX_TRACE_BYTES)))
+    except ValueError:
+        return MAX_TRACE_BYTES
 
 
 def _signal_name(number: int) -> str:
@@ -168,8 +178,9 @@ class Captures:
                 proc.wait()
                 self._continue_left(pid, stopped_before)
                 raise BadRequest(504, f"the capture of PID {pid} did not end") from None
-            if proc.returncode < 0:          # killed: it could not let the target go
+            if proc.returncode != 0:         # it may have failed before letting the target go
                 self._continue_left(pid, stopped_before)
+            if proc.returncode < 0:
                 raise BadRequest(500, f"the capture of PID {pid} was killed ({_signal_name(-proc.returncode)})")
             if proc.returncode != 0 or not os.path.exists(trace):
                 gone = not os.path.exists(f"/proc/{pid}")
@@ -180,8 +191,12 @@ class Captures:
                 stopped = json.load(f).get("meta", {}).get("stopped_by", "")
             if stopped.startswith("target exited"):
                 raise BadRequest(410, f"PID {pid} exited during the capture")
+            limit = max_trace_bytes()
             with open(trace, "rb") as f:
-                data = f.read()
+                data = f.read(limit + 1)
+            if len(data) > limit:
+                raise BadRequest(507, f"the trace of PID {pid} is over {limit:,} bytes, more than the daemon "
+                                      "sends back: capture fewer seconds or fewer levels")
         self.note(f"captured PID {pid} for {seconds:g} s at {','.join(sorted(levels))}: {len(data):,} bytes")
         return data
 
