@@ -358,8 +358,8 @@ DEFAULT_URL = "http://127.0.0.1:9464"
               "machine's hostname (e.g. a Service's DNS name; '.example.com' admits its "
               "subdomains). Others are refused (421) against DNS rebinding. Repeatable.")
 @click.option("--max-connections", type=click.IntRange(4, 65536), default=256, show_default=True,
-              help="Open HTTP connections at most; over it the oldest still sending its request "
-              "is closed (each has 10 s to send it whole).")
+              help="Open HTTP connections at most (a quarter of them from one peer address); over "
+              "it the oldest of the peer holding the most is closed (each has 10 s to send its request whole).")
 def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tls_key, otlp, otlp_interval,
            max_processes, labels, allow_hosts, max_connections):
     """Run the node agent: watch every inference process, serve Prometheus metrics and traces.

@@ -95,9 +95,8 @@ class Metrics:
         self.attach_errors = Counter("profinfer_attach_errors", "Processes found but not watched "
                                      "(attaching failed)", ["engine"], registry=self.registry)
         self._http_dropped = Counter("profinfer_http_connections_dropped", "Connections to the "
-                                     "daemon's HTTP endpoint cut short, by reason: over_cap (closed at "
-                                     "once: every connection was being answered), evicted (the oldest "
-                                     "one still sending its request, for a new one), deadline (a request "
+                                     "daemon's HTTP endpoint cut short, by reason: evicted (the oldest "
+                                     "of the peer over its share, or holding the most, for a new one), deadline (a request "
                                      "not whole within its deadline), too_large, malformed, "
                                      "send_deadline (an answer not taken in time)", ["reason"],
                                      registry=self.registry)
