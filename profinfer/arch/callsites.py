@@ -16,6 +16,7 @@ from ..symbols import MAX_TABLE_BYTES, ElfInfo, open_checked
 
 _md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
 _md.detail = True
+_BATCH = 4096      # instructions decoded per capstone call (direct_calls)
 
 
 # Elf64_Rela, parsed in bulk (pyelftools decodes one relocation at a time: ~0.3 s a library).
@@ -95,9 +96,18 @@ def direct_calls(path: str, target_vaddr: int) -> list[tuple[int, int]]:
             return []
         base, offset = text["sh_addr"], text["sh_offset"]
         f.seek(offset)
-        code = f.read(max(0, min(text["sh_size"], os.fstat(f.fileno()).st_size - offset)))
+        code = bytearray(f.read(max(0, min(text["sh_size"], os.fstat(f.fileno()).st_size - offset))))
     md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
     md.skipdata = True
-    want = hex(target_vaddr)
-    return [(address, address - base + offset) for address, _, mnemonic, op_str in md.disasm_lite(code, base)
-            if mnemonic == "call" and op_str == want]
+    want, out, at, view = hex(target_vaddr), [], 0, memoryview(code)
+    while at < len(code):
+        start = at
+        # a bytearray's view is passed by reference (no copy); capstone keeps every decoded
+        # instruction of a call until it returns (~250 bytes each): a bounded count a call
+        for address, size, mnemonic, op_str in md.disasm_lite(view[at:], base + at, _BATCH):
+            if mnemonic == "call" and op_str == want:
+                out.append((address, address - base + offset))
+            at = address - base + size
+        if at <= start:        # nothing decoded (skipdata decodes every byte): never stuck
+            break
+    return out
