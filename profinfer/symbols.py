@@ -150,11 +150,11 @@ _ELF_CACHE_SIZE = 64
 # libtorch_python's 34k symbols ~12 MiB); the daemon's memory limit is 512 MiB
 _ELF_CACHE_BYTES = 96 << 20
 _elf_cache_bytes = 0
+_ELF_KEYS: dict[tuple[str, str], tuple] = {}     # (path, root) -> the identity it had
 
 
 def _weight(info: ElfInfo) -> int:
     return sum(map(len, info.symbols)) + 200 * len(info.symbols)
-_ELF_KEYS: dict[tuple[str, str], tuple] = {}     # (path, root) -> the identity it had
 
 
 def load_elf(path: str, root: str = "/") -> ElfInfo:
@@ -162,6 +162,7 @@ def load_elf(path: str, root: str = "/") -> ElfInfo:
     files (for a path reached through a process, its root whatever is given). Remembered by
     file identity, not path: one library reached through many processes' /proc/PID/root (a
     daemon's) is read once."""
+    global _elf_cache_bytes
     given = (path, root)
     root = procfs.root_of(path) or root
     try:
@@ -174,7 +175,6 @@ def load_elf(path: str, root: str = "/") -> ElfInfo:
         key = _ELF_KEYS.get(given)
         if key not in _ELF_CACHE:
             raise ProfinferError(f"cannot read {path}: {e.strerror}") from None
-    global _elf_cache_bytes
     cached = _ELF_CACHE.get(key)
     if cached is None:
         # a tenant's file: read away from the daemon's loop, with a deadline (parsing.py)

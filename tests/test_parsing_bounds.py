@@ -11,6 +11,7 @@ import struct
 import subprocess
 import time
 
+import numpy as np
 import pytest
 from elftools.elf.elffile import ELFFile
 
@@ -168,3 +169,42 @@ def test_many_slow_readings_wait_one_budget_per_turn_in_the_order_asked():
         assert done == sorted(done)       # first asked, first read (old: newest first)
     finally:
         parsing.stop()
+
+
+def _elf_with_functions(path, n: int) -> None:
+    """A minimal x86-64 ELF: one PT_LOAD, a .symtab of n function symbols inside it."""
+    names = b"\0" + b"".join(b"f%d\0" % i for i in range(n))
+    offs = np.cumsum([1] + [len(b"f%d\0" % i) for i in range(n - 1)])
+    syms = np.zeros(n + 1, symbols.SYM64)
+    syms["name"][1:] = offs
+    syms["info"][1:] = 0x12                    # STB_GLOBAL, STT_FUNC
+    syms["shndx"][1:] = 1
+    syms["value"][1:] = 0x1000 + np.arange(n)
+    syms["size"][1:] = 1
+    shstr = b"\0.symtab\0.strtab\0.shstrtab\0"
+    body = syms.tobytes() + names + shstr
+    code_at, symtab_at = 0x1000, 0x1000 + n + 1
+    strtab_at = symtab_at + syms.nbytes
+    shstr_at = strtab_at + len(names)
+    shoff = (shstr_at + len(shstr) + 7) & ~7
+    ehdr = struct.pack("<4s5B7x2H I3Q I6H", b"\x7fELF", 2, 1, 1, 0, 0, 3, 62, 1, 0, 64, shoff, 0,
+                       64, 56, 1, 64, 4, 3)
+    phdr = struct.pack("<2I6Q", 1, 5, 0, 0, 0, shoff, shoff, 0x1000)
+    shdrs = b"".join([bytes(64),
+                      struct.pack("<2I4Q2I2Q", 1, 2, 0, 0, symtab_at, syms.nbytes, 2, 1, 8, 24),
+                      struct.pack("<2I4Q2I2Q", 9, 3, 0, 0, strtab_at, len(names), 0, 0, 1, 0),
+                      struct.pack("<2I4Q2I2Q", 17, 3, 0, 0, shstr_at, len(shstr), 0, 0, 1, 0)])
+    image = bytearray(shoff)
+    image[:64], image[64:120] = ehdr, phdr
+    image[code_at:code_at + n + 1] = b"\xc3" * (n + 1)
+    image[symtab_at:symtab_at + len(body)] = body
+    path.write_bytes(bytes(image) + shdrs)
+
+
+def test_a_symbol_count_over_the_cap_fails_that_reading(tmp_path):
+    few, many = tmp_path / "few.so", tmp_path / "many.so"
+    _elf_with_functions(few, 1000)
+    assert len(symbols._read_elf(str(few), "/").symbols) == 1000     # the builder is sound
+    _elf_with_functions(many, 400_000)       # ~12x libtorch_python's functions
+    with pytest.raises(ProfinferError, match="function symbols"):
+        symbols._read_elf(str(many), "/")
