@@ -208,3 +208,16 @@ def test_a_symbol_count_over_the_cap_fails_that_reading(tmp_path):
     _elf_with_functions(many, 400_000)       # ~12x libtorch_python's functions
     with pytest.raises(ProfinferError, match="function symbols"):
         symbols._read_elf(str(many), "/")
+
+
+def test_the_symbol_cache_is_bounded_by_bytes(llama_build, monkeypatch):
+    """Readings kept by the daemon: a cache of large symbol tables gives way by their size,
+    not only their count (old: 64 of any size)."""
+    monkeypatch.setattr(symbols, "_ELF_CACHE_BYTES", 200 << 10, raising=False)
+    monkeypatch.setattr(symbols, "_ELF_CACHE", type(symbols._ELF_CACHE)())
+    monkeypatch.setattr(symbols, "_elf_cache_bytes", 0, raising=False)
+    libs = [llama_build / "bin" / n for n in ("libllama.so", "libggml-base.so", "libggml-cpu.so")]
+    for lib in libs:
+        assert len(symbols.load_elf(str(lib)).symbols) > 100
+    # each over 200 KiB of names and symbols (~200 bytes a symbol): the last one read is all that is kept
+    assert len(symbols._ELF_CACHE) == 1
