@@ -9,8 +9,9 @@ token) whose address space is limited. Readings are served in the order asked (a
 many files do not go before others'); the loop waits for a new one only when the worker is
 idle, and for at most WAIT_S in all per loop turn (`pump()` starts a turn): one not done by
 then gives NotReady, and is looked at again at a later scan, when it is. What the worker
-sends back is bounded (MAX_RESULT_BYTES): a larger result fails that reading. A reading that runs past DEADLINE_S has its worker killed: that reading fails,
-is told once, and is not tried again for that key (a file's identity). Without `start()`
+sends back is bounded (MAX_RESULT_BYTES): a larger result fails that reading. A reading that
+runs past DEADLINE_S has its worker killed: that reading fails, is told once, and is not
+tried again for that key (a file's identity). Without `start()`
 (the CLI: one target, the user's own) readings run in the caller, as before.
 """
 from __future__ import annotations
