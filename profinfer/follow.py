@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 from elftools.elf.elffile import ELFFile
 
-from . import bpfobj, layout, libbpf, procfs
+from . import bpfobj, layout, libbpf, parsing, procfs
 from .errors import ProfinferError
+from .parsing import NotReady
 from .arch.callsites import direct_calls
 
 # glibc's loader calls this empty function after each change of its library list (mapped,
@@ -47,8 +48,7 @@ class Change:
     child: int = 0   # fork: the new process
 
 
-# A loader is read on the daemon's loop (it is hooked while its process is held): one larger
-# than this is not a loader we hook (glibc's: ~250 KiB); PT_INTERP is a path.
+# One larger than this is not a loader we hook (glibc's: ~250 KiB); PT_INTERP is a path.
 MAX_LOADER_BYTES = 4 << 20
 MAX_INTERP_BYTES = 4096
 
@@ -91,6 +91,22 @@ def _loader_symbols(file: str) -> tuple[tuple[int, int] | None, int | None]:
         return (vaddr, offset), (r_debug[0]["st_value"] if r_debug else None)
 
 
+def read_loader(path: str) -> tuple[tuple[int, int], tuple[int, int] | None, int | None, list[tuple[int, int]]]:
+    """A tenant's loader, read (in the parsing worker: parsing.run): the (device, inode) read,
+    its hook and _r_debug (_loader_symbols), and the hook's call sites (none: (None, None,
+    [])). One descriptor for all of it, opened inside the process's root."""
+    fd = procfs.open_file(path)
+    try:
+        st = os.fstat(fd)
+        if st.st_size > MAX_LOADER_BYTES:
+            raise ProfinferError(f"{st.st_size >> 20} MiB, not a loader this reads")
+        file = f"/proc/self/fd/{fd}"
+        hook, r_debug = _loader_symbols(file)
+        return (st.st_dev, st.st_ino), hook, r_debug, direct_calls(file, hook[0]) if hook else []
+    finally:
+        os.close(fd)
+
+
 def _load_address(pid: int, file: tuple[int, int]) -> int | None:
     """Where `pid` mapped the start (file offset 0) of the file (device, inode)."""
     return next((m.start for m in procfs.file_mappings(pid)
@@ -114,8 +130,9 @@ class LoaderHooks:
 
     def watch(self, pid: int) -> None:
         """Hook the dynamic loader of `pid`'s current image (once per loader file). The loader
-        is opened once, inside the process's root, and must be a file the process maps; its
-        symbols, its call sites and the probes all come from that one descriptor."""
+        is opened once, inside the process's root, and must be a file the process maps; it is
+        read away from the caller's loop (parsing.run: NotReady while it is, then ask again),
+        and the probes go on that very descriptor, once the reading is found to be of it."""
         self._r_state.pop(pid, None)      # a new image: its loader is mapped anew
         path = interpreter(pid)
         if path is None:          # a static executable: nothing is loaded later
@@ -134,23 +151,27 @@ class LoaderHooks:
                 self._unhookable.add(key)
                 raise ProfinferError(f"the dynamic loader {path} is {st.st_size >> 20} MiB, not a "
                                      "loader this reads: libraries it loads later are not followed")
-            self._hook(f"/proc/self/fd/{fd}", key, path)
+            self._hook(f"/proc/self/fd/{fd}", key, path, (st.st_size, st.st_mtime_ns))
         finally:
             os.close(fd)
 
-    def _hook(self, file: str, key: tuple[int, int], path: str) -> None:
+    def _hook(self, file: str, key: tuple[int, int], path: str, version: tuple[int, int]) -> None:
         try:
-            hook, r_debug = _loader_symbols(file)
-        except Exception as e:      # a tenant's file: whatever the ELF reader raises
+            read, hook, r_debug, sites = parsing.run(("loader", key, version), __name__, "read_loader", path)
+        except NotReady:
+            raise
+        except Exception as e:      # a tenant's file: whatever reading it raised, or its deadline
             self._unhookable.add(key)
-            raise ProfinferError(f"the dynamic loader {path} cannot be read: {type(e).__name__}") from None
+            raise ProfinferError(f"the dynamic loader {path} cannot be read: {e}") from None
+        if read != key:           # the path names another file by now: looked at again later
+            raise ProfinferError(f"the dynamic loader {path} was replaced while it was read")
         if hook is None:
             self._unhookable.add(key)     # said once per loader file
             raise ProfinferError(f"the dynamic loader {path} has no {LOADER_HOOK} (not glibc's, or "
                                  "not x86-64): libraries it loads later (dlopen) cannot be followed")
         # its callers' `call` instructions (emulated), else its own first one (a `ret`,
         # single-stepped: ~30x the cost, in every process that uses this loader)
-        sites = direct_calls(file, hook[0]) or [hook]
+        sites = sites or [hook]
         if self.table is not None and self._sites + len(sites) > self.table_size:
             self._unhookable.add(key)
             raise ProfinferError(f"{path}: more loader hook sites than {self.table_size}: not hooked")

@@ -5,10 +5,13 @@ A tenant can offer a 50 GB "libllama.so", a symbol table a section header says i
 a DWARF bomb. Read in the daemon, any of them would stall its loop (/healthz turns 503 and
 the liveness probe restarts it, again and again) or exhaust its memory limit. Here each
 reading runs in one worker process (a fresh interpreter: nothing of the daemon's state, no
-token) whose address space is limited; the loop waits for it a short while (WAIT_S, once
-per reading), and if it is not done by then gets NotReady and looks again at a later scan,
-when it is. A reading that runs past DEADLINE_S has its worker killed: that reading fails,
-is told once, and is not tried again for that key (a file's identity). Without `start()`
+token) whose address space is limited. Readings are served in the order asked (a tenant's
+many files do not go before others'); the loop waits for a new one only when the worker is
+idle, and for at most WAIT_S in all per loop turn (`pump()` starts a turn): one not done by
+then gives NotReady, and is looked at again at a later scan, when it is. What the worker
+sends back is bounded (MAX_RESULT_BYTES): a larger result fails that reading. A reading that
+runs past DEADLINE_S has its worker killed: that reading fails, is told once, and is not
+tried again for that key (a file's identity). Without `start()`
 (the CLI: one target, the user's own) readings run in the caller, as before.
 """
 from __future__ import annotations
@@ -27,13 +30,15 @@ from multiprocessing.connection import Connection
 
 from .errors import ProfinferError
 
-WAIT_S = 2.0           # the loop waits this long for a reading it asks for (held processes: 2 s)
+WAIT_S = 2.0           # the loop waits at most this long per turn for readings (held processes: 2 s)
 DEADLINE_S = 20.0      # a reading still running after this is killed, and not tried again
 # the worker's address space beyond its imports: a full scan of llama.cpp's DWARF (30 MiB)
 # peaks at ~250 MiB; the worker and the daemon (~70-150 MiB) fit the manifest's 512 MiB
 MEMORY_BYTES = 320 << 20
 STARTUP_S = 30.0       # the worker's imports
 _KEEP = 256            # results and failures remembered
+# one result, pickled: libtorch_python's symbols are 6 MiB (vLLM's _C 3 MiB, libllama 0.6 MiB)
+MAX_RESULT_BYTES = 32 << 20
 
 
 class NotReady(ProfinferError):
@@ -50,6 +55,7 @@ class _Worker:
         self.done: OrderedDict = OrderedDict()      # key -> result
         self.failed: OrderedDict = OrderedDict()    # key -> why
         self.started = 0                     # workers started (one more after each kill)
+        self.wait_left = wait_s              # this loop turn's wait, for every reading together
 
     def _spawn(self, wait_ready: bool = False) -> None:
         mine, theirs = socket.socketpair()
@@ -118,14 +124,17 @@ class _Worker:
                     if time.monotonic() >= end:
                         return
                     continue            # its deadline: killed above
-                message = self.conn.recv()
+                message = pickle.loads(self.conn.recv_bytes(MAX_RESULT_BYTES))
                 if message == "ready":
                     continue
                 ok, value = message
-            except (EOFError, OSError):
+            except (EOFError, OSError, pickle.UnpicklingError) as e:
+                # over the maximum length, the rest of the message is left unread: a new worker
+                why = (f"its result is over {MAX_RESULT_BYTES >> 20} MiB: skipped"
+                       if "bad message length" in str(e) else "its reader died (out of memory?): skipped")
                 self._kill()
                 self.current = None
-                self._remember(self.failed, key, "its reader died (out of memory?): skipped")
+                self._remember(self.failed, key, why)
                 continue
             self.current = None
             self._remember(self.done if ok else self.failed, key, value)
@@ -135,9 +144,16 @@ class _Worker:
             raise ProfinferError(self.failed[key])
         if key not in self.done:
             if not (self.current and self.current[0] == key) and all(q[0] != key for q in self.queue):
-                # a new reading, waited for (once): before those whose callers went on
-                self.queue.appendleft((key, module, function, args))
-                self.advance(self.wait_s, until=key)
+                # a new reading, behind those asked before (each tenant's turn comes); waited
+                # for only when it starts now, and within what is left of this turn's wait
+                idle = self.current is None and not self.queue
+                self.queue.append((key, module, function, args))
+                if idle and self.wait_left > 0:
+                    t0 = time.monotonic()
+                    self.advance(self.wait_left, until=key)
+                    self.wait_left -= time.monotonic() - t0
+                else:
+                    self.advance(0)
             else:
                 self.advance(0)
         if key in self.done:
@@ -173,8 +189,10 @@ def stop() -> None:
 
 
 def pump() -> None:
-    """The loop's turn: finished readings collected, the next one sent (never waits)."""
+    """A new loop turn: finished readings collected, the next one sent (never waits), and
+    the turn's wait (WAIT_S) for new readings given again."""
     if _worker is not None:
+        _worker.wait_left = _worker.wait_s
         _worker.advance(0)
 
 
@@ -192,7 +210,8 @@ def serve(fd: int, memory_bytes: int) -> None:
     conn = Connection(fd)
     import numpy  # noqa: F401  (what the readings import, before the limit is set)
     import elftools.elf.elffile  # noqa: F401
-    from . import dwarf, symbols  # noqa: F401
+    import capstone  # noqa: F401
+    from . import dwarf, follow, symbols  # noqa: F401
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
     resource.setrlimit(resource.RLIMIT_AS, (vm + memory_bytes, vm + memory_bytes))

@@ -21,6 +21,11 @@ DEBUG_DIRS = ("/usr/lib/debug",)
 # header can claim any size (a sparse 50 GB file reads as zeros), a symbol any length.
 MAX_TABLE_BYTES = 64 << 20     # a .symtab/.dynsym (2.8 M symbols) or its string table
 MAX_CODE_BYTES = 1 << 20       # one function's code read to place or find calls
+# What a reading keeps (and sends the daemon): function symbols of one file, and a name's
+# length. Measured: libtorch_python 34k functions (longest name 973), vLLM's _C 19k,
+# libllama 6k, libcudart 0.4k; a name without its NUL (a string table's end) is dropped.
+MAX_SYMBOLS = 150_000
+MAX_NAME_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +113,9 @@ def _read_symbols(elf: ELFFile, into: dict[str, Symbol], offsets_from: ELFFile) 
                     & (syms["shndx"] != 0)]
         for name_off, value, size in zip(syms["name"].tolist(), syms["value"].tolist(),
                                          syms["size"].tolist()):
-            end = strtab.find(b"\0", name_off)
+            end = strtab.find(b"\0", name_off, name_off + MAX_NAME_BYTES)
+            if end < 0:
+                continue
             # .dynsym names may carry a version suffix in some toolchains' output ("f@@V1").
             name = strtab[name_off:end].split(b"@", 1)[0].decode("utf-8", "replace")
             if name in into:
@@ -117,6 +124,8 @@ def _read_symbols(elf: ELFFile, into: dict[str, Symbol], offsets_from: ELFFile) 
                 if lo <= value < hi:
                     into[name] = Symbol(name, value, size, value - lo + off)
                     break
+            if len(into) >= MAX_SYMBOLS:
+                raise ProfinferError(f"over {MAX_SYMBOLS} function symbols: not read")
     return found_symtab
 
 
@@ -135,9 +144,17 @@ def _open_debug_file(build_id: str, root: str):
     return None
 
 
-_ELF_CACHE: OrderedDict = OrderedDict()
+_ELF_CACHE: OrderedDict = OrderedDict()       # key -> (ElfInfo, its estimated bytes)
 _ELF_CACHE_SIZE = 64
+# what the cache may hold in all (live Python objects, ~ names + 200 bytes a symbol:
+# libtorch_python's 34k symbols ~12 MiB); the daemon's memory limit is 512 MiB
+_ELF_CACHE_BYTES = 96 << 20
+_elf_cache_bytes = 0
 _ELF_KEYS: dict[tuple[str, str], tuple] = {}     # (path, root) -> the identity it had
+
+
+def _weight(info: ElfInfo) -> int:
+    return sum(map(len, info.symbols)) + 200 * len(info.symbols)
 
 
 def load_elf(path: str, root: str = "/") -> ElfInfo:
@@ -145,6 +162,7 @@ def load_elf(path: str, root: str = "/") -> ElfInfo:
     files (for a path reached through a process, its root whatever is given). Remembered by
     file identity, not path: one library reached through many processes' /proc/PID/root (a
     daemon's) is read once."""
+    global _elf_cache_bytes
     given = (path, root)
     root = procfs.root_of(path) or root
     try:
@@ -157,16 +175,18 @@ def load_elf(path: str, root: str = "/") -> ElfInfo:
         key = _ELF_KEYS.get(given)
         if key not in _ELF_CACHE:
             raise ProfinferError(f"cannot read {path}: {e.strerror}") from None
-    info = _ELF_CACHE.get(key)
-    if info is None:
+    cached = _ELF_CACHE.get(key)
+    if cached is None:
         # a tenant's file: read away from the daemon's loop, with a deadline (parsing.py)
         info = parsing.run(("elf", key), __name__, "_read_elf", path, root)
         if key[:2] != info.file_id:
             raise ProfinferError(f"{path} was replaced while it was read: looked at again later")
-        _ELF_CACHE[key] = info
-        if len(_ELF_CACHE) > _ELF_CACHE_SIZE:
-            _ELF_CACHE.popitem(last=False)
+        _ELF_CACHE[key] = (info, _weight(info))
+        _elf_cache_bytes += _ELF_CACHE[key][1]
+        while len(_ELF_CACHE) > 1 and (len(_ELF_CACHE) > _ELF_CACHE_SIZE or _elf_cache_bytes > _ELF_CACHE_BYTES):
+            _elf_cache_bytes -= _ELF_CACHE.popitem(last=False)[1][1]
     else:
+        info = cached[0]
         _ELF_CACHE.move_to_end(key)
     _ELF_KEYS[given] = key
     procfs.read_as(path, key[:2])      # what a probe on this path must land in

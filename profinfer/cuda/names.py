@@ -25,7 +25,7 @@ from elftools.elf.elffile import ELFFile
 
 from .. import parsing, procfs
 from ..errors import ProfinferError
-from ..symbols import MAX_TABLE_BYTES, SYM64, ElfInfo, load_elf
+from ..symbols import MAX_NAME_BYTES, MAX_SYMBOLS, MAX_TABLE_BYTES, SYM64, ElfInfo, load_elf
 
 _HANDLE_STATIC = re.compile(r"^_ZZ(L?)(\d+)__device_stub__(\w+)E8__handle$")
 _STT_OBJECT = 1
@@ -104,10 +104,15 @@ def handle_statics(path: str) -> list[tuple[int, str]]:
             syms = syms[((syms["info"] & 0xF) == _STT_OBJECT) & (syms["value"] != 0)]
             out = []
             for name_off, value in zip(syms["name"].tolist(), syms["value"].tolist()):
-                name = strtab[name_off:strtab.find(b"\0", name_off)].decode("utf-8", "replace")
+                end = strtab.find(b"\0", name_off, name_off + MAX_NAME_BYTES)
+                if end < 0:                # no NUL within a name's length: not a name
+                    continue
+                name = strtab[name_off:end].decode("utf-8", "replace")
                 m = _HANDLE_STATIC.match(name)
                 if m:
                     out.append((value, "_" + m.group(3)))
+                    if len(out) >= MAX_SYMBOLS:       # what the daemon keeps: bounded
+                        break
             return out
     except (OSError, ELFError, ValueError):
         return []

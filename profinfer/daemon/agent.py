@@ -167,6 +167,7 @@ class Agent:
         self.failed: dict[tuple[int, int], tuple[float, float]] = {}   # -> (next try, backoff)
         self.executables_seen: dict[tuple, bool] = {}
         self.loader_seen: set[tuple[int, int]] = set()       # (pid, start): its loader hooked
+        self.loader_pending: set[int] = set()      # its loader still being read: hooked later
         self.attach_errors = 0
         self.loop_errors = 0
         self.retired_programs: dict[str, tuple[int, int]] = {}  # what exited watches' programs ran
@@ -223,6 +224,11 @@ class Agent:
         self.cuda_checked = {k: v for k, v in self.cuda_checked.items() if k[0] in alive}
         self.failed = {k: v for k, v in self.failed.items() if k[0] in alive}
         self.loader_seen = {k for k in self.loader_seen if k[0] in alive}
+        if self.discovery is not None:
+            for pid in sorted(self.loader_pending):     # loaders read since the last scan
+                self.loader_pending.discard(pid)
+                if pid in alive:
+                    self._hook_loader(pid)
         self.over_cap = {k for k in self.over_cap if k[0] in alive}
         with self.lock:
             self.unwatched = {k: v for k, v in self.unwatched.items() if k[0] in alive}
@@ -368,11 +374,16 @@ class Agent:
 
     def _hook_loader(self, pid: int) -> None:
         """Its loader's hook probed, so that a library it (or another process using the same
-        loader) completes a list with later is seen at once."""
+        loader) completes a list with later is seen at once. A loader still being read (in
+        the parsing worker) is hooked at a later scan (loader_pending)."""
         try:
             self.discovery.hook_loader(pid)
+        except NotReady:
+            self.loader_pending.add(pid)
+            return
         except Exception as e:          # a tenant's loader file: whatever reading it raised
             self._error(f"PID {pid}: hooking its loader: {type(e).__name__}: {e}")
+        self.loader_pending.discard(pid)
 
     def _candidate(self, pid: int) -> None:
         """Held at the exec of an engine's executable: hook its loader (it is held again once
@@ -383,6 +394,11 @@ class Agent:
             return
         try:
             self.discovery.hook_loader(pid)
+        except NotReady:
+            # its loader is being read (a new loader file, the worker busy): not held for it
+            # (a tenant's slow file would hold it); looked at now, hooked at a later scan
+            self.loader_pending.add(pid)
+            self._libraries_loaded(pid)
         except ProfinferError as e:     # no hook to wait for: look now
             self._error(f"PID {pid}: {e}")
             self._libraries_loaded(pid)

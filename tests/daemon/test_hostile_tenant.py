@@ -336,3 +336,29 @@ def test_a_fifo_where_a_mapped_library_was_is_not_waited_on(tmp_path, tenant_bin
         if tenant is not None:
             tenant.kill()
             tenant.wait()
+
+
+def test_a_padded_loader_does_not_stall_the_loop(tmp_path, tenant_bin, memory_cgroup):
+    """A tenant whose program names (PT_INTERP) a copy of glibc's loader padded to 4 MiB,
+    .text's section header pointing at undecodable bytes (read inline, old: ~4 min on the
+    loop): /healthz stays 200 past the 30 s after which a stalled loop answers 503."""
+    from test_parsing_bounds import _padded_loader      # tests/: on the path, as conftest
+    root = tmp_path / "tenant"
+    exe = tmp_path / "padded_tenant"
+    subprocess.run(["gcc", "-O1", "-o", str(exe), str(HERE / "hostile_tenant.c"),
+                    "-Wl,--dynamic-linker=/lib64/ld-padded.so"], check=True)
+    _jail(root, exe)
+    shutil.copy2(_padded_loader(tmp_path), root / "lib64" / "ld-padded.so")
+    tenant = watched = None
+    try:
+        tenant = _start_tenant(root, "/bin/tenant")
+        watched = Watched(tmp_path, memory_cgroup)
+        time.sleep(35)
+        watched.stop_polling()
+        watched.assert_alive_and_healthy()
+    finally:
+        if watched is not None:
+            watched.close()
+        if tenant is not None:
+            tenant.kill()
+            tenant.wait()
