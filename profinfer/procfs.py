@@ -8,13 +8,16 @@ follows `..` out of it, and blocks on a FIFO. Here:
 - `/proc/PID/root/<rest>` is opened with openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
   against an O_PATH descriptor of /proc/PID/root: symlinks (the last component's too: a
   loader's PT_INTERP, a debug file's build-id link) and `..` resolve inside the target's root,
-  /proc magic links are refused; O_NONBLOCK, and it must be a regular file. A path read from
-  /proc/PID/maps is the file's own (the kernel's name for it), so it is opened with
-  O_NOFOLLOW as well.
+  /proc magic links are refused; it must be a regular file. A path read from /proc/PID/maps
+  is the file's own (the kernel's name for it), so it is opened with O_NOFOLLOW as well.
 - `/proc/PID/map_files/<range>` (a mapping whose file was deleted or replaced) is the mapped
   file itself, as the kernel names it; it must be a regular file too.
-- Anything else is a path of our own (a process we started): opened as it is, O_NONBLOCK, a
-  regular file.
+- Anything else is a path of our own (a process we started): opened as it is, a regular file.
+
+Every one is first opened O_PATH, which runs no driver's open: a tenant with CAP_MKNOD (the
+default in Docker and containerd) can put a device node at any of these paths, and opening a
+watchdog's node arms it. Only a regular file is then opened for reading, through the O_PATH
+descriptor (/proc/self/fd/N: that very inode, nothing resolved again), O_NONBLOCK.
 
 `pinned` gives a path the kernel resolves to the open descriptor (/proc/self/fd/N): a uprobe
 is attached to the file that was opened and checked, never to a path resolved again. For a
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import platform
 import re
@@ -64,6 +68,7 @@ def openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
 
 
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
+_PATH_FLAGS = os.O_PATH | os.O_CLOEXEC
 
 
 def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
@@ -72,7 +77,7 @@ def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
     component; EINVAL for what is not a regular file)."""
     root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = openat2(root, path.lstrip("/") or ".", _FLAGS | (os.O_NOFOLLOW if nofollow else 0),
+        fd = openat2(root, path.lstrip("/") or ".", _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0),
                      RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
     finally:
         os.close(root)
@@ -80,15 +85,22 @@ def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
 
 
 def _regular(fd: int, path: str) -> int:
+    """The O_PATH descriptor `fd` (closed here) opened for reading if it is a regular file:
+    the same inode, checked, never a device's open run first."""
     try:
-        mode = os.fstat(fd).st_mode
-    except OSError:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):        # O_PATH | O_NOFOLLOW gives the link itself
+            raise OSError(errno.ELOOP, "a symbolic link", path)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        readable = os.open(f"/proc/self/fd/{fd}", _FLAGS)
+    finally:
         os.close(fd)
-        raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise OSError(22, "not a regular file", path)
-    return fd
+    again = os.fstat(readable)
+    if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):    # cannot happen: same file
+        os.close(readable)
+        raise OSError(errno.ESTALE, "reopened as another file", path)
+    return readable
 
 
 def root_of(path: str) -> str | None:
@@ -104,7 +116,7 @@ def open_file(path: str, nofollow: bool = False) -> int:
     m = _ROOT_PATH.match(path)
     if m:
         return open_in_root(int(m.group(1)), m.group(2), nofollow)
-    return _regular(os.open(path, _FLAGS), path)
+    return _regular(os.open(path, _PATH_FLAGS), path)
 
 
 def open_binary(path: str):

@@ -7,7 +7,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
+import struct
 import subprocess
+import ctypes
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from profinfer import procfs
 from profinfer.errors import ProfinferError
 
 HOST_FILE = Path("/etc/os-release")
+DEBUG_FILE = "/usr/lib/debug/.build-id/ab/cdef0123.debug"
 
 
 @pytest.fixture
@@ -39,6 +43,10 @@ def jailed(tmp_path):
     os.symlink("../../../../../../../../etc/os-release", root / "dotdot-link")
     os.symlink("/proc/self/root/etc/os-release", root / "magic-link")
     os.mkfifo(root / "fifo")
+    debug = root / DEBUG_FILE.lstrip("/")           # a device node where a debug file is looked for
+    debug.parent.mkdir(parents=True)
+    os.mknod(debug, stat.S_IFCHR | 0o600, os.makedev(1, 3))    # /dev/null's: harmless to open
+    os.symlink(DEBUG_FILE, root / "dev-link")
     (root / "not-mapped").write_bytes(b"\x7fELF")
     proc = subprocess.Popen(["unshare", "--mount", "sh", "-c",
                              f"mount --make-rprivate / && mount --bind {root} {root} && cd {root} && "
@@ -79,6 +87,50 @@ def test_fifo_refused_at_once(jailed):
     with pytest.raises(OSError) as e:
         _read(f"/proc/{jailed}/root/fifo")
     assert e.value.errno == errno.EINVAL and time.monotonic() - t0 < 1
+
+
+class Opens:
+    """Opens of one inode, as the kernel reports them (inotify IN_OPEN: an O_PATH descriptor
+    runs no open and reports none)."""
+    IN_OPEN = 0x20
+
+    def __init__(self, path: Path):
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0 and libc.inotify_add_watch(self.fd, os.fsencode(path), self.IN_OPEN) >= 0
+
+    def count(self) -> int:
+        n = 0
+        try:
+            buf = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return 0
+        at = 0
+        while at < len(buf):
+            _, mask, _, length = struct.unpack_from("iIII", buf, at)
+            n += bool(mask & self.IN_OPEN)
+            at += 16 + length
+        return n
+
+
+def test_a_device_node_is_never_opened(jailed, tmp_path):
+    """A tenant with CAP_MKNOD puts a character device where a debug file is looked for (and a
+    link to it): refused as not a regular file without its driver's open ever running (for a
+    watchdog that open arms it). Truth: the kernel's open events on the node."""
+    node = tmp_path / "root" / DEBUG_FILE.lstrip("/")
+    opens = Opens(node)
+    os.close(os.open(node, os.O_RDONLY))
+    assert opens.count() == 1                       # the watch sees a real open
+    for path in (f"/proc/{jailed}/root{DEBUG_FILE}", f"/proc/{jailed}/root/dev-link", str(node)):
+        for call in (procfs.open_file, procfs.stat_file, _read):
+            with pytest.raises(OSError) as e:
+                call(path)
+            assert e.value.errno == errno.EINVAL, (call, path)
+    with pytest.raises(ProfinferError, match="cannot open"):
+        with procfs.pinned(f"/proc/{jailed}/root{DEBUG_FILE}"):
+            pass
+    assert opens.count() == 0
+    os.close(procfs.open_file(f"/proc/{jailed}/root/etc/os-release"))     # a regular file still opens
 
 
 def test_only_a_mapped_file_is_pinned(jailed):
