@@ -116,7 +116,7 @@ def open_file(path: str, nofollow: bool = False) -> int:
     m = _ROOT_PATH.match(path)
     if m:
         return open_in_root(int(m.group(1)), m.group(2), nofollow)
-    return _regular(os.open(path, _PATH_FLAGS), path)
+    return _regular(os.open(path, _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0)), path)
 
 
 def open_binary(path: str):
