@@ -20,7 +20,8 @@ watchdog's node arms it. Only a regular file is then opened for reading, through
 descriptor (/proc/self/fd/N: that very inode, nothing resolved again), O_NONBLOCK.
 
 `pinned` gives a path the kernel resolves to the open descriptor (/proc/self/fd/N): a uprobe
-is attached to the file that was opened and checked, never to a path resolved again. For a
+is attached to the file that was opened and checked, never to a path resolved again, and
+only if it is the file the probe's offsets were read from. For a
 path inside a target's root the file must also be one the process maps, by (device, inode)
 as /proc/PID/maps shows them.
 
@@ -197,12 +198,18 @@ def read_as(path: str, file_id: tuple[int, int]) -> None:
         _READ_AS.pop(next(iter(_READ_AS)))
 
 
+_OWN_FD = re.compile(r"^/proc/self/fd/\d+$")
+
+
 @contextlib.contextmanager
-def pinned(path: str):
+def pinned(path: str, file_id: tuple[int, int] | None = None):
     """A name the kernel resolves to the file `path` names, opened and checked as open_file
-    does (for a target's root: a file the process maps; for a path whose symbols were read:
-    that very file), /proc/self/fd/N, valid inside the block. A uprobe attached there stays
-    on that inode after the block."""
+    does, /proc/self/fd/N, valid inside the block. A uprobe attached there stays on that
+    inode after the block. For a target's root: a file the process maps. And the file the
+    probe's offsets were read from: `file_id` (device, inode; ElfInfo.file_id) when the
+    caller has it, else the one read_as recorded for `path`; a path with neither is refused
+    (the record is bounded: one evicted must not let any file through). A /proc/self/fd/N
+    of the caller's is the file it holds and read."""
     try:
         fd = open_file(path)
     except OSError as e:
@@ -212,7 +219,11 @@ def pinned(path: str):
         if m:
             check_mapped(fd, int(m.group(1)), m.group(2))
         st = os.fstat(fd)
-        if _READ_AS.get(path, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
+        want = file_id if file_id and file_id != (0, 0) else _READ_AS.get(path)
+        if want is None and not _OWN_FD.match(path):
+            raise ProfinferError(f"{path}: which file its symbols were read from is not known "
+                                 "(read long ago): not probed")
+        if want is not None and want != (st.st_dev, st.st_ino):
             raise ProfinferError(f"{path} names another file than the one its symbols were read "
                                  "from (replaced since): not probed")
         yield f"/proc/self/fd/{fd}"

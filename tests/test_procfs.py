@@ -134,6 +134,8 @@ def test_a_device_node_is_never_opened(jailed, tmp_path):
 
 
 def test_only_a_mapped_file_is_pinned(jailed):
+    from profinfer.symbols import load_elf
+    load_elf(f"/proc/{jailed}/root/bin/sleep")         # a probe's offsets come from its symbols
     with procfs.pinned(f"/proc/{jailed}/root/bin/sleep") as name:
         assert name.startswith("/proc/self/fd/")
         st = os.stat(name)
@@ -146,13 +148,9 @@ def test_only_a_mapped_file_is_pinned(jailed):
             pass
 
 
-def test_a_probe_lands_in_the_file_its_symbols_came_from(jailed, tmp_path):
-    """The process maps its executable and its C library. Once the executable's symbols are
-    read, the process puts its C library at the executable's path: a file it maps, but not
-    the one the probe's offsets came from. It is not pinned."""
-    from profinfer.symbols import Symbol, load_elf
+def _swap_for_libc(jailed, tmp_path) -> str:
+    """The process puts its C library (a file it maps) at its executable's path."""
     path = f"/proc/{jailed}/root/bin/sleep"
-    elf = load_elf(path)
     libc = next(m.path for m in procfs.file_mappings(jailed) if "/libc.so" in m.path)
     root = tmp_path / "root"
     os.rename(root / "bin" / "sleep", root / "bin" / "sleep.old")
@@ -161,8 +159,39 @@ def test_a_probe_lands_in_the_file_its_symbols_came_from(jailed, tmp_path):
     assert (st.st_dev, st.st_ino) in procfs.mapped_identities(jailed)       # a file it maps
     old = os.stat(root / "bin" / "sleep.old")
     assert (st.st_dev, st.st_ino) != (old.st_dev, old.st_ino)
+    return path
+
+
+def test_a_probe_lands_in_the_file_its_symbols_came_from(jailed, tmp_path):
+    """The process maps its executable and its C library. Once the executable's symbols are
+    read, the process puts its C library at the executable's path: a file it maps, but not
+    the one the probe's offsets came from. It is not pinned."""
+    from profinfer.symbols import Symbol, load_elf
+    elf = load_elf(f"/proc/{jailed}/root/bin/sleep")
+    path = _swap_for_libc(jailed, tmp_path)
     with pytest.raises(ProfinferError, match="another file than the one its symbols were read"):
         with procfs.pinned(path):
             pass
     with pytest.raises(ProfinferError, match="replaced since"):            # nor its code read
         elf.code_bytes(Symbol("start", 0, 16, 0), 16)
+
+
+def test_a_probe_is_refused_once_the_record_of_its_file_is_gone(jailed, tmp_path):
+    """As above, and then the daemon reads the symbols of many other files (a busy node):
+    what path -> file it remembers is bounded, and this path's record is dropped. The swapped
+    file is still not pinned: not by the path alone, nor with the file the caller read."""
+    from profinfer.symbols import load_elf
+    elf = load_elf(f"/proc/{jailed}/root/bin/sleep")
+    path = _swap_for_libc(jailed, tmp_path)
+    for i in range(procfs._READ_AS_LIMIT):      # as load_elf records each file it reads
+        procfs.read_as(f"/proc/1/root/other/{i}", (0, i))
+    with pytest.raises(ProfinferError, match="not known"):
+        with procfs.pinned(path):
+            pass
+    with pytest.raises(ProfinferError, match="another file than the one its symbols were read"):
+        with procfs.pinned(path, elf.file_id):
+            pass
+    os.rename(tmp_path / "root" / "bin" / "sleep.old", tmp_path / "root" / "bin" / "sleep")
+    with procfs.pinned(path, elf.file_id) as name:                          # its own file: pinned
+        st = os.stat(name)
+        assert (st.st_dev, st.st_ino) == elf.file_id
