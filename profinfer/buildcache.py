@@ -2,8 +2,9 @@
 ~/.cache/profinfer), with what every engine's workload module uses to fill it: one builder at
 a time per item (flock), and commands whose output is the build's progress report.
 
-What profinfer runs or loads from it (BPF objects, as root; native binaries) is used only
-if nobody but this user or root could have put it there: the file and every directory on
+What profinfer runs, loads or reads from it (BPF objects, as root; native binaries; struct
+layouts and measurements, open_trusted) is used only if nobody but this user or root could
+have put it there: the file and every directory on
 its way from / (as given and as resolved) owned by root or the effective user, and none
 writable by group or others (a sticky directory such as /tmp aside). Under `sudo -E` the
 home cache is a user's: refused, said once, and built again in a private place."""
@@ -20,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
+
+from . import procfs
 
 
 def log(msg: str) -> None:
@@ -69,13 +72,12 @@ def untrusted(path: Path | str) -> str | None:
     return None
 
 
-def _refuse(where: Path, why: str) -> None:
+def _refuse(where: Path, why: str, instead: str) -> None:
     """Say once per directory that what is in it is not used."""
     if where not in _distrusted:
         _distrusted.add(where)
         print(f"profinfer: warning: not using what is in {where}: {why} (someone other than "
-              "root or this user could have put it there); building a private copy",
-              file=sys.stderr, flush=True)
+              f"root or this user could have put it there); {instead}", file=sys.stderr, flush=True)
 
 
 def trusted(path: Path | str) -> bool:
@@ -86,8 +88,11 @@ def trusted(path: Path | str) -> bool:
         return False
     if why is None:
         return True
-    _refuse(Path(path) if os.path.isdir(path) else Path(path).parent, why)
+    _refuse(Path(path) if os.path.isdir(path) else Path(path).parent, why, "building a private copy")
     return False
+
+
+_AFRESH = "working it out afresh"
 
 
 def open_trusted(path: Path | str):
@@ -95,14 +100,13 @@ def open_trusted(path: Path | str):
     `trusted` says, else None (missing, or refused: said once per directory). What is checked
     is the open file itself (its owner, its mode, a regular file, no link: O_NOFOLLOW), and
     the directories on its way: what is read is what was checked."""
-    from . import procfs
     path = Path(path)
     try:
         fd = procfs.open_file(str(path), nofollow=True)
     except FileNotFoundError:
         return None
     except OSError as e:
-        _refuse(path.parent, f"{path} cannot be opened as a regular file ({e.strerror})")
+        _refuse(path.parent, f"{path} cannot be opened as a regular file ({e.strerror})", _AFRESH)
         return None
     try:
         st = os.fstat(fd)
@@ -116,7 +120,7 @@ def open_trusted(path: Path | str):
         why = f"{path.parent}: {e.strerror}"
     if why is not None:
         os.close(fd)
-        _refuse(path.parent, why)
+        _refuse(path.parent, why, _AFRESH)
         return None
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")

@@ -101,3 +101,34 @@ def test_a_planted_layout_file_or_link_is_not_used(layouts, tmp_path, monkeypatc
     os.unlink(cache / "layouts" / name)
     _plant(cache / "layouts" / name, forged)                  # root's own file: used as cached
     assert _layout(lib, cache, monkeypatch) == {m: forged["members"][m] for m in MEMBERS}
+
+
+def test_planted_measurements_are_not_believed(tmp_path, monkeypatch):
+    """roofs.json (calibrate) and probecost.json, planted with a checked entry for this very
+    machine in a user's cache, or behind a link: not used (measured again when needed); the
+    same file written by root is used, as calibrate wrote it."""
+    import json
+    from profinfer import calibrate, probecost
+    prefix = f"{calibrate.cpu_model()}|{os.cpu_count()} cpus|"
+    planted = {"roofs.json": {prefix + "1 threads": {"check": "planted", "fma_gflops": 1e9, "read_gbps": 1e9}},
+               "probecost.json": {probecost._key(): {"check": "planted", "emulated_ns": 0}}}
+    read = {"roofs.json": lambda: calibrate.cached(1), "probecost.json": probecost.cached}
+
+    def plant(cache: Path, owner: int | None, link: bool = False) -> None:
+        cache.mkdir()
+        for name, content in planted.items():
+            target = tmp_path / f"{cache.name}-{name}" if link else cache / name
+            target.write_text(json.dumps(content))
+            if link:
+                os.symlink(target, cache / name)
+            if owner is not None:
+                os.chown(target, owner, owner)
+                os.chown(cache, owner, owner)
+        monkeypatch.setenv("PROFINFER_CACHE", str(cache))
+
+    plant(tmp_path / "user", NOBODY)
+    assert [read[n]() for n in planted] == [None, None]
+    plant(tmp_path / "linked", None, link=True)
+    assert [read[n]() for n in planted] == [None, None]
+    plant(tmp_path / "root", None)                       # root's own: believed
+    assert [read[n]()["check"] for n in planted] == ["planted", "planted"]
