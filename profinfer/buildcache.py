@@ -2,14 +2,16 @@
 ~/.cache/profinfer), with what every engine's workload module uses to fill it: one builder at
 a time per item (flock), and commands whose output is the build's progress report.
 
-What profinfer runs or loads from it (BPF objects, as root; native binaries) is used only
-if nobody but this user or root could have put it there: the file and every directory on
+What profinfer runs, loads or reads from it (BPF objects, as root; native binaries; struct
+layouts and measurements, open_trusted) is used only if nobody but this user or root could
+have put it there: the file and every directory on
 its way from / (as given and as resolved) owned by root or the effective user, and none
 writable by group or others (a sticky directory such as /tmp aside). Under `sudo -E` the
 home cache is a user's: refused, said once, and built again in a private place."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import stat
@@ -19,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
+
+from . import procfs
 
 
 def log(msg: str) -> None:
@@ -46,6 +50,12 @@ def _ancestry(path: str) -> list[str]:
     return out
 
 
+def _writable_by_others(st: os.stat_result) -> str | None:
+    if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+        return f"writable by {'others' if st.st_mode & 0o002 else 'group'}"
+    return None
+
+
 def untrusted(path: Path | str) -> str | None:
     """Why this process may not trust `path` (someone else could have written it or can swap
     it), or None when it may. Missing paths are for the caller to handle (OSError)."""
@@ -57,9 +67,17 @@ def untrusted(path: Path | str) -> str | None:
             return f"{p} is owned by uid {st.st_uid}"
         if stat.S_ISLNK(st.st_mode):
             continue
-        if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
-            return f"{p} is writable by {'others' if st.st_mode & 0o002 else 'group'}"
+        if why := _writable_by_others(st):
+            return f"{p} is {why}"
     return None
+
+
+def _refuse(where: Path, why: str, instead: str) -> None:
+    """Say once per directory that what is in it is not used."""
+    if where not in _distrusted:
+        _distrusted.add(where)
+        print(f"profinfer: warning: not using what is in {where}: {why} (someone other than "
+              f"root or this user could have put it there); {instead}", file=sys.stderr, flush=True)
 
 
 def trusted(path: Path | str) -> bool:
@@ -70,13 +88,42 @@ def trusted(path: Path | str) -> bool:
         return False
     if why is None:
         return True
-    where = Path(path) if os.path.isdir(path) else Path(path).parent
-    if where not in _distrusted:
-        _distrusted.add(where)
-        print(f"profinfer: warning: not using what is in {where}: {why} (someone other than "
-              "root or this user could have put it there); building a private copy",
-              file=sys.stderr, flush=True)
+    _refuse(Path(path) if os.path.isdir(path) else Path(path).parent, why, "building a private copy")
     return False
+
+
+_AFRESH = "working it out afresh"
+
+
+def open_trusted(path: Path | str):
+    """The cached file `path` open for reading (a binary file object) if it may be trusted as
+    `trusted` says, else None (missing, or refused: said once per directory). What is checked
+    is the open file itself (its owner, its mode, a regular file, no link: O_NOFOLLOW), and
+    the directories on its way: what is read is what was checked."""
+    path = Path(path)
+    try:
+        fd = procfs.open_file(str(path), nofollow=True)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        _refuse(path.parent, f"{path} cannot be opened as a regular file ({e.strerror})", _AFRESH)
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid not in (0, os.geteuid()):
+            why = f"{path} is owned by uid {st.st_uid}"
+        elif what := _writable_by_others(st):
+            why = f"{path} is {what}"
+        else:
+            why = untrusted(path.parent)
+    except OSError as e:
+        why = f"{path.parent}: {e.strerror}"
+    if why is not None:
+        os.close(fd)
+        _refuse(path.parent, why, _AFRESH)
+        return None
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def private_dir() -> Path:
@@ -96,17 +143,18 @@ def writable_dir(sub: str) -> Path | None:
     a reason not to profile. A cache root of our own that others may write (a Kubernetes
     emptyDir is 0777) is closed to them first: what they could have put in it is refused by
     its owner."""
-    path = cache_dir() / sub
+    root = cache_dir()
+    path = root / sub
     if path in _unwritable:
         return None
     try:
         path.mkdir(parents=True, exist_ok=True)
         if not os.access(path, os.W_OK):
             raise PermissionError(f"{path} is not writable")
-        for p in {cache_dir(), path}:
-            st = os.stat(p)
-            if st.st_uid == os.geteuid() and st.st_mode & 0o022:
-                os.chmod(p, st.st_mode & ~0o022)
+        for p in (root, path):       # each only once the way to it is trusted
+            if untrusted(p.parent) is not None:
+                break
+            _close_to_others(p)
     except OSError as e:
         _unwritable.add(path)
         print(f"profinfer: warning: cache {path} cannot be written ({e.strerror or e}); "
@@ -116,6 +164,24 @@ def writable_dir(sub: str) -> Path | None:
         _unwritable.add(path)
         return None
     return path
+
+
+def _close_to_others(directory: Path) -> None:
+    """`directory`, if it is our own and others may write it, closed to them: through a
+    descriptor of that very directory (O_NOFOLLOW: a link is left alone, never its target,
+    such as a user's link to /tmp), and never a shared sticky one (/tmp itself)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):     # a link: for `trusted` to judge
+            return
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from . import loadcheck, nativebuild
+from . import buildcache, loadcheck, nativebuild
 from .errors import ProfinferError
 from .loadcheck import UnreliableMeasurement
 from .roofline import Roofs
@@ -115,9 +115,14 @@ def describe(r: dict) -> str:
 
 
 def _load() -> dict:
+    """The cache, if nobody but root or this user could have written it (else {})."""
     try:
-        with open(_cache_path()) as f:
-            return json.load(f)
+        f = buildcache.open_trusted(_cache_path())
+        if f is None:
+            return {}
+        with f:
+            found = json.load(f)
+        return found if isinstance(found, dict) else {}
     except (OSError, ValueError):
         return {}
 

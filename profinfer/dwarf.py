@@ -13,7 +13,7 @@ from elftools.dwarf.ranges import BaseAddressEntry
 from elftools.elf.elffile import ELFFile
 
 from . import parsing, procfs
-from .buildcache import cache_dir, writable_dir
+from .buildcache import cache_dir, open_trusted, writable_dir
 from .errors import ProfinferError
 
 MAX_DWARF_BYTES = 256 << 20     # its .debug_* sections together (llama.cpp's largest: ~60 MiB)
@@ -86,10 +86,13 @@ def _cached(what: str, function: str, path: str, *args):
         return parsing.run(("dwarf", name), __name__, "_checked", digest, function, path, *args)
     if name in _in_memory:
         return _in_memory[name]
-    cache = cache_dir() / "layouts" / name
-    if cache.exists():
-        with open(cache) as f:
-            return json.load(f)
+    cached = open_trusted(cache_dir() / "layouts" / name)    # a layout decides what we read
+    if cached is not None:
+        with cached:
+            try:
+                return json.load(cached)
+            except ValueError:
+                pass
     found = compute()
     directory = writable_dir("layouts")
     if directory is None:

@@ -244,21 +244,23 @@ class BpfObject:
             raise _failure("the kernel refused the BPF programs")
 
     def attach_uprobe(self, program: str, path: str, file_offset: int, pid: int,
-                      retprobe: bool = False, cookie: int | None = None) -> tuple[str, int]:
+                      retprobe: bool = False, cookie: int | None = None,
+                      file_id: tuple[int, int] | None = None) -> tuple[str, int]:
         """With a cookie (Linux 5.15), the program reads it with bpf_get_attach_cookie.
         Returns the link (for detach_links). A uprobe-multi program (Linux 6.6, see load)
         gets a uprobe-multi link of one offset; else a perf-event uprobe, which needs
         CAP_SYS_ADMIN on kernels with commit ba677dbe77af (6.16, and stable releases since
-        2025-07). The file is the one `path` names, opened and checked (procfs.pinned)."""
+        2025-07). The file is the one `path` names, opened and checked (procfs.pinned): the file
+        `file_id` (device, inode) the offsets were read from, when the caller has it."""
         if program in self._multi:
             return self.attach_uprobe_multi(program, path, [file_offset], [cookie or 0], pid,
-                                            retprobe=retprobe)
+                                            retprobe=retprobe, file_id=file_id)
         L = lib()
         prog = L.bpf_object__find_program_by_name(self._obj, program.encode())
         if not prog:
             raise ProfinferError(f"BPF object has no program {program}")
         _messages.clear()
-        with procfs.pinned(path) as name:
+        with procfs.pinned(path, file_id) as name:
             if cookie is None:
                 link = L.bpf_program__attach_uprobe(prog, retprobe, pid, name.encode(), file_offset)
             else:
@@ -283,7 +285,8 @@ class BpfObject:
         self._multi.add(program)
 
     def attach_uprobe_multi(self, program: str, path: str, offsets: list[int], cookies: list[int],
-                            pid: int, retprobe: bool = False) -> tuple[str, int]:
+                            pid: int, retprobe: bool = False,
+                            file_id: tuple[int, int] | None = None) -> tuple[str, int]:
         """Probe many offsets of one file with one link (Linux 6.6; libbpf 1.3 wraps this call,
         Debian 12's 1.1 does not). Removing a uprobe waits for an RCU grace period, ~0.1 s
         here, once per link: hundreds of perf-event uprobes took 18 s to remove, one link
@@ -294,7 +297,7 @@ class BpfObject:
         offs = (ctypes.c_uint64 * n)(*offsets)
         cks = (ctypes.c_uint64 * n)(*cookies)
         attr = ctypes.create_string_buffer(_LINK_CREATE_SIZE)
-        with procfs.pinned(path) as name:
+        with procfs.pinned(path, file_id) as name:
             path_buf = ctypes.create_string_buffer(name.encode())
             struct.pack_into("<IIII", attr, 0, fd, 0, BPF_TRACE_UPROBE_MULTI, 0)
             struct.pack_into("<QQQQIII", attr, 16, ctypes.addressof(path_buf), ctypes.addressof(offs), 0,

@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import time
 
-from . import counters, loadcheck, nativebuild
+from . import buildcache, counters, loadcheck, nativebuild
 from .errors import ProfinferError
 from .loadcheck import UnreliableMeasurement
 from .symbols import load_elf
@@ -117,9 +117,14 @@ def measure() -> dict:
 
 
 def _load() -> dict:
+    """The cache, if nobody but root or this user could have written it (else {})."""
     try:
-        with open(_cache_path()) as f:
-            return json.load(f)
+        f = buildcache.open_trusted(_cache_path())
+        if f is None:
+            return {}
+        with f:
+            found = json.load(f)
+        return found if isinstance(found, dict) else {}
     except (OSError, ValueError):
         return {}
 

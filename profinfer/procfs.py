@@ -8,16 +8,20 @@ follows `..` out of it, and blocks on a FIFO. Here:
 - `/proc/PID/root/<rest>` is opened with openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
   against an O_PATH descriptor of /proc/PID/root: symlinks (the last component's too: a
   loader's PT_INTERP, a debug file's build-id link) and `..` resolve inside the target's root,
-  /proc magic links are refused; O_NONBLOCK, and it must be a regular file. A path read from
-  /proc/PID/maps is the file's own (the kernel's name for it), so it is opened with
-  O_NOFOLLOW as well.
+  /proc magic links are refused; it must be a regular file. A path read from /proc/PID/maps
+  is the file's own (the kernel's name for it), so it is opened with O_NOFOLLOW as well.
 - `/proc/PID/map_files/<range>` (a mapping whose file was deleted or replaced) is the mapped
   file itself, as the kernel names it; it must be a regular file too.
-- Anything else is a path of our own (a process we started): opened as it is, O_NONBLOCK, a
-  regular file.
+- Anything else is a path of our own (a process we started): opened as it is, a regular file.
+
+Every one is first opened O_PATH, which runs no driver's open: a tenant with CAP_MKNOD (the
+default in Docker and containerd) can put a device node at any of these paths, and opening a
+watchdog's node arms it. Only a regular file is then opened for reading, through the O_PATH
+descriptor (/proc/self/fd/N: that very inode, nothing resolved again), O_NONBLOCK.
 
 `pinned` gives a path the kernel resolves to the open descriptor (/proc/self/fd/N): a uprobe
-is attached to the file that was opened and checked, never to a path resolved again. For a
+is attached to the file that was opened and checked, never to a path resolved again, and
+only if it is the file the probe's offsets were read from. For a
 path inside a target's root the file must also be one the process maps, by (device, inode)
 as /proc/PID/maps shows them.
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import platform
 import re
@@ -64,6 +69,7 @@ def openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
 
 
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
+_PATH_FLAGS = os.O_PATH | os.O_CLOEXEC
 
 
 def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
@@ -72,7 +78,7 @@ def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
     component; EINVAL for what is not a regular file)."""
     root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = openat2(root, path.lstrip("/") or ".", _FLAGS | (os.O_NOFOLLOW if nofollow else 0),
+        fd = openat2(root, path.lstrip("/") or ".", _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0),
                      RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
     finally:
         os.close(root)
@@ -80,15 +86,22 @@ def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
 
 
 def _regular(fd: int, path: str) -> int:
+    """The O_PATH descriptor `fd` (closed here) opened for reading if it is a regular file:
+    the same inode, checked, never a device's open run first."""
     try:
-        mode = os.fstat(fd).st_mode
-    except OSError:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):        # O_PATH | O_NOFOLLOW gives the link itself
+            raise OSError(errno.ELOOP, "a symbolic link", path)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        readable = os.open(f"/proc/self/fd/{fd}", _FLAGS)
+    finally:
         os.close(fd)
-        raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise OSError(22, "not a regular file", path)
-    return fd
+    again = os.fstat(readable)
+    if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):    # cannot happen: same file
+        os.close(readable)
+        raise OSError(errno.ESTALE, "reopened as another file", path)
+    return readable
 
 
 def root_of(path: str) -> str | None:
@@ -104,7 +117,7 @@ def open_file(path: str, nofollow: bool = False) -> int:
     m = _ROOT_PATH.match(path)
     if m:
         return open_in_root(int(m.group(1)), m.group(2), nofollow)
-    return _regular(os.open(path, _FLAGS), path)
+    return _regular(os.open(path, _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0)), path)
 
 
 def open_binary(path: str):
@@ -185,12 +198,18 @@ def read_as(path: str, file_id: tuple[int, int]) -> None:
         _READ_AS.pop(next(iter(_READ_AS)))
 
 
+_OWN_FD = re.compile(r"^/proc/self/fd/\d+$")
+
+
 @contextlib.contextmanager
-def pinned(path: str):
+def pinned(path: str, file_id: tuple[int, int] | None = None):
     """A name the kernel resolves to the file `path` names, opened and checked as open_file
-    does (for a target's root: a file the process maps; for a path whose symbols were read:
-    that very file), /proc/self/fd/N, valid inside the block. A uprobe attached there stays
-    on that inode after the block."""
+    does, /proc/self/fd/N, valid inside the block. A uprobe attached there stays on that
+    inode after the block. For a target's root: a file the process maps. And the file the
+    probe's offsets were read from: `file_id` (device, inode; ElfInfo.file_id) when the
+    caller has it, else the one read_as recorded for `path`; a path with neither is refused
+    (the record is bounded: one evicted must not let any file through). A /proc/self/fd/N
+    of the caller's is the file it holds and read."""
     try:
         fd = open_file(path)
     except OSError as e:
@@ -200,7 +219,11 @@ def pinned(path: str):
         if m:
             check_mapped(fd, int(m.group(1)), m.group(2))
         st = os.fstat(fd)
-        if _READ_AS.get(path, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
+        want = file_id if file_id and file_id != (0, 0) else _READ_AS.get(path)
+        if want is None and not _OWN_FD.match(path):
+            raise ProfinferError(f"{path}: which file its symbols were read from is not known "
+                                 "(read long ago): not probed")
+        if want is not None and want != (st.st_dev, st.st_ino):
             raise ProfinferError(f"{path} names another file than the one its symbols were read "
                                  "from (replaced since): not probed")
         yield f"/proc/self/fd/{fd}"

@@ -7,7 +7,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
+import struct
 import subprocess
+import ctypes
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from profinfer import procfs
 from profinfer.errors import ProfinferError
 
 HOST_FILE = Path("/etc/os-release")
+DEBUG_FILE = "/usr/lib/debug/.build-id/ab/cdef0123.debug"
 
 
 @pytest.fixture
@@ -39,6 +43,10 @@ def jailed(tmp_path):
     os.symlink("../../../../../../../../etc/os-release", root / "dotdot-link")
     os.symlink("/proc/self/root/etc/os-release", root / "magic-link")
     os.mkfifo(root / "fifo")
+    debug = root / DEBUG_FILE.lstrip("/")           # a device node where a debug file is looked for
+    debug.parent.mkdir(parents=True)
+    os.mknod(debug, stat.S_IFCHR | 0o600, os.makedev(1, 3))    # /dev/null's: harmless to open
+    os.symlink(DEBUG_FILE, root / "dev-link")
     (root / "not-mapped").write_bytes(b"\x7fELF")
     proc = subprocess.Popen(["unshare", "--mount", "sh", "-c",
                              f"mount --make-rprivate / && mount --bind {root} {root} && cd {root} && "
@@ -81,7 +89,53 @@ def test_fifo_refused_at_once(jailed):
     assert e.value.errno == errno.EINVAL and time.monotonic() - t0 < 1
 
 
+class Opens:
+    """Opens of one inode, as the kernel reports them (inotify IN_OPEN: an O_PATH descriptor
+    runs no open and reports none)."""
+    IN_OPEN = 0x20
+
+    def __init__(self, path: Path):
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0 and libc.inotify_add_watch(self.fd, os.fsencode(path), self.IN_OPEN) >= 0
+
+    def count(self) -> int:
+        n = 0
+        try:
+            buf = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return 0
+        at = 0
+        while at < len(buf):
+            _, mask, _, length = struct.unpack_from("iIII", buf, at)
+            n += bool(mask & self.IN_OPEN)
+            at += 16 + length
+        return n
+
+
+def test_a_device_node_is_never_opened(jailed, tmp_path):
+    """A tenant with CAP_MKNOD puts a character device where a debug file is looked for (and a
+    link to it): refused as not a regular file without its driver's open ever running (for a
+    watchdog that open arms it). Truth: the kernel's open events on the node."""
+    node = tmp_path / "root" / DEBUG_FILE.lstrip("/")
+    opens = Opens(node)
+    os.close(os.open(node, os.O_RDONLY))
+    assert opens.count() == 1                       # the watch sees a real open
+    for path in (f"/proc/{jailed}/root{DEBUG_FILE}", f"/proc/{jailed}/root/dev-link", str(node)):
+        for call in (procfs.open_file, procfs.stat_file, _read):
+            with pytest.raises(OSError) as e:
+                call(path)
+            assert e.value.errno == errno.EINVAL, (call, path)
+    with pytest.raises(ProfinferError, match="cannot open"):
+        with procfs.pinned(f"/proc/{jailed}/root{DEBUG_FILE}"):
+            pass
+    assert opens.count() == 0
+    os.close(procfs.open_file(f"/proc/{jailed}/root/etc/os-release"))     # a regular file still opens
+
+
 def test_only_a_mapped_file_is_pinned(jailed):
+    from profinfer.symbols import load_elf
+    load_elf(f"/proc/{jailed}/root/bin/sleep")         # a probe's offsets come from its symbols
     with procfs.pinned(f"/proc/{jailed}/root/bin/sleep") as name:
         assert name.startswith("/proc/self/fd/")
         st = os.stat(name)
@@ -94,13 +148,9 @@ def test_only_a_mapped_file_is_pinned(jailed):
             pass
 
 
-def test_a_probe_lands_in_the_file_its_symbols_came_from(jailed, tmp_path):
-    """The process maps its executable and its C library. Once the executable's symbols are
-    read, the process puts its C library at the executable's path: a file it maps, but not
-    the one the probe's offsets came from. It is not pinned."""
-    from profinfer.symbols import Symbol, load_elf
+def _swap_for_libc(jailed, tmp_path) -> str:
+    """The process puts its C library (a file it maps) at its executable's path."""
     path = f"/proc/{jailed}/root/bin/sleep"
-    elf = load_elf(path)
     libc = next(m.path for m in procfs.file_mappings(jailed) if "/libc.so" in m.path)
     root = tmp_path / "root"
     os.rename(root / "bin" / "sleep", root / "bin" / "sleep.old")
@@ -109,8 +159,39 @@ def test_a_probe_lands_in_the_file_its_symbols_came_from(jailed, tmp_path):
     assert (st.st_dev, st.st_ino) in procfs.mapped_identities(jailed)       # a file it maps
     old = os.stat(root / "bin" / "sleep.old")
     assert (st.st_dev, st.st_ino) != (old.st_dev, old.st_ino)
+    return path
+
+
+def test_a_probe_lands_in_the_file_its_symbols_came_from(jailed, tmp_path):
+    """The process maps its executable and its C library. Once the executable's symbols are
+    read, the process puts its C library at the executable's path: a file it maps, but not
+    the one the probe's offsets came from. It is not pinned."""
+    from profinfer.symbols import Symbol, load_elf
+    elf = load_elf(f"/proc/{jailed}/root/bin/sleep")
+    path = _swap_for_libc(jailed, tmp_path)
     with pytest.raises(ProfinferError, match="another file than the one its symbols were read"):
         with procfs.pinned(path):
             pass
     with pytest.raises(ProfinferError, match="replaced since"):            # nor its code read
         elf.code_bytes(Symbol("start", 0, 16, 0), 16)
+
+
+def test_a_probe_is_refused_once_the_record_of_its_file_is_gone(jailed, tmp_path):
+    """As above, and then the daemon reads the symbols of many other files (a busy node):
+    what path -> file it remembers is bounded, and this path's record is dropped. The swapped
+    file is still not pinned: not by the path alone, nor with the file the caller read."""
+    from profinfer.symbols import load_elf
+    elf = load_elf(f"/proc/{jailed}/root/bin/sleep")
+    path = _swap_for_libc(jailed, tmp_path)
+    for i in range(procfs._READ_AS_LIMIT):      # as load_elf records each file it reads
+        procfs.read_as(f"/proc/1/root/other/{i}", (0, i))
+    with pytest.raises(ProfinferError, match="not known"):
+        with procfs.pinned(path):
+            pass
+    with pytest.raises(ProfinferError, match="another file than the one its symbols were read"):
+        with procfs.pinned(path, elf.file_id):
+            pass
+    os.rename(tmp_path / "root" / "bin" / "sleep.old", tmp_path / "root" / "bin" / "sleep")
+    with procfs.pinned(path, elf.file_id) as name:                          # its own file: pinned
+        st = os.stat(name)
+        assert (st.st_dev, st.st_ino) == elf.file_id

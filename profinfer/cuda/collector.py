@@ -164,11 +164,13 @@ class CudaCollector:
                         continue
                     if self._multi:
                         links.append(self.obj.attach_uprobe_multi(prog, rf.host_path, offsets, cookies,
-                                                                  pid, retprobe=prog == RETURN))
+                                                                  pid, retprobe=prog == RETURN,
+                                                                  file_id=rf.elf.file_id))
                     else:
                         for off, cookie in zip(offsets, cookies):
                             links.append(self.obj.attach_uprobe(prog, rf.host_path, off, pid,
-                                                                retprobe=prog == RETURN, cookie=cookie))
+                                                                retprobe=prog == RETURN, cookie=cookie,
+                                                                file_id=rf.elf.file_id))
             except BaseException:
                 self.obj.detach_links(links)      # the file is probed whole or not at all
                 raise

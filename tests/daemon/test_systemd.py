@@ -6,7 +6,7 @@ cgroup files, the program's own log):
 
 - its sandbox is in force: a seccomp filter, no new privileges, the unit's capabilities and no
   others, a /tmp of its own, a read-only root, /proc/sys and /sys/fs/cgroup read-only, the
-  memory and task limits in its cgroup;
+  memory and task limits in its cgroup, no device but the pseudo ones (and GPUs');
 - it watches a CUDA program started beside it, and counts its calls as the program logs them;
 - POST /capture with the token works, its trace written in the service's private /tmp.
 
@@ -187,6 +187,12 @@ def test_the_unit_runs_in_its_sandbox(unit):
     assert int(limit) == 512 << 20 and _unit_value("MemoryMax") == "512M"
     tasks = _exec("cat", f"/sys/fs/cgroup/pids{cgroups['pids']}/pids.max").stdout.strip()
     assert tasks == _unit_value("TasksMax")
+    # its devices: the pseudo ones only (and GPUs', none here). A shell in its device cgroup
+    # opens /dev/null but not the kernel's log device (refused by the cgroup: EPERM)
+    devices = f"/sys/fs/cgroup/devices{cgroups['devices']}"
+    probe = _exec("sh", "-c", f"echo $$ > {devices}/cgroup.procs || exit 3; head -c0 /dev/null || exit 4; "
+                              "exec head -c0 /dev/kmsg", check=False)
+    assert probe.returncode == 1 and "Operation not permitted" in probe.stderr, probe
     # systemd read every directive (one it cannot parse is ignored with a warning, and the
     # service starts without it)
     verify = _exec("systemd-analyze", "verify", "profinfer.service", check=False)

@@ -268,10 +268,11 @@ class Collector:
         pid = -1 if self.followed_map_fd is not None else self.pid
         for p in sorted(probes, key=lambda p: p.entry_fn not in GRAPHS_CHANGED_PROGRAMS):
             path, offset = paths.get(p.elf.path, p.elf.path), p.symbol.file_offset
+            file_id = p.elf.file_id if path == p.elf.path else None     # a copy: as it was read
             if p.entry_fn:
-                self.obj.attach_uprobe(p.entry_fn, path, offset + p.place.offset, pid)
+                self.obj.attach_uprobe(p.entry_fn, path, offset + p.place.offset, pid, file_id=file_id)
             if p.return_fn:
-                self.obj.attach_uprobe(p.return_fn, path, offset, pid, retprobe=True)
+                self.obj.attach_uprobe(p.return_fn, path, offset, pid, retprobe=True, file_id=file_id)
         self.probed_files.update(discovery.file_key(paths.get(e.path, e.path)) for e in self.elfs)
 
     def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]:

@@ -240,13 +240,16 @@ class VllmCollector:
                 cookies.append(i)
             if not cookies:
                 continue
+            file_id = elf.file_id if path == elf.path else None     # a copy: as it was read
             if self.multi:
-                self.obj.attach_uprobe_multi(ENTRY_PROGRAM, path, entries, cookies, pid)
-                self.obj.attach_uprobe_multi(RETURN_PROGRAM, path, returns, cookies, pid, retprobe=True)
+                self.obj.attach_uprobe_multi(ENTRY_PROGRAM, path, entries, cookies, pid, file_id=file_id)
+                self.obj.attach_uprobe_multi(RETURN_PROGRAM, path, returns, cookies, pid, retprobe=True,
+                                             file_id=file_id)
             else:
                 for entry, ret, i in zip(entries, returns, cookies):
-                    self.obj.attach_uprobe(ENTRY_PROGRAM, path, entry, pid, cookie=i)
-                    self.obj.attach_uprobe(RETURN_PROGRAM, path, ret, pid, retprobe=True, cookie=i)
+                    self.obj.attach_uprobe(ENTRY_PROGRAM, path, entry, pid, cookie=i, file_id=file_id)
+                    self.obj.attach_uprobe(RETURN_PROGRAM, path, ret, pid, retprobe=True, cookie=i,
+                                           file_id=file_id)
             self.n_probes += 2 * len(cookies)
             self.probed_files.add(discovery.file_key(path))
 
