@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from profinfer import buildcache, dwarf
+from profinfer import dwarf
 from test_dwarf_cache import MEMBERS, _build
 
 NOBODY = 65534
