@@ -76,7 +76,7 @@ def test_this_machine_has_a_main_archive():
 
 
 # placeholders and the machine itself: nothing a site would have to reach
-PLACEHOLDER = re.compile(r"^(localhost|127\.0\.0\.1|\[::1\]|0\.0\.0\.0|collector|[\w.-]*example(\.\w+)?|\{.*)(:.*)?$")
+PLACEHOLDER = re.compile(r"^(localhost|127\.0\.0\.1|\[::1\]?|0\.0\.0\.0|collector|[\w.-]*example(\.\w+)?|[^{]*\{.*)(:.*)?$")
 
 
 def test_no_package_host_or_registry_named():
