@@ -76,13 +76,16 @@ def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
     """`path` (absolute, as process `pid` sees it) opened inside its root: a regular file's
     descriptor, or OSError (ELOOP for a magic link, or with nofollow a symlink as the last
     component; EINVAL for what is not a regular file)."""
+    full = f"/proc/{pid}/root{path}"         # what an error names
     root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fd = openat2(root, path.lstrip("/") or ".", _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0),
                      RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, full) from None
     finally:
         os.close(root)
-    return _regular(fd, path)
+    return _regular(fd, full)
 
 
 def _regular(fd: int, path: str) -> int:

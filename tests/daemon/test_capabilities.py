@@ -49,7 +49,7 @@ WHY = {
     "BPF": ({"host", "user", "upgraded", "container", "late"}, r"not watched: .*Operation not permitted"),
     "PERFMON": ({"host", "user", "upgraded", "container", "late"}, r"not watched: .*Operation not permitted"),
     "SYS_PTRACE": ({"host", "user", "upgraded", "container", "late"},
-                   r"not watched: .*Permission denied.*/proc/\d+/root/"),
+                   r"not watched: .*Permission denied.*/proc/\d+/root\b"),
     "DAC_READ_SEARCH": ({"user", "late"}, r"not watched: .*Permission denied.*/proc/\d+/root/"),
     "CHECKPOINT_RESTORE": ({"upgraded"}, r"not watched: .*Operation not permitted: '/proc/\d+/map_files/"),
     # the late process, held by discovery, is never continued: it stays stopped
