@@ -205,7 +205,9 @@ def test_the_unit_runs_in_its_sandbox(unit):
 
 class Program:
     """The CUDA test program (linked to the shared runtime) in the container, its pid the same there and on the host,
-    waiting for /work/go-N before its calls."""
+    waiting for /work/go-N before its calls, with libcuda loaded before it waits: the daemon, in
+    the container's PID namespace, finds processes by scanning /proc alone (no discovery from
+    the kernel to hold a process at a later dlopen; that is tests/daemon/test_node_discovery.py's)."""
 
     def __init__(self, unit, repeat: int, log: str):
         self.go = f"/tmp/go-{time.monotonic_ns()}"
@@ -213,7 +215,7 @@ class Program:
         self.proc = subprocess.Popen(
             ["podman", "exec", CTR, "python3", "/work/same_pid.py", Path("/proc/sys/kernel/pid_max").read_text().strip(),
              "/work/program", "--log", log, "--repeat", str(repeat), "--libcuda", unit["libcuda"],
-             "--start-after", self.go],
+             "--libcuda-early", "--start-after", self.go],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         line = self.proc.stdout.readline()
         assert line.startswith("pid "), (line, self.proc.stderr.read() if self.proc.poll() is not None else "")
@@ -235,7 +237,9 @@ def _watched(unit, pid: int, timeout: float = 30) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = [p for p in json.loads(_http("/status", unit["token"])[1])["processes"] if p["pid"] == pid]
-        if found and "cuda" in found[0]["levels"]:
+        groups = [g for g in json.loads(_http("/status", unit["token"])[1])["shared_probes"]
+                  if g["engine"] == "CUDA" and pid in g["processes"]]
+        if found and "cuda" in found[0]["levels"] and any("libcuda.so" in f for g in groups for f in g["files"]):
             return found[0]
         time.sleep(0.3)
     raise AssertionError(f"PID {pid} not watched at the cuda level:\n{_journal()}")

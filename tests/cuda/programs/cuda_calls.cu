@@ -2,13 +2,15 @@
 // logged as one JSON line, so a test can compare what a profiler recorded with this log.
 //
 //   cuda_calls --log FILE [--runtime linked | --runtime dlopen:PATH] [--libcuda PATH]
-//              [--start-after FILE] [--repeat R]
+//              [--start-after FILE] [--repeat R] [--libcuda-early]
 //
 // --runtime linked (default)  call the cudart this program is linked with (static or shared)
 // --runtime dlopen:PATH       dlopen(PATH) (e.g. libcudart.so.12) and call it through dlsym;
 //                             <<<>>> launches (they would go to the linked runtime) are skipped
 // --libcuda PATH              also make the driver-API calls (dlopen PATH, dlsym the functions)
 // --start-after FILE          print "ready <pid>", then wait (10 ms polls) until FILE exists
+// --libcuda-early             dlopen --libcuda's PATH before that wait, not after it (a daemon
+//                             that finds processes by scanning /proc alone sees it mapped)
 // --repeat R                  make the whole sequence R times (default 1)
 //
 // Log: one JSON object per line, one per CUDA call made, in call order:
@@ -554,7 +556,7 @@ static void sequence(const Runtime& rt, bool linked, const Driver* drv, char* h1
 static int usage() {
     fprintf(stderr,
             "usage: cuda_calls --log FILE [--runtime linked | --runtime dlopen:PATH] "
-            "[--libcuda PATH] [--start-after FILE] [--repeat R]\n");
+            "[--libcuda PATH] [--start-after FILE] [--repeat R] [--libcuda-early]\n");
     return 2;
 }
 
@@ -564,8 +566,13 @@ int main(int argc, char** argv) {
     const char* libcuda = nullptr;
     const char* start_after = nullptr;
     int repeat = 1;
+    bool libcuda_early = false;
     for (int i = 1; i < argc; i++) {
         const char* a = argv[i];
+        if (!strcmp(a, "--libcuda-early")) {
+            libcuda_early = true;
+            continue;
+        }
         if (i + 1 >= argc) return usage();
         if (!strcmp(a, "--log")) log_path = argv[++i];
         else if (!strcmp(a, "--runtime")) runtime = argv[++i];
@@ -589,6 +596,8 @@ int main(int argc, char** argv) {
     signal(SIGBUS, on_signal);
     signal(SIGABRT, on_signal);
 
+    Driver drv;
+    if (libcuda && libcuda_early && !driver_dlopen(&drv, libcuda)) return 3;
     if (start_after) {
         printf("ready %d\n", (int)getpid());
         fflush(stdout);
@@ -598,8 +607,7 @@ int main(int argc, char** argv) {
     Runtime rt;
     if (linked) runtime_linked(&rt);
     else if (!runtime_dlopen(&rt, runtime + 7)) return 3;
-    Driver drv;
-    if (libcuda && !driver_dlopen(&drv, libcuda)) return 3;
+    if (libcuda && !libcuda_early && !driver_dlopen(&drv, libcuda)) return 3;
 
     char* h1 = (char*)calloc(1, kHostBufBytes);
     char* h2 = (char*)calloc(1, kHostBufBytes);
