@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import completion_cmd, llama_perf, run_profinfer
+from conftest import completion_cmd, llama_perf, llama_server, run_profinfer
 from daemon_helpers import _STARTED, PROFINFER, Daemon, Workload, _free_port, _get, kill_started
 
 @pytest.fixture(autouse=True)
@@ -299,3 +299,28 @@ def test_op_totals_counted_in_bpf_equal_the_op_level(design, tmp_path, llama_bui
     assert r.rc == 0, r.stderr
     want = {o["op"]: o["count"] for o in r.summary["ops"]}
     assert got == want and "MUL_MAT" in got
+
+
+def test_a_process_that_went_keeps_no_sequences(daemon, llama_build, tiny_model, llama_env):
+    """Each process's sequence tracker (prompt and token times of its sequences) goes with it:
+    a llama-server holds one while it serves a request's sequence, and none once it is gone
+    (/status's cache sizes)."""
+    def sequences() -> int:
+        return json.loads(_get(daemon.url + "/status", daemon.token)[1])["caches"]["sequences"]
+
+    before = sequences()
+    with llama_server(llama_build, tiny_model, llama_env, 1) as (proc, url):
+        daemon.watched(proc.pid)
+        req = urllib.request.Request(url + "/completion", method="POST",
+                                     data=json.dumps({"prompt": "Once upon a time", "n_predict": 8}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sequences() <= before:
+            time.sleep(0.2)
+        assert sequences() > before, daemon.text()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and sequences() != before:
+        time.sleep(0.2)
+    assert sequences() == before, daemon.text()
