@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import stat
 import subprocess
@@ -124,6 +125,19 @@ def open_trusted(path: Path | str):
         return None
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
+
+
+def load_trusted_json(path: Path | str, missing=None):
+    """The JSON in the cached file `path` if open_trusted gives it, else `missing` (absent,
+    refused, or not JSON)."""
+    f = open_trusted(path)
+    if f is None:
+        return missing
+    with f:
+        try:
+            return json.load(f)
+        except ValueError:
+            return missing
 
 
 def private_dir() -> Path:

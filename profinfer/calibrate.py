@@ -117,14 +117,10 @@ def describe(r: dict) -> str:
 def _load() -> dict:
     """The cache, if nobody but root or this user could have written it (else {})."""
     try:
-        f = buildcache.open_trusted(_cache_path())
-        if f is None:
-            return {}
-        with f:
-            found = json.load(f)
-        return found if isinstance(found, dict) else {}
-    except (OSError, ValueError):
+        found = buildcache.load_trusted_json(_cache_path())
+    except OSError:
         return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _checked(cache: dict) -> dict:

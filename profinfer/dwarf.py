@@ -13,13 +13,14 @@ from elftools.dwarf.ranges import BaseAddressEntry
 from elftools.elf.elffile import ELFFile
 
 from . import parsing, procfs
-from .buildcache import cache_dir, open_trusted, writable_dir
+from .buildcache import cache_dir, load_trusted_json, writable_dir
 from .errors import ProfinferError
 
 MAX_DWARF_BYTES = 256 << 20     # its .debug_* sections together (llama.cpp's largest: ~60 MiB)
 
 
 _in_memory: dict[str, object] = {}     # where the cache cannot be written
+_MISSING = object()                    # not cached (a cached layout may be None: no such struct)
 _digests: dict[tuple[int, int, int, int], str] = {}   # file identity -> its DWARF's digest
 
 
@@ -86,13 +87,9 @@ def _cached(what: str, function: str, path: str, *args):
         return parsing.run(("dwarf", name), __name__, "_checked", digest, function, path, *args)
     if name in _in_memory:
         return _in_memory[name]
-    cached = open_trusted(cache_dir() / "layouts" / name)    # a layout decides what we read
-    if cached is not None:
-        with cached:
-            try:
-                return json.load(cached)
-            except ValueError:
-                pass
+    cached = load_trusted_json(cache_dir() / "layouts" / name, _MISSING)   # a layout decides what we read
+    if cached is not _MISSING:
+        return cached
     found = compute()
     directory = writable_dir("layouts")
     if directory is None:
