@@ -30,7 +30,7 @@ if ! apt-cache policy libcuda1 2>/dev/null | grep 'Candidate: [0-9]' >/dev/null;
     apt-get update -qq
 fi
 # Both variants of the BPF object (ring buffer; perf buffer for kernels before 5.8).
-.venv/bin/python -m profinfer.bpfobj >/dev/null
+.venv/bin/python -m profinfer.core.bpfobj >/dev/null
 
 # The bundled workload: llama.cpp (debug info) and the models; then an older llama.cpp as a
 # plain Release build, which the tests profile to show that a build profinfer was not
@@ -44,7 +44,7 @@ fi
 # The CUDA runtimes the cuda level is tested with (no GPU needed): CUDA 12's libcudart from
 # PyPI, libcuda.so.1 unpacked from Debian's libcuda1; CUDA 13's is the toolkit's (nvcc): the
 # installed one, else nvcc and the runtime from PyPI's wheels, into the cache.
-.venv/bin/python -m profinfer.cuda.workload >/dev/null
+.venv/bin/python -m profinfer.levels.cuda.workload >/dev/null
 # The daemon's image, for the test that runs the DaemonSet's pod: built with Debian's podman
 # and no registry (deploy/build-image.sh installs podman, buildah, runc and debootstrap when
 # missing; cached by content). Not inside a container, where podman would be nested.

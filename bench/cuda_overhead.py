@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from profinfer.cuda import workload
+from profinfer.levels.cuda import workload
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
 SOURCE = Path(__file__).with_name("cuda_probe_cost.cu")

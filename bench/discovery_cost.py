@@ -28,9 +28,9 @@ import tempfile
 import threading
 import time
 
-from profinfer import libbpf, probecost
+from profinfer.core import libbpf, probecost
 from profinfer.daemon.discover import NodeDiscovery
-from profinfer.probepack import load_pack, pack_names
+from profinfer.core.packs import load_pack, pack_names
 
 DLOPEN_LOOP = """
 import ctypes, os, sys, time

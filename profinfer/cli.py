@@ -12,10 +12,10 @@ import sys
 
 import click
 
-from .daemon.tokens import TOKEN_ENV
-from .errors import ProfinferError
-from .model import Profile
-from .probepack import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
+from profinfer.daemon.tokens import TOKEN_ENV
+from profinfer.core.errors import ProfinferError
+from profinfer.core.model import Profile
+from profinfer.core.packs import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
@@ -31,7 +31,7 @@ def _levels(value: str) -> set[str]:
 
 
 def _counters(value: str | None) -> list[str]:
-    from . import counters
+    from profinfer.core import perfevents as counters
     names = [v.strip() for v in (value or "").split(",") if v.strip()]
     try:
         counters.requested(names)
@@ -86,15 +86,15 @@ def probe_options(f):
 
 def _check_outputs(output: str | None, json_path: str | None) -> None:
     """Refuse an output that cannot be written before anything is attached or run."""
-    from . import outputs
+    from profinfer import outputs
     outputs.check_writable(outputs.requested(output, json_path))
 
 
 def _emit(profile: Profile, output: str | None, json_path: str | None, quiet: bool) -> bool:
     """Write the outputs and print the operator view. False when an output could not be
     written where asked (it is then saved elsewhere, and an error line says where)."""
-    from . import outputs
-    from .viewers import optable
+    from profinfer import outputs
+    from profinfer.viewers import optable
     written = outputs.write_all(profile, outputs.requested(output, json_path), say=_note, error=_error)
     if not quiet:
         optable.render(profile)
@@ -128,7 +128,7 @@ def cli():
 @output_options
 def attach(pid, levels, duration, tensor_layout, buffer, counters, packs, output, json_path, quiet):
     """Profile a running llama.cpp or vLLM process (or a CUDA program), without restarting it."""
-    from .session import profile_process
+    from profinfer.core.session import profile_process
     levels, counters = _levels(levels), _counters(counters)
     _check_outputs(output, json_path)
     profile = profile_process(pid, levels, duration, tensor_layout=tensor_layout,
@@ -161,13 +161,13 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
                    tensor_layout: str | None = None, env: dict[str, str] | None = None,
                    buffer: str = "auto", counters: list[str] | None = None,
                    packs: tuple[str, ...] = (), timeline: bool = True):
-    """Start `command` held before exec, follow it (profinfer.follow), then let it run.
+    """Start `command` held before exec, follow it (profinfer.core.follow), then let it run.
     Returns (profile, exit code)."""
-    from .session import profile_process
+    from profinfer.core.session import profile_process
     exe = shutil.which(command[0], path=(env or os.environ).get("PATH"))
     if not exe:
         raise ProfinferError(f"command not found: {command[0]}")
-    from .kernel import require_root
+    from profinfer.core.kernel import require_root
     require_root()
     go_r, go_w = os.pipe()
     pid = os.fork()
@@ -217,7 +217,7 @@ def report(trace, json_path):
 
 
 def _load_trace(trace: str) -> Profile:
-    from .exporters.trace_reader import TraceFormatError, read_trace
+    from profinfer.exporters.trace_reader import TraceFormatError, read_trace
     if not os.path.exists(trace):
         raise ProfinferError(f"no such file: {trace}")
     try:
@@ -239,12 +239,12 @@ def _load_trace(trace: str) -> Profile:
 @output_options
 def demo(engine, model, tokens, threads, levels, counters, output, json_path, quiet):
     """Build (once, cached) and profile a bundled workload (llama.cpp by default)."""
-    from .engines.llamacpp import workload
+    from profinfer.engines.llamacpp import workload
     levels, counters = _levels(levels), _counters(counters)
     output = output or "demo.pftrace"
     _check_outputs(output, json_path)
     if engine == "vllm":
-        from .engines.vllm import workload as vllm_workload
+        from profinfer.engines.vllm import workload as vllm_workload
         cmd = [str(vllm_workload.ensure_vllm()), str(vllm_workload.GENERATE),
                str(vllm_workload.ensure_model()), str(tokens)]
         click.echo(f"profinfer: recording {' '.join(cmd)}", err=True)
@@ -270,8 +270,9 @@ def demo(engine, model, tokens, threads, levels, counters, output, json_path, qu
 @click.option("--no-collapse", is_flag=True, help="Keep every transformer layer's nodes.")
 def graph_cmd(trace, output, phase, no_collapse):
     """The computation graph (DAG) of a saved trace, with time shares and verdicts."""
-    from . import dag as dagmod, recorded_calibration
-    from .viewers import dagview
+    from profinfer.engines.llamacpp import dag as dagmod
+    from profinfer.core import recorded_calibration
+    from profinfer.viewers import dagview
     profile = _load_trace(trace)
     roofs = recorded_calibration.roofs(profile)
     dag = dagmod.build(profile, phase, collapse=not no_collapse, roofs=roofs.value)
@@ -297,8 +298,8 @@ def calibrate_cmd(threads, force, attempts):
 
     A measurement taken while other processes use the CPUs, or whose repetitions disagree, is
     repeated, and not cached if it never passes: then the exit status is 75 (try again later)."""
-    from . import calibrate, kernel, probecost
-    from .loadcheck import UnreliableMeasurement
+    from profinfer.core import calibrate, kernel, probecost
+    from profinfer.core.loadcheck import UnreliableMeasurement
     failed: list[UnreliableMeasurement] = []
     try:
         r = calibrate.calibrate(threads, force, attempts, note=_note)
@@ -320,7 +321,7 @@ def calibrate_cmd(threads, force, attempts):
 @cli.command()
 def doctor():
     """What works on this machine, and how to fix what doesn't."""
-    from .doctor import run_doctor
+    from profinfer.doctor import run_doctor
     sys.exit(run_doctor())
 
 
@@ -367,8 +368,8 @@ def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tl
     /status answers without a token only a client on loopback (its address, not the one
     listened on); /capture always needs the token."""
     from click.core import ParameterSource
-    from .daemon.run import run_daemon
-    from .kernel import require_root
+    from profinfer.daemon.run import run_daemon
+    from profinfer.core.kernel import require_root
     require_root()
     levels = _levels(levels)
     if tls_key and not tls_cert:
@@ -413,7 +414,7 @@ def _daemon_request(method: str, url: str, token: str | None = None, timeout: fl
     import json
     import ssl
     import urllib.parse
-    from .daemon.server import is_loopback
+    from profinfer.daemon.server import is_loopback
     try:
         parts = urllib.parse.urlsplit(url)
         host, port = parts.hostname, parts.port
@@ -477,7 +478,7 @@ def status(url, token_file, cacert, insecure_http, as_json):
     """What the daemon watches, at which levels, and what it costs."""
     import json
     from urllib.parse import urlsplit
-    from .daemon.server import is_loopback
+    from profinfer.daemon.server import is_loopback
     try:
         remote = not is_loopback(urlsplit(url).hostname or "")
     except ValueError:

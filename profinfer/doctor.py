@@ -7,9 +7,9 @@ import platform
 from rich.console import Console
 from rich.table import Table
 
-from . import bpfobj, kernel, libbpf
-from . import counters as perfcounters
-from .errors import ProfinferError
+from profinfer.core import bpfobj, kernel, libbpf
+from profinfer.core import perfevents as perfcounters
+from profinfer.core.errors import ProfinferError
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -63,7 +63,7 @@ def _check_btf():
 
 
 def _check_cost_accounting():
-    from . import libbpf, probecost
+    from profinfer.core import libbpf, probecost
     fd = libbpf.enable_run_time_stats() if os.geteuid() == 0 else -1
     if fd < 0:
         return WARN, "BPF run-time statistics refused (kernel < 5.8?): no profiler-cost line"

@@ -7,8 +7,8 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import ProfinferError
-from .model import Profile
+from profinfer.core.errors import ProfinferError
+from profinfer.core.model import Profile
 
 
 @dataclass
@@ -21,7 +21,7 @@ class Output:
 
 
 def requested(output: str | None, json_path: str | None) -> list[Output]:
-    from .exporters import json_summary, perfetto
+    from profinfer.exporters import json_summary, perfetto
     outs = []
     if output:
         chrome = output.endswith(".json")

@@ -12,11 +12,12 @@ import sys
 import pytest
 
 from conftest import completion_cmd, run_profinfer
-from profinfer import dag, roofline, stats
+from profinfer.engines.llamacpp import dag
+from profinfer.core import roofline, stats
 from profinfer.exporters.perfetto import write_chrome_json, write_perfetto
 from profinfer.exporters.trace_reader import read_trace
-from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
-from profinfer.nodes import node_runs
+from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.engines.llamacpp.nodes import node_runs
 from test_exporters import check_trace_structure
 
 BUSY = ("import ctypes\n"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from profinfer import dwarf
+from profinfer.core import dwarf
 from test_dwarf_cache import MEMBERS, _build
 
 NOBODY = 65534
@@ -108,7 +108,7 @@ def test_planted_measurements_are_not_believed(tmp_path, monkeypatch):
     machine in a user's cache, or behind a link: not used (measured again when needed); the
     same file written by root is used, as calibrate wrote it."""
     import json
-    from profinfer import calibrate, probecost
+    from profinfer.core import calibrate, probecost
     prefix = f"{calibrate.cpu_model()}|{os.cpu_count()} cpus|"
     planted = {"roofs.json": {prefix + "1 threads": {"check": "planted", "fma_gflops": 1e9, "read_gbps": 1e9}},
                "probecost.json": {probecost._key(): {"check": "planted", "emulated_ns": 0}}}

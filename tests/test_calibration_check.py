@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from profinfer import calibrate, loadcheck, probecost
+from profinfer.core import calibrate, loadcheck, probecost
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
 SPIN = [sys.executable, "-c", "while True: pass"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import completion_cmd, run_profinfer, with_llama_log
-from profinfer import counters
-from profinfer.counterstats import derive
-from profinfer.errors import ProfinferError
+from profinfer.core import perfevents as counters
+from profinfer.levels.counters.stats import derive
+from profinfer.core.errors import ProfinferError
 from profinfer.exporters.trace_reader import read_trace
 
 
@@ -105,7 +105,7 @@ def test_only_hardware_counters_fall_back_to_task_clock(llama_build, tiny_model,
 
 
 def test_derived_tracks_follow_the_counters():
-    from profinfer.counterstats import derived_tracks, derived_values
+    from profinfer.levels.counters.stats import derived_tracks, derived_values
     tracks = derived_tracks(["instructions", "cpu-cycles", "task-clock"])
     assert [(m, n, d) for m, n, d, _ in tracks] == [("IPC", 0, 1), ("CPU util %", 2, -1)]
     assert derived_values((300.0, 100.0, 50.0), 100, tracks) == [3.0, 50.0]

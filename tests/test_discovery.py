@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 
 from conftest import Target, endless_cmd, run_profinfer
-from profinfer import discovery
+from profinfer.core import discovery
 
 
 def test_deleted_and_replaced_library(llama_build, tiny_model, llama_env, tmp_path, bpf_watch):

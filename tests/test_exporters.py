@@ -13,7 +13,7 @@ from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 from profinfer.exporters.json_summary import summary, write_json
 from profinfer.exporters.perfetto import write_chrome_json, write_perfetto
 from profinfer.exporters.trace_reader import TraceFormatError, read_trace
-from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
 
 OPS = ["MUL_MAT", "RMS_NORM+MUL", "ADD", "ROPE", "SOFT_MAX", "GET_ROWS"]
 

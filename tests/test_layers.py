@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from conftest import completion_cmd, run_profinfer, with_llama_log
-from profinfer.dag import node_layers
-from profinfer.nodes import NodeRun
-from profinfer.opcolumns import NodeDesc
+from profinfer.engines.llamacpp.dag import node_layers
+from profinfer.engines.llamacpp.nodes import NodeRun
+from profinfer.core.opcolumns import NodeDesc
 
 
 def _run(name: str) -> NodeRun:

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import completion_cmd, llama_perf, run_profinfer, with_llama_log
 from profinfer.engines.llamacpp import ggml, workload
-from profinfer.symbols import load_elf
+from profinfer.core.symbols import load_elf
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Readings of tenants' files in the worker process (profinfer.parsing): one that runs past
+"""Readings of tenants' files in the worker process (profinfer.core.parsing): one that runs past
 its deadline is killed, told, and not tried again, and the worker serves the next; one that
 needs more memory than the worker's limit fails there, not in the caller; the caller waits
 for a new reading a bounded while, then goes on (NotReady) and gets it later."""
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from profinfer import parsing
-from profinfer.errors import ProfinferError
+from profinfer.core import parsing
+from profinfer.core.errors import ProfinferError
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from profinfer import parsing, symbols
-from profinfer.arch.callsites import direct_calls
-from profinfer.errors import ProfinferError
-from profinfer.follow import MAX_LOADER_BYTES, LoaderHooks
+from profinfer.core import parsing, symbols
+from profinfer.core.arch.callsites import direct_calls
+from profinfer.core.errors import ProfinferError
+from profinfer.core.follow import MAX_LOADER_BYTES, LoaderHooks
 
 LD_SO = "/lib64/ld-linux-x86-64.so.2"
 

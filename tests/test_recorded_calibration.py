@@ -8,11 +8,11 @@ import os
 
 from conftest import completion_cmd, run_profinfer
 
-from profinfer import bpfobj, calibrate, probecost, recorded_calibration
+from profinfer.core import bpfobj, calibrate, probecost, recorded_calibration
 from profinfer.exporters.json_summary import summary
 from profinfer.exporters.perfetto import write_perfetto
 from profinfer.exporters.trace_reader import read_trace
-from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
 
 
 def calibration_cache(path, read_gbps, fma_gflops, emulated_ns, threads=2):

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 
 from conftest import completion_cmd, run_profinfer, with_llama_log
-from profinfer import calibrate, loadcheck
-from profinfer.loadcheck import UnreliableMeasurement
-from profinfer.model import GraphCall, OpSlice, Profile, TokenCall
-from profinfer.nodes import node_runs
-from profinfer.roofline import Roofs, judge, nbytes, node_cost
+from profinfer.core import calibrate, loadcheck
+from profinfer.core.loadcheck import UnreliableMeasurement
+from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.engines.llamacpp.nodes import node_runs
+from profinfer.core.roofline import Roofs, judge, nbytes, node_cost
 
 
 def run(op, ne, srcs, dtype="f32", dur=1000):
-    from profinfer.nodes import NodeRun
-    from profinfer.opcolumns import NodeDesc
+    from profinfer.engines.llamacpp.nodes import NodeRun
+    from profinfer.core.opcolumns import NodeDesc
     return NodeRun(0, NodeDesc(op, "t", ne, dtype, 1, (), (), 0, tuple(s[0] for s in srcs),
                                tuple(s[1] for s in srcs)), 0, dur, 1, dur)
 
@@ -103,7 +103,7 @@ def test_decode_matmul_memory_bound_prefill_not(llama_build, big_model, llama_en
 
 def test_cross_check_with_llc_misses():
     """Where the PMU counts LLC load misses, each verdict carries the DRAM bandwidth they imply."""
-    from profinfer.roofline import verdicts
+    from profinfer.core.roofline import verdicts
     mm = dict(srcs=(0xA, 0xB), src_views=(0, 0), src_ne=((2048, 8192, 1, 1), (2048, 1, 1, 1)),
               src_dtypes=("f16", "f32"))
     ops = [OpSlice(1, 0, 0, 1_000_000, 1_000_000, "MUL_MAT", "x-0", (8192, 1, 1, 1), "f32", 0xC,

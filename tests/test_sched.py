@@ -9,7 +9,7 @@ import pytest
 
 from conftest import PROFINFER, Target, endless_cmd
 from profinfer.exporters.trace_reader import read_trace
-from profinfer.schedstats import compute
+from profinfer.levels.sched.stats import compute
 
 BUSY = ("import ctypes\n"
         "ctypes.CDLL(None).prctl(15, b'pi-busy', 0, 0, 0)\n"   # PR_SET_NAME: a name to look for

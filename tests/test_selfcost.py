@@ -8,8 +8,8 @@ import numpy as np
 
 from conftest import completion_cmd, run_profinfer
 
-from profinfer import probecost, selfcost
-from profinfer.model import GraphCall, OpSlice, Profile
+from profinfer.core import probecost, selfcost
+from profinfer.core.model import GraphCall, OpSlice, Profile
 
 STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
 
@@ -55,7 +55,7 @@ def test_trap_cost_in_situ_and_collector_in_the_threads_time():
     # of both threads' time (no tokens recorded here: all of the time counts as in graphs)
     assert c.collector_critical and abs(c.slowdown - (c.in_target_share_in_situ + 2 * c.collector_share)) < 1e-12
     # with half the decoding time outside graph computes, it delays one thread there
-    from profinfer.model import TokenCall
+    from profinfer.core.model import TokenCall
     half = selfcost.compute(Profile(pid=1, graphs=p.graphs, ops=ops, meta=meta,
                                     tokens=[TokenCall(1, 900 - 8100, 9000, 1, False)]),
                             {"emulated_ns": 500.0, "stepped_ns": 5000.0, "uretprobe_extra_ns": 500.0})

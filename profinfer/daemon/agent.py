@@ -26,21 +26,21 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from .. import libbpf, parsing
-from ..errors import ProfinferError
-from ..parsing import NotReady
-from ..model import Step, TokenCall
-from ..probepack import Pack, load_pack, pack_names
-from ..discovery import mapped_files
-from ..follow import interpreter
-from ..session import engine_files, find_engine, find_packs
-from . import discover
-from .discover import NodeDiscovery
-from ..cuda import names as cuda_names
-from ..stats import SequenceTracker
-from .identity import Identity, identify, model_file
-from .metrics import Metrics
-from .shared import SharedProbes, SharedRuntime, group_key
+from profinfer.core import libbpf, parsing
+from profinfer.core.errors import ProfinferError
+from profinfer.core.parsing import NotReady
+from profinfer.core.model import Step, TokenCall
+from profinfer.core.packs import Pack, load_pack, pack_names
+from profinfer.core.discovery import mapped_files
+from profinfer.core.follow import interpreter
+from profinfer.core.session import engine_files, find_engine, find_packs
+from profinfer.daemon import discover
+from profinfer.daemon.discover import NodeDiscovery
+from profinfer.levels.cuda import names as cuda_names
+from profinfer.core.stats import SequenceTracker
+from profinfer.daemon.identity import Identity, identify, model_file
+from profinfer.daemon.metrics import Metrics
+from profinfer.daemon.shared import SharedProbes, SharedRuntime, group_key
 
 SCAN_S = 1.0
 SERIES_TTL_S = float(os.environ.get("PROFINFER_SERIES_TTL_S", "300"))   # a last scrape sees them
@@ -183,7 +183,7 @@ class Agent:
         self._last_scan = 0.0
         self._last_govern = 0.0
         self._ticks = os.sysconf("SC_CLK_TCK")
-        from ..probecost import cached
+        from profinfer.core.probecost import cached
         costs = cached()
         # a probe hit's trap by kind, as calibrated here (profinfer calibrate); without it,
         # the kernel-counted BPF time alone (said in /status and at start)

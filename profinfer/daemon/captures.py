@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 
 import psutil
 
-from ..probepack import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
-from .tokens import TOKEN_ENV
+from profinfer.core.packs import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
+from profinfer.daemon.tokens import TOKEN_ENV
 
 MAX_CAPTURE_S = 300
 MAX_CAPTURES = 2             # at once (each is a full attach: its own CPU and memory)

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import bpfobj, kernel, layout, libbpf
-from ..errors import ProfinferError
-from ..follow import LoaderHooks
-from ..probepack import Pack
+from profinfer.core import bpfobj, kernel, layout, libbpf
+from profinfer.core.errors import ProfinferError
+from profinfer.core.follow import LoaderHooks
+from profinfer.core.packs import Pack
 
 PROGRAMS = ("discover_exec", "discover_exit")
 LOADER_PROGRAM = "discover_loader"

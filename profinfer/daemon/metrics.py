@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ..model import TokenCall
-from .identity import Identity, printable
+from profinfer.core.model import TokenCall
+from profinfer.daemon.identity import Identity, printable
 
 PROCESS_LABELS = ("engine", "pid", "comm", "container", "pod", "namespace")
 # --labels: full, every label; no-paths, without the executable's and the model file's paths

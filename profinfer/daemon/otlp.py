@@ -15,9 +15,9 @@ from opentelemetry.sdk.metrics.export import AggregationTemporality, PeriodicExp
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 
-from ..model import TokenCall
-from .identity import Identity
-from .metrics import TPOT_BUCKETS, TTFT_BUCKETS
+from profinfer.core.model import TokenCall
+from profinfer.daemon.identity import Identity
+from profinfer.daemon.metrics import TPOT_BUCKETS, TTFT_BUCKETS
 
 TTFT = "gen_ai.server.time_to_first_token"
 TPOT = "gen_ai.server.time_per_output_token"

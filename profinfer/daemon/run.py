@@ -6,13 +6,13 @@ import sys
 import threading
 import time
 
-from ..errors import ProfinferError
-from .agent import Agent
-from .identity import printable
-from .metrics import LABEL_SETS
-from .server import MAX_CONNECTIONS, is_loopback, make_server, parse_listen
-from .tls import server_context as tls_context
-from .tokens import load_token
+from profinfer.core.errors import ProfinferError
+from profinfer.daemon.agent import Agent
+from profinfer.daemon.identity import printable
+from profinfer.daemon.metrics import LABEL_SETS
+from profinfer.daemon.server import MAX_CONNECTIONS, is_loopback, make_server, parse_listen
+from profinfer.daemon.tls import server_context as tls_context
+from profinfer.daemon.tokens import load_token
 
 
 def log(msg: str) -> None:
@@ -44,7 +44,7 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
         agent.close()
         raise ProfinferError(f"cannot listen on {listen}: {e.strerror}") from None
     if otlp:
-        from .otlp import OtlpExport
+        from profinfer.daemon.otlp import OtlpExport
         agent.metrics.otlp = OtlpExport(otlp, otlp_interval_s)
         log(f"exporting OTLP metrics to {agent.metrics.otlp.endpoint} every {otlp_interval_s:g} s")
     stop = threading.Event()

@@ -26,9 +26,9 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..errors import ProfinferError
-from .captures import MAX_CAPTURES, BadRequest, Captures
-from .httpserve import BoundedHTTPServer, Lane, Request, Response
+from profinfer.core.errors import ProfinferError
+from profinfer.daemon.captures import MAX_CAPTURES, BadRequest, Captures
+from profinfer.daemon.httpserve import BoundedHTTPServer, Lane, Request, Response
 
 REQUEST_DEADLINE_S = 10      # for a request's head and body, whole: a byte every 9 s gets nowhere
 SEND_DEADLINE_S = 30         # for an answer to be taken (plus a second per SEND_RATE bytes)

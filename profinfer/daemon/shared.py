@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from .. import discovery, libbpf
-from ..probepack import Pack
+from profinfer.core import discovery, libbpf
+from profinfer.core.packs import Pack
 
 # the token level's events of every process in the group share one ring (its graph level is
 # counted in BPF): 256 KiB holds ~850 decode calls between drains

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ssl
 
-from ..errors import ProfinferError
+from profinfer.core.errors import ProfinferError
 
 
 def server_context(cert: str, key: str | None) -> ssl.SSLContext:

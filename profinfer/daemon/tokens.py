@@ -6,7 +6,7 @@ import os
 import secrets
 import stat
 
-from ..errors import ProfinferError
+from profinfer.core.errors import ProfinferError
 
 TOKEN_ENV = "PROFINFER_TOKEN"
 

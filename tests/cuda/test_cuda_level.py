@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from profinfer.cli import record_command
-from profinfer.cuda import workload
+from profinfer.levels.cuda import workload
 
 PROGRAMS = Path(__file__).parent / "programs"
 OPS_PACK = Path(__file__).parent / "ops_pack.toml"
@@ -214,7 +214,7 @@ def test_attach_after_registration_names_every_kernel(tmp_path, libcuda):
 def test_attach_then_a_runtime_dlopened_later_loses_no_call(tmp_path, libcuda, cudart12):
     """Attached first; then the program dlopens CUDA 12's runtime and libcuda and calls them
     at once: probed at the loader's hook, before the first call."""
-    from exporters.trace_reader import read_trace
+    from profinfer.exporters.trace_reader import read_trace
     program = _program("cuda_calls", "static")
     log, _, trace = _attach_and_run(tmp_path, [str(program), "--runtime", f"dlopen:{cudart12}",
                                                "--libcuda", str(libcuda)])
@@ -265,8 +265,8 @@ def test_perfetto_nesting_streams_and_live_memory(tmp_path):
     """Written and read back: each CUDA call a slice inside the op slice it was made in, on
     its thread; each stream a track of its launches in the program's order; the live-memory
     counter ends at what was never freed."""
-    from exporters.perfetto import write_perfetto
-    from exporters.trace_reader import read_named_tracks, read_trace
+    from profinfer.exporters.perfetto import write_perfetto
+    from profinfer.exporters.trace_reader import read_named_tracks, read_trace
     program = _program("cuda_ops", "static")
     log = tmp_path / "ops.jsonl"
     profile, code = record_command([str(program), "--log", str(log), "--threads", "2", "--layers", "3"],
@@ -326,7 +326,7 @@ def test_attach_to_a_process_tree_records_every_process(tmp_path, libcuda, cudar
     """attach to a parent whose children make the CUDA calls (as vLLM's API server and its
     workers): each child's calls are recorded, one of them from a runtime it dlopens after
     profinfer attached."""
-    from exporters.trace_reader import read_trace
+    from profinfer.exporters.trace_reader import read_trace
     program = _program("cuda_calls", "static")
     go, trace = tmp_path / "go", tmp_path / "t.pftrace"
     logs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]

@@ -1,8 +1,8 @@
 """Live device memory, its peak and what was never freed, from allocation and free calls
 (pure logic: this machine has no GPU, so its runtime's allocations all fail; the recorded
 tests check that failed ones count as nothing)."""
-from profinfer.cuda.stats import live_memory, summary
-from profinfer.model import CudaCall
+from profinfer.levels.cuda.stats import live_memory, summary
+from profinfer.core.model import CudaCall
 
 
 def _call(t, api, ptr, size=0, ret=0, memory="device"):
@@ -26,8 +26,8 @@ def test_live_peak_and_leaks():
 
 
 def test_default_copies_resolved_only_between_known_allocations():
-    from profinfer.cuda.collector import KnownMemory
-    from profinfer.cuda.runtime import Api
+    from profinfer.levels.cuda.collector import KnownMemory
+    from profinfer.levels.cuda.runtime import Api
     malloc = Api(0, "cudaMalloc", "malloc", "memory", None, None, "device", True)
     host = Api(1, "cudaMallocHost", "malloc", "memory", None, None, "host", True)
     free = Api(2, "cudaFree", "free", "memory", None, None, "device", True)
@@ -46,9 +46,9 @@ def test_default_copies_resolved_only_between_known_allocations():
 def test_trace_live_memory_counter_ends_at_what_was_never_freed(tmp_path):
     """The exporter's counter track, written and read back (successful allocations need a
     GPU: here they are made up, the writing and reading are real)."""
-    from exporters.perfetto import LIVE_MEMORY_TRACK, write_perfetto
-    from exporters.trace_reader import read_named_tracks, read_trace
-    from profinfer.model import Profile
+    from profinfer.exporters.perfetto import LIVE_MEMORY_TRACK, write_perfetto
+    from profinfer.exporters.trace_reader import read_named_tracks, read_trace
+    from profinfer.core.model import Profile
     calls = [_call(10, "cudaMalloc", 0xA, 100), _call(20, "cudaMalloc", 0xB, 50),
              _call(30, "cudaFree", 0xA), _call(40, "cudaMallocAsync", 0xD, 70)]
     prof = Profile(pid=1, process_name="p", cuda_calls=calls)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from daemon_helpers import Daemon, cudart_tenant, kill_started
-from profinfer.cuda import workload
+from profinfer.levels.cuda import workload
 
 NOBODY = 65534
 # every object name the warm cache holds (the current sources' among them)

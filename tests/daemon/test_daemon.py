@@ -104,7 +104,7 @@ def test_prometheus_counts_equal_llama_perf(daemon, tmp_path, llama_build, tiny_
 
 
 def test_capture_and_bad_requests(daemon, tmp_path, llama_build, tiny_model, llama_env):
-    from exporters.trace_reader import read_trace
+    from profinfer.exporters.trace_reader import read_trace
     # ~2 s of decoding from when it is let go, 1 s into a 2 s capture: it outlives the capture
     w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=1900)
     pid = w.proc.pid

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from daemon_helpers import _STARTED, Daemon, _get, cuda_log_counts, kill_started, series
-from profinfer.cuda import workload
+from profinfer.levels.cuda import workload
 
 PROGRAM = Path(__file__).resolve().parents[1] / "cuda" / "programs" / "cuda_calls.cu"
 

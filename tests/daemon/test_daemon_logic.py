@@ -13,9 +13,9 @@ from profinfer.daemon.identity import Identity, container_of, pod_uid_of
 from profinfer.daemon.metrics import Metrics, _Histogram
 from profinfer.daemon.server import parse_listen
 from profinfer.daemon.tokens import load_token
-from profinfer.errors import ProfinferError
-from profinfer.model import TokenCall
-from profinfer.stats import SequenceTracker
+from profinfer.core.errors import ProfinferError
+from profinfer.core.model import TokenCall
+from profinfer.core.stats import SequenceTracker
 
 
 def test_token_file_made_private_and_checked(tmp_path):

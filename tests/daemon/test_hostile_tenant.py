@@ -316,7 +316,7 @@ def test_a_fifo_where_a_mapped_library_was_is_not_waited_on(tmp_path, tenant_bin
     """A tenant with a CUDA runtime (the cuda level looks at each of its executable mappings)
     maps a library, deletes it and makes a FIFO at its path: /healthz stays 200 for longer
     than the 30 s after which it would answer 503 had the loop waited on the FIFO."""
-    from profinfer.cuda import workload as cuda_workload
+    from profinfer.levels.cuda import workload as cuda_workload
     root = tmp_path / "tenant"
     _jail(root, tenant_bin)
     (root / "opt" / "lib").mkdir(parents=True)

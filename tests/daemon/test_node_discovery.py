@@ -14,7 +14,7 @@ import pytest
 
 from conftest import llama_perf
 from daemon_helpers import _STARTED, Daemon, _get, cuda_log_counts, kill_started, series
-from profinfer.cuda import workload as cuda_workload
+from profinfer.levels.cuda import workload as cuda_workload
 
 from test_daemon_cuda import PROGRAM as CUDA_PROGRAM
 

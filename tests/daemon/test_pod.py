@@ -25,7 +25,7 @@ import yaml
 
 from conftest import bpf_snapshot, free_port, llama_server, vllm_server
 from daemon_helpers import _STARTED, Workload, _get, cuda_log_counts, kill_started, series
-from profinfer.cuda import workload as cuda_workload
+from profinfer.levels.cuda import workload as cuda_workload
 
 from test_daemon_cuda import PROGRAM as CUDA_PROGRAM
 
@@ -174,7 +174,7 @@ def test_capture_in_the_pod(pod, tmp_path, llama_build, tiny_model, llama_env):
     """POST /capture with the pod's token: the capture writes its trace in a temporary
     directory, which the read-only root must leave somewhere to write (the manifest's /tmp
     volume). The trace is the watched generation's: its pid, its ops and its tokens."""
-    from exporters.trace_reader import read_trace
+    from profinfer.exporters.trace_reader import read_trace
     token = _token(pod)
     # decoding from when it is let go, 1 s into a 2 s capture, until it is killed afterwards
     # (on an idle machine ~2 s; it outlives the capture)

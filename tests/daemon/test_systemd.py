@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from daemon_helpers import cuda_log_counts, series
-from profinfer.cuda import workload as cuda_workload
+from profinfer.levels.cuda import workload as cuda_workload
 
 from test_daemon_cuda import PROGRAM as CUDA_PROGRAM
 from test_pod import _podman
@@ -278,7 +278,7 @@ def test_a_capture_writes_its_trace_in_the_private_tmp(unit, tmp_path):
     the capture's temporary directory appears in the service's own /tmp (systemd's
     /tmp/systemd-private-*-profinfer.service-*/tmp on the host's side), and goes; the trace is
     the program's calls."""
-    from exporters.trace_reader import read_trace
+    from profinfer.exporters.trace_reader import read_trace
     p = Program(unit, 100000, "/tmp/long-calls.jsonl")
     private = "/tmp/systemd-private-*-profinfer.service-*/tmp"
     try:

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_helpers import Daemon, _get, cudart_tenant, kill_started, runtime_spec
-from profinfer.cuda import workload
+from profinfer.levels.cuda import workload
 
 
 @pytest.fixture(autouse=True)

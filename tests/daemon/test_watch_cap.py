@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_helpers import Daemon, _get, cudart_tenant, kill_started
-from profinfer.cuda import workload
+from profinfer.levels.cuda import workload
 
 CAP, EXCESS = 3, 4
 # The daemon in a new PID namespace (and mount namespace, with its own /proc), SIGTERM passed

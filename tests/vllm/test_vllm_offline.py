@@ -125,7 +125,7 @@ def test_counters_per_native_op(vllm_python, vllm_model, tmp_path):
 def test_sched_level_on_native_ops(vllm_python, vllm_model, tmp_path):
     """The sched level watches the engine's threads: the calling thread's time on a CPU over
     the generation, from its context switches, is the kernel's own count of it."""
-    from profinfer import schedstats
+    from profinfer.levels.sched import stats as schedstats
     from profinfer.exporters.trace_reader import read_trace
     truth, summary, _ = run_offline(vllm_python, vllm_model, "eager", tmp_path, ("--levels", "op,sched"))
     assert summary["sched"]["switches"] > 0 and summary["lost_events"] == 0
@@ -156,7 +156,7 @@ def test_op_discovery_agrees_with_torch_registry_on_every_isa_build(vllm_python)
     their own schema strings and symbols; the ops found, their argument names and which
     arguments are tensors agree with the schemas torch itself registered for them."""
     from profinfer.engines.vllm.ops import SKIP, native_ops
-    from profinfer.symbols import load_elf
+    from profinfer.core.symbols import load_elf
     site = next((Path(vllm_python).parent.parent / "lib").glob("python3*/site-packages/vllm"))
     found = {}
     for lib in ("_C.abi3.so", "_C_AVX512.abi3.so", "_C_AVX2.abi3.so"):
@@ -184,7 +184,7 @@ def test_op_discovery_reads_a_gpu_release():
     MoE ops, and flash-attention, whose C++ functions are not named as their ops."""
     from profinfer.engines.vllm import workload as vllm_workload
     from profinfer.engines.vllm.ops import OPT_STABLE_TENSOR, STABLE_TENSOR, native_ops
-    from profinfer.symbols import load_elf
+    from profinfer.core.symbols import load_elf
     root = vllm_workload.ensure_gpu_release_libraries() / "vllm"
     stable = load_elf(str(root / "_C_stable_libtorch.abi3.so"))
     ops, skipped = native_ops(stable)

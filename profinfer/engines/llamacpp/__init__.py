@@ -1,1 +1,5 @@
-"""llama.cpp / ggml: its decoder (collector), ggml structures, graph walk, op assembly, workload."""
+"""llama.cpp (and ggml): tokens from llama_decode, graphs, ops with tensor shapes."""
+from profinfer.core.registry import Engine
+
+PLUGIN = Engine("llamacpp", __name__, title="llama.cpp",
+                capabilities=frozenset({"tokens_by_process", "graph_totals", "op_totals"}))

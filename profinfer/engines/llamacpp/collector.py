@@ -15,15 +15,16 @@ import time
 
 import numpy as np
 
-from . import assemble, ggml, graphwalk
+from profinfer.engines.llamacpp import assemble, ggml, graphwalk
 
-from ... import bpfobj, discovery, dwarf, kernel, layout, libbpf, schedprobe, selfcost
-from ... import counters as perfcounters
-from ...errors import ProfinferError
-from ...model import GraphCall, Profile, TokenCall, decode_tokens
-from ...probepack import Pack, copies_of_probed, engine_libraries, resolve
-from ...transport import EventTransport, attach_failed, steps_begun
-from ...symbols import load_elf
+from profinfer.core import bpfobj, discovery, dwarf, kernel, layout, libbpf, selfcost
+from profinfer.levels.sched import probe as schedprobe
+from profinfer.core import perfevents as perfcounters
+from profinfer.core.errors import ProfinferError
+from profinfer.core.model import GraphCall, Profile, TokenCall, decode_tokens
+from profinfer.core.packs import Pack, copies_of_probed, engine_libraries, resolve
+from profinfer.core.transport import EventTransport, attach_failed, steps_begun
+from profinfer.core.symbols import load_elf
 
 VALIDATE_NODES = 64   # node descriptions checked before a table layout is trusted
 PERF_PAGES_PER_CPU = 256
@@ -112,7 +113,7 @@ class Collector:
         self._layout_trusted = True
         self._batch_trusted = True
         self._lost_at_end = 0         # lost records, as read before detaching
-        self.consts, self.dt = layout.parse()
+        self.consts, self.dt = layout.parse(header="events.h")
         self.kind_token, self.kind_graph, self.kind_ops = (
             self.consts["PI_EV_TOKEN"], self.consts["PI_EV_GRAPH"], self.consts["PI_EV_OPS"])
         self.kind_switch, self.kind_wakeup = self.consts["PI_EV_SWITCH"], self.consts["PI_EV_WAKEUP"]

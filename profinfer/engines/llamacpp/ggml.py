@@ -17,9 +17,9 @@ import numpy as np
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
-from ... import dwarf, parsing
-from ...errors import ProfinferError
-from ...symbols import ElfInfo, open_checked
+from profinfer.core import dwarf, parsing
+from profinfer.core.errors import ProfinferError
+from profinfer.core.symbols import ElfInfo, open_checked
 
 # enum ggml_type (fixed by the GGUF format; removed types keep their numbers as gaps)
 GGML_TYPES = {

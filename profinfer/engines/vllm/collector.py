@@ -14,15 +14,16 @@ import time
 import numpy as np
 import psutil
 
-from ... import bpfobj, discovery, kernel, layout, libbpf, schedprobe, selfcost
-from ... import counters as perfcounters
-from ...arch import placement
-from ...errors import ProfinferError
-from ...model import OpCall, Profile, Step, TensorArg
-from ...probepack import Pack, copies_of_probed, engine_libraries
-from ...transport import EventTransport, RecordSlots, attach_failed, steps_begun
-from . import ops as native, steps as stepmaker, tensors
-from .server_metrics import MetricsWindow
+from profinfer.core import bpfobj, discovery, kernel, layout, libbpf, selfcost
+from profinfer.levels.sched import probe as schedprobe
+from profinfer.core import perfevents as perfcounters
+from profinfer.core.arch import placement
+from profinfer.core.errors import ProfinferError
+from profinfer.core.model import OpCall, Profile, Step, TensorArg
+from profinfer.core.packs import Pack, copies_of_probed, engine_libraries
+from profinfer.core.transport import EventTransport, RecordSlots, attach_failed, steps_begun
+from profinfer.engines.vllm import ops as native, steps as stepmaker, tensors
+from profinfer.engines.vllm.server_metrics import MetricsWindow
 
 HEADER = "vllm.h"
 ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"

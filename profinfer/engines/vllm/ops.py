@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import cxxfilt
 from elftools.elf.elffile import ELFFile
 
-from ... import parsing, procfs
-from ...errors import ProfinferError
-from ...symbols import ElfInfo
+from profinfer.core import parsing, procfs
+from profinfer.core.errors import ProfinferError
+from profinfer.core.symbols import ElfInfo
 
 # the BPF side's argument kinds (bpf/vllm.h)
 SKIP, TENSOR, OPT_TENSOR, STABLE_TENSOR, OPT_STABLE_TENSOR = 0, 1, 2, 3, 4

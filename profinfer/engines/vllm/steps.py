@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...model import OpCall, Step
-from ...probepack import Pack
-from .ops import SKIP, NativeOp
+from profinfer.core.model import OpCall, Step
+from profinfer.core.packs import Pack
+from profinfer.engines.vllm.ops import SKIP, NativeOp
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,112 @@
+"""Find the inference engine's libraries inside a target process.
+
+The target may live in another mount namespace (containers) and may map files that were
+deleted and replaced on disk (upgrades): every path returned here is one the kernel resolves
+to the very inode the process has mapped, so uprobes land in the code that actually runs.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from profinfer.core import procfs
+from profinfer.core.errors import ProfinferError
+
+
+@dataclass(frozen=True)
+class MappedFile:
+    path: str         # path as the target sees it (inside its mount namespace)
+    host_path: str    # path we open and attach to (resolves to the mapped inode)
+    inode: int
+    deleted: bool
+
+
+def process_exists(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}/status")
+
+
+def process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    names = {}
+    try:
+        for t in os.listdir(f"/proc/{pid}/task"):
+            try:
+                names[int(t)] = Path(f"/proc/{pid}/task/{t}/comm").read_text().strip()
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return names
+
+
+_MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ ([0-9a-f]+):([0-9a-f]+) (\d+)\s+(.*)$")
+
+
+def mapped_files(pid: int) -> list[MappedFile]:
+    """Executable file mappings of `pid`, one entry per file."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except FileNotFoundError:
+        raise ProfinferError(f"no process with PID {pid}") from None
+    except PermissionError:
+        raise ProfinferError(f"cannot read /proc/{pid}/maps: permission denied (run as root)") from None
+    seen: dict[str, MappedFile] = {}
+    for line in lines:
+        m = _MAPS_LINE.match(line)
+        if not m or "x" not in m.group(3):
+            continue
+        start, end, _, major, minor, inode, path = m.groups()
+        if not path.startswith("/"):
+            continue
+        deleted = path.endswith(" (deleted)")
+        if deleted:
+            path = path[: -len(" (deleted)")]
+        if path in seen:
+            continue
+        dev = os.makedev(int(major, 16), int(minor, 16))
+        seen[path] = MappedFile(path, host_path(pid, path, int(inode), f"{start}-{end}", deleted, dev),
+                                int(inode), deleted)
+    return list(seen.values())
+
+
+def file_key(path: str) -> tuple[int, int]:
+    """(device, inode): one file however it is reached (uprobes belong to the inode); what
+    procfs opens (inside a target's root: nothing followed out of it, no FIFO waited on)."""
+    st = procfs.stat_file(path)
+    return st.st_dev, st.st_ino
+
+
+def host_path(pid: int, path: str, inode: int, span: str, deleted: bool, dev: int | None = None) -> str:
+    """Where we open the mapped file: through the target's root, where a container's file is
+    at the path it uses, when what that path names inside that root (procfs.open_file: no link
+    followed out of it, a regular file) is the mapped file, by device (when given) and inode."""
+    via_root = f"/proc/{pid}/root{path}"
+    if not deleted:
+        try:
+            st = procfs.stat_file(via_root, nofollow=True)    # the kernel's name for it
+            if st.st_ino == inode and (dev is None or st.st_dev == dev):
+                return via_root
+        except PermissionError:
+            # not ours to open (no CAP_SYS_PTRACE for its root, no CAP_DAC_READ_SEARCH for
+            # another user's directory): map_files needs both too; the error names the root
+            return via_root
+        except OSError:
+            pass
+    # Deleted or replaced since it was mapped: map_files names the mapped inode itself.
+    return f"/proc/{pid}/map_files/{span}"
+
+
+def cpus_of(pid: int) -> int:
+    """CPUs the process may run on (its affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(pid))
+    except OSError:
+        return os.cpu_count() or 1

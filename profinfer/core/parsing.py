@@ -1,0 +1,235 @@
+"""Reading files other processes control (their ELF symbols, their DWARF) away from the
+daemon's loop, with a deadline and a memory limit of their own.
+
+A tenant can offer a 50 GB "libllama.so", a symbol table a section header says is huge, or
+a DWARF bomb. Read in the daemon, any of them would stall its loop (/healthz turns 503 and
+the liveness probe restarts it, again and again) or exhaust its memory limit. Here each
+reading runs in one worker process (a fresh interpreter: nothing of the daemon's state, no
+token) whose address space is limited. Readings are served in the order asked (a tenant's
+many files do not go before others'); the loop waits for a new one only when the worker is
+idle, and for at most WAIT_S in all per loop turn (`pump()` starts a turn): one not done by
+then gives NotReady, and is looked at again at a later scan, when it is. What the worker
+sends back is bounded (MAX_RESULT_BYTES): a larger result fails that reading. A reading that
+runs past DEADLINE_S has its worker killed: that reading fails, is told once, and is not
+tried again for that key (a file's identity). Without `start()`
+(the CLI: one target, the user's own) readings run in the caller, as before.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import resource
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections import OrderedDict, deque
+from multiprocessing.connection import Connection
+
+from profinfer.core.errors import ProfinferError
+
+WAIT_S = 2.0           # the loop waits at most this long per turn for readings (held processes: 2 s)
+DEADLINE_S = 20.0      # a reading still running after this is killed, and not tried again
+# the worker's address space beyond its imports: a full scan of llama.cpp's DWARF (30 MiB)
+# peaks at ~250 MiB; the worker and the daemon (~70-150 MiB) fit the manifest's 512 MiB
+MEMORY_BYTES = 320 << 20
+STARTUP_S = 30.0       # the worker's imports
+_KEEP = 256            # results and failures remembered
+# one result, pickled: libtorch_python's symbols are 6 MiB (vLLM's _C 3 MiB, libllama 0.6 MiB)
+MAX_RESULT_BYTES = 32 << 20
+
+
+class NotReady(ProfinferError):
+    """Being read in the worker: ask again later (not a failure)."""
+
+
+class _Worker:
+    def __init__(self, wait_s: float, deadline_s: float, memory_bytes: int):
+        self.wait_s, self.deadline_s, self.memory_bytes = wait_s, deadline_s, memory_bytes
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.queue: deque = deque()          # (key, module, function, args)
+        self.current: tuple | None = None    # (key, sent at)
+        self.done: OrderedDict = OrderedDict()      # key -> result
+        self.failed: OrderedDict = OrderedDict()    # key -> why
+        self.started = 0                     # workers started (one more after each kill)
+        self.wait_left = wait_s              # this loop turn's wait, for every reading together
+
+    def _spawn(self, wait_ready: bool = False) -> None:
+        mine, theirs = socket.socketpair()
+        # -I: no PYTHONPATH, no user site, not the current directory; the package's own
+        # directory named instead, so the worker runs the daemon's code; no environment
+        package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        code = (f"import sys; sys.path.insert(0, {package_dir!r}); "
+                f"from profinfer.core.parsing import serve; serve({theirs.fileno()}, {self.memory_bytes})")
+        self.proc = subprocess.Popen([sys.executable, "-I", "-c", code], pass_fds=[theirs.fileno()],
+                                     cwd="/", env={}, stdin=subprocess.DEVNULL, close_fds=True)
+        theirs.close()
+        self.conn = Connection(mine.detach())
+        self.started += 1
+        # at the daemon's start, its imports done before its first reading is timed (a
+        # loaded node: seconds); a worker started again after a kill: within the deadline
+        if wait_ready:
+            if not self.conn.poll(STARTUP_S):
+                self._kill()
+                raise OSError("the reader did not start")
+            self.conn.recv()
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.conn is not None:
+            self.conn.close()
+        self.proc = self.conn = None
+
+    def _remember(self, table: OrderedDict, key, value) -> None:
+        table[key] = value
+        if len(table) > _KEEP:
+            table.popitem(last=False)
+
+    def advance(self, wait_s: float, until=None) -> None:
+        """Collect what the worker finished, send it the next reading, kill one past its
+        deadline; for up to wait_s while `until` is not done yet."""
+        end = time.monotonic() + wait_s
+        while True:
+            if self.current is None and self.queue:
+                key, module, function, args = self.queue.popleft()
+                try:
+                    if self.proc is None or self.proc.poll() is not None:
+                        self._kill()
+                        self._spawn()
+                    self.conn.send((module, function, args))
+                except (OSError, pickle.PicklingError) as e:
+                    self._kill()
+                    self._remember(self.failed, key, f"the reader could not be started: {e}")
+                    continue
+                self.current = (key, time.monotonic())
+            if self.current is None:
+                return
+            key, sent = self.current
+            now = time.monotonic()
+            if now - sent >= self.deadline_s:
+                self._kill()
+                self.current = None
+                self._remember(self.failed, key, f"reading it took over {self.deadline_s:.0f} s: skipped")
+                continue
+            if until is not None and (until in self.done or until in self.failed):
+                return
+            left = min(end, sent + self.deadline_s) - now
+            try:
+                if not select.select([self.conn], [], [], max(left, 0))[0]:
+                    if time.monotonic() >= end:
+                        return
+                    continue            # its deadline: killed above
+                message = pickle.loads(self.conn.recv_bytes(MAX_RESULT_BYTES))
+                if message == "ready":
+                    continue
+                ok, value = message
+            except (EOFError, OSError, pickle.UnpicklingError) as e:
+                # over the maximum length, the rest of the message is left unread: a new worker
+                why = (f"its result is over {MAX_RESULT_BYTES >> 20} MiB: skipped"
+                       if "bad message length" in str(e) else "its reader died (out of memory?): skipped")
+                self._kill()
+                self.current = None
+                self._remember(self.failed, key, why)
+                continue
+            self.current = None
+            self._remember(self.done if ok else self.failed, key, value)
+
+    def run(self, key, module: str, function: str, args: tuple):
+        if key in self.failed:
+            raise ProfinferError(self.failed[key])
+        if key not in self.done:
+            if not (self.current and self.current[0] == key) and all(q[0] != key for q in self.queue):
+                # a new reading, behind those asked before (each tenant's turn comes); waited
+                # for only when it starts now, and within what is left of this turn's wait
+                idle = self.current is None and not self.queue
+                self.queue.append((key, module, function, args))
+                if idle and self.wait_left > 0:
+                    t0 = time.monotonic()
+                    self.advance(self.wait_left, until=key)
+                    self.wait_left -= time.monotonic() - t0
+                else:
+                    self.advance(0)
+            else:
+                self.advance(0)
+        if key in self.done:
+            return self.done.pop(key)     # the caller keeps it (its own cache)
+        if key in self.failed:
+            raise ProfinferError(self.failed[key])
+        raise NotReady("still being read (looked at again later)")
+
+    def close(self) -> None:
+        self._kill()
+
+
+_worker: _Worker | None = None
+
+
+def start(wait_s: float = WAIT_S, deadline_s: float = DEADLINE_S, memory_bytes: int = MEMORY_BYTES) -> None:
+    """Readings from now on run in a worker process (the daemon); it is started at once
+    (a failed start is tried again at the first reading)."""
+    global _worker
+    if _worker is None:
+        _worker = _Worker(wait_s, deadline_s, memory_bytes)
+        try:
+            _worker._spawn(wait_ready=True)
+        except OSError:
+            pass
+
+
+def stop() -> None:
+    global _worker
+    if _worker is not None:
+        _worker.close()
+        _worker = None
+
+
+def pump() -> None:
+    """A new loop turn: finished readings collected, the next one sent (never waits), and
+    the turn's wait (WAIT_S) for new readings given again."""
+    if _worker is not None:
+        _worker.wait_left = _worker.wait_s
+        _worker.advance(0)
+
+
+def run(key, module: str, function: str, *args):
+    """module.function(*args), a reading of a file a tenant controls: in the worker once
+    started (NotReady while it runs; ProfinferError once it failed or timed out, for that
+    key from then on), else here."""
+    if _worker is None:
+        return getattr(importlib.import_module(module), function)(*args)
+    return _worker.run(key, module, function, args)
+
+
+def serve(fd: int, memory_bytes: int) -> None:
+    """The worker: readings in, results out, until the daemon closes its end."""
+    conn = Connection(fd)
+    import numpy  # noqa: F401  (what the readings import, before the limit is set)
+    import elftools.elf.elffile  # noqa: F401
+    import capstone  # noqa: F401
+    from profinfer.core import dwarf, follow, symbols  # noqa: F401
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + memory_bytes, vm + memory_bytes))
+    conn.send("ready")
+    while True:
+        try:
+            module, function, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            result = (True, getattr(importlib.import_module(module), function)(*args))
+        except ProfinferError as e:
+            result = (False, str(e))
+        except MemoryError:
+            result = (False, f"over {memory_bytes >> 20} MiB to read: skipped")
+        except Exception as e:       # whatever a tenant's file makes a reader raise
+            result = (False, f"unreadable ({type(e).__name__}: {e})")
+        try:
+            conn.send(result)
+        except (OSError, pickle.PicklingError) as e:
+            conn.send((False, f"its result could not be sent back: {e}"))

@@ -1,0 +1,170 @@
+"""What one uprobe hit costs on this machine: measured once per kernel and CPU, cached.
+
+BPF's own run time is counted by the kernel (bpf_stats); the trap that gets there is not.
+profinfer/native/probecost.c calls a tiny function in a loop and reports thread CPU time per
+call; a uprobe is put on it (a plain perf uprobe event, no BPF) for alternate rounds, so the
+difference is the trap, the kernel's emulation or single-step of the probed instruction, and
+the return to user space. Three costs: a probe on an instruction the kernel emulates (how
+profinfer places its probes), one on an instruction it must single-step, and what a
+uretprobe adds on return.
+
+Checked as the roofs are (see calibrate, loadcheck): a run taken while other processes used
+the CPUs, or whose probed rounds disagree, is rejected; two runs must pass, or nothing is
+cached.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+from profinfer.core import buildcache, perfevents as counters, loadcheck, nativebuild
+from profinfer.core.errors import ProfinferError
+from profinfer.core.loadcheck import UnreliableMeasurement
+from profinfer.core.symbols import load_elf
+
+UPROBE_PMU = "/sys/bus/event_source/devices/uprobe"
+ROUNDS = 5                        # probed and plain rounds, alternating
+CALLS = {"emulated": 200_000, "stepped": 20_000}
+ATTEMPTS = 4             # runs, of which two must pass
+SPREAD_LIMIT = 0.35      # the 3 cheapest probed rounds of each kind agree within 35%
+
+
+def _cache_path() -> str:
+    return os.path.join(nativebuild.cache_dir(), "probecost.json")
+
+
+def _key() -> str:
+    from profinfer.core.calibrate import cpu_model
+    return f"{cpu_model()}|{platform.release()}"
+
+
+def _uprobe_attr(path: bytes, offset: int, retprobe: bool) -> tuple[counters.PerfEventAttr, ctypes.Array]:
+    try:
+        with open(f"{UPROBE_PMU}/type") as f:
+            pmu = int(f.read())
+        with open(f"{UPROBE_PMU}/format/retprobe") as f:
+            ret_bit = int(f.read().strip().split(":")[1])
+    except (OSError, ValueError, IndexError):
+        raise ProfinferError(f"this kernel has no uprobe PMU ({UPROBE_PMU})") from None
+    buf = ctypes.create_string_buffer(path)
+    attr = counters.PerfEventAttr(pmu, counters.PerfEventAttr.SIZE_VER5,
+                                  (1 << ret_bit) if retprobe else 0)
+    attr.config1, attr.config2 = ctypes.addressof(buf), offset
+    return attr, buf          # the path buffer must live until the event is open
+
+
+def _rounds(binary: str, function: str, offset: int, retprobe: bool) -> tuple[list[float], list[float]]:
+    """ns per call of each plain and each probed round."""
+    calls = CALLS[function]
+    proc = subprocess.Popen([binary, function, str(calls), str(2 * ROUNDS)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    plain, probed = [], []
+    try:
+        for r in range(2 * ROUNDS):
+            fd = -1
+            if r % 2:
+                attr, _buf = _uprobe_attr(binary.encode(), offset, retprobe)
+                fd = counters.perf_event_open(attr, proc.pid, -1)
+                if fd < 0:
+                    raise ProfinferError(f"cannot place a uprobe to measure its cost: "
+                                         f"{os.strerror(-fd)}")
+            try:
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+                ns = float(proc.stdout.readline())
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            (probed if r % 2 else plain).append(ns)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    return plain, probed
+
+
+def measure_checked() -> tuple[dict, list[str], str]:
+    """One run: ns per hit ("emulated", "stepped", and "with_return": an emulated entry probe
+    plus its uretprobe), what makes it unreliable (empty when it passed), and its check."""
+    binary = nativebuild.build("probecost.c", ["-O2"])
+    syms = load_elf(binary).symbols
+    off = {f: syms[f"pi_probe_{f}"].file_offset for f in CALLS}
+    kinds = {"emulated": ("emulated", False), "stepped": ("stepped", False),
+             "with_return": ("emulated", True)}
+    with loadcheck.LoadWindow() as window:
+        rounds = {k: _rounds(binary, fn, off[fn], ret) for k, (fn, ret) in kinds.items()}
+    cost = {k: max(statistics.median(probed) - statistics.median(plain), 0.0)
+            for k, (plain, probed) in rounds.items()}
+    spread = {k: loadcheck.spread(probed, 3, higher_is_better=False) for k, (_, probed) in rounds.items()}
+    problems = [f"the machine was busy: {window.load.describe()}"] if window.load.busy else []
+    problems += [f"{k} rounds differ by {s:.0%}" for k, s in spread.items() if s > SPREAD_LIMIT]
+    return cost, problems, (f"cheapest 3 probed rounds within {max(spread.values()):.1%}, "
+                            f"{window.load.describe()}")
+
+
+def _as_costs(cost: dict) -> dict:
+    return {"emulated_ns": round(cost["emulated"], 1), "stepped_ns": round(cost["stepped"], 1),
+            "uretprobe_extra_ns": round(max(cost["with_return"] - cost["emulated"], 0.0), 1)}
+
+
+def measure() -> dict:
+    """The costs of one run, unchecked."""
+    return _as_costs(measure_checked()[0])
+
+
+def _load() -> dict:
+    """The cache, if nobody but root or this user could have written it (else {})."""
+    try:
+        found = buildcache.load_trusted_json(_cache_path())
+    except OSError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def describe(c: dict) -> str:
+    return (f"uprobe hit: {c['emulated_ns'] / 1e3:.2f} µs on an emulated instruction, "
+            f"{c['stepped_ns'] / 1e3:.2f} µs single-stepped, "
+            f"+{c['uretprobe_extra_ns'] / 1e3:.2f} µs for a uretprobe's return")
+
+
+def calibrate(force: bool = False, attempts: int = ATTEMPTS, note=lambda msg: None) -> dict:
+    """The checked costs for this CPU and kernel, measured unless cached (or forced).
+
+    Raises UnreliableMeasurement, caching nothing, when fewer than two runs pass."""
+    cache = _load()
+    if "check" in cache.get(_key(), {}) and not force:
+        return cache[_key()]
+    checks: list[str] = []
+
+    def run_once():
+        cost, problems, check = measure_checked()
+        if not problems:
+            checks.append(check)
+        return cost, problems
+
+    # interference only adds to a trap's cost: the cheapest of the runs that passed
+    cost, problems, agreement = loadcheck.settle(run_once, attempts, False, note, "probe cost")
+    result = _as_costs(cost)
+    if problems:
+        raise UnreliableMeasurement(
+            f"probe costs not cached: {'; '.join(problems)}. Measured (maybe off) "
+            f"{describe(result)}; run `profinfer calibrate` again when the machine is idle")
+    result.update(check=f"cheapest of {agreement}; last: {checks[-1]}",
+                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    cache[_key()] = result
+    os.makedirs(nativebuild.cache_dir(), exist_ok=True)
+    tmp = f"{_cache_path()}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(cache, f, indent=2)
+    os.replace(tmp, _cache_path())
+    return result
+
+
+def cached() -> dict | None:
+    """The checked costs for this CPU and kernel, if `profinfer calibrate` measured them."""
+    entry = _load().get(_key())
+    return entry if isinstance(entry, dict) and "check" in entry else None

@@ -1,0 +1,234 @@
+"""Open a file another process names, inside that process's root, without following anything
+it controls out of that root, and hand the kernel that very file.
+
+A watched process may be a tenant's container: paths it maps (/proc/PID/maps) are reached
+through /proc/PID/root, where a plain open() resolves an absolute symlink against *our* root,
+follows `..` out of it, and blocks on a FIFO. Here:
+
+- `/proc/PID/root/<rest>` is opened with openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+  against an O_PATH descriptor of /proc/PID/root: symlinks (the last component's too: a
+  loader's PT_INTERP, a debug file's build-id link) and `..` resolve inside the target's root,
+  /proc magic links are refused; it must be a regular file. A path read from /proc/PID/maps
+  is the file's own (the kernel's name for it), so it is opened with O_NOFOLLOW as well.
+- `/proc/PID/map_files/<range>` (a mapping whose file was deleted or replaced) is the mapped
+  file itself, as the kernel names it; it must be a regular file too.
+- Anything else is a path of our own (a process we started): opened as it is, a regular file.
+
+Every one is first opened O_PATH, which runs no driver's open: a tenant with CAP_MKNOD (the
+default in Docker and containerd) can put a device node at any of these paths, and opening a
+watchdog's node arms it. Only a regular file is then opened for reading, through the O_PATH
+descriptor (/proc/self/fd/N: that very inode, nothing resolved again), O_NONBLOCK.
+
+`pinned` gives a path the kernel resolves to the open descriptor (/proc/self/fd/N): a uprobe
+is attached to the file that was opened and checked, never to a path resolved again, and
+only if it is the file the probe's offsets were read from. For a
+path inside a target's root the file must also be one the process maps, by (device, inode)
+as /proc/PID/maps shows them.
+
+Permissions (measured, Linux 6.18): opening /proc/PID/root of a process whose capabilities
+are not a subset of ours, or of another user, needs CAP_SYS_PTRACE (the magic link's ptrace
+check); /proc/PID/map_files needs CAP_CHECKPOINT_RESTORE (or CAP_SYS_ADMIN) as well.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import platform
+import re
+import stat
+from dataclasses import dataclass
+
+from profinfer.core.errors import ProfinferError
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(platform.machine(), 437)
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
+
+_ROOT_PATH = re.compile(r"^/proc/(\d+)/root(/.*)$")
+_MAP_FILES = re.compile(r"^/proc/(\d+)/map_files/[0-9a-f]+-[0-9a-f]+$")
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
+    """openat2(2) (Linux 5.6); OSError as os.open raises it."""
+    how = _OpenHow(flags, 0, resolve)
+    fd = _libc.syscall(_SYS_OPENAT2, dirfd, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return fd
+
+
+_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
+_PATH_FLAGS = os.O_PATH | os.O_CLOEXEC
+
+
+def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
+    """`path` (absolute, as process `pid` sees it) opened inside its root: a regular file's
+    descriptor, or OSError (ELOOP for a magic link, or with nofollow a symlink as the last
+    component; EINVAL for what is not a regular file)."""
+    full = f"/proc/{pid}/root{path}"         # what an error names
+    root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = openat2(root, path.lstrip("/") or ".", _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0),
+                     RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, full) from None
+    finally:
+        os.close(root)
+    return _regular(fd, full)
+
+
+def _regular(fd: int, path: str) -> int:
+    """The O_PATH descriptor `fd` (closed here) opened for reading if it is a regular file:
+    the same inode, checked, never a device's open run first."""
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):        # O_PATH | O_NOFOLLOW gives the link itself
+            raise OSError(errno.ELOOP, "a symbolic link", path)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        readable = os.open(f"/proc/self/fd/{fd}", _FLAGS)
+    finally:
+        os.close(fd)
+    again = os.fstat(readable)
+    if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):    # cannot happen: same file
+        os.close(readable)
+        raise OSError(errno.ESTALE, "reopened as another file", path)
+    return readable
+
+
+def root_of(path: str) -> str | None:
+    """/proc/PID/root for a path reached through another process (its root, its
+    map_files), else None."""
+    m = re.match(r"^/proc/(\d+)/(?:root|map_files)/", path)
+    return f"/proc/{m.group(1)}/root" if m else None
+
+
+def open_file(path: str, nofollow: bool = False) -> int:
+    """A descriptor of the regular file `path` names: inside the target's root for
+    /proc/PID/root/..., the mapped file for /proc/PID/map_files/..., else our own path."""
+    m = _ROOT_PATH.match(path)
+    if m:
+        return open_in_root(int(m.group(1)), m.group(2), nofollow)
+    return _regular(os.open(path, _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0)), path)
+
+
+def open_binary(path: str):
+    """open_file as a binary file object (reads block normally: it is a regular file)."""
+    fd = open_file(path)
+    try:
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def stat_file(path: str, nofollow: bool = False) -> os.stat_result:
+    """fstat of what open_file opens (the file we would read, not a path resolved again)."""
+    fd = open_file(path, nofollow)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class FileMapping:
+    start: int
+    end: int
+    perms: str
+    offset: int      # in the file
+    dev: int         # as stat gives it
+    inode: int
+    path: str        # as the process sees it, " (deleted)" dropped
+    deleted: bool
+
+
+def file_mappings(pid: int) -> list[FileMapping]:
+    """The process's mappings of files, as /proc/PID/maps shows them; [] once it has gone."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) < 6 or not parts[5].startswith("/"):
+            continue
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        major, minor = (int(x, 16) for x in parts[3].split(":"))
+        path = parts[5].removesuffix(" (deleted)")
+        out.append(FileMapping(start, end, parts[1], int(parts[2], 16), os.makedev(major, minor),
+                               int(parts[4]), path, path != parts[5]))
+    return out
+
+
+def mapped_identities(pid: int) -> set[tuple[int, int]]:
+    """(device, inode) of every file the process maps (as its maps show them)."""
+    return {(m.dev, m.inode) for m in file_mappings(pid)}
+
+
+def check_mapped(fd: int, pid: int, path: str) -> None:
+    """The open file must be one the process maps (same device and inode)."""
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) not in mapped_identities(pid):
+        raise ProfinferError(f"{path} in process {pid} is not a file it maps (replaced since, "
+                             "or another file behind a link): not probed")
+
+
+_READ_AS: dict[str, tuple[int, int]] = {}     # path -> (device, inode) its symbols came from
+_READ_AS_LIMIT = 4096
+
+
+def read_as(path: str, file_id: tuple[int, int]) -> None:
+    """`path`'s symbols (and so a probe's offsets) were read from the file `file_id`: a probe
+    on `path` must land in that file, not in whatever the path names when it is attached."""
+    _READ_AS.pop(path, None)
+    _READ_AS[path] = file_id
+    if len(_READ_AS) > _READ_AS_LIMIT:
+        _READ_AS.pop(next(iter(_READ_AS)))
+
+
+_OWN_FD = re.compile(r"^/proc/self/fd/\d+$")
+
+
+@contextlib.contextmanager
+def pinned(path: str, file_id: tuple[int, int] | None = None):
+    """A name the kernel resolves to the file `path` names, opened and checked as open_file
+    does, /proc/self/fd/N, valid inside the block. A uprobe attached there stays on that
+    inode after the block. For a target's root: a file the process maps. And the file the
+    probe's offsets were read from: `file_id` (device, inode; ElfInfo.file_id) when the
+    caller has it, else the one read_as recorded for `path`; a path with neither is refused
+    (the record is bounded: one evicted must not let any file through). A /proc/self/fd/N
+    of the caller's is the file it holds and read."""
+    try:
+        fd = open_file(path)
+    except OSError as e:
+        raise ProfinferError(f"cannot open {path} to probe it: {e.strerror}") from None
+    try:
+        m = _ROOT_PATH.match(path)
+        if m:
+            check_mapped(fd, int(m.group(1)), m.group(2))
+        st = os.fstat(fd)
+        want = file_id if file_id and file_id != (0, 0) else _READ_AS.get(path)
+        if want is None and not _OWN_FD.match(path):
+            raise ProfinferError(f"{path}: which file its symbols were read from is not known "
+                                 "(read long ago): not probed")
+        if want is not None and want != (st.st_dev, st.st_ino):
+            raise ProfinferError(f"{path} names another file than the one its symbols were read "
+                                 "from (replaced since): not probed")
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)

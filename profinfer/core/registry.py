@@ -1,0 +1,125 @@
+"""The engines and levels profinfer knows, each a package that declares one Plugin.
+
+They are found through the entry point group "profinfer.plugins" (pyproject.toml: one line per
+plugin) and, for a plugin that lives outside this distribution, the environment variable
+PROFINFER_PLUGINS (module names, comma-separated). The core, the exporters, the viewers and the
+daemon reach an engine or a level only through what its Plugin declares here.
+
+A plugin's folder holds, by convention: `pack.toml` (its probe pack, when it probes
+functions), `bpf/` (its BPF programs and headers), and its own modules.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import metadata, resources
+from importlib.resources.abc import Traversable
+
+from profinfer.core.errors import ProfinferError
+
+GROUP = "profinfer.plugins"
+PLUGINS_ENV = "PROFINFER_PLUGINS"
+CORE_BPF = "profinfer.core"          # its bpf/ holds the headers every program shares
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """What an engine or a level contributes. `name` is its pack's name where it has one."""
+    name: str
+    module: str                                      # the package that declares it
+    title: str = ""                                  # for people: "llama.cpp", "CUDA"
+    # What the daemon may ask its collector for, e.g. "tokens_by_process", "op_totals".
+    capabilities: frozenset[str] = field(default_factory=frozenset)
+
+    kind = "plugin"
+
+    @property
+    def folder(self) -> Traversable:
+        return resources.files(self.module)
+
+    @property
+    def pack_file(self) -> Traversable | None:
+        f = self.folder.joinpath("pack.toml")
+        return f if f.is_file() else None
+
+    @property
+    def bpf_dir(self) -> Traversable | None:
+        d = self.folder.joinpath("bpf")
+        return d if d.is_dir() else None
+
+    def can(self, capability: str) -> bool:
+        return capability in self.capabilities
+
+
+@dataclass(frozen=True)
+class Engine(Plugin):
+    """An inference engine: its pack finds the engine in a process and names its collector."""
+    kind = "engine"
+
+
+@dataclass(frozen=True)
+class Level(Plugin):
+    """A level added to any engine's (or to none): cuda, sched, counters."""
+    kind = "level"
+
+
+def _declared() -> list[str]:
+    names = [ep.value for ep in sorted(metadata.entry_points(group=GROUP), key=lambda e: e.name)]
+    extra = [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
+    return list(dict.fromkeys(names + extra))
+
+
+def _load(spec: str) -> Plugin:
+    module, _, attr = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attr or "PLUGIN")
+    except (ImportError, AttributeError) as e:
+        raise ProfinferError(f"plugin {spec}: cannot load it ({e})") from None
+    if not isinstance(found, Plugin):
+        raise ProfinferError(f"plugin {spec}: {attr or 'PLUGIN'} is not a profinfer Plugin")
+    return found
+
+
+@lru_cache(maxsize=None)
+def _plugins(declared: tuple[str, ...]) -> tuple[Plugin, ...]:
+    found: dict[str, Plugin] = {}
+    for spec in declared:
+        p = _load(spec)
+        if p.name in found and found[p.name].module != p.module:
+            raise ProfinferError(f"plugins {found[p.name].module} and {p.module} are both named {p.name}")
+        found[p.name] = p
+    return tuple(sorted(found.values(), key=lambda p: p.name))
+
+
+def plugins() -> tuple[Plugin, ...]:
+    """Every registered engine and level, by name."""
+    return _plugins(tuple(_declared()))
+
+
+def engines() -> tuple[Engine, ...]:
+    return tuple(p for p in plugins() if isinstance(p, Engine))
+
+
+def levels() -> tuple[Level, ...]:
+    return tuple(p for p in plugins() if isinstance(p, Level))
+
+
+def plugin(name: str) -> Plugin | None:
+    return next((p for p in plugins() if p.name == name), None)
+
+
+def bpf_dirs() -> list[Traversable]:
+    """Where BPF sources and headers are looked for: the core's first, then each plugin's."""
+    dirs = [resources.files(CORE_BPF).joinpath("bpf")]
+    return dirs + [p.bpf_dir for p in plugins() if p.bpf_dir is not None]
+
+
+def bpf_file(name: str) -> Traversable:
+    """A BPF source or header by file name, wherever a plugin keeps it."""
+    for d in bpf_dirs():
+        f = d.joinpath(name)
+        if f.is_file():
+            return f
+    raise ProfinferError(f"no BPF file {name} in the core or any plugin")

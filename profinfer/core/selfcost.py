@@ -1,0 +1,222 @@
+"""What profiling cost the target, from what the kernel counted (pure logic).
+
+The probes' cost lands in the target's own threads: each hit traps into the kernel (a cost
+`profinfer calibrate` measures per kind of probe, see probecost) and runs our BPF program
+(the kernel counts that time while run-time statistics are on). The collector's CPU time is
+the other part: on a machine whose cores the inference threads fill, it is taken from them.
+Both are reported as shares of the CPU time the target used meanwhile. This resolves a
+fraction of a percent where a timed A/B comparison on a noisy machine cannot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from profinfer.core.model import Profile
+from profinfer.core.opcolumns import OpColumns, as_columns
+
+IN_SITU_GRAPHS = 200        # graph computes sampled for the in-situ trap cost
+
+
+@dataclass(slots=True)
+class SelfCost:
+    bpf_ns: int                    # our BPF programs' run time (kernel's count)
+    bpf_runs: int
+    hits: dict[str, int]           # probe hits: "emulated", "stepped", "return" (uretprobe)
+    trap_ns: float | None          # hits x their measured cost; None: probe costs not measured
+    hit_costs_ns: dict[str, float] | None
+    collector_cpu_ns: int | None   # the collector's CPU time, from the target's first decode
+    target_cpu_ns: int | None      # the target's, from its first decode (probes included)
+    trap_in_situ_ns: float | None = None   # a hit's trap as the target's own timeline shows it
+    collector_critical: bool = False       # no CPU free of the target's compute threads
+    compute_threads: int = 1
+    in_graphs: float = 1.0                 # share of the decoding time inside graph computes
+
+    @property
+    def collector_factor(self) -> float:
+        """How many threads' time the collector's CPU time costs: with no CPU free, it takes
+        a compute thread's CPU, and inside a graph compute every other thread then waits for
+        that one at the next barrier; outside one (sampling, batch set-up) nobody else does."""
+        if not self.collector_critical:
+            return 0.0
+        return 1.0 + (self.compute_threads - 1) * self.in_graphs
+
+    @property
+    def slowdown(self) -> float | None:
+        """What profiling added to the target's time, over its time without: the probes'
+        added CPU time, and the collector's where it runs in the target's time
+        (collector_factor). Both over the target's CPU time: its threads spin at barriers, so
+        a thread's delay inside a graph is every thread's. The traps are costed as measured in the target when the recording shows it
+        (trap_in_situ_ns): in a tight calibration loop the kernel's path is warm."""
+        probes = self.in_target_share_in_situ
+        if probes is None:
+            return None
+        collector = self.collector_share or 0.0
+        return probes + collector * self.collector_factor
+
+    @property
+    def in_target_share_in_situ(self) -> float | None:
+        if self.trap_in_situ_ns is None or self.hit_costs_ns is None:
+            return self.in_target_share
+        trap = sum(n * (self.trap_in_situ_ns if kind == "emulated" else self.hit_costs_ns[kind])
+                   for kind, n in self.hits.items())
+        added = trap + self.bpf_ns
+        if not self.target_cpu_ns or self.target_cpu_ns <= added:
+            return None
+        return added / (self.target_cpu_ns - added)
+
+    @property
+    def in_target_ns(self) -> float | None:
+        """CPU time the probes added to the target's threads."""
+        return None if self.trap_ns is None else self.trap_ns + self.bpf_ns
+
+    @property
+    def in_target_share(self) -> float | None:
+        """The probes' added time over the target's CPU time without it."""
+        added = self.in_target_ns
+        if added is None or not self.target_cpu_ns or self.target_cpu_ns <= added:
+            return None
+        return added / (self.target_cpu_ns - added)
+
+    @property
+    def collector_share(self) -> float | None:
+        if self.collector_cpu_ns is None or not self.target_cpu_ns:
+            return None
+        base = self.target_cpu_ns - (self.in_target_ns or 0)
+        return self.collector_cpu_ns / base if base > 0 else None
+
+
+def program_totals(stats: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """The kernel's count of an engine's BPF programs ({program: (ns run, runs)}) as the
+    recording's cost:* meta: totals, and runs and ns per run for each program; the hits
+    (hits_emulated, hits_stepped, hits_return), which depend on where the engine placed
+    its probes, start at 0 for the engine to add."""
+    out = {"bpf_ns": sum(ns for ns, _ in stats.values()),
+           "bpf_runs": sum(n for _, n in stats.values()),
+           "hits_emulated": 0, "hits_stepped": 0, "hits_return": 0}
+    for prog, (ns, runs) in sorted(stats.items()):      # as bpftool prog show has them
+        out[f"runs:{prog}"] = runs
+        if runs:
+            out[f"ns_per_run:{prog}"] = ns // runs
+    return out
+
+
+def compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost | None:
+    """None when the kernel did not count our programs (statistics refused, or an old trace).
+    Computed once per profile and costs (the JSON summary and the report both state it).
+
+    hit_costs_ns: probecost's measurement ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")."""
+    key = (len(profile.ops), len(profile.graphs), tuple(sorted(profile.meta.items())),
+           tuple(sorted((hit_costs_ns or {}).items())))
+    cached = profile.__dict__.get("_self_cost")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    result = _compute(profile, hit_costs_ns)
+    profile.__dict__["_self_cost"] = (key, result)
+    return result
+
+
+def _compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost | None:
+    meta = profile.meta
+    if "cost:bpf_ns" not in meta:
+        return None
+
+    def num(key: str) -> int | None:
+        try:
+            return int(round(float(meta[key])))
+        except (KeyError, ValueError):
+            return None
+
+    hits = {k: num(f"cost:hits_{k}") or 0 for k in ("emulated", "stepped", "return")}
+    costs = None
+    trap = None
+    if hit_costs_ns:
+        costs = {"emulated": hit_costs_ns["emulated_ns"], "stepped": hit_costs_ns["stepped_ns"],
+                 "return": hit_costs_ns["uretprobe_extra_ns"]}
+        trap = sum(hits[k] * costs[k] for k in hits)
+    def seconds_as_ns(key: str) -> int | None:
+        try:
+            return int(float(meta[key]) * 1e9)
+        except (KeyError, ValueError):
+            return None
+
+    cols = as_columns(profile.ops)
+    threads = len(cols.thread_ids())
+    cpus = num("cpus_online") or 0
+    # without the op level the compute threads are not known: the collector's CPU counts
+    # once, as if it took a CPU the target needed
+    critical = bool(cpus) and threads >= cpus if threads else True
+    return SelfCost(num("cost:bpf_ns") or 0, num("cost:bpf_runs") or 0, hits, trap, costs,
+                    seconds_as_ns("collector_cpu_decoding_s"), seconds_as_ns("target_cpu_s"),
+                    num("trap_in_situ_ns") if "trap_in_situ_ns" in meta else
+                    trap_in_situ_ns(profile, num("cost:barrier_ns_per_run") or 0, cols),
+                    critical, threads or 1, graph_share(profile))
+
+
+def graph_share(profile: Profile) -> float:
+    """The share of the time from the first llama_decode to the last one's end that the
+    issuing thread spent inside graph computes (1.0 when graphs were not recorded)."""
+    from profinfer.core.stats import innermost_graphs
+    if not profile.tokens or not profile.graphs:
+        return 1.0
+    lo = min(t.start_ns for t in profile.tokens)
+    hi = max(t.end_ns for t in profile.tokens)
+    inside = sum(min(g.end_ns, hi) - max(g.start_ns, lo) for g in innermost_graphs(profile.graphs)
+                 if g.end_ns > lo and g.start_ns < hi)
+    return min(1.0, inside / (hi - lo)) if hi > lo else 1.0
+
+
+def trap_in_situ_ns(profile: Profile, barrier_handler_ns: int = 0,
+                    cols: OpColumns | None = None) -> float | None:
+    """What one probe hit's trap costs inside the target, from the recording itself.
+
+    After each node, a graph's threads meet at a barrier, and the last to arrive goes on at
+    once: from its barrier probe's clock read to its next node's probe's clock read there is
+    no waiting, only the rest of the barrier handler (counter reads: BPF time, counted
+    apart, so barrier_handler_ns, its mean run time, is taken off), the first trap's way
+    back, the engine's few instructions through the barrier, and the second trap's way in:
+    one trap, as it costs in the engine (its caches cold after the node), not in a loop. The
+    median over node boundaries of the smallest such gap across threads; None without
+    op-level data. (The one-probe design's recording holds it in meta trap_in_situ_ns:
+    trap_at_fused_entries.)"""
+    from profinfer.core.stats import innermost_graphs
+    cols = as_columns(profile.ops) if cols is None else cols
+    if len(cols) < 2 or not profile.graphs:
+        return None
+    graphs = innermost_graphs(profile.graphs)
+    if len(graphs) > IN_SITU_GRAPHS:
+        graphs = [graphs[i] for i in np.linspace(0, len(graphs) - 1, IN_SITU_GRAPHS).astype(int)]
+    by_tid = {}
+    for t in cols.thread_ids():
+        idx = np.flatnonzero(cols.tid == t)
+        idx = idx[np.argsort(cols.start[idx])]
+        by_tid[t] = (cols.start[idx], cols.end[idx], cols.desc[idx])
+    gaps = []
+    for g in graphs:
+        parts = []
+        for start, end, desc in by_tid.values():
+            lo, hi = np.searchsorted(start, [g.start_ns, g.end_ns], side="left")
+            if hi - lo > 1:
+                parts.append((start[lo:hi], end[lo:hi], desc[lo:hi]))
+        if not parts or len({len(p[0]) for p in parts}) != 1 or any(
+                not np.array_equal(p[2], parts[0][2]) for p in parts):
+            continue          # threads that did not all run the same nodes: nothing to align
+        between = np.stack([p[0][1:] - p[1][:-1] for p in parts]).min(axis=0)
+        gaps.append(between[between > 0])
+    if not gaps:
+        return None
+    gaps = np.concatenate(gaps)
+    return max(0.0, float(np.median(gaps)) - barrier_handler_ns) if len(gaps) else None
+
+
+def trap_at_fused_entries(release: np.ndarray, gap: np.ndarray) -> int:
+    """The one-probe design's measure of the same (llamacpp.bpf.c, op_node_end): there is no
+    probe at a node's start but a fused op's. A barrier releases its threads as its last
+    arriver leaves the probe, and that thread traps again at the fused op's entry, so the
+    smallest gap of the threads that share a release is one trap's way out and in, and the
+    loop's instructions up to the fused op (its fusion check included). The median over
+    releases; `release` and `gap` (ns) are per fused op and thread."""
+    order = np.lexsort((gap, release))
+    first = np.r_[True, release[order][1:] != release[order][:-1]]
+    return int(np.median(gap[order][first]))

@@ -1,0 +1,473 @@
+"""The cuda level's collector: probe the CUDA runtime and driver functions a process's
+files define (probes/cuda.toml), collect their calls (or, without a timeline, the counts
+BPF kept), name their kernels, and make them the profile's cuda_calls.
+
+It runs beside an engine's collector (sharing the per-thread open spans the engine's
+programs keep, so each call carries the engine's step and op), or alone for a program that
+is no known engine. Its interface is the one the session drives for every engine.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Callable
+
+import numpy as np
+
+from profinfer.core import bpfobj, discovery, kernel, layout, libbpf, selfcost
+from profinfer.core.arch import placement
+from profinfer.core.errors import ProfinferError
+from profinfer.core.model import CudaCall, Profile
+from profinfer.core.packs import Pack
+from profinfer.core.transport import EventTransport, RecordSlots, attach_failed
+from profinfer.levels.cuda import runtime
+from profinfer.levels.cuda.names import KernelNames
+
+ENTRY_ONLY, ENTRY, RETURN = "cuda_enter_only", "cuda_enter", "cuda_return"
+PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS = 64, 16
+COPY_KINDS = {0: "H2H", 1: "H2D", 2: "D2H", 3: "D2D", 4: "Default"}
+MEMORY_KINDS = {1: "device", 2: "host"}
+TALLIES = ("nested", "agg_full", "unpaired", "pending_full")
+
+
+class CudaCollector:
+    def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
+                 root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 512,
+                 buffer: str = "auto", counters: list[str] | None = None,
+                 followed_map_fd: int | None = None, open_spans_fd: int | None = None,
+                 timeline: bool = True):
+        self.pid = pid
+        self.levels = set(levels)
+        self.pack = pack
+        self.lib_paths = lib_paths
+        self.root = root
+        self.buffer = kernel.event_buffer_kind(buffer)
+        self.ringbuf_pages = ringbuf_pages
+        self.followed_map_fd = followed_map_fd
+        self.open_spans_fd = open_spans_fd
+        self.timeline = timeline
+        self.consts, self.dt = layout.parse(header=runtime.HEADER)
+        self.ev_dt = self.dt["pc_call"]
+        self.apis: list[runtime.Api] = []
+        self.placements: dict[str, placement.Placement] = {}   # function: its entry probe's place
+        self.obj: libbpf.BpfObject | None = None
+        self.names: dict[int, KernelNames] = {}       # per process
+        self.warnings: list[str] = []
+        self.n_probes = 0
+        self.attach_s = 0.0
+        self.n_events = 0
+        self.n_decode_tokens = 0
+        self.decoding = False
+        self.thread_names: dict[int, str] = {}
+        self.op_name: Callable[[int, int], str] | None = None   # (engine, op index) -> name
+        # records end where what they hold ends (registrations alone carry a name): zeroed
+        # past their end in their slot, as every field is read
+        self._slots = RecordSlots(self.ev_dt, zeroed=True)
+        self._records: list[np.ndarray] = []
+        self._stats_fd = -1
+        self._lost_at_end = 0
+        self._events: EventTransport | None = None
+        self._multi = False
+        self._kernel_names: dict[tuple[int, int, bool], str] = {}   # named once per kernel
+        self._memory = KnownMemory()        # allocations seen: which way Default copies went
+        self._sites: dict[tuple[int, int], str] = {}
+        # each probed file by (device, inode): the file, its links, its probes
+        self._probed: dict[tuple[int, int], tuple[runtime.RuntimeFile, list, int]] = {}
+        self.process_files: dict[int, set[tuple[int, int]]] = {}   # the runtime files each uses
+
+    # ---- attach ----
+
+    def attach(self) -> None:
+        t0 = time.monotonic()
+        kernel.require_root()
+        self.apis = runtime.apis(self.pack)
+        files, warnings = runtime.runtime_files(self.pack, self.lib_paths, self.root)
+        self.warnings.extend(warnings)
+        if not files:
+            raise ProfinferError(f"no CUDA runtime in process {self.pid} (none of "
+                                 f"{', '.join(self.pack.libraries)} is mapped, and no executable "
+                                 f"defines {self.pack.marker})")
+        try:
+            self.obj = libbpf.BpfObject(bpfobj.object_path(self.pack.bpf, self.buffer))
+            if self.followed_map_fd is not None:
+                self.obj.reuse_map("followed", self.followed_map_fd)
+            if self.open_spans_fd is not None:
+                self.obj.reuse_map("open_spans", self.open_spans_fd)
+            self.obj.set_rodata(self._config().tobytes())
+            if self.buffer == "ring":
+                self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
+            self._multi = libbpf.uprobe_multi_ok()
+            if self._multi:
+                for prog in (ENTRY_ONLY, ENTRY, RETURN):
+                    self.obj.set_uprobe_multi(prog)
+            self.obj.load({ENTRY_ONLY, ENTRY, RETURN})
+            specs = self.obj.map_fd("api_specs")
+            for api in self.apis:
+                libbpf.map_update(specs, api.index.to_bytes(4, "little"), self._spec(api).tobytes())
+            self._stats_fd = libbpf.enable_run_time_stats()
+            self._attach_files(self.pid, files)
+            if not self.n_probes:
+                raise ProfinferError(f"{', '.join(f.path for f in files)}: none of the CUDA "
+                                     "functions probes/cuda.toml lists is defined there")
+            self._events = EventTransport(self.obj, self.buffer, self._on_record,
+                                          PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS)
+        except ProfinferError as e:
+            self.detach()
+            raise attach_failed(self.pid, e) from None
+        self.attach_s = time.monotonic() - t0
+
+    def _config(self) -> np.ndarray:
+        cfg = np.zeros(1, self.dt["pi_config"])
+        cfg["transport"]["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
+        cfg["transport"]["follow"] = int(self.followed_map_fd is not None)
+        cfg["timeline"] = int(self.timeline)
+        return cfg
+
+    def _spec(self, api: runtime.Api) -> np.ndarray:
+        spec = np.zeros(1, self.dt["pc_api_spec"])
+        no = self.consts["PC_NO_SLOT"]
+        spec["cls"] = runtime.class_number(api.cls)
+        spec["stream_slot"] = no if api.stream_slot is None else api.stream_slot
+        spec["handle_slot"] = no if api.handle_slot is None else api.handle_slot
+        spec["memory"] = {"device": 1, "host": 2}.get(api.memory, 0)
+        return spec
+
+    def _attach_files(self, tgid: int, files: list[runtime.RuntimeFile]) -> None:
+        pid = -1 if self.followed_map_fd is not None else self.pid
+        for rf in files:
+            key = discovery.file_key(rf.host_path)
+            self.process_files.setdefault(tgid, set()).add(key)
+            if key in self._probed:
+                continue
+            links: list = []
+            groups: dict[str, tuple[list[int], list[int]]] = {ENTRY_ONLY: ([], []), ENTRY: ([], []),
+                                                              RETURN: ([], [])}
+            for api in self.apis:
+                sym = rf.elf.find(api.name)
+                if sym is None:
+                    continue
+                # an entry-only probe where no argument register nor the stack pointer has
+                # moved yet (placement.choose): an emulated instruction where there is one. A
+                # function probed at return too has its entry probe on the first instruction,
+                # with the return probe: one trap, before the return address is replaced
+                code = rf.elf.code_bytes(sym, 64)
+                entry = placement.choose(code, (1, 2, 3, 4, 5, 6)) if not api.returns else \
+                    _first_instruction(code)
+                self.placements[api.name] = entry
+                for prog in ((ENTRY, RETURN) if api.returns else (ENTRY_ONLY,)):
+                    groups[prog][0].append(sym.file_offset + entry.offset)
+                    groups[prog][1].append(api.index)
+            try:
+                for prog, (offsets, cookies) in groups.items():
+                    if not offsets:
+                        continue
+                    if self._multi:
+                        links.append(self.obj.attach_uprobe_multi(prog, rf.host_path, offsets, cookies,
+                                                                  pid, retprobe=prog == RETURN,
+                                                                  file_id=rf.elf.file_id))
+                    else:
+                        for off, cookie in zip(offsets, cookies):
+                            links.append(self.obj.attach_uprobe(prog, rf.host_path, off, pid,
+                                                                retprobe=prog == RETURN, cookie=cookie,
+                                                                file_id=rf.elf.file_id))
+            except BaseException:
+                self.obj.detach_links(links)      # the file is probed whole or not at all
+                raise
+            n = sum(len(offsets) for offsets, _ in groups.values())
+            self.n_probes += n
+            self._probed[key] = (rf, links, n)
+        self._watch_process(tgid, files)
+
+    def _watch_process(self, tgid: int, files: list[runtime.RuntimeFile]) -> None:
+        """Name what the process already registered, and mark its runtime's code."""
+        names = self.names.setdefault(tgid, KernelNames(tgid))
+        names.refresh()
+        exe = ""
+        try:
+            exe = os.readlink(f"/proc/{tgid}/exe").removesuffix(" (deleted)")
+        except OSError:
+            pass
+        names.read_handle_statics(sorted({exe, *(f.path for f in files if f.static),
+                                          *names.cuda_modules()} - {""}))
+        ranges = runtime.runtime_ranges(tgid, self.files)
+        if len(ranges) > self.consts["PC_RUNTIME_RANGES"]:
+            self.warnings.append(f"PID {tgid} maps {len(ranges)} CUDA runtime code ranges; the nested-call "
+                                 f"check holds {self.consts['PC_RUNTIME_RANGES']}: a driver launch made by "
+                                 "a runtime beyond them is counted besides its runtime call")
+            ranges = ranges[: self.consts["PC_RUNTIME_RANGES"]]
+        value = np.zeros(1, self.dt["pc_runtime_ranges"])
+        for i, (lo, hi) in enumerate(ranges):
+            value["start"][0, i], value["end"][0, i] = lo, hi
+        libbpf.map_update(self.obj.map_fd("runtime_ranges"), tgid.to_bytes(4, "little"), value.tobytes())
+
+    @property
+    def files(self) -> list[runtime.RuntimeFile]:
+        """The runtime files probed, in the order they were."""
+        return [rf for rf, _, _ in self._probed.values()]
+
+    def attach_files(self, lib_paths: list[tuple[str, str]], tgid: int | None = None,
+                     root: str | None = None) -> list[str]:
+        """More files a followed process maps (a runtime it dlopened, or another process's
+        runtime: root is then its /proc/PID/root): probed before it runs on."""
+        files, warnings = runtime.runtime_files(self.pack, lib_paths, root or self.root)
+        self._attach_files(tgid or self.pid, files)
+        return warnings
+
+    def forget_process(self, tgid: int) -> None:
+        """A followed process is gone (drained first): its counts, names and runtime ranges
+        go, and the probes on runtime files that no followed process uses any more."""
+        self.process_files.pop(tgid, None)
+        self.names.pop(tgid, None)
+        self._kernel_names = {k: v for k, v in self._kernel_names.items() if k[0] != tgid}
+        self._sites = {k: v for k, v in self._sites.items() if k[0] != tgid}
+        self._memory.blocks = {k: v for k, v in self._memory.blocks.items() if k[0] != tgid}
+        if self.obj is None:
+            return
+        key_dt = self.dt["pc_agg_key"]
+        fd = self.obj.map_fd("agg")
+        for k, _ in list(self.obj.map_items("agg")):
+            if int(np.frombuffer(k[:key_dt.itemsize], key_dt)[0]["tgid"]) == tgid:
+                libbpf.map_delete(fd, k[:key_dt.itemsize])
+        libbpf.map_delete(self.obj.map_fd("runtime_ranges"), tgid.to_bytes(4, "little"))
+        used = set().union(*self.process_files.values()) if self.process_files else set()
+        for key in [k for k in self._probed if k not in used]:
+            _, links, n = self._probed.pop(key)
+            self.obj.detach_links(links)
+            self.n_probes -= n
+
+    # ---- collect ----
+
+    def _on_record(self, data, size):
+        self._slots.add(data, size)
+
+    def fileno(self) -> int:
+        return self._events.fileno()
+
+    def poll(self, timeout_ms: int = 100) -> None:
+        self._events.poll(timeout_ms)
+        self._parse()
+
+    def _parse(self) -> None:
+        ev = self._slots.take()
+        if ev is None:
+            return
+        n = len(ev)
+        ev = ev.copy()
+        self._learn_names(ev)
+        self._records.append(ev)
+        self.n_events += n
+        self.decoding = True
+
+    def _learn_names(self, ev: np.ndarray) -> None:
+        """Registrations seen: handles, driver functions, host stubs' device names."""
+        cls_of = {a.index: a.cls for a in self.apis}
+        registrations = [a.index for a in self.apis if a.what == "registration"]
+        for e in ev[np.isin(ev["api"], registrations)]:
+            cls = cls_of[int(e["api"])]
+            names = self.names.setdefault(int(e["tgid"]), KernelNames(int(e["tgid"])))
+            if cls == "get_kernel" and int(e["ret"]) == 0 and int(e["ptr"]):
+                names.handles[int(e["ptr"])] = int(e["ptr2"])
+            elif cls == "module_function" and int(e["ret"]) == 0:
+                name = _text(e["name"])
+                if name:
+                    names.functions[int(e["ptr"])] = name
+            elif cls == "register_function":
+                name = _text(e["name"]) or names.read_string(int(e["ptr"]))
+                if name:
+                    names.registered[int(e["ptr2"])] = name
+
+    def refresh_process_info(self) -> None:
+        for tgid, names in self.names.items():
+            names.refresh()
+            found = discovery.thread_names(tgid)
+            if found:
+                self.thread_names.update(found)
+
+    def other_target_processes(self) -> list[int]:
+        return sorted(set(self.names) - {self.pid})
+
+    def lost(self) -> int:
+        return self._events.lost() if self.obj is not None and self._events else self._lost_at_end
+
+    # ---- finish ----
+
+    def finish(self) -> Profile:
+        self._events.consume()
+        self._parse()
+        self.refresh_process_info()
+        lost = self._lost_at_end = self.lost()
+        stats = self.obj.program_stats() if self._stats_fd >= 0 else {}
+        groups = [] if self.timeline else self._groups()
+        tallies = self._tallies()
+        self.detach()
+        calls = self._calls() + groups
+        calls.sort(key=lambda c: (c.start_ns, c.pid))
+        prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
+                       thread_names=dict(self.thread_names), cuda_calls=calls, lost_events=lost)
+        prof.meta.update(self._meta(tallies, stats, calls))
+        return prof
+
+    def take(self) -> tuple[list[CudaCall], list[CudaCall]]:
+        """While collecting (a daemon): the calls BPF counted so far, as cumulative groups
+        (without a timeline), and the calls sent since the last take (allocations, frees,
+        graph and registration calls, Default copies; every call with a timeline), which are
+        then forgotten."""
+        self._events.consume()
+        self._parse()
+        calls = self._calls()
+        self._records = []
+        return ([] if self.timeline else self._groups()), calls
+
+    def _groups(self) -> list[np.ndarray]:
+        key_dt, val_dt = self.dt["pc_agg_key"], self.dt["pc_agg_value"]
+        out = []
+        for k, v in self.obj.map_items("agg"):
+            out.append((np.frombuffer(k, key_dt)[0], np.frombuffer(v, val_dt)[0]))
+        return [self._group_call(k, v) for k, v in out]
+
+    def _tallies(self) -> dict[str, int]:
+        out = {}
+        for i, name in enumerate(TALLIES):
+            raw = libbpf.map_lookup(self.obj.map_fd("tallies"), i.to_bytes(4, "little"), 8)
+            out[name] = int.from_bytes(raw, "little") if raw else 0
+        return out
+
+    def _kernel(self, tgid: int, api: runtime.Api, handle: int) -> str:
+        if api.what != "launch":
+            return ""
+        key = (tgid, handle, api.driver)
+        name = self._kernel_names.get(key)
+        if name is None:
+            names = self.names.get(tgid) or self.names.setdefault(tgid, KernelNames(tgid))
+            name = self._kernel_names[key] = names.kernel(handle, api.driver)
+        return name
+
+    def _site(self, tgid: int, addr: int) -> str:
+        key = (tgid, addr)
+        site = self._sites.get(key)
+        if site is None:
+            site = self._sites[key] = self.names.setdefault(tgid, KernelNames(tgid)).site(addr)
+        return site
+
+    def _op(self, engine: int, op: int, flags: int) -> str:
+        if not flags & self.consts["PC_OP_OPEN"]:
+            return ""
+        return self.op_name(engine, op) if self.op_name else f"op#{op}"
+
+    def _copy_kind(self, api: runtime.Api, kind: int) -> str:
+        if api.what == "copy":
+            return COPY_KINDS.get(kind, str(kind))
+        if api.what == "memory":
+            return MEMORY_KINDS.get(kind, "")
+        return ""
+
+    def _calls(self) -> list[CudaCall]:
+        if not self._records:
+            return []
+        ev = np.concatenate(self._records)
+        ev = ev[np.argsort(ev["start_ns"], kind="stable")]
+        captured, step_open = self.consts["PC_CAPTURED"], self.consts["PC_STEP_OPEN"]
+        memory = self._memory
+        out = []
+        for e in ev:
+            api = self.apis[int(e["api"])]
+            if api.what == "memory" and int(e["ret"]) == 0:
+                memory.note(api, int(e["tgid"]), int(e["ptr"]), int(e["bytes"]), int(e["copy_kind"]))
+            tgid, flags = int(e["tgid"]), int(e["flags"])
+            start, end = int(e["start_ns"]), int(e["end_ns"])
+            caller = self._site(tgid, int(e["caller"])) if api.what == "memory" else ""
+            out.append(CudaCall(
+                tgid, int(e["tid"]), api.name, api.what, start, end, 1, end - start if end else 0,
+                self._kernel(tgid, api, int(e["handle"])), tuple(int(x) for x in e["grid"]),
+                tuple(int(x) for x in e["block"]), int(e["shmem"]), int(e["stream"]), int(e["bytes"]),
+                memory.resolve(int(e["tgid"]), int(e["ptr"]), int(e["ptr2"]), self._copy_kind(api, int(e["copy_kind"]))),
+                int(e["ptr"]),
+                int(e["handle"]) if api.what != "launch" else 0, int(e["ret"]), caller,
+                bool(flags & captured), int(e["step"]) if flags & step_open else 0,
+                self._op(int(e["engine"]), int(e["op"]), flags)))
+        return out
+
+    def _group_call(self, k, v) -> CudaCall:
+        api = self.apis[int(k["api"])]
+        tgid, flags = int(k["tgid"]), int(k["flags"])
+        return CudaCall(
+            tgid, 0, api.name, api.what, 0, 0, int(v["calls"]), int(v["total_ns"]),
+            self._kernel(tgid, api, int(k["handle"])), tuple(int(x) for x in k["grid"]),
+            tuple(int(x) for x in k["block"]), int(k["shmem"]), int(k["stream"]), int(v["bytes"]),
+            self._copy_kind(api, int(k["copy_kind"])), 0,
+            int(k["handle"]) if api.what != "launch" else 0, int(k["ret"]), "",
+            bool(flags & self.consts["PC_CAPTURED"]), 0,
+            self._op(int(k["engine"]), int(k["op"]), flags), max_ns=int(v["max_ns"]))
+
+    def _meta(self, tallies: dict[str, int], stats: dict, calls: list[CudaCall]) -> dict[str, str]:
+        meta = {"cuda_timeline": str(int(self.timeline)), "cuda_probes": str(self.n_probes),
+                "cuda_event_buffer": self.buffer, "kernel": platform.release(),
+                "cuda_attach_s": f"{self.attach_s:.3f}"}
+        for rf in self.files:
+            meta[f"cuda_runtime:{os.path.basename(rf.path)}"] = (
+                ("static in " if rf.static else "") + rf.path + (f" ({rf.elf.build_id})" if rf.elf.build_id else ""))
+        meta.update((f"cuda_{k}", str(v)) for k, v in tallies.items())
+        if stats:
+            cost = selfcost.program_totals(stats)
+            by_api: dict[str, int] = {}
+            returns = {a.name for a in self.apis if a.returns}
+            for c in calls:
+                by_api[c.api] = by_api.get(c.api, 0) + c.count
+            for name, n in by_api.items():
+                cost["hits_emulated" if self.placements[name].emulated else "hits_stepped"] += n
+                if name in returns:
+                    cost["hits_return"] += n
+            # driver launches the runtime made: trapped, then skipped in BPF (emulated or not,
+            # as the driver's probes are placed: counted as single-stepped, the dearer)
+            cost["hits_stepped"] += tallies.get("nested", 0)
+            meta.update((f"cuda_cost:{k}", str(v)) for k, v in cost.items())
+        return meta
+
+    def detach(self) -> None:
+        if self._events is not None and self.obj is not None:
+            self._lost_at_end = self._events.lost()
+        if self.obj is not None:
+            obj, self.obj = self.obj, None
+            obj.close()
+        if self._stats_fd >= 0:
+            os.close(self._stats_fd)
+            self._stats_fd = -1
+
+
+class KnownMemory:
+    """The allocations seen so far (device, pinned host), to tell which way a copy of kind
+    Default went: resolved only when both its pointers lie in allocations seen (memory made
+    another way, cuMem* or before attach, is not known)."""
+
+    def __init__(self):
+        self.blocks: dict[tuple[int, int], tuple[int, str]] = {}   # (tgid, base) -> (size, "D"/"H")
+
+    def note(self, api: runtime.Api, tgid: int, ptr: int, size: int, kind: int) -> None:
+        if not ptr:
+            return
+        if api.cls == "malloc":
+            self.blocks[(tgid, ptr)] = (size, "D" if kind == 1 else "H")
+        else:
+            self.blocks.pop((tgid, ptr), None)
+
+    def _side(self, tgid: int, addr: int) -> str | None:
+        for (t, base), (size, side) in self.blocks.items():
+            if t == tgid and base <= addr < base + size:
+                return side
+        return None
+
+    def resolve(self, tgid: int, dst: int, src: int, kind: str) -> str:
+        if kind != "Default":
+            return kind
+        s, d = self._side(tgid, src), self._side(tgid, dst)
+        return f"Default:{s}2{d}" if s and d else kind
+
+
+def _first_instruction(code: bytes) -> placement.Placement:
+    first = placement.choose(code)
+    return first if first.offset == 0 else placement.Placement(0, False, "first instruction")
+
+
+def _text(b) -> str:
+    return bytes(b).split(b"\0", 1)[0].decode("utf-8", "replace")
