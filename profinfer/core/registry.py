@@ -32,6 +32,10 @@ class Plugin:
     title: str = ""                                  # for people: "llama.cpp", "CUDA"
     # What the daemon may ask its collector for, e.g. "tokens_by_process", "op_totals".
     capabilities: frozenset[str] = field(default_factory=frozenset)
+    # Its contributions, each a module of its own package (imported only when asked for):
+    report: str | None = None        # report and JSON summary sections
+    timeline: str | None = None      # Perfetto tracks of its record types (write and read back)
+    commands: str | None = None      # command-line commands it adds (e.g. its demo workload)
 
     kind = "plugin"
 
@@ -51,6 +55,11 @@ class Plugin:
 
     def can(self, capability: str) -> bool:
         return capability in self.capabilities
+
+    def part(self, contribution: str):
+        """The module of one contribution ("report", "timeline", "commands"), or None."""
+        name = getattr(self, contribution)
+        return importlib.import_module(f"{self.module}.{name}") if name else None
 
 
 @dataclass(frozen=True)
