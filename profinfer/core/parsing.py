@@ -27,6 +27,7 @@ import sys
 import time
 from collections import OrderedDict, deque
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from profinfer.core.errors import ProfinferError
 
@@ -61,7 +62,7 @@ class _Worker:
         mine, theirs = socket.socketpair()
         # -I: no PYTHONPATH, no user site, not the current directory; the package's own
         # directory named instead, so the worker runs the daemon's code; no environment
-        package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        package_dir = str(Path(__file__).resolve().parents[2])     # holds profinfer/
         code = (f"import sys; sys.path.insert(0, {package_dir!r}); "
                 f"from profinfer.core.parsing import serve; "
                 f"serve({theirs.fileno()}, {self.memory_bytes}, {sorted(_PRELOADED)!r})")
