@@ -11,7 +11,7 @@ from __future__ import annotations
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import BuiltinClock, TrackEvent
 from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
-from profinfer.core.model import CudaCall
+from profinfer.levels.cuda.records import CudaCall
 from profinfer.core.timeline import (
     INT, LEVEL_RUNTIME, STR, SliceKind, Timeline, process_track_uuid, process_uuid,
 )

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
-from profinfer.core.model import SchedSwitch, SchedWakeup
+from profinfer.levels.sched.records import SchedSwitch, SchedWakeup
 from profinfer.core.timeline import MAIN_SEQUENCE, Timeline
 
 DEFAULT_PRIO = 120
