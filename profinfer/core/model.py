@@ -219,3 +219,6 @@ class Profile:
     counter_dropped: dict[str, int] = field(default_factory=dict)
     # engine, library paths and build ids, model path, levels, profinfer version, ...
     meta: dict[str, str] = field(default_factory=dict)
+    # records of a plugin's own types that have no field above, by the name its timeline
+    # kinds give them (SliceKind.field): a new record type needs no field here
+    records: dict[str, list] = field(default_factory=dict)

@@ -59,9 +59,10 @@ class SliceKind:
     reach (children are clamped to it); close() the events that end it at `at` (a slice cut
     short carries its true end in its END's arguments); end_args() arguments of its END.
     Reading: parse_begin() once per distinct BEGIN's arguments, read() the record of one
-    slice (None for a slice that is no record); the records go to Profile.<field>."""
+    slice (None for a slice that is no record); the records go to Profile.<field>, or to
+    Profile.records[field] for a field the Profile does not have."""
     category = ""
-    field: str | None = None          # the Profile field its records fill
+    field: str | None = None          # where its records go
 
     def begin(self, obj) -> tuple[str, str, tuple]:
         raise NotImplementedError

@@ -7,6 +7,7 @@ A file that is not one, is damaged or was cut short raises TraceFormatError.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -23,6 +24,7 @@ __all__ = ["TraceFormatError", "read_named_tracks", "read_trace"]
 
 _BEGIN, _END, _COUNTER = TrackEvent.TYPE_SLICE_BEGIN, TrackEvent.TYPE_SLICE_END, TrackEvent.TYPE_COUNTER
 _DECODE_CACHE_LIMIT = 200_000
+_PROFILE_FIELDS = {f.name for f in dataclasses.fields(Profile)}
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -243,12 +245,13 @@ class _Reader:
         for kind in self.kinds.values():
             if kind.field is not None:
                 fields[kind.field] = kind.collect(self.records.get(kind.field, []))
+        own = {f: fields.pop(f) for f in list(fields) if f not in _PROFILE_FIELDS}
         return Profile(
             pid=self.pid, process_name=self.process_name, thread_names=self.thread_names,
             lost_events=int(self.attrs.get(ATTR_LOST, 0)),
             meta={k[len(ATTR_META_PREFIX):]: str(v) for k, v in self.attrs.items()
                   if k.startswith(ATTR_META_PREFIX)},
-            **fields)
+            records=own, **fields)
 
 
 def read_trace(path: str | Path) -> Profile:
