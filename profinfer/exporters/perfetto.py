@@ -29,6 +29,7 @@ import json
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import (
     BuiltinClock, InternedData, TracePacket, TrackEvent,
@@ -74,11 +75,13 @@ def process_track_of(uuid: int) -> tuple[int, int] | None:
 def __getattr__(name: str):
     """Names that moved to a plugin's timeline module (LIVE_MEMORY_TRACK, cuda_call_from,
     ATTR_COUNTERS, ...) stay importable from here, found through the registry."""
-    for p in registry.plugins():
-        if p.timeline:
+    if not name.startswith("_"):
+        for p in registry.plugins():
             module = p.part("timeline")
-            if hasattr(module, name):
-                return getattr(module, name)
+            value = getattr(module, name, None)
+            if value is not None and not isinstance(value, ModuleType) \
+                    and getattr(value, "__module__", module.__name__) == module.__name__:
+                return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
