@@ -18,7 +18,8 @@ import numpy as np
 from profinfer.core import bpfobj, discovery, kernel, layout, libbpf, selfcost
 from profinfer.core.arch import placement
 from profinfer.core.errors import ProfinferError
-from profinfer.core.model import CudaCall, Profile
+from profinfer.core.model import Profile
+from profinfer.levels.cuda.records import CudaCall
 from profinfer.core.packs import Pack
 from profinfer.core.transport import EventTransport, RecordSlots, attach_failed
 from profinfer.levels.cuda import runtime
