@@ -125,6 +125,8 @@ def test_record_report_perfetto(toy, toy_env, tmp_path):
     # the JSON summary written by record: tokens and sequences
     s = r.summary
     assert s["meta"]["engine"] == "toy engine"
+    # the kernel ran each of the four programs once a call: the cost line counts those runs
+    assert int(s["meta"]["cost:bpf_runs"]) == 2 * (len(truth.decodes) + len(truth.ops))
     assert s["decode_calls"] == len(truth.decodes)
     assert s["tokens"] == {"prefill": sum(c.n_tokens for c in truth.decodes if c.what == "prefill"),
                            "decode": sum(c.n_tokens for c in truth.decodes if c.what == "decode")}
