@@ -111,7 +111,7 @@ def breaches(graph: dict[str, list[tuple[str, int, str]]], project: str = "profi
             if part == "core" and tpart in ("engine", "level"):
                 why = f"the core imports no {tpart}"
             elif part == "app" and name in THROUGH_REGISTRY and tpart in ("engine", "level") and tname:
-                why = f"the {name} reach {tpart}s only through profinfer.core.registry"
+                why = f"the {name} must reach {tpart}s through profinfer.core.registry"
             elif part == "engine" and tpart == "engine" and tname and tname != name:
                 why = "an engine imports no other engine"
             elif part == "level" and tpart in ("engine", "level") and tname and tname != name:
@@ -226,11 +226,11 @@ BREACHES = {
     "core imports a level, inside a function": (
         "pkg/core/session.py", "def f():\n    import pkg.levels.cuda.names", "the core imports no level"),
     "exporter imports an engine": ("pkg/exporters/perfetto.py", "from pkg.engines.beta import *",
-                                   "the exporters reach engines only through"),
+                                   "the exporters must reach engines through"),
     "viewer imports a level": ("pkg/viewers/table.py", "from pkg.levels.cuda.names import x",
-                               "the viewers reach levels only through"),
+                               "the viewers must reach levels through"),
     "daemon imports an engine's module": ("pkg/daemon/agent.py", "from pkg.engines.alpha.stats import y",
-                                          "the daemon reach engines only through"),
+                                          "the daemon must reach engines through"),
     "engine imports another engine": ("pkg/engines/alpha/stats.py", "from pkg.engines.beta import z",
                                       "an engine imports no other engine"),
     "level imports an engine": ("pkg/levels/cuda/names.py", "from pkg.engines import alpha",
