@@ -110,7 +110,7 @@ def test_profinfer_does_not_name_the_toy_engine():
     """Adding the toy engine touched no file of profinfer's: none names it."""
     root = TESTS.parent / "profinfer"
     named = [str(f) for f in root.rglob("*") if f.is_file() and f.suffix in (".py", ".h", ".c", ".toml")
-             and re.search(r"toy", f.read_text(), re.I)]
+             and re.search(r"\btoy", f.read_text(), re.I)]
     assert not named
 
 
