@@ -19,6 +19,7 @@ class EventTransport:
                  perf_pages_per_cpu: int, perf_wakeup_events: int):
         self.kind = kind
         self.perf_lost = 0          # perf-buffer records the kernel dropped
+        self._final_lost: int | None = None     # as read before the object closed
         if kind == "perf":
             self._buf = obj.perf_buffer("events", perf_pages_per_cpu, perf_wakeup_events,
                                         on_record, self._on_perf_lost)
@@ -47,8 +48,16 @@ class EventTransport:
 
     def lost(self) -> int:
         """Records BPF could not submit, plus those the perf buffers dropped."""
+        if self._final_lost is not None:
+            return self._final_lost
         raw = libbpf.map_lookup(self._lost_fd, _ZERO_U32, 8)
         return (int.from_bytes(raw, "little") if raw else 0) + self.perf_lost
+
+    def freeze_lost(self) -> int:
+        """Read the lost count one last time (before the object closes); lost() keeps it."""
+        if self._final_lost is None:
+            self._final_lost = self.lost()
+        return self._final_lost
 
 
 class RecordSlots:

@@ -10,66 +10,49 @@ from __future__ import annotations
 
 import os
 import platform
-import time
 from typing import Callable
 
 import numpy as np
 
-from profinfer.core import bpfobj, discovery, kernel, layout, libbpf, selfcost
+from profinfer.core import discovery, libbpf
 from profinfer.core.arch import placement
+from profinfer.core.collector import Collector, add_hits, program_costs
 from profinfer.core.errors import ProfinferError
 from profinfer.core.model import Profile
 from profinfer.levels.cuda.records import CudaCall
 from profinfer.core.packs import Pack
-from profinfer.core.transport import EventTransport, RecordSlots, attach_failed
+from profinfer.core.transport import RecordSlots
 from profinfer.levels.cuda import runtime
 from profinfer.levels.cuda.names import KernelNames
 
 ENTRY_ONLY, ENTRY, RETURN = "cuda_enter_only", "cuda_enter", "cuda_return"
-PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS = 64, 16
 COPY_KINDS = {0: "H2H", 1: "H2D", 2: "D2H", 3: "D2D", 4: "Default"}
 MEMORY_KINDS = {1: "device", 2: "host"}
 TALLIES = ("nested", "agg_full", "unpaired", "pending_full")
 
 
-class CudaCollector:
+class CudaCollector(Collector):
+    HEADER = runtime.HEADER
+    MULTI_PROGRAMS = (ENTRY_ONLY, ENTRY, RETURN)
+
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 512,
                  buffer: str = "auto", counters: list[str] | None = None,
                  followed_map_fd: int | None = None, open_spans_fd: int | None = None,
                  timeline: bool = True):
-        self.pid = pid
-        self.levels = set(levels)
-        self.pack = pack
-        self.lib_paths = lib_paths
-        self.root = root
-        self.buffer = kernel.event_buffer_kind(buffer)
-        self.ringbuf_pages = ringbuf_pages
-        self.followed_map_fd = followed_map_fd
-        self.open_spans_fd = open_spans_fd
+        super().__init__(pid, levels, pack, lib_paths, root, tensor_layout, ringbuf_pages, buffer,
+                         counters, followed_map_fd, open_spans_fd)
         self.timeline = timeline
-        self.consts, self.dt = layout.parse(header=runtime.HEADER)
         self.ev_dt = self.dt["pc_call"]
         self.apis: list[runtime.Api] = []
         self.placements: dict[str, placement.Placement] = {}   # function: its entry probe's place
-        self.obj: libbpf.BpfObject | None = None
         self.names: dict[int, KernelNames] = {}       # per process
-        self.warnings: list[str] = []
-        self.n_probes = 0
-        self.attach_s = 0.0
-        self.n_events = 0
-        self.n_decode_tokens = 0
-        self.decoding = False
-        self.thread_names: dict[int, str] = {}
         self.op_name: Callable[[int, int], str] | None = None   # (engine, op index) -> name
         # records end where what they hold ends (registrations alone carry a name): zeroed
         # past their end in their slot, as every field is read
         self._slots = RecordSlots(self.ev_dt, zeroed=True)
         self._records: list[np.ndarray] = []
-        self._stats_fd = -1
-        self._lost_at_end = 0
-        self._events: EventTransport | None = None
-        self._multi = False
+        self._found: list[runtime.RuntimeFile] = []      # the target's runtime files, at attach
         self._kernel_names: dict[tuple[int, int, bool], str] = {}   # named once per kernel
         self._memory = KnownMemory()        # allocations seen: which way Default copies went
         self._sites: dict[tuple[int, int], str] = {}
@@ -79,44 +62,30 @@ class CudaCollector:
 
     # ---- attach ----
 
-    def attach(self) -> None:
-        t0 = time.monotonic()
-        kernel.require_root()
+    def _prepare(self) -> None:
         self.apis = runtime.apis(self.pack)
-        files, warnings = runtime.runtime_files(self.pack, self.lib_paths, self.root)
+        self._found, warnings = runtime.runtime_files(self.pack, self.lib_paths, self.root)
         self.warnings.extend(warnings)
-        if not files:
+        if not self._found:
             raise ProfinferError(f"no CUDA runtime in process {self.pid} (none of "
                                  f"{', '.join(self.pack.libraries)} is mapped, and no executable "
                                  f"defines {self.pack.marker})")
-        try:
-            self.obj = libbpf.BpfObject(bpfobj.object_path(self.pack.bpf, self.buffer))
-            if self.followed_map_fd is not None:
-                self.obj.reuse_map("followed", self.followed_map_fd)
-            if self.open_spans_fd is not None:
-                self.obj.reuse_map("open_spans", self.open_spans_fd)
-            self.obj.set_rodata(self._config().tobytes())
-            if self.buffer == "ring":
-                self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
-            self._multi = libbpf.uprobe_multi_ok()
-            if self._multi:
-                for prog in (ENTRY_ONLY, ENTRY, RETURN):
-                    self.obj.set_uprobe_multi(prog)
-            self.obj.load({ENTRY_ONLY, ENTRY, RETURN})
-            specs = self.obj.map_fd("api_specs")
-            for api in self.apis:
-                libbpf.map_update(specs, api.index.to_bytes(4, "little"), self._spec(api).tobytes())
-            self._stats_fd = libbpf.enable_run_time_stats()
-            self._attach_files(self.pid, files)
-            if not self.n_probes:
-                raise ProfinferError(f"{', '.join(f.path for f in files)}: none of the CUDA "
-                                     "functions probes/cuda.toml lists is defined there")
-            self._events = EventTransport(self.obj, self.buffer, self._on_record,
-                                          PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS)
-        except ProfinferError as e:
-            self.detach()
-            raise attach_failed(self.pid, e) from None
-        self.attach_s = time.monotonic() - t0
+
+    def _programs(self) -> set[str]:
+        return {ENTRY_ONLY, ENTRY, RETURN}
+
+    def _before_probes(self) -> None:
+        specs = self.obj.map_fd("api_specs")
+        for api in self.apis:
+            libbpf.map_update(specs, api.index.to_bytes(4, "little"), self._spec(api).tobytes())
+
+    def _attach_probes(self) -> None:
+        self._attach_files(self.pid, self._found)
+
+    def _after_probes(self) -> None:
+        if not self.n_probes:
+            raise ProfinferError(f"{', '.join(f.path for f in self._found)}: none of the CUDA "
+                                 "functions probes/cuda.toml lists is defined there")
 
     def _config(self) -> np.ndarray:
         cfg = np.zeros(1, self.dt["pi_config"])
@@ -135,7 +104,7 @@ class CudaCollector:
         return spec
 
     def _attach_files(self, tgid: int, files: list[runtime.RuntimeFile]) -> None:
-        pid = -1 if self.followed_map_fd is not None else self.pid
+        pid = self._probe_pid()
         for rf in files:
             key = discovery.file_key(rf.host_path)
             self.process_files.setdefault(tgid, set()).add(key)
@@ -161,17 +130,10 @@ class CudaCollector:
                     groups[prog][1].append(api.index)
             try:
                 for prog, (offsets, cookies) in groups.items():
-                    if not offsets:
-                        continue
-                    if self._multi:
-                        links.append(self.obj.attach_uprobe_multi(prog, rf.host_path, offsets, cookies,
-                                                                  pid, retprobe=prog == RETURN,
-                                                                  file_id=rf.elf.file_id))
-                    else:
-                        for off, cookie in zip(offsets, cookies):
-                            links.append(self.obj.attach_uprobe(prog, rf.host_path, off, pid,
-                                                                retprobe=prog == RETURN, cookie=cookie,
-                                                                file_id=rf.elf.file_id))
+                    if offsets:
+                        self._attach_uprobes(prog, rf.host_path, offsets, cookies, pid,
+                                             retprobe=prog == RETURN, file_id=rf.elf.file_id,
+                                             links=links)
             except BaseException:
                 self.obj.detach_links(links)      # the file is probed whole or not at all
                 raise
@@ -242,13 +204,6 @@ class CudaCollector:
     def _on_record(self, data, size):
         self._slots.add(data, size)
 
-    def fileno(self) -> int:
-        return self._events.fileno()
-
-    def poll(self, timeout_ms: int = 100) -> None:
-        self._events.poll(timeout_ms)
-        self._parse()
-
     def _parse(self) -> None:
         ev = self._slots.take()
         if ev is None:
@@ -281,24 +236,18 @@ class CudaCollector:
     def refresh_process_info(self) -> None:
         for tgid, names in self.names.items():
             names.refresh()
-            found = discovery.thread_names(tgid)
-            if found:
-                self.thread_names.update(found)
+            self.info.refresh(tgid, mappings=False)
 
     def other_target_processes(self) -> list[int]:
         return sorted(set(self.names) - {self.pid})
 
-    def lost(self) -> int:
-        return self._events.lost() if self.obj is not None and self._events else self._lost_at_end
-
     # ---- finish ----
 
     def finish(self) -> Profile:
-        self._events.consume()
-        self._parse()
+        self._drain()
         self.refresh_process_info()
-        lost = self._lost_at_end = self.lost()
-        stats = self.obj.program_stats() if self._stats_fd >= 0 else {}
+        lost = self._stop_counting_lost()
+        stats = self._program_stats()
         groups = [] if self.timeline else self._groups()
         tallies = self._tallies()
         self.detach()
@@ -314,8 +263,7 @@ class CudaCollector:
         (without a timeline), and the calls sent since the last take (allocations, frees,
         graph and registration calls, Default copies; every call with a timeline), which are
         then forgotten."""
-        self._events.consume()
-        self._parse()
+        self._drain()
         calls = self._calls()
         self._records = []
         return ([] if self.timeline else self._groups()), calls
@@ -328,11 +276,7 @@ class CudaCollector:
         return [self._group_call(k, v) for k, v in out]
 
     def _tallies(self) -> dict[str, int]:
-        out = {}
-        for i, name in enumerate(TALLIES):
-            raw = libbpf.map_lookup(self.obj.map_fd("tallies"), i.to_bytes(4, "little"), 8)
-            out[name] = int.from_bytes(raw, "little") if raw else 0
-        return out
+        return self._read_tallies((name, i) for i, name in enumerate(TALLIES))
 
     def _kernel(self, tgid: int, api: runtime.Api, handle: int) -> str:
         if api.what != "launch":
@@ -410,30 +354,18 @@ class CudaCollector:
                 ("static in " if rf.static else "") + rf.path + (f" ({rf.elf.build_id})" if rf.elf.build_id else ""))
         meta.update((f"cuda_{k}", str(v)) for k, v in tallies.items())
         if stats:
-            cost = selfcost.program_totals(stats)
+            cost = program_costs(stats)
             by_api: dict[str, int] = {}
             returns = {a.name for a in self.apis if a.returns}
             for c in calls:
                 by_api[c.api] = by_api.get(c.api, 0) + c.count
             for name, n in by_api.items():
-                cost["hits_emulated" if self.placements[name].emulated else "hits_stepped"] += n
-                if name in returns:
-                    cost["hits_return"] += n
+                add_hits(cost, n, self.placements[name].emulated, returns=name in returns)
             # driver launches the runtime made: trapped, then skipped in BPF (emulated or not,
             # as the driver's probes are placed: counted as single-stepped, the dearer)
             cost["hits_stepped"] += tallies.get("nested", 0)
             meta.update((f"cuda_cost:{k}", str(v)) for k, v in cost.items())
         return meta
-
-    def detach(self) -> None:
-        if self._events is not None and self.obj is not None:
-            self._lost_at_end = self._events.lost()
-        if self.obj is not None:
-            obj, self.obj = self.obj, None
-            obj.close()
-        if self._stats_fd >= 0:
-            os.close(self._stats_fd)
-            self._stats_fd = -1
 
 
 class KnownMemory:

@@ -1,0 +1,336 @@
+"""The collector contract: what the session and the daemon drive for every engine and level,
+and the machinery every collector shares.
+
+A collector attaches one BPF object's programs to the files a target process maps, collects
+the records its programs send, and builds a Profile. `Collector` holds what is the same for
+all of them, once:
+
+- the attach sequence (`attach`): root check, the object built for the event buffer, the
+  followed and open-spans maps of a session or a daemon reused, rodata, the ring's size,
+  uprobe-multi links where the kernel has them, load, the kernel's run-time statistics, the
+  event transport, and everything detached again when a step fails;
+- `fileno`, `poll`, `lost`, `detach`;
+- the tallies a BPF object counts (`_read_tallies`), the program statistics and the probe
+  hits behind them (`_program_stats`, `add_hits`), the metadata keys every recording has
+  (`_shared_meta`), the processes' thread names and mappings (`ProcessInfo`).
+
+A subclass (an engine's collector, a level's) implements what differs, as hooks the attach
+sequence calls in this order:
+
+    HEADER                    the layout header its records and config are described in
+    MULTI_PROGRAMS            programs attached as uprobe-multi links where the kernel has
+                              them (empty: every probe is a single uprobe)
+    _prepare()                find what to probe in the target (files, symbols, layouts);
+                              raise ProfinferError when there is nothing: no BPF object yet
+    _config() -> np.ndarray   the object's rodata (`cfg`)
+    _size_maps()              max_entries of its own maps (optional)
+    _programs() -> set[str]   the programs to load
+    _before_probes()          after load: fill its maps, install counters, a level sharing
+                              the buffer (optional)
+    _attach_probes()          attach its uprobes, counting them in self.n_probes
+    _after_probes()           what is attached after the probes (optional)
+    _on_record(data, size)    copy one record out of the event buffer (parse later)
+    _parse()                  parse what was copied since the last poll
+    attach_files(lib_paths)   probe more copies of its files a followed process maps
+    finish() -> Profile       drain, read what BPF kept, detach, build the Profile
+
+and, where they apply, refresh_process_info and other_target_processes. Optional abilities
+(take_tokens_by_process, take_steps_by_process, take_op_totals, take_graph_totals, op_name,
+cost_counts, forget_process) are defined by the subclasses that have them, never here: the
+daemon and the session ask for them by name.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from functools import lru_cache
+from typing import Iterable
+
+import numpy as np
+
+from profinfer.core import bpfobj, discovery, kernel, layout, libbpf, procfs, selfcost
+from profinfer.core import perfevents
+from profinfer.core.errors import ProfinferError
+from profinfer.core.packs import Pack
+from profinfer.core.transport import EventTransport, attach_failed
+
+
+class Collector:
+    HEADER = ""
+    MULTI_PROGRAMS: tuple[str, ...] = ()
+    PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS = 64, 16     # perf buffers (kernels before 5.12)
+    n_decode_tokens = 0          # tokens decoded so far, for a collector that sees them
+
+    def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
+                 root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
+                 buffer: str = "auto", counters: list[str] | None = None,
+                 followed_map_fd: int | None = None, open_spans_fd: int | None = None):
+        """With followed_map_fd (a Follower's map, or a daemon's set of watched processes),
+        probes go on the library files for every process, and the programs run for the
+        processes in the map only; open_spans_fd is the per-thread open spans an engine's
+        programs keep and a level under it reads (cuda)."""
+        self.pid = pid
+        self.levels = set(levels)
+        self.pack = pack
+        self.lib_paths = lib_paths          # (path to open, path inside the target)
+        self.root = root
+        self.forced_layout = tensor_layout
+        self.ringbuf_pages = ringbuf_pages
+        self.buffer = kernel.event_buffer_kind(buffer)
+        # maps of the session's or the daemon's that the object uses instead of its own
+        self.shared_maps = {name: fd for name, fd in (("followed", followed_map_fd),
+                                                       ("open_spans", open_spans_fd)) if fd is not None}
+        self.counter_request = list(counters or [])
+        self.counters: perfevents.OpenCounters | None = None
+        self.consts, self.dt = layout.parse(header=self.HEADER)
+        self.obj: libbpf.BpfObject | None = None
+        self.companions: list[libbpf.BpfObject] = []   # objects sharing obj's buffer (sched)
+        self.multi = False                  # probes attached as uprobe-multi links
+        self.warnings: list[str] = []
+        self.n_probes = 0
+        self.attach_s = 0.0
+        self.n_events = 0
+        self.decoding = False               # the target's work has begun (costs count from here)
+        self.info = ProcessInfo()
+        self._stats_fd = -1                 # BPF run-time statistics on while open
+        self._events: EventTransport | None = None
+
+    # ---- attach ----
+
+    def attach(self) -> None:
+        """Attach the probes, or raise ProfinferError with nothing left attached."""
+        t0 = time.monotonic()
+        kernel.require_root()
+        self._prepare()
+        try:
+            self.obj = libbpf.BpfObject(bpfobj.object_path(self.pack.bpf, self.buffer))
+            for name, fd in self.shared_maps.items():
+                self.obj.reuse_map(name, fd)
+            self.obj.set_rodata(self._config().tobytes())
+            if self.buffer == "ring":
+                self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
+            self._size_maps()
+            # one link per file for all its probes where the kernel has uprobe-multi links
+            self.multi = bool(self.MULTI_PROGRAMS) and libbpf.uprobe_multi_ok()
+            if self.multi:
+                for prog in self.MULTI_PROGRAMS:
+                    self.obj.set_uprobe_multi(prog)
+            self.obj.load(self._programs())
+            self._before_probes()
+            # what our programs cost, counted by the kernel from the first probe on
+            self._stats_fd = libbpf.enable_run_time_stats()
+            self._attach_probes()
+            self._after_probes()
+            self._events = EventTransport(self.obj, self.buffer, self._on_record,
+                                          self.PERF_PAGES_PER_CPU, self.PERF_WAKEUP_EVENTS)
+        except ProfinferError as e:
+            self.detach()
+            raise attach_failed(self.pid, e) from None
+        self.attach_s = time.monotonic() - t0
+
+    def _prepare(self) -> None:
+        raise NotImplementedError
+
+    def _config(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def _size_maps(self) -> None:
+        pass
+
+    def _programs(self) -> set[str]:
+        raise NotImplementedError
+
+    def _before_probes(self) -> None:
+        pass
+
+    def _attach_probes(self) -> None:
+        raise NotImplementedError
+
+    def _after_probes(self) -> None:
+        pass
+
+    def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def followed_map_fd(self) -> int | None:
+        return self.shared_maps.get("followed")
+
+    @property
+    def open_spans_fd(self) -> int | None:
+        return self.shared_maps.get("open_spans")
+
+    @property
+    def n_cpus(self) -> int:
+        """CPU ids run from 0 to this minus one (per-CPU maps are indexed by them)."""
+        return _possible_cpus()
+
+    def _probe_pid(self) -> int:
+        """The pid a uprobe is attached for: -1 (every process that maps the file; BPF keeps
+        the followed ones) with a followed map, else the target."""
+        return -1 if self.followed_map_fd is not None else self.pid
+
+    def _attach_uprobes(self, program: str, path: str, offsets: list[int], cookies: list[int],
+                        pid: int, retprobe: bool = False, file_id: tuple[int, int] | None = None,
+                        links: list | None = None) -> list:
+        """`program` at `offsets` of one file, each with its cookie: one uprobe-multi link
+        where the kernel has them, else a uprobe each. Each link is added to `links` as it is
+        made (a failure part way leaves the caller those to detach); returns them."""
+        links = [] if links is None else links
+        if self.multi:
+            links.append(self.obj.attach_uprobe_multi(program, path, offsets, cookies, pid,
+                                                      retprobe=retprobe, file_id=file_id))
+            return links
+        for off, cookie in zip(offsets, cookies):
+            links.append(self.obj.attach_uprobe(program, path, off, pid, retprobe=retprobe,
+                                                cookie=cookie, file_id=file_id))
+        return links
+
+    def _open_counters(self) -> None:
+        """The perf counters asked for, read per op by the programs (--counters)."""
+        self.counters = perfevents.open_counters(self.counter_request, self.consts["PI_MAX_COUNTERS"])
+        if self.counters.notice:
+            self.warnings.append(self.counters.notice)
+
+    # ---- collect ----
+
+    def _on_record(self, data, size) -> None:
+        raise NotImplementedError
+
+    def _parse(self) -> None:
+        raise NotImplementedError
+
+    def fileno(self) -> int:
+        """Polls readable when the event buffer has records."""
+        return self._events.fileno()
+
+    def poll(self, timeout_ms: int = 100) -> None:
+        """Wait up to timeout_ms, drain the event buffer and parse what came."""
+        self._events.poll(timeout_ms)
+        self._parse()
+
+    def _drain(self) -> None:
+        """Everything still in the event buffer, parsed (at the end, or a daemon's take)."""
+        self._events.consume()
+        self._parse()
+
+    def refresh_process_info(self) -> None:
+        """Thread names (and mappings) change while the target runs; keep the latest."""
+        self.info.refresh(self.pid)
+
+    @property
+    def thread_names(self) -> dict[int, str]:
+        return self.info.thread_names
+
+    def other_target_processes(self) -> list[int]:
+        """Processes besides self.pid whose CPU time is the target's: none (one process)."""
+        return []
+
+    def lost(self) -> int:
+        """Records BPF could not submit (or the perf buffers dropped) so far; after detaching,
+        as last read (_stop_counting_lost)."""
+        return self._events.lost() if self._events is not None else 0
+
+    def _stop_counting_lost(self) -> int:
+        """The lost records, read one last time: lost() gives this count from now on."""
+        return self._events.freeze_lost() if self._events is not None else 0
+
+    # ---- what BPF kept ----
+
+    def _read_tallies(self, slots: Iterable[tuple[str, int]], map_name: str = "tallies",
+                      per_cpu: bool = False) -> dict[str, int]:
+        """The u64 counts at each (name, key) of an array map (summed over CPUs: per_cpu)."""
+        fd, size, out = self.obj.map_fd(map_name), 8 * (self.n_cpus if per_cpu else 1), {}
+        for name, key in slots:
+            raw = libbpf.map_lookup(fd, key.to_bytes(4, "little"), size)
+            out[name] = int(np.frombuffer(raw, np.uint64).sum()) if raw else 0
+        return out
+
+    def _program_stats(self) -> dict[str, tuple[int, int]]:
+        """The kernel's count of our programs' (and our companions') run time and runs,
+        {program: (ns, runs)}; {} where the kernel would not count them."""
+        if self._stats_fd < 0 or self.obj is None:
+            return {}
+        stats = dict(self.obj.program_stats())
+        for c in self.companions:
+            stats.update(c.program_stats())
+        return stats
+
+    def _shared_meta(self) -> dict[str, str]:
+        """The metadata every engine's recording has."""
+        return {"engine": self.pack.engine, "levels": ",".join(sorted(self.levels)),
+                "event_buffer": self.buffer, "kernel": platform.release(),
+                "cpus_online": str(discovery.cpus_of(self.pid)),
+                "attach_s": f"{self.attach_s:.3f}"}
+
+    # ---- detach ----
+
+    def detach(self) -> None:
+        """Close every probe, then free buffers, maps and programs (idempotent).
+
+        Uprobes made through the perf uprobe PMU vanish when their fd closes, so nothing of
+        ours survives even a SIGKILL; libbpf's legacy tracefs path is used only without it."""
+        if self.obj is not None:
+            self._stop_counting_lost()
+        companions, self.companions = self.companions, []
+        for c in companions:
+            c.close()
+        if self.obj is not None:
+            obj, self.obj = self.obj, None
+            obj.close()
+        if self.counters:
+            self.counters.close()
+        if self._stats_fd >= 0:
+            os.close(self._stats_fd)
+            self._stats_fd = -1
+
+
+@lru_cache(maxsize=1)
+def _possible_cpus() -> int:
+    return perfevents.possible_cpus()
+
+
+def add_hits(cost: dict[str, int], n: int, entry_emulated: bool | None = None,
+             returns: bool = False, return_trap_emulated: bool | None = None) -> None:
+    """Count n probe hits by what each costs (selfcost): the entry probe's trap, emulated or
+    single-stepped where it sits (None: no entry probe); the return probe's (returns); and a
+    return probe's own entry trap where no entry probe shares its place (return_trap_emulated:
+    None where one does)."""
+    if entry_emulated is not None:
+        cost["hits_emulated" if entry_emulated else "hits_stepped"] += n
+    if returns:
+        cost["hits_return"] += n
+    if return_trap_emulated is not None:
+        cost["hits_emulated" if return_trap_emulated else "hits_stepped"] += n
+
+
+def program_costs(stats: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """The programs' totals, as the recording's cost:* meta, with hits to be added."""
+    return selfcost.program_totals(stats)
+
+
+class ProcessInfo:
+    """The thread names and file mappings of the processes a collector watches, the latest
+    read of each: a process that exited (a zombie) has none, and keeps what it had."""
+
+    def __init__(self):
+        self.thread_names: dict[int, str] = {}
+        self.mappings: dict[int, list[procfs.FileMapping]] = {}
+
+    def refresh(self, pid: int, mappings: bool = True) -> None:
+        names = discovery.thread_names(pid)
+        if names:
+            self.thread_names.update(names)
+        if mappings:
+            self.note_mappings(pid)
+
+    def note_mappings(self, pid: int) -> list[procfs.FileMapping]:
+        """Read the process's mappings now; the last ones read (they outlive the process)."""
+        found = procfs.file_mappings(pid)
+        if found:
+            self.mappings[pid] = found
+        return self.mappings.get(pid, [])
+
+    def forget(self, pid: int) -> None:
+        self.mappings.pop(pid, None)
