@@ -33,7 +33,7 @@ from profinfer.core.model import Step, TokenCall
 from profinfer.core.packs import Pack, load_pack, pack_names
 from profinfer.core.discovery import mapped_files
 from profinfer.core.follow import interpreter
-from profinfer.core.session import engine_files, find_engine, find_packs
+from profinfer.core.packfinder import engine_files, find_engine, find_packs
 from profinfer.daemon import discover
 from profinfer.daemon.discover import NodeDiscovery
 from profinfer.levels.cuda import names as cuda_names
