@@ -38,8 +38,9 @@ REFRESH_S = 5.0     # thread names and mappings are read again this often (and a
 
 
 class EngineCollector(Protocol):
-    """What the session drives, for every engine: an engine's decoder (probes/<engine>.toml
-    names its class) attaches to a process, collects, and builds the Profile."""
+    """What the session drives, for every engine and level: the collector its pack's decoder
+    names attaches to a process, collects, and builds the Profile. An engine's may also have
+    op_name(index) -> str: the name of its op at `index`, which a level's calls are named by."""
     pid: int
     warnings: list[str]
     n_probes: int
@@ -61,8 +62,6 @@ class EngineCollector(Protocol):
     def lost(self) -> int: ...
     def finish(self) -> Profile: ...
     def detach(self) -> None: ...
-    # optional, an engine's: the name of the op at `index` (a level's calls are named by it)
-    # def op_name(self, index: int) -> str: ...
 
 
 class CollectorGroup:
