@@ -128,12 +128,14 @@ def cli():
 @output_options
 def attach(pid, levels, duration, tensor_layout, buffer, counters, packs, output, json_path, quiet):
     """Profile a running llama.cpp or vLLM process (or a CUDA program), without restarting it."""
+    from profinfer.core import recorded_calibration
     from profinfer.core.session import profile_process
     levels, counters = _levels(levels), _counters(counters)
     _check_outputs(output, json_path)
     profile = profile_process(pid, levels, duration, tensor_layout=tensor_layout,
                               buffer=buffer, counters=counters, extra_packs=tuple(packs),
                               timeline=output is not None, warn=_warn, note=_note)
+    recorded_calibration.stamp(profile)     # the roofs and trap costs that judge this run
     if not _emit(profile, output, json_path, quiet):
         sys.exit(1)
 
@@ -162,7 +164,8 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
                    buffer: str = "auto", counters: list[str] | None = None,
                    packs: tuple[str, ...] = (), timeline: bool = True):
     """Start `command` held before exec, follow it (profinfer.core.follow), then let it run.
-    Returns (profile, exit code)."""
+    Returns (profile, exit code), the profile stamped with this machine's calibration."""
+    from profinfer.core import recorded_calibration
     from profinfer.core.session import profile_process
     exe = shutil.which(command[0], path=(env or os.environ).get("PATH"))
     if not exe:
@@ -204,6 +207,7 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
                 status.append(os.waitstatus_to_exitcode(st))
             except ChildProcessError:
                 pass
+    recorded_calibration.stamp(profile)     # the roofs and trap costs that judge this run
     return profile, (status[0] if status else 0)
 
 

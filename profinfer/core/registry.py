@@ -36,6 +36,10 @@ class Plugin:
     report: str | None = None        # report and JSON summary sections
     timeline: str | None = None      # Perfetto tracks of its record types (write and read back)
     commands: str | None = None      # command-line commands it adds (e.g. its demo workload)
+    # A module of its package with forget_process(pid) and cache_sizes(): what it keeps per
+    # process across collectors (read through /proc/PID/root), which a daemon drops at each
+    # process's exit and shows in /status.
+    process_caches: str | None = None
 
     kind = "plugin"
 
@@ -57,7 +61,8 @@ class Plugin:
         return capability in self.capabilities
 
     def part(self, contribution: str):
-        """The module of one contribution ("report", "timeline", "commands"), or None."""
+        """The module of one contribution ("report", "timeline", "commands",
+        "process_caches"), or None."""
         name = getattr(self, contribution)
         return importlib.import_module(f"{self.module}.{name}") if name else None
 
@@ -137,3 +142,12 @@ def bpf_file(name: str) -> Traversable:
         if f.is_file():
             return f
     raise ProfinferError(f"no BPF file {name} in the core or any plugin")
+
+
+def plugin_of_pack(pack) -> Plugin | None:
+    """The plugin a pack belongs to: the one whose package holds the pack's decoder (a pack
+    given with --pack that names an existing collector class has no plugin of its own, and
+    gets that collector's plugin, its capabilities included)."""
+    module = pack.decoder.partition(":")[0]
+    owners = [p for p in plugins() if module == p.module or module.startswith(p.module + ".")]
+    return max(owners, key=lambda p: len(p.module), default=None)

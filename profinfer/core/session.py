@@ -13,21 +13,23 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import psutil
 
 from profinfer.core import discovery, kernel, layout, libbpf
+from profinfer.core.cputime import CpuShares, cpu_s, own_cpu_s, rss_kb
 from profinfer.core.errors import ProfinferError
-from profinfer.core.follow import Follower
+from profinfer.core.follow import Change, Follower
 from profinfer.core.model import Profile
-from profinfer.core.packs import RUNTIME_LEVELS, Pack, is_engine_library, load_pack, pack_names
-from profinfer.core.symbols import load_elf
+from profinfer.core.packfinder import engine_process, find_engine, find_packs, stripped_note
+from profinfer.core.packs import RUNTIME_LEVELS, Pack, load_pack, pack_names
 
 # The collector sleeps this long between drains unless BPF wakes it (the ring buffer past
 # its wakeup level; perf buffers every PERF_WAKEUP_EVENTS records) or a signal stops it:
-# each drain costs CPU that, on a machine the inference threads fill, is taken from them
-# (at 4 drains a second, 0.09% of the target's CPU on the 1.5B model; at 1, ~0.03%).
+# each drain costs CPU taken from a target whose threads fill the machine
+# (bench/results.md has what each rate costs).
 POLL_MS = 1000
 # Until the target decodes (a model still loading), drains are this frequent, so that its
 # CPU time is counted from its first llama_decode to within one of them.
@@ -36,8 +38,9 @@ REFRESH_S = 5.0     # thread names and mappings are read again this often (and a
 
 
 class EngineCollector(Protocol):
-    """What the session drives, for every engine: an engine's decoder (probes/<engine>.toml
-    names its class) attaches to a process, collects, and builds the Profile."""
+    """What the session drives, for every engine and level: the collector its pack's decoder
+    names attaches to a process, collects, and builds the Profile. An engine's may also have
+    op_name(index) -> str: the name of its op at `index`, which a level's calls are named by."""
     pid: int
     warnings: list[str]
     n_probes: int
@@ -45,9 +48,13 @@ class EngineCollector(Protocol):
     n_events: int
     n_decode_tokens: int
     decoding: bool          # the engine has started its work (the cost is counted from here)
+    pack: Pack              # the pack it was made from (the group finds its members by it)
 
+    # made as pack.collector_class()(pid, levels, pack, files, root=..., tensor_layout=...,
+    # buffer=..., counters=..., [followed_map_fd=..., open_spans_fd=..., timeline=...])
     def attach(self) -> None: ...
-    def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]: ...
+    # a level's collector is also told which process maps the files (tgid)
+    def attach_files(self, lib_paths: list[tuple[str, str]], tgid: int | None = None) -> list[str]: ...
     def fileno(self) -> int: ...
     def poll(self, timeout_ms: int = 100) -> None: ...
     def refresh_process_info(self) -> None: ...
@@ -202,130 +209,6 @@ def _alive(pid: int, child_status: list[int] | None, child_cpu: list[float]) -> 
         return False
 
 
-def _cpu_s(pid: int) -> float | None:
-    """CPU time (user + system, all threads) `pid` has used so far."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class ProcessesCpu:
-    """CPU time a changing set of processes used from when each was first sampled to its
-    last sample (one that exited keeps its last)."""
-
-    def __init__(self):
-        self.first: dict[int, float] = {}
-        self.last: dict[int, float] = {}
-
-    def sample(self, pids) -> None:
-        for p in pids:
-            v = _cpu_s(p)
-            if v is not None:
-                self.first.setdefault(p, v)
-                self.last[p] = v
-
-    def used(self) -> float:
-        return sum(self.last[p] - self.first[p] for p in self.last)
-
-
-def _own_cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def _rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
-
-
-def engine_files(pack: Pack, pid: int, files: list, new_image: bool,
-                 executables_seen: dict[tuple, bool]) -> list[tuple[str, str]]:
-    """The engine's files among those `pid` maps (`files`), as (path to open, path in the
-    target): its libraries by name, or, for a new image without them, the executable if it
-    defines the marker (a statically linked engine). executables_seen remembers that per file
-    and marker, so that a script that runs the same commands again does not have each one's
-    symbols read again."""
-    libs = [(m.host_path, m.path) for m in files if is_engine_library(pack, m.path)]
-    if libs or not new_image or not pack.marker:
-        return libs
-    try:
-        exe = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
-    except OSError:
-        return []
-    main = next((m for m in files if m.path == exe), None)
-    if main is None:
-        return []
-    try:
-        key = (discovery.file_key(main.host_path), pack.marker)
-    except OSError:
-        return []
-    if key not in executables_seen:
-        elf = load_elf(main.host_path, f"/proc/{pid}/root")
-        executables_seen[key] = bool(elf.find(pack.marker))
-        if not elf.has_symtab:
-            executables_seen[("stripped", main.path)] = False
-    return [(main.host_path, main.path)] if executables_seen[key] else []
-
-
-def _stripped_note(executables_seen: dict[tuple, bool]) -> str:
-    """What to add to "no engine found" when an executable looked at had no .symtab."""
-    paths = sorted(k[1] for k in executables_seen if k[0] == "stripped")
-    if not paths:
-        return ""
-    return (f"; stripped (no .symtab): {', '.join(paths)}: an engine or runtime linked into it "
-            "statically has no symbols to find it by")
-
-
-def find_engine(packs: list[Pack], pid: int, new_image: bool,
-                executables_seen: dict[tuple, bool]) -> tuple[Pack, list[tuple[str, str]]] | None:
-    """The first pack whose files `pid` maps now, and those files."""
-    found = find_packs(packs, pid, new_image, executables_seen)
-    return found[0] if found else None
-
-
-def find_packs(packs: list[Pack], pid: int, new_image: bool,
-               executables_seen: dict[tuple, bool]) -> list[tuple[Pack, list[tuple[str, str]]]]:
-    """The packs whose files `pid` maps now, with those files (its mappings read once): the
-    first engine among them (a process runs one), and every level's."""
-    files = discovery.mapped_files(pid)
-    out, engine_found = [], False
-    for pack in packs:
-        if engine_found and not pack.level:
-            continue
-        libs = engine_files(pack, pid, files, new_image, executables_seen)
-        if libs:
-            out.append((pack, libs))
-            engine_found |= not pack.level
-    return out
-
-
-def engine_process(packs: list[Pack], pid: int) -> tuple[Pack, int, list[tuple[str, str]]]:
-    """The engine in `pid`, else in the first of its descendants that runs one (vLLM's API
-    server runs the model in a child): (pack, that process, its engine files)."""
-    seen: dict[tuple, bool] = {}
-    found = find_engine(packs, pid, True, seen)
-    if found:
-        return found[0], pid, found[1]
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        children = []
-    for child in sorted(children, key=lambda c: c.pid):
-        try:
-            found = find_engine(packs, child.pid, True, seen)
-        except (OSError, ProfinferError):
-            continue
-        if found:
-            return found[0], child.pid, found[1]
-    raise ProfinferError(
-        f"no known engine in process {pid}" + (f" or its {len(children)} descendants" if children else "")
-        + " (" + "; ".join(f"{p.engine}: {', '.join(p.libraries)}" + (f" or {p.marker}" if p.marker else "")
-                           for p in packs) + ")")
-
-
 class StatusLine:
     """A live one-line status on stderr (only on a terminal)."""
 
@@ -354,6 +237,313 @@ class StatusLine:
             sys.stderr.write("\n")
 
 
+@dataclass(frozen=True)
+class SessionOptions:
+    """What to probe and for how long (profile_process's arguments, less the target's)."""
+    levels: set[str]
+    duration: float | None = None
+    tensor_layout: str | None = None
+    buffer: str = "auto"
+    counters: list[str] | None = None
+    status: bool | None = None           # the live status line (None: on a terminal)
+    follow: bool = False                 # the target is our child, held before its exec
+    extra_packs: tuple[str, ...] = ()    # pack files tried before the bundled ones
+    timeline: bool = True                # False: a level counts calls in BPF instead
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+class Session:
+    """Profile `pid` until stopped (see profile_process): finds the engine and the runtime
+    levels beside it, attaches their collectors (or follows a held child until it maps one),
+    drains them, counts the CPU time their cost is judged against, and builds the Profile."""
+
+    def __init__(self, pid: int, options: SessionOptions, child_status: list[int] | None = None,
+                 on_attached: Callable[[], None] | None = None,
+                 warn: Callable[[str], None] = _quiet, note: Callable[[str], None] = _quiet):
+        self.pid = pid
+        self.opts = options
+        self.child_status = child_status        # our child: its exit code is appended there
+        self.on_attached = on_attached
+        self.warn, self.note = warn, note
+        self.packs: list[Pack] = []             # the engines' (none when only runtime levels)
+        self.level_packs: list[Pack] = []       # the runtime levels asked for
+        self.pack: Pack | None = None           # the engine's (or the level's) being profiled
+        self.engine_pid = pid                   # where it runs
+        self.executables_seen: dict[tuple, bool] = {}   # follow: does it define the marker
+        self.follower: Follower | None = None
+        self.coll: CollectorGroup | None = None
+        self.open_spans_fd: int | None = None
+        self.stop_reason: list[str] = []
+        self.line: StatusLine | None = None
+        self.cpu: CpuShares | None = None
+
+    # ---- setting up ----
+
+    def _load_packs(self) -> None:
+        levels = self.opts.levels
+        all_packs = [load_pack(name) for name in (*self.opts.extra_packs, *pack_names())]
+        self.level_packs = [p for p in all_packs if p.level and p.level in levels]
+        # engines, unless only runtime levels are asked for (cuda alone: no engine's probes)
+        self.packs = [p for p in all_packs if not p.level] if levels - set(RUNTIME_LEVELS) else []
+        self.pack = (self.packs or self.level_packs)[0]
+
+    def _make(self, p: Pack, where: int, files: list[tuple[str, str]]) -> EngineCollector:
+        extra: dict = {}
+        if self.follower is not None and (self.opts.follow or p.level):   # attach: the engine keeps its own
+            extra["followed_map_fd"] = self.follower.followed_map_fd()
+        if self.open_spans_fd is not None:
+            extra["open_spans_fd"] = self.open_spans_fd
+        if p.level:
+            extra["timeline"] = self.opts.timeline
+        return p.collector_class()(where, self.opts.levels, p, files, root=f"/proc/{where}/root",
+                                   tensor_layout=self.opts.tensor_layout, buffer=self.opts.buffer,
+                                   counters=self.opts.counters, **extra)
+
+    def _find_running(self) -> None:
+        """attach: the engine in the process (or a descendant), and the levels' runtimes
+        beside it; their collectors made, not attached yet."""
+        try:
+            pack, self.engine_pid, files = engine_process(self.packs or self.level_packs, self.pid)
+        except ProfinferError:
+            if not self.level_packs or not self.packs:
+                raise
+            pack, self.engine_pid, files = engine_process(self.level_packs, self.pid)  # a plain CUDA program
+        self.pack = pack
+        if self.engine_pid != self.pid:
+            self.note(f"PID {self.pid} runs no engine; its descendant PID {self.engine_pid} runs {pack.engine}")
+        if self.level_packs:
+            self.follower = _watch_tree(self.pid, self.opts.buffer, self.warn)
+        self.coll = CollectorGroup(self._make(pack, self.engine_pid, files))
+        for lp in self.level_packs:
+            if lp is pack:
+                continue
+            found = find_engine([lp], self.engine_pid, True, self.executables_seen)
+            if found:
+                self.coll.add(self._make(lp, self.engine_pid, found[1]))
+            else:
+                self.note(f"PID {self.engine_pid} maps no {lp.engine} runtime ({', '.join(lp.libraries)}) "
+                          f"yet: the {lp.level} level starts when it loads one")
+
+    def _attached(self, c: EngineCollector, where: int) -> None:
+        for w in c.warnings:
+            self.warn(w)
+        levels = self.opts.levels
+        what = f"levels {','.join(sorted(levels))}" if not c.pack.level else f"{c.pack.level} level"
+        self.note(f"attached {c.n_probes} probes to PID {where} in {c.attach_s:.2f} s ({what})")
+        c.refresh_process_info()
+
+    def _engine_appeared(self, tgid: int, found_pack: Pack, libs: list[tuple[str, str]]) -> None:
+        """A followed process maps an engine's or a level's files: probed before it runs on."""
+        coll = self.coll
+        present = coll.member(found_pack) if coll is not None else None
+        engine_present = coll is not None and not coll.engine.pack.level
+        if present is not None:
+            for why in present.attach_files(libs, tgid) if found_pack.level else present.attach_files(libs):
+                self.warn(f"PID {tgid}: {why}: not profiled")
+        elif not found_pack.level and engine_present:
+            self.warn(f"PID {tgid}: {found_pack.engine} too: only {self.pack.engine} "
+                      f"in PID {self.engine_pid} is profiled")
+        else:
+            new = self._make(found_pack, tgid, libs)
+            new.attach()
+            if coll is None:
+                self.coll = CollectorGroup(new)
+            else:
+                coll.add(new, engine=not found_pack.level)
+            if not found_pack.level or not engine_present:
+                self.engine_pid, self.pack = tgid, found_pack
+            self._attached(new, tgid)
+
+    def _attach_running(self) -> None:
+        """attach: the collectors' probes in; with a level, the rest of the tree (vLLM's
+        workers): the level's probes sit on files and run for the followed processes; each
+        one's runtime code and names are read."""
+        for m in self.coll.members:
+            m.attach()
+        for m in self.coll.members:
+            self._attached(m, self.engine_pid)
+        if self.follower is None:
+            return
+        for child in sorted(self.follower.processes - {self.engine_pid}):
+            try:
+                for found in find_packs(self.level_packs, child, True, self.executables_seen):
+                    self._engine_appeared(child, *found)
+            except (OSError, ProfinferError) as e:
+                if discovery.process_exists(child):
+                    self.warn(f"PID {child}: {e}")
+
+    def _start_following(self) -> None:
+        self.follower = Follower(self.pid, kernel.event_buffer_kind(self.opts.buffer))
+        self.note(f"following PID {self.pid} and what it starts (exec, fork, dlopen)"
+                  + ("" if self.follower.forks_followed else
+                     "; forked processes are not followed: this kernel has no BTF"))
+
+    # ---- collecting ----
+
+    def _wait(self, wait_ms: int) -> None:
+        """Drain the collectors (waiting up to wait_ms for their buffers), and attach to what
+        the followed processes changed into."""
+        if self.follower is None:
+            self.coll.poll(wait_ms)
+            return
+        # a stopped process waits for the follower's records: wait on both buffers
+        fds = [self.follower.fileno()] + (self.coll.filenos() if self.coll else [])
+        select.select(fds, [], [], wait_ms / 1000)
+        for change in self.follower.changes():
+            if change.what in ("exec", "mapped"):
+                self._on_change(change)
+        if self.coll is not None:
+            self.coll.poll(0)
+
+    def _on_change(self, change: Change) -> None:
+        """A followed process stopped at an exec or at its loader's hook: what it maps now
+        is probed, then it is resumed (whatever happens here)."""
+        tgid = change.tgid
+        try:
+            if change.what == "exec":
+                self.follower.loaders.watch(tgid)
+            elif not self.follower.loaders.settled(tgid):
+                return              # its loader stops it again when done
+            if not self.opts.follow:        # attach: only a level's runtime can appear
+                engines = []
+            elif self.coll is not None and not self.coll.engine.pack.level:
+                engines = [self.pack]
+            else:
+                engines = self.packs
+            for found in find_packs(engines + self.level_packs, tgid, change.what == "exec",
+                                    self.executables_seen):
+                self._engine_appeared(tgid, *found)
+        except ProfinferError as e:
+            if self.coll is None:
+                raise
+            self.warn(f"PID {tgid}: {e}")
+        finally:
+            self.follower.resume(tgid)
+
+    def _count_cpu(self) -> None:
+        cpu, coll = self.cpu, self.coll
+        if coll is not None and not cpu.from_work and coll.started:
+            cpu.work_began(self.engine_pid)
+        if self.opts.follow and self.engine_pid != self.pid:       # its CPU time, before it is reaped
+            cpu.target_last = cpu_s(self.engine_pid) or cpu.target_last
+        if cpu.from_work:
+            cpu.others.sample(coll.other_target_processes())
+
+    def _collect(self) -> None:
+        """Drain until --duration, a signal or the target's exit."""
+        duration = self.opts.duration
+        deadline = time.monotonic() + duration if duration else None
+        last_refresh = 0.0
+        while not self.stop_reason:
+            wait_ms = POLL_MS if self.cpu.from_work else POLL_BEFORE_DECODING_MS
+            if deadline:
+                wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000) + 1))
+            self._wait(wait_ms)
+            self._count_cpu()
+            now = time.monotonic()
+            if self.coll is not None and now - last_refresh > REFRESH_S:
+                self.coll.refresh_process_info()
+                last_refresh = now
+            if self.coll is not None:
+                self.line.update(self.coll)
+            if deadline and now >= deadline:
+                self.stop_reason.append("duration")
+            elif not _alive(self.pid, self.child_status, self.cpu.child_cpu):
+                self.stop_reason.append("target exited"
+                                        + (f" ({self.child_status[0]})" if self.child_status else ""))
+
+    # ---- the end ----
+
+    def _nothing_found(self) -> ProfinferError:
+        return ProfinferError(f"no known engine in process {self.pid} or the processes it started "
+                              f"({len(self.follower.processes)} followed; none mapped "
+                              + "; ".join(f"{p.engine}: {', '.join(p.libraries)}"
+                                          + (f" or defined {p.marker}" if p.marker else "")
+                                          for p in self.packs or self.level_packs) + ")"
+                              + stripped_note(self.executables_seen))
+
+    def _finish(self) -> Profile:
+        coll = self.coll
+        if coll is None:
+            raise self._nothing_found()
+        self.line.update(coll, force=True)
+        coll.refresh_process_info()
+        collecting_rss_kb = rss_kb()
+        own_cpu = own_cpu_s()
+        target_cpu = self.cpu.target(self.engine_pid, coll.other_target_processes)
+        warned = len(coll.warnings)
+        profile = coll.finish()
+        for w in coll.warnings[warned:]:        # what only the end of collection shows
+            self.warn(w)
+        meta = profile.meta
+        if self.follower is not None:
+            meta["processes_followed"] = str(len(self.follower.processes))
+        meta["stopped_by"] = self.stop_reason[0] if self.stop_reason else ""
+        meta["events"] = str(coll.n_events)
+        meta["wall_s"] = f"{time.monotonic() - self.line.t0:.3f}"
+        # The collector's own memory, not the target's: the peak (ru_maxrss, KiB, includes
+        # BCC's compile) and the resident size while collecting ended.
+        meta["collector_max_rss_kb"] = str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        meta["collector_rss_kb"] = str(collecting_rss_kb)
+        # CPU the collector itself used while the target ran (on a small machine it is taken
+        # from the inference threads): the part of the overhead that is ours, not the probes'.
+        meta["collector_cpu_s"] = f"{own_cpu - self.cpu.own_at_attach:.3f}"
+        meta["collector_cpu_decoding_s"] = f"{own_cpu - self.cpu.own_from:.3f}"
+        if target_cpu is not None:
+            meta["target_cpu_s"] = f"{target_cpu:.3f}"
+        return profile
+
+    def _release(self) -> None:
+        """The follower and the shared open-span map, closed."""
+        if self.follower is not None:
+            self.follower.close()
+        if self.open_spans_fd is not None:
+            os.close(self.open_spans_fd)
+
+    def run(self) -> Profile:
+        kernel.require_root()
+        if self.child_status is None and not discovery.process_exists(self.pid):
+            raise ProfinferError(f"no process with PID {self.pid}")
+        self._load_packs()
+        self.open_spans_fd = shared_open_spans() if self.level_packs else None
+        if not self.opts.follow:
+            try:
+                self._find_running()
+            except BaseException:
+                self._release()
+                raise
+
+        def on_signal(signum, _frame):
+            self.stop_reason.append(signal.Signals(signum).name)
+
+        # only the main thread may set handlers (the daemon captures in its HTTP threads, where
+        # --duration ends the session)
+        in_main = threading.current_thread() is threading.main_thread()
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+        status = self.opts.status
+        self.line = StatusLine(sys.stderr.isatty() if status is None else status)
+        try:
+            if not self.opts.follow:
+                self._attach_running()
+            else:
+                self._start_following()
+            self.cpu = CpuShares(self.pid)
+            if self.on_attached:
+                self.on_attached()
+            self._collect()
+            return self._finish()
+        finally:
+            self.line.close()
+            if self.coll is not None:
+                self.coll.detach()
+            self._release()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
 def profile_process(pid: int, levels: set[str], duration: float | None = None,
                     child_status: list[int] | None = None,
                     on_attached: Callable[[], None] | None = None,
@@ -375,234 +565,9 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     (and, followed, in every process that maps its runtime); a process that runs no known
     engine but that runtime is profiled at that level alone. extra_packs: pack files tried
     before the bundled ones. timeline: False lets a level count calls in BPF instead of
-    sending each."""
-    kernel.require_root()
-    if child_status is None and not discovery.process_exists(pid):
-        raise ProfinferError(f"no process with PID {pid}")
-    all_packs = [load_pack(name) for name in (*extra_packs, *pack_names())]
-    level_packs = [p for p in all_packs if p.level and p.level in levels]
-    # engines, unless only runtime levels are asked for (cuda alone: no engine's probes)
-    packs = [p for p in all_packs if not p.level] if levels - set(RUNTIME_LEVELS) else []
-    pack = (packs or level_packs)[0]
-    executables_seen: dict[tuple, bool] = {}   # follow: does it define the marker
-    options = dict(tensor_layout=tensor_layout, buffer=buffer, counters=counters)
-    follower: Follower | None = None
-    coll: CollectorGroup | None = None
-    engine_pid = pid
-    open_spans_fd = shared_open_spans() if level_packs else None
+    sending each.
 
-    def make(p: Pack, where: int, files: list[tuple[str, str]]) -> EngineCollector:
-        extra: dict = {}
-        if follower is not None and (follow or p.level):   # attach: the engine keeps its own
-            extra["followed_map_fd"] = follower.followed_map_fd()
-        if open_spans_fd is not None:
-            extra["open_spans_fd"] = open_spans_fd
-        if p.level:
-            extra["timeline"] = timeline
-        return p.collector_class()(where, levels, p, files, root=f"/proc/{where}/root",
-                                   **options, **extra)
-
-    if not follow:
-        try:
-            try:
-                pack, engine_pid, files = engine_process(packs or level_packs, pid)
-            except ProfinferError:
-                if not level_packs or not packs:
-                    raise
-                pack, engine_pid, files = engine_process(level_packs, pid)  # a plain CUDA program
-            if engine_pid != pid:
-                note(f"PID {pid} runs no engine; its descendant PID {engine_pid} runs {pack.engine}")
-            if level_packs:
-                follower = _watch_tree(pid, buffer, warn)
-            coll = CollectorGroup(make(pack, engine_pid, files))
-            for lp in level_packs:
-                if lp is pack:
-                    continue
-                found = find_engine([lp], engine_pid, True, executables_seen)
-                if found:
-                    coll.add(make(lp, engine_pid, found[1]))
-                else:
-                    note(f"PID {engine_pid} maps no {lp.engine} runtime ({', '.join(lp.libraries)}) "
-                         f"yet: the {lp.level} level starts when it loads one")
-        except BaseException:
-            if follower is not None:
-                follower.close()
-            if open_spans_fd is not None:
-                os.close(open_spans_fd)
-            raise
-    stop_reason: list[str] = []
-
-    def on_signal(signum, _frame):
-        stop_reason.append(signal.Signals(signum).name)
-
-    # only the main thread may set handlers (the daemon captures in its HTTP threads, where
-    # --duration ends the session)
-    in_main = threading.current_thread() is threading.main_thread()
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
-    line = StatusLine(sys.stderr.isatty() if status is None else status)
-
-    def attached(c: EngineCollector, where: int) -> None:
-        for w in c.warnings:
-            warn(w)
-        what = f"levels {','.join(sorted(levels))}" if not c.pack.level else f"{c.pack.level} level"
-        note(f"attached {c.n_probes} probes to PID {where} in {c.attach_s:.2f} s ({what})")
-        c.refresh_process_info()
-
-    def engine_appeared(tgid: int, found_pack: Pack, libs: list[tuple[str, str]]) -> None:
-        nonlocal coll, engine_pid, pack
-        present = coll.member(found_pack) if coll is not None else None
-        engine_present = coll is not None and not coll.engine.pack.level
-        if present is not None:
-            for why in present.attach_files(libs, tgid) if found_pack.level else present.attach_files(libs):
-                warn(f"PID {tgid}: {why}: not profiled")
-        elif not found_pack.level and engine_present:
-            warn(f"PID {tgid}: {found_pack.engine} too: only {pack.engine} in PID {engine_pid} is profiled")
-        else:
-            new = make(found_pack, tgid, libs)
-            new.attach()
-            if coll is None:
-                coll = CollectorGroup(new)
-            else:
-                coll.add(new, engine=not found_pack.level)
-            if not found_pack.level or not engine_present:
-                engine_pid, pack = tgid, found_pack
-            attached(new, tgid)
-
-    try:
-        if not follow:
-            for m in coll.members:
-                m.attach()
-            for m in coll.members:
-                attached(m, engine_pid)
-            if follower is not None:
-                # the rest of the tree (vLLM's workers): the level's probes sit on files and
-                # run for the followed processes; each one's runtime code and names are read
-                for child in sorted(follower.processes - {engine_pid}):
-                    try:
-                        for found in find_packs(level_packs, child, True, executables_seen):
-                            engine_appeared(child, *found)
-                    except (OSError, ProfinferError) as e:
-                        if discovery.process_exists(child):
-                            warn(f"PID {child}: {e}")
-        else:
-            follower = Follower(pid, kernel.event_buffer_kind(buffer))
-            note(f"following PID {pid} and what it starts (exec, fork, dlopen)"
-                 + ("" if follower.forks_followed else
-                    "; forked processes are not followed: this kernel has no BTF"))
-        cpu_at_attach = _own_cpu_s()
-        # The target's CPU time, and ours, are counted from its first llama_decode (BPF sends
-        # an event at its entry; without the token level, from the first event), so that
-        # loading a model does not dilute the shares.
-        target_cpu_from, own_cpu_from = _cpu_s(pid), cpu_at_attach
-        target_cpu_last = target_cpu_from
-        others_cpu = ProcessesCpu()     # the engine's other processes (vLLM's workers)
-        counting_from_decode = False
-        child_cpu: list[float] = []
-        if on_attached:
-            on_attached()
-        deadline = time.monotonic() + duration if duration else None
-        last_refresh = 0.0
-        while not stop_reason:
-            wait_ms = POLL_MS if counting_from_decode else POLL_BEFORE_DECODING_MS
-            if deadline:
-                wait_ms = max(0, min(wait_ms, int((deadline - time.monotonic()) * 1000) + 1))
-            if follower is None:
-                coll.poll(wait_ms)
-            else:
-                # a stopped process waits for the follower's records: wait on both buffers
-                fds = [follower.fileno()] + (coll.filenos() if coll else [])
-                select.select(fds, [], [], wait_ms / 1000)
-                for change in follower.changes():
-                    if change.what not in ("exec", "mapped"):
-                        continue
-                    try:      # the process is stopped until resumed, whatever happens here
-                        if change.what == "exec":
-                            follower.loaders.watch(change.tgid)
-                        elif not follower.loaders.settled(change.tgid):
-                            continue              # its loader stops it again when done
-                        if not follow:        # attach: only a level's runtime can appear
-                            engines = []
-                        elif coll is not None and not coll.engine.pack.level:
-                            engines = [pack]
-                        else:
-                            engines = packs
-                        for found in find_packs(engines + level_packs, change.tgid,
-                                                change.what == "exec", executables_seen):
-                            engine_appeared(change.tgid, *found)
-                    except ProfinferError as e:
-                        if coll is None:
-                            raise
-                        warn(f"PID {change.tgid}: {e}")
-                    finally:
-                        follower.resume(change.tgid)
-                if coll is not None:
-                    coll.poll(0)
-            if coll is not None and not counting_from_decode and coll.started:
-                target_cpu_from, own_cpu_from, counting_from_decode = (
-                    _cpu_s(engine_pid), _own_cpu_s(), True)
-            if follow and engine_pid != pid:       # its CPU time, before it is reaped
-                target_cpu_last = _cpu_s(engine_pid) or target_cpu_last
-            if counting_from_decode:
-                others_cpu.sample(coll.other_target_processes())
-            now = time.monotonic()
-            if coll is not None and now - last_refresh > REFRESH_S:
-                coll.refresh_process_info()
-                last_refresh = now
-            if coll is not None:
-                line.update(coll)
-            if deadline and now >= deadline:
-                stop_reason.append("duration")
-            elif not _alive(pid, child_status, child_cpu):
-                stop_reason.append("target exited" + (f" ({child_status[0]})" if child_status else ""))
-        if coll is None:
-            raise ProfinferError(f"no known engine in process {pid} or the processes it started "
-                                 f"({len(follower.processes)} followed; none mapped "
-                                 + "; ".join(f"{p.engine}: {', '.join(p.libraries)}"
-                                             + (f" or defined {p.marker}" if p.marker else "")
-                                             for p in packs or level_packs) + ")"
-                                 + _stripped_note(executables_seen))
-        line.update(coll, force=True)
-        coll.refresh_process_info()
-        collecting_rss_kb = _rss_kb()
-        own_cpu = _own_cpu_s()
-        # the target's CPU time while probed: what the probes' cost is a share of
-        if engine_pid == pid:
-            target_cpu = child_cpu[0] if child_cpu else _cpu_s(pid)
-        else:
-            target_cpu = _cpu_s(engine_pid) or target_cpu_last
-        if target_cpu is not None and target_cpu_from is not None:
-            target_cpu -= target_cpu_from
-            others_cpu.sample(coll.other_target_processes())
-            target_cpu += others_cpu.used()
-        warned = len(coll.warnings)
-        profile = coll.finish()
-        for w in coll.warnings[warned:]:        # what only the end of collection shows
-            warn(w)
-        if follower is not None:
-            profile.meta["processes_followed"] = str(len(follower.processes))
-        profile.meta["stopped_by"] = stop_reason[0] if stop_reason else ""
-        profile.meta["events"] = str(coll.n_events)
-        profile.meta["wall_s"] = f"{time.monotonic() - line.t0:.3f}"
-        # The collector's own memory, not the target's: the peak (ru_maxrss, KiB, includes
-        # BCC's compile) and the resident size while collecting ended.
-        profile.meta["collector_max_rss_kb"] = str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-        profile.meta["collector_rss_kb"] = str(collecting_rss_kb)
-        # CPU the collector itself used while the target ran (on a small machine it is taken
-        # from the inference threads): the part of the overhead that is ours, not the probes'.
-        profile.meta["collector_cpu_s"] = f"{own_cpu - cpu_at_attach:.3f}"
-        profile.meta["collector_cpu_decoding_s"] = f"{own_cpu - own_cpu_from:.3f}"
-        if target_cpu is not None:
-            profile.meta["target_cpu_s"] = f"{target_cpu:.3f}"
-        from profinfer.core import recorded_calibration
-        recorded_calibration.stamp(profile)     # the roofs and trap costs that judge this run
-        return profile
-    finally:
-        line.close()
-        if coll is not None:
-            coll.detach()
-        if follower is not None:
-            follower.close()
-        if open_spans_fd is not None:
-            os.close(open_spans_fd)
-        for s, h in old.items():
-            signal.signal(s, h)
+    The Profile holds no calibration: the caller stamps it (recorded_calibration.stamp)."""
+    options = SessionOptions(levels, duration, tensor_layout, buffer, counters, status, follow,
+                             tuple(extra_packs), timeline)
+    return Session(pid, options, child_status, on_attached, warn, note).run()

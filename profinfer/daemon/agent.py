@@ -24,23 +24,25 @@ import resource
 import select
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from profinfer.core import libbpf, parsing
+from profinfer.core import parsing
 from profinfer.core.errors import ProfinferError
 from profinfer.core.parsing import NotReady
-from profinfer.core.model import Step, TokenCall
 from profinfer.core.packs import Pack, load_pack, pack_names
 from profinfer.core.discovery import mapped_files
 from profinfer.core.follow import interpreter
-from profinfer.core.session import engine_files, find_engine, find_packs
+from profinfer.core.packfinder import engine_files, find_engine, find_packs
 from profinfer.daemon import discover
 from profinfer.daemon.discover import NodeDiscovery
-from profinfer.levels.cuda import names as cuda_names
 from profinfer.core.stats import SequenceTracker
+from profinfer.daemon.governor import STEP_UP_S, Governor, level_rank
 from profinfer.daemon.identity import Identity, identify, model_file
 from profinfer.daemon.metrics import Metrics
+from profinfer.daemon.plugins import capabilities, process_caches
+from profinfer.daemon.seen import SeenProcesses
 from profinfer.daemon.shared import SharedProbes, SharedRuntime, group_key
+from profinfer.daemon.watch import Watch, exit_fd, process_stat, step_call
 
 SCAN_S = 1.0
 SERIES_TTL_S = float(os.environ.get("PROFINFER_SERIES_TTL_S", "300"))   # a last scrape sees them
@@ -48,89 +50,14 @@ MODEL_RECHECK_S = 10.0   # a watched process with no model file found yet is loo
 RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0    # a failed attach is tried again, backing off
 DEFAULT_LEVELS = ("token", "graph", "cuda")
 SHARED_LEVELS = ("token", "graph")    # shared per build; the op level is per process
-# The governor: each process's cost (kernel-counted BPF time + probe hits x this machine's
-# calibrated trap costs, plus its share of the CPU of the daemon's thread that watches, over
-# its own CPU time) is checked every GOVERN_S; over the budget, its op level goes (the token and graph levels,
-# a few probe hits per decode call shared by every process of its build, are the floor),
-# and comes back after STEP_UP_S with room (under half the budget), waiting twice as long
-# each time a step up went over again.
-GOVERN_S = 2.0
-STEP_DOWN_ORDER = ("op",)
-STEP_UP_S = 20.0
-LEVEL_RANK = {"op": 3, "graph": 2, "token": 1, "step": 1}
 # a process's own op-level object sends next to nothing (its ops are counted in BPF; its
 # graph events bound them): 64 KiB (a ring of 4 MiB, attach's default, would be 4 MiB of
 # locked memory a process)
 RING_PAGES = 16
-_SEEN_LIMIT = 4096       # executables remembered (does it define an engine's marker)
 # Any process that maps a file named like an engine's library or a CUDA runtime is watched:
 # at most this many at once (each holds fds, probes and series), and at most as many exited
 # ones' series kept for their TTL; what is left out is counted.
 DEFAULT_MAX_PROCESSES = 64
-
-
-@dataclass
-class Watch:
-    identity: Identity
-    collector: object                   # its own op-level probes, or None
-    levels: set[str]
-    started_at: float
-    pack: Pack | None = None
-    files: list = field(default_factory=list)
-    group: SharedProbes | None = None   # its build's shared probes (token, graph)
-    cuda: bool = False                  # served by the shared cuda level (it maps a CUDA runtime)
-    cost_mark: tuple[float, int, int, int] | None = None   # (t, its CPU ns, probe cost ns, watching CPU ns)
-    share: float | None = None          # what the probes cost it, as a share of its CPU time
-    calm_since: float | None = None     # under the budget with room since
-    step_up_wait_s: float = 0.0
-    stepped_up: bool = False            # the last change was a step up
-    tracker: SequenceTracker = field(default_factory=lambda: SequenceTracker(keep=False))
-    exited_at: float | None = None      # monotonic
-    lost_seen: int = 0
-    programs: dict[str, tuple[int, int]] = field(default_factory=dict)   # last kernel counts
-    model_checked: float = 0.0
-    errors: int = 0
-    pidfd: int = -1                     # readable once the process has exited
-
-
-def step_call(step: Step) -> TokenCall:
-    """An engine step as a forward call: its prompt tokens and decoding sequences' tokens."""
-    return TokenCall(step.tid, step.start_ns, step.end_ns, step.n_tokens, prefill=step.prefill_seqs > 0,
-                     decode_tokens=step.decode_seqs)
-
-
-def _stat_fields(pid: int | str) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (state first); None when unreadable.
-    pid may be "PID/task/TID": a thread's."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(start time in clock ticks since boot: a pid's identity with its number; virtual
-    memory size: what a new mapping changes); None once it has exited (a zombie not yet
-    reaped included)."""
-    fields = _stat_fields(pid)
-    if fields is None or len(fields) < 21 or fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19]), int(fields[20])
-
-
-def _pidfd(pid: int, start: int) -> int:
-    """An fd that polls readable when the process (pid, start) exits; -1 where the kernel
-    has no pidfd (before 5.3: exits are then seen at the next scan)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return -1
-    st = _stat(pid)
-    if st is None or st[0] != start:      # another process by now
-        os.close(fd)
-        return -1
-    return fd
 
 
 def raise_fd_limit() -> None:
@@ -147,53 +74,35 @@ class Agent:
                  max_processes: int = DEFAULT_MAX_PROCESSES):
         self.levels = set(levels or DEFAULT_LEVELS)
         self.max_processes = max_processes
-        self.over_cap: set[tuple[int, int]] = set()    # (pid, start): found, left out (the cap)
-        self.cap_said = False              # the cap said in the log since there was room last
-        self.budget = budget
         self.log = log
         self.own_pid = own_pid or os.getpid()
         all_packs = [load_pack(n) for n in pack_names()]
-        self.packs: list[Pack] = [p for p in all_packs if not p.level]
+        engine_packs = [p for p in all_packs if not p.level]
         self.cuda_pack = next((p for p in all_packs if p.level == "cuda"), None) if "cuda" in self.levels else None
-        self.all_packs = self.packs + ([self.cuda_pack] if self.cuda_pack is not None else [])
-        self.cuda_checked: dict[tuple[int, int], int] = {}   # watched, no runtime: vsize looked at
+        self.all_packs = engine_packs + ([self.cuda_pack] if self.cuda_pack is not None else [])
+        self.seen = SeenProcesses()
         self.metrics = Metrics()
         self.watches: dict[int, Watch] = {}
         self.groups: dict[tuple, SharedProbes] = {}
         self.runtime: SharedRuntime | None = None    # the cuda level, once a process has one
         self.exited: list[Watch] = []
         self.unwatched: dict[tuple[int, int], Identity] = {}    # found, no always-on level
-        self.not_engines: dict[tuple[int, int], int] = {}       # (pid, start) -> vsize looked at
-        self.failed: dict[tuple[int, int], tuple[float, float]] = {}   # -> (next try, backoff)
-        self.executables_seen: dict[tuple, bool] = {}
-        self.loader_seen: set[tuple[int, int]] = set()       # (pid, start): its loader hooked
-        self.loader_pending: set[int] = set()      # its loader still being read: hooked later
         self.attach_errors = 0
         self.loop_errors = 0
         self.retired_programs: dict[str, tuple[int, int]] = {}  # what exited watches' programs ran
         self.lock = threading.Lock()          # watches, unwatched: the HTTP threads read them
         raise_fd_limit()
-        self._stats_fd = libbpf.enable_run_time_stats()
-        if self._stats_fd < 0 and "op" in self.levels:
+        self.governor = Governor(budget, self.metrics, self._relevel)
+        if not self.governor.stats_on and "op" in self.levels:
             # the governor measures the op level's cost from the kernel's BPF run-time counts
             # (run time, and runs: the probe hits): without them it would run ungoverned
             self.levels = self.levels - {"op"}
             self.log("op level off: BPF run-time statistics are refused (they need CAP_SYS_ADMIN, "
                      "or sysctl kernel.bpf_stats_enabled=1 on the node), so its cost cannot be governed")
         self._last_scan = 0.0
-        self._last_govern = 0.0
-        self._ticks = os.sysconf("SC_CLK_TCK")
-        from profinfer.core.probecost import cached
-        costs = cached()
-        # a probe hit's trap by kind, as calibrated here (profinfer calibrate); without it,
-        # the kernel-counted BPF time alone (said in /status and at start)
-        keys = ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")
-        self.trap_costs = {k: float(costs[k]) for k in keys} if costs else dict.fromkeys(keys, 0.0)
-        self.traps_calibrated = costs is not None
         self.started = time.time()
         self.last_loop = time.monotonic()     # /healthz: the loop is alive
         parsing.start()         # tenants' files read away from this loop, from now on
-        self.loop_tid: int | None = None      # the thread running poll(): the one that watches
         self.discovery: NodeDiscovery | None = None
         why = discover.available() if discover_processes else "turned off"
         if why is None:
@@ -214,26 +123,20 @@ class Agent:
         alive = set(pids)
         stats: dict[int, tuple[int, int]] = {}     # read once a scan
         for pid, w in list(self.watches.items()):
-            st = _stat(pid)
+            st = process_stat(pid)
             if st is None or st[0] != w.identity.start:     # exited (its pid maybe reused)
                 self._gone(w)
             else:
                 stats[pid] = st
         now = time.monotonic()
-        self.not_engines = {k: v for k, v in self.not_engines.items() if k[0] in alive}
-        self.cuda_checked = {k: v for k, v in self.cuda_checked.items() if k[0] in alive}
-        self.failed = {k: v for k, v in self.failed.items() if k[0] in alive}
-        self.loader_seen = {k for k in self.loader_seen if k[0] in alive}
+        self.seen.keep_alive(alive)
         if self.discovery is not None:
-            for pid in sorted(self.loader_pending):     # loaders read since the last scan
-                self.loader_pending.discard(pid)
+            for pid in sorted(self.seen.loader_pending):     # loaders read since the last scan
+                self.seen.loader_pending.discard(pid)
                 if pid in alive:
                     self._hook_loader(pid)
-        self.over_cap = {k for k in self.over_cap if k[0] in alive}
         with self.lock:
             self.unwatched = {k: v for k, v in self.unwatched.items() if k[0] in alive}
-        if len(self.executables_seen) > _SEEN_LIMIT:
-            self.executables_seen.clear()
         for w in list(self.watches.values()):
             if not w.identity.model and now - w.model_checked >= MODEL_RECHECK_S:
                 w.model_checked = now          # a model loaded after the process was found
@@ -244,7 +147,7 @@ class Agent:
         for pid in pids:
             if pid in self.watches or pid == self.own_pid:
                 continue
-            st = stats[pid] = _stat(pid)
+            st = stats[pid] = process_stat(pid)
             if st is not None:
                 self._look(pid, st, now)
         # a watched process that loads a CUDA runtime or driver later (PyTorch dlopens
@@ -253,28 +156,28 @@ class Agent:
         if self.cuda_pack is not None:
             for pid, w in list(self.watches.items()):
                 st = stats.get(pid)
-                if st is not None and self.cuda_checked.get((pid, st[0])) != st[1]:
+                if st is not None and self.seen.cuda_checked.get((pid, st[0])) != st[1]:
                     self._look_runtime(pid, w, st)
 
     def _look(self, pid: int, st: tuple[int, int], now: float, settled: bool = False) -> None:
         """Watch `pid` if it maps an engine or a runtime now (settled: discovery holds it with
         its library list complete, so look even if its size is the one looked at before)."""
         key, vsize = (pid, st[0]), st[1]
-        if not settled and (self.not_engines.get(key) == vsize or key in self.unwatched):
+        if not settled and (self.seen.not_engines.get(key) == vsize or key in self.unwatched):
             return                    # looked at, and nothing mapped since
-        if key in self.over_cap and self._full():
+        if key in self.seen.over_cap and self._full():
             return                    # left out, and still no room
         if not settled and self.discovery is not None:
             if self.discovery.pending(pid):
                 return                # loading: looked at once its loader is done
-            if key not in self.loader_seen:
-                self.loader_seen.add(key)
+            if key not in self.seen.loader_seen:
+                self.seen.loader_seen.add(key)
                 self._hook_loader(pid)
-        retry = self.failed.get(key)
+        retry = self.seen.failed.get(key)
         if retry is not None and now < retry[0]:
             return
         try:
-            matched = find_packs(self.all_packs, pid, True, self.executables_seen)
+            matched = find_packs(self.all_packs, pid, True, self.seen.executables_seen)
         except NotReady:
             return                    # its executable is being read: looked at again later
         except (OSError, ProfinferError):
@@ -285,12 +188,12 @@ class Agent:
         found = next((m for m in matched if not m[0].level), None)
         cuda = next((m for m in matched if m[0].level), None)
         if found is None and cuda is None:
-            self.not_engines[key] = vsize
+            self.seen.not_engines[key] = vsize
             return
         if self._full():
             self._left_out(key)
             return
-        self.over_cap.discard(key)
+        self.seen.over_cap.discard(key)
         if found is not None:
             self._watch(pid, st[0], *found)
         else:
@@ -303,20 +206,20 @@ class Agent:
 
     def _left_out(self, key: tuple[int, int]) -> None:
         """A process found when max_processes are watched: counted once, said once a spell."""
-        if key in self.over_cap:
+        if key in self.seen.over_cap:
             return
-        self.over_cap.add(key)
+        self.seen.over_cap.add(key)
         self.metrics.processes_dropped += 1
-        if not self.cap_said:
-            self.cap_said = True
+        if not self.seen.cap_said:
+            self.seen.cap_said = True
             self.log(f"watching {self.max_processes} processes (--max-processes): PID {key[0]} and any "
                      "other found now are left out, counted in profinfer_processes_dropped_total")
 
     def _look_runtime(self, pid: int, w: Watch, st: tuple[int, int]) -> None:
         """A watched process that may have loaded a CUDA runtime since it was looked at."""
-        self.cuda_checked[(pid, st[0])] = st[1]
+        self.seen.cuda_checked[(pid, st[0])] = st[1]
         try:
-            cuda = find_engine([self.cuda_pack], pid, False, self.executables_seen)
+            cuda = find_engine([self.cuda_pack], pid, False, self.seen.executables_seen)
         except Exception:
             cuda = None
         if cuda is None:
@@ -327,7 +230,7 @@ class Agent:
             try:
                 self.runtime.add(pid, cuda[1])
             except NotReady:
-                self.cuda_checked.pop((pid, st[0]), None)     # looked at again at the next scan
+                self.seen.cuda_checked.pop((pid, st[0]), None)     # looked at again at the next scan
             except Exception as e:
                 self._error(f"PID {pid}: probing a runtime it loaded: {e}")
 
@@ -362,13 +265,13 @@ class Agent:
             if os.stat(f"/proc/{pid}/exe").st_ino != int.from_bytes(file[:8], "little"):
                 return              # another image by now: nothing known of that one
             main = [m for m in mapped_files(pid) if m.path == exe]
-            engine = any(engine_files(p, pid, main, True, self.executables_seen)
+            engine = any(engine_files(p, pid, main, True, self.seen.executables_seen)
                          for p in self.all_packs if p.marker)
         except (OSError, ProfinferError):    # NotReady included: the scan looks at it later
             return
         self.discovery.executable(file, engine)
         self._hook_loader(pid)
-        st = _stat(pid)
+        st = process_stat(pid)
         if engine and st is not None and pid not in self.watches:
             self._look(pid, st, time.monotonic(), settled=True)
 
@@ -379,11 +282,11 @@ class Agent:
         try:
             self.discovery.hook_loader(pid)
         except NotReady:
-            self.loader_pending.add(pid)
+            self.seen.loader_pending.add(pid)
             return
         except Exception as e:          # a tenant's loader file: whatever reading it raised
             self._error(f"PID {pid}: hooking its loader: {type(e).__name__}: {e}")
-        self.loader_pending.discard(pid)
+        self.seen.loader_pending.discard(pid)
 
     def _candidate(self, pid: int) -> None:
         """Held at the exec of an engine's executable: hook its loader (it is held again once
@@ -397,7 +300,7 @@ class Agent:
         except NotReady:
             # its loader is being read (a new loader file, the worker busy): not held for it
             # (a tenant's slow file would hold it); looked at now, hooked at a later scan
-            self.loader_pending.add(pid)
+            self.seen.loader_pending.add(pid)
             self._libraries_loaded(pid)
         except ProfinferError as e:     # no hook to wait for: look now
             self._error(f"PID {pid}: {e}")
@@ -412,7 +315,7 @@ class Agent:
 
     def _look_now(self, pid: int) -> None:
         """What it maps now, watched (a watched process: a runtime it loaded since)."""
-        st = _stat(pid)
+        st = process_stat(pid)
         if st is not None and pid != self.own_pid:
             w = self.watches.get(pid)
             if w is None:
@@ -421,8 +324,8 @@ class Agent:
                 self._look_runtime(pid, w, st)
 
     def _watch(self, pid: int, start: int, pack: Pack, files: list[tuple[str, str]]) -> None:
-        cls = pack.collector_class()
-        if not (hasattr(cls, "take_tokens_by_process") or hasattr(cls, "take_steps_by_process")):
+        caps = capabilities(pack)
+        if not caps & {"tokens_by_process", "steps_by_process"}:
             # an engine with no always-on level: found and listed, not probed
             ident = identify(pid, start, pack.engine)
             with self.lock:
@@ -430,7 +333,7 @@ class Agent:
             self.log(f"PID {pid} ({ident.comm}) runs {pack.engine}: found, not watched (no "
                      "always-on level for this engine yet)")
             return
-        if hasattr(cls, "take_steps_by_process"):
+        if "steps_by_process" in caps:
             shared = {"step"}             # the token level of an engine that works in steps
         else:
             shared = {lv for lv in SHARED_LEVELS if lv in self.levels} or {"token"}
@@ -453,15 +356,15 @@ class Agent:
             return
         ident = identify(pid, start, pack.engine)
         w = Watch(ident, None, set(shared), time.time(), pack=pack, files=files, group=group,
-                  model_checked=time.monotonic(), step_up_wait_s=STEP_UP_S)
-        if "op" in self.levels and hasattr(cls, "take_op_totals"):
+                  model_checked=time.monotonic(), step_up_wait_s=STEP_UP_S, capabilities=caps)
+        if "op" in self.levels and "op_totals" in caps:
             self._attach_op(w)
-        w.pidfd = _pidfd(pid, start)
+        w.pidfd = exit_fd(pid, start)
         with self.lock:
             self.watches[pid] = w
-        self.failed.pop((pid, start), None)
+        self.seen.failed.pop((pid, start), None)
         self.metrics.watched(ident)
-        self.metrics.level(ident, self._rank(w.levels))
+        self.metrics.level(ident, level_rank(w.levels))
         self.log(f"watching PID {pid} ({ident.comm}, {pack.engine}"
                  + (f", model {os.path.basename(ident.model)}" if ident.model else "")
                  + (f", container {ident.container}" if ident.container else "")
@@ -516,7 +419,7 @@ class Agent:
     def _watch_runtime_only(self, pid: int, start: int) -> None:
         """A process that runs no known engine but a CUDA runtime: watched at the cuda level."""
         ident = identify(pid, start, self.cuda_pack.engine)
-        w = Watch(ident, None, set(), time.time(), model_checked=time.monotonic(), pidfd=_pidfd(pid, start))
+        w = Watch(ident, None, set(), time.time(), model_checked=time.monotonic(), pidfd=exit_fd(pid, start))
         with self.lock:
             self.watches[pid] = w
         self.metrics.watched(ident)
@@ -541,7 +444,7 @@ class Agent:
                     os.close(w.pidfd)
                     w.pidfd = -1
             if isinstance(e, NotReady):     # a file still being read: looked at again later
-                self.cuda_checked.pop((pid, w.identity.start), None)
+                self.seen.cuda_checked.pop((pid, w.identity.start), None)
                 return
             self._attach_failed(pid, w.identity.start, self.cuda_pack, e)
             return
@@ -563,13 +466,13 @@ class Agent:
             self._error(f"closing the cuda level: {type(e).__name__}: {e}")
 
     def _attach_failed(self, pid: int, start: int, pack: Pack, e: Exception) -> None:
-        st = _stat(pid)
+        st = process_stat(pid)
         if st is None or st[0] != start:
             return                          # it exited meanwhile: nothing to report
         key = (pid, start)
-        first = key not in self.failed
-        backoff = RETRY_FIRST_S if first else min(self.failed[key][1] * 2, RETRY_MAX_S)
-        self.failed[key] = (time.monotonic() + backoff, backoff)
+        first = key not in self.seen.failed
+        backoff = RETRY_FIRST_S if first else min(self.seen.failed[key][1] * 2, RETRY_MAX_S)
+        self.seen.failed[key] = (time.monotonic() + backoff, backoff)
         if first:                           # counted and said once a process
             self.attach_errors += 1
             self.metrics.attach_errors.labels(engine=pack.engine).inc()
@@ -601,7 +504,8 @@ class Agent:
         w.group = None     # its buffers go now; the series stay (metrics)
         w.cuda = False
         w.tracker = SequenceTracker(keep=False)    # its sequences: nothing more will come
-        cuda_names.forget_process(w.identity.pid)  # what was read through its /proc/PID/root
+        for caches in process_caches():           # what was read through its /proc/PID/root
+            caches.forget_process(w.identity.pid)
         if w.pidfd >= 0:
             os.close(w.pidfd)
             w.pidfd = -1
@@ -613,7 +517,7 @@ class Agent:
             self.metrics.forget(self.exited.pop(0).identity)
             self.metrics.series_dropped += 1
         if not self._full():
-            self.cap_said = False
+            self.seen.cap_said = False
         self.log(f"PID {w.identity.pid} ({w.identity.comm}) exited: detached")
 
     def _close_group(self, group: SharedProbes) -> None:
@@ -669,7 +573,7 @@ class Agent:
         coll = group.collector
         try:
             coll.poll(0)
-            steps = hasattr(coll, "take_steps_by_process")
+            steps = "steps_by_process" in group.capabilities
             taken = coll.take_steps_by_process() if steps else coll.take_tokens_by_process()
             for tgid, calls in taken.items():
                 w = self.watches.get(tgid)
@@ -726,7 +630,7 @@ class Agent:
 
     def _group_totals(self, group: SharedProbes) -> None:
         """The graph level, counted in BPF: its cumulative counts, by process and backend."""
-        if not hasattr(group.collector, "take_graph_totals"):
+        if "graph_totals" not in group.capabilities:
             return
         try:
             totals = group.collector.take_graph_totals()
@@ -757,7 +661,7 @@ class Agent:
     def poll(self, timeout_s: float) -> None:
         """Wait for events (up to timeout_s), drain every watch, scan when due."""
         self.last_loop = time.monotonic()
-        self.loop_tid = threading.get_native_id()
+        self.governor.loop_tid = threading.get_native_id()
         with self.lock:
             watches = list(self.watches.values())
         groups = list(self.groups.values())
@@ -800,92 +704,10 @@ class Agent:
             for w in list(self.watches.values()):
                 self._sample_programs(w)
             self.metrics.self_metrics(self)
-        if time.monotonic() - self._last_govern >= GOVERN_S:
-            self._last_govern = time.monotonic()
-            self.govern()
+        if self.governor.due():
+            self.governor.govern(list(self.groups.values()), list(self.watches.values()), self.levels)
 
-    # ---- the overhead budget ----
-
-    @staticmethod
-    def _rank(levels: set[str]) -> int:
-        return max((LEVEL_RANK.get(lv, 0) for lv in levels), default=0)
-
-    def _cpu_ns(self, pid: int, tid: int | None = None) -> int | None:
-        """A process's CPU time (utime + stime), or one of its threads' (tid)."""
-        fields = _stat_fields(pid if tid is None else f"{pid}/task/{tid}")
-        if fields is None or len(fields) < 13:
-            return None
-        return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // self._ticks
-
-    def watching_cpu_ns(self) -> int:
-        """The CPU of the daemon's thread that watches: the loop, where every probe's events are
-        drained, every process looked at and every BPF object loaded. Not the HTTP threads'
-        (a flood of scrapes is no watched process's cost), nor NVML's or OTLP's; the discovery
-        watchdog's is left out too (it sleeps but to continue a process held too long)."""
-        if self.loop_tid is None:
-            return 0
-        return self._cpu_ns(os.getpid(), self.loop_tid) or 0
-
-    def _cost_ns(self, coll) -> int | None:
-        """What a collector's probes cost so far: kernel-counted BPF time plus the hits by
-        kind at this machine's calibrated trap costs (the accounting `attach` reports)."""
-        try:
-            c = coll.cost_counts()
-        except Exception:
-            return None
-        if not c:
-            return None
-        t = self.trap_costs
-        return int(c["bpf_ns"] + c["hits_emulated"] * t["emulated_ns"] + c["hits_stepped"] * t["stepped_ns"]
-                   + c["hits_return"] * t["uretprobe_extra_ns"])
-
-    def _probe_cost_ns(self, w: Watch) -> int | None:
-        """The process's own probes' cost, plus its share of its build's shared probes'."""
-        if w.group is None:
-            return None
-        own = self._cost_ns(w.collector) if w.collector is not None else 0
-        return None if own is None else int(own + w.group.charged_ns.get(w.identity.pid, 0.0))
-
-    def govern(self) -> None:
-        now = time.monotonic()
-        for g in self.groups.values():
-            cost = self._cost_ns(g.collector)
-            if cost is not None:
-                g.charge(cost)
-        watches = list(self.watches.values())
-        own = self.watching_cpu_ns()
-        for w in watches:
-            cpu = self._cpu_ns(w.identity.pid)
-            probes = self._probe_cost_ns(w)
-            if cpu is None or probes is None:
-                continue
-            mark = w.cost_mark
-            if mark is not None and cpu - mark[1] < 50_000_000:   # too little CPU yet to judge
-                continue
-            w.cost_mark = (now, cpu, probes, own)
-            if mark is None:
-                continue
-            # the watching thread's CPU, shared out among the processes it watches: on a busy
-            # machine it is taken from them
-            daemon = (own - mark[3]) / max(len(watches), 1)
-            w.share = max(0.0, ((probes - mark[2]) + daemon) / (cpu - mark[1]))
-            self.metrics.cost(w.identity, w.share)
-            lower = next((lv for lv in STEP_DOWN_ORDER if lv in w.levels), None)
-            if w.share > self.budget:
-                w.calm_since = None
-                if lower is not None and self._relevel(
-                        w, w.levels - {lower}, f"costs {w.share:.1%} > budget {self.budget:.1%}"):
-                    if w.stepped_up:          # the level it went back up to did not fit
-                        w.step_up_wait_s = min(w.step_up_wait_s * 2, 600.0)
-                    w.stepped_up = False
-            elif w.share <= self.budget / 2:
-                w.calm_since = now if w.calm_since is None else w.calm_since
-                missing = [lv for lv in reversed(STEP_DOWN_ORDER) if lv in self.levels and lv not in w.levels]
-                if missing and now - w.calm_since >= w.step_up_wait_s and self._relevel(
-                        w, w.levels | {missing[0]}, f"costs {w.share:.1%}, room under {self.budget:.1%}"):
-                    w.stepped_up, w.calm_since = True, None
-            else:
-                w.calm_since = None
+    # ---- the overhead budget (governor.py judges; this changes the levels) ----
 
     def _relevel(self, w: Watch, levels: set[str], why: str) -> bool:
         """Add or take away the process's op level (its shared levels stay: it is never left
@@ -897,7 +719,7 @@ class Agent:
         elif "op" not in levels and "op" in w.levels:
             self._detach_op(w)
         w.cost_mark = None
-        self.metrics.level(w.identity, self._rank(w.levels), changed=True)
+        self.metrics.level(w.identity, level_rank(w.levels), changed=True)
         self.log(f"PID {pid}: levels {','.join(sorted(old))} -> {','.join(sorted(w.levels))} ({why})")
         return True
 
@@ -921,8 +743,8 @@ class Agent:
         discovery = self.discovery       # the loop may close it meanwhile
         return {
             "pid": self.own_pid, "started": self.started, "levels": sorted(self.levels),
-            "budget": self.budget, "attach_errors": self.attach_errors, "loop_errors": self.loop_errors,
-            "trap_costs_ns": self.trap_costs, "traps_calibrated": self.traps_calibrated,
+            "budget": self.governor.budget, "attach_errors": self.attach_errors, "loop_errors": self.loop_errors,
+            "trap_costs_ns": self.governor.trap_costs, "traps_calibrated": self.governor.traps_calibrated,
             "processes": [{**w.identity.as_dict(), "levels": sorted(w.levels), "cost_share": w.share,
                            "probes": getattr(w.collector, "n_probes", 0),
                            "shared_probes": w.group.collector.n_probes if w.group else 0,
@@ -939,8 +761,9 @@ class Agent:
             "limits": {"max_processes": self.max_processes,
                        "processes_dropped": self.metrics.processes_dropped,
                        "series_dropped": self.metrics.series_dropped,
-                       "left_out_now": len(self.over_cap)},
-            "caches": {**cuda_names.cache_sizes(), "process_series": len(self.metrics.processes),
+                       "left_out_now": len(self.seen.over_cap)},
+            "caches": {**{k: v for m in process_caches() for k, v in m.cache_sizes().items()},
+                       "process_series": len(self.metrics.processes),
                        "sequences": sum(len(w.tracker.current) for w in watches + list(self.exited))},
             "discovery": ({"loaders_hooked": len(discovery.loaders), "held": discovery.held_now()}
                           if discovery is not None else {"off": self.discovery_off}),
@@ -977,7 +800,5 @@ class Agent:
             except Exception:
                 pass
         self.groups.clear()
-        if self._stats_fd >= 0:
-            os.close(self._stats_fd)
-            self._stats_fd = -1
+        self.governor.close()
 

@@ -17,8 +17,7 @@ The loop's thread and the workers use at most `cpu_share` of a CPU together: ove
 for the lanes waits (the loop itself never sleeps: it keeps accepting, reading, evicting and
 answering what needs no worker, so /healthz is never queued behind a flood). The agent loop
 shares the interpreter: a thread busy answering a flood holds the GIL, and each of the
-agent's reads of /proc would wait for it (measured: a scan taking over 30 s under two clients
-asking /metrics back to back, unthrottled).
+agent's reads of /proc would wait for it (bench/results.md has what that did unthrottled).
 """
 from __future__ import annotations
 

@@ -273,8 +273,15 @@ class _Exposer:
             programs = dict(m.programs)
             watched = m.watched_now
         minimal = m.label_set == "minimal"
-        paths = m.label_set == "full"
         labels = list(PROCESS_LABELS[:2] if minimal else PROCESS_LABELS)
+        yield from self._process_families(procs, labels, minimal, m.label_set == "full")
+        yield from _cuda_families(procs, labels, minimal)
+        yield from self._daemon_families(watched, programs)
+
+    @staticmethod
+    def _process_families(procs: list, labels: list[str], minimal: bool, paths: bool):
+        """Each watched process's series: its engine's calls, tokens, sequences, graphs, ops,
+        and what the governor did."""
         info = GaugeMetricFamily("profinfer_process_info", "A watched inference process (value 1)"
                                  + (": its executable and model file" if paths else ""),
                                  labels=labels + (["exe", "model"] if paths else []))
@@ -337,7 +344,11 @@ class _Exposer:
             lost.add_metric(lv, p.lost)
         yield from (info, calls, tokens, ttft, tpot, dur, lost, graph_n, graph_t, graph_nodes,
                     op_calls, op_secs, level, share, changes)
-        yield from _cuda_families(procs, labels, minimal)
+
+    def _daemon_families(self, watched: int, programs: dict[str, tuple[int, int]]):
+        """The daemon's own series: what it watches and dropped, its BPF programs, its CPU,
+        and the GPUs."""
+        m = self.m
         g = GaugeMetricFamily("profinfer_processes_watched", "Inference processes being watched now")
         g.add_metric([], watched)
         yield g

@@ -54,8 +54,8 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     # the loop shares the interpreter with the HTTP threads: after each read of /proc or of a
-    # library (each lets the GIL go) it waits for a busy thread to hand it back; at 0.5 ms a
-    # turn rather than 5, a scrape's generation slows a scan down 10 times less
+    # library (each lets the GIL go) it waits for a busy thread to hand it back; a short turn
+    # keeps a scrape's generation from slowing a scan down (bench/results.md)
     sys.setswitchinterval(0.0005)
     try:
         agent.poll(0)     # the first scan (and each loader hooked) before /healthz says ready

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from profinfer.core import discovery, libbpf
 from profinfer.core.packs import Pack
+from profinfer.daemon.plugins import capabilities
 
 # the token level's events of every process in the group share one ring (its graph level is
-# counted in BPF): 256 KiB holds ~850 decode calls between drains
+# counted in BPF): 256 KiB, room for the decode calls between drains (bench/results.md)
 SHARED_RING_PAGES = 64
 _FOLLOWED_MAX = 4096      # PI_MAX_FOLLOWED (transport.h)
 
@@ -70,15 +71,16 @@ class SharedProbes:
     programs: dict[str, tuple[int, int]] = field(default_factory=dict)   # last kernel counts
     lost_seen: int = 0
     errors: int = 0
+    capabilities: frozenset[str] = frozenset()    # its engine plugin's
 
     @classmethod
     def open(cls, key: tuple, pack: Pack, pid: int, files: list[tuple[str, str]],
              levels: set[str]) -> "SharedProbes":
         """Attach the levels' probes to the files, for pid to begin with."""
-        engine = pack.collector_class()
-        extra = {"graph_totals": True} if hasattr(engine, "take_graph_totals") else {}
+        caps = capabilities(pack)
+        extra = {"graph_totals": True} if "graph_totals" in caps else {}
         coll, fd = open_followed(pack, pid, files, levels, **extra)
-        group = cls(key, coll, fd, {pid})
+        group = cls(key, coll, fd, {pid}, capabilities=caps)
         group._note_maps(pid)
         return group
 

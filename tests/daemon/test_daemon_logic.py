@@ -1,5 +1,5 @@
 """The daemon's pure logic: the token file's checks, a pid reused by a new process, the
-histograms' buckets, an empty batch."""
+histograms' buckets, an empty batch, the features each engine's plugin declares."""
 from __future__ import annotations
 
 import os
@@ -9,12 +9,16 @@ import sys
 
 import pytest
 
+from profinfer.daemon.governor import Governor
 from profinfer.daemon.identity import Identity, container_of, pod_uid_of
+from profinfer.daemon.plugins import capabilities
+from profinfer.daemon.watch import Watch
 from profinfer.daemon.metrics import Metrics, _Histogram
 from profinfer.daemon.server import parse_listen
 from profinfer.daemon.tokens import load_token
 from profinfer.core.errors import ProfinferError
 from profinfer.core.model import TokenCall
+from profinfer.core.packs import load_pack
 from profinfer.core.stats import SequenceTracker
 
 
@@ -93,6 +97,39 @@ def test_a_reused_pid_is_a_new_process():
     assert 42 in m.processes
     m.forget(new)
     assert 42 not in m.processes
+
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_features_are_the_plugins_declared_ones(tmp_path):
+    """Each engine's features as its plugin declares them; a --pack that names another
+    plugin's collector (the ops pack names vLLM's) gets that plugin's; one whose collector
+    no plugin holds gets none."""
+    assert capabilities(load_pack("llamacpp")) == {"tokens_by_process", "graph_totals", "op_totals"}
+    assert capabilities(load_pack("vllm")) == {"steps_by_process"}
+    assert capabilities(load_pack("cuda")) == frozenset()
+    assert capabilities(load_pack(os.path.join(TESTS, "cuda", "ops_pack.toml"))) == {"steps_by_process"}
+    alien = tmp_path / "alien.toml"
+    alien.write_text(open(os.path.join(TESTS, "cuda", "ops_pack.toml")).read().replace(
+        "profinfer.engines.vllm.collector", "profinfer.engines.vllmx.collector"))
+    assert capabilities(load_pack(str(alien))) == frozenset()
+
+
+def test_no_op_level_is_given_back_to_an_engine_without_one():
+    """The governor steps the op level up only for an engine whose plugin declares op
+    totals: a vLLM process with room is left at its step level."""
+    asked = []
+    gov = Governor(0.04, Metrics(), lambda w, levels, why: asked.append((w, levels)) or True)
+    try:
+        for caps, levels in ((frozenset({"steps_by_process"}), {"step"}),
+                             (frozenset({"tokens_by_process", "op_totals"}), {"token"})):
+            w = Watch(_ident(42, 1000), None, set(levels), 0.0, capabilities=caps, share=0.001,
+                      calm_since=0.0)
+            gov._judge(w, 100.0, {"token", "graph", "op"})
+        assert [sorted(levels) for _, levels in asked] == [["op", "token"]]
+    finally:
+        gov.close()
 
 
 def test_histogram_buckets_are_cumulative_and_inclusive():

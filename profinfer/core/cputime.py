@@ -1,0 +1,77 @@
+"""CPU time of the profiled processes and of profinfer itself, read from /proc: what the
+probes' cost is judged against."""
+from __future__ import annotations
+
+import os
+import resource
+from typing import Callable
+
+
+def cpu_s(pid: int) -> float | None:
+    """CPU time (user + system, all threads) `pid` has used so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def own_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
+
+
+class ProcessesCpu:
+    """CPU time a changing set of processes used from when each was first sampled to its
+    last sample (one that exited keeps its last)."""
+
+    def __init__(self):
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+
+    def sample(self, pids) -> None:
+        for p in pids:
+            v = cpu_s(p)
+            if v is not None:
+                self.first.setdefault(p, v)
+                self.last[p] = v
+
+    def used(self) -> float:
+        return sum(self.last[p] - self.first[p] for p in self.last)
+
+
+class CpuShares:
+    """The target's CPU time while probed, and ours, counted from when the engine's work
+    began (BPF sends an event at llama_decode's entry; without the token level, the first
+    event), so that loading a model does not dilute the shares. Made once the probes are in."""
+
+    def __init__(self, pid: int):
+        self.pid = pid                       # the process profiled (maybe our child)
+        self.own_at_attach = own_cpu_s()
+        self.target_from, self.own_from = cpu_s(pid), self.own_at_attach
+        self.target_last = self.target_from  # the engine's, sampled while it lives
+        self.others = ProcessesCpu()         # the engine's other processes (vLLM's workers)
+        self.from_work = False               # counting from the engine's first work
+        self.child_cpu: list[float] = []     # our child's, once reaped
+
+    def work_began(self, engine_pid: int) -> None:
+        self.target_from, self.own_from, self.from_work = cpu_s(engine_pid), own_cpu_s(), True
+
+    def target(self, engine_pid: int, others: Callable[[], list[int]]) -> float | None:
+        """The target's CPU time while probed, its other processes' included: what the
+        probes' cost is a share of."""
+        if engine_pid == self.pid:
+            used = self.child_cpu[0] if self.child_cpu else cpu_s(self.pid)
+        else:
+            used = cpu_s(engine_pid) or self.target_last
+        if used is not None and self.target_from is not None:
+            used -= self.target_from
+            self.others.sample(others())
+            used += self.others.used()
+        return used

@@ -1,0 +1,78 @@
+"""A watched process: what serves it (its build's shared probes, its own op level, the
+shared cuda level), what its probes cost it, and its identity; and the /proc/PID/stat reads
+that tell a process (pid, start time) from a later one with its pid."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from profinfer.core.model import Step, TokenCall
+from profinfer.core.packs import Pack
+from profinfer.core.stats import SequenceTracker
+from profinfer.daemon.identity import Identity
+from profinfer.daemon.shared import SharedProbes
+
+
+@dataclass
+class Watch:
+    identity: Identity
+    collector: object                   # its own op-level probes, or None
+    levels: set[str]
+    started_at: float
+    pack: Pack | None = None
+    files: list = field(default_factory=list)
+    group: SharedProbes | None = None   # its build's shared probes (token, graph)
+    cuda: bool = False                  # served by the shared cuda level (it maps a CUDA runtime)
+    cost_mark: tuple[float, int, int, int] | None = None   # (t, its CPU ns, probe cost ns, watching CPU ns)
+    share: float | None = None          # what the probes cost it, as a share of its CPU time
+    calm_since: float | None = None     # under the budget with room since
+    step_up_wait_s: float = 0.0
+    stepped_up: bool = False            # the last change was a step up
+    tracker: SequenceTracker = field(default_factory=lambda: SequenceTracker(keep=False))
+    exited_at: float | None = None      # monotonic
+    lost_seen: int = 0
+    programs: dict[str, tuple[int, int]] = field(default_factory=dict)   # last kernel counts
+    model_checked: float = 0.0
+    errors: int = 0
+    pidfd: int = -1                     # readable once the process has exited
+    capabilities: frozenset[str] = frozenset()   # its engine plugin's
+
+
+def step_call(step: Step) -> TokenCall:
+    """An engine step as a forward call: its prompt tokens and decoding sequences' tokens."""
+    return TokenCall(step.tid, step.start_ns, step.end_ns, step.n_tokens, prefill=step.prefill_seqs > 0,
+                     decode_tokens=step.decode_seqs)
+
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state first); None when unreadable.
+    pid may be "PID/task/TID": a thread's."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def process_stat(pid: int) -> tuple[int, int] | None:
+    """(start time in clock ticks since boot: a pid's identity with its number; virtual
+    memory size: what a new mapping changes); None once it has exited (a zombie not yet
+    reaped included)."""
+    fields = stat_fields(pid)
+    if fields is None or len(fields) < 21 or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19]), int(fields[20])
+
+
+def exit_fd(pid: int, start: int) -> int:
+    """An fd that polls readable when the process (pid, start) exits; -1 where the kernel
+    has no pidfd (before 5.3: exits are then seen at the next scan)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return -1
+    st = process_stat(pid)
+    if st is None or st[0] != start:      # another process by now
+        os.close(fd)
+        return -1
+    return fd
