@@ -17,7 +17,6 @@ tried again for that key (a file's identity). Without `start()`
 from __future__ import annotations
 
 import importlib
-import os
 import pickle
 import resource
 import select
