@@ -255,7 +255,11 @@ def _add_demo(group: click.Group, demos: list) -> None:
 def _add_plugin_commands() -> None:
     """The commands the plugins contribute (core.commands): demo's workloads, their own."""
     from profinfer.core.commands import Services, commands_modules, demos
-    from profinfer.viewers.terminal import report_console
+
+    def report_console():
+        from profinfer.viewers.terminal import report_console
+        return report_console()
+
     found = demos()
     if found:
         _add_demo(cli, found)
