@@ -7,7 +7,8 @@ A report module (Plugin.report, e.g. profinfer/engines/vllm/report.py) may defin
 - `SUMMARY`: SummarySections, keys it adds to the JSON summary;
 - `REPORT`: ReportSections, what it prints in the terminal report;
 - `VIEW` (an engine): its own main view, which replaces the neutral one (the exporter's and
-  the viewer's, over tokens, graphs and ops) for the profiles it holds.
+  the viewer's, over tokens, graphs and ops) for the profiles it holds. An engine that holds
+  a profile without one (llama.cpp) is shown by the neutral view.
 
 Sections stand in the order of their `order`, lower first; a section whose records are not in
 the profile adds no key and prints nothing. The summary's bands: 0 the main view's keys, 10
