@@ -34,13 +34,13 @@ def _layer_keys(profile: Profile) -> dict:
 
 
 def _moe_keys(profile: Profile) -> dict:
-    ms_ = moe.compute(profile)
-    if ms_ is None:
+    moe_stats = moe.compute(profile)
+    if moe_stats is None:
         return {}
-    return {"moe": {"n_experts": ms_.n_experts, "n_used": ms_.n_used, "layers": ms_.layers,
-                    "activations": ms_.total, "routed_tokens": ms_.tokens,
-                    "counts": ms_.counts.tolist(),
-                    "by_phase": {p: c.tolist() for p, c in ms_.by_phase.items()}}}
+    return {"moe": {"n_experts": moe_stats.n_experts, "n_used": moe_stats.n_used, "layers": moe_stats.layers,
+                    "activations": moe_stats.total, "routed_tokens": moe_stats.tokens,
+                    "counts": moe_stats.counts.tolist(),
+                    "by_phase": {p: c.tolist() for p, c in moe_stats.by_phase.items()}}}
 
 
 def layer_table(rows: list[layers.LayerRow]) -> Table:
@@ -75,16 +75,16 @@ def context_table(rows: list[layers.ContextRow]) -> Table:
     return t
 
 
-def moe_heatmap(ms_: moe.MoeStats) -> Table:
-    t = Table(title=f"MoE expert activations ({ms_.total:,}: {sum(ms_.tokens.values()):,} routed tokens × "
-              f"{ms_.n_used} experts × {len(ms_.layers)} layers)", title_justify="left")
+def moe_heatmap(moe_stats: moe.MoeStats) -> Table:
+    t = Table(title=f"MoE expert activations ({moe_stats.total:,}: {sum(moe_stats.tokens.values()):,} routed tokens × "
+              f"{moe_stats.n_used} experts × {len(moe_stats.layers)} layers)", title_justify="left")
     t.add_column("layer", justify="right")
-    for e in range(ms_.n_experts):
+    for e in range(moe_stats.n_experts):
         t.add_column(f"e{e}", justify="right")
-    peak = max(int(ms_.counts.max()), 1)
-    for i, layer in enumerate(ms_.layers):
+    peak = max(int(moe_stats.counts.max()), 1)
+    for i, layer in enumerate(moe_stats.layers):
         cells = []
-        for v in ms_.counts[i].tolist():
+        for v in moe_stats.counts[i].tolist():
             heat = int(255 * (1 - v / peak))
             cells.append(f"[on rgb(255,{heat},{heat})]{v:,}[/]")
         t.add_row(str(layer), *cells)
@@ -112,9 +112,9 @@ def _print_layers(profile: Profile, console: Console) -> None:
 
 
 def _print_moe(profile: Profile, console: Console) -> None:
-    ms_ = moe.compute(profile)
-    if ms_:
-        console.print(moe_heatmap(ms_))
+    moe_stats = moe.compute(profile)
+    if moe_stats:
+        console.print(moe_heatmap(moe_stats))
 
 
 SUMMARY = (SummarySection(20, _roofline_keys), SummarySection(40, _layer_keys),
