@@ -17,9 +17,6 @@ from profinfer.core.errors import ProfinferError
 from profinfer.core.model import Profile
 from profinfer.core.packs import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
 
-DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
-
-
 def _levels(value: str) -> set[str]:
     levels = {v.strip() for v in value.split(",") if v.strip()}
     known = LEVELS + ("step",) + KERNEL_LEVELS + RUNTIME_LEVELS
@@ -230,63 +227,51 @@ def _load_trace(trace: str) -> Profile:
         raise ProfinferError(str(e)) from None
 
 
-@cli.command()
-@click.option("--engine", type=click.Choice(["llama.cpp", "vllm"]), default="llama.cpp", show_default=True,
-              help="Which bundled workload: llama.cpp (llama-completion) or vLLM (offline generation "
-                   "of a tiny Llama, eager).")
-@click.option("--model", type=click.Choice(["tiny", "llama-1.5b"]), default="tiny", show_default=True,
-              help="llama.cpp's model (vLLM's is its tiny Llama).")
-@click.option("-n", "--tokens", default=32, show_default=True, help="Tokens to generate.")
-@click.option("-t", "--threads", default=2, show_default=True)
-@click.option("--levels", default=",".join(LEVELS), show_default=True)
-@click.option("--counters", metavar="EVENTS", help="perf counters per op, as for record.")
-@output_options
-def demo(engine, model, tokens, threads, levels, counters, output, json_path, quiet):
-    """Build (once, cached) and profile a bundled workload (llama.cpp by default)."""
-    from profinfer.engines.llamacpp import workload
-    levels, counters = _levels(levels), _counters(counters)
-    output = output or "demo.pftrace"
-    _check_outputs(output, json_path)
-    if engine == "vllm":
-        from profinfer.engines.vllm import workload as vllm_workload
-        cmd = [str(vllm_workload.ensure_vllm()), str(vllm_workload.GENERATE),
-               str(vllm_workload.ensure_model()), str(tokens)]
+def _add_demo(group: click.Group, demos: list) -> None:
+    """`profinfer demo`: the plugins' bundled workloads (core.commands.Demo), the first the default."""
+    by_name = {d.name: d for d in demos}
+    models = [m for d in demos for m in d.models]
+
+    @group.command()
+    @click.option("--engine", type=click.Choice(list(by_name)), default=demos[0].name, show_default=True,
+                  help="Which bundled workload: " + " or ".join(d.describe for d in demos) + ".")
+    @click.option("--model", type=click.Choice(models), default=models[0] if models else None,
+                  show_default=True, help=" ".join(d.model_help for d in demos if d.model_help) + ".")
+    @click.option("-n", "--tokens", default=32, show_default=True, help="Tokens to generate.")
+    @click.option("-t", "--threads", default=2, show_default=True)
+    @click.option("--levels", default=",".join(LEVELS), show_default=True)
+    @click.option("--counters", metavar="EVENTS", help="perf counters per op, as for record.")
+    @output_options
+    def demo(engine, model, tokens, threads, levels, counters, output, json_path, quiet):
+        """Build (once, cached) and profile a bundled workload (llama.cpp by default)."""
+        levels, counters = _levels(levels), _counters(counters)
+        output = output or "demo.pftrace"
+        _check_outputs(output, json_path)
+        cmd, env = by_name[engine].command(model, tokens, threads)
         click.echo(f"profinfer: recording {' '.join(cmd)}", err=True)
-        profile, code = record_command(cmd, levels, None, counters=counters)
-    else:
-        build = workload.ensure_llama_build()
-        gguf = workload.ensure_model(model)
-        cmd = workload.completion_command(build, gguf, DEFAULT_PROMPT, tokens, threads)
-        click.echo(f"profinfer: recording {' '.join(cmd)}", err=True)
-        profile, code = record_command(cmd, levels, None, env=workload.llama_env(build),
-                                       counters=counters)
-    written = _emit(profile, output, json_path, quiet)
-    if code:
-        _error(f"the workload {_how_it_ended(code)}")
-    sys.exit(_shell_status(code) or (0 if written else 1))
+        profile, code = record_command(cmd, levels, None, env=env, counters=counters)
+        written = _emit(profile, output, json_path, quiet)
+        if code:
+            _error(f"the workload {_how_it_ended(code)}")
+        sys.exit(_shell_status(code) or (0 if written else 1))
 
 
-@cli.command(name="graph")
-@click.argument("trace", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False),
-              help="Write the graph: .svg/.png/.pdf (Graphviz) or .dot.")
-@click.option("--phase", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True)
-@click.option("--no-collapse", is_flag=True, help="Keep every transformer layer's nodes.")
-def graph_cmd(trace, output, phase, no_collapse):
-    """The computation graph (DAG) of a saved trace, with time shares and verdicts."""
-    from profinfer.engines.llamacpp import dag as dagmod
-    from profinfer.core import recorded_calibration
-    from profinfer.viewers import dagview
-    profile = _load_trace(trace)
-    roofs = recorded_calibration.roofs(profile)
-    dag = dagmod.build(profile, phase, collapse=not no_collapse, roofs=roofs.value)
-    dagview.render(dag)
-    judged_by = "" if roofs.value is None else \
-        f" against {roofs.value.peak_gbps:,.1f} GB/s and {roofs.value.peak_gflops:,.1f} GFLOP/s"
-    (click.echo if roofs.stored else _warn)(f"verdicts{judged_by}: {roofs.origin}")
-    if output:
-        dagmod.write(dag, output)
-        click.echo(f"profinfer: wrote {output}", err=True)
+def _add_plugin_commands() -> None:
+    """The commands the plugins contribute (core.commands): demo's workloads, their own."""
+    from profinfer.core.commands import Services, commands_modules, demos
+
+    def report_console():
+        from profinfer.viewers.terminal import report_console
+        return report_console()
+
+    found = demos()
+    if found:
+        _add_demo(cli, found)
+    services = Services(load_trace=_load_trace, console=report_console, warn=_warn, note=_note)
+    for module in commands_modules():
+        add = getattr(module, "add_commands", None)
+        if add is not None:
+            add(cli, services)
 
 
 @cli.command(name="calibrate")
@@ -527,8 +512,17 @@ def capture(pid, seconds, levels, output, url, token_file, cacert, insecure_http
     _note(f"wrote {output} ({len(data):,} bytes)")
 
 
+try:
+    _add_plugin_commands()
+    _PLUGIN_ERROR: ProfinferError | None = None
+except ProfinferError as e:          # a plugin that cannot be loaded: said by main()
+    _PLUGIN_ERROR = e
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
+        if _PLUGIN_ERROR is not None:
+            raise _PLUGIN_ERROR
         cli.main(args=argv, prog_name="profinfer", standalone_mode=False)
     except click.exceptions.Abort:
         sys.exit(130)

@@ -13,7 +13,9 @@ import pytest
 
 from conftest import completion_cmd, run_profinfer
 from profinfer.engines.llamacpp import dag
-from profinfer.core import roofline, stats
+from profinfer.core import stats
+from profinfer.core.roofline import Roofs
+from profinfer.engines.llamacpp import cost
 from profinfer.exporters.perfetto import write_chrome_json, write_perfetto
 from profinfer.exporters.trace_reader import read_trace
 from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
@@ -48,7 +50,7 @@ def test_late_worker_is_arrival_not_node_time(tmp_path):
     assert d.total_ns == 603 and "thread arrival" in dag.to_dot(d)
     th = {t.tid: t for t in stats.compute(p).threads}
     assert (th[1].arrival_ns, th[2].arrival_ns) == (0, 500)
-    v = {x.scope: x for x in roofline.verdicts(p, roofline.Roofs(1.0, 1.0))}
+    v = {x.scope: x for x in cost.verdicts(p, Roofs(1.0, 1.0))}
     assert v["decode GET_ROWS"].time_ns == 10 and v["decode MUL_MAT"].time_ns == 93
     # timeline: a slice on the late thread's track only, skipped when read back
     path = tmp_path / "a.pftrace"
@@ -80,7 +82,7 @@ def first_node_shares(prof: Profile) -> tuple[dag.Dag, float, float, float]:
     d = dag.build(prof, "decode")
     op = d.nodes[0].op
     dag_share = sum(n.time_ns for n in d.nodes if n.op == op) / sum(n.time_ns for n in d.nodes)
-    decode = [v for v in roofline.verdicts(prof, roofline.Roofs(1.0, 1.0)) if v.scope.startswith("decode ")]
+    decode = [v for v in cost.verdicts(prof, Roofs(1.0, 1.0)) if v.scope.startswith("decode ")]
     roof_share = next(v.time_ns for v in decode if v.scope == f"decode {op}") / sum(v.time_ns for v in decode)
     op_share = next(o.share for o in stats.compute(prof).phases["decode"].ops if o.op == op)
     return d, dag_share, roof_share, op_share

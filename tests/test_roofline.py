@@ -9,7 +9,8 @@ from profinfer.core import calibrate, loadcheck
 from profinfer.core.loadcheck import UnreliableMeasurement
 from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
 from profinfer.engines.llamacpp.nodes import node_runs
-from profinfer.core.roofline import Roofs, judge, nbytes, node_cost
+from profinfer.core.roofline import Roofs
+from profinfer.engines.llamacpp.cost import judge, nbytes, node_cost
 
 
 def run(op, ne, srcs, dtype="f32", dur=1000):
@@ -103,7 +104,7 @@ def test_decode_matmul_memory_bound_prefill_not(llama_build, big_model, llama_en
 
 def test_cross_check_with_llc_misses():
     """Where the PMU counts LLC load misses, each verdict carries the DRAM bandwidth they imply."""
-    from profinfer.core.roofline import verdicts
+    from profinfer.engines.llamacpp.cost import verdicts
     mm = dict(srcs=(0xA, 0xB), src_views=(0, 0), src_ne=((2048, 8192, 1, 1), (2048, 1, 1, 1)),
               src_dtypes=("f16", "f32"))
     ops = [OpSlice(1, 0, 0, 1_000_000, 1_000_000, "MUL_MAT", "x-0", (8192, 1, 1, 1), "f32", 0xC,

@@ -1,4 +1,4 @@
-"""Build profinfer's C microbenchmarks (profinfer/native/*.c) once, cached by content."""
+"""Build profinfer's C microbenchmarks (profinfer/core/native/*.c) once, cached by content."""
 from __future__ import annotations
 
 import hashlib

@@ -4,19 +4,11 @@ Pure logic, no I/O. Ops are turned into numpy arrays once (profiles can hold mil
 All times are nanoseconds.
 
 Definitions:
-- tokens: each token of a batch is a prompt (prefill) or a decode token (model.split_batch:
-  per sequence where the batch's sequences were read, else by the batch's size).
-- phase of a llama_decode call (TokenCall.phase): "prefill" (prompt tokens only), "decode"
+- tokens, sequences, TTFT and TPOT: see profinfer.core.sequences.
+- phase of a decode call (TokenCall.phase): "prefill" (prompt tokens only), "decode"
   (decode tokens only) or "mixed" (a server batching prompts and generations together). An op
-  belongs to the phase of the llama_decode call whose [start, end] contains its start; ops
+  belongs to the phase of the decode call whose [start, end] contains its start; ops
   outside every call fall into phase "other".
-- sequence: followed by its id where the batches' sequences were read, else the calls form one
-  stream. A prompt run of a sequence that has decoded, or starts at position 0 (where its id
-  is known), starts a new one; consecutive prompt runs are its prompt chain (chunked prompt).
-  Decode tokens before any prompt form a sequence without prefill (attached mid-generation).
-- TTFT = end of the call that completed the prompt chain - start of its first call.
-- TPOT = (end of the last decode call - end of the prefill chain) / decode tokens; for a
-  sequence without prefill the start of its first decode call stands for the prefill end.
 - graph_ns of a thread: sum of the durations (entry to return of the innermost graph-compute
   call) of the graphs it ran ops in, so (arrival_ns + op_ns + barrier_ns) / graph_ns is the
   share of its graph time the probes explain; planning and gaps are what is left. The
@@ -33,8 +25,14 @@ from statistics import median
 
 import numpy as np
 
-from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall, decoding_run
+from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
 from profinfer.core.opcolumns import as_columns
+from profinfer.core import sequences as _sequences
+
+# Sequences are their own module (the daemon tracks them too); named here for the importers
+# that know them from here.
+SequenceStats, SequenceTracker = _sequences.SequenceStats, _sequences.SequenceTracker
+sequences = _sequences.sequences
 
 PHASES = ("prefill", "decode", "mixed", "other")
 _OTHER = PHASES.index("other")
@@ -86,7 +84,7 @@ class PhaseStats:
     phase: str
     calls: int = 0
     tokens: int = 0
-    time_ns: int = 0      # sum of llama_decode durations
+    time_ns: int = 0      # sum of the decode calls' durations
     op_ns: int = 0
     barrier_ns: int = 0
     ops: list[OpStats] = field(default_factory=list)
@@ -94,29 +92,6 @@ class PhaseStats:
     @property
     def tokens_per_s(self) -> float | None:
         return self.tokens / (self.time_ns / 1e9) if self.time_ns else None
-
-
-@dataclass(slots=True)
-class SequenceStats:
-    start_ns: int
-    seq: int | None = None        # the engine's sequence id, where batches were read
-    prefill_calls: int = 0
-    prefill_tokens: int = 0
-    prefill_end_ns: int | None = None
-    decode_calls: int = 0
-    decode_tokens: int = 0
-    end_ns: int | None = None     # end of the last decode call
-
-    @property
-    def ttft_ns(self) -> int | None:
-        return None if self.prefill_end_ns is None else self.prefill_end_ns - self.start_ns
-
-    @property
-    def tpot_ns(self) -> float | None:
-        if not self.decode_tokens or self.end_ns is None:
-            return None
-        anchor = self.prefill_end_ns if self.prefill_end_ns is not None else self.start_ns
-        return (self.end_ns - anchor) / self.decode_tokens
 
 
 @dataclass(slots=True)
@@ -199,65 +174,6 @@ def op_table(durs: np.ndarray, codes: np.ndarray, names: list[str]) -> list[OpSt
                             total / grand if grand else 0.0))
     rows.sort(key=lambda r: (-r.total_ns, r.op))
     return rows
-
-
-def _token_runs(t: TokenCall):
-    """(sequence key, first position or None, tokens, decoding) for each run of a call."""
-    if not t.runs:
-        yield None, None, t.n_tokens, not t.prefill
-        return
-    for seq, pos0, n in t.runs:
-        yield seq, pos0, n, decoding_run(pos0, n)
-
-
-class SequenceTracker:
-    """Each sequence's prompt and generation, from decode calls fed in start order. feed()
-    also says what each call showed: the time to first token of a sequence whose generation
-    it began, and the time per output token of each sequence it continued. With keep=False
-    (a daemon watching for days) a sequence is forgotten once a new prompt replaces it."""
-
-    def __init__(self, keep: bool = True):
-        self.keep = keep
-        self.seqs: list[SequenceStats] = []
-        self.current: dict[int | None, SequenceStats] = {}
-
-    def feed(self, t: TokenCall) -> tuple[list[int], list[tuple[float, int]]]:
-        """(TTFTs in ns, (ns per output token, tokens) per continued sequence) of this call."""
-        ttfts, tpots = [], []
-        for key, pos0, n, decoding in _token_runs(t):
-            if n <= 0:          # an empty batch (llama_decode refuses it): no tokens
-                continue
-            cur = self.current.get(key)
-            if decoding:
-                if cur is None:
-                    cur = self.current[key] = self._new(t.start_ns, key)
-                if not cur.decode_calls and cur.ttft_ns is not None:
-                    ttfts.append(cur.ttft_ns)
-                anchor = cur.end_ns or cur.prefill_end_ns or t.start_ns
-                tpots.append(((t.end_ns - anchor) / n, n))
-                cur.decode_calls += 1
-                cur.decode_tokens += n
-                cur.end_ns = t.end_ns
-                continue
-            if cur is None or cur.decode_calls or (pos0 == 0 and cur.prefill_calls):
-                cur = self.current[key] = self._new(t.start_ns, key)   # a new prompt
-            cur.prefill_calls += 1
-            cur.prefill_tokens += n
-            cur.prefill_end_ns = t.end_ns
-        return ttfts, tpots
-
-    def _new(self, start_ns: int, key) -> SequenceStats:
-        s = SequenceStats(start_ns, key)
-        if self.keep:
-            self.seqs.append(s)
-        return s
-
-
-def sequences(tokens: list[TokenCall]) -> list[SequenceStats]:
-    tracker = SequenceTracker()
-    for t in sorted(tokens, key=lambda t: (t.start_ns, t.tid)):
-        tracker.feed(t)
-    return tracker.seqs
 
 
 def op_phases(arr: OpArrays, tokens: list[TokenCall]) -> np.ndarray:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from profinfer.core.errors import ProfinferError
 from profinfer.core.model import Profile
 from profinfer.engines.llamacpp.nodes import NodeRun, node_runs, phase_of
-from profinfer.core.roofline import Roofs, judge
+from profinfer.core.roofline import Roofs
+from profinfer.engines.llamacpp.cost import judge
 from profinfer.core.stats import graph_arrivals
 
 _LAYER = re.compile(r"^(.*)-(\d+)$")

@@ -2,4 +2,4 @@
 from profinfer.core.registry import Engine
 
 PLUGIN = Engine("vllm", __name__, title="vLLM", capabilities=frozenset({"steps_by_process"}),
-                timeline="timeline")
+                timeline="timeline", report="report", commands="commands")

@@ -5,11 +5,9 @@ from rich.console import Console
 from rich.table import Table
 
 from profinfer.engines.llamacpp.dag import ARRIVAL_LABEL, Dag
-from profinfer.viewers.terminal import report_console
 
 
-def render(dag: Dag, console: Console | None = None, top: int = 40) -> None:
-    console = console or report_console()
+def render(dag: Dag, console: Console, top: int = 40) -> None:
     total = dag.total_ns or 1
     console.print(f"{dag.phase} graph: {dag.nodes_per_graph} nodes, {dag.edges_per_graph} edges; "
                   f"{dag.graphs} computes merged"

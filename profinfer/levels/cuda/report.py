@@ -1,19 +1,27 @@
-"""Terminal report of the cuda level: top kernels (and the ops that launched them), copies
-by kind, syncs (where the host waited), graph launches, allocations and what was never freed."""
+"""The cuda level's sections of the summary and the report: top kernels (and the ops that
+launched them), copies by kind, syncs (where the host waited), graph launches, allocations
+and what was never freed; and what its probes cost. They come before the engine's view, and
+stand alone for a CUDA program that is no known engine."""
 from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
 
-from profinfer.levels.cuda import stats as cudastats
+from profinfer.core import recorded_calibration
 from profinfer.core.model import Profile
-from profinfer.viewers.optable import _ms
+from profinfer.core.sections import ReportSection, SummarySection
+from profinfer.core.tables import ms
+from profinfer.levels.cuda import stats as cudastats
 
 TOP_KERNELS = 15
 
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):,.3f}"
+
+
+def holds(profile: Profile) -> bool:
+    return bool(profile.cuda_calls)
 
 
 def render(profile: Profile, console: Console) -> dict:
@@ -35,17 +43,17 @@ def render(profile: Profile, console: Console) -> dict:
         for col in ("kind", "calls", "MiB", "host ms"):
             t.add_column(col, justify="left" if col == "kind" else "right")
         for kind, c in sorted(s["copies"].items()):
-            t.add_row(kind, f"{c['calls']:,}", _mib(c["bytes"]), _ms(c["host_ns"]))
+            t.add_row(kind, f"{c['calls']:,}", _mib(c["bytes"]), ms(c["host_ns"]))
         console.print(t)
     if s["syncs"] or any("sync_ns" in v for v in s["per_op"].values()):
         t = Table(title="Where the host waited for the GPU (syncs)", title_justify="left")
         for col in ("call", "calls", "blocked ms", "max ms"):
             t.add_column(col, justify="left" if col == "call" else "right")
         for api, c in sorted(s["syncs"].items()):
-            t.add_row(api, f"{c['calls']:,}", _ms(c["blocked_ns"]), _ms(c["max_ns"]))
+            t.add_row(api, f"{c['calls']:,}", ms(c["blocked_ns"]), ms(c["max_ns"]))
         for op, v in sorted(s["per_op"].items()):
             if v.get("syncs"):
-                t.add_row(f"  in {op}", f"{v['syncs']:,}", _ms(v.get("sync_ns", 0)), "")
+                t.add_row(f"  in {op}", f"{v['syncs']:,}", ms(v.get("sync_ns", 0)), "")
         console.print(t)
     m = s["memory"]
     console.print(f"CUDA memory: {m['allocations']:,} allocations ({_mib(m['allocated_bytes'])} MiB), "
@@ -64,7 +72,6 @@ def render(profile: Profile, console: Console) -> dict:
 def cuda_cost(profile: Profile) -> dict | None:
     """What the cuda level's probes cost per call: the kernel-counted BPF time per run plus
     the traps (the calibrated cost of each probe hit), from the recording's cuda_cost meta."""
-    from profinfer.core import recorded_calibration
     meta = profile.meta
     if "cuda_cost:bpf_ns" not in meta:
         return None
@@ -98,3 +105,21 @@ def cuda_cost_line(profile: Profile) -> str:
           if calls_per_step else f"at 1,000 launches per token: {per * 1e3 / 1e6:.2f} ms per token")
     return (f"profiler cost: {c['calls']:,} CUDA calls, {per / 1e3:.2f} µs added per call "
             f"(traps + BPF, calibrated); {at}")
+
+
+def _keys(profile: Profile) -> dict:
+    if not profile.cuda_calls:
+        return {}
+    out = cudastats.summary(profile.cuda_calls, len(profile.steps) or len(profile.tokens))
+    out["profiler_cost"] = cuda_cost(profile)
+    return {"cuda": out}
+
+
+def _print(profile: Profile, console: Console) -> None:
+    if profile.cuda_calls:
+        render(profile, console)
+        console.print(cuda_cost_line(profile))
+
+
+SUMMARY = (SummarySection(60, _keys),)
+REPORT = (ReportSection(-10, _print, alone=True),)

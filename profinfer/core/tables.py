@@ -1,0 +1,103 @@
+"""Number formats, tables and lines that more than one report section prints (rich)."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from profinfer.core import recorded_calibration, selfcost
+from profinfer.core.model import Profile
+from profinfer.core.roofline import Roofs, Verdict
+from profinfer.core.stats import OpStats
+
+
+def ms(ns: float | None) -> str:
+    return "-" if ns is None else f"{ns / 1e6:,.3f}"
+
+
+def us(ns: float | None) -> str:
+    return "-" if ns is None else f"{ns / 1e3:,.1f}"
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def count(v: float) -> str:
+    """A large count, short: 1.23G, 4.56M, 7.89k."""
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(v) >= div:
+            return f"{v / div:,.2f}{unit}"
+    return f"{v:,.0f}"
+
+
+def op_table(ops: list[OpStats], title: str = "Operators (all threads)") -> Table:
+    t = Table(title=title, title_justify="left")
+    t.add_column("op")
+    for col in ("count", "total ms", "mean µs", "p50 µs", "p99 µs", "share %"):
+        t.add_column(col, justify="right")
+    for o in ops:
+        t.add_row(o.op, f"{o.count:,}", ms(o.total_ns), us(o.mean_ns), us(o.p50_ns),
+                  us(o.p99_ns), pct(o.share))
+    return t
+
+
+def roofline_table(vs: list[Verdict], roofs: Roofs) -> Table:
+    t = Table(title=f"Roofline (roofs: {roofs.peak_gbps:,.1f} GB/s read, {roofs.peak_gflops:,.1f} "
+              f"GFLOP/s f32 FMA; ridge {roofs.ridge:,.1f} FLOP/B)", title_justify="left")
+    t.add_column("phase op")
+    for col in ("nodes", "time ms", "GFLOP/s", "GB/s", "FLOP/B"):
+        t.add_column(col, justify="right")
+    t.add_column("verdict")
+    t.add_column("% of roof", justify="right")
+    measured = any(v.measured_gbps is not None for v in vs)
+    if measured:     # cross-check: DRAM reads the PMU saw (LLC load misses)
+        t.add_column("GB/s (LLC misses)", justify="right")
+    for v in vs:
+        extra = ([f"{v.measured_gbps:,.2f}" if v.measured_gbps is not None else "-"] if measured else [])
+        t.add_row(v.scope, f"{v.nodes:,}", ms(v.time_ns), f"{v.gflops:,.2f}", f"{v.gbps:,.2f}",
+                  f"{v.intensity:,.2f}", v.bound + ("" if v.bound == "neither" else "-bound"),
+                  f"{100 * v.roof_share:.0f}", *extra)
+    return t
+
+
+def roofline_origin(judged: recorded_calibration.Judged) -> str:
+    """Whose roofs the verdicts were judged against (yellow when not the recording's own)."""
+    return f"roofline: {judged.origin}" if judged.stored else f"[yellow]roofline: {judged.origin}[/]"
+
+
+def cost_line(c: selfcost.SelfCost) -> str:
+    """What profiling cost: probe hits and BPF time in the target, the collector's CPU."""
+    hits = sum(c.hits.values())
+    bpf = f"BPF {c.bpf_ns / max(c.bpf_runs, 1):,.0f} ns/run"
+    if c.trap_ns is None:
+        probes = f"{hits:,} probe hits ({bpf}; trap cost not measured: run `profinfer calibrate`)"
+    else:
+        share = c.in_target_share
+        probes = (f"{hits:,} probe hits x {c.trap_ns / max(hits, 1) / 1e3:.2f} µs trap + {bpf}"
+                  + ("" if share is None else f" = {share:.2%} of the target's CPU time"))
+    coll = c.collector_share
+    slowdown = c.slowdown
+    stated = "" if slowdown is None else (
+        f"; time added {slowdown:.2%}"
+        + ("" if c.trap_in_situ_ns is None else f" (traps at {c.trap_in_situ_ns / 1e3:.2f} µs, as the recording shows them")
+        + ("" if c.trap_in_situ_ns is None else
+           (f", collector x{c.collector_factor:.2f} in the threads' time)" if c.collector_critical
+            else ")")))
+    return ("profiler cost: " + probes
+            + ("" if coll is None else f"; collector {coll:.2%}") + stated)
+
+
+def print_cost(profile: Profile, console: Console, say_origin: bool = True) -> None:
+    """The profiler-cost line, and (say_origin) whose trap costs it used when not the
+    recording's own."""
+    trap = recorded_calibration.trap_costs(profile)
+    cost = selfcost.compute(profile, trap.value)
+    if cost:
+        console.print(cost_line(cost))
+        if say_origin and not trap.stored and trap.value is not None:
+            console.print(f"[yellow]profiler cost: {trap.origin}[/]")
+
+
+def print_lost(profile: Profile, console: Console) -> None:
+    if profile.lost_events:
+        console.print(f"[yellow]warning: {profile.lost_events:,} events were lost; totals are lower bounds[/]")
