@@ -25,7 +25,7 @@ from statistics import median
 
 import numpy as np
 
-from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.core.model import GraphCall, OpSlice, Profile, Step, TokenCall
 from profinfer.core.opcolumns import as_columns
 from profinfer.core import sequences as _sequences
 
@@ -324,3 +324,11 @@ def compute(profile: Profile) -> ProfileStats:
         prefill_tokens=sum(t.prefill_tokens for t in profile.tokens),
         decode_tokens=sum(t.decode_tokens for t in profile.tokens),
     )
+
+
+def steps_by_number(profile: Profile) -> dict[tuple[int, int, int], Step]:
+    """(process, thread, the thread's step number its calls carry) -> the step: each step
+    is found by its step op's call, which starts it."""
+    starts = {(st.pid, st.tid, st.start_ns): st for st in profile.steps}
+    return {(c.pid, c.tid, c.step): starts[(c.pid, c.tid, c.start_ns)]
+            for c in profile.calls if (c.pid, c.tid, c.start_ns) in starts}

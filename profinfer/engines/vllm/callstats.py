@@ -44,14 +44,6 @@ class CallProfileStats:
     steps_per_s: float | None = None
 
 
-def steps_by_number(profile: Profile) -> dict[tuple[int, int, int], Step]:
-    """(process, thread, the thread's step number its calls carry) -> the step: each step
-    is found by its step op's call, which starts it."""
-    starts = {(st.pid, st.tid, st.start_ns): st for st in profile.steps}
-    return {(c.pid, c.tid, c.step): starts[(c.pid, c.tid, c.start_ns)]
-            for c in profile.calls if (c.pid, c.tid, c.start_ns) in starts}
-
-
 def signature(call: OpCall) -> tuple[tuple[str, str, tuple[int, ...] | None], ...]:
     return tuple((a.name, a.dtype, a.shape) for a in call.args)
 

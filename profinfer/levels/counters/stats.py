@@ -12,7 +12,7 @@ import numpy as np
 
 from profinfer.core.model import Profile
 from profinfer.core.opcolumns import as_columns
-from profinfer.engines.vllm.callstats import steps_by_number
+from profinfer.core.stats import steps_by_number
 from profinfer.core.stats import PHASES, op_arrays, op_phases
 
 _ALIASES = {"cpu-cycles": "cycles", "branch-instructions": "branches"}
