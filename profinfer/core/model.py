@@ -222,3 +222,17 @@ class Profile:
     # records of a plugin's own types that have no field above, by the name its timeline
     # kinds give them (SliceKind.field): a new record type needs no field here
     records: dict[str, list] = field(default_factory=dict)
+
+    _RECORD_LISTS = ("tokens", "graphs", "calls", "steps", "cuda_calls", "switches", "wakeups")
+
+    def absorb(self, level: "Profile") -> None:
+        """Add a level's profile of the same process to this one: its records, its lost
+        events, and the metadata and thread names this one lacks."""
+        for name in self._RECORD_LISTS:
+            getattr(self, name).extend(getattr(level, name))
+        for name, records in level.records.items():
+            self.records.setdefault(name, []).extend(records)
+        self.lost_events += level.lost_events
+        self.meta.update((k, v) for k, v in level.meta.items() if k not in self.meta)
+        for tid, name in level.thread_names.items():
+            self.thread_names.setdefault(tid, name)

@@ -145,11 +145,7 @@ class CollectorGroup:
         level_profiles = [m.finish() for m in levels]
         prof = engine.finish()
         for lp in level_profiles:
-            prof.cuda_calls.extend(lp.cuda_calls)
-            prof.lost_events += lp.lost_events
-            prof.meta.update((k, v) for k, v in lp.meta.items() if k not in prof.meta)
-            for tid, name in lp.thread_names.items():
-                prof.thread_names.setdefault(tid, name)
+            prof.absorb(lp)
         return prof
 
     def detach(self) -> None:
