@@ -264,6 +264,17 @@ class Collector:
                 "cpus_online": str(discovery.cpus_of(self.pid)),
                 "attach_s": f"{self.attach_s:.3f}"}
 
+    @staticmethod
+    def _build_id_meta(elfs) -> dict[str, str]:
+        """build_id:<file> of each probed file (a file reached through map_files: its path)."""
+        return {f"build_id:{os.path.basename(e.path) if '/map_files/' not in e.path else e.path}":
+                e.build_id for e in elfs}
+
+    @staticmethod
+    def _cost_meta(cost: dict[str, int], prefix: str = "cost:") -> dict[str, str]:
+        """The programs' cost (program_costs, with the hits) as metadata."""
+        return {f"{prefix}{k}": str(v) for k, v in cost.items()}
+
     # ---- detach ----
 
     def detach(self) -> None:

@@ -154,16 +154,22 @@ class FileMapping:
     path: str        # as the process sees it, " (deleted)" dropped
     deleted: bool
 
+    @property
+    def span(self) -> str:
+        """The address range as /proc/PID/maps writes it."""
+        return f"{self.start:08x}-{self.end:08x}"
 
-def file_mappings(pid: int) -> list[FileMapping]:
-    """The process's mappings of files, as /proc/PID/maps shows them; [] once it has gone."""
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
+
+def read_maps(pid: int) -> str:
+    """The text of /proc/PID/maps (the one place it is read); OSError as open raises it."""
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def parse_maps(text: str) -> list[FileMapping]:
+    """The mappings of files in a /proc/PID/maps text, in its order."""
     out = []
-    for line in lines:
+    for line in text.splitlines():
         parts = line.split(None, 5)
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue
@@ -173,6 +179,14 @@ def file_mappings(pid: int) -> list[FileMapping]:
         out.append(FileMapping(start, end, parts[1], int(parts[2], 16), os.makedev(major, minor),
                                int(parts[4]), path, path != parts[5]))
     return out
+
+
+def file_mappings(pid: int) -> list[FileMapping]:
+    """The process's mappings of files, as /proc/PID/maps shows them; [] once it has gone."""
+    try:
+        return parse_maps(read_maps(pid))
+    except OSError:
+        return []
 
 
 def mapped_identities(pid: int) -> set[tuple[int, int]]:

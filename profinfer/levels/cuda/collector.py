@@ -363,7 +363,7 @@ class CudaCollector(Collector):
             # driver launches the runtime made: trapped, then skipped in BPF (emulated or not,
             # as the driver's probes are placed: counted as single-stepped, the dearer)
             cost["hits_stepped"] += tallies.get("nested", 0)
-            meta.update((f"cuda_cost:{k}", str(v)) for k, v in cost.items())
+            meta.update(self._cost_meta(cost, "cuda_cost:"))
         return meta
 
 
