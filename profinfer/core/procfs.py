@@ -25,7 +25,7 @@ only if it is the file the probe's offsets were read from. For a
 path inside a target's root the file must also be one the process maps, by (device, inode)
 as /proc/PID/maps shows them.
 
-Permissions (measured, Linux 6.18): opening /proc/PID/root of a process whose capabilities
+Permissions (bench/results.md): opening /proc/PID/root of a process whose capabilities
 are not a subset of ours, or of another user, needs CAP_SYS_PTRACE (the magic link's ptrace
 check); /proc/PID/map_files needs CAP_CHECKPOINT_RESTORE (or CAP_SYS_ADMIN) as well.
 """
@@ -187,6 +187,16 @@ def file_mappings(pid: int) -> list[FileMapping]:
         return parse_maps(read_maps(pid))
     except OSError:
         return []
+
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (the state first: index 0 is the
+    man page's field 3); None when unreadable. pid may be "PID/task/TID": a thread's."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def mapped_identities(pid: int) -> set[tuple[int, int]]:
