@@ -4,7 +4,7 @@ BPF kept), name their kernels, and make them the profile's cuda_calls.
 
 It runs beside an engine's collector (sharing the per-thread open spans the engine's
 programs keep, so each call carries the engine's step and op), or alone for a program that
-is no known engine. Its interface is the one the session drives for every engine.
+is no known engine. It is a collector like the engines' (core/collector.py).
 """
 from __future__ import annotations
 
