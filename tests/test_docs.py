@@ -44,3 +44,39 @@ def test_relative_links_resolve():
 
 def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+def _readme_commands() -> list[list[str]]:
+    """Each `profinfer ...` line of README.md's code blocks (its trailing # comment cut), and
+    each inline `profinfer ...` span of its text."""
+    import shlex
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```\n(.*?)```", text, flags=re.S)
+    lines = [ln.split(" # ")[0].strip() for b in blocks for ln in b.splitlines()]
+    lines += re.findall(r"`(profinfer [^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S).replace("\n", " "))
+    out = []
+    for ln in lines:
+        for part in ln.split("&&"):
+            words = shlex.split(part)
+            if words and words[0].endswith("profinfer"):
+                out.append(words[1:])
+    return out
+
+
+def test_readme_commands_parse():
+    """Every profinfer command README.md prints names a command of the CLI and only options
+    that command has (what follows `--` is the profiled command's own)."""
+    from profinfer.cli import cli
+    commands = _readme_commands()
+    assert len(commands) >= 10, commands
+    bad = []
+    for words in commands:
+        cmd = cli.commands.get(words[0])
+        if cmd is None:
+            bad.append(f"profinfer {words[0]}: no such command")
+            continue
+        known = {o for p in cmd.params for o in getattr(p, "opts", [])} | {"-h", "--help"}
+        own = words[1:words.index("--")] if "--" in words else words[1:]
+        bad += [f"profinfer {' '.join(words)}: no option {w}" for w in own
+                if w.startswith("-") and w.split("=")[0] not in known]
+    assert not bad, "\n".join(bad)

@@ -443,3 +443,82 @@ def test_recording_without_events_is_written(tmp_path):
     out = tmp_path / "empty.pftrace"
     write_perfetto(p, out)
     assert read_trace(out).tokens == []
+
+
+# --------------------------------------------------------------------------- a plugin's own track
+
+BEEP_PLUGIN = '''from profinfer.core.registry import Level
+
+PLUGIN = Level("beeplevel", __name__, timeline="timeline")
+'''
+BEEP_TIMELINE = '''from dataclasses import dataclass
+
+from profinfer.core.timeline import INT, LEVEL_RUNTIME, STR, SliceKind, Timeline
+
+
+@dataclass
+class Beep:
+    tid: int
+    start_ns: int
+    end_ns: int
+    pitch: int
+    tone: str
+
+
+class BeepKind(SliceKind):
+    category, field = "beep", "beeps"
+
+    def begin(self, obj):
+        return "beep", obj.tone, (("pitch", INT, obj.pitch),)
+
+    def read(self, reader, seq, start, ts, tid, name, begin_args, end_args):
+        return Beep(tid, start, end_args.get("end_ns", ts), begin_args["pitch"], name)
+
+
+class BeepTimeline(Timeline):
+    kinds = (BeepKind(),)
+
+    def slices(self, profile):
+        for b in profile.records.get("beeps", []):
+            yield self.kinds[0], b, LEVEL_RUNTIME
+
+
+TIMELINE = BeepTimeline()
+'''
+
+
+def test_a_plugins_own_record_type_is_written_and_read_back(tmp_path, monkeypatch):
+    """A level kept outside the tree, with a record type of its own, puts its slices in the
+    trace and reads them back through its timeline module alone: no exporter, reader or
+    model file names it. Without the plugin, the same trace is refused."""
+    pkg = tmp_path / "plugins" / "beeplevel"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(BEEP_PLUGIN)
+    (pkg / "timeline.py").write_text(BEEP_TIMELINE)
+    monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
+    monkeypatch.setenv("PROFINFER_PLUGINS", "beeplevel")
+    from beeplevel.timeline import Beep
+
+    p = synth(n_tokens=3)
+    op = next(o for o in p.ops if o.dur_ns > 10)
+    cut = Beep(op.tid, op.start_ns, op.end_ns, 440, "la")          # cut short by the next one
+    inside = Beep(op.tid, op.start_ns + 1, op.start_ns + 5, 220, "low")
+    alone = Beep(4242, 10, 20, 1, "idle")                           # a thread with no op
+    p.records["beeps"] = [alone, cut, inside]
+    path = tmp_path / "b.pftrace"
+    write_perfetto(p, path)
+    seen = check_trace_structure(path)
+    beeps = [s for s in seen["slices"] if s["cat"] == "beep"]
+    assert sorted((s["name"], s["args"]["pitch"]) for s in beeps) == [("idle", 1), ("la", 440), ("low", 220)]
+    assert all(s["depth"] == 3 for s in beeps if s["name"] != "idle")   # under token > graph > op
+    assert next(s for s in beeps if s["name"] == "la")["dur"] == 1
+    assert read_trace(path) == p
+
+    chrome = tmp_path / "b.json"
+    write_chrome_json(p, chrome)
+    events = [e for e in json.loads(chrome.read_text())["traceEvents"] if e.get("cat") == "beep"]
+    assert sorted(e["name"] for e in events) == ["idle", "la", "low"]
+
+    monkeypatch.delenv("PROFINFER_PLUGINS")
+    with pytest.raises(TraceFormatError, match="unknown slice category 'beep'"):
+        read_trace(path)

@@ -16,6 +16,8 @@ from profinfer.core import parsing, procfs
 from profinfer.core.buildcache import cache_dir, load_trusted_json, writable_dir
 from profinfer.core.errors import ProfinferError
 
+parsing.preload(__name__)
+
 MAX_DWARF_BYTES = 256 << 20     # its .debug_* sections together (llama.cpp's largest: ~60 MiB)
 
 

@@ -24,6 +24,8 @@ from profinfer.core.errors import ProfinferError
 from profinfer.core.parsing import NotReady
 from profinfer.core.arch.callsites import direct_calls
 
+parsing.preload(__name__)
+
 # glibc's loader calls this empty function after each change of its library list (mapped,
 # not yet relocated, constructors not yet run): the debuggers' r_debug breakpoint.
 LOADER_HOOK = "_dl_debug_state"

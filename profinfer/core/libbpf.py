@@ -14,7 +14,7 @@ import platform
 import struct
 
 from profinfer.core import kernel, procfs
-from profinfer.core.perfevents import PERF_TYPE_SOFTWARE, PerfEventAttr
+from profinfer.core.perf_event_open import PERF_TYPE_SOFTWARE, PerfEventAttr
 from profinfer.core.errors import ProfinferError
 
 _vp = ctypes.c_void_p

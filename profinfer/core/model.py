@@ -125,30 +125,6 @@ class OpSlice:
         return self.barrier_end_ns - self.end_ns
 
 
-@dataclass(slots=True)
-class SchedSwitch:
-    """A context switch on `cpu` in which a thread of the target left or took the CPU."""
-    ts_ns: int
-    cpu: int
-    prev_tid: int
-    prev_comm: str
-    prev_state: int      # 0: still runnable (preempted); else sleeping/blocked (TASK_* bits)
-    next_tid: int
-    next_comm: str
-    prev_pid: int = 0    # the target's pid when prev is one of its threads, else 0
-    next_pid: int = 0    # likewise for next
-
-
-@dataclass(slots=True)
-class SchedWakeup:
-    """A thread of the target made runnable by the `waker_tid` task (running on `cpu`)."""
-    ts_ns: int
-    cpu: int
-    tid: int
-    comm: str
-    waker_tid: int
-
-
 @dataclass(frozen=True, slots=True)
 class TensorArg:
     """A tensor argument of a native op call, as it was at the call's entry."""
@@ -219,40 +195,6 @@ class Step:
         return "mixed" if self.decode_seqs else "prefill"
 
 
-@dataclass(slots=True)
-class CudaCall:
-    """One CUDA runtime or driver call (the cuda level); without a timeline, a group of
-    identical ones that BPF counted (count > 1, total_ns their host time, no start)."""
-    pid: int
-    tid: int                   # 0 in a group (BPF counts per process)
-    api: str                   # the function called (cudaLaunchKernel, cuLaunchKernel, ...)
-    what: str                  # launch, graph, copy, set, memory, sync, registration
-    start_ns: int = 0
-    end_ns: int = 0            # 0: probed at entry only (launches)
-    count: int = 1
-    total_ns: int = 0          # host time in the call(s), where probed at return
-    kernel: str = ""           # launches: the kernel's name (demangled)
-    grid: tuple[int, int, int] = (0, 0, 0)
-    block: tuple[int, int, int] = (0, 0, 0)
-    shmem: int = 0
-    stream: int = 0
-    bytes: int = 0             # copied, set, or asked to allocate
-    copy_kind: str = ""        # H2H, H2D, D2H, D2D, Default (unresolved), or device/host memory
-    ptr: int = 0               # allocated or freed pointer; copy destination; graph exec made
-    handle: int = 0            # graph exec launched, stream or event waited on
-    ret: int = 0               # the call's result (0: success or not read)
-    caller: str = ""           # the call site (function+offset), for allocations
-    captured: bool = False     # a launch recorded into a graph being captured, not run
-    step: int = 0              # the engine's step open on the thread (0: none)
-    op: str = ""               # the engine's op open on the thread ("": none)
-    engine: str = ""
-    max_ns: int = 0            # the longest of a group's calls (one call: its own time)
-
-    @property
-    def dur_ns(self) -> int:
-        return self.end_ns - self.start_ns if self.end_ns else 0
-
-
 @dataclass
 class Profile:
     pid: int
@@ -265,9 +207,11 @@ class Profile:
     # engines whose ops are functions (vLLM): each call, and the engine's steps
     calls: list[OpCall] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
-    cuda_calls: list[CudaCall] = field(default_factory=list)
-    switches: list[SchedSwitch] = field(default_factory=list)
-    wakeups: list[SchedWakeup] = field(default_factory=list)
+    # the levels' records: CUDA calls (levels/cuda/records.py), context switches and wakeups
+    # (levels/sched/records.py)
+    cuda_calls: list = field(default_factory=list)
+    switches: list = field(default_factory=list)
+    wakeups: list = field(default_factory=list)
     lost_events: int = 0
     counter_names: list[str] = field(default_factory=list)
     # ops whose counter deltas were dropped, by reason ("migrated": the thread changed CPU
@@ -275,3 +219,6 @@ class Profile:
     counter_dropped: dict[str, int] = field(default_factory=dict)
     # engine, library paths and build ids, model path, levels, profinfer version, ...
     meta: dict[str, str] = field(default_factory=dict)
+    # records of a plugin's own types that have no field above, by the name its timeline
+    # kinds give them (SliceKind.field): a new record type needs no field here
+    records: dict[str, list] = field(default_factory=dict)

@@ -17,7 +17,7 @@ def cache_dir() -> str:
 
 def build(source: str, flags: list[str]) -> str:
     """Path of the binary built from native/`source` with `flags` (gcc)."""
-    src = resources.files("profinfer").joinpath(f"native/{source}")
+    src = resources.files("profinfer.core").joinpath(f"native/{source}")
     digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
     binary = f"{os.path.splitext(source)[0]}-{digest}"
     out = os.path.join(cache_dir(), "bin", binary)

@@ -27,6 +27,7 @@ import sys
 import time
 from collections import OrderedDict, deque
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from profinfer.core.errors import ProfinferError
 
@@ -61,9 +62,10 @@ class _Worker:
         mine, theirs = socket.socketpair()
         # -I: no PYTHONPATH, no user site, not the current directory; the package's own
         # directory named instead, so the worker runs the daemon's code; no environment
-        package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        package_dir = str(Path(__file__).resolve().parents[2])     # holds profinfer/
         code = (f"import sys; sys.path.insert(0, {package_dir!r}); "
-                f"from profinfer.core.parsing import serve; serve({theirs.fileno()}, {self.memory_bytes})")
+                f"from profinfer.core.parsing import serve; "
+                f"serve({theirs.fileno()}, {self.memory_bytes}, {sorted(_PRELOADED)!r})")
         self.proc = subprocess.Popen([sys.executable, "-I", "-c", code], pass_fds=[theirs.fileno()],
                                      cwd="/", env={}, stdin=subprocess.DEVNULL, close_fds=True)
         theirs.close()
@@ -169,6 +171,15 @@ class _Worker:
 _worker: _Worker | None = None
 
 
+_PRELOADED: set[str] = set()
+
+
+def preload(module: str) -> None:
+    """Declare a module whose readings the worker runs often: the worker imports it before its
+    address space is limited, as it does numpy, pyelftools and capstone."""
+    _PRELOADED.add(module)
+
+
 def start(wait_s: float = WAIT_S, deadline_s: float = DEADLINE_S, memory_bytes: int = MEMORY_BYTES) -> None:
     """Readings from now on run in a worker process (the daemon); it is started at once
     (a failed start is tried again at the first reading)."""
@@ -205,13 +216,14 @@ def run(key, module: str, function: str, *args):
     return _worker.run(key, module, function, args)
 
 
-def serve(fd: int, memory_bytes: int) -> None:
+def serve(fd: int, memory_bytes: int, modules: list[str]) -> None:
     """The worker: readings in, results out, until the daemon closes its end."""
     conn = Connection(fd)
     import numpy  # noqa: F401  (what the readings import, before the limit is set)
     import elftools.elf.elffile  # noqa: F401
     import capstone  # noqa: F401
-    from profinfer.core import dwarf, follow, symbols  # noqa: F401
+    for module in modules:
+        importlib.import_module(module)
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
     resource.setrlimit(resource.RLIMIT_AS, (vm + memory_bytes, vm + memory_bytes))

@@ -9,17 +9,16 @@ stands in, and the notice says so.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import re
 from dataclasses import dataclass
 
+from profinfer.core import libbpf
 from profinfer.core.errors import ProfinferError
+from profinfer.core.perf_event_open import (PERF_TYPE_HARDWARE, PERF_TYPE_HW_CACHE, PERF_TYPE_RAW,
+                                            PERF_TYPE_SOFTWARE, PerfEventAttr, perf_event_open)
 
-PERF_TYPE_HARDWARE, PERF_TYPE_SOFTWARE, PERF_TYPE_HW_CACHE, PERF_TYPE_RAW = 0, 1, 3, 4
-_SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
-_PERF_FLAG_FD_CLOEXEC = 8
 
 HARDWARE = {"cycles": 0, "cpu-cycles": 0, "instructions": 1, "cache-references": 2,
             "cache-misses": 3, "branch-instructions": 4, "branches": 4, "branch-misses": 5,
@@ -65,32 +64,6 @@ def parse(name: str) -> Counter:
                          "event such as r01a3")
 
 
-class PerfEventAttr(ctypes.Structure):
-    """struct perf_event_attr, as far as profinfer sets it (the rest stays zero). Also used
-    by libbpf.PerfBuffer for its BPF-output events."""
-    _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
-                ("sample_period", ctypes.c_uint64), ("sample_type", ctypes.c_uint64),
-                ("read_format", ctypes.c_uint64), ("flags", ctypes.c_uint64),
-                ("wakeup_events", ctypes.c_uint32), ("bp_type", ctypes.c_uint32),
-                # uprobe PMU: config1 = pointer to the file's path, config2 = file offset
-                ("config1", ctypes.c_uint64), ("config2", ctypes.c_uint64),
-                ("rest", ctypes.c_uint8 * 56)]
-
-    SIZE_VER5 = 112     # PERF_ATTR_SIZE_VER5: known to every kernel that has BPF
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def perf_event_open(attr: PerfEventAttr, pid: int, cpu: int) -> int:
-    """The perf_event_open syscall; returns the fd, or -errno."""
-    nr = _SYS_PERF_EVENT_OPEN.get(os.uname().machine)
-    if nr is None:
-        return -errno.ENOSYS
-    fd = _libc.syscall(nr, ctypes.byref(attr), pid, cpu, -1, _PERF_FLAG_FD_CLOEXEC)
-    return fd if fd >= 0 else -ctypes.get_errno()
-
-
 def _open(counter: Counter, cpu: int) -> int:
     """perf_event_open for every task on `cpu`; returns the fd, or -errno."""
     return perf_event_open(PerfEventAttr(counter.type, PerfEventAttr.SIZE_VER5, counter.config), -1, cpu)
@@ -119,7 +92,6 @@ class OpenCounters:
     def install(self, map_fd: int, n_cpus: int) -> None:
         """Put the counters' fds into a BPF program's `counters` map (counters.bpf.h):
         counter i of CPU c at i * n_cpus + c."""
-        from profinfer.core import libbpf      # here: libbpf imports this module
         for i, per_cpu in enumerate(self.fds):
             for cpu, event_fd in per_cpu.items():
                 libbpf.map_update(map_fd, (i * n_cpus + cpu).to_bytes(4, "little"),

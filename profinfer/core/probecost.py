@@ -22,7 +22,8 @@ import statistics
 import subprocess
 import time
 
-from profinfer.core import buildcache, perfevents as counters, loadcheck, nativebuild
+from profinfer.core import buildcache, loadcheck, nativebuild
+from profinfer.core.perf_event_open import PerfEventAttr, perf_event_open
 from profinfer.core.errors import ProfinferError
 from profinfer.core.loadcheck import UnreliableMeasurement
 from profinfer.core.symbols import load_elf
@@ -43,7 +44,7 @@ def _key() -> str:
     return f"{cpu_model()}|{platform.release()}"
 
 
-def _uprobe_attr(path: bytes, offset: int, retprobe: bool) -> tuple[counters.PerfEventAttr, ctypes.Array]:
+def _uprobe_attr(path: bytes, offset: int, retprobe: bool) -> tuple[PerfEventAttr, ctypes.Array]:
     try:
         with open(f"{UPROBE_PMU}/type") as f:
             pmu = int(f.read())
@@ -52,7 +53,7 @@ def _uprobe_attr(path: bytes, offset: int, retprobe: bool) -> tuple[counters.Per
     except (OSError, ValueError, IndexError):
         raise ProfinferError(f"this kernel has no uprobe PMU ({UPROBE_PMU})") from None
     buf = ctypes.create_string_buffer(path)
-    attr = counters.PerfEventAttr(pmu, counters.PerfEventAttr.SIZE_VER5,
+    attr = PerfEventAttr(pmu, PerfEventAttr.SIZE_VER5,
                                   (1 << ret_bit) if retprobe else 0)
     attr.config1, attr.config2 = ctypes.addressof(buf), offset
     return attr, buf          # the path buffer must live until the event is open
@@ -69,7 +70,7 @@ def _rounds(binary: str, function: str, offset: int, retprobe: bool) -> tuple[li
             fd = -1
             if r % 2:
                 attr, _buf = _uprobe_attr(binary.encode(), offset, retprobe)
-                fd = counters.perf_event_open(attr, proc.pid, -1)
+                fd = perf_event_open(attr, proc.pid, -1)
                 if fd < 0:
                     raise ProfinferError(f"cannot place a uprobe to measure its cost: "
                                          f"{os.strerror(-fd)}")

@@ -74,10 +74,15 @@ class Level(Plugin):
     kind = "level"
 
 
+@lru_cache(maxsize=1)
+def _installed() -> tuple[str, ...]:
+    """The entry points' plugins: read once, as scanning the installed distributions is slow."""
+    return tuple(ep.value for ep in sorted(metadata.entry_points(group=GROUP), key=lambda e: e.name))
+
+
 def _declared() -> list[str]:
-    names = [ep.value for ep in sorted(metadata.entry_points(group=GROUP), key=lambda e: e.name)]
     extra = [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
-    return list(dict.fromkeys(names + extra))
+    return list(dict.fromkeys(_installed() + tuple(extra)))
 
 
 def _load(spec: str) -> Plugin:

@@ -16,6 +16,8 @@ from elftools.elf.elffile import ELFFile
 from profinfer.core import parsing, procfs
 from profinfer.core.errors import ProfinferError
 
+parsing.preload(__name__)
+
 DEBUG_DIRS = ("/usr/lib/debug",)
 # What is read of a file a tenant may have made: a symbol table's or string table's section
 # header can claim any size (a sparse 50 GB file reads as zeros), a symbol any length.

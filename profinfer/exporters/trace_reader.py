@@ -1,35 +1,30 @@
 """Read a trace written by exporters.perfetto.write_perfetto back into a Profile.
 
-The result equals the written Profile with tokens, graphs and ops each sorted by
-(start_ns, tid) (stable). Only our own layout is understood (see exporters/perfetto.py);
-a file that is not one, is damaged or was cut short raises TraceFormatError.
+The result equals the written Profile with each kind of record sorted by (start_ns, tid)
+(stable). Only our own layout is understood (see exporters/perfetto.py): this module reads
+the frame, and each plugin's timeline module the slices and packets of its own records.
+A file that is not one, is damaged or was cut short raises TraceFormatError.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, TrackEvent
 
-from profinfer.exporters.perfetto import (ATTR_COUNTERS, ATTR_DROPPED_PREFIX, ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX, CAT_ARRIVAL, CAT_BARRIER, BOOTTIME, CAT_GRAPH, CAT_OP, CAT_TOKEN, COUNTER_ARG_PREFIX, FORMAT_VERSION, CALL_ARG_PREFIX, CAT_CALL, CAT_CUDA, CAT_CUDA_STREAM, CAT_STEP, INTERN_TABLES, cuda_call_from, process_track_of, MONOTONIC, SEQ_CLOCK, SHAPE_SEP, parse_experts, parse_tensor)
-from profinfer.core.model import (CudaCall, GraphCall, OpCall, OpSlice, Profile, SchedSwitch, SchedWakeup, Step, TensorArg, TokenCall)
-from profinfer.core.opcolumns import OpColumns
+from profinfer.core.model import Profile
+from profinfer.core.timeline import Timeline, TraceFormatError
+from profinfer.exporters.perfetto import (
+    ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX, BOOTTIME, FORMAT_VERSION, INTERN_TABLES, MONOTONIC,
+    SEQ_CLOCK, process_track_of, timelines,
+)
+
+__all__ = ["TraceFormatError", "read_named_tracks", "read_trace"]
 
 _BEGIN, _END, _COUNTER = TrackEvent.TYPE_SLICE_BEGIN, TrackEvent.TYPE_SLICE_END, TrackEvent.TYPE_COUNTER
 _DECODE_CACHE_LIMIT = 200_000
-
-
-def _parse_runs(text: str) -> tuple[tuple[int, int, int], ...]:
-    """The token slices' "sequences" argument: "seq:first_pos+tokens ..."."""
-    try:
-        return tuple((int(q), int(p), int(n)) for q, rest in (r.split(":") for r in text.split())
-                     for p, n in (rest.split("+"),))
-    except ValueError:
-        raise TraceFormatError(f"bad sequences argument {text!r}") from None
-
-
-class TraceFormatError(ValueError):
-    """The file is not a readable profinfer Perfetto trace."""
+_PROFILE_FIELDS = {f.name for f in dataclasses.fields(Profile)}
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -57,32 +52,32 @@ class _Sequence:
         self.ts = 0                  # absolute time of the last packet on the incremental clock
         self.decoded: dict[bytes, tuple] = {}   # track_event bytes -> (type, cat, name, args, tid)
         self.open: list[tuple] = []  # BEGINs waiting for their END: (ts, cat, name, args, tid)
-        self.last_op: OpSlice | None = None
-        self.last_op_barrier_fixed = False
+        self.state: dict = {}        # what a plugin's slice kinds keep per sequence
 
 
 class _Reader:
     def __init__(self):
+        self.parts: list[Timeline] = timelines()
+        self.kinds = {k.category: k for part in self.parts for k in part.kinds}
+        self.packet_readers = {kind: part for part in self.parts for kind in part.packet_kinds}
+        self.end_readers = [p for p in self.parts if type(p).read_end is not Timeline.read_end]
         self.seqs: dict[int, _Sequence] = {}
         self.pid: int | None = None
         self.process_name = ""
         self.thread_names: dict[int, str] = {}
         self.track_tid: dict[int, int] = {}
         self.attrs: dict[str, object] = {}
-        self.tokens: list[TokenCall] = []
-        self.calls: list[OpCall] = []
-        self.steps: list[Step] = []
-        self.cuda_calls: list[CudaCall] = []
+        self.records: dict[str, list] = {}        # Profile field -> the records read for it
+        self.state: dict = {}                     # what plugins keep until the trace is read
         self.track_names: dict[int, str] = {}
         self.collect_named = False                # read_named_tracks: keep what those tracks hold
         self.named_tracks: dict[tuple[int, str], list] = {}   # (pid, track name): slice names or values
         self.track_pid: dict[int, int] = {}
-        self.graphs: list[GraphCall] = []
-        self.ops: list[OpSlice] = []
-        self.op_counters: list[tuple[OpSlice, dict]] = []
         self.boot_offset = 0
-        self.switches: list[SchedSwitch] = []
-        self.wakeups: list[SchedWakeup] = []
+
+    def pid_of(self, tid: int) -> int:
+        """The process of a thread track (the profiled process's when not said)."""
+        return self.track_pid.get(tid, self.pid or 0)
 
     def read(self, data: bytes) -> None:
         """Walk the Trace framing. Slice packets (sequence id, timestamp and track_event, nothing
@@ -153,25 +148,15 @@ class _Reader:
                 seq.ts = clocks[SEQ_CLOCK]
             if MONOTONIC in clocks and BOOTTIME in clocks:
                 self.boot_offset = clocks[BOOTTIME] - clocks[MONOTONIC]
-        elif data == "ftrace_events":
-            cpu = pkt.ftrace_events.cpu
-            for ev in pkt.ftrace_events.event:
-                ts = ev.timestamp - self.boot_offset
-                kind = ev.WhichOneof("event")
-                if kind == "sched_switch":
-                    sw = ev.sched_switch
-                    self.switches.append(SchedSwitch(ts, cpu, sw.prev_pid, sw.prev_comm, sw.prev_state,
-                                                     sw.next_pid, sw.next_comm))
-                elif kind == "sched_wakeup":
-                    wk = ev.sched_wakeup
-                    self.wakeups.append(SchedWakeup(ts, cpu, wk.pid, wk.comm, ev.pid))
+        elif data in self.packet_readers:
+            self.packet_readers[data].read_packet(self, pkt)
         elif data == "track_descriptor":
             desc = pkt.track_descriptor
             if desc.HasField("process"):
                 if self.pid is None:             # the profiled process comes first
                     self.pid = desc.process.pid
                     self.process_name = desc.process.process_name
-            elif process_track_of(desc.uuid):      # the cuda level's stream and memory tracks
+            elif process_track_of(desc.uuid):      # a plugin's track of a process, not a thread
                 self.track_names[desc.uuid] = desc.name
             elif desc.HasField("thread"):
                 self.track_tid[desc.uuid] = desc.thread.tid
@@ -202,16 +187,11 @@ class _Reader:
             return None, None, None, args, None
         if te.type != _BEGIN:
             return te.type, None, None, args, None
-        if "shape" in args:          # parsed once per distinct event body, not per op
-            args["ne"] = tuple(int(x) for x in args["shape"].split(SHAPE_SEP))
-            args["srcs"] = tuple(args[f"src{i}"] for i in range(3) if f"src{i}" in args)
-            args["src_views"] = tuple(args.get(f"src{i}_view_of", 0) for i in range(len(args["srcs"])))
-            args["src_ne"] = tuple(tuple(int(x) for x in args[f"src{i}_shape"].split(SHAPE_SEP))
-                                   for i in range(2) if f"src{i}_shape" in args)
-            args["src_dtypes"] = tuple(args[f"src{i}_dtype"] for i in range(2) if f"src{i}_dtype" in args)
-        uuid = te.track_uuid if te.HasField("track_uuid") else seq.track_uuid
-        return (te.type, seq.tables["cat"][te.category_iids[0]], seq.tables["name"][te.name_iid],
-                args, self.track_tid.get(uuid))
+        cat = seq.tables["cat"][te.category_iids[0]]
+        kind = self.kinds.get(cat)
+        if kind is not None:
+            kind.parse_begin(args)   # once per distinct event body, not per slice
+        return te.type, cat, seq.tables["name"][te.name_iid], args, self.track_tid.get(uuid)
 
     def track_event(self, seq: _Sequence, ts: int, te_bytes: bytes) -> None:
         if seq.clock_id == SEQ_CLOCK:
@@ -227,7 +207,7 @@ class _Reader:
         if etype is None:
             seq.decoded.pop(te_bytes, None)     # a named track's: each one counts
             return
-        if etype == _COUNTER:        # counter tracks repeat the ops' END arguments
+        if etype == _COUNTER:        # counter tracks repeat the slices' END arguments
             return
         if etype == _BEGIN:
             seq.open.append((ts, cat, name, args, tid))
@@ -237,62 +217,15 @@ class _Reader:
         if not seq.open:
             raise TraceFormatError("slice END without BEGIN")
         start, cat, name, begin_args, tid = seq.open.pop()
-        end = args.get("end_ns", ts)
-        if cat == CAT_OP:
-            op = OpSlice(tid=tid, cpu=begin_args["cpu"], start_ns=start, end_ns=end,
-                         barrier_end_ns=args.get("barrier_end_ns", ts), op=name,
-                         name=begin_args["tensor"],
-                         ne=begin_args["ne"],
-                         dtype=begin_args["dtype"], tensor=begin_args.get("addr", 0),
-                         srcs=begin_args["srcs"], src_views=begin_args["src_views"],
-                         fused_tensor=begin_args.get("fused_tensor", 0), src_ne=begin_args["src_ne"],
-                         src_dtypes=begin_args["src_dtypes"])
-            if "experts" in args:
-                op.experts = parse_experts(args["experts"])
-            if any(k.startswith(COUNTER_ARG_PREFIX) for k in args):
-                # the counter names are in the attributes packet, which comes last
-                self.op_counters.append((op, args))
-            self.ops.append(op)
-            seq.last_op, seq.last_op_barrier_fixed = op, "barrier_end_ns" in args
-        elif cat == CAT_BARRIER:
-            if seq.last_op is None:
-                raise TraceFormatError("barrier slice without an op")
-            if not seq.last_op_barrier_fixed:
-                seq.last_op.barrier_end_ns = ts
-        elif cat == CAT_GRAPH:
-            self.graphs.append(GraphCall(tid=tid, start_ns=start, end_ns=end,
-                                         backend=begin_args["backend"], n_nodes=begin_args["n_nodes"],
-                                         function=begin_args.get("function", "")))
-        elif cat == CAT_ARRIVAL:
-            pass                     # derived from the ops (stats.arrivals)
-        elif cat == CAT_CALL:
-            args = tuple(TensorArg(k[len(CALL_ARG_PREFIX):], *parse_tensor(v))
-                         for k, v in begin_args.items() if k.startswith(CALL_ARG_PREFIX))
-            values = tuple(int(v) for v in begin_args["values"].split(",")) if begin_args.get("values") else ()
-            self.calls.append(OpCall(self.track_pid.get(tid, self.pid or 0), tid, start, end, name, args,
-                                     begin_args.get("depth", 0), begin_args.get("library", ""), values,
-                                     begin_args.get("step", 0)))
-        elif cat == CAT_CUDA:
-            self.cuda_calls.append(cuda_call_from(self.track_pid.get(tid, self.pid or 0), tid, start,
-                                                  end, name, begin_args))
-        elif cat == CAT_CUDA_STREAM:
-            pass                     # the same launches, by stream (exporters/perfetto.py)
-        elif cat == CAT_STEP:
-            lens = begin_args.get("query_lens", "")
-            self.steps.append(Step(self.track_pid.get(tid, self.pid or 0), tid, start, end,
-                                   begin_args["tokens"], tuple(int(x) for x in lens.split(",") if x),
-                                   begin_args.get("calls", 0)))
-        elif cat == CAT_TOKEN:
-            runs = begin_args.get("sequences")
-            if runs:
-                self.tokens.append(TokenCall.of_batch(tid, start, end, begin_args["n_tokens"],
-                                                      begin_args.get("ret", 0), _parse_runs(runs)))
-            else:
-                self.tokens.append(TokenCall(tid=tid, start_ns=start, end_ns=end,
-                                             n_tokens=begin_args["n_tokens"], prefill=name == "prefill",
-                                             ret=begin_args.get("ret", 0)))
-        else:
+        kind = self.kinds.get(cat)
+        if kind is None:
             raise TraceFormatError(f"unknown slice category {cat!r}")
+        record = kind.read(self, seq, start, ts, tid, name, begin_args, args)
+        if record is not None:
+            self.records.setdefault(kind.field, []).append(record)
+            if args:
+                for part in self.end_readers:
+                    part.read_end(self, record, args)
 
     def profile(self) -> Profile:
         version = self.attrs.get(ATTR_FORMAT)
@@ -306,34 +239,19 @@ class _Reader:
         if any(s.open for s in self.seqs.values()):
             raise TraceFormatError("slices left open at the end of the trace")
 
-        names = [n for n in str(self.attrs.get(ATTR_COUNTERS, "")).split(",") if n]
-        for op, args in self.op_counters:
-            try:
-                op.counters = tuple(float(args[COUNTER_ARG_PREFIX + n]) for n in names)
-            except KeyError as e:
-                raise TraceFormatError(f"op counter {e} not among the trace's counters {names}") from None
-
-        ours = set(self.track_tid.values())
-        for sw in self.switches:     # process ids are implied by our thread tracks
-            sw.prev_pid = self.pid if sw.prev_tid in ours else 0
-            sw.next_pid = self.pid if sw.next_tid in ours else 0
-
-        def key(x):
-            return x.start_ns, x.tid
-
+        fields: dict[str, object] = {}
+        for part in self.parts:
+            fields.update(part.read_done(self))
+        for kind in self.kinds.values():
+            if kind.field is not None:
+                fields[kind.field] = kind.collect(self.records.get(kind.field, []))
+        own = {f: fields.pop(f) for f in list(fields) if f not in _PROFILE_FIELDS}
         return Profile(
             pid=self.pid, process_name=self.process_name, thread_names=self.thread_names,
-            tokens=sorted(self.tokens, key=key), graphs=sorted(self.graphs, key=key),
-            calls=sorted(self.calls, key=key), steps=sorted(self.steps, key=key),
-            cuda_calls=sorted(self.cuda_calls, key=lambda c: (c.start_ns, c.tid)),
-            ops=OpColumns.from_slices(sorted(self.ops, key=key)), lost_events=int(self.attrs.get(ATTR_LOST, 0)),
-            counter_names=names,
-            switches=sorted(self.switches, key=lambda e: (e.ts_ns, e.cpu)),
-            wakeups=sorted(self.wakeups, key=lambda e: (e.ts_ns, e.cpu)),
-            counter_dropped={k[len(ATTR_DROPPED_PREFIX):]: int(v) for k, v in self.attrs.items()
-                             if k.startswith(ATTR_DROPPED_PREFIX)},
+            lost_events=int(self.attrs.get(ATTR_LOST, 0)),
             meta={k[len(ATTR_META_PREFIX):]: str(v) for k, v in self.attrs.items()
-                  if k.startswith(ATTR_META_PREFIX)})
+                  if k.startswith(ATTR_META_PREFIX)},
+            records=own, **fields)
 
 
 def read_trace(path: str | Path) -> Profile:

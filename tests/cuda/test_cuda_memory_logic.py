@@ -2,7 +2,7 @@
 (pure logic: this machine has no GPU, so its runtime's allocations all fail; the recorded
 tests check that failed ones count as nothing)."""
 from profinfer.levels.cuda.stats import live_memory, summary
-from profinfer.core.model import CudaCall
+from profinfer.levels.cuda.records import CudaCall
 
 
 def _call(t, api, ptr, size=0, ret=0, memory="device"):

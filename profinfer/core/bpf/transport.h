@@ -4,7 +4,7 @@
  * its object's .rodata, whose first member is `struct pi_transport`.
  *
  * Event kinds are one number space across engines: the core's below 16, each engine's in
- * its own range (llama.cpp 1-8, vLLM 32-47). Layout rules: events.h's (profinfer/layout.py).
+ * its own range (llama.cpp 1-8, vLLM 32-47). Layout rules: events.h's (profinfer/core/layout.py).
  */
 #pragma once
 

@@ -2,7 +2,7 @@
  * throughput, each with N threads (OpenMP), over several repetitions.
  * Prints one JSON object with every repetition's result and the share of the repetition's
  * wall time x N that this process spent on a CPU (under 1 when something else took our
- * CPUs). profinfer/calibrate.py builds and runs it, and judges stability and load from that.
+ * CPUs). profinfer/core/calibrate.py builds and runs it, and judges stability and load from that.
  *
  *   roofs THREADS MIB_PER_ARRAY
  */

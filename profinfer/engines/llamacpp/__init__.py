@@ -2,4 +2,5 @@
 from profinfer.core.registry import Engine
 
 PLUGIN = Engine("llamacpp", __name__, title="llama.cpp",
-                capabilities=frozenset({"tokens_by_process", "graph_totals", "op_totals"}))
+                capabilities=frozenset({"tokens_by_process", "graph_totals", "op_totals"}),
+                timeline="timeline")

@@ -18,7 +18,8 @@ from profinfer.core import discovery, libbpf
 from profinfer.core.arch import placement
 from profinfer.core.collector import Collector, add_hits, program_costs
 from profinfer.core.errors import ProfinferError
-from profinfer.core.model import CudaCall, Profile
+from profinfer.core.model import Profile
+from profinfer.levels.cuda.records import CudaCall
 from profinfer.core.packs import Pack
 from profinfer.core.transport import RecordSlots
 from profinfer.levels.cuda import runtime

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from profinfer.core.model import CudaCall
+from profinfer.levels.cuda.records import CudaCall
 
 
 def live_memory(calls: list[CudaCall], memory: str = "device") -> tuple[list[tuple[int, int]], int, list[CudaCall]]:

@@ -10,7 +10,7 @@ import numpy as np
 
 from profinfer.core import bpfobj, kernel, layout, libbpf
 from profinfer.core.errors import ProfinferError
-from profinfer.core.model import SchedSwitch, SchedWakeup
+from profinfer.levels.sched.records import SchedSwitch, SchedWakeup
 
 PROGRAMS = ("sched_switch", "sched_wakeup")
 _HEADER = "sched.h"

@@ -1,0 +1,275 @@
+"""The import rules of docs/architecture.md, checked on every module's imports (read with ast,
+imports inside functions included):
+
+- the core imports no engine or level;
+- the exporters, the viewers and the daemon import no engine or level (they reach them
+  through profinfer.core.registry);
+- an engine imports only the core, the levels and itself (never another engine);
+- a level imports only the core and itself;
+- no arrow runs back up: the core, the engines and the levels never import the application
+  (exporters, viewers, daemon, cli, outputs, doctor);
+- no import cycles among modules.
+
+Each rule has a negative case: a small package tree written to tmp_path with one breach of
+that rule, which the checker must report, and a clean tree, which it must not."""
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOY_ENGINE = ROOT / "tests" / "toyengine"
+
+APPLICATION = ("exporters", "viewers", "daemon", "cli", "outputs", "doctor")
+THROUGH_REGISTRY = ("exporters", "viewers", "daemon")
+
+
+# ---- the checker ----
+
+def module_name(path: Path, top: Path) -> str:
+    """`profinfer/core/x.py` -> `profinfer.core.x`; a package's __init__.py -> the package."""
+    parts = list(path.relative_to(top.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(name: str, modules: set[str]) -> str:
+    """The module an imported name lives in: the name itself when it is a module, else its
+    longest prefix that is (`from pkg.mod import func` -> pkg.mod)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def imports_of(path: Path, module: str, is_package: bool, modules: set[str]) -> list[tuple[str, int]]:
+    """(imported module of the tree, line) for every import in the file, at any depth."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import mod` imports the module pkg.mod when there is one
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                     for a in node.names]
+        else:
+            continue
+        for n in names:
+            target = _resolve(n, modules)
+            if target and target != module and (target, node.lineno) not in found:
+                found.append((target, node.lineno))
+    return found
+
+
+def import_graph(tops: list[Path]) -> dict[str, list[tuple[str, int, str]]]:
+    """module -> [(imported module, line, file)] for every .py file under the package
+    folders `tops` (each a top-level package, e.g. profinfer/ or tests/toyengine/)."""
+    files = {}
+    for top in tops:
+        for path in sorted(top.rglob("*.py")):
+            files[module_name(path, top)] = path
+    modules = set(files)
+    return {m: [(t, line, str(p)) for t, line in imports_of(p, m, p.name == "__init__.py", modules)]
+            for m, p in files.items()}
+
+
+def part_of(module: str, project: str = "profinfer") -> tuple[str, str]:
+    """(part, the plugin or module it is): ("core", ""), ("engine", "vllm"), ("level",
+    "cuda"), ("app", "daemon"); a top-level package other than the project's is an engine
+    kept outside the tree (PROFINFER_PLUGINS): ("engine", its name)."""
+    parts = module.split(".")
+    if parts[0] != project:
+        return "engine", parts[0]
+    if len(parts) == 1:
+        return "app", ""
+    if parts[1] == "core":
+        return "core", ""
+    if parts[1] in ("engines", "levels"):
+        kind = "engine" if parts[1] == "engines" else "level"
+        return kind, parts[2] if len(parts) > 2 else ""
+    return "app", parts[1]
+
+
+def breaches(graph: dict[str, list[tuple[str, int, str]]], project: str = "profinfer") -> list[str]:
+    """Every import that breaks a rule, as "file:line: module imports target (rule)"."""
+    out = []
+    for module, targets in sorted(graph.items()):
+        part, name = part_of(module, project)
+        for target, line, path in targets:
+            tpart, tname = part_of(target, project)
+            why = None
+            if part == "core" and tpart in ("engine", "level"):
+                why = f"the core imports no {tpart}"
+            elif part == "app" and name in THROUGH_REGISTRY and tpart in ("engine", "level") and tname:
+                why = f"the {name} must reach {tpart}s through profinfer.core.registry"
+            elif part == "engine" and tpart == "engine" and tname and tname != name:
+                why = "an engine imports no other engine"
+            elif part == "level" and tpart in ("engine", "level") and tname and tname != name:
+                why = "a level imports only the core"
+            elif part in ("core", "engine", "level") and tpart == "app":
+                why = f"no arrow back up: the {part} imports no application module"
+            if why:
+                out.append(f"{path}:{line}: {module} imports {target} ({why})")
+    out.extend(f"import cycle: {' -> '.join(c)}" for c in cycles(graph))
+    return out
+
+
+def cycles(graph: dict[str, list[tuple[str, int, str]]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    edges = {m: sorted({t for t, _, _ in ts if t in graph}) for m, ts in graph.items()}
+    index, low, stack, on_stack, comps = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return [_cycle_in(comp, edges) for comp in comps]
+
+
+def _cycle_in(comp: list[str], edges: dict[str, list[str]]) -> list[str]:
+    """A shortest closed path through the component, from its first module back to it."""
+    start, inside = comp[0], set(comp)
+    came_from, queue = {start: None}, [start]
+    for v in queue:                       # breadth first: the queue grows as it is read
+        if start in edges[v]:
+            path = [v]
+            while came_from[path[-1]] is not None:
+                path.append(came_from[path[-1]])
+            return path[::-1] + [start]
+        for w in edges[v]:
+            if w in inside and w not in came_from:
+                came_from[w] = v
+                queue.append(w)
+    raise AssertionError(f"no cycle through {start}")   # a component always has one
+
+
+# ---- the project ----
+
+def test_the_project_keeps_the_rules():
+    tops = [ROOT / "profinfer"] + ([TOY_ENGINE] if TOY_ENGINE.is_dir() else [])
+    found = breaches(import_graph(tops))
+    assert not found, f"{len(found)} imports break docs/architecture.md:\n" + "\n".join(found)
+
+
+def test_the_checker_sees_the_project():
+    """The graph is the real one: the registry is imported, and an import made inside a
+    function (the session's of recorded_calibration) is seen."""
+    graph = import_graph([ROOT / "profinfer"])
+    assert len(graph) > 80
+    users = {m for m, ts in graph.items() if any(t == "profinfer.core.registry" for t, _, _ in ts)}
+    assert "profinfer.engines.vllm" in users and "profinfer.levels.cuda" in users
+    cli_targets = {t for t, _, _ in graph["profinfer.cli"]}
+    assert "profinfer.core.session" in cli_targets or "profinfer.outputs" in cli_targets
+
+
+# ---- the checker catches each kind of breach ----
+
+CLEAN = {
+    "pkg/__init__.py": "",
+    "pkg/core/__init__.py": "",
+    "pkg/core/registry.py": "import importlib\n",
+    "pkg/core/model.py": "from dataclasses import dataclass\n",
+    "pkg/core/session.py": "from pkg.core import model, registry\n",
+    "pkg/engines/__init__.py": "",
+    "pkg/engines/alpha/__init__.py": "from pkg.core.registry import importlib\n",
+    "pkg/engines/alpha/collector.py": ("from pkg.core import model\nfrom pkg.levels.cuda import names\n"
+                                       "from . import stats\n"),
+    "pkg/engines/alpha/stats.py": "from pkg.core.model import dataclass\n",
+    "pkg/engines/beta/__init__.py": "from pkg.core import registry\n",
+    "pkg/levels/__init__.py": "",
+    "pkg/levels/cuda/__init__.py": "from pkg.core import registry\n",
+    "pkg/levels/cuda/names.py": "from pkg.core import model\n",
+    "pkg/exporters/__init__.py": "",
+    "pkg/exporters/perfetto.py": "from pkg.core import model, registry\n",
+    "pkg/viewers/__init__.py": "",
+    "pkg/viewers/table.py": "from pkg.core.registry import importlib\n",
+    "pkg/daemon/__init__.py": "",
+    "pkg/daemon/agent.py": "from pkg.core import session\n",
+    "pkg/outputs.py": "from pkg.exporters import perfetto\n",
+    "pkg/cli.py": "from pkg import outputs\nfrom pkg.engines.alpha import collector\n",
+}
+
+# one breach each: (file, the line added, what the report must say)
+BREACHES = {
+    "core imports an engine": ("pkg/core/session.py", "from pkg.engines.alpha import stats",
+                               "the core imports no engine"),
+    "core imports a level, inside a function": (
+        "pkg/core/session.py", "def f():\n    import pkg.levels.cuda.names", "the core imports no level"),
+    "exporter imports an engine": ("pkg/exporters/perfetto.py", "from pkg.engines.beta import *",
+                                   "the exporters must reach engines through"),
+    "viewer imports a level": ("pkg/viewers/table.py", "from pkg.levels.cuda.names import x",
+                               "the viewers must reach levels through"),
+    "daemon imports an engine's module": ("pkg/daemon/agent.py", "from pkg.engines.alpha.stats import y",
+                                          "the daemon must reach engines through"),
+    "engine imports another engine": ("pkg/engines/alpha/stats.py", "from pkg.engines.beta import z",
+                                      "an engine imports no other engine"),
+    "level imports an engine": ("pkg/levels/cuda/names.py", "from pkg.engines import alpha",
+                                "a level imports only the core"),
+    "core imports the application": ("pkg/core/session.py", "from pkg.viewers import table",
+                                     "no arrow back up: the core imports no application"),
+    "engine imports the application": ("pkg/engines/alpha/collector.py", "from ...viewers import table",
+                                       "no arrow back up: the engine imports no application"),
+    "a cycle through a lazy import": ("pkg/core/registry.py", "def g():\n    from pkg.core import session",
+                                      "import cycle: pkg.core.registry -> pkg.core.session -> pkg.core.registry"),
+}
+
+
+def _tree(tmp_path: Path, change: tuple[str, str] | None = None) -> list[str]:
+    for rel, text in CLEAN.items():
+        f = tmp_path / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        if change and change[0] == rel:
+            text += textwrap.dedent(change[1]) + "\n"
+        f.write_text(text)
+    return breaches(import_graph([tmp_path / "pkg"]), project="pkg")
+
+
+def test_a_clean_tree_has_no_breach(tmp_path):
+    assert _tree(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", sorted(BREACHES))
+def test_the_checker_catches(tmp_path, kind):
+    rel, line, says = BREACHES[kind]
+    found = _tree(tmp_path, (rel, line))
+    assert len(found) == 1 and says in found[0], found
+
+
+def test_an_outside_engine_is_an_engine(tmp_path):
+    """A plugin kept outside the tree (PROFINFER_PLUGINS) is held to an engine's rules."""
+    _tree(tmp_path)
+    (tmp_path / "toy").mkdir()
+    (tmp_path / "toy" / "__init__.py").write_text("from pkg.core import registry\n"
+                                                  "from pkg.viewers import table\n")
+    found = breaches(import_graph([tmp_path / "pkg", tmp_path / "toy"]), project="pkg")
+    assert len(found) == 1 and "toy imports pkg.viewers.table" in found[0], found
