@@ -8,7 +8,7 @@ import os
 from collections import Counter
 
 from conftest import completion_cmd, run_profinfer
-from profinfer.engines.llamacpp.collector import OP_PROGRAMS
+from profinfer.engines.llamacpp.probeplan import OP_PROGRAMS
 
 
 def _op_hits(summary: dict) -> int:

@@ -195,3 +195,33 @@ def test_a_probe_is_refused_once_the_record_of_its_file_is_gone(jailed, tmp_path
     with procfs.pinned(path, elf.file_id) as name:                          # its own file: pinned
         st = os.stat(name)
         assert (st.st_dev, st.st_ino) == elf.file_id
+
+
+def test_one_reader_of_maps_and_stat(tmp_path):
+    """The maps parser against the kernel's own text for this process (the file this test's
+    interpreter runs is mapped, by its inode), and stat's fields after the command name
+    (a name with a space and a parenthesis in it cannot shift them)."""
+    import sys
+    text = procfs.read_maps(os.getpid())
+    mappings = procfs.parse_maps(text)
+    exe = os.path.realpath(sys.executable)
+    st = os.stat(exe)
+    mine = [m for m in mappings if m.path == exe]
+    assert mine and all((m.dev, m.inode) == (st.st_dev, st.st_ino) for m in mine)
+    assert all(m.span in text for m in mine)                 # as the kernel writes the range
+    assert procfs.file_mappings(os.getpid()) == mappings
+    oddly_named = tmp_path / "a) b ("              # its command name, as comm shows it
+    oddly_named.symlink_to(shutil.which("sleep"))
+    holder = subprocess.Popen([str(oddly_named), "30"])
+    try:
+        deadline = time.monotonic() + 10          # until it has exec'd
+        while Path(f"/proc/{holder.pid}/comm").read_text().strip() != "a) b (":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        fields = procfs.stat_fields(holder.pid)
+        assert fields[0] in "SR" and int(fields[1]) == os.getpid()      # state, ppid
+    finally:
+        holder.kill()
+        holder.wait()
+    assert procfs.stat_fields(holder.pid) is None            # reaped: gone
+    assert procfs.file_mappings(holder.pid) == []

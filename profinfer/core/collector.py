@@ -11,8 +11,14 @@ all of them, once:
   event transport, and everything detached again when a step fails;
 - `fileno`, `poll`, `lost`, `detach`;
 - the tallies a BPF object counts (`_read_tallies`), the program statistics and the probe
-  hits behind them (`_program_stats`, `add_hits`), the metadata keys every recording has
-  (`_shared_meta`), the processes' thread names and mappings (`ProcessInfo`).
+  hits behind them (`_program_stats`, `program_costs`, `add_hits`), the metadata keys every
+  recording has (`_shared_meta`, `_build_id_meta`, `_cost_meta`), the processes' thread names
+  and mappings (`info`: a ProcessInfo), perf counters (`_open_counters`), and BPF objects
+  loaded beside the collector's own that share its buffer (`companions`: the sched level's),
+  closed with it and counted in its program statistics.
+
+A record buffer of one layout is a transport.RecordSlots; finish() reads the lost count once
+more before detaching with `_stop_counting_lost()`, after `_drain()`.
 
 A subclass (an engine's collector, a level's) implements what differs, as hooks the attach
 sequence calls in this order:
@@ -34,7 +40,9 @@ sequence calls in this order:
     attach_files(lib_paths)   probe more copies of its files a followed process maps
     finish() -> Profile       drain, read what BPF kept, detach, build the Profile
 
-and, where they apply, refresh_process_info and other_target_processes. Optional abilities
+and, where they differ, refresh_process_info and other_target_processes (the base: the
+target's thread names and mappings; no other process). The constructor's keywords are the
+same for all (a subclass adds its own after them). Optional abilities
 (take_tokens_by_process, take_steps_by_process, take_op_totals, take_graph_totals, op_name,
 cost_counts, forget_process) are defined by the subclasses that have them, never here: the
 daemon and the session ask for them by name.
@@ -263,6 +271,17 @@ class Collector:
                 "event_buffer": self.buffer, "kernel": platform.release(),
                 "cpus_online": str(discovery.cpus_of(self.pid)),
                 "attach_s": f"{self.attach_s:.3f}"}
+
+    @staticmethod
+    def _build_id_meta(elfs) -> dict[str, str]:
+        """build_id:<file> of each probed file (a file reached through map_files: its path)."""
+        return {f"build_id:{os.path.basename(e.path) if '/map_files/' not in e.path else e.path}":
+                e.build_id for e in elfs}
+
+    @staticmethod
+    def _cost_meta(cost: dict[str, int], prefix: str = "cost:") -> dict[str, str]:
+        """The programs' cost (program_costs, with the hits) as metadata."""
+        return {f"{prefix}{k}": str(v) for k, v in cost.items()}
 
     # ---- detach ----
 

@@ -7,7 +7,6 @@ to the very inode the process has mapped, so uprobes land in the code that actua
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,33 +46,20 @@ def thread_names(pid: int) -> dict[int, str]:
     return names
 
 
-_MAPS_LINE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ ([0-9a-f]+):([0-9a-f]+) (\d+)\s+(.*)$")
-
-
 def mapped_files(pid: int) -> list[MappedFile]:
     """Executable file mappings of `pid`, one entry per file."""
     try:
-        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        text = procfs.read_maps(pid)
     except FileNotFoundError:
         raise ProfinferError(f"no process with PID {pid}") from None
     except PermissionError:
         raise ProfinferError(f"cannot read /proc/{pid}/maps: permission denied (run as root)") from None
     seen: dict[str, MappedFile] = {}
-    for line in lines:
-        m = _MAPS_LINE.match(line)
-        if not m or "x" not in m.group(3):
+    for m in procfs.parse_maps(text):
+        if "x" not in m.perms or m.path in seen:
             continue
-        start, end, _, major, minor, inode, path = m.groups()
-        if not path.startswith("/"):
-            continue
-        deleted = path.endswith(" (deleted)")
-        if deleted:
-            path = path[: -len(" (deleted)")]
-        if path in seen:
-            continue
-        dev = os.makedev(int(major, 16), int(minor, 16))
-        seen[path] = MappedFile(path, host_path(pid, path, int(inode), f"{start}-{end}", deleted, dev),
-                                int(inode), deleted)
+        seen[m.path] = MappedFile(m.path, host_path(pid, m.path, m.inode, m.span, m.deleted, m.dev),
+                                  m.inode, m.deleted)
     return list(seen.values())
 
 

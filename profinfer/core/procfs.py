@@ -25,7 +25,7 @@ only if it is the file the probe's offsets were read from. For a
 path inside a target's root the file must also be one the process maps, by (device, inode)
 as /proc/PID/maps shows them.
 
-Permissions (measured, Linux 6.18): opening /proc/PID/root of a process whose capabilities
+Permissions (bench/results.md): opening /proc/PID/root of a process whose capabilities
 are not a subset of ours, or of another user, needs CAP_SYS_PTRACE (the magic link's ptrace
 check); /proc/PID/map_files needs CAP_CHECKPOINT_RESTORE (or CAP_SYS_ADMIN) as well.
 """
@@ -154,16 +154,22 @@ class FileMapping:
     path: str        # as the process sees it, " (deleted)" dropped
     deleted: bool
 
+    @property
+    def span(self) -> str:
+        """The address range as /proc/PID/maps writes it."""
+        return f"{self.start:08x}-{self.end:08x}"
 
-def file_mappings(pid: int) -> list[FileMapping]:
-    """The process's mappings of files, as /proc/PID/maps shows them; [] once it has gone."""
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
+
+def read_maps(pid: int) -> str:
+    """The text of /proc/PID/maps (the one place it is read); OSError as open raises it."""
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def parse_maps(text: str) -> list[FileMapping]:
+    """The mappings of files in a /proc/PID/maps text, in its order."""
     out = []
-    for line in lines:
+    for line in text.splitlines():
         parts = line.split(None, 5)
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue
@@ -173,6 +179,24 @@ def file_mappings(pid: int) -> list[FileMapping]:
         out.append(FileMapping(start, end, parts[1], int(parts[2], 16), os.makedev(major, minor),
                                int(parts[4]), path, path != parts[5]))
     return out
+
+
+def file_mappings(pid: int) -> list[FileMapping]:
+    """The process's mappings of files, as /proc/PID/maps shows them; [] once it has gone."""
+    try:
+        return parse_maps(read_maps(pid))
+    except OSError:
+        return []
+
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (the state first: index 0 is the
+    man page's field 3); None when unreadable. pid may be "PID/task/TID": a thread's."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def mapped_identities(pid: int) -> set[tuple[int, int]]:

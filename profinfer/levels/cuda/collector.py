@@ -4,7 +4,7 @@ BPF kept), name their kernels, and make them the profile's cuda_calls.
 
 It runs beside an engine's collector (sharing the per-thread open spans the engine's
 programs keep, so each call carries the engine's step and op), or alone for a program that
-is no known engine. Its interface is the one the session drives for every engine.
+is no known engine. It is a collector like the engines' (core/collector.py).
 """
 from __future__ import annotations
 
@@ -364,7 +364,7 @@ class CudaCollector(Collector):
             # driver launches the runtime made: trapped, then skipped in BPF (emulated or not,
             # as the driver's probes are placed: counted as single-stepped, the dearer)
             cost["hits_stepped"] += tallies.get("nested", 0)
-            meta.update((f"cuda_cost:{k}", str(v)) for k, v in cost.items())
+            meta.update(self._cost_meta(cost, "cuda_cost:"))
         return meta
 
 

@@ -77,3 +77,26 @@ def events(evs: np.ndarray, pids: set[int]) -> tuple[list[SchedSwitch], list[Sch
             wakeups.append(SchedWakeup(int(e["ts_ns"]), int(e["cpu"]), int(e["next_tid"]),
                                        text(e["next_comm"]), int(e["prev_tid"])))
     return switches, wakeups
+
+
+class SchedRecords:
+    """The switch and wakeup records the sched programs sent through an engine object's
+    event buffer, kept until the profile is built."""
+
+    def __init__(self):
+        self.dt = record_dtype()
+        self._raw: list[bytes] = []
+
+    def add(self, record: bytes) -> None:
+        """A switch or wakeup record (perf-buffer records may carry padding after it)."""
+        self._raw.append(record[: self.dt.itemsize])
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def events(self, pids: set[int]) -> tuple[list[SchedSwitch], list[SchedWakeup]]:
+        """The records so far, in time order, as switches and wakeups (see events)."""
+        if not self._raw:
+            return [], []
+        evs = np.sort(np.frombuffer(b"".join(self._raw), self.dt), order="ts_ns")
+        return events(evs, pids)

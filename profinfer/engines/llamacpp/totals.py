@@ -1,0 +1,71 @@
+"""What BPF counts in place of sending events, for a daemon: graph computes per process and
+backend (graph_totals), ops per op type (op_totals); read while collecting."""
+from __future__ import annotations
+
+import numpy as np
+
+from profinfer.core import libbpf
+from profinfer.engines.llamacpp import assemble
+
+GraphTotal = tuple[int, int, int, list[int]]     # calls, ns, nodes, histogram counts
+
+
+class GraphTotals:
+    """The graph_totals map, read by process and backend; a backend named once per process
+    and get_name address (name_of(address, tgid))."""
+
+    def __init__(self, dt: dict[str, np.dtype], name_of):
+        self.key_dt, self.val_dt = dt["pi_graph_key"], dt["pi_graph_total"]
+        self.name_of = name_of
+        self._names: dict[tuple[int, int], str] = {}   # (tgid, get_name address)
+
+    def read(self, obj: libbpf.BpfObject, graph_probes: list) -> dict[int, dict[str, GraphTotal]]:
+        """What BPF counted so far (cumulative), by process and backend ("sched" for the
+        scheduler's graph calls): (calls, ns, nodes, histogram counts, bucket k under
+        2^(k+1) x 1024 ns)."""
+        out: dict[int, dict[str, GraphTotal]] = {}
+        for k, v in obj.map_items("graph_totals"):
+            key, val = np.frombuffer(k, self.key_dt)[0], np.frombuffer(v, self.val_dt)[0]
+            tgid, probe, fn = int(key["tgid"]), int(key["probe"]), int(key["name_fn"])
+            if probe < len(graph_probes) and graph_probes[probe].spec.graph_backend:
+                backend = self._names.get((tgid, fn))
+                if backend is None:
+                    backend = self._names[(tgid, fn)] = self.name_of(fn, tgid)
+            else:
+                backend = "sched"
+            calls, ns, nodes, buckets = out.setdefault(tgid, {}).get(backend, (0, 0, 0, [0] * len(val["buckets"])))
+            out[tgid][backend] = (calls + int(val["calls"]), ns + int(val["ns"]), nodes + int(val["nodes"]),
+                                  [a + int(b) for a, b in zip(buckets, val["buckets"])])
+        return out
+
+    def forget(self, obj: libbpf.BpfObject, tgid: int) -> None:
+        """A followed process is gone: its totals and backend names go too."""
+        fd, key_size = obj.map_fd("graph_totals"), self.key_dt.itemsize
+        for k, _ in list(obj.map_items("graph_totals")):
+            if int.from_bytes(k[:4], "little") == tgid:
+                libbpf.map_delete(fd, k[:key_size])
+        self._names = {k: v for k, v in self._names.items() if k[0] != tgid}
+
+
+class OpTotals:
+    """The op_totals map, per op type (and fused pair): what was added since the last take."""
+
+    def __init__(self, dt: dict[str, np.dtype], op_names: list[str]):
+        self.total_dt = dt["pi_op_total"]
+        self.op_names = op_names
+        self._seen: dict[int, tuple[int, int]] = {}
+
+    def take(self, obj: libbpf.BpfObject) -> dict[str, tuple[int, int]]:
+        """Per op type, (ops, ns) since the last take."""
+        out: dict[str, tuple[int, int]] = {}
+        for k, v in obj.map_items("op_totals"):
+            key = int.from_bytes(k[:4], "little")
+            total = np.frombuffer(v, self.total_dt)[0]
+            calls, ns = int(total["calls"]), int(total["ns"])
+            seen = self._seen.get(key, (0, 0))
+            if calls > seen[0]:
+                self._seen[key] = (calls, ns)
+                name = assemble.op_name(self.op_names, key & 0xff, ((key >> 8) & 0xff) - 1)
+                a, b = out.get(name, (0, 0))
+                out[name] = (a + calls - seen[0], b + ns - seen[1])
+        return out

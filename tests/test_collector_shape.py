@@ -1,0 +1,78 @@
+"""The collectors' shape (issue 22): the attach sequence exists once, in the base class every
+collector derives from; no collector class keeps more than ~25 attributes of its own, and no
+function there is longer than ~80 lines. Read from the source, so a collector that grows
+past either bound, or writes its own attach, fails here."""
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from profinfer.core.collector import Collector
+from profinfer.engines.llamacpp.collector import Collector as LlamaCollector
+from profinfer.engines.vllm.collector import VllmCollector
+from profinfer.levels.cuda.collector import CudaCollector
+
+ROOT = Path(__file__).resolve().parent.parent / "profinfer"
+MODULES = ["core/collector.py", "core/transport.py",
+           "engines/llamacpp/collector.py", "engines/llamacpp/probeplan.py",
+           "engines/llamacpp/records.py", "engines/llamacpp/backends.py",
+           "engines/llamacpp/totals.py", "engines/vllm/collector.py", "engines/vllm/calls.py",
+           "levels/cuda/collector.py", "levels/sched/probe.py"]
+MAX_ATTRIBUTES, MAX_LINES = 25, 80
+
+
+def attributes(cls: ast.ClassDef) -> set[str]:
+    """Instance attributes a class's own methods set (self.X = ..., self.X: T = ...)."""
+    out = set()
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id == "self":
+                    out.add(el.attr)
+    return out
+
+
+def shapes(source: str):
+    tree = ast.parse(source)
+    classes = {c.name: attributes(c) for c in ast.walk(tree) if isinstance(c, ast.ClassDef)}
+    functions = {f.name: f.end_lineno - f.lineno + 1 for f in ast.walk(tree)
+                 if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return classes, functions
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_collector_classes_and_functions_stay_small(module):
+    classes, functions = shapes((ROOT / module).read_text())
+    big = {name: len(a) for name, a in classes.items() if len(a) > MAX_ATTRIBUTES}
+    long = {name: n for name, n in functions.items() if n > MAX_LINES}
+    assert not big, f"{module}: classes with more than {MAX_ATTRIBUTES} attributes: {big}"
+    assert not long, f"{module}: functions longer than {MAX_LINES} lines: {long}"
+
+
+def test_the_attach_sequence_exists_once():
+    for cls in (LlamaCollector, VllmCollector, CudaCollector):
+        assert issubclass(cls, Collector)
+        # a subclass may do more after it (vLLM's server metrics window), never the sequence
+        if "attach" in cls.__dict__:
+            assert "super().attach()" in inspect.getsource(cls.attach), cls
+    sources = {m: (ROOT / m).read_text() for m in MODULES
+               if m not in ("core/collector.py", "core/transport.py")}
+    for module, text in sources.items():
+        for needle in ("enable_run_time_stats(", "EventTransport(", "reuse_map(\"followed\"",
+                       "attach_failed("):
+            assert needle not in text, f"{module} repeats the attach sequence ({needle})"
+
+
+def test_a_class_past_the_bound_is_caught():
+    """The check itself: a class that sets too many attributes, a function too long."""
+    fields = "\n".join(f"        self.a{i} = {i}" for i in range(MAX_ATTRIBUTES + 1))
+    body = "\n".join("    x = 1" for _ in range(MAX_LINES))
+    classes, functions = shapes(f"class Big:\n    def __init__(self):\n{fields}\n\n"
+                                f"def long():\n{body}\n")
+    assert len(classes["Big"]) == MAX_ATTRIBUTES + 1
+    assert functions["long"] == MAX_LINES + 1
