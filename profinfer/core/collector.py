@@ -285,6 +285,11 @@ class Collector:
 
     # ---- detach ----
 
+    def op_name(self, index: int) -> str | None:
+        """The name of this engine's op numbered `index` in a thread's open span, by which a
+        level's calls made inside it are named; None where the engine does not number ops."""
+        return None
+
     def detach(self) -> None:
         """Close every probe, then free buffers, maps and programs (idempotent).
 

@@ -6,14 +6,15 @@ import os
 import resource
 from typing import Callable
 
+from profinfer.core.procfs import stat_fields
+
 
 def cpu_s(pid: int) -> float | None:
     """CPU time (user + system, all threads) `pid` has used so far."""
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else None
+    except (ValueError, IndexError):
         return None
 
 

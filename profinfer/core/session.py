@@ -14,12 +14,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import psutil
 
-from profinfer.core import discovery, kernel, layout, libbpf
+from profinfer.core import discovery, kernel, layout, libbpf, procfs
 from profinfer.core.cputime import CpuShares, cpu_s, own_cpu_s, rss_kb
+from profinfer.core.collector import Collector
 from profinfer.core.errors import ProfinferError
 from profinfer.core.follow import Change, Follower
 from profinfer.core.model import Profile
@@ -37,53 +38,26 @@ POLL_BEFORE_DECODING_MS = 20
 REFRESH_S = 5.0     # thread names and mappings are read again this often (and at the end)
 
 
-class EngineCollector(Protocol):
-    """What the session drives, for every engine and level: the collector its pack's decoder
-    names attaches to a process, collects, and builds the Profile. An engine's may also have
-    op_name(index) -> str: the name of its op at `index`, which a level's calls are named by."""
-    pid: int
-    warnings: list[str]
-    n_probes: int
-    attach_s: float
-    n_events: int
-    n_decode_tokens: int
-    decoding: bool          # the engine has started its work (the cost is counted from here)
-    pack: Pack              # the pack it was made from (the group finds its members by it)
-
-    # made as pack.collector_class()(pid, levels, pack, files, root=..., tensor_layout=...,
-    # buffer=..., counters=..., [followed_map_fd=..., open_spans_fd=..., timeline=...])
-    def attach(self) -> None: ...
-    # a level's collector is also told which process maps the files (tgid)
-    def attach_files(self, lib_paths: list[tuple[str, str]], tgid: int | None = None) -> list[str]: ...
-    def fileno(self) -> int: ...
-    def poll(self, timeout_ms: int = 100) -> None: ...
-    def refresh_process_info(self) -> None: ...
-    def other_target_processes(self) -> list[int]: ...
-    def lost(self) -> int: ...
-    def finish(self) -> Profile: ...
-    def detach(self) -> None: ...
-
-
 class CollectorGroup:
     """An engine's collector and the runtime levels beside it (cuda), driven as one: each
     has its own event buffer; the engine's programs keep each thread's open spans in a map
     the levels share, so a CUDA call carries the step and op it was made in."""
 
-    def __init__(self, first: EngineCollector):
-        self.members: list[EngineCollector] = [first]
+    def __init__(self, first: Collector):
+        self.members: list[Collector] = [first]
 
     @property
-    def engine(self) -> EngineCollector:
+    def engine(self) -> Collector:
         return self.members[0]
 
-    def add(self, member: EngineCollector, engine: bool = False) -> None:
+    def add(self, member: Collector, engine: bool = False) -> None:
         """A level beside the engine; or the engine, when a level was found first."""
         if engine:
             self.members.insert(0, member)
         else:
             self.members.append(member)
 
-    def member(self, pack: Pack) -> EngineCollector | None:
+    def member(self, pack: Pack) -> Collector | None:
         return next((m for m in self.members if m.pack is pack), None)
 
     def __getattr__(self, name):            # pid, attach_s, n_probes, ...: the engine's
@@ -139,9 +113,8 @@ class CollectorGroup:
         engine that opened it."""
         engine = self.members[0]
         levels = self.members[1:]
-        if hasattr(engine, "op_name"):
-            for m in levels:
-                m.op_name = lambda _engine, index, e=engine: e.op_name(index)
+        for m in levels:
+            m.name_op = lambda _engine, index, e=engine: e.op_name(index)
         level_profiles = [m.finish() for m in levels]
         prof = engine.finish()
         for lp in level_profiles:
@@ -198,11 +171,8 @@ def _alive(pid: int, child_status: list[int] | None, child_cpu: list[float]) -> 
             child_status.append(os.waitstatus_to_exitcode(status))
             child_cpu.append(usage.ru_utime + usage.ru_stime)
         return done == 0
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+    fields = procfs.stat_fields(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 class StatusLine:
@@ -215,7 +185,7 @@ class StatusLine:
         self.last_tokens = 0
         self.rate = 0.0
 
-    def update(self, coll: EngineCollector, force: bool = False) -> None:
+    def update(self, coll: Collector, force: bool = False) -> None:
         now = time.monotonic()
         if not self.enabled or (now - self.last < 0.5 and not force):
             return
@@ -286,7 +256,7 @@ class Session:
         self.packs = [p for p in all_packs if not p.level] if levels - set(RUNTIME_LEVELS) else []
         self.pack = (self.packs or self.level_packs)[0]
 
-    def _make(self, p: Pack, where: int, files: list[tuple[str, str]]) -> EngineCollector:
+    def _make(self, p: Pack, where: int, files: list[tuple[str, str]]) -> Collector:
         extra: dict = {}
         if self.follower is not None and (self.opts.follow or p.level):   # attach: the engine keeps its own
             extra["followed_map_fd"] = self.follower.followed_map_fd()
@@ -323,7 +293,7 @@ class Session:
                 self.note(f"PID {self.engine_pid} maps no {lp.engine} runtime ({', '.join(lp.libraries)}) "
                           f"yet: the {lp.level} level starts when it loads one")
 
-    def _attached(self, c: EngineCollector, where: int) -> None:
+    def _attached(self, c: Collector, where: int) -> None:
         for w in c.warnings:
             self.warn(w)
         levels = self.opts.levels

@@ -15,7 +15,8 @@ import time
 from typing import Callable
 
 from profinfer.core import libbpf
-from profinfer.daemon.watch import Watch, stat_fields
+from profinfer.core.procfs import stat_fields
+from profinfer.daemon.watch import Watch
 
 GOVERN_S = 2.0
 STEP_DOWN_ORDER = ("op",)

@@ -168,10 +168,9 @@ def pod_of_container(container_id: str, pod_uid: str) -> tuple[str, str]:
 
 def model_file(pid: int) -> str:
     """A model file the process has mapped (llama.cpp mmaps its GGUF) or open."""
-    for line in _read(f"/proc/{pid}/maps").splitlines():
-        parts = line.split(None, 5)
-        if len(parts) == 6 and parts[5].strip().endswith(MODEL_SUFFIXES):
-            return parts[5].strip()
+    for m in procfs.file_mappings(pid):
+        if not m.deleted and m.path.endswith(MODEL_SUFFIXES):
+            return m.path
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:

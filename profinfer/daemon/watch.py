@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from profinfer.core.model import Step, TokenCall
+from profinfer.core.procfs import stat_fields
 from profinfer.core.packs import Pack
 from profinfer.core.stats import SequenceTracker
 from profinfer.daemon.identity import Identity
@@ -42,16 +43,6 @@ def step_call(step: Step) -> TokenCall:
     """An engine step as a forward call: its prompt tokens and decoding sequences' tokens."""
     return TokenCall(step.tid, step.start_ns, step.end_ns, step.n_tokens, prefill=step.prefill_seqs > 0,
                      decode_tokens=step.decode_seqs)
-
-
-def stat_fields(pid: int | str) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (state first); None when unreadable.
-    pid may be "PID/task/TID": a thread's."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
 
 
 def process_stat(pid: int) -> tuple[int, int] | None:

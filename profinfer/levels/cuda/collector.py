@@ -47,7 +47,7 @@ class CudaCollector(Collector):
         self.apis: list[runtime.Api] = []
         self.placements: dict[str, placement.Placement] = {}   # function: its entry probe's place
         self.names: dict[int, KernelNames] = {}       # per process
-        self.op_name: Callable[[int, int], str] | None = None   # (engine, op index) -> name
+        self.name_op: Callable[[int, int], str | None] | None = None   # (engine, op index) -> name
         # records end where what they hold ends (registrations alone carry a name): zeroed
         # past their end in their slot, as every field is read
         self._slots = RecordSlots(self.ev_dt, zeroed=True)
@@ -298,7 +298,7 @@ class CudaCollector(Collector):
     def _op(self, engine: int, op: int, flags: int) -> str:
         if not flags & self.consts["PC_OP_OPEN"]:
             return ""
-        return self.op_name(engine, op) if self.op_name else f"op#{op}"
+        return (self.name_op(engine, op) if self.name_op else None) or f"op#{op}"
 
     def _copy_kind(self, api: runtime.Api, kind: int) -> str:
         if api.what == "copy":
