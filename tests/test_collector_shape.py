@@ -1,11 +1,15 @@
 """The collectors' shape (issue 22): the attach sequence exists once, in the base class every
-collector derives from; no collector class keeps more than ~25 attributes of its own, and no
-function there is longer than ~80 lines. Read from the source, so a collector that grows
-past either bound, or writes its own attach, fails here."""
+collector derives from; no collector carries more than ~25 instance attributes (its own and
+its bases' together: an instance holds both), no other class there more than ~25 of its own,
+and no function there is longer than ~80 lines. Read from the source, so a collector that
+grows past either bound, or writes its own attach, fails here."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,12 +19,16 @@ from profinfer.engines.llamacpp.collector import Collector as LlamaCollector
 from profinfer.engines.vllm.collector import VllmCollector
 from profinfer.levels.cuda.collector import CudaCollector
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # the toy engine, kept in tests/
+from toyengine.collector import ToyCollector  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent / "profinfer"
 MODULES = ["core/collector.py", "core/transport.py",
            "engines/llamacpp/collector.py", "engines/llamacpp/probeplan.py",
            "engines/llamacpp/records.py", "engines/llamacpp/backends.py",
            "engines/llamacpp/totals.py", "engines/vllm/collector.py", "engines/vllm/calls.py",
            "levels/cuda/collector.py", "levels/sched/probe.py"]
+COLLECTORS = [Collector, LlamaCollector, VllmCollector, CudaCollector, ToyCollector]
 MAX_ATTRIBUTES, MAX_LINES = 25, 80
 
 
@@ -34,6 +42,18 @@ def attributes(cls: ast.ClassDef) -> set[str]:
             for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
                 if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id == "self":
                     out.add(el.attr)
+    return out
+
+
+def carried(cls: type) -> set[str]:
+    """Instance attributes an instance of cls carries: those the methods of every class in its
+    MRO set (a property is not one)."""
+    out = set()
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        out |= attributes(tree.body[0])
     return out
 
 
@@ -52,6 +72,13 @@ def test_collector_classes_and_functions_stay_small(module):
     long = {name: n for name, n in functions.items() if n > MAX_LINES}
     assert not big, f"{module}: classes with more than {MAX_ATTRIBUTES} attributes: {big}"
     assert not long, f"{module}: functions longer than {MAX_LINES} lines: {long}"
+
+
+@pytest.mark.parametrize("cls", COLLECTORS, ids=lambda c: f"{c.__module__}.{c.__name__}")
+def test_a_collector_carries_few_attributes(cls):
+    names = carried(cls)
+    assert len(names) <= MAX_ATTRIBUTES, \
+        f"{cls.__name__} carries {len(names)} attributes through its MRO: {sorted(names)}"
 
 
 def test_the_attach_sequence_exists_once():
@@ -76,3 +103,26 @@ def test_a_class_past_the_bound_is_caught():
                                 f"def long():\n{body}\n")
     assert len(classes["Big"]) == MAX_ATTRIBUTES + 1
     assert functions["long"] == MAX_LINES + 1
+
+
+def test_attributes_are_counted_through_the_bases(tmp_path):
+    """The MRO count itself: a base and a subclass each within the bound alone, past it
+    together, and a property (read-only) that is not counted."""
+    half = MAX_ATTRIBUTES // 2 + 1
+    base = "\n".join(f"        self.b{i} = {i}" for i in range(half))
+    sub = "\n".join(f"        self.s{i} = {i}" for i in range(half))
+    path = tmp_path / "shape_probe.py"
+    path.write_text(f"class Base:\n    def __init__(self):\n{base}\n\n"
+                    f"    @property\n    def p(self):\n        return self.b0\n\n\n"
+                    f"class Sub(Base):\n    def __init__(self):\n        super().__init__()\n{sub}\n")
+    spec = importlib.util.spec_from_file_location("shape_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["shape_probe"] = module
+    try:
+        spec.loader.exec_module(module)
+        assert len(carried(module.Base)) == half <= MAX_ATTRIBUTES
+        assert len(shapes(path.read_text())[0]["Sub"]) == half <= MAX_ATTRIBUTES
+        assert len(carried(module.Sub)) == 2 * half > MAX_ATTRIBUTES
+        assert "p" not in carried(module.Sub)
+    finally:
+        del sys.modules["shape_probe"]

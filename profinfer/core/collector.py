@@ -5,6 +5,9 @@ A collector attaches one BPF object's programs to the files a target process map
 the records its programs send, and builds a Profile. `Collector` holds what is the same for
 all of them, once:
 
+- the constructor's settings (`settings`: a Settings) and what attach opened and detach
+  closes (`attachment`: an Attachment), each read through properties of the same names as
+  before (obj, buffer, root, counters, attach_s, ...);
 - the attach sequence (`attach`): root check, the object built for the event buffer, the
   followed and open-spans maps of a session or a daemon reused, rodata, the ring's size,
   uprobe-multi links where the kernel has them, load, the kernel's run-time statistics, the
@@ -14,8 +17,8 @@ all of them, once:
   hits behind them (`_program_stats`, `program_costs`, `add_hits`), the metadata keys every
   recording has (`_shared_meta`, `_build_id_meta`, `_cost_meta`), the processes' thread names
   and mappings (`info`: a ProcessInfo), perf counters (`_open_counters`), and BPF objects
-  loaded beside the collector's own that share its buffer (`companions`: the sched level's),
-  closed with it and counted in its program statistics.
+  loaded beside the collector's own that share its buffer (`_add_companion`: the sched
+  level's), closed with it and counted in its probes and program statistics.
 
 A record buffer of one layout is a transport.RecordSlots; finish() reads the lost count once
 more before detaching with `_stop_counting_lost()`, after `_drain()`.
@@ -52,6 +55,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable
 
@@ -62,6 +66,33 @@ from profinfer.core import perfevents
 from profinfer.core.errors import ProfinferError
 from profinfer.core.packs import Pack
 from profinfer.core.transport import EventTransport, attach_failed
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a collector was asked to collect: its constructor's keywords, as given."""
+    lib_paths: list[tuple[str, str]]    # (path to open, path inside the target)
+    root: str
+    forced_layout: str | None           # a tensor layout named by the user (else found)
+    ringbuf_pages: int
+    buffer: str                         # the event buffer: "ring" or "perf"
+    shared_maps: dict[str, int]         # a session's or daemon's maps used instead of the object's own
+    counter_request: list[str]          # the perf counters asked for (--counters)
+
+
+class Attachment:
+    """What attach opens and detach closes (the BPF object, the objects sharing its buffer,
+    perf counters, the kernel's run-time statistics, the event transport), and how long
+    attaching took."""
+
+    def __init__(self):
+        self.obj: libbpf.BpfObject | None = None
+        self.companions: list[libbpf.BpfObject] = []   # objects sharing obj's buffer (sched)
+        self.multi = False                  # probes attached as uprobe-multi links
+        self.counters: perfevents.OpenCounters | None = None
+        self.stats_fd = -1                  # BPF run-time statistics on while open
+        self.events: EventTransport | None = None
+        self.attach_s = 0.0
 
 
 class Collector:
@@ -81,28 +112,56 @@ class Collector:
         self.pid = pid
         self.levels = set(levels)
         self.pack = pack
-        self.lib_paths = lib_paths          # (path to open, path inside the target)
-        self.root = root
-        self.forced_layout = tensor_layout
-        self.ringbuf_pages = ringbuf_pages
-        self.buffer = kernel.event_buffer_kind(buffer)
-        # maps of the session's or the daemon's that the object uses instead of its own
-        self.shared_maps = {name: fd for name, fd in (("followed", followed_map_fd),
-                                                       ("open_spans", open_spans_fd)) if fd is not None}
-        self.counter_request = list(counters or [])
-        self.counters: perfevents.OpenCounters | None = None
+        self.settings = Settings(
+            lib_paths, root, tensor_layout, ringbuf_pages, kernel.event_buffer_kind(buffer),
+            {name: fd for name, fd in (("followed", followed_map_fd), ("open_spans", open_spans_fd))
+             if fd is not None},
+            list(counters or []))
         self.consts, self.dt = layout.parse(header=self.HEADER)
-        self.obj: libbpf.BpfObject | None = None
-        self.companions: list[libbpf.BpfObject] = []   # objects sharing obj's buffer (sched)
-        self.multi = False                  # probes attached as uprobe-multi links
+        self.attachment = Attachment()
         self.warnings: list[str] = []
         self.n_probes = 0
-        self.attach_s = 0.0
         self.n_events = 0
         self.decoding = False               # the target's work has begun (costs count from here)
         self.info = ProcessInfo()
-        self._stats_fd = -1                 # BPF run-time statistics on while open
-        self._events: EventTransport | None = None
+
+    # ---- the settings and the attachment, by their names ----
+
+    @property
+    def lib_paths(self) -> list[tuple[str, str]]:
+        return self.settings.lib_paths
+
+    @property
+    def root(self) -> str:
+        return self.settings.root
+
+    @property
+    def forced_layout(self) -> str | None:
+        return self.settings.forced_layout
+
+    @property
+    def ringbuf_pages(self) -> int:
+        return self.settings.ringbuf_pages
+
+    @property
+    def buffer(self) -> str:
+        return self.settings.buffer
+
+    @property
+    def counter_request(self) -> list[str]:
+        return self.settings.counter_request
+
+    @property
+    def obj(self) -> libbpf.BpfObject | None:
+        return self.attachment.obj
+
+    @property
+    def counters(self) -> perfevents.OpenCounters | None:
+        return self.attachment.counters
+
+    @property
+    def attach_s(self) -> float:
+        return self.attachment.attach_s
 
     # ---- attach ----
 
@@ -111,31 +170,32 @@ class Collector:
         t0 = time.monotonic()
         kernel.require_root()
         self._prepare()
+        att = self.attachment
         try:
-            self.obj = libbpf.BpfObject(bpfobj.object_path(self.pack.bpf, self.buffer))
-            for name, fd in self.shared_maps.items():
-                self.obj.reuse_map(name, fd)
-            self.obj.set_rodata(self._config().tobytes())
+            att.obj = obj = libbpf.BpfObject(bpfobj.object_path(self.pack.bpf, self.buffer))
+            for name, fd in self.settings.shared_maps.items():
+                obj.reuse_map(name, fd)
+            obj.set_rodata(self._config().tobytes())
             if self.buffer == "ring":
-                self.obj.set_max_entries("events", self.ringbuf_pages * 4096)
+                obj.set_max_entries("events", self.ringbuf_pages * 4096)
             self._size_maps()
             # one link per file for all its probes where the kernel has uprobe-multi links
-            self.multi = bool(self.MULTI_PROGRAMS) and libbpf.uprobe_multi_ok()
-            if self.multi:
+            att.multi = bool(self.MULTI_PROGRAMS) and libbpf.uprobe_multi_ok()
+            if att.multi:
                 for prog in self.MULTI_PROGRAMS:
-                    self.obj.set_uprobe_multi(prog)
-            self.obj.load(self._programs())
+                    obj.set_uprobe_multi(prog)
+            obj.load(self._programs())
             self._before_probes()
             # what our programs cost, counted by the kernel from the first probe on
-            self._stats_fd = libbpf.enable_run_time_stats()
+            att.stats_fd = libbpf.enable_run_time_stats()
             self._attach_probes()
             self._after_probes()
-            self._events = EventTransport(self.obj, self.buffer, self._on_record,
-                                          self.PERF_PAGES_PER_CPU, self.PERF_WAKEUP_EVENTS)
+            att.events = EventTransport(obj, self.buffer, self._on_record,
+                                        self.PERF_PAGES_PER_CPU, self.PERF_WAKEUP_EVENTS)
         except ProfinferError as e:
             self.detach()
             raise attach_failed(self.pid, e) from None
-        self.attach_s = time.monotonic() - t0
+        att.attach_s = time.monotonic() - t0
 
     def _prepare(self) -> None:
         raise NotImplementedError
@@ -163,11 +223,11 @@ class Collector:
 
     @property
     def followed_map_fd(self) -> int | None:
-        return self.shared_maps.get("followed")
+        return self.settings.shared_maps.get("followed")
 
     @property
     def open_spans_fd(self) -> int | None:
-        return self.shared_maps.get("open_spans")
+        return self.settings.shared_maps.get("open_spans")
 
     @property
     def n_cpus(self) -> int:
@@ -186,7 +246,7 @@ class Collector:
         where the kernel has them, else a uprobe each. Each link is added to `links` as it is
         made (a failure part way leaves the caller those to detach); returns them."""
         links = [] if links is None else links
-        if self.multi:
+        if self.attachment.multi:
             links.append(self.obj.attach_uprobe_multi(program, path, offsets, cookies, pid,
                                                       retprobe=retprobe, file_id=file_id))
             return links
@@ -197,9 +257,16 @@ class Collector:
 
     def _open_counters(self) -> None:
         """The perf counters asked for, read per op by the programs (--counters)."""
-        self.counters = perfevents.open_counters(self.counter_request, self.consts["PI_MAX_COUNTERS"])
-        if self.counters.notice:
-            self.warnings.append(self.counters.notice)
+        counters = perfevents.open_counters(self.counter_request, self.consts["PI_MAX_COUNTERS"])
+        self.attachment.counters = counters
+        if counters.notice:
+            self.warnings.append(counters.notice)
+
+    def _add_companion(self, obj: libbpf.BpfObject) -> None:
+        """A BPF object loaded beside ours that shares its buffer (the sched level's): closed
+        with it, its links counted in n_probes, its programs in the program statistics."""
+        self.attachment.companions.append(obj)
+        self.n_probes += obj.n_links
 
     # ---- collect ----
 
@@ -211,16 +278,16 @@ class Collector:
 
     def fileno(self) -> int:
         """Polls readable when the event buffer has records."""
-        return self._events.fileno()
+        return self.attachment.events.fileno()
 
     def poll(self, timeout_ms: int = 100) -> None:
         """Wait up to timeout_ms, drain the event buffer and parse what came."""
-        self._events.poll(timeout_ms)
+        self.attachment.events.poll(timeout_ms)
         self._parse()
 
     def _drain(self) -> None:
         """Everything still in the event buffer, parsed (at the end, or a daemon's take)."""
-        self._events.consume()
+        self.attachment.events.consume()
         self._parse()
 
     def refresh_process_info(self) -> None:
@@ -238,11 +305,13 @@ class Collector:
     def lost(self) -> int:
         """Records BPF could not submit (or the perf buffers dropped) so far; after detaching,
         as last read (_stop_counting_lost)."""
-        return self._events.lost() if self._events is not None else 0
+        events = self.attachment.events
+        return events.lost() if events is not None else 0
 
     def _stop_counting_lost(self) -> int:
         """The lost records, read one last time: lost() gives this count from now on."""
-        return self._events.freeze_lost() if self._events is not None else 0
+        events = self.attachment.events
+        return events.freeze_lost() if events is not None else 0
 
     # ---- what BPF kept ----
 
@@ -258,12 +327,16 @@ class Collector:
     def _program_stats(self) -> dict[str, tuple[int, int]]:
         """The kernel's count of our programs' (and our companions') run time and runs,
         {program: (ns, runs)}; {} where the kernel would not count them."""
-        if self._stats_fd < 0 or self.obj is None:
+        if not self._counting_costs():
             return {}
         stats = dict(self.obj.program_stats())
-        for c in self.companions:
+        for c in self.attachment.companions:
             stats.update(c.program_stats())
         return stats
+
+    def _counting_costs(self) -> bool:
+        """Attached, with the kernel counting our programs' run time."""
+        return self.attachment.stats_fd >= 0 and self.attachment.obj is not None
 
     def _shared_meta(self) -> dict[str, str]:
         """The metadata every engine's recording has."""
@@ -295,19 +368,20 @@ class Collector:
 
         Uprobes made through the perf uprobe PMU vanish when their fd closes, so nothing of
         ours survives even a SIGKILL; libbpf's legacy tracefs path is used only without it."""
-        if self.obj is not None:
+        att = self.attachment
+        if att.obj is not None:
             self._stop_counting_lost()
-        companions, self.companions = self.companions, []
+        companions, att.companions = att.companions, []
         for c in companions:
             c.close()
-        if self.obj is not None:
-            obj, self.obj = self.obj, None
+        if att.obj is not None:
+            obj, att.obj = att.obj, None
             obj.close()
-        if self.counters:
-            self.counters.close()
-        if self._stats_fd >= 0:
-            os.close(self._stats_fd)
-            self._stats_fd = -1
+        if att.counters:
+            att.counters.close()
+        if att.stats_fd >= 0:
+            os.close(att.stats_fd)
+            att.stats_fd = -1
 
 
 @lru_cache(maxsize=1)

@@ -8,6 +8,7 @@ read by totals.py.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,6 +37,23 @@ OP_TALLIES = (("node_reads", "PI_TALLY_NODE_READS"),
               ("walk_mismatch", "PI_TALLY_WALK_MISMATCH"))
 
 
+@dataclass
+class TotalsInBpf:
+    """What BPF counts in place of sending events (a daemon's): graph computes per process and
+    backend (graph), ops per op type (ops), and the readers of those counts."""
+    graph: bool
+    ops: bool
+    graph_counts: GraphTotals
+    op_counts: OpTotals | None = None      # made at the first take
+
+
+@dataclass
+class OpStatesAtEnd:
+    """The op level's per-thread states BPF still held when collection ended."""
+    left: int = 0          # op states of threads still alive
+    releasing: int = 0     # direct slots found half-released (an exit handler that did not finish)
+
+
 class Collector(core.Collector):
     HEADER = "events.h"
     # perf buffers: one wakeup per PERF_WAKEUP_EVENTS records; the timer drains the rest
@@ -51,20 +69,24 @@ class Collector(core.Collector):
         (take_op_totals), not sent."""
         super().__init__(pid, levels, pack, lib_paths, root, tensor_layout, ringbuf_pages, buffer,
                          counters, followed_map_fd, open_spans_fd)
-        self.graph_totals = graph_totals
-        self.op_totals = op_totals
+        self.totals = TotalsInBpf(graph_totals, op_totals, GraphTotals(self.dt, self._backend_name))
         self.elfs: list = []
         self.probed_files: set[tuple[int, int]] = set()
         self.plan: ProbePlan | None = None          # made at attach
         self.records: LlamaRecords | None = None    # made at attach
-        self.graph_counts = GraphTotals(self.dt, self._backend_name)
-        self.op_counts: OpTotals | None = None
         self.n_decode_tokens = 0
         self.tallies: dict[str, int] = {}   # the op level's PI_TALLY_* counts
         self.bpf_stats: dict[str, int] = {}
         self.counter_dropped: dict[str, int] = {}
-        self.op_threads_left = 0       # op states still in BPF when collection ended
-        self.slots_releasing = 0       # direct slots found half-released at the end
+        self.states_at_end = OpStatesAtEnd()
+
+    @property
+    def graph_totals(self) -> bool:
+        return self.totals.graph
+
+    @property
+    def op_totals(self) -> bool:
+        return self.totals.ops
 
     # ---- attach ----
 
@@ -142,10 +164,8 @@ class Collector(core.Collector):
                 self.warnings.append(f"exited threads keep their op state ({e}): a process "
                                      "that starts threads for each graph fills it and loses ops")
         if "sched" in self.levels:
-            sched_obj = schedprobe.attach(self.obj, self.buffer, self.ringbuf_pages * 4096 // 4,
-                                          self.pid, follow=self.followed_map_fd is not None)
-            self.companions.append(sched_obj)
-            self.n_probes += sched_obj.n_links
+            self._add_companion(schedprobe.attach(self.obj, self.buffer, self.ringbuf_pages * 4096 // 4,
+                                                  self.pid, follow=self.followed_map_fd is not None))
 
     def _attach_probe_list(self, probes, paths: dict[str, str]) -> None:
         """Attach `probes`, each to its ELF's file or to paths[that file] (another copy of it)."""
@@ -197,7 +217,7 @@ class Collector(core.Collector):
         (totals.GraphTotals.read)."""
         if self.obj is None or not self.graph_totals:
             return {}
-        return self.graph_counts.read(self.obj, self.plan.graph_probes)
+        return self.totals.graph_counts.read(self.obj, self.plan.graph_probes)
 
     def take_op_totals(self) -> dict[str, tuple[int, int]]:
         """Per op type, (ops, ns) since the last take, forgotten after (see take_tokens)."""
@@ -206,9 +226,9 @@ class Collector(core.Collector):
             return ops.take_totals() if ops is not None else {}
         if self.obj is None:
             return {}
-        if self.op_counts is None:
-            self.op_counts = OpTotals(self.dt, self.plan.op_names)
-        return self.op_counts.take(self.obj)
+        if self.totals.op_counts is None:
+            self.totals.op_counts = OpTotals(self.dt, self.plan.op_names)
+        return self.totals.op_counts.take(self.obj)
 
     def note_process_maps(self, tgid: int):
         """Read a followed process's mappings while it lives (its backends' names are read
@@ -219,14 +239,14 @@ class Collector(core.Collector):
         """A followed process is gone: its graph totals and backend names go too."""
         if self.obj is None:
             return
-        self.graph_counts.forget(self.obj, tgid)
+        self.totals.graph_counts.forget(self.obj, tgid)
         self.info.forget(tgid)
 
     def cost_counts(self) -> dict[str, int]:
         """What the probes cost so far, as the kernel counts it: BPF run time and the hits by
         kind (bpf_ns, hits_emulated, hits_stepped, hits_return; see _hit_costs), while
         collecting (a daemon's governor reads it)."""
-        if self._stats_fd < 0 or self.obj is None:
+        if not self._counting_costs():
             return {}
         self.tallies = self._op_tallies()
         return self._hit_costs()
@@ -269,11 +289,11 @@ class Collector(core.Collector):
             for _, raw in self.obj.map_items("op_threads_direct"):
                 owner = np.frombuffer(raw, state_dt, count=1)[0]["owner"]
                 if owner == releasing:      # an exit handler that did not finish: a bug
-                    self.slots_releasing += 1
+                    self.states_at_end.releasing += 1
                 elif owner:
                     states.append(raw)
         for raw in states:
-            self.op_threads_left += 1
+            self.states_at_end.left += 1
             st = np.frombuffer(raw[: state_dt.itemsize], state_dt, count=1)[0]
             batch = st["batch"]
             parts = [batch["ev"][: batch["count"]].copy()]
@@ -373,9 +393,9 @@ class Collector(core.Collector):
                                  "the node the loop computed: some ops may be misattributed "
                                  "(PROFINFER_OP_DESIGN=two-probe measures them apart)")
         prof.meta["thread_slots"] = str(self.plan.thread_slots)
-        prof.meta["thread_slots_releasing"] = str(self.slots_releasing)
+        prof.meta["thread_slots_releasing"] = str(self.states_at_end.releasing)
         # threads still alive when collection ended (an exiting one sends its ops itself)
-        prof.meta["op_threads_left"] = str(self.op_threads_left)
+        prof.meta["op_threads_left"] = str(self.states_at_end.left)
         prof.ops = assembler.finish(prof.graphs, self.records.experts)
         self.counter_dropped = assembler.dropped
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 import psutil
@@ -27,6 +28,37 @@ ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
 _U32_P = ctypes.POINTER(ctypes.c_uint32)
 
 
+@dataclass
+class OpPlan:
+    """What is probed, resolved at attach: the native ops and the library each is in, where
+    each op's entry probe sits, the pack's step rules, the arguments cost models read values
+    of, and the TensorImpl layout the probes read tensors by (checked as records come)."""
+    ops: list[native.NativeOp] = field(default_factory=list)
+    op_library: list[str] = field(default_factory=list)
+    placements: dict[str, tuple] = field(default_factory=dict)  # op: (entry probe's place, the first emulated one)
+    step_rules: dict = field(default_factory=dict)
+    cost_values: dict[str, int] = field(default_factory=dict)   # op: the argument a cost model reads values of
+    tensor_check: TensorLayoutCheck | None = None
+
+
+class Inbox:
+    """Records copied out of the event buffer until parsed: the op programs' (in slots of one
+    layout) and the sched level's, told apart by their kind."""
+
+    def __init__(self, dt: dict, kind_op: int):
+        self.kind_op = kind_op
+        # what lies past a record's end in its slot is never read: n_tensors and n_values
+        # bound it
+        self.ops = RecordSlots(dt["pv_op_event"])
+        self.sched = schedprobe.SchedRecords()
+
+    def add(self, data, size) -> None:
+        if ctypes.cast(data, _U32_P)[0] != self.kind_op:         # the sched level's
+            self.sched.add(ctypes.string_at(data, self.sched.dt.itemsize))
+            return
+        self.ops.add(data, size)
+
+
 class VllmCollector(Collector):
     HEADER = "vllm.h"
     MULTI_PROGRAMS = (ENTRY_PROGRAM, RETURN_PROGRAM)
@@ -37,25 +69,33 @@ class VllmCollector(Collector):
                  followed_map_fd: int | None = None, open_spans_fd: int | None = None):
         super().__init__(pid, levels, pack, lib_paths, root, tensor_layout, ringbuf_pages, buffer,
                          counters, followed_map_fd, open_spans_fd)
-        self.ev_dt = self.dt["pv_op_event"]
-        self._kind_op = self.consts["PV_EV_OP"]
-        self.ops: list[native.NativeOp] = []
-        self.op_library: list[str] = []
+        self.plan = OpPlan()
         self.elfs = []
         self.probed_files: set[tuple[int, int]] = set()
-        self.placements: dict[str, tuple] = {}   # op: (entry probe's place, the first emulated one)
-        self.step_rules: dict = {}
-        self.cost_values: dict[str, int] = {}   # op: the argument a cost model reads values of
-        self.tensor_check: TensorLayoutCheck | None = None   # the TensorImpl layout, checked
         self.records: CallRecords | None = None      # the calls parsed, made at attach
-        self._slots = RecordSlots(self.ev_dt)      # records, until parsed
-        self.sched = schedprobe.SchedRecords()
+        self._inbox = Inbox(self.dt, self.consts["PV_EV_OP"])
         self.bpf_stats: dict[str, int] = {}
         self.compiled_kernels = 0
         self.counter_names: list[str] = []
         self._server_metrics: MetricsWindow | None = None
         self.processes: set[int] = set()    # attach: the tree's processes followed
         self._tree_fd = -1
+
+    @property
+    def ops(self) -> list[native.NativeOp]:
+        return self.plan.ops
+
+    @property
+    def step_rules(self) -> dict:
+        return self.plan.step_rules
+
+    @property
+    def tensor_check(self) -> TensorLayoutCheck | None:
+        return self.plan.tensor_check
+
+    @property
+    def sched(self) -> schedprobe.SchedRecords:
+        return self._inbox.sched
 
     @property
     def layout(self) -> tensors.TensorLayout:
@@ -83,33 +123,35 @@ class VllmCollector(Collector):
         version = tensors.torch_version(mapped, self.root)
         if version is None and not any(op.kinds for op in self.ops):
             version = tensors.ANY_RELEASE      # no tensor is read: any layout does
-        self.tensor_check = TensorLayoutCheck(tensors.layout_for(version, self.forced_layout),
+        plan = self.plan
+        plan.tensor_check = TensorLayoutCheck(tensors.layout_for(version, self.forced_layout),
                                               version or "")
-        self.step_rules = stepmaker.rules(self.pack, self.ops)
+        plan.step_rules = stepmaker.rules(self.pack, self.ops)
         # the argument whose values a cost model needs (attention: each sequence's length)
         for name, rule in self.pack.cost_rules().items():
             op = next((o for o in self.ops if o.name == name), None)
             arg = rule.get("attention", {}).get("seq_lens")
             names = [a.name for a in op.schema.args] if op else []
             if arg in names and op.kinds[names.index(arg)] != native.SKIP:
-                self.cost_values[name] = names.index(arg)
+                plan.cost_values[name] = names.index(arg)
         if "sched" in self.levels:
             schedprobe.require_btf()
         if self.counter_request:
             self._open_counters()
             self.counter_names = [c.name for c in self.counters.counters]
-        self.records = CallRecords(self.ops, self.op_library, self.consts, len(self.counter_names))
+        self.records = CallRecords(self.ops, plan.op_library, self.consts, len(self.counter_names))
 
     def _find_ops(self) -> None:
         """The native ops of the engine's libraries to probe (the pack's declared ones, or
         every op schema that matches a C++ function); the step ops alone without the op
         level."""
+        plan = self.plan
         for elf in self.elfs:
             placement.require_supported(elf.path)
             declared = self.pack.raw.get("op")
             found, skipped = native.declared_ops(elf, declared) if declared else native.native_ops(elf)
-            self.ops.extend(found)
-            self.op_library.extend([os.path.basename(elf.path)] * len(found))
+            plan.ops.extend(found)
+            plan.op_library.extend([os.path.basename(elf.path)] * len(found))
             if skipped:
                 self.warnings.append(f"{os.path.basename(elf.path)}: not probed: {', '.join(skipped)}")
         if not self.ops:
@@ -122,8 +164,8 @@ class VllmCollector(Collector):
                 raise ProfinferError(f"{', '.join(e.path for e in self.elfs)}: none of the pack's "
                                      "step ops is probed: no step level without the op level")
             keep = [i for i, op in enumerate(self.ops) if op.name in step_ops]
-            self.ops = [self.ops[i] for i in keep]
-            self.op_library = [self.op_library[i] for i in keep]
+            plan.ops = [plan.ops[i] for i in keep]
+            plan.op_library = [plan.op_library[i] for i in keep]
         if len(self.ops) > self.consts["PV_MAX_OPS"]:
             raise ProfinferError(f"{len(self.ops)} native ops; profinfer probes at most "
                                  f"{self.consts['PV_MAX_OPS']}")
@@ -137,10 +179,8 @@ class VllmCollector(Collector):
 
     def _before_probes(self) -> None:
         if "sched" in self.levels:       # the whole tree's threads, as the op programs
-            sched_obj = schedprobe.attach(self.obj, self.buffer, self.ringbuf_pages * 4096 // 4,
-                                          self.pid, follow=True)
-            self.companions.append(sched_obj)
-            self.n_probes += sched_obj.n_links
+            self._add_companion(schedprobe.attach(self.obj, self.buffer, self.ringbuf_pages * 4096 // 4,
+                                                  self.pid, follow=True))
         if self.followed_map_fd is None:
             # attach: the process and its descendants (vLLM runs the model in a child of
             # the API server, one per rank), kept in the object's own `followed` map
@@ -184,7 +224,7 @@ class VllmCollector(Collector):
         spec["kind"][0, :len(op.kinds)] = op.kinds
         spec["slot"][0, :len(op.slots)] = op.slots
         rule = self.step_rules.get(op.name)
-        spec["values_of"] = rule.values_arg if rule else self.cost_values.get(op.name, 0xff)
+        spec["values_of"] = rule.values_arg if rule else self.plan.cost_values.get(op.name, 0xff)
         spec["starts_step"] = int(rule is not None)
         return spec
 
@@ -194,14 +234,14 @@ class VllmCollector(Collector):
             path = paths.get(elf.path, elf.path)
             entries, returns, cookies = [], [], []
             for i, op in enumerate(self.ops):
-                sym = elf.find(op.symbol) if self.op_library[i] == os.path.basename(elf.path) else None
+                sym = elf.find(op.symbol) if self.plan.op_library[i] == os.path.basename(elf.path) else None
                 if sym is None:
                     continue
                 # the entry probe reads every argument register and the stack: placed where
                 # none has moved (placement.choose), else on the first instruction
                 code = elf.code_bytes(sym, 64)
                 place = placement.choose(code, (1, 2, 3, 4, 5, 6))
-                self.placements[op.name] = (place, placement.choose(code))
+                self.plan.placements[op.name] = (place, placement.choose(code))
                 entries.append(sym.file_offset + place.offset)
                 returns.append(sym.file_offset)
                 cookies.append(i)
@@ -225,15 +265,10 @@ class VllmCollector(Collector):
     # ---- collect ----
 
     def _on_record(self, data, size):
-        if ctypes.cast(data, _U32_P)[0] != self._kind_op:         # the sched level's
-            self.sched.add(ctypes.string_at(data, self.sched.dt.itemsize))
-            return
-        # what lies past a record's end in its slot is never read: n_tensors and n_values
-        # bound it
-        self._slots.add(data, size)
+        self._inbox.add(data, size)
 
     def _parse(self) -> None:
-        ev = self._slots.take()
+        ev = self._inbox.ops.take()
         if ev is None:
             return
         if not self.tensor_check.trusted:
@@ -266,7 +301,7 @@ class VllmCollector(Collector):
 
     def cost_counts(self) -> dict[str, int]:
         """What the probes cost so far (see _cost), while collecting (a daemon's governor)."""
-        if self._stats_fd < 0 or self.obj is None:
+        if not self._counting_costs():
             return {}
         return self._cost(self.obj.program_stats(), self.records.calls_by_op())
 
@@ -315,7 +350,7 @@ class VllmCollector(Collector):
             return {}
         out = program_costs(stats)
         for name, n in per_op.items():
-            entry, first = self.placements[name]
+            entry, first = self.plan.placements[name]
             add_hits(out, n, entry.emulated, returns=True,
                      return_trap_emulated=(first.emulated and first.offset == 0) if entry.offset else None)
         return out

@@ -31,6 +31,18 @@ MEMORY_KINDS = {1: "device", 2: "host"}
 TALLIES = ("nested", "agg_full", "unpaired", "pending_full")
 
 
+class ProbeSites:
+    """Where the probes are: the target's runtime files found at attach, each file probed by
+    (device, inode) with its links and probe count, the runtime files each process uses, and
+    each function's entry probe's place."""
+
+    def __init__(self):
+        self.found: list[runtime.RuntimeFile] = []
+        self.probed: dict[tuple[int, int], tuple[runtime.RuntimeFile, list, int]] = {}
+        self.process_files: dict[int, set[tuple[int, int]]] = {}
+        self.placements: dict[str, placement.Placement] = {}   # function: its entry probe's place
+
+
 class CudaCollector(Collector):
     HEADER = runtime.HEADER
     MULTI_PROGRAMS = (ENTRY_ONLY, ENTRY, RETURN)
@@ -43,30 +55,25 @@ class CudaCollector(Collector):
         super().__init__(pid, levels, pack, lib_paths, root, tensor_layout, ringbuf_pages, buffer,
                          counters, followed_map_fd, open_spans_fd)
         self.timeline = timeline
-        self.ev_dt = self.dt["pc_call"]
         self.apis: list[runtime.Api] = []
-        self.placements: dict[str, placement.Placement] = {}   # function: its entry probe's place
+        self.sites = ProbeSites()
         self.names: dict[int, KernelNames] = {}       # per process
         self.name_op: Callable[[int, int], str | None] | None = None   # (engine, op index) -> name
         # records end where what they hold ends (registrations alone carry a name): zeroed
         # past their end in their slot, as every field is read
-        self._slots = RecordSlots(self.ev_dt, zeroed=True)
+        self._slots = RecordSlots(self.dt["pc_call"], zeroed=True)
         self._records: list[np.ndarray] = []
-        self._found: list[runtime.RuntimeFile] = []      # the target's runtime files, at attach
         self._kernel_names: dict[tuple[int, int, bool], str] = {}   # named once per kernel
         self._memory = KnownMemory()        # allocations seen: which way Default copies went
-        self._sites: dict[tuple[int, int], str] = {}
-        # each probed file by (device, inode): the file, its links, its probes
-        self._probed: dict[tuple[int, int], tuple[runtime.RuntimeFile, list, int]] = {}
-        self.process_files: dict[int, set[tuple[int, int]]] = {}   # the runtime files each uses
+        self._call_sites: dict[tuple[int, int], str] = {}   # (tgid, address): its caller's name
 
     # ---- attach ----
 
     def _prepare(self) -> None:
         self.apis = runtime.apis(self.pack)
-        self._found, warnings = runtime.runtime_files(self.pack, self.lib_paths, self.root)
+        self.sites.found, warnings = runtime.runtime_files(self.pack, self.lib_paths, self.root)
         self.warnings.extend(warnings)
-        if not self._found:
+        if not self.sites.found:
             raise ProfinferError(f"no CUDA runtime in process {self.pid} (none of "
                                  f"{', '.join(self.pack.libraries)} is mapped, and no executable "
                                  f"defines {self.pack.marker})")
@@ -80,11 +87,11 @@ class CudaCollector(Collector):
             libbpf.map_update(specs, api.index.to_bytes(4, "little"), self._spec(api).tobytes())
 
     def _attach_probes(self) -> None:
-        self._attach_files(self.pid, self._found)
+        self._attach_files(self.pid, self.sites.found)
 
     def _after_probes(self) -> None:
         if not self.n_probes:
-            raise ProfinferError(f"{', '.join(f.path for f in self._found)}: none of the CUDA "
+            raise ProfinferError(f"{', '.join(f.path for f in self.sites.found)}: none of the CUDA "
                                  "functions probes/cuda.toml lists is defined there")
 
     def _config(self) -> np.ndarray:
@@ -104,11 +111,11 @@ class CudaCollector(Collector):
         return spec
 
     def _attach_files(self, tgid: int, files: list[runtime.RuntimeFile]) -> None:
-        pid = self._probe_pid()
+        pid, sites = self._probe_pid(), self.sites
         for rf in files:
             key = discovery.file_key(rf.host_path)
-            self.process_files.setdefault(tgid, set()).add(key)
-            if key in self._probed:
+            sites.process_files.setdefault(tgid, set()).add(key)
+            if key in sites.probed:
                 continue
             links: list = []
             groups: dict[str, tuple[list[int], list[int]]] = {ENTRY_ONLY: ([], []), ENTRY: ([], []),
@@ -124,7 +131,7 @@ class CudaCollector(Collector):
                 code = rf.elf.code_bytes(sym, 64)
                 entry = placement.choose(code, (1, 2, 3, 4, 5, 6)) if not api.returns else \
                     _first_instruction(code)
-                self.placements[api.name] = entry
+                sites.placements[api.name] = entry
                 for prog in ((ENTRY, RETURN) if api.returns else (ENTRY_ONLY,)):
                     groups[prog][0].append(sym.file_offset + entry.offset)
                     groups[prog][1].append(api.index)
@@ -139,7 +146,7 @@ class CudaCollector(Collector):
                 raise
             n = sum(len(offsets) for offsets, _ in groups.values())
             self.n_probes += n
-            self._probed[key] = (rf, links, n)
+            sites.probed[key] = (rf, links, n)
         self._watch_process(tgid, files)
 
     def _watch_process(self, tgid: int, files: list[runtime.RuntimeFile]) -> None:
@@ -167,7 +174,7 @@ class CudaCollector(Collector):
     @property
     def files(self) -> list[runtime.RuntimeFile]:
         """The runtime files probed, in the order they were."""
-        return [rf for rf, _, _ in self._probed.values()]
+        return [rf for rf, _, _ in self.sites.probed.values()]
 
     def attach_files(self, lib_paths: list[tuple[str, str]], tgid: int | None = None,
                      root: str | None = None) -> list[str]:
@@ -180,10 +187,11 @@ class CudaCollector(Collector):
     def forget_process(self, tgid: int) -> None:
         """A followed process is gone (drained first): its counts, names and runtime ranges
         go, and the probes on runtime files that no followed process uses any more."""
-        self.process_files.pop(tgid, None)
+        sites = self.sites
+        sites.process_files.pop(tgid, None)
         self.names.pop(tgid, None)
         self._kernel_names = {k: v for k, v in self._kernel_names.items() if k[0] != tgid}
-        self._sites = {k: v for k, v in self._sites.items() if k[0] != tgid}
+        self._call_sites = {k: v for k, v in self._call_sites.items() if k[0] != tgid}
         self._memory.blocks = {k: v for k, v in self._memory.blocks.items() if k[0] != tgid}
         if self.obj is None:
             return
@@ -193,9 +201,9 @@ class CudaCollector(Collector):
             if int(np.frombuffer(k[:key_dt.itemsize], key_dt)[0]["tgid"]) == tgid:
                 libbpf.map_delete(fd, k[:key_dt.itemsize])
         libbpf.map_delete(self.obj.map_fd("runtime_ranges"), tgid.to_bytes(4, "little"))
-        used = set().union(*self.process_files.values()) if self.process_files else set()
-        for key in [k for k in self._probed if k not in used]:
-            _, links, n = self._probed.pop(key)
+        used = set().union(*sites.process_files.values()) if sites.process_files else set()
+        for key in [k for k in sites.probed if k not in used]:
+            _, links, n = sites.probed.pop(key)
             self.obj.detach_links(links)
             self.n_probes -= n
 
@@ -290,9 +298,9 @@ class CudaCollector(Collector):
 
     def _site(self, tgid: int, addr: int) -> str:
         key = (tgid, addr)
-        site = self._sites.get(key)
+        site = self._call_sites.get(key)
         if site is None:
-            site = self._sites[key] = self.names.setdefault(tgid, KernelNames(tgid)).site(addr)
+            site = self._call_sites[key] = self.names.setdefault(tgid, KernelNames(tgid)).site(addr)
         return site
 
     def _op(self, engine: int, op: int, flags: int) -> str:
@@ -360,7 +368,7 @@ class CudaCollector(Collector):
             for c in calls:
                 by_api[c.api] = by_api.get(c.api, 0) + c.count
             for name, n in by_api.items():
-                add_hits(cost, n, self.placements[name].emulated, returns=name in returns)
+                add_hits(cost, n, self.sites.placements[name].emulated, returns=name in returns)
             # driver launches the runtime made: trapped, then skipped in BPF (emulated or not,
             # as the driver's probes are placed: counted as single-stepped, the dearer)
             cost["hits_stepped"] += tallies.get("nested", 0)
