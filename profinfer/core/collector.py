@@ -5,9 +5,9 @@ A collector attaches one BPF object's programs to the files a target process map
 the records its programs send, and builds a Profile. `Collector` holds what is the same for
 all of them, once:
 
-- the constructor's settings (`settings`: a Settings) and what attach opened and detach
-  closes (`attachment`: an Attachment), each read through properties of the same names as
-  before (obj, buffer, root, counters, attach_s, ...);
+- the constructor's settings (`settings`: a Settings) and what attach opens and detach
+  closes (`attachment`: an Attachment), their fields read through read-only properties of
+  the collector (obj, buffer, root, counters, attach_s, ...);
 - the attach sequence (`attach`): root check, the object built for the event buffer, the
   followed and open-spans maps of a session or a daemon reused, rodata, the ring's size,
   uprobe-multi links where the kernel has them, load, the kernel's run-time statistics, the
@@ -70,7 +70,8 @@ from profinfer.core.transport import EventTransport, attach_failed
 
 @dataclass(frozen=True)
 class Settings:
-    """How a collector was asked to collect: its constructor's keywords, as given."""
+    """How a collector was asked to collect: its constructor's keywords (the event buffer
+    resolved to the kind used, the shared maps' fds by map name)."""
     lib_paths: list[tuple[str, str]]    # (path to open, path inside the target)
     root: str
     forced_layout: str | None           # a tensor layout named by the user (else found)
