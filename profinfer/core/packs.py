@@ -28,11 +28,13 @@ class ProbeSpec:
     entry: str | None = None
     ret: str | None = None
     args: tuple[int, ...] = ()
-    graph_backend: bool | None = None   # graph probes: does arg 1 point to a ggml_backend?
     required: bool = False
     group: str | None = None             # probes of one group are alternatives: first found wins
     callers: str | None = None           # probe the calls of `function` in these functions instead
-    walk_entry: str | None = None        # the op level's one-probe design: its program ("": none)
+    # each match gets programs of its own: entry and return with "_<n>" added, n counting
+    # the matches of every numbered probe (the collector tells them apart by n)
+    numbered: bool = False
+    table: dict = field(default_factory=dict)   # the probe's own keys, for its pack's collector
 
 
 @dataclass
@@ -94,13 +96,11 @@ def load_pack(name: str = "llamacpp") -> Pack:
         raise ProfinferError(f"probe pack {name}: no {', '.join(missing)}")
     probes = []
     for p in raw.get("probe", ()):
-        graph = p.get("graph")
         probes.append(ProbeSpec(
             level=p["level"], function=p.get("function"), pattern=p.get("pattern"),
             entry=p.get("entry"), ret=p.get("return"), args=tuple(p.get("args", ())),
-            graph_backend=None if graph is None else graph["backend"],
             required=p.get("required", False), group=p.get("group"), callers=p.get("callers"),
-            walk_entry=p.get("walk_entry")))
+            numbered=p.get("numbered", False), table=p))
     return Pack(name, raw["engine"], raw["bpf"], raw["libraries"], raw.get("marker", ""),
                 raw["decoder"], probes, raw)
 
@@ -168,7 +168,7 @@ def resolve(pack: Pack, elfs: list[ElfInfo], levels: set[str]) -> tuple[list[Res
         placement.require_supported(elf.path)
     out: list[ResolvedProbe] = []
     warnings: list[str] = []
-    graph_index = 0
+    numbered = 0
     groups_done: set[str] = set()
     for spec in pack.probes:
         if spec.level not in levels or spec.group in groups_done:
@@ -208,10 +208,9 @@ def resolve(pack: Pack, elfs: list[ElfInfo], levels: set[str]) -> tuple[list[Res
                 continue
         for elf, sym in matches:
             entry, ret = spec.entry, spec.ret
-            if spec.graph_backend is not None:
-                entry, ret = f"graph_enter_{graph_index}", f"graph_return_{graph_index}"
+            if spec.numbered:
+                entry, ret = f"{entry}_{numbered}", f"{ret}_{numbered}"
+                numbered += 1
             place = placement.choose(elf.code_bytes(sym, 64), spec.args)
             out.append(ResolvedProbe(spec, elf, sym, place, entry, ret))
-            if spec.graph_backend is not None:
-                graph_index += 1
     return out, warnings

@@ -74,13 +74,11 @@ struct pi_discover_event {
  * calls are attributed to it): the engine's step (a llama_decode call, a vLLM step) and its
  * innermost native op. Every engine's programs keep it in `open_spans` (common.bpf.h); such a
  * level's object reuses the map. */
-#define PI_ENGINE_LLAMACPP 1
-#define PI_ENGINE_VLLM 2
 
 struct pi_open_span {
     u64 step;                 /* steps begun on this thread so far (0: none) */
     u64 step_start_ns;        /* 0: no step open (llama.cpp: between decode calls) */
     u64 op_start_ns;          /* 0: no op open */
     u32 op;                   /* the engine's number for the op (vLLM: its op index) */
-    u32 engine;               /* PI_ENGINE_* */
+    u32 engine;               /* the engine's own number (its header defines it) */
 };

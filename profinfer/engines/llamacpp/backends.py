@@ -12,6 +12,7 @@ from profinfer.core.errors import ProfinferError
 from profinfer.core.model import GraphCall
 from profinfer.core.procfs import FileMapping
 from profinfer.core.symbols import load_elf
+from profinfer.engines.llamacpp.probeplan import graph_backend
 
 
 def backend_name(fn_addr: int, mappings: list[FileMapping], pid: int, root: str) -> str:
@@ -45,7 +46,7 @@ def graph_calls(graphs: list[np.ndarray], graph_probes: list, name_of) -> list[G
     out = []
     for r in np.sort(np.concatenate(graphs), order="start_ns"):
         probe = graph_probes[int(r["probe"])]
-        if probe.spec.graph_backend:
+        if graph_backend(probe.spec):
             fn = int(r["name_fn"])
             if fn not in backend_cache:
                 backend_cache[fn] = name_of(fn)

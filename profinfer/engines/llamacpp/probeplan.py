@@ -11,7 +11,7 @@ import numpy as np
 
 from profinfer.core import dwarf, kernel
 from profinfer.core.errors import ProfinferError
-from profinfer.core.packs import Pack, resolve
+from profinfer.core.packs import Pack, ProbeSpec, resolve
 from profinfer.engines.llamacpp import ggml, graphwalk
 
 # llama_batch_ext (b11434): tokens' offset, a token's size, its pos[0] and its seq_ids
@@ -33,6 +33,20 @@ BARE_PROGRAM = "bare_hit"
 GRAPHS_CHANGED_PROGRAMS = ("graphs_changed", "context_made")
 GRAPH_CHANGERS = {"ggml_init", "ggml_reset", "ggml_new_graph_custom"}
 TOKEN_EXT_PROGRAMS = ("token_enter_ext", "token_enter_ext_seqs")
+
+
+def graph_backend(spec: ProbeSpec) -> bool | None:
+    """A graph probe's pack table says whether its arg 1 points to a ggml_backend; None: not
+    a graph probe."""
+    graph = spec.table.get("graph")
+    return None if graph is None else graph["backend"]
+
+
+def walk_entry(spec: ProbeSpec) -> str | None:
+    """An op probe's program in the one-probe design ("": none in that design; None: the
+    probe is not one of either design's)."""
+    return spec.table.get("walk_entry")
+
 
 
 class ProbePlan:
@@ -85,7 +99,7 @@ class ProbePlan:
     @property
     def graph_probes(self) -> list:
         """The graph probes, in the order BPF numbers them in graph events (resolve's)."""
-        return [p for p in self.probes if p.spec.graph_backend is not None]
+        return [p for p in self.probes if graph_backend(p.spec) is not None]
 
     def programs(self) -> set[str]:
         programs = {fn for p in self.probes for fn in (p.entry_fn, p.return_fn) if fn}
@@ -99,7 +113,7 @@ class ProbePlan:
     def _choose_op_design(self, counters: bool) -> None:
         """One probe per node and thread where graphwalk.py finds what it needs, else two;
         the op probes' programs are set for the design chosen (self.op_design says which)."""
-        loop = next((p for p in self.probes if p.spec.walk_entry == LOOP_PROGRAM), None)
+        loop = next((p for p in self.probes if walk_entry(p.spec) == LOOP_PROGRAM), None)
         barriers = [p for p in self.probes if p.entry_fn == BARRIER_PROGRAM]
         why = ""
         if counters:
@@ -119,9 +133,9 @@ class ProbePlan:
             return
         self.op_design = "one probe per node"
         for p in self.probes:
-            if p.spec.level != "op" or p.spec.walk_entry is None:
+            if p.spec.level != "op" or walk_entry(p.spec) is None:
                 continue
-            p.entry_fn = p.spec.walk_entry or None
+            p.entry_fn = walk_entry(p.spec) or None
             if p.entry_fn == NODE_END_PROGRAM and not self.walk.is_loop_call(p.symbol, p.place.offset):
                 p.entry_fn = None     # an op's own barrier, inlined into the loop
 
@@ -189,7 +203,7 @@ class ProbePlan:
             for op in w.empty_ops:
                 if op < 128:
                     cfg["empty_ops"][0][op >> 6] |= np.uint64(1 << (op & 63))
-        cfg["graph_has_backend"] = sum(1 << i for i, p in enumerate(graph_probes) if p.spec.graph_backend)
+        cfg["graph_has_backend"] = sum(1 << i for i, p in enumerate(graph_probes) if graph_backend(p.spec))
 
     def _fill_tensor_offsets(self, cfg: np.ndarray) -> None:
         lay = self.layout

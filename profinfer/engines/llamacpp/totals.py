@@ -6,6 +6,7 @@ import numpy as np
 
 from profinfer.core import libbpf
 from profinfer.engines.llamacpp import assemble
+from profinfer.engines.llamacpp.probeplan import graph_backend
 
 GraphTotal = tuple[int, int, int, list[int]]     # calls, ns, nodes, histogram counts
 
@@ -27,7 +28,7 @@ class GraphTotals:
         for k, v in obj.map_items("graph_totals"):
             key, val = np.frombuffer(k, self.key_dt)[0], np.frombuffer(v, self.val_dt)[0]
             tgid, probe, fn = int(key["tgid"]), int(key["probe"]), int(key["name_fn"])
-            if probe < len(graph_probes) and graph_probes[probe].spec.graph_backend:
+            if probe < len(graph_probes) and graph_backend(graph_probes[probe].spec):
                 backend = self._names.get((tgid, fn))
                 if backend is None:
                     backend = self._names[(tgid, fn)] = self.name_of(fn, tgid)

@@ -8,6 +8,8 @@
 #include "counters.h"
 #include "sched.h"
 
+#define PI_ENGINE_LLAMACPP 1     /* pi_open_span.engine (transport.h) */
+
 #define PI_NAME_LEN 64
 /* The op handler reads a tensor's fields with one read of its first bytes, not one per field
  * (each read costs ~0.1 µs here, and a node needs a dozen fields of three tensors): the

@@ -5,6 +5,8 @@
 #include "transport.h"
 #include "counters.h"
 
+#define PI_ENGINE_VLLM 2         /* pi_open_span.engine (transport.h) */
+
 #define PV_EV_OP 32           /* one call of a native op, sent at its return */
 
 #define PV_MAX_OPS 1024       /* ops probed (the attach cookie is the op's index) */
