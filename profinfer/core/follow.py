@@ -172,7 +172,7 @@ class LoaderHooks:
             raise ProfinferError(f"the dynamic loader {path} has no {LOADER_HOOK} (not glibc's, or "
                                  "not x86-64): libraries it loads later (dlopen) cannot be followed")
         # its callers' `call` instructions (emulated), else its own first one (a `ret`,
-        # single-stepped: ~30x the cost, in every process that uses this loader)
+        # single-stepped: far dearer, in every process that uses this loader)
         sites = sites or [hook]
         if self.table is not None and self._sites + len(sites) > self.table_size:
             self._unhookable.add(key)

@@ -32,12 +32,12 @@ from profinfer.core.errors import ProfinferError
 
 WAIT_S = 2.0           # the loop waits at most this long per turn for readings (held processes: 2 s)
 DEADLINE_S = 20.0      # a reading still running after this is killed, and not tried again
-# the worker's address space beyond its imports: a full scan of llama.cpp's DWARF (30 MiB)
-# peaks at ~250 MiB; the worker and the daemon (~70-150 MiB) fit the manifest's 512 MiB
+# the worker's address space beyond its imports: room for the largest DWARF scan, while the
+# worker and the daemon together fit the manifest's 512 MiB (sizes in bench/results.md)
 MEMORY_BYTES = 320 << 20
 STARTUP_S = 30.0       # the worker's imports
 _KEEP = 256            # results and failures remembered
-# one result, pickled: libtorch_python's symbols are 6 MiB (vLLM's _C 3 MiB, libllama 0.6 MiB)
+# one result, pickled: several times the largest symbol table read (bench/results.md)
 MAX_RESULT_BYTES = 32 << 20
 
 

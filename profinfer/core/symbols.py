@@ -148,8 +148,8 @@ def _open_debug_file(build_id: str, root: str):
 
 _ELF_CACHE: OrderedDict = OrderedDict()       # key -> (ElfInfo, its estimated bytes)
 _ELF_CACHE_SIZE = 64
-# what the cache may hold in all (live Python objects, ~ names + 200 bytes a symbol:
-# libtorch_python's 34k symbols ~12 MiB); the daemon's memory limit is 512 MiB
+# what the cache may hold in all (live Python objects, ~ names + 200 bytes a symbol), well
+# within the daemon's memory limit of 512 MiB (sizes in bench/results.md)
 _ELF_CACHE_BYTES = 96 << 20
 _elf_cache_bytes = 0
 _ELF_KEYS: dict[tuple[str, str], tuple] = {}     # (path, root) -> the identity it had

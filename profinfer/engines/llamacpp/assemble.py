@@ -44,7 +44,7 @@ class OpAssembler:
         self.descs: list[NodeDesc] = []
         self.index: dict[bytes, int] = {}        # descriptor bytes -> index in descs
         # Descriptions are turned into NodeDescs when collection ends, not while the target
-        # runs: at ~12 µs a node that was most of the collector's CPU time while it ran.
+        # runs, where they would take the collector's CPU from it (bench/results.md).
         self.undescribed: list[np.ndarray | None] = []   # raw pi_node_desc rows in index
         # order; None: a node whose description was lost
         self.n_descs = 0
@@ -121,8 +121,8 @@ class OpAssembler:
         """Descriptor index per op, as its node's latest description says; a node whose
         description was lost (counted in lost events) gets a descriptor that says so."""
         ids = np.full(len(tids), -1, np.int32)
-        # (not np.unique: its first call imports numpy.ma, ~35 ms of the collector's CPU
-        # while the target runs)
+        # (not np.unique: its first call imports numpy.ma, CPU the collector would take from
+        # the running target; bench/results.md)
         for tid in set(tids.tolist()):
             table = self.numbers.get(tid)
             if table is None:

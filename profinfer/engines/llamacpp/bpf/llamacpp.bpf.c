@@ -848,8 +848,8 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
         return 0;
     if (!in_target())
         return other_process();
-    /* Counters are read next to the clock: what the handler does after this (~1.4 µs here)
-     * must fall on the same side of both, or short ops lose a third of their count. */
+    /* Counters are read next to the clock: what the handler does after this must fall on
+     * the same side of both, or short ops lose part of their count (bench/results.md). */
     struct pi_counter_read reads[PI_MAX_COUNTERS] = {};
     u64 now = bpf_ktime_get_ns();
     int reads_failed = cfg.n_counters ? read_counters(reads, bpf_get_smp_processor_id()) : 0;
