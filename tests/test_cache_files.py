@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _writable_dir(cache: Path, sub: str) -> tuple[str, str]:
     """buildcache.writable_dir(sub) in a fresh process: (what it returned, its stderr)."""
-    done = subprocess.run([sys.executable, "-c", "import sys; from profinfer import buildcache; "
+    done = subprocess.run([sys.executable, "-c", "import sys; from profinfer.core import buildcache; "
                            f"print(buildcache.writable_dir({sub!r}))"],
                           cwd=REPO, env={**os.environ, "PROFINFER_CACHE": str(cache)},
                           capture_output=True, text=True, timeout=60, check=True)

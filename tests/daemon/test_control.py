@@ -54,7 +54,7 @@ def _state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/status") as f:
             return next(line.split()[1] for line in f if line.startswith("State:"))
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):     # reaped before, or while, it was read
         return "gone"
 
 
