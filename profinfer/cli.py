@@ -65,7 +65,7 @@ def probe_options(f):
                      "op), and cuda (CUDA runtime and driver calls: launches, copies, allocations, "
                      "syncs, graphs; alone for a program that is no known engine).")(f)
     f = click.option("--pack", "packs", multiple=True, type=click.Path(dir_okay=False),
-                     help="A probe pack file (TOML, as probes/*.toml), tried before the bundled "
+                     help="A probe pack file (TOML, as an engine's pack.toml), tried before the bundled "
                      "ones: an engine or a program's own functions as ops.")(f)
     f = click.option("--duration", type=click.FloatRange(min=0.01),
                      help="Stop after this many seconds (default: until Ctrl-C or target exit).")(f)

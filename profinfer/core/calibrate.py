@@ -1,6 +1,6 @@
 """`profinfer calibrate`: measure this machine's roofs, check the measurement, cache it.
 
-A small C microbenchmark (profinfer/native/roofs.c, built with the system's gcc and OpenMP)
+A small C microbenchmark (profinfer/core/native/roofs.c, built with the system's gcc and OpenMP)
 measures read bandwidth, triad bandwidth (shown, not judged) and f32 FMA throughput with N
 threads, 7 times each. The memory roof is the read bandwidth (LLM weights are read, not written); the compute roof
 is f32 FMA, which is what ggml's CPU matmuls run on (f16 and quantized weights are widened

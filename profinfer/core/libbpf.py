@@ -212,7 +212,7 @@ class BpfObject:
         ptr = lib().bpf_map__initial_value(self._map(".rodata"), ctypes.byref(size))
         if not ptr or size.value != len(data):
             raise ProfinferError(f"BPF object's .rodata is {size.value} bytes, configuration is "
-                                 f"{len(data)}: object and events.h disagree (rebuild it)")
+                                 f"{len(data)}: object and its header disagree (rebuild it)")
         ctypes.memmove(ptr, data, len(data))
 
     def reuse_map(self, map_name: str, fd: int) -> None:

@@ -63,7 +63,7 @@ class Pack:
 
 
 def cost_rules(pack_name: str | None) -> dict[str, dict]:
-    """The pack's roofline cost models by op (probes/<pack>.toml [[cost]]); {} for none."""
+    """The pack's roofline cost models by op (its pack's [[cost]] tables); {} for none."""
     if not pack_name or pack_name not in pack_names():
         return {}
     return load_pack(pack_name).cost_rules()

@@ -105,7 +105,7 @@ class OpenCounters:
 
 
 def max_counters() -> int:
-    """How many counters BPF reads per op (PI_MAX_COUNTERS in events.h)."""
+    """How many counters BPF reads per op (PI_MAX_COUNTERS in counters.h)."""
     from profinfer.core import layout
     return layout.parse(header="counters.h")[0]["PI_MAX_COUNTERS"]
 

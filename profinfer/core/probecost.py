@@ -1,7 +1,7 @@
 """What one uprobe hit costs on this machine: measured once per kernel and CPU, cached.
 
 BPF's own run time is counted by the kernel (bpf_stats); the trap that gets there is not.
-profinfer/native/probecost.c calls a tiny function in a loop and reports thread CPU time per
+profinfer/core/native/probecost.c calls a tiny function in a loop and reports thread CPU time per
 call; a uprobe is put on it (a plain perf uprobe event, no BPF) for alternate rounds, so the
 difference is the trap, the kernel's emulation or single-step of the probed instruction, and
 the return to user space. Three costs: a probe on an instruction the kernel emulates (how

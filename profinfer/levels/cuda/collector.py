@@ -1,5 +1,5 @@
 """The cuda level's collector: probe the CUDA runtime and driver functions a process's
-files define (probes/cuda.toml), collect their calls (or, without a timeline, the counts
+files define (its pack.toml), collect their calls (or, without a timeline, the counts
 BPF kept), name their kernels, and make them the profile's cuda_calls.
 
 It runs beside an engine's collector (sharing the per-thread open spans the engine's
@@ -92,7 +92,7 @@ class CudaCollector(Collector):
     def _after_probes(self) -> None:
         if not self.n_probes:
             raise ProfinferError(f"{', '.join(f.path for f in self.sites.found)}: none of the CUDA "
-                                 "functions probes/cuda.toml lists is defined there")
+                                 "functions the cuda pack lists is defined there")
 
     def _config(self) -> np.ndarray:
         cfg = np.zeros(1, self.dt["pi_config"])

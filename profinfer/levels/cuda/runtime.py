@@ -1,5 +1,5 @@
 """Where a process's CUDA runtime and driver API are, and which of their functions the
-cuda level probes (probes/cuda.toml's table, resolved against each file's symbols).
+cuda level probes (levels/cuda/pack.toml's table, resolved against each file's symbols).
 
 The runtime is any libcudart.so* the process maps, or a copy linked statically into an
 executable (nvcc's default) or library, found by its symbols (.symtab: the static copy's
@@ -24,7 +24,7 @@ _STATIC_PREFIXES = ("libcudart_static_", "cuda", "__cuda")
 class Api:
     index: int          # its attach cookie
     name: str
-    cls: str            # probes/cuda.toml `class` (bpf/cuda.h PC_*)
+    cls: str            # pack.toml `class` (bpf/cuda.h PC_*)
     what: str           # launch, graph, copy, set, memory, sync, registration
     stream_slot: int | None
     handle_slot: int | None
@@ -44,11 +44,11 @@ def apis(pack: Pack) -> list[Api]:
                            fn.get("handle"), fn.get("memory", ""), bool(fn.get("returns"))))
     consts = layout.parse(header=HEADER)[0]
     if len(out) > consts["PC_MAX_APIS"]:
-        raise ProfinferError(f"probes/{pack.name}.toml lists {len(out)} functions; "
+        raise ProfinferError(f"probe pack {pack.name} lists {len(out)} functions; "
                              f"the cuda level probes at most {consts['PC_MAX_APIS']}")
     for a in out:
         if f"PC_{a.cls.upper()}" not in consts:
-            raise ProfinferError(f"probes/{pack.name}.toml: {a.name}: unknown class {a.cls!r}")
+            raise ProfinferError(f"probe pack {pack.name}: {a.name}: unknown class {a.cls!r}")
     return out
 
 
