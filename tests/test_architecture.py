@@ -40,7 +40,7 @@ def test_resolve_refuses_an_aarch64_library(aarch64_llama):
     assert elf.find("llama_decode")          # the probes would resolve: only the check refuses
     with pytest.raises(ProfinferError, match=r"libllama\.so is built for aarch64: profinfer "
                                              r"places probes by decoding x86-64 code only"):
-        resolve(load_pack(), [elf], {"token", "graph", "op"})
+        resolve(load_pack("llamacpp"), [elf], {"token", "graph", "op"})
 
 
 def test_attach_to_a_process_mapping_aarch64_llama(aarch64_llama, tmp_path):

@@ -101,6 +101,7 @@ class Collector:
     MULTI_PROGRAMS: tuple[str, ...] = ()
     PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS = 64, 16     # perf buffers (kernels before 5.12)
     n_decode_tokens = 0          # tokens decoded so far, for a collector that sees them
+    elfs: tuple = ()             # the files its probes are on (an engine's sets its own list)
 
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,

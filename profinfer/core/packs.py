@@ -74,7 +74,7 @@ def pack_names() -> list[str]:
     return [p.name for p in registry.plugins() if p.pack_file is not None]
 
 
-def load_pack(name: str = "llamacpp") -> Pack:
+def load_pack(name: str) -> Pack:
     """A bundled pack by name, or a pack file (a path ending in .toml)."""
     if name.endswith(".toml"):
         try:
