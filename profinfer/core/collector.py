@@ -31,7 +31,8 @@ sequence calls in this order:
                               them (empty: every probe is a single uprobe)
     _prepare()                find what to probe in the target (files, symbols, layouts);
                               raise ProfinferError when there is nothing: no BPF object yet
-    _config() -> np.ndarray   the object's rodata (`cfg`)
+    _fill_config(cfg)         its part of the object's rodata (`cfg`; the base fills the transport's)
+    _follows() -> bool        the programs run for the followed map's processes only (optional)
     _size_maps()              max_entries of its own maps (optional)
     _programs() -> set[str]   the programs to load
     _before_probes()          after load: fill its maps, install counters, a level sharing
@@ -64,7 +65,8 @@ import numpy as np
 from profinfer.core import bpfobj, discovery, kernel, layout, libbpf, procfs, selfcost
 from profinfer.core import perfevents
 from profinfer.core.errors import ProfinferError
-from profinfer.core.packs import Pack
+from profinfer.core.packs import Pack, engine_libraries
+from profinfer.core.symbols import ElfInfo
 from profinfer.core.transport import EventTransport, attach_failed
 
 
@@ -203,7 +205,28 @@ class Collector:
         raise NotImplementedError
 
     def _config(self) -> np.ndarray:
-        raise NotImplementedError
+        """The object's `cfg`: the transport's part here, the subclass's by _fill_config."""
+        cfg = np.zeros(1, self.dt["pi_config"])
+        cfg["transport"]["ring_wake_bytes"] = self.wake_bytes
+        cfg["transport"]["follow"] = int(self._follows())
+        self._fill_config(cfg)
+        return cfg
+
+    def _fill_config(self, cfg: np.ndarray) -> None:
+        pass
+
+    def _follows(self) -> bool:
+        return self.followed_map_fd is not None
+
+    @property
+    def wake_bytes(self) -> int:
+        """The event buffer's wakeup level: the collector wakes once a quarter of the ring is used."""
+        return self.ringbuf_pages * 4096 // 4
+
+    def _mapped_engine_files(self) -> list[ElfInfo]:
+        """The pack's files among those the target maps (lib_paths)."""
+        return engine_libraries(self.pack, [h for h, _ in self.lib_paths], self.root,
+                                [n for _, n in self.lib_paths])
 
     def _size_maps(self) -> None:
         pass

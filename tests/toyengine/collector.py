@@ -12,7 +12,7 @@ from profinfer.core.arch import placement
 from profinfer.core.collector import Collector, add_hits, program_costs
 from profinfer.core.errors import ProfinferError
 from profinfer.core.model import OpSlice, Profile, TokenCall
-from profinfer.core.packs import copies_of_probed, engine_libraries, resolve
+from profinfer.core.packs import copies_of_probed, resolve
 from profinfer.core.transport import RecordSlots
 
 
@@ -32,8 +32,7 @@ class ToyCollector(Collector):
     # ---- attach (the hooks of Collector.attach) ----
 
     def _prepare(self) -> None:
-        self.elfs = engine_libraries(self.pack, [h for h, _ in self.lib_paths], self.root,
-                                     [n for _, n in self.lib_paths])
+        self.elfs = self._mapped_engine_files()
         if not self.elfs:
             raise ProfinferError(f"no {self.pack.engine} in process {self.pid}")
         self.probes, self.warnings = resolve(self.pack, self.elfs, self.levels)
@@ -41,11 +40,6 @@ class ToyCollector(Collector):
         # sits further in, costs what that instruction's does (read now: the files may go)
         self.return_traps = {id(p): placement.choose(p.elf.code_bytes(p.symbol, 64)) for p in self.probes}
 
-    def _config(self) -> np.ndarray:
-        cfg = np.zeros(1, self.dt["pi_config"])
-        cfg["transport"]["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
-        cfg["transport"]["follow"] = int(self.followed_map_fd is not None)
-        return cfg
 
     def _programs(self) -> set[str]:
         return {fn for p in self.probes for fn in (p.entry_fn, p.return_fn)}

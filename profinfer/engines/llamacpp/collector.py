@@ -16,7 +16,7 @@ from profinfer.core import collector as core
 from profinfer.core import discovery, libbpf
 from profinfer.core.errors import ProfinferError
 from profinfer.core.model import Profile, TokenCall
-from profinfer.core.packs import Pack, copies_of_probed, engine_libraries
+from profinfer.core.packs import Pack, copies_of_probed
 from profinfer.core.transport import steps_begun
 from profinfer.engines.llamacpp import backends
 from profinfer.engines.llamacpp.probeplan import (BARRIER_PROGRAM, GRAPHS_CHANGED_PROGRAMS,
@@ -91,8 +91,7 @@ class Collector(core.Collector):
     # ---- attach ----
 
     def _prepare(self) -> None:
-        self.elfs = engine_libraries(self.pack, [h for h, _ in self.lib_paths], self.root,
-                                     [n for _, n in self.lib_paths])
+        self.elfs = self._mapped_engine_files()
         if not self.elfs:
             raise ProfinferError(f"no {self.pack.engine} in process {self.pid} "
                                  f"(none of {', '.join(self.pack.libraries)} is mapped, "
@@ -106,18 +105,13 @@ class Collector(core.Collector):
         if "sched" in self.levels:
             schedprobe.require_btf()
 
-    def _config(self) -> np.ndarray:
-        """The object's `cfg`: this target's struct offsets and the buffer's wakeup level."""
-        cfg = np.zeros(1, self.dt["pi_config"])
+    def _fill_config(self, cfg: np.ndarray) -> None:
+        """This target's struct offsets, counters and what BPF keeps totals of."""
         self.plan.fill_config(cfg)
-        # wake the collector early once a quarter of the ring is in use
-        cfg["transport"]["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
-        cfg["transport"]["follow"] = int(self.followed_map_fd is not None)
         cfg["n_counters"] = len(self.counters.counters) if self.counters else 0
         cfg["n_cpus"] = self.n_cpus
         cfg["graph_totals_only"] = int(self.graph_totals)
         cfg["op_totals_only"] = int(self.op_totals)
-        return cfg
 
     def _size_maps(self) -> None:
         self.obj.set_max_entries("counters", self.consts["PI_MAX_COUNTERS"] * self.n_cpus)
@@ -164,7 +158,7 @@ class Collector(core.Collector):
                 self.warnings.append(f"exited threads keep their op state ({e}): a process "
                                      "that starts threads for each graph fills it and loses ops")
         if "sched" in self.levels:
-            self._add_companion(schedprobe.attach(self.obj, self.buffer, self.ringbuf_pages * 4096 // 4,
+            self._add_companion(schedprobe.attach(self.obj, self.buffer, self.wake_bytes,
                                                   self.pid, follow=self.followed_map_fd is not None))
 
     def _attach_probe_list(self, probes, paths: dict[str, str]) -> None:

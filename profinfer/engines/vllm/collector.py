@@ -17,7 +17,7 @@ from profinfer.core.arch import placement
 from profinfer.core.collector import Collector, add_hits, program_costs
 from profinfer.core.errors import ProfinferError
 from profinfer.core.model import Profile, Step
-from profinfer.core.packs import Pack, copies_of_probed, engine_libraries
+from profinfer.core.packs import Pack, copies_of_probed
 from profinfer.core.transport import RecordSlots, steps_begun
 from profinfer.engines.vllm import ops as native, steps as stepmaker, tensors
 from profinfer.engines.vllm.calls import CallRecords, TensorLayoutCheck
@@ -113,8 +113,7 @@ class VllmCollector(Collector):
         self._server_metrics = MetricsWindow(sorted(self.processes or {self.pid}))
 
     def _prepare(self) -> None:
-        hosts, names = [h for h, _ in self.lib_paths], [n for _, n in self.lib_paths]
-        self.elfs = engine_libraries(self.pack, hosts, self.root, names)
+        self.elfs = self._mapped_engine_files()
         if not self.elfs:
             raise ProfinferError(f"no {self.pack.engine} in process {self.pid} (none of "
                                  f"{', '.join(self.pack.libraries)} is mapped)")
@@ -179,7 +178,7 @@ class VllmCollector(Collector):
 
     def _before_probes(self) -> None:
         if "sched" in self.levels:       # the whole tree's threads, as the op programs
-            self._add_companion(schedprobe.attach(self.obj, self.buffer, self.ringbuf_pages * 4096 // 4,
+            self._add_companion(schedprobe.attach(self.obj, self.buffer, self.wake_bytes,
                                                   self.pid, follow=True))
         if self.followed_map_fd is None:
             # attach: the process and its descendants (vLLM runs the model in a child of
@@ -206,17 +205,16 @@ class VllmCollector(Collector):
                 libbpf.map_update(self._tree_fd, tgid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
                 self.processes.add(tgid)
 
-    def _config(self) -> np.ndarray:
-        cfg = np.zeros(1, self.dt["pi_config"])
-        cfg["transport"]["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
-        cfg["transport"]["follow"] = 1      # a process tree: record's follower's, or attach's own
+    def _follows(self) -> bool:
+        return True         # a process tree: record's follower's, or attach's own
+
+    def _fill_config(self, cfg: np.ndarray) -> None:
         lay = self.layout
         cfg["ti_off_storage"], cfg["st_off_data"] = lay.storage, lay.storage_data
         cfg["ti_off_sizes"], cfg["ti_off_storage_offset"] = lay.sizes, lay.storage_offset
         cfg["ti_off_numel"], cfg["ti_off_dtype"] = lay.numel, lay.dtype
         cfg["n_counters"] = len(self.counters.counters) if self.counters else 0
         cfg["n_cpus"] = self.n_cpus
-        return cfg
 
     def _spec(self, op: native.NativeOp) -> np.ndarray:
         spec = np.zeros(1, self.dt["pv_op_spec"])

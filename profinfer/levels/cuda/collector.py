@@ -94,12 +94,8 @@ class CudaCollector(Collector):
             raise ProfinferError(f"{', '.join(f.path for f in self.sites.found)}: none of the CUDA "
                                  "functions the cuda pack lists is defined there")
 
-    def _config(self) -> np.ndarray:
-        cfg = np.zeros(1, self.dt["pi_config"])
-        cfg["transport"]["ring_wake_bytes"] = self.ringbuf_pages * 4096 // 4
-        cfg["transport"]["follow"] = int(self.followed_map_fd is not None)
+    def _fill_config(self, cfg: np.ndarray) -> None:
         cfg["timeline"] = int(self.timeline)
-        return cfg
 
     def _spec(self, api: runtime.Api) -> np.ndarray:
         spec = np.zeros(1, self.dt["pc_api_spec"])
