@@ -65,6 +65,12 @@ class SelfCost:
             share += w / total * (added * w / (cpu - added * w))
         return share
 
+    @property
+    def bearer_threads(self) -> int | None:
+        """How many threads took the hits and are charged them (None: not known)."""
+        bearers = self._bearers()
+        return None if bearers is None else len(bearers)
+
     def _bearers_cpu_ns(self) -> int | None:
         bearers = self._bearers()
         return None if bearers is None else sum(cpu for _, cpu in bearers.values())
