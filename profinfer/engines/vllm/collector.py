@@ -273,9 +273,10 @@ class VllmCollector(Collector):
             if not cookies:
                 continue
             file_id = elf.file_id if path == elf.path else None     # a copy: as it was read
-            self._attach_uprobes(ENTRY_PROGRAM, path, offsets, cookies, pid, file_id=file_id)
+            # the returns first: a call entered between the two has no open span to close
             self._attach_uprobes(RETURN_PROGRAM, path, offsets, cookies, pid, retprobe=True,
                                  file_id=file_id)
+            self._attach_uprobes(ENTRY_PROGRAM, path, offsets, cookies, pid, file_id=file_id)
             self.n_probes += 2 * len(cookies)
             self.probed_files.add(discovery.file_key(path))
 

@@ -219,12 +219,25 @@ int vop_enter(struct pt_regs *ctx)
         if (!th)
             return 0;
     }
+    /* an open call has its return address above this one's: those at or below never
+     * returned (see vop_return) */
+    u64 sp = PT_REGS_SP(ctx);
+    u32 open = th->depth;
+    if (open <= PV_MAX_DEPTH) {
+#pragma unroll
+        for (u32 k = 0; k < PV_MAX_DEPTH; k++) {
+            if (open && th->sp[(open - 1) & (PV_MAX_DEPTH - 1)] <= sp)
+                open--;
+        }
+        th->depth = open;
+    }
     u32 depth = th->depth++;
     if (depth >= PV_MAX_DEPTH) {
         tally(PV_TALLY_TOO_DEEP);
         return 0;
     }
     struct pv_op_event *ev = &th->ev[depth & (PV_MAX_DEPTH - 1)];
+    th->sp[depth & (PV_MAX_DEPTH - 1)] = sp;     /* the return address's slot */
     /* a boxed wrapper that calls the typed one of the same signature: the call is the outer's */
     if (spec && at != PV_AT_FUNCTION && depth && th->ev[(depth - 1) & (PV_MAX_DEPTH - 1)].op == op)
         spec = 0;
@@ -283,9 +296,25 @@ int vop_return(struct pt_regs *ctx)
     struct pv_thread *th = bpf_map_lookup_elem(&threads, &tid);
     if (!th || !th->depth)
         return 0;
-    u32 depth = --th->depth;
-    if (depth >= PV_MAX_DEPTH)
+    if (th->depth > PV_MAX_DEPTH) {     /* one too deep to have been kept */
+        th->depth--;
         return 0;
+    }
+    /* The call returning is the open one whose return address sat just below this stack
+     * pointer. Deeper ones never returned here (an exception unwound them; or they entered
+     * between the entry probes' attach and the return probes'): dropped. None: this call
+     * began before the probes were attached. */
+    u64 sp = PT_REGS_SP(ctx);
+    u32 depth = th->depth;
+#pragma unroll
+    for (u32 k = 0; k < PV_MAX_DEPTH; k++) {
+        if (depth && th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] + 8 < sp)
+            depth--;
+    }
+    th->depth = depth;
+    if (!depth || th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] + 8 != sp)
+        return 0;
+    th->depth = --depth;
     struct pv_op_event *ev = &th->ev[depth & (PV_MAX_DEPTH - 1)];
     if (ev->op == PV_OP_NONE)   /* nothing was opened: nothing to send or reopen */
         return 0;

@@ -97,10 +97,12 @@ struct pv_op_event {
     s64 values[PV_MAX_VALUES];            /* and these only when n_values */
 };
 
-/* A thread's open ops (innermost last). */
+/* A thread's open ops (innermost last), each with the stack pointer at its entry probe (its
+ * return address's slot: its return is matched by it). */
 struct pv_thread {
     u32 depth;
     u32 pad;
+    u64 sp[PV_MAX_DEPTH];
     struct pv_op_event ev[PV_MAX_DEPTH];
 };
 
