@@ -44,10 +44,10 @@ for _ in range(2000):
 print("READY", flush=True)
 end = time.monotonic() + seconds
 while time.monotonic() < end:
-    t0 = time.monotonic_ns()
+    t0, c0 = time.monotonic_ns(), time.thread_time_ns()
     for _ in range(n):
         op(positions, query, key, head_size, cos_sin, True)
-    print(f"ROUND {t0} {time.monotonic_ns()} {n}", flush=True)
+    print(f"ROUND {t0} {time.monotonic_ns()} {n} {time.thread_time_ns() - c0}", flush=True)
 """
 
 
@@ -61,7 +61,7 @@ def main() -> int:
     seconds = (2 * args.pairs + 2) * (args.window + 3) + 30
     target = subprocess.Popen([str(workload.ensure_vllm()), "-c", TARGET, str(args.calls), str(seconds)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    rounds: list[tuple[int, int, int]] = []
+    rounds: list[tuple[int, int, int, int]] = []
     for line in target.stdout:
         if line.strip() == "READY":
             break
@@ -69,8 +69,8 @@ def main() -> int:
     def read() -> None:
         for line in target.stdout:
             if line.startswith("ROUND"):
-                _, a, b, n = line.split()
-                rounds.append((int(a), int(b), int(n)))
+                _, a, b, n, cpu = line.split()
+                rounds.append((int(a), int(b), int(n), int(cpu)))
 
     threading.Thread(target=read, daemon=True).start()
     windows = []        # (probed, start_ns, end_ns, summary or None)
@@ -97,8 +97,10 @@ def main() -> int:
         target.kill()
         target.wait()
 
-    def per_call_us(lo: int, hi: int) -> list[float]:
-        return [(b - a) / n / 1e3 for a, b, n in rounds if a >= lo and b <= hi]
+    def per_call_us(lo: int, hi: int, cpu: bool = False) -> list[float]:
+        """Each round's time per call, wall-clock or the calling thread's CPU time (the probes'
+        traps and handlers run on it; a loaded machine's waits for a CPU do not count)."""
+        return [(c if cpu else b - a) / n / 1e3 for a, b, n, c in rounds if a >= lo and b <= hi]
 
     rows = []
     for k, (probed, lo, hi, summary) in enumerate(windows):
@@ -110,7 +112,13 @@ def main() -> int:
         if not mine or not around:
             continue
         cost = summary.get("profiler_cost") or {}
-        rows.append({"us_per_call_unprobed": statistics.median(around),
+        cpu_mine = per_call_us(lo, hi, cpu=True)
+        cpu_around = per_call_us(windows[k - 1][1], windows[k - 1][2], True) + \
+            per_call_us(windows[k + 1][1], windows[k + 1][2], True)
+        rows.append({"cpu_us_per_call_unprobed": statistics.median(cpu_around),
+                     "cpu_us_per_call_probed": statistics.median(cpu_mine),
+                     "cpu_added_us": statistics.median(cpu_mine) - statistics.median(cpu_around),
+                     "us_per_call_unprobed": statistics.median(around),
                      "us_per_call_probed": statistics.median(mine),
                      "added_us": statistics.median(mine) - statistics.median(around),
                      "rounds_probed": len(mine), "calls_recorded": calls,
@@ -122,10 +130,15 @@ def main() -> int:
     if not rows:
         print("no probed window had rounds on either side", file=sys.stderr)
         return 1
-    added = statistics.median(r["added_us"] for r in rows)
-    print(f"rotary_embedding: {statistics.median(r['us_per_call_unprobed'] for r in rows):.2f} µs/call "
-          f"unprobed, {statistics.median(r['us_per_call_probed'] for r in rows):.2f} probed: "
-          f"+{added:.2f} µs per call (windows {', '.join(format(r['added_us'], '+.2f') for r in rows)}); "
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    print(f"rotary_embedding: wall {med('us_per_call_unprobed'):.2f} µs/call unprobed, "
+          f"{med('us_per_call_probed'):.2f} probed: {med('added_us'):+.2f} µs per call (windows "
+          f"{', '.join(format(r['added_us'], '+.2f') for r in rows)}); the thread's CPU "
+          f"{med('cpu_us_per_call_unprobed'):.2f} unprobed, {med('cpu_us_per_call_probed'):.2f} probed: "
+          f"{med('cpu_added_us'):+.2f} µs per call (windows "
+          f"{', '.join(format(r['cpu_added_us'], '+.2f') for r in rows)}); "
           f"calls recorded per window {statistics.median(r['calls_recorded'] or 0 for r in rows):.0f}; "
           f"probe hits {rows[0]['probe_hits']}; probes stepped {rows[0]['probes_stepped']}")
     return 0
