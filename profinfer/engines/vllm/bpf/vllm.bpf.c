@@ -84,22 +84,30 @@ static __always_inline u64 slot_value(struct pt_regs *ctx, u32 slot)
 
 static __always_inline void read_tensor(struct pv_tensor *t, u64 impl)
 {
-    u64 ndim = 0;
     t->ndim = 0xff;
-    if (!impl || bpf_probe_read_user(&ndim, sizeof(ndim), (void *)(impl + cfg.ti_off_sizes))) {
+    /* SizesAndStrides' size word and its inline sizes in one read, into numel and sizes
+     * (adjacent in pv_tensor): numel holds the dimension count until it is read itself */
+    if (!impl || bpf_probe_read_user(&t->numel, sizeof(t->numel) + sizeof(t->sizes),
+                                     (void *)(impl + cfg.ti_off_sizes))) {
         /* nothing read: what the slot held before must not tell calls apart */
         __builtin_memset(t->sizes, 0, sizeof(t->sizes));
         t->numel = 0;
         t->dtype = 0;
         return;
     }
+    u64 ndim = t->numel;
     /* up to 5 dims inline (sizes, then strides); beyond, the first word points to them */
-    u64 sizes = impl + cfg.ti_off_sizes + 8;
     if (ndim > 5)
-        sizes = read_u64(sizes);
-    bpf_probe_read_user(t->sizes, sizeof(t->sizes), (void *)sizes);
-    bpf_probe_read_user(&t->dtype, sizeof(t->dtype), (void *)(impl + cfg.ti_off_dtype));
-    bpf_probe_read_user(&t->numel, sizeof(t->numel), (void *)(impl + cfg.ti_off_numel));
+        bpf_probe_read_user(t->sizes, sizeof(t->sizes), (void *)t->sizes[0]);
+    if (cfg.ti_off_dtype == cfg.ti_off_numel + 8) {     /* every known layout: one read */
+        struct { s64 numel; u16 dtype; u16 pad[3]; } nd = {};
+        bpf_probe_read_user(&nd, sizeof(nd.numel) + sizeof(nd.dtype), (void *)(impl + cfg.ti_off_numel));
+        t->numel = nd.numel;
+        t->dtype = nd.dtype;
+    } else {
+        bpf_probe_read_user(&t->dtype, sizeof(t->dtype), (void *)(impl + cfg.ti_off_dtype));
+        bpf_probe_read_user(&t->numel, sizeof(t->numel), (void *)(impl + cfg.ti_off_numel));
+    }
     t->ndim = ndim > 254 ? 254 : ndim;
 }
 
@@ -139,10 +147,10 @@ struct arg_walk {
  * (an empty optional) has no TensorImpl. */
 static __always_inline u64 ivalue_impl(struct arg_walk *a, u32 i)
 {
-    u64 iv = a->ivalues_end - PV_IVALUE_SIZE * (u64)(a->spec->n_args - i);
-    u32 tag = 0;
-    bpf_probe_read_user(&tag, sizeof(tag), (void *)(iv + PV_IVALUE_TAG_OFFSET));
-    return tag == PV_IVALUE_TAG_TENSOR ? read_u64(iv) : 0;
+    struct pv_ivalue iv = {};
+    bpf_probe_read_user(&iv, sizeof(iv),
+                        (void *)(a->ivalues_end - sizeof(iv) * (u64)(a->spec->n_args - i)));
+    return iv.tag == PV_IVALUE_TAG_TENSOR ? iv.payload : 0;
 }
 
 /* A tensor argument in a SysV slot: its TensorImpl (0: an empty optional). */

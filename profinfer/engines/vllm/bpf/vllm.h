@@ -47,9 +47,12 @@
 #define PV_AT_UNBOXED_SRET 3
 #define PV_OP_NONE 0xffffffff  /* a wrapper's call of a function that is no probed op */
 
-/* An IValue (c10::IValue, 16 bytes): a payload word (a Tensor's: its TensorImpl*), then a tag. */
-#define PV_IVALUE_SIZE 16
-#define PV_IVALUE_TAG_OFFSET 8
+/* An IValue (c10::IValue): a payload word (a Tensor's: its TensorImpl*), then a tag. */
+struct pv_ivalue {
+    u64 payload;
+    u32 tag;
+    u32 rest;
+};
 #define PV_IVALUE_TAG_TENSOR 1   /* None is 0: an empty optional */
 
 struct pv_fn_key {
