@@ -8,7 +8,9 @@ rounds on either side (the drift of a shared machine cancels), and the differenc
 what a probed call adds. The attach's own recording says how many calls it saw (entry hits)
 and what its probes cost by the accounting.
 
-    .venv/bin/python bench/vllm_call_cost.py --pairs 6 --window 4
+    .venv/bin/python bench/vllm_call_cost.py --pairs 6 --window 4 [--label what]
+
+(run from another checkout's root, it measures that checkout's profinfer.)
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=4.0)
     ap.add_argument("--calls", type=int, default=2000, help="calls per round")
     ap.add_argument("--out", default=str(Path(__file__).with_name("vllm_call_cost.jsonl")))
+    ap.add_argument("--label", default="", help="kept in each row (which profinfer was measured)")
     args = ap.parse_args()
     seconds = (2 * args.pairs + 2) * (args.window + 3) + 30
     target = subprocess.Popen([str(workload.ensure_vllm()), "-c", TARGET, str(args.calls), str(seconds)],
@@ -126,7 +129,7 @@ def main() -> int:
                      "probes_stepped": (summary.get("meta") or {}).get("probes_stepped")})
     with open(args.out, "a") as f:
         for r in rows:
-            f.write(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M"), **r}) + "\n")
+            f.write(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M"), "label": args.label, **r}) + "\n")
     if not rows:
         print("no probed window had rounds on either side", file=sys.stderr)
         return 1
