@@ -25,6 +25,8 @@ from profinfer.engines.vllm.server_metrics import MetricsWindow
 from profinfer.levels.sched import probe as schedprobe
 
 ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
+# the programs' tallies, by their index (bpf/vllm.bpf.c PV_TALLY_*)
+TALLIES = ("too_deep", "other_processes", "unsent", "typed")
 _U32_P = ctypes.POINTER(ctypes.c_uint32)
 
 
@@ -213,8 +215,9 @@ class VllmCollector(Collector):
             for i, op in enumerate(self.ops):
                 sym = elf.find(op.symbol) if found and op.name in found.covered else None
                 if sym is not None and self.plan.op_library[i] == os.path.basename(elf.path):
-                    key = lib.to_bytes(4, "little") + bytes(4) + sym.vaddr.to_bytes(8, "little")
-                    libbpf.map_update(by_fn, key, i.to_bytes(4, "little"))
+                    key = np.zeros(1, self.dt["pv_fn_key"])
+                    key["lib"], key["vaddr"] = lib, sym.vaddr
+                    libbpf.map_update(by_fn, key.tobytes(), i.to_bytes(4, "little"))
 
     def _attach_probes(self) -> None:
         self._attach_ops(self.elfs, {})
@@ -256,8 +259,8 @@ class VllmCollector(Collector):
         for elf in elfs:
             path = paths.get(elf.path, elf.path)
             offsets, cookies = self._wrapper_probes(elf)
+            found = self.plan.wrappers.get(elf.path)
             for i, op in enumerate(self.ops):
-                found = self.plan.wrappers.get(elf.path)
                 sym = elf.find(op.symbol) if self.plan.op_library[i] == os.path.basename(elf.path) else None
                 if sym is None or (found and op.name in found.covered):
                     continue
@@ -340,7 +343,7 @@ class VllmCollector(Collector):
         if not self._counting_costs():
             return {}
         return self._cost(self.obj.program_stats(), self.records.calls_by_op(),
-                          self._read_tallies([("unsent", 2)])["unsent"])
+                          self._read_tallies([("unsent", TALLIES.index("unsent"))])["unsent"])
 
     def op_name(self, index: int) -> str:
         """The op a thread's open span names (a level under the engine reads it)."""
@@ -353,8 +356,7 @@ class VllmCollector(Collector):
         self._drain()
         lost = self._stop_counting_lost()
         stats = self._program_stats()
-        tallies = self._read_tallies((name, i) for i, name in enumerate(
-            ("too_deep", "other_processes", "unsent", "typed")))
+        tallies = self._read_tallies((name, i) for i, name in enumerate(TALLIES))
         steps = steps_begun(self.obj)
         self.detach()
         calls = self.records.calls()
