@@ -407,7 +407,11 @@ class VllmCollector(Collector):
                      "probes_stepped": str(self.plan.probes_stepped),
                      "probes_at_wrappers": str(sum(2 * len(w.wrappers) for w in self.plan.wrappers.values())),
                      "wrapper_hits_unsent": str(tallies.get("unsent", 0)),
-                     "ops_typed_calls": str(tallies.get("typed", 0))})
+                     "ops_typed_calls": str(tallies.get("typed", 0)),
+                     # ops a typed C++ caller would reach through a wrapper left unprobed
+                     # (no emulated place where its arguments are intact): such calls are
+                     # not seen (Python's calls are)
+                     "ops_typed_unprobed": str(sum(len(w.typed_unprobed) for w in self.plan.wrappers.values()))})
         meta.update(self._build_id_meta(self.elfs))
         meta.update(self._cost_meta(self.bpf_stats))
         if self.step_rules:

