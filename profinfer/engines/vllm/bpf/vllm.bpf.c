@@ -138,9 +138,9 @@ struct arg_walk {
     struct pv_op_spec *spec;
     struct pv_op_event *ev;
     u32 n;                    /* tensors read */
-    u32 pad;
+    u32 boxed;                /* the arguments are IValues (a boxed wrapper's), not SysV slots */
     u64 values_impl;          /* the TensorImpl whose values are read */
-    u64 ivalues_end;          /* a boxed wrapper's: the stack's end (0: SysV slots) */
+    u64 ivalues_end;          /* a boxed call's: its stack's end (0: unreadable) */
 };
 
 /* A tensor argument of a boxed call: its IValue, n_args - i from the stack's end; None
@@ -176,7 +176,8 @@ static long read_arg(u32 i, struct arg_walk *a)
     u8 kind = a->spec->kind[i];
     if (kind == PV_ARG_SKIP)
         return 0;
-    u64 impl = a->ivalues_end ? ivalue_impl(a, i) : slot_impl(a->ctx, kind, a->spec->slot[i]);
+    u64 impl = !a->boxed ? slot_impl(a->ctx, kind, a->spec->slot[i])
+               : a->ivalues_end ? ivalue_impl(a, i) : 0;
     struct pv_tensor *t = &a->ev->t[a->n & (PV_MAX_TENSORS - 1)];
     t->arg = i;
     read_tensor(t, impl);
@@ -264,8 +265,10 @@ int vop_enter(struct pt_regs *ctx)
     ev->n_values = 0;
     ev->value_bytes = 0;
     struct arg_walk a = {.ctx = ctx, .spec = spec, .ev = ev};
-    if (at == PV_AT_BOXED)      /* std::vector<IValue>*: its end pointer is its second word */
+    if (at == PV_AT_BOXED) {    /* std::vector<IValue>*: its end pointer is its second word */
+        a.boxed = 1;
         a.ivalues_end = read_u64(PT_REGS_PARM4(ctx) + 8);
+    }
     bpf_loop(PV_MAX_ARGS, read_arg, &a, 0);
     u32 n = a.n;
     u64 values_impl = a.values_impl;
