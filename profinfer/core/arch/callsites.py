@@ -111,3 +111,72 @@ def direct_calls(path: str, target_vaddr: int) -> list[tuple[int, int]]:
         if at <= start:        # nothing decoded (skipdata decodes every byte): never stuck
             break
     return out
+
+
+_INT_ARGS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
+_CALLER_SAVED = {"rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11"}
+_SUB = {"eax": "rax", "ax": "rax", "al": "rax", "ah": "rax", "ebx": "rbx", "bx": "rbx", "bl": "rbx",
+        "bh": "rbx", "ecx": "rcx", "cx": "rcx", "cl": "rcx", "ch": "rcx", "edx": "rdx", "dx": "rdx",
+        "dl": "rdx", "dh": "rdx", "esi": "rsi", "si": "rsi", "sil": "rsi", "edi": "rdi", "di": "rdi",
+        "dil": "rdi", "ebp": "rbp", "bp": "rbp", "bpl": "rbp", "esp": "rsp", "sp": "rsp", "spl": "rsp"}
+
+
+def _reg64(insn, reg: int) -> str:
+    name = insn.reg_name(reg)
+    if name in _SUB:
+        return _SUB[name]
+    if name.startswith("r") and name[-1] in "dwb" and name[1:-1].isdigit():
+        return name[:-1]
+    return name
+
+
+def indirect_call_slot(code: bytes, arg: int) -> int | None:
+    """The offset, in the object that integer argument `arg` (1-based) points to at entry,
+    of the code pointer through which the function's first indirect call (or tail jump)
+    goes: `call *off(%reg)`, or `mov off(%reg),%r; ... call *%r`, with reg holding the
+    argument (copied to another register or spilled to the stack and reloaded on the way).
+    One pass in address order over the first bytes of the function; None where that first
+    indirect transfer is not through the argument (the caller then does not trust it)."""
+    holds = {_INT_ARGS[arg - 1]}          # registers and stack slots holding the pointer
+    loaded: dict[str, int] = {}           # register: offset of the word loaded from it
+    for insn in _md.disasm(code, 0):
+        ops = insn.operands
+        indirect = (insn.id in (X.X86_INS_CALL, X.X86_INS_JMP) and ops
+                    and ops[0].type != X.X86_OP_IMM)
+        if indirect:
+            op = ops[0]
+            if op.type == X.X86_OP_REG:
+                return loaded.get(_reg64(insn, op.reg))
+            mem = op.mem
+            if mem.base and not mem.index and _reg64(insn, mem.base) in holds:
+                return mem.disp
+            return None
+        if insn.id == X.X86_INS_RET or (insn.id == X.X86_INS_JMP and ops):
+            return None                 # the entry block ends without one
+        if insn.id == X.X86_INS_CALL:   # a direct call: the caller-saved registers are lost
+            holds -= _CALLER_SAVED
+            loaded = {r: o for r, o in loaded.items() if r not in _CALLER_SAVED}
+            continue
+        src = dst = None
+        if insn.id == X.X86_INS_MOV and len(ops) == 2:
+            dst, src = ops
+        _, written = insn.regs_access()
+        for r in written:
+            holds.discard(_reg64(insn, r))
+            loaded.pop(_reg64(insn, r), None)
+        if src is None:
+            continue
+        if src.type == X.X86_OP_REG and _reg64(insn, src.reg) in holds:
+            if dst.type == X.X86_OP_REG:
+                holds.add(_reg64(insn, dst.reg))
+            elif dst.mem.base and not dst.mem.index:        # spilled to a stack slot
+                holds.add(f"{_reg64(insn, dst.mem.base)}{dst.mem.disp:+d}")
+        elif src.type == X.X86_OP_MEM and dst.type == X.X86_OP_REG and src.mem.base and not src.mem.index:
+            base = _reg64(insn, src.mem.base)
+            if f"{base}{src.mem.disp:+d}" in holds:          # reloaded from its stack slot
+                holds.add(_reg64(insn, dst.reg))
+            elif base in holds:
+                loaded[_reg64(insn, dst.reg)] = src.mem.disp
+        elif dst.type == X.X86_OP_MEM and dst.mem.base and not dst.mem.index:
+            holds.discard(f"{_reg64(insn, dst.mem.base)}{dst.mem.disp:+d}")   # overwritten
+    return None

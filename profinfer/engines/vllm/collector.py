@@ -19,23 +19,29 @@ from profinfer.core.errors import ProfinferError
 from profinfer.core.model import Profile, Step
 from profinfer.core.packs import Pack, copies_of_probed
 from profinfer.core.transport import RecordSlots, steps_begun
-from profinfer.engines.vllm import ops as native, steps as stepmaker, tensors
+from profinfer.engines.vllm import ops as native, steps as stepmaker, tensors, wrappers
 from profinfer.engines.vllm.calls import CallRecords, TensorLayoutCheck
 from profinfer.engines.vllm.server_metrics import MetricsWindow
 from profinfer.levels.sched import probe as schedprobe
 
 ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
+# the programs' tallies, by their index (bpf/vllm.bpf.c PV_TALLY_*)
+TALLIES = ("too_deep", "other_processes", "unsent", "typed")
 _U32_P = ctypes.POINTER(ctypes.c_uint32)
 
 
 @dataclass
 class OpPlan:
-    """What is probed, resolved at attach: the native ops and the library each is in, where
-    each op's entry probe sits, the pack's step rules, the arguments cost models read values
-    of, and the TensorImpl layout the probes read tensors by (checked as records come)."""
+    """What is probed, resolved at attach: the native ops and the library each is in, the
+    torch kernel wrappers probed for them (by library path: wrappers.py), where the probes of
+    each op probed on its own function sit, the pack's step rules, the arguments cost models
+    read values of, and the TensorImpl layout the probes read tensors by (checked as records
+    come)."""
     ops: list[native.NativeOp] = field(default_factory=list)
     op_library: list[str] = field(default_factory=list)
-    placements: dict[str, tuple] = field(default_factory=dict)  # op: (entry probe's place, the first emulated one)
+    wrappers: dict[str, wrappers.WrapperPlan] = field(default_factory=dict)
+    placements: dict[str, placement.Placement] = field(default_factory=dict)  # op: its function's probes' place
+    probes_stepped: int = 0        # probes attached where the kernel single-steps
     step_rules: dict = field(default_factory=dict)
     cost_values: dict[str, int] = field(default_factory=dict)   # op: the argument a cost model reads values of
     tensor_check: TensorLayoutCheck | None = None
@@ -118,6 +124,7 @@ class VllmCollector(Collector):
             raise ProfinferError(f"no {self.pack.engine} in process {self.pid} (none of "
                                  f"{', '.join(self.pack.libraries)} is mapped)")
         self._find_ops()
+        self._find_wrappers()
         mapped = [m.path for m in discovery.mapped_files(self.pid)]
         version = tensors.torch_version(mapped, self.root)
         if version is None and not any(op.kinds for op in self.ops):
@@ -169,6 +176,15 @@ class VllmCollector(Collector):
             raise ProfinferError(f"{len(self.ops)} native ops; profinfer probes at most "
                                  f"{self.consts['PV_MAX_OPS']}")
 
+    def _find_wrappers(self) -> None:
+        """torch's kernel wrappers to probe for each library's ops, where its code shows them
+        (wrappers.py); the ops of a library without are probed on their own functions."""
+        for elf in self.elfs:
+            mine = [op for op, lib in zip(self.ops, self.plan.op_library) if lib == os.path.basename(elf.path)]
+            found = wrappers.plan(elf, mine) if mine else None
+            if found is not None:
+                self.plan.wrappers[elf.path] = found
+
     def _size_maps(self) -> None:
         self.obj.set_max_entries("threads", 256)
         self.obj.set_max_entries("counters", self.consts["PI_MAX_COUNTERS"] * self.n_cpus)
@@ -187,9 +203,21 @@ class VllmCollector(Collector):
             self._follow_tree()
         if self.counters:
             self.counters.install(self.obj.map_fd("counters"), self.n_cpus)
-        specs = self.obj.map_fd("op_specs")
+        specs, by_fn = self.obj.map_fd("op_specs"), self.obj.map_fd("op_by_fn")
+        typed = self.consts["PV_MAX_OPS"]        # a typed wrapper's spec: its op's index plus this
         for i, op in enumerate(self.ops):
             libbpf.map_update(specs, i.to_bytes(4, "little"), self._spec(op).tobytes())
+            shifted = native.describe(op.schema, op.symbol, leading=2)
+            if shifted is not None:
+                libbpf.map_update(specs, (i + typed).to_bytes(4, "little"), self._spec(shifted).tobytes())
+        for lib, elf in enumerate(self.elfs):     # the ops the wrappers call, by their functions
+            found = self.plan.wrappers.get(elf.path)
+            for i, op in enumerate(self.ops):
+                sym = elf.find(op.symbol) if found and op.name in found.covered else None
+                if sym is not None and self.plan.op_library[i] == os.path.basename(elf.path):
+                    key = np.zeros(1, self.dt["pv_fn_key"])
+                    key["lib"], key["vaddr"] = lib, sym.vaddr
+                    libbpf.map_update(by_fn, key.tobytes(), i.to_bytes(4, "little"))
 
     def _attach_probes(self) -> None:
         self._attach_ops(self.elfs, {})
@@ -230,27 +258,40 @@ class VllmCollector(Collector):
         pid = -1                            # on the files; BPF runs for the followed tgids only
         for elf in elfs:
             path = paths.get(elf.path, elf.path)
-            entries, returns, cookies = [], [], []
+            offsets, cookies = self._wrapper_probes(elf)
+            found = self.plan.wrappers.get(elf.path)
             for i, op in enumerate(self.ops):
                 sym = elf.find(op.symbol) if self.plan.op_library[i] == os.path.basename(elf.path) else None
-                if sym is None:
+                if sym is None or (found and op.name in found.covered):
                     continue
-                # the entry probe reads every argument register and the stack: placed where
-                # none has moved (placement.choose), else on the first instruction
-                code = elf.code_bytes(sym, 64)
-                place = placement.choose(code, (1, 2, 3, 4, 5, 6))
-                self.plan.placements[op.name] = (place, placement.choose(code))
-                entries.append(sym.file_offset + place.offset)
-                returns.append(sym.file_offset)
+                # on the op's own function: the entry probe reads every argument register and
+                # the stack, placed where none has moved (placement.choose), else on the
+                # first instruction; the return probe shares its place (the stack pointer has
+                # not moved: the return address is still on top)
+                place = placement.choose(elf.code_bytes(sym, 64), (1, 2, 3, 4, 5, 6))
+                self.plan.placements[op.name] = place
+                self.plan.probes_stepped += 0 if place.emulated else 2
+                offsets.append(sym.file_offset + place.offset)
                 cookies.append(i)
             if not cookies:
                 continue
             file_id = elf.file_id if path == elf.path else None     # a copy: as it was read
-            self._attach_uprobes(ENTRY_PROGRAM, path, entries, cookies, pid, file_id=file_id)
-            self._attach_uprobes(RETURN_PROGRAM, path, returns, cookies, pid, retprobe=True,
+            # the returns first: a call entered between the two has no open span to close
+            self._attach_uprobes(RETURN_PROGRAM, path, offsets, cookies, pid, retprobe=True,
                                  file_id=file_id)
+            self._attach_uprobes(ENTRY_PROGRAM, path, offsets, cookies, pid, file_id=file_id)
             self.n_probes += 2 * len(cookies)
             self.probed_files.add(discovery.file_key(path))
+
+    def _wrapper_probes(self, elf) -> tuple[list[int], list[int]]:
+        """The file offsets and cookies of the kernel wrappers probed for the library's ops."""
+        found = self.plan.wrappers.get(elf.path)
+        if found is None:
+            return [], []
+        lib = self.elfs.index(elf)
+        return ([w.symbol.file_offset + w.place.offset for w in found.wrappers],
+                [wrappers.cookie(w.at, lib, found.fn_offset, w.symbol.vaddr + w.place.offset)
+                 for w in found.wrappers])
 
     def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]:
         """More copies of the probed libraries (a followed process mapping other files);
@@ -301,7 +342,8 @@ class VllmCollector(Collector):
         """What the probes cost so far (see _cost), while collecting (a daemon's governor)."""
         if not self._counting_costs():
             return {}
-        return self._cost(self.obj.program_stats(), self.records.calls_by_op())
+        return self._cost(self.obj.program_stats(), self.records.calls_by_op(),
+                          self._read_tallies([("unsent", TALLIES.index("unsent"))])["unsent"])
 
     def op_name(self, index: int) -> str:
         """The op a thread's open span names (a level under the engine reads it)."""
@@ -314,11 +356,11 @@ class VllmCollector(Collector):
         self._drain()
         lost = self._stop_counting_lost()
         stats = self._program_stats()
-        tallies = self._read_tallies((name, i) for i, name in enumerate(("too_deep", "other_processes")))
+        tallies = self._read_tallies((name, i) for i, name in enumerate(TALLIES))
         steps = steps_begun(self.obj)
         self.detach()
         calls = self.records.calls()
-        self.bpf_stats = self._cost(stats, self.records.calls_by_op())
+        self.bpf_stats = self._cost(stats, self.records.calls_by_op(), tallies["unsent"])
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
         if len(self.sched):
@@ -339,25 +381,37 @@ class VllmCollector(Collector):
             self.warnings.append(warning)
         return prof
 
-    def _cost(self, stats: dict[str, tuple[int, int]], per_op: dict[str, int]) -> dict[str, int]:
+    def _cost(self, stats: dict[str, tuple[int, int]], per_op: dict[str, int],
+              unsent: int) -> dict[str, int]:
         """The kernel's count of our programs' runs and run time, and the probe hits behind
-        the calls by what each costs (selfcost): the entry's trap, emulated or single-stepped
-        where the probe sits; the return's; and the return probe's own trap at the function's
-        first instruction when the entry probe sits further in."""
+        them by what each costs (selfcost): each call's entry trap, emulated or
+        single-stepped where its probe sits (a wrapper's: emulated), and its return, whose
+        probe shares the entry's place (one trap); and the wrapper hits that sent nothing
+        (`unsent`: calls of other functions of a probed signature), the same."""
         if not stats:
             return {}
         out = program_costs(stats)
         for name, n in per_op.items():
-            entry, first = self.plan.placements[name]
-            add_hits(out, n, entry.emulated, returns=True,
-                     return_trap_emulated=(first.emulated and first.offset == 0) if entry.offset else None)
+            place = self.plan.placements.get(name)       # None: seen through a wrapper
+            add_hits(out, n, place.emulated if place else True, returns=True)
+        add_hits(out, unsent, True, returns=True)
         return out
 
     def _meta(self, tallies: dict[str, int]) -> dict[str, str]:
         meta = self._shared_meta()
         meta.update({"pack": self.pack.name, "tensor_layout": self.layout.name,
                      "torch": self.torch_version, "native_ops_probed": str(len(self.ops)),
-                     "ops_too_deep": str(tallies.get("too_deep", 0))})
+                     "ops_too_deep": str(tallies.get("too_deep", 0)),
+                     # probes where the kernel single-steps (an op's function without a
+                     # wrapper or an emulated place), and what the wrappers saw
+                     "probes_stepped": str(self.plan.probes_stepped),
+                     "probes_at_wrappers": str(sum(2 * len(w.wrappers) for w in self.plan.wrappers.values())),
+                     "wrapper_hits_unsent": str(tallies.get("unsent", 0)),
+                     "ops_typed_calls": str(tallies.get("typed", 0)),
+                     # ops a typed C++ caller would reach through a wrapper left unprobed
+                     # (no emulated place where its arguments are intact): such calls are
+                     # not seen (Python's calls are)
+                     "ops_typed_unprobed": str(sum(len(w.typed_unprobed) for w in self.plan.wrappers.values()))})
         meta.update(self._build_id_meta(self.elfs))
         meta.update(self._cost_meta(self.bpf_stats))
         if self.step_rules:

@@ -160,8 +160,10 @@ def _params(signature: str) -> list[str] | None:
     return [] if inner in ("", "void") else _split_top(inner)
 
 
-def describe(schema: Schema, symbol: str) -> NativeOp | None:
-    """The op's argument passing, from its C++ signature; None where it is not modelled."""
+def describe(schema: Schema, symbol: str, leading: int = 0) -> NativeOp | None:
+    """The op's argument passing, from its C++ signature; None where it is not modelled.
+    leading: integer parameters before the op's own (a typed kernel wrapper's functor and
+    dispatch key set, wrappers.py)."""
     try:
         signature = cxxfilt.demangle(symbol)
     except cxxfilt.InvalidName:
@@ -169,7 +171,7 @@ def describe(schema: Schema, symbol: str) -> NativeOp | None:
     params = _params(signature)
     if params is None or len(params) != len(schema.args) or len(params) > MAX_ARGS:
         return None
-    reg = 1 if schema.returns_in_memory else 0
+    reg = leading + (1 if schema.returns_in_memory else 0)
     stack = sse = 0
     kinds, slots = [], []
     for p in params:

@@ -1,8 +1,10 @@
 /* Uprobe programs for vLLM's native ops (the `_C` libraries' torch custom ops).
  *
- * One entry and one return program serve every op: the attach cookie is the op's index, and
- * `op_specs` (filled by the decoder from the op's C++ signature) says where each parameter
- * arrives and whether it is a tensor. At entry the tensors' shapes and dtypes are read from
+ * One entry and one return program serve every op: the attach cookie says where the probe
+ * sits (vllm.h: on the op's function, or on torch's kernel wrapper for the op's C++ signature,
+ * where the op is looked up from the function the wrapper calls), and `op_specs` (filled by
+ * the decoder from the op's C++ signature) says where each parameter arrives and whether it
+ * is a tensor. At entry the tensors' shapes and dtypes are read from
  * their c10::TensorImpl (offsets in cfg), and the values of one small integer tensor where
  * the spec asks (a step's query start locations); the call is sent at its return.
  * Attach cookies need Linux 5.15, bpf_loop 5.17.
@@ -18,10 +20,18 @@ char LICENSE[] SEC("license") = "GPL";
 
 struct {
     __uint(type, BPF_MAP_TYPE_ARRAY);
-    __uint(max_entries, PV_MAX_OPS);
+    __uint(max_entries, 2 * PV_MAX_OPS);
     __type(key, u32);
     __type(value, struct pv_op_spec);
 } op_specs SEC(".maps");
+
+/* The op each probed function is, by (library, address in its file): a wrapper's lookup. */
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, PV_MAX_OPS);
+    __type(key, struct pv_fn_key);
+    __type(value, u32);
+} op_by_fn SEC(".maps");
 
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
@@ -38,12 +48,16 @@ struct {
     __type(value, struct pv_thread);
 } zero_thread SEC(".maps");
 
-/* ops entered deeper than PV_MAX_DEPTH, and probe hits in processes not followed */
+/* ops entered deeper than PV_MAX_DEPTH, probe hits in processes not followed, wrapper hits
+ * not sent (a call of a function that is no probed op, or a wrapper inside the same op's
+ * wrapper), and calls seen through a typed (unboxed) wrapper */
 #define PV_TALLY_TOO_DEEP 0
 #define PV_TALLY_OTHER 1
+#define PV_TALLY_OTHER_FN 2
+#define PV_TALLY_TYPED 3
 struct {
     __uint(type, BPF_MAP_TYPE_ARRAY);
-    __uint(max_entries, 2);
+    __uint(max_entries, 4);
     __type(key, u32);
     __type(value, u64);
 } tallies SEC(".maps");
@@ -70,22 +84,30 @@ static __always_inline u64 slot_value(struct pt_regs *ctx, u32 slot)
 
 static __always_inline void read_tensor(struct pv_tensor *t, u64 impl)
 {
-    u64 ndim = 0;
     t->ndim = 0xff;
-    if (!impl || bpf_probe_read_user(&ndim, sizeof(ndim), (void *)(impl + cfg.ti_off_sizes))) {
+    /* SizesAndStrides' size word and its inline sizes in one read, into numel and sizes
+     * (adjacent in pv_tensor): numel holds the dimension count until it is read itself */
+    if (!impl || bpf_probe_read_user(&t->numel, sizeof(t->numel) + sizeof(t->sizes),
+                                     (void *)(impl + cfg.ti_off_sizes))) {
         /* nothing read: what the slot held before must not tell calls apart */
         __builtin_memset(t->sizes, 0, sizeof(t->sizes));
         t->numel = 0;
         t->dtype = 0;
         return;
     }
+    u64 ndim = t->numel;
     /* up to 5 dims inline (sizes, then strides); beyond, the first word points to them */
-    u64 sizes = impl + cfg.ti_off_sizes + 8;
     if (ndim > 5)
-        sizes = read_u64(sizes);
-    bpf_probe_read_user(t->sizes, sizeof(t->sizes), (void *)sizes);
-    bpf_probe_read_user(&t->dtype, sizeof(t->dtype), (void *)(impl + cfg.ti_off_dtype));
-    bpf_probe_read_user(&t->numel, sizeof(t->numel), (void *)(impl + cfg.ti_off_numel));
+        bpf_probe_read_user(t->sizes, sizeof(t->sizes), (void *)t->sizes[0]);
+    if (cfg.ti_off_dtype == cfg.ti_off_numel + 8) {     /* every known layout: one read */
+        struct { s64 numel; u16 dtype; u16 pad[3]; } nd = {};
+        bpf_probe_read_user(&nd, sizeof(nd.numel) + sizeof(nd.dtype), (void *)(impl + cfg.ti_off_numel));
+        t->numel = nd.numel;
+        t->dtype = nd.dtype;
+    } else {
+        bpf_probe_read_user(&t->dtype, sizeof(t->dtype), (void *)(impl + cfg.ti_off_dtype));
+        bpf_probe_read_user(&t->numel, sizeof(t->numel), (void *)(impl + cfg.ti_off_numel));
+    }
     t->ndim = ndim > 254 ? 254 : ndim;
 }
 
@@ -116,9 +138,35 @@ struct arg_walk {
     struct pv_op_spec *spec;
     struct pv_op_event *ev;
     u32 n;                    /* tensors read */
-    u32 pad;
+    u32 boxed;                /* the arguments are IValues (a boxed wrapper's), not SysV slots */
     u64 values_impl;          /* the TensorImpl whose values are read */
+    u64 ivalues_end;          /* a boxed call's: its stack's end (0: unreadable) */
 };
+
+/* A tensor argument of a boxed call: its IValue, n_args - i from the stack's end; None
+ * (an empty optional) has no TensorImpl. */
+static __always_inline u64 ivalue_impl(struct arg_walk *a, u32 i)
+{
+    struct pv_ivalue iv = {};
+    bpf_probe_read_user(&iv, sizeof(iv),
+                        (void *)(a->ivalues_end - sizeof(iv) * (u64)(a->spec->n_args - i)));
+    return iv.tag == PV_IVALUE_TAG_TENSOR ? iv.payload : 0;
+}
+
+/* A tensor argument in a SysV slot: its TensorImpl (0: an empty optional). */
+static __always_inline u64 slot_impl(struct pt_regs *ctx, u8 kind, u32 slot)
+{
+    u64 p = slot_value(ctx, slot);
+    if (kind == PV_ARG_OPT_TENSOR || kind == PV_ARG_OPT_STABLE_TENSOR) {
+        u8 engaged = 0;
+        bpf_probe_read_user(&engaged, 1, (void *)(p + (kind == PV_ARG_OPT_TENSOR ? 8 : 16)));
+        if (!engaged)
+            p = 0;
+    }
+    if (p && (kind == PV_ARG_STABLE_TENSOR || kind == PV_ARG_OPT_STABLE_TENSOR))
+        p = read_u64(p);            /* the shared_ptr's pointer: an at::Tensor */
+    return p ? read_u64(p) : 0;     /* an at::Tensor's one word: its TensorImpl */
+}
 
 /* One C++ parameter (bpf_loop's callback: one verification whatever the count). */
 static long read_arg(u32 i, struct arg_walk *a)
@@ -128,18 +176,8 @@ static long read_arg(u32 i, struct arg_walk *a)
     u8 kind = a->spec->kind[i];
     if (kind == PV_ARG_SKIP)
         return 0;
-    u64 p = slot_value(a->ctx, a->spec->slot[i]);
-    u64 impl = 0;
-    if (kind == PV_ARG_OPT_TENSOR || kind == PV_ARG_OPT_STABLE_TENSOR) {
-        u8 engaged = 0;
-        bpf_probe_read_user(&engaged, 1, (void *)(p + (kind == PV_ARG_OPT_TENSOR ? 8 : 16)));
-        if (!engaged)
-            p = 0;
-    }
-    if (p && (kind == PV_ARG_STABLE_TENSOR || kind == PV_ARG_OPT_STABLE_TENSOR))
-        p = read_u64(p);            /* the shared_ptr's pointer: an at::Tensor */
-    if (p)
-        impl = read_u64(p);         /* an at::Tensor's one word: its TensorImpl */
+    u64 impl = !a->boxed ? slot_impl(a->ctx, kind, a->spec->slot[i])
+               : a->ivalues_end ? ivalue_impl(a, i) : 0;
     struct pv_tensor *t = &a->ev->t[a->n & (PV_MAX_TENSORS - 1)];
     t->arg = i;
     read_tensor(t, impl);
@@ -147,6 +185,21 @@ static long read_arg(u32 i, struct arg_walk *a)
         a->values_impl = impl;
     a->n++;
     return 0;
+}
+
+/* The op a wrapper is calling: the function its functor points to, less the load bias (the
+ * probe's address at run time less its address in the file). */
+static __always_inline u32 wrapped_op(struct pt_regs *ctx, u64 cookie, u32 at)
+{
+    /* both read (the verifier refuses a context offset chosen at run time) */
+    u64 first = PT_REGS_PARM1(ctx), second = PT_REGS_PARM2(ctx);
+    asm volatile("" : "+r"(first), "+r"(second));
+    u64 functor = at == PV_AT_UNBOXED_SRET ? second : first;
+    u64 fn = read_u64(functor + ((cookie >> 40) & 0xff));
+    u64 bias = PT_REGS_IP(ctx) - (cookie & ((1ULL << 40) - 1));
+    struct pv_fn_key key = {.lib = (cookie >> 48) & 0xff, .vaddr = fn - bias};
+    u32 *op = bpf_map_lookup_elem(&op_by_fn, &key);
+    return op ? *op : PV_OP_NONE;
 }
 
 SEC("uprobe")
@@ -157,9 +210,12 @@ int vop_enter(struct pt_regs *ctx)
         return 0;
     }
     u64 id = bpf_get_current_pid_tgid();
-    u32 tid = (u32)id, op = (u32)bpf_get_attach_cookie(ctx);
-    struct pv_op_spec *spec = bpf_map_lookup_elem(&op_specs, &op);
-    if (!spec)
+    u64 cookie = bpf_get_attach_cookie(ctx);
+    u32 at = cookie >> 56;
+    u32 tid = (u32)id, op = at == PV_AT_FUNCTION ? (u32)cookie : wrapped_op(ctx, cookie, at);
+    u32 spec_at = at >= PV_AT_UNBOXED ? op + PV_MAX_OPS : op;
+    struct pv_op_spec *spec = op == PV_OP_NONE ? 0 : bpf_map_lookup_elem(&op_specs, &spec_at);
+    if (!spec && at == PV_AT_FUNCTION)
         return 0;
     struct pv_thread *th = bpf_map_lookup_elem(&threads, &tid);
     if (!th) {
@@ -172,12 +228,35 @@ int vop_enter(struct pt_regs *ctx)
         if (!th)
             return 0;
     }
+    /* an open call has its return address above this one's: those at or below never
+     * returned (see vop_return) */
+    u64 sp = PT_REGS_SP(ctx);
+    u32 open = th->depth;
+    if (open <= PV_MAX_DEPTH) {
+#pragma unroll
+        for (u32 k = 0; k < PV_MAX_DEPTH; k++) {
+            if (open && th->sp[(open - 1) & (PV_MAX_DEPTH - 1)] <= sp)
+                open--;
+        }
+        th->depth = open;
+    }
     u32 depth = th->depth++;
     if (depth >= PV_MAX_DEPTH) {
         tally(PV_TALLY_TOO_DEEP);
         return 0;
     }
     struct pv_op_event *ev = &th->ev[depth & (PV_MAX_DEPTH - 1)];
+    th->sp[depth & (PV_MAX_DEPTH - 1)] = sp;     /* the return address's slot */
+    /* a boxed wrapper that calls the typed one of the same signature: the call is the outer's */
+    if (spec && at != PV_AT_FUNCTION && depth && th->ev[(depth - 1) & (PV_MAX_DEPTH - 1)].op == op)
+        spec = 0;
+    if (!spec) {                /* not sent: its return pops this */
+        ev->op = PV_OP_NONE;
+        tally(PV_TALLY_OTHER_FN);
+        return 0;
+    }
+    if (at >= PV_AT_UNBOXED)
+        tally(PV_TALLY_TYPED);
     ev->kind = PV_EV_OP;
     ev->tid = tid;
     ev->tgid = id >> 32;
@@ -186,6 +265,10 @@ int vop_enter(struct pt_regs *ctx)
     ev->n_values = 0;
     ev->value_bytes = 0;
     struct arg_walk a = {.ctx = ctx, .spec = spec, .ev = ev};
+    if (at == PV_AT_BOXED) {    /* std::vector<IValue>*: its end pointer is its second word */
+        a.boxed = 1;
+        a.ivalues_end = read_u64(PT_REGS_PARM4(ctx) + 8);
+    }
     bpf_loop(PV_MAX_ARGS, read_arg, &a, 0);
     u32 n = a.n;
     u64 values_impl = a.values_impl;
@@ -224,10 +307,28 @@ int vop_return(struct pt_regs *ctx)
     struct pv_thread *th = bpf_map_lookup_elem(&threads, &tid);
     if (!th || !th->depth)
         return 0;
-    u32 depth = --th->depth;
-    if (depth >= PV_MAX_DEPTH)
+    if (th->depth > PV_MAX_DEPTH) {     /* one too deep to have been kept */
+        th->depth--;
         return 0;
+    }
+    /* The call returning is the open one whose return address sat just below this stack
+     * pointer. Deeper ones never returned here (an exception unwound them; or they entered
+     * between the entry probes' attach and the return probes'): dropped. None: this call
+     * began before the probes were attached. */
+    u64 sp = PT_REGS_SP(ctx);
+    u32 depth = th->depth;
+#pragma unroll
+    for (u32 k = 0; k < PV_MAX_DEPTH; k++) {
+        if (depth && th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] + 8 < sp)
+            depth--;
+    }
+    th->depth = depth;
+    if (!depth || th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] + 8 != sp)
+        return 0;
+    th->depth = --depth;
     struct pv_op_event *ev = &th->ev[depth & (PV_MAX_DEPTH - 1)];
+    if (ev->op == PV_OP_NONE)   /* nothing was opened: nothing to send or reopen */
+        return 0;
     ev->end_ns = now;
     if (cfg.n_counters && !ev->flags) {
         if (bpf_get_smp_processor_id() != ev->cpu) {
@@ -257,8 +358,9 @@ int vop_return(struct pt_regs *ctx)
     struct pi_open_span *span = bpf_map_lookup_elem(&open_spans, &tid);
     if (span) {                 /* the op that called this one, if any, is open again */
         struct pv_op_event *outer = &th->ev[(depth - 1) & (PV_MAX_DEPTH - 1)];
-        span->op = depth ? outer->op : 0;
-        span->op_start_ns = depth ? outer->start_ns : 0;
+        u32 open = depth && outer->op != PV_OP_NONE;
+        span->op = open ? outer->op : 0;
+        span->op_start_ns = open ? outer->start_ns : 0;
     }
     return 0;
 }

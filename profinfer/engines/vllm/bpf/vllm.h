@@ -9,7 +9,7 @@
 
 #define PV_EV_OP 32           /* one call of a native op, sent at its return */
 
-#define PV_MAX_OPS 1024       /* ops probed (the attach cookie is the op's index) */
+#define PV_MAX_OPS 1024       /* ops probed (op_specs holds two specs per op: below) */
 #define PV_MAX_ARGS 40        /* C++ parameters described per op */
 #define PV_MAX_TENSORS 32     /* tensor arguments read per call (a power of two) */
 #define PV_MAX_DIMS 6         /* sizes kept per tensor (more: ndim says how many it had) */
@@ -26,6 +26,40 @@
                                   * word is an at::Tensor* (one more indirection) */
 #define PV_ARG_OPT_STABLE_TENSOR 4   /* std::optional<torch::stable::Tensor>: a pointer to
                                       * {shared_ptr (two words), bool engaged} */
+
+/* Where a probe sits: the attach cookie's top byte.
+ * - PV_AT_FUNCTION: on the op's own C++ function; the cookie's low 32 bits are the op's index.
+ * - on one of torch's kernel wrappers for a C++ signature (vLLM registers its ops by runtime
+ *   function pointer, so one wrapper serves every op of that signature): the wrapper calls
+ *   the op's function through a pointer in its functor (the OperatorKernel*), and that
+ *   pointer, less the file's load bias, names the op in `op_by_fn`. The cookie carries
+ *   the file (bits 48-55: a library index), the pointer's offset in the functor (bits
+ *   40-47) and the probed instruction's address in the file (bits 0-39): the probe's
+ *   address at run time minus it is the load bias.
+ *   - PV_AT_BOXED: make_boxed_from_unboxed_functor<...>::call(functor, op handle, keys,
+ *     std::vector<IValue>* stack): the op's arguments are the stack's last n_args IValues.
+ *   - PV_AT_UNBOXED(_SRET): wrap_kernel_functor_unboxed_<...>::call([sret,] functor, keys,
+ *     args...): SysV, each argument two or three integer slots further on than in the op's
+ *     own function (its spec at op + PV_MAX_OPS); the functor in rdi (rsi after an sret). */
+#define PV_AT_FUNCTION 0
+#define PV_AT_BOXED 1
+#define PV_AT_UNBOXED 2
+#define PV_AT_UNBOXED_SRET 3
+#define PV_OP_NONE 0xffffffff  /* a wrapper's call of a function that is no probed op */
+
+/* An IValue (c10::IValue): a payload word (a Tensor's: its TensorImpl*), then a tag. */
+struct pv_ivalue {
+    u64 payload;
+    u32 tag;
+    u32 rest;
+};
+#define PV_IVALUE_TAG_TENSOR 1   /* None is 0: an empty optional */
+
+struct pv_fn_key {
+    u32 lib;                  /* the cookie's library index */
+    u32 pad;
+    u64 vaddr;                /* the op's function's address in that file */
+};
 
 /* Per op: each parameter's kind and its integer slot (0-5: rdi..r9, 6 on: the stack). */
 struct pv_op_spec {
@@ -50,7 +84,7 @@ struct pv_op_event {
     u32 kind;
     u32 tid;
     u32 tgid;
-    u32 op;                   /* index in the decoder's op list (the attach cookie) */
+    u32 op;                   /* index in the decoder's op list (PV_OP_NONE: not sent) */
     u64 start_ns;
     u64 end_ns;
     u64 step;                 /* the thread's step (open_spans) when the call began */
@@ -66,10 +100,12 @@ struct pv_op_event {
     s64 values[PV_MAX_VALUES];            /* and these only when n_values */
 };
 
-/* A thread's open ops (innermost last). */
+/* A thread's open ops (innermost last), each with the stack pointer at its entry probe (its
+ * return address's slot: its return is matched by it). */
 struct pv_thread {
     u32 depth;
     u32 pad;
+    u64 sp[PV_MAX_DEPTH];
     struct pv_op_event ev[PV_MAX_DEPTH];
 };
 
