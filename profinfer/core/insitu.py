@@ -78,14 +78,16 @@ class TrapSampler:
         self.obj.close()
         self.links = []
 
-    def trap_ns(self, start: np.ndarray, end: np.ndarray, kind: np.ndarray) -> tuple[float, int] | None:
+    def trap_ns(self, start: np.ndarray, end: np.ndarray, kind: np.ndarray,
+                bare: tuple[int, int] | None = None) -> tuple[float, int] | None:
         """One trap in the target (ns, less the bare program's run), and the calls it rests
-        on; None when too few short calls of one kind fell both in and out of the windows."""
-        runs, ns = self.cost()
+        on; None when too few short calls of one kind fell both in and out of the windows.
+        bare: the program's (runs, ns), where they were read before it was closed."""
+        runs, ns = bare or self.cost()
         delta = trap_from_windows(start, end, kind, self.on, self.off)
         if delta is None:
             return None
-        return delta[0] - (ns / runs if runs else 0.0), delta[1]
+        return max(0.0, delta[0] - (ns / runs if runs else 0.0)), delta[1]
 
 
 def _inside(start: np.ndarray, end: np.ndarray, windows: list[tuple[int, int]]) -> np.ndarray:

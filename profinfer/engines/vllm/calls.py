@@ -83,6 +83,16 @@ class CallRecords:
                 args.append(TensorArg(name, dtype, tuple(int(x) for x in t["sizes"][:ndim])))
         return tuple(args)
 
+    def timed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every call kept: (start_ns, end_ns, its kind: op and argument signature)."""
+        if not self.columns:
+            z = np.zeros(0, np.int64)
+            return z, z, z
+        start = np.concatenate([c["start_ns"] for c in self.columns]).astype(np.int64)
+        end = np.concatenate([c["end_ns"] for c in self.columns]).astype(np.int64)
+        op = np.concatenate([c["op"] for c in self.columns]).astype(np.int64)
+        return start, end, op << 32 | np.concatenate(self.sig_ids).astype(np.int64)
+
     def calls_by_op(self) -> dict[str, int]:
         """Calls parsed so far, by op name (an op in two libraries: both counted)."""
         out: dict[str, int] = {}

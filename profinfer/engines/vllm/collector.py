@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import psutil
 
-from profinfer.core import discovery, libbpf, procfs
+from profinfer.core import discovery, insitu, libbpf, procfs
 from profinfer.core.arch import placement
 from profinfer.core.collector import Collector, add_hits, program_costs
 from profinfer.core.errors import ProfinferError
@@ -45,6 +45,9 @@ class OpPlan:
     step_rules: dict = field(default_factory=dict)
     cost_values: dict[str, int] = field(default_factory=dict)   # op: the argument a cost model reads values of
     tensor_check: TensorLayoutCheck | None = None
+    # where a probe that does nothing would cost each call one more trap (insitu.py), by file
+    trap_sites: list[tuple[str, tuple[int, int] | None, list[int]]] = field(default_factory=list)
+    traps: insitu.TrapSampler | None = None      # measuring a trap in the target, once calls come
 
 
 class Inbox:
@@ -260,6 +263,7 @@ class VllmCollector(Collector):
             path = paths.get(elf.path, elf.path)
             offsets, cookies = self._wrapper_probes(elf)
             found = self.plan.wrappers.get(elf.path)
+            probed = [(w.symbol, w.place.offset) for w in found.wrappers] if found else []
             for i, op in enumerate(self.ops):
                 sym = elf.find(op.symbol) if self.plan.op_library[i] == os.path.basename(elf.path) else None
                 if sym is None or (found and op.name in found.covered):
@@ -273,15 +277,29 @@ class VllmCollector(Collector):
                 self.plan.probes_stepped += 0 if place.emulated else 2
                 offsets.append(sym.file_offset + place.offset)
                 cookies.append(i)
+                probed.append((sym, place.offset))
             if not cookies:
                 continue
             file_id = elf.file_id if path == elf.path else None     # a copy: as it was read
+            self._note_trap_sites(elf, path, file_id, probed)
             # the returns first: a call entered between the two has no open span to close
             self._attach_uprobes(RETURN_PROGRAM, path, offsets, cookies, pid, retprobe=True,
                                  file_id=file_id)
             self._attach_uprobes(ENTRY_PROGRAM, path, offsets, cookies, pid, file_id=file_id)
             self.n_probes += 2 * len(cookies)
             self.probed_files.add(discovery.file_key(path))
+
+    def _note_trap_sites(self, elf, path: str, file_id, probed: list[tuple]) -> None:
+        """Where, past each probe ((symbol, offset in it)), an instruction the kernel
+        emulates runs on every call (its entry block): the places a trap is measured in the
+        target (insitu.py)."""
+        sites = []
+        for sym, at in probed:
+            after = placement.next_emulated(elf.code_bytes(sym, 64), at)
+            if after is not None:
+                sites.append(sym.file_offset + after)
+        if sites:
+            self.plan.trap_sites.append((path, file_id, sites))
 
     def _wrapper_probes(self, elf) -> tuple[list[int], list[int]]:
         """The file offsets and cookies of the kernel wrappers probed for the library's ops."""
@@ -315,6 +333,25 @@ class VllmCollector(Collector):
         self.records.add(ev)
         self.n_events += len(ev)
         self.decoding = True
+        self._sample_traps(ev)
+
+    def _sample_traps(self, ev: np.ndarray) -> None:
+        """Measure a trap in the target (insitu.py) from once the op level's calls come, in
+        the process that makes them; a failure to is said, and the calibration's cost used."""
+        plan = self.plan
+        if plan.traps is not None:
+            plan.traps.tick()
+            return
+        if "op" not in self.levels or not plan.trap_sites or self.obj is None:
+            return
+        try:
+            plan.traps = insitu.TrapSampler(plan.trap_sites, int(np.bincount(ev["tgid"]).argmax()),
+                                            self.buffer)
+        except ProfinferError as e:
+            plan.trap_sites = []
+            self.warnings.append(f"the trap's cost in the target not measured: {e}")
+            return
+        self._add_companion(plan.traps.obj)
 
     def refresh_process_info(self) -> None:
         if self._tree_fd >= 0 and self.obj is not None:
@@ -361,6 +398,7 @@ class VllmCollector(Collector):
         self.detach()
         calls = self.records.calls()
         self.bpf_stats = self._cost(stats, self.records.calls_by_op(), tallies["unsent"])
+        trap_meta = self._trap_in_situ(stats)
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
         if len(self.sched):
@@ -371,6 +409,7 @@ class VllmCollector(Collector):
         prof.steps = stepmaker.steps(calls, self.step_rules)
         prof.meta.update(self._meta(tallies))
         prof.meta["steps_begun"] = str(steps)
+        prof.meta.update(trap_meta)
         if server:
             prof.meta["server_metrics_url"] = self._server_metrics.url
             prof.meta.update((f"server:{k}", f"{v:g}") for k, v in sorted(server.items()))
@@ -380,6 +419,19 @@ class VllmCollector(Collector):
         if warning:
             self.warnings.append(warning)
         return prof
+
+    def _trap_in_situ(self, stats: dict[str, tuple[int, int]]) -> dict[str, str]:
+        """One emulated trap as the calls paid it (insitu.py), less the bare program's run:
+        the accounting prices the emulated hits at it (selfcost)."""
+        traps = self.plan.traps
+        if traps is None:
+            return {}
+        ns, runs = stats.get(insitu.PROGRAM, (0, 0))
+        found = traps.trap_ns(*self.records.timed(), bare=(runs, ns))
+        out = {"trap_in_situ_windows": str(len(traps.on))}
+        if found is not None:
+            out["trap_in_situ_ns"], out["trap_in_situ_calls"] = f"{found[0]:.0f}", str(found[1])
+        return out
 
     def _cost(self, stats: dict[str, tuple[int, int]], per_op: dict[str, int],
               unsent: int) -> dict[str, int]:
@@ -395,6 +447,7 @@ class VllmCollector(Collector):
             place = self.plan.placements.get(name)       # None: seen through a wrapper
             add_hits(out, n, place.emulated if place else True, returns=True)
         add_hits(out, unsent, True, returns=True)
+        add_hits(out, stats.get(insitu.PROGRAM, (0, 0))[1], True)    # the trap measure's own
         return out
 
     def _meta(self, tallies: dict[str, int]) -> dict[str, str]:
