@@ -87,15 +87,31 @@ def cost_line(c: selfcost.SelfCost) -> str:
             + ("" if coll is None else f"; collector {coll:.2%}") + stated)
 
 
+def placement_line(meta: dict[str, str], prefix: str = "") -> str | None:
+    """How many probes were attached and how many of them the kernel single-steps (and
+    where), from the recording's <prefix>probes meta; None for a recording made before
+    they were counted."""
+    stepped = meta.get(f"{prefix}probes_stepped")
+    if stepped is None:
+        return None
+    line = f"profiler cost: {int(meta.get(f'{prefix}probes', 0)):,} probes, {int(stepped):,} single-stepped"
+    if int(stepped):
+        return f"[yellow]{line} ({meta.get(f'{prefix}probes_stepped_at', '').replace(',', ', ')})[/]"
+    return line
+
+
 def print_cost(profile: Profile, console: Console, say_origin: bool = True) -> None:
-    """The profiler-cost line, and (say_origin) whose trap costs it used when not the
-    recording's own."""
+    """The profiler-cost line, (say_origin) whose trap costs it used when not the
+    recording's own, and the probes placed."""
     trap = recorded_calibration.trap_costs(profile)
     cost = selfcost.compute(profile, trap.value)
     if cost:
         console.print(cost_line(cost))
         if say_origin and not trap.stored and trap.value is not None:
             console.print(f"[yellow]profiler cost: {trap.origin}[/]")
+    placed = placement_line(profile.meta)
+    if placed:
+        console.print(placed)
 
 
 def print_lost(profile: Profile, console: Console) -> None:
