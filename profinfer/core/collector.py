@@ -120,9 +120,12 @@ class PlacedProbes:
                     codes[i] = f.read(16)
         except OSError:
             pass
-        self.by_file.setdefault(path, []).extend(
-            (off, placement.emulated_at(code)[0], names[i] if names else "")
-            for i, (off, code) in enumerate(zip(offsets, codes)))
+        probes = self.by_file.setdefault(path, [])
+        for i, (off, code) in enumerate(zip(offsets, codes)):
+            emulated = placement.emulated_at(code)[0]
+            # a stepped probe's function, named now (the file may be gone when it is told)
+            probes.append((off, emulated, (names[i] if names else "") or
+                           ("" if emulated else _function_at(path, off))))
 
     def forget(self, path: str) -> None:
         self.by_file.pop(path, None)
@@ -133,8 +136,8 @@ class PlacedProbes:
 
     def stepped(self) -> list[str]:
         """The single-stepped probes, each as its function (or file+offset), sorted."""
-        return sorted(name or _function_at(path, off) for path, probes in self.by_file.items()
-                      for off, emulated, name in probes if not emulated)
+        return sorted(name for probes in self.by_file.values() for _, emulated, name in probes
+                      if not emulated)
 
 
 def _function_at(path: str, offset: int) -> str:
@@ -339,6 +342,11 @@ class Collector:
         link = self.obj.attach_uprobe(program, path, offset, pid, retprobe=retprobe, file_id=file_id)
         self.attachment.placed.add(path, [offset], [name])
         return link
+
+    @property
+    def probes_stepped(self) -> int:
+        """How many of its uprobes the kernel single-steps (PlacedProbes)."""
+        return len(self.attachment.placed.stepped())
 
     def _placement_meta(self, prefix: str = "") -> dict[str, str]:
         """How many uprobes are attached (entry and return), how many of them the kernel
