@@ -11,6 +11,14 @@ stated (profiler_cost: probes in the target plus the collector's CPU).
 
     .venv/bin/python bench/cost_check.py --model tiny --pairs 10 --window 3
     .venv/bin/python bench/cost_check.py --config op --config "op two-probe" --pairs 15
+
+`--all` checks every engine and level the accounting must hold for, each the way its cost
+shows in time, and says whether stated / timed falls within ACCEPT: llama.cpp's op level
+(above), vLLM eager and compiled (bench/vllm_overhead.py: one engine process's batches in
+alternating windows) and a CUDA program's launches (bench/cuda_overhead.py: the program's
+own time per call, runs alternating unprobed and probed).
+
+    .venv/bin/python bench/cost_check.py --all
 """
 from __future__ import annotations
 
@@ -152,8 +160,37 @@ def check(model: str, configs: list[str], pairs: int, window_s: float, threads: 
              **({"taken_with": together} if together else {})} for c in configs]
 
 
+ACCEPT = (0.8, 1.2)      # stated / timed
+BENCH = Path(__file__).parent
+
+
+def _bench(script: str, args: list[str], tmp: Path) -> dict:
+    summary = tmp / f"{script}.json"
+    subprocess.run([sys.executable, str(BENCH / script), *args, "--summary", str(summary)], check=True)
+    return json.loads(summary.read_text())
+
+
+def check_all(pairs: int, window_s: float, tmp: Path) -> list[tuple[str, float, float]]:
+    """(what, timed, stated) for each engine and level."""
+    out = []
+    llama = check("tiny", ["op"], pairs, window_s, 2, tmp)[0]
+    _summarize("tiny", llama)
+    if llama["rows"]:
+        out.append(("llama.cpp op level, tiny (time per decode call)", llama["summary"]["timed"],
+                    llama["summary"]["stated"]))
+    for mode in ("eager", "compiled"):
+        v = _bench("vllm_overhead.py", ["--mode", mode, "--pairs", str(pairs), "--window", "5"], tmp)
+        out.append((f"vLLM op level, {mode} (batch time; steps/s {v['steps_per_s_unprobed']:.0f} -> "
+                    f"{v['steps_per_s_probed']:.0f})", v["timed"], v["stated"]))
+    c = _bench("cuda_overhead.py", ["--what", "launch"], tmp)["launch"]
+    out.append(("cuda level, cudaLaunchKernel (ns per call, aggregated)", c["aggregated_added_ns"],
+                c["aggregated_stated_ns"]))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--all", action="store_true", help="every engine and level (see above)")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--config", action="append", choices=list(CONFIGS),
                     help="a configuration to check (repeat: their windows alternate); default op")
@@ -162,6 +199,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", help="append the results (JSON, a line each) to this file")
     args = ap.parse_args()
+    if args.all:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = check_all(args.pairs, args.window, Path(tmp))
+        print("\n| what | timed | stated | stated / timed |\n|---|---:|---:|---:|")
+        for what, timed, stated in rows:
+            ratio = stated / timed if timed and stated is not None else float("nan")
+            unit = (lambda v: f"{v:,.0f} ns") if "ns per call" in what else (lambda v: f"{100 * v:+.2f}%")
+            verdict = "" if ACCEPT[0] <= ratio <= ACCEPT[1] else " (outside 0.8-1.2)"
+            print(f"| {what} | {unit(timed)} | {unit(stated) if stated is not None else '-'} | "
+                  f"{ratio:.2f}{verdict} |")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         results = check(args.model, args.config or ["op"], args.pairs, args.window, args.threads,
                         Path(tmp))

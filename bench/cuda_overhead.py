@@ -33,11 +33,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=200_000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--what", action="append", choices=["launch", "copy", "malloc", "sync"],
+                    help="the calls to measure (repeat; default all four)")
+    ap.add_argument("--summary", help="write the results (JSON) here too")
     args = ap.parse_args()
     program = str(workload.build_program(SOURCE, "static"))
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for what in ("launch", "copy", "malloc", "sync"):
+        for what in args.what or ("launch", "copy", "malloc", "sync"):
             runs = {"unprobed": [], "aggregated": [], "timeline": []}
             stated = {"aggregated": [], "timeline": []}
             for _ in range(args.rounds):
@@ -58,7 +61,10 @@ def main() -> int:
                 results[what][f"{mode}_added_ns"] = statistics.median(runs[mode]) - base
                 results[what][f"{mode}_stated_ns"] = statistics.median(stated[mode]) if stated[mode] else None
             print(what, json.dumps(results[what]), flush=True)
-    Path(__file__).with_name("cuda_overhead.json").write_text(json.dumps(results, indent=2) + "\n")
+    if args.summary:
+        Path(args.summary).write_text(json.dumps(results, indent=2) + "\n")
+    if not args.what:
+        Path(__file__).with_name("cuda_overhead.json").write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 

@@ -32,6 +32,7 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=6.0)
     ap.add_argument("--mode", default="eager", choices=["eager", "compiled"])
     ap.add_argument("--out", default=str(Path(__file__).with_name("vllm_overhead.jsonl")))
+    ap.add_argument("--summary", help="write the medians (JSON) here too")
     args = ap.parse_args()
     seconds = (2 * args.pairs + 2) * (args.window + 2) + 30
     target = subprocess.Popen([str(workload.ensure_vllm()), str(WORKLOAD), str(workload.ensure_model()),
@@ -100,6 +101,12 @@ def main() -> int:
     unprobed_ms = statistics.median(r["batch_ms_unprobed"] for r in rows)
     probed_ms = statistics.median(r["batch_ms_probed"] for r in rows)
     steps_per_batch = statistics.median(r["steps_per_batch"] for r in rows)
+    if args.summary:
+        Path(args.summary).write_text(json.dumps({
+            "mode": args.mode, "windows": len(rows), "timed": timed, "stated": stated,
+            "timed_range": [min(r["timed"] for r in rows), max(r["timed"] for r in rows)],
+            "steps_per_s_unprobed": 1000 * steps_per_batch / unprobed_ms,
+            "steps_per_s_probed": 1000 * steps_per_batch / probed_ms}) + "\n")
     print(f"mode {args.mode}: {len(rows)} probed windows; batch {unprobed_ms:.1f} ms unprobed, "
           f"{probed_ms:.1f} ms probed; steps/s {1000 * steps_per_batch / unprobed_ms:.1f} unprobed, "
           f"{1000 * steps_per_batch / probed_ms:.1f} probed; timed +{100 * timed:.1f}% "

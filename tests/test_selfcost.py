@@ -29,6 +29,28 @@ def test_shares_from_counts():
     assert selfcost.compute(Profile(pid=1), None) is None              # not counted: no claim
 
 
+def test_the_probes_time_is_judged_against_the_threads_that_took_the_hits():
+    """One thread calls every op while two others spin through the same time (vLLM's OpenMP
+    pool): the probes' time is a share of the calling thread's time, not of all three's."""
+    from profinfer.core.model import OpCall
+    meta = {"cost:bpf_ns": "0", "cost:bpf_runs": "300", "cost:hits_emulated": "100",
+            "cost:hits_stepped": "0", "cost:hits_return": "100", "target_cpu_s": "3.0",
+            "collector_cpu_decoding_s": "0.03", "threads_cpu_s": "10:1.00 11:1.00 12:1.00"}
+    calls = [OpCall(1, 10, i, i + 1, "op") for i in range(100)]
+    costs = {"emulated_ns": 2e6, "stepped_ns": 0.0, "uretprobe_extra_ns": 1e6}      # 0.3 s in all
+    c = selfcost.compute(Profile(pid=1, meta=meta, calls=calls), costs)
+    assert abs(c.in_target_share - 0.3 / 0.7) < 1e-9        # the caller's 1 s, 0.3 s of it probes
+    assert abs(c.collector_share - 0.03 / 0.7) < 1e-9
+    # its CPU not recorded (an older recording): the whole target's, as before
+    old = selfcost.compute(Profile(pid=1, meta={k: v for k, v in meta.items() if k != "threads_cpu_s"},
+                                   calls=calls), costs)
+    assert abs(old.in_target_share - 0.3 / 2.7) < 1e-9
+    # two threads sharing the hits alike, each against its own time
+    calls2 = calls + [OpCall(1, 11, i, i + 1, "op") for i in range(100)]
+    both = selfcost.compute(Profile(pid=1, meta=meta, calls=calls2), costs)
+    assert abs(both.in_target_share - 0.15 / 0.85) < 1e-9
+
+
 def _two_thread_graph(gap_ns: int) -> list[OpSlice]:
     """Two threads through 3 nodes; at each barrier the last to arrive starts the next node
     gap_ns after its barrier probe, the other waited there."""

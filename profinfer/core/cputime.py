@@ -47,6 +47,37 @@ class ProcessesCpu:
         return sum(self.last[p] - self.first[p] for p in self.last)
 
 
+class ThreadsCpu:
+    """CPU time of each thread of a set of processes, from when it was first sampled to its
+    last sample (one that exited keeps its last): a probe's cost is borne by the thread that
+    takes it, so it is judged against that thread's time, not the whole tree's."""
+
+    def __init__(self):
+        self.first: dict[int, int] = {}      # tid -> CPU ticks at its first sample
+        self.last: dict[int, int] = {}
+
+    def sample(self, pids) -> None:
+        for pid in pids:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for t in tids:
+                fields = stat_fields(f"{pid}/task/{t}")
+                try:
+                    ticks = int(fields[11]) + int(fields[12])
+                except (TypeError, ValueError, IndexError):
+                    continue
+                self.first.setdefault(int(t), ticks)
+                self.last[int(t)] = ticks
+
+    def used_s(self, min_s: float = 0.0) -> dict[int, float]:
+        """{tid: CPU seconds used between its first and last sample}, those above min_s."""
+        hz = os.sysconf("SC_CLK_TCK")
+        used = {t: (self.last[t] - self.first[t]) / hz for t in self.last}
+        return {t: s for t, s in used.items() if s > min_s}
+
+
 class CpuShares:
     """The target's CPU time while probed, and ours, counted from when the engine's work
     began (BPF sends an event at llama_decode's entry; without the token level, the first
@@ -60,6 +91,8 @@ class CpuShares:
         self.others = ProcessesCpu()         # the engine's other processes (vLLM's workers)
         self.from_work = False               # counting from the engine's first work
         self.child_cpu: list[float] = []     # our child's, once reaped
+        self.threads = ThreadsCpu()          # each thread's, from the engine's first work
+        self.threads_at = 0.0                # when last sampled (monotonic)
 
     def work_began(self, engine_pid: int) -> None:
         self.target_from, self.own_from, self.from_work = cpu_s(engine_pid), own_cpu_s(), True

@@ -32,6 +32,48 @@ class SelfCost:
     collector_critical: bool = False       # no CPU free of the target's compute threads
     compute_threads: int = 1
     in_graphs: float = 1.0                 # share of the decoding time inside graph computes
+    # each thread's CPU time while probed, and its share of the hits: the probes' time is
+    # borne by the threads that take them (None: not known; the whole target's CPU is used)
+    thread_cpu_ns: dict[int, int] | None = None
+    hit_shares: dict[int, float] | None = None
+
+    def _bearers(self) -> dict[int, tuple[float, int]] | None:
+        """{tid: (its share of the hits, its CPU ns)} of the threads that took the hits, when
+        the recording knows them all (nine tenths of the hits at least); else None."""
+        if not self.thread_cpu_ns or not self.hit_shares:
+            return None
+        known = {t: (w, self.thread_cpu_ns[t]) for t, w in self.hit_shares.items()
+                 if t in self.thread_cpu_ns}
+        return known if sum(w for w, _ in known.values()) >= 0.9 else None
+
+    def _share(self, added: float) -> float | None:
+        """`added` ns of probe time as a share of the time it delayed: each thread that took
+        hits bears its part of them against its own CPU time; the shares are averaged by
+        the hits (threads that meet at barriers bear alike; a thread that took a few hits
+        in little time does not set the figure); the whole target's CPU time where those
+        threads are not known."""
+        bearers = self._bearers()
+        if bearers is None:
+            if not self.target_cpu_ns or self.target_cpu_ns <= added:
+                return None
+            return added / (self.target_cpu_ns - added)
+        total = sum(w for w, _ in bearers.values())
+        share = 0.0
+        for w, cpu in bearers.values():
+            if cpu <= added * w:
+                return None
+            share += w / total * (added * w / (cpu - added * w))
+        return share
+
+    @property
+    def bearer_threads(self) -> int | None:
+        """How many threads took the hits and are charged them (None: not known)."""
+        bearers = self._bearers()
+        return None if bearers is None else len(bearers)
+
+    def _bearers_cpu_ns(self) -> int | None:
+        bearers = self._bearers()
+        return None if bearers is None else sum(cpu for _, cpu in bearers.values())
 
     @property
     def collector_factor(self) -> float:
@@ -61,10 +103,7 @@ class SelfCost:
             return self.in_target_share
         trap = sum(n * (self.trap_in_situ_ns if kind == "emulated" else self.hit_costs_ns[kind])
                    for kind, n in self.hits.items())
-        added = trap + self.bpf_ns
-        if not self.target_cpu_ns or self.target_cpu_ns <= added:
-            return None
-        return added / (self.target_cpu_ns - added)
+        return self._share(trap + self.bpf_ns)
 
     @property
     def in_target_ns(self) -> float | None:
@@ -75,15 +114,17 @@ class SelfCost:
     def in_target_share(self) -> float | None:
         """The probes' added time over the target's CPU time without it."""
         added = self.in_target_ns
-        if added is None or not self.target_cpu_ns or self.target_cpu_ns <= added:
-            return None
-        return added / (self.target_cpu_ns - added)
+        return None if added is None else self._share(added)
 
     @property
     def collector_share(self) -> float | None:
-        if self.collector_cpu_ns is None or not self.target_cpu_ns:
+        """The collector's CPU time over that of the threads it delays: those that took the
+        hits where known (collector_factor says how many of them wait for it), else the
+        whole target's."""
+        cpu = self._bearers_cpu_ns() or self.target_cpu_ns
+        if self.collector_cpu_ns is None or not cpu:
             return None
-        base = self.target_cpu_ns - (self.in_target_ns or 0)
+        base = cpu - (self.in_target_ns or 0)
         return self.collector_cpu_ns / base if base > 0 else None
 
 
@@ -151,7 +192,33 @@ def _compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCos
                     seconds_as_ns("collector_cpu_decoding_s"), seconds_as_ns("target_cpu_s"),
                     num("trap_in_situ_ns") if "trap_in_situ_ns" in meta else
                     trap_in_situ_ns(profile, num("cost:barrier_ns_per_run") or 0, cols),
-                    critical, threads or 1, graph_share(profile))
+                    critical, threads or 1, graph_share(profile),
+                    threads_cpu_ns(meta.get("threads_cpu_s", "")), hit_shares(profile, cols))
+
+
+def threads_cpu_ns(text: str) -> dict[int, int] | None:
+    """The recording's threads_cpu_s ("tid:seconds ..."), as ns by thread."""
+    out = {}
+    for part in text.split():
+        tid, _, secs = part.partition(":")
+        try:
+            out[int(tid)] = int(float(secs) * 1e9)
+        except ValueError:
+            return None
+    return out or None
+
+
+def hit_shares(profile: Profile, cols: OpColumns) -> dict[int, float] | None:
+    """Each thread's share of the recorded probe hits: its ops (graph nodes) and its calls
+    (an engine's native ops), each a hit of its probes; None when neither was recorded."""
+    counts: dict[int, int] = {}
+    if len(cols):
+        tids, n = np.unique(cols.tid, return_counts=True)
+        counts.update(zip(tids.tolist(), n.tolist()))
+    for c in profile.calls:
+        counts[c.tid] = counts.get(c.tid, 0) + 1
+    total = sum(counts.values())
+    return {t: n / total for t, n in counts.items()} if total else None
 
 
 def graph_share(profile: Profile) -> float:

@@ -35,6 +35,8 @@ POLL_MS = 1000
 # Until the target decodes (a model still loading), drains are this frequent, so that its
 # CPU time is counted from its first llama_decode to within one of them.
 POLL_BEFORE_DECODING_MS = 20
+THREAD_CPU_MIN_S = 0.02   # threads that used less while probed are left out of the record
+THREADS_SAMPLE_S = 0.9    # each thread's CPU read this often (a thread that ends keeps its last)
 REFRESH_S = 5.0     # thread names and mappings are read again this often (and at the end)
 
 
@@ -397,6 +399,12 @@ class Session:
             cpu.target_last = cpu_s(self.engine_pid) or cpu.target_last
         if cpu.from_work:
             cpu.others.sample(coll.other_target_processes())
+            if time.monotonic() - cpu.threads_at >= THREADS_SAMPLE_S:
+                self._sample_threads()
+
+    def _sample_threads(self) -> None:
+        self.cpu.threads.sample([self.engine_pid, *self.coll.other_target_processes()])
+        self.cpu.threads_at = time.monotonic()
 
     def _collect(self) -> None:
         """Drain until --duration, a signal or the target's exit."""
@@ -440,6 +448,8 @@ class Session:
         collecting_rss_kb = rss_kb()
         own_cpu = own_cpu_s()
         target_cpu = self.cpu.target(self.engine_pid, coll.other_target_processes)
+        if self.cpu.from_work:
+            self._sample_threads()
         warned = len(coll.warnings)
         profile = coll.finish()
         for w in coll.warnings[warned:]:        # what only the end of collection shows
@@ -460,6 +470,10 @@ class Session:
         meta["collector_cpu_decoding_s"] = f"{own_cpu - self.cpu.own_from:.3f}"
         if target_cpu is not None:
             meta["target_cpu_s"] = f"{target_cpu:.3f}"
+        threads = self.cpu.threads.used_s(THREAD_CPU_MIN_S)
+        if threads:
+            # the probes' cost is judged against the time of the threads that took them
+            meta["threads_cpu_s"] = " ".join(f"{t}:{v:.2f}" for t, v in sorted(threads.items()))
         return profile
 
     def _release(self) -> None:

@@ -74,7 +74,9 @@ def cost_line(c: selfcost.SelfCost) -> str:
     else:
         share = c.in_target_share
         probes = (f"{hits:,} probe hits x {c.trap_ns / max(hits, 1) / 1e3:.2f} µs trap + {bpf}"
-                  + ("" if share is None else f" = {share:.2%} of the target's CPU time"))
+                  + ("" if share is None else f" = {share:.2%} of " + (
+                      "the target's CPU time" if c.bearer_threads is None else
+                      f"the time of the {c.bearer_threads} thread{'s' * (c.bearer_threads > 1)} that took them")))
     coll = c.collector_share
     slowdown = c.slowdown
     stated = "" if slowdown is None else (

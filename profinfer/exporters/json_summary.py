@@ -78,7 +78,9 @@ def _profiler_cost(profile: Profile) -> dict:
         "in_target_share": c.in_target_share, "collector_share": c.collector_share,
         "trap_in_situ_ns": _int(c.trap_in_situ_ns), "collector_on_critical_path": c.collector_critical,
         "collector_factor": c.collector_factor,
-        "slowdown": c.slowdown}}
+        "slowdown": c.slowdown,
+        # where the recording knows the threads that took the hits, each was charged its share
+        **({"charged_threads": c.bearer_threads} if c.bearer_threads is not None else {})}}
 
 
 # The view of a profile of tokens, graphs and ops that no engine's own view stands for.

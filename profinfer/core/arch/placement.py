@@ -120,3 +120,16 @@ def choose(code: bytes, args_needed: tuple[int, ...] = ()) -> Placement:
         if X.X86_REG_RSP in written or X.X86_REG_ESP in written:
             break
     return Placement(0, False, "")
+
+
+def next_emulated(code: bytes, after: int) -> int | None:
+    """The offset of the first emulated instruction past `after` in `code`'s entry block (run
+    on every call that runs the instruction at `after`), or None: where a second probe costs
+    the calls it is put in one more emulated trap and nothing else."""
+    for insn in _md.disasm(code, 0):
+        if insn.address > after and _is_emulated(insn) and insn.id != X.X86_INS_CALL \
+                and capstone.CS_GRP_JUMP not in insn.groups:
+            return insn.address
+        if _ends_block(insn):
+            return None
+    return None
