@@ -120,8 +120,11 @@ def _check_demo(demo) -> tuple[str, str]:
     """Record the bundled workload briefly, as `profinfer demo` does, and say where its probes sit."""
     if demo.ready is not None and not demo.ready():
         return WARN, f"not built yet: `profinfer demo --engine {demo.name}` builds it, then this checks it"
-    meta, error = _placed(["demo", "--engine", demo.name, "--tokens", "4", "-o", "demo.pftrace"])
-    return (FAIL, f"its recording failed: {error}") if error else _placement_row(meta)
+    for _ in range(2):      # once more if it failed: a short run that outran the attach
+        meta, error = _placed(["demo", "--engine", demo.name, "--tokens", "16", "-o", "demo.pftrace"])
+        if not error:
+            return _placement_row(meta)
+    return FAIL, f"its recording failed: {error}"
 
 
 def _check_cuda_runtime() -> tuple[str, str]:

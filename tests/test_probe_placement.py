@@ -262,7 +262,7 @@ def test_daemon_probes_are_emulated(llama_build, tiny_model, llama_env, tmp_path
         ours = {llama.proc.pid, cuda.pid}
         for pid, level in ((llama.proc.pid, "token"), (cuda.pid, "cuda")):
             deadline = time.monotonic() + 60          # the machine may be busy
-            while level not in d.watched(pid)["levels"] and time.monotonic() < deadline:
+            while level not in d.watched(pid, timeout=60)["levels"] and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert level in d.watched(pid)["levels"], d.text()
         mapped = {line.split()[-1] for pid in ours for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
