@@ -14,6 +14,7 @@ from rich.table import Table
 from profinfer.core import bpfobj, kernel, libbpf
 from profinfer.core import perfevents as perfcounters
 from profinfer.core.errors import ProfinferError
+from profinfer.core.tables import stepped_functions
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -109,7 +110,7 @@ def _placement_row(meta: dict[str, str], prefix: str = "") -> tuple[str, str]:
     if f"{prefix}probes_stepped" not in meta:
         return WARN, "the recording does not say where its probes sit"
     n, stepped = int(meta.get(f"{prefix}probes", 0)), int(meta[f"{prefix}probes_stepped"])
-    where = meta.get(f"{prefix}probes_stepped_at", "").replace(",", ", ")
+    where = stepped_functions(meta.get(f"{prefix}probes_stepped_at", ""))
     return ((OK, f"stepped probes: 0 of {n} (every probe on an instruction the kernel emulates)")
             if not stepped else
             (WARN, f"stepped probes: {stepped} of {n}, each hit single-stepped (~30x an emulated "
@@ -120,7 +121,7 @@ def _check_demo(demo) -> tuple[str, str]:
     """Record the bundled workload briefly, as `profinfer demo` does, and say where its probes sit."""
     if demo.ready is not None and not demo.ready():
         return WARN, f"not built yet: `profinfer demo --engine {demo.name}` builds it, then this checks it"
-    for _ in range(2):      # once more if it failed: a short run that outran the attach
+    for _ in range(2):      # once more if it failed: a run let go before it was probed
         meta, error = _placed(["demo", "--engine", demo.name, "--tokens", "16", "-o", "demo.pftrace"])
         if not error:
             return _placement_row(meta)

@@ -98,8 +98,14 @@ def placement_line(meta: dict[str, str], prefix: str = "") -> str | None:
         return None
     line = f"profiler cost: {int(meta.get(f'{prefix}probes', 0)):,} probes, {int(stepped):,} single-stepped"
     if int(stepped):
-        return f"[yellow]{line} ({meta.get(f'{prefix}probes_stepped_at', '').replace(',', ', ')})[/]"
+        return f"[yellow]{line} ({stepped_functions(meta.get(f'{prefix}probes_stepped_at', ''))})[/]"
     return line
+
+
+def stepped_functions(listed: str, shown: int = 6) -> str:
+    """The functions of a probes_stepped_at meta value, the first few of them."""
+    names = [n for n in listed.split(",") if n]
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def print_cost(profile: Profile, console: Console, say_origin: bool = True) -> None:
