@@ -1,6 +1,8 @@
 """Number formats, tables and lines that more than one report section prints (rich)."""
 from __future__ import annotations
 
+import re
+
 from rich.console import Console
 from rich.table import Table
 
@@ -103,9 +105,24 @@ def placement_line(meta: dict[str, str], prefix: str = "") -> str | None:
 
 
 def stepped_functions(listed: str, shown: int = 6) -> str:
-    """The functions of a probes_stepped_at meta value, the first few of them."""
-    names = [n for n in listed.split(",") if n]
+    """The functions of a probes_stepped_at meta value, the first few of them (a C++ name
+    by its qualified name, without its parameters)."""
+    names = [_short_name(n) for n in listed.split(",") if n]
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _short_name(symbol: str) -> str:
+    """An Itanium-mangled function name's qualified name (_Z16rotary_embeddingRN2at... ->
+    rotary_embedding; _ZN3foo3barEv -> foo::bar); any other name as it is."""
+    nested = symbol.startswith("_ZN")
+    rest, parts = symbol[3 if nested else 2:], []
+    while symbol.startswith("_Z") and (m := re.match(r"(\d+)", rest)):
+        n = int(m.group(1))
+        parts.append(rest[m.end():m.end() + n])
+        rest = rest[m.end() + n:]
+        if not nested or rest.startswith("E"):
+            break
+    return "::".join(parts) or symbol
 
 
 def print_cost(profile: Profile, console: Console, say_origin: bool = True) -> None:
