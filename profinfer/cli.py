@@ -308,10 +308,13 @@ def calibrate_cmd(threads, force, attempts):
 
 
 @cli.command()
-def doctor():
+@click.option("--workloads/--no-workloads", default=True, show_default=True,
+              help="Record each bundled workload briefly (and attach to the CUDA runtimes found "
+              "here) to say how many of its probes the kernel single-steps.")
+def doctor(workloads):
     """What works on this machine, and how to fix what doesn't."""
     from profinfer.doctor import run_doctor
-    sys.exit(run_doctor())
+    sys.exit(run_doctor(workloads))
 
 
 DEFAULT_TOKEN_FILE = "/run/profinfer/token"

@@ -1,8 +1,12 @@
 """`profinfer doctor`: check each thing profiling depends on and say how to fix it."""
 from __future__ import annotations
 
+import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 
 from rich.console import Console
 from rich.table import Table
@@ -10,6 +14,7 @@ from rich.table import Table
 from profinfer.core import bpfobj, kernel, libbpf
 from profinfer.core import perfevents as perfcounters
 from profinfer.core.errors import ProfinferError
+from profinfer.core.tables import stepped_functions
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -75,7 +80,87 @@ def _check_cost_accounting():
                 f"(emulated), {costs['stepped_ns'] / 1e3:.2f} µs (single-stepped) here")
 
 
-def checks() -> list[tuple[str, str, str]]:
+WORKLOAD_TIMEOUT_S = 300
+# a process that maps the files named on its command line, then waits for its stdin to close
+_MAPPER = "import ctypes, sys; [ctypes.CDLL(p) for p in sys.argv[1:]]; print('mapped', flush=True); sys.stdin.read()"
+
+
+def _placed(args: list[str]) -> tuple[dict[str, str], str]:
+    """Run `profinfer ARGS --quiet --json FILE` (a real attach); the recording's meta, and
+    the error it ended with ("" when it wrote its summary)."""
+    with tempfile.TemporaryDirectory(prefix="profinfer-doctor.") as tmp:
+        summary = os.path.join(tmp, "summary.json")
+        cmd = [sys.executable, "-m", "profinfer.cli", args[0], "--quiet", "--json", summary, *args[1:]]
+        # this very profinfer (run from a source tree, or installed), not another one on the path
+        top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (top, os.environ.get("PYTHONPATH"))))}
+        try:
+            run = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                 timeout=WORKLOAD_TIMEOUT_S, cwd=tmp, env=env)
+        except subprocess.TimeoutExpired:
+            return {}, f"no result in {WORKLOAD_TIMEOUT_S} s"
+        if not os.path.exists(summary):
+            lines = [l for l in run.stderr.splitlines() if l.strip()]
+            return {}, lines[-1] if lines else f"exit status {run.returncode}"
+        with open(summary) as f:
+            return json.load(f).get("meta", {}), ""
+
+
+def _placement_row(meta: dict[str, str], prefix: str = "") -> tuple[str, str]:
+    if f"{prefix}probes_stepped" not in meta:
+        return WARN, "the recording does not say where its probes sit"
+    n, stepped = int(meta.get(f"{prefix}probes", 0)), int(meta[f"{prefix}probes_stepped"])
+    where = stepped_functions(meta.get(f"{prefix}probes_stepped_at", ""))
+    return ((OK, f"stepped probes: 0 of {n} (every probe on an instruction the kernel emulates)")
+            if not stepped else
+            (WARN, f"stepped probes: {stepped} of {n}, each hit single-stepped (~30x an emulated "
+                   f"trap): {where}"))
+
+
+def _check_demo(demo) -> tuple[str, str]:
+    """Record the bundled workload briefly, as `profinfer demo` does, and say where its probes sit."""
+    if demo.ready is not None and not demo.ready():
+        return WARN, f"not built yet: `profinfer demo --engine {demo.name}` builds it, then this checks it"
+    for _ in range(2):      # once more if it failed: a run let go before it was probed
+        meta, error = _placed(["demo", "--engine", demo.name, "--tokens", "16", "-o", "demo.pftrace"])
+        if not error:
+            return _placement_row(meta)
+    return FAIL, f"its recording failed: {error}"
+
+
+def _check_cuda_runtime() -> tuple[str, str]:
+    """Attach the cuda level to a process that maps the CUDA runtimes found here."""
+    from profinfer.levels.cuda import workload
+    files = workload.runtimes_here()
+    if not files:
+        return OK, "no CUDA runtime on this machine (nothing to check)"
+    mapper = subprocess.Popen([sys.executable, "-c", _MAPPER, *map(str, files)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        if mapper.stdout.readline().strip() != "mapped":
+            return WARN, f"cannot load {', '.join(map(str, files))} to check them"
+        meta, error = _placed(["attach", "--pid", str(mapper.pid), "--levels", "cuda", "--duration", "0.5"])
+    finally:
+        mapper.kill()
+        mapper.wait()
+    if error:
+        return FAIL, f"attaching to {', '.join(f.name for f in files)} failed: {error}"
+    status, detail = _placement_row(meta, "cuda_")
+    return status, f"{detail} ({', '.join(f.name for f in files)})"
+
+
+def workload_checks() -> list[tuple[str, str, str]]:
+    """Where the probes sit on each bundled workload, by a real attach: each demo, and the
+    CUDA runtimes found here."""
+    from profinfer.core.commands import demos
+    if os.geteuid() != 0:
+        return [("probes", WARN, "not root: the bundled workloads' probes are not checked")]
+    rows = [(f"probes: {d.name}", *_check_demo(d)) for d in demos()]
+    rows.append(("probes: CUDA runtime", *_check_cuda_runtime()))
+    return rows
+
+
+def checks(workloads: bool = True) -> list[tuple[str, str, str]]:
     rows = []
     rows.append(("root", *((OK, "running as root") if os.geteuid() == 0 else
                            (FAIL, "not root: run with sudo"))))
@@ -97,14 +182,16 @@ def checks() -> list[tuple[str, str, str]]:
                                  (WARN, "kernel < 5.15 (no attach cookies): --levels cuda does not work"))))
     rows.append(("profiler cost", *_check_cost_accounting()))
     rows.append(("kernel", OK, platform.release()))
+    if workloads:
+        rows += workload_checks()
     return rows
 
 
-def run_doctor() -> int:
+def run_doctor(workloads: bool = True) -> int:
     table = Table(title="profinfer doctor")
     for col in ("check", "status", "detail"):
         table.add_column(col)
-    rows = checks()
+    rows = checks(workloads)
     for name, status, detail in rows:
         style = {"ok": "green", "warn": "yellow"}.get(status, "red")
         table.add_row(name, f"[{style}]{status}[/]", detail)

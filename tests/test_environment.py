@@ -29,7 +29,7 @@ def test_no_headers_for_running_kernel_and_no_tracefs(llama_build, tiny_model, l
         done
         test ! -e /lib/modules/{platform.release()}/build
         test ! -e /sys/kernel/tracing/uprobe_events
-        COLUMNS=250 {PROFINFER[0]} -m profinfer.cli doctor | grep -q 'programs load and verify'
+        COLUMNS=250 {PROFINFER[0]} -m profinfer.cli doctor --no-workloads | grep -q 'programs load and verify'
         exec {inner}
     """
     p = with_llama_log(lambda: subprocess.run(

@@ -13,6 +13,9 @@ all of them, once:
   uprobe-multi links where the kernel has them, load, the kernel's run-time statistics, the
   event transport, and everything detached again when a step fails;
 - `fileno`, `poll`, `lost`, `detach`;
+- where each uprobe sits and whether the kernel emulates the instruction there or
+  single-steps it (`_attach_uprobes` and `_attach_uprobe` count them: `placed`, a
+  PlacedProbes, and `_placement_meta`);
 - the tallies a BPF object counts (`_read_tallies`), the program statistics and the probe
   hits behind them (`_program_stats`, `program_costs`, `add_hits`), the metadata keys every
   recording has (`_shared_meta`, `_build_id_meta`, `_cost_meta`), the processes' thread names
@@ -64,9 +67,10 @@ import numpy as np
 
 from profinfer.core import bpfobj, discovery, kernel, layout, libbpf, procfs, selfcost
 from profinfer.core import perfevents
+from profinfer.core.arch import placement
 from profinfer.core.errors import ProfinferError
 from profinfer.core.packs import Pack, engine_libraries
-from profinfer.core.symbols import ElfInfo
+from profinfer.core.symbols import ElfInfo, load_elf
 from profinfer.core.transport import EventTransport, attach_failed
 
 
@@ -96,6 +100,55 @@ class Attachment:
         self.stats_fd = -1                  # BPF run-time statistics on while open
         self.events: EventTransport | None = None
         self.attach_s = 0.0
+        self.placed = PlacedProbes()
+
+
+class PlacedProbes:
+    """The uprobes a collector attached, by the file they are on: for each, its offset,
+    whether the kernel emulates the instruction there (placement.emulated_at, read from the
+    file itself, not from where the collector meant to put it) and the function it is in."""
+
+    def __init__(self):
+        self.by_file: dict[str, list[tuple[int, bool, str]]] = {}
+
+    def add(self, path: str, offsets: list[int], names: list[str] | None = None) -> None:
+        codes = [b""] * len(offsets)          # unreadable now: counted as the dearer kind
+        try:
+            with procfs.open_binary(path) as f:
+                for i, off in enumerate(offsets):
+                    f.seek(off)
+                    codes[i] = f.read(16)
+        except OSError:
+            pass
+        probes = self.by_file.setdefault(path, [])
+        for i, (off, code) in enumerate(zip(offsets, codes)):
+            emulated = placement.emulated_at(code)[0]
+            # a stepped probe's function, named now (the file may be gone when it is told)
+            probes.append((off, emulated, (names[i] if names else "") or
+                           ("" if emulated else _function_at(path, off))))
+
+    def forget(self, path: str) -> None:
+        self.by_file.pop(path, None)
+
+    @property
+    def total(self) -> int:
+        return sum(map(len, self.by_file.values()))
+
+    def stepped(self) -> list[str]:
+        """The single-stepped probes, each as its function (or file+offset), sorted."""
+        return sorted(name for probes in self.by_file.values() for _, emulated, name in probes
+                      if not emulated)
+
+
+def _function_at(path: str, offset: int) -> str:
+    """The symbol whose code holds a file offset (symbols are read once per file), else
+    the file's name and the offset."""
+    try:
+        syms = load_elf(path).symbols.values()
+    except ProfinferError:
+        syms = ()
+    return next((s.name for s in syms if s.file_offset <= offset < s.file_offset + max(s.size, 1)),
+                f"{os.path.basename(path)}+{offset:#x}")
 
 
 class Collector:
@@ -266,19 +319,44 @@ class Collector:
 
     def _attach_uprobes(self, program: str, path: str, offsets: list[int], cookies: list[int],
                         pid: int, retprobe: bool = False, file_id: tuple[int, int] | None = None,
-                        links: list | None = None) -> list:
+                        links: list | None = None, names: list[str] | None = None) -> list:
         """`program` at `offsets` of one file, each with its cookie: one uprobe-multi link
         where the kernel has them, else a uprobe each. Each link is added to `links` as it is
-        made (a failure part way leaves the caller those to detach); returns them."""
+        made (a failure part way leaves the caller those to detach); returns them. Each probe
+        is counted in `placed` (names: the function each offset is in)."""
         links = [] if links is None else links
         if self.attachment.multi:
             links.append(self.obj.attach_uprobe_multi(program, path, offsets, cookies, pid,
                                                       retprobe=retprobe, file_id=file_id))
-            return links
-        for off, cookie in zip(offsets, cookies):
-            links.append(self.obj.attach_uprobe(program, path, off, pid, retprobe=retprobe,
-                                                cookie=cookie, file_id=file_id))
+        else:
+            for off, cookie in zip(offsets, cookies):
+                links.append(self.obj.attach_uprobe(program, path, off, pid, retprobe=retprobe,
+                                                    cookie=cookie, file_id=file_id))
+        self.attachment.placed.add(path, offsets, names)
         return links
+
+    def _attach_uprobe(self, program: str, path: str, offset: int, pid: int, retprobe: bool = False,
+                       file_id: tuple[int, int] | None = None, name: str = ""):
+        """`program` at one offset of one file (a uprobe, or a uprobe-multi link of one);
+        returns the link."""
+        link = self.obj.attach_uprobe(program, path, offset, pid, retprobe=retprobe, file_id=file_id)
+        self.attachment.placed.add(path, [offset], [name])
+        return link
+
+    @property
+    def probes_stepped(self) -> int:
+        """How many of its uprobes the kernel single-steps (PlacedProbes)."""
+        return len(self.attachment.placed.stepped())
+
+    def _placement_meta(self, prefix: str = "") -> dict[str, str]:
+        """How many uprobes are attached (entry and return), how many of them the kernel
+        single-steps, and in which functions (only when some are)."""
+        placed = self.attachment.placed
+        stepped = placed.stepped()
+        meta = {f"{prefix}probes": str(placed.total), f"{prefix}probes_stepped": str(len(stepped))}
+        if stepped:
+            meta[f"{prefix}probes_stepped_at"] = ",".join(sorted(set(stepped)))
+        return meta
 
     def _open_counters(self) -> None:
         """The perf counters asked for, read per op by the programs (--counters)."""
@@ -368,7 +446,7 @@ class Collector:
         return {"engine": self.pack.engine, "levels": ",".join(sorted(self.levels)),
                 "event_buffer": self.buffer, "kernel": platform.release(),
                 "cpus_online": str(discovery.cpus_of(self.pid)),
-                "attach_s": f"{self.attach_s:.3f}"}
+                "attach_s": f"{self.attach_s:.3f}", **self._placement_meta()}
 
     @staticmethod
     def _build_id_meta(elfs) -> dict[str, str]:

@@ -24,6 +24,9 @@ class Demo:
     command: Callable[[str, int, int], tuple[list[str], dict[str, str] | None]]
     models: tuple[str, ...] = ()     # --model's choices, where it takes one (the first: default)
     model_help: str = ""             # a phrase of --model's help
+    # whether what it runs is built and downloaded already (doctor runs only such a demo;
+    # None: not known, run it)
+    ready: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True)

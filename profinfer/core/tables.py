@@ -1,6 +1,8 @@
 """Number formats, tables and lines that more than one report section prints (rich)."""
 from __future__ import annotations
 
+import re
+
 from rich.console import Console
 from rich.table import Table
 
@@ -89,15 +91,52 @@ def cost_line(c: selfcost.SelfCost) -> str:
             + ("" if coll is None else f"; collector {coll:.2%}") + stated)
 
 
+def placement_line(meta: dict[str, str], prefix: str = "") -> str | None:
+    """How many probes were attached and how many of them the kernel single-steps (and
+    where), from the recording's <prefix>probes meta; None for a recording made before
+    they were counted."""
+    stepped = meta.get(f"{prefix}probes_stepped")
+    if stepped is None:
+        return None
+    line = f"profiler cost: {int(meta.get(f'{prefix}probes', 0)):,} probes, {int(stepped):,} single-stepped"
+    if int(stepped):
+        return f"[yellow]{line} ({stepped_functions(meta.get(f'{prefix}probes_stepped_at', ''))})[/]"
+    return line
+
+
+def stepped_functions(listed: str, shown: int = 6) -> str:
+    """The functions of a probes_stepped_at meta value, the first few of them (a C++ name
+    by its qualified name, without its parameters)."""
+    names = [_short_name(n) for n in listed.split(",") if n]
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _short_name(symbol: str) -> str:
+    """An Itanium-mangled function name's qualified name (_Z16rotary_embeddingRN2at... ->
+    rotary_embedding; _ZN3foo3barEv -> foo::bar); any other name as it is."""
+    nested = symbol.startswith("_ZN")
+    rest, parts = symbol[3 if nested else 2:], []
+    while symbol.startswith("_Z") and (m := re.match(r"(\d+)", rest)):
+        n = int(m.group(1))
+        parts.append(rest[m.end():m.end() + n])
+        rest = rest[m.end() + n:]
+        if not nested or rest.startswith("E"):
+            break
+    return "::".join(parts) or symbol
+
+
 def print_cost(profile: Profile, console: Console, say_origin: bool = True) -> None:
-    """The profiler-cost line, and (say_origin) whose trap costs it used when not the
-    recording's own."""
+    """The profiler-cost line, (say_origin) whose trap costs it used when not the
+    recording's own, and the probes placed."""
     trap = recorded_calibration.trap_costs(profile)
     cost = selfcost.compute(profile, trap.value)
     if cost:
         console.print(cost_line(cost))
         if say_origin and not trap.stored and trap.value is not None:
             console.print(f"[yellow]profiler cost: {trap.origin}[/]")
+    placed = placement_line(profile.meta)
+    if placed:
+        console.print(placed)
 
 
 def print_lost(profile: Profile, console: Console) -> None:

@@ -747,13 +747,16 @@ class Agent:
             "trap_costs_ns": self.governor.trap_costs, "traps_calibrated": self.governor.traps_calibrated,
             "processes": [{**w.identity.as_dict(), "levels": sorted(w.levels), "cost_share": w.share,
                            "probes": getattr(w.collector, "n_probes", 0),
+                           "probes_stepped": getattr(w.collector, "probes_stepped", 0),
                            "shared_probes": w.group.collector.n_probes if w.group else 0,
                            "events": getattr(w.collector, "n_events", 0),
                            "lost": w.lost_seen, "watched_since": w.started_at} for w in watches],
             "shared_probes": [{"engine": g.key[0], "files": sorted(os.path.basename(f.path) for f in g.collector.elfs),
-                               "probes": g.collector.n_probes, "processes": sorted(g.pids)}
+                               "probes": g.collector.n_probes, "probes_stepped": g.collector.probes_stepped,
+                               "processes": sorted(g.pids)}
                               for g in list(self.groups.values())]
             + ([{"engine": "CUDA", "files": self.runtime.files(), "probes": self.runtime.collector.n_probes,
+                 "probes_stepped": self.runtime.collector.probes_stepped,
                  "processes": sorted(self.runtime.pids)}] if self.runtime else []),
             "found_not_watched": [{**i.as_dict(), "why": "no always-on level for this engine yet"}
                                   for i in unwatched],

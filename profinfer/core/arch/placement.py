@@ -1,10 +1,11 @@
 """Where inside a function to put a uprobe so that it costs ~0.4 µs instead of ~16 µs.
 
 The x86-64 kernel emulates a few instructions at a uprobe (push of a register, jmp/call
-rel, jcc); any other instruction is single-stepped out of line, which traps twice. So the
-probe goes on the first emulated instruction of the function's entry block, provided that
-every call passes through it and the argument registers the handler reads still hold the
-arguments there.
+rel, jcc, and the nops of its own x86_nops table, 1 to 8 bytes); any other instruction
+(endbr64 included) is single-stepped out of line, which traps twice (bench/probe_emulation.py
+measures each kind; bench/results.md). So the probe goes on the first emulated instruction of
+the function's entry block, provided that every call passes through it and the argument
+registers the handler reads still hold the arguments there.
 
 Only x86-64 code is decoded (here, in callsites.py and ggml.py): a binary for another
 architecture is refused, not probed at offsets computed from misread instructions.
@@ -63,12 +64,36 @@ class Placement:
     instruction: str
 
 
+# The kernel's x86_nops table (arch/x86/kernel/alternative.c): a uprobe on one of these exact
+# encodings is emulated; other encodings of nop (a 9-byte nopw, prefixed ones) are not.
+_KERNEL_NOPS = frozenset(bytes.fromhex(h) for h in (
+    "90", "6690", "0f1f00", "0f1f4000", "0f1f440000", "660f1f440000", "0f1f8000000000",
+    "0f1f840000000000"))
+
+# relative jumps that are no jcc (the kernel emulates jcc, opcodes 70-7f and 0f 80-8f, only)
+_NOT_EMULATED_JUMPS = frozenset((X.X86_INS_JRCXZ, X.X86_INS_JECXZ, X.X86_INS_JCXZ, X.X86_INS_LOOP,
+                                 X.X86_INS_LOOPE, X.X86_INS_LOOPNE))
+
+
 def _is_emulated(insn) -> bool:
+    if bytes(insn.bytes) in _KERNEL_NOPS:
+        return True
     if insn.id == X.X86_INS_PUSH and insn.operands and insn.operands[0].type == X.X86_OP_REG:
         return True
     if insn.id in (X.X86_INS_JMP, X.X86_INS_CALL):
         return bool(insn.operands) and insn.operands[0].type == X.X86_OP_IMM
+    if insn.id in _NOT_EMULATED_JUMPS:
+        return False
     return capstone.CS_GRP_JUMP in insn.groups and insn.operands and insn.operands[0].type == X.X86_OP_IMM
+
+
+def emulated_at(code: bytes) -> tuple[bool, str]:
+    """Whether the kernel emulates the instruction `code` begins with (a uprobe there costs one
+    trap, else it is single-stepped), and that instruction ("" where none decodes)."""
+    insn = next(_md.disasm(code[:16], 0), None)
+    if insn is None:
+        return False, ""
+    return bool(_is_emulated(insn)), f"{insn.mnemonic} {insn.op_str}".strip()
 
 
 def _ends_block(insn) -> bool:

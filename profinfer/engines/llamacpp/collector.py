@@ -167,10 +167,12 @@ class Collector(core.Collector):
         for p in sorted(probes, key=lambda p: p.entry_fn not in GRAPHS_CHANGED_PROGRAMS):
             path, offset = paths.get(p.elf.path, p.elf.path), p.symbol.file_offset
             file_id = p.elf.file_id if path == p.elf.path else None     # a copy: as it was read
-            if p.entry_fn:
-                self.obj.attach_uprobe(p.entry_fn, path, offset + p.place.offset, pid, file_id=file_id)
-            if p.return_fn:
-                self.obj.attach_uprobe(p.return_fn, path, offset, pid, retprobe=True, file_id=file_id)
+            # the return probe where the entry probe is: rsp has not moved there
+            # (placement.choose), so [rsp] is still the return address the kernel replaces
+            for fn, ret in ((p.entry_fn, False), (p.return_fn, True)):
+                if fn:
+                    self._attach_uprobe(fn, path, offset + p.place.offset, pid, retprobe=ret,
+                                        file_id=file_id, name=p.symbol.name)
         self.probed_files.update(discovery.file_key(paths.get(e.path, e.path)) for e in self.elfs)
 
     def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]:
@@ -331,15 +333,14 @@ class Collector(core.Collector):
             out["barrier_ns_per_run"] = ns // runs
         # A program attached at several places is counted as costly as its costliest place.
         probes = self.plan.probes
-        stepped = {p.entry_fn for p in probes if p.entry_fn and not p.place.emulated}
-        entry_at_start = {p.return_fn for p in probes
-                          if p.return_fn and p.entry_fn and p.place.offset == 0}
+        stepped = {fn for p in probes if not p.place.emulated for fn in (p.entry_fn, p.return_fn) if fn}
+        with_entry = {p.return_fn for p in probes if p.return_fn and p.entry_fn}
         for fn in {p.entry_fn for p in probes if p.entry_fn}:
             core.add_hits(out, stats.get(fn, (0, 0))[1], entry_emulated=fn not in stepped)
         for fn in {p.return_fn for p in probes if p.return_fn}:
-            # the uretprobe's own entry trap is a hit too, where no entry probe shares it
+            # the uretprobe's own entry trap is a hit too, where no entry probe shares its place
             core.add_hits(out, stats.get(fn, (0, 0))[1], returns=True,
-                          return_trap_emulated=None if fn in entry_at_start else False)
+                          return_trap_emulated=None if fn in with_entry else fn not in stepped)
         # Probes on library files (record) also trap in processes not followed: their hits are
         # theirs, not the target's (their BPF time, a map lookup each, stays in bpf_ns).
         other = self.tallies.get("other_process_hits", 0)

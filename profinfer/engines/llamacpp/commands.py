@@ -17,8 +17,13 @@ def _demo_command(model: str, tokens: int, threads: int) -> tuple[list[str], dic
             workload.llama_env(build))
 
 
+def _demo_ready() -> bool:
+    from profinfer.engines.llamacpp import workload
+    return workload.built(workload.LLAMA_VERSION) and workload.model_made("tiny")
+
+
 DEMO = Demo("llama.cpp", "llama.cpp (llama-completion)", _demo_command,
-            models=("tiny", "llama-1.5b"), model_help="llama.cpp's model")
+            models=("tiny", "llama-1.5b"), model_help="llama.cpp's model", ready=_demo_ready)
 
 
 def add_commands(group: click.Group, services: Services) -> None:

@@ -125,6 +125,17 @@ def _extract_subtree(archive: Path, subdir: str, dest: Path) -> None:
         tar.extractall(dest, members=members)
 
 
+def built(version: str = LLAMA_VERSION, debug_info: bool = True) -> bool:
+    """Whether ensure_llama_build would return at once (nothing to build)."""
+    root = cache_dir() / "llama.cpp" / (f"b{version}" if debug_info else f"b{version}-release")
+    return _binaries_present(root / "build", debug_info)
+
+
+def model_made(name: str) -> bool:
+    """Whether ensure_model(name) would return at once (nothing to generate)."""
+    return (cache_dir() / "models" / f"{name}.gguf").is_file()
+
+
 def ensure_llama_build(version: str = LLAMA_VERSION, debug_info: bool = True) -> Path:
     """Build llama.cpp b<version> (its tools: _TOOLS, and _EXTRA_TOOLS with debug info) once;
     return the build dir.

@@ -114,33 +114,31 @@ class CudaCollector(Collector):
             if key in sites.probed:
                 continue
             links: list = []
-            groups: dict[str, tuple[list[int], list[int]]] = {ENTRY_ONLY: ([], []), ENTRY: ([], []),
-                                                              RETURN: ([], [])}
+            groups: dict[str, tuple[list[int], list[int], list[str]]] = {
+                ENTRY_ONLY: ([], [], []), ENTRY: ([], [], []), RETURN: ([], [], [])}
             for api in self.apis:
                 sym = rf.elf.find(api.name)
                 if sym is None:
                     continue
-                # an entry-only probe where no argument register nor the stack pointer has
-                # moved yet (placement.choose): an emulated instruction where there is one. A
-                # function probed at return too has its entry probe on the first instruction,
-                # with the return probe: one trap, before the return address is replaced
-                code = rf.elf.code_bytes(sym, 64)
-                entry = placement.choose(code, (1, 2, 3, 4, 5, 6)) if not api.returns else \
-                    _first_instruction(code)
+                # the probe where no argument register nor the stack pointer has moved yet
+                # (placement.choose): an emulated instruction where there is one. A function
+                # probed at return too has its return probe there, with the entry probe: one
+                # trap, and [rsp] is still the return address the kernel replaces
+                entry = placement.choose(rf.elf.code_bytes(sym, 64), (1, 2, 3, 4, 5, 6))
                 sites.placements[api.name] = entry
                 for prog in ((ENTRY, RETURN) if api.returns else (ENTRY_ONLY,)):
-                    groups[prog][0].append(sym.file_offset + entry.offset)
-                    groups[prog][1].append(api.index)
+                    for items, value in zip(groups[prog], (sym.file_offset + entry.offset, api.index, api.name)):
+                        items.append(value)
             try:
-                for prog, (offsets, cookies) in groups.items():
+                for prog, (offsets, cookies, names) in groups.items():
                     if offsets:
                         self._attach_uprobes(prog, rf.host_path, offsets, cookies, pid,
                                              retprobe=prog == RETURN, file_id=rf.elf.file_id,
-                                             links=links)
+                                             links=links, names=names)
             except BaseException:
                 self.obj.detach_links(links)      # the file is probed whole or not at all
                 raise
-            n = sum(len(offsets) for offsets, _ in groups.values())
+            n = sum(len(offsets) for offsets, _, _ in groups.values())
             self.n_probes += n
             sites.probed[key] = (rf, links, n)
         self._watch_process(tgid, files)
@@ -199,9 +197,10 @@ class CudaCollector(Collector):
         libbpf.map_delete(self.obj.map_fd("runtime_ranges"), tgid.to_bytes(4, "little"))
         used = set().union(*sites.process_files.values()) if sites.process_files else set()
         for key in [k for k in sites.probed if k not in used]:
-            _, links, n = sites.probed.pop(key)
+            rf, links, n = sites.probed.pop(key)
             self.obj.detach_links(links)
             self.n_probes -= n
+            self.attachment.placed.forget(rf.host_path)
 
     # ---- collect ----
 
@@ -350,9 +349,9 @@ class CudaCollector(Collector):
             self._op(int(k["engine"]), int(k["op"]), flags), max_ns=int(v["max_ns"]))
 
     def _meta(self, tallies: dict[str, int], stats: dict, calls: list[CudaCall]) -> dict[str, str]:
-        meta = {"cuda_timeline": str(int(self.timeline)), "cuda_probes": str(self.n_probes),
-                "cuda_event_buffer": self.buffer, "kernel": platform.release(),
-                "cuda_attach_s": f"{self.attach_s:.3f}"}
+        meta = {"cuda_timeline": str(int(self.timeline)), "cuda_event_buffer": self.buffer,
+                "kernel": platform.release(), "cuda_attach_s": f"{self.attach_s:.3f}",
+                **self._placement_meta("cuda_")}
         for rf in self.files:
             meta[f"cuda_runtime:{os.path.basename(rf.path)}"] = (
                 ("static in " if rf.static else "") + rf.path + (f" ({rf.elf.build_id})" if rf.elf.build_id else ""))
@@ -399,11 +398,6 @@ class KnownMemory:
             return kind
         s, d = self._side(tgid, src), self._side(tgid, dst)
         return f"Default:{s}2{d}" if s and d else kind
-
-
-def _first_instruction(code: bytes) -> placement.Placement:
-    first = placement.choose(code)
-    return first if first.offset == 0 else placement.Placement(0, False, "first instruction")
 
 
 def _text(b) -> str:

@@ -10,7 +10,7 @@ from rich.table import Table
 from profinfer.core import recorded_calibration
 from profinfer.core.model import Profile
 from profinfer.core.sections import ReportSection, SummarySection
-from profinfer.core.tables import ms
+from profinfer.core.tables import ms, placement_line
 from profinfer.levels.cuda import stats as cudastats
 
 TOP_KERNELS = 15
@@ -119,6 +119,9 @@ def _print(profile: Profile, console: Console) -> None:
     if profile.cuda_calls:
         render(profile, console)
         console.print(cuda_cost_line(profile))
+        placed = placement_line(profile.meta, "cuda_")
+        if placed:
+            console.print(placed)
 
 
 SUMMARY = (SummarySection(60, _keys),)

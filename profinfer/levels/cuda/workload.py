@@ -102,6 +102,24 @@ def toolkit_cudart() -> Path:
     return libs[0].resolve()
 
 
+def runtimes_here() -> list[Path]:
+    """The CUDA runtime and driver libraries this machine has (ldconfig's) and those in
+    profinfer's cache, without downloading any: one of each file name."""
+    found: dict[str, Path] = {}
+    try:
+        listed = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        listed = ""
+    for line in listed.splitlines():
+        name, _, path = line.strip().partition(" => ")
+        name = name.split(" ", 1)[0]
+        if name.startswith(("libcudart.so.", "libcuda.so.")) and os.path.isfile(path):
+            found.setdefault(name, Path(path))
+    for path in sorted(_dir().glob("cudart-*/libcudart.so.*")) + sorted(_dir().glob("libcuda-*/libcuda.so.1")):
+        found.setdefault(path.name, path)
+    return list(found.values())
+
+
 def ensure_cudart12() -> Path:
     """libcudart.so.12 from the PyPI wheel (what PyTorch's CUDA 12 builds load)."""
     dest = _dir() / f"cudart-{CUDART12_VERSION}"
