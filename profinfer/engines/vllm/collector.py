@@ -41,7 +41,6 @@ class OpPlan:
     op_library: list[str] = field(default_factory=list)
     wrappers: dict[str, wrappers.WrapperPlan] = field(default_factory=dict)
     placements: dict[str, placement.Placement] = field(default_factory=dict)  # op: its function's probes' place
-    probes_stepped: int = 0        # probes attached where the kernel single-steps
     step_rules: dict = field(default_factory=dict)
     cost_values: dict[str, int] = field(default_factory=dict)   # op: the argument a cost model reads values of
     tensor_check: TensorLayoutCheck | None = None
@@ -274,7 +273,6 @@ class VllmCollector(Collector):
                 # not moved: the return address is still on top)
                 place = placement.choose(elf.code_bytes(sym, 64), (1, 2, 3, 4, 5, 6))
                 self.plan.placements[op.name] = place
-                self.plan.probes_stepped += 0 if place.emulated else 2
                 offsets.append(sym.file_offset + place.offset)
                 cookies.append(i)
                 probed.append((sym, place.offset))
@@ -455,9 +453,7 @@ class VllmCollector(Collector):
         meta.update({"pack": self.pack.name, "tensor_layout": self.layout.name,
                      "torch": self.torch_version, "native_ops_probed": str(len(self.ops)),
                      "ops_too_deep": str(tallies.get("too_deep", 0)),
-                     # probes where the kernel single-steps (an op's function without a
-                     # wrapper or an emulated place), and what the wrappers saw
-                     "probes_stepped": str(self.plan.probes_stepped),
+                     # what the wrappers saw (the probes, stepped or not: the base's meta)
                      "probes_at_wrappers": str(sum(2 * len(w.wrappers) for w in self.plan.wrappers.values())),
                      "wrapper_hits_unsent": str(tallies.get("unsent", 0)),
                      "ops_typed_calls": str(tallies.get("typed", 0)),
