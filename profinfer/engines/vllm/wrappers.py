@@ -106,6 +106,8 @@ def plan(elf: ElfInfo, ops: list[native.NativeOp]) -> WrapperPlan | None:
     functor layout its code shows (the ops are then probed on their own functions)."""
     by_params: dict[str, list[native.NativeOp]] = {}
     for op in ops:
+        if "(" not in op.signature:       # a pack's declared function (no C++ signature read)
+            continue
         by_params.setdefault(_params(op.signature), []).append(op)
     found = [c for c in _candidates(elf) if c[2] in by_params]
     # the function pointer's offset in the functor, read from each wrapper's first indirect
