@@ -113,6 +113,10 @@ class Collector(core.Collector):
                                  f"and the executable does not define {self.pack.marker})")
         self.plan = ProbePlan(self.pack, self.elfs, self.levels, self.buffer, self.consts, self.warnings)
         self.plan.resolve(self.forced_layout, bool(self.counter_request), self.n_cpus)
+        if self.totals.ops and not self.plan.layout_trusted:
+            # op types counted through an unchecked layout could be anything
+            self.totals.ops = False
+            self.totals.ops_recorded_because = "a table layout is checked on the nodes it reads"
         if self.counter_request:
             if "op" not in self.levels:
                 raise ProfinferError("--counters are read per op: add the op level")
