@@ -243,7 +243,7 @@ class Collector(core.Collector):
 
     def _op_counts(self) -> OpTotals:
         if self.totals.op_counts is None:
-            self.totals.op_counts = OpTotals(self.dt, self.consts, self.plan.op_names)
+            self.totals.op_counts = OpTotals(self.dt, self.consts, self.plan.op_names, self.n_cpus)
         return self.totals.op_counts
 
     def note_process_maps(self, tgid: int):

@@ -54,8 +54,9 @@ class OpTotals:
     """The op_totals map, per op type (and fused pair) and phase of the decode call under way
     (events.h: PI_OP_KEY, PI_OP_PHASE): what was added since the last take."""
 
-    def __init__(self, dt: dict[str, np.dtype], consts: dict[str, int], op_names: list[str]):
+    def __init__(self, dt: dict[str, np.dtype], consts: dict[str, int], op_names: list[str], n_cpus: int):
         self.total_dt = dt["pi_op_total"]
+        self.n_cpus = n_cpus             # the map is per CPU: a value a CPU, summed
         self.op_names = op_names
         self.phases = {consts[f"PI_PHASE_{p.upper()}"]: p for p in PHASES}
         self._seen: dict[int, tuple[int, int]] = {}
@@ -75,10 +76,12 @@ class OpTotals:
     def take_by_phase(self, obj: libbpf.BpfObject) -> dict[tuple[str, str], tuple[int, int]]:
         """Per (op type, phase), (ops, ns) since the last take."""
         out: dict[tuple[str, str], tuple[int, int]] = {}
-        counts = {int.from_bytes(k[:4], "little"): np.frombuffer(v, self.total_dt)[0]
-                  for k, v in obj.map_items("op_totals")}
-        for key, total in counts.items():
-            calls, ns = int(total["calls"]), int(total["ns"])
+        # a per-CPU map's lookup fills one value per possible CPU
+        values = libbpf.map_items(obj.map_fd("op_totals"), 4, self.total_dt.itemsize * self.n_cpus)
+        for k, raw in values:
+            key = int.from_bytes(k[:4], "little")
+            per_cpu = np.frombuffer(raw, self.total_dt)
+            calls, ns = int(per_cpu["calls"].sum()), int(per_cpu["ns"].sum())
             seen = self._seen.get(key, (0, 0))
             if calls > seen[0]:
                 self._seen[key] = (calls, ns)

@@ -452,9 +452,11 @@ static __always_inline void send_batch(void *ctx, struct pi_op_thread *st, u32 n
     st->batch.count = 0;
 }
 
-/* Per op type and phase (events.h: PI_OP_KEY): the op level counted, not sent. */
+/* Per op type and phase (events.h: PI_OP_KEY): the op level counted, not sent. Per CPU:
+ * a graph's threads end the same node at the same barrier, and one shared count would move
+ * its cache line between their CPUs at every node (user space sums the CPUs). */
 struct {
-    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(type, BPF_MAP_TYPE_PERCPU_HASH);
     __uint(max_entries, 1024);
     __type(key, u32);
     __type(value, struct pi_op_total);
@@ -473,7 +475,7 @@ static __always_inline void count_op(struct pi_op_event *op)
             return;
         }
     }
-    __sync_fetch_and_add(&t->calls, 1);
+    __sync_fetch_and_add(&t->calls, 1);   /* atomic: a preempted run may share the CPU */
     if (op->end_ns > op->start_ns)
         __sync_fetch_and_add(&t->ns, op->end_ns - op->start_ns);
 }
