@@ -72,6 +72,8 @@ def test_counted_ops_are_llama_cpps_nodes_per_phase(llama_build, tiny_model, lla
         assert 0 < s["phases"][phase]["op_ns"] <= THREADS * s["time_ns"][phase]
     assert set(s["phases"]) == {"prefill", "decode"}       # no op outside a call ("other")
     assert all(o["p50_ns"] is None for o in s["ops"])     # no single run was kept
+    if design == "one-probe":     # a trap as the target meets it, from the fused ops BPF kept
+        assert 0 < int(meta["trap_in_situ_ns"]) < 20_000
     assert "op level counted in BPF per op type and phase" not in r.stdout   # --quiet
 
 

@@ -288,6 +288,9 @@ class Collector(core.Collector):
         self._drain()
         self._drain_threads()
         counted = self._op_counts().take_by_phase(self.obj) if self.op_totals and "op" in self.levels else None
+        trap_in_situ = (self._op_counts().trap_in_situ_ns(self.obj, self.dt["pi_gap_sample"],
+                                                          self.consts["PI_GAP_SAMPLES"])
+                        if counted is not None else None)
         lost = self._stop_counting_lost()
         self.tallies = self._op_tallies()
         self.bpf_stats = self._hit_costs()
@@ -298,7 +301,7 @@ class Collector(core.Collector):
         if counted is not None:
             profile.op_totals = [OpTotal(op, phase, calls, ns)
                                  for (op, phase), (calls, ns) in sorted(counted.items())]
-            self._op_meta(profile)
+            self._op_meta(profile, trap_in_situ)
             profile.meta["op_level"] = "counted"
         elif self.totals.ops_recorded_because:
             profile.meta["op_level"] = f"nodes ({self.totals.ops_recorded_because})"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from profinfer.core import libbpf
+from profinfer.core import libbpf, selfcost
 from profinfer.core.stats import PHASES
 from profinfer.engines.llamacpp import assemble
 from profinfer.engines.llamacpp.probeplan import graph_backend
@@ -103,3 +103,20 @@ class OpTotals:
             a, b = out.get(op, (0, 0))
             out[op] = (a + calls, b + ns)
         return out
+
+    def trap_in_situ_ns(self, obj: libbpf.BpfObject, gap_dt: np.dtype, samples: int) -> int | None:
+        """The trap's cost as the fused ops' entry gaps BPF kept show it (selfcost), if any
+        were kept: the latest `samples` fused ops of each CPU."""
+        fd = obj.map_fd("gap_samples")
+        parts = []
+        for i in range(samples):
+            raw = libbpf.map_lookup(fd, i.to_bytes(4, "little"), gap_dt.itemsize * self.n_cpus)
+            if raw is not None:
+                parts.append(np.frombuffer(raw, gap_dt))
+        kept = np.concatenate(parts) if parts else np.zeros(0, gap_dt)
+        kept = kept[kept["gap_ns"] > 0]
+        if not len(kept):
+            return None
+        return selfcost.trap_at_fused_entries(kept["release_ns"].astype(np.int64),
+                                              kept["gap_ns"].astype(np.int64))
+

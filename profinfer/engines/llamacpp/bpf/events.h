@@ -180,6 +180,15 @@ struct pi_op_total {
     u64 ns;
 };
 
+/* A fused op's entry gap (struct pi_op_event: entry_gap_ns) and the release it follows,
+ * kept for the latest PI_GAP_SAMPLES fused ops of each CPU when ops are counted */
+#define PI_GAP_SAMPLES 1024
+
+struct pi_gap_sample {
+    u64 release_ns;
+    u64 gap_ns;
+};
+
 /* Op events travel in per-thread batches: one ring-buffer record, one wakeup per batch. */
 struct pi_op_batch {
     u32 kind;

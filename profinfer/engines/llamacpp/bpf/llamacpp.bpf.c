@@ -480,11 +480,44 @@ static __always_inline void count_op(struct pi_op_event *op)
         __sync_fetch_and_add(&t->ns, op->end_ns - op->start_ns);
 }
 
+/* Counted ops: the latest fused ops' entry gaps, PI_GAP_SAMPLES per CPU, from which user
+ * space measures a trap as the target meets it (selfcost.trap_at_fused_entries), as it does
+ * from the op events when they are sent. */
+struct {
+    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(max_entries, PI_GAP_SAMPLES);
+    __type(key, u32);
+    __type(value, struct pi_gap_sample);
+} gap_samples SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, u32);
+    __type(value, u32);
+} gap_next SEC(".maps");
+
+static __always_inline void sample_gap(struct pi_op_event *op)
+{
+    u32 zero = 0;
+    u32 *next = bpf_map_lookup_elem(&gap_next, &zero);
+    if (!next)
+        return;
+    u32 i = (*next)++ % PI_GAP_SAMPLES;
+    struct pi_gap_sample *g = bpf_map_lookup_elem(&gap_samples, &i);
+    if (g) {
+        g->release_ns = op->start_ns - op->entry_gap_ns;
+        g->gap_ns = op->entry_gap_ns;
+    }
+}
+
 /* Add the thread's finished node to its batch, sending the batch when full. */
 static __always_inline void push_op(void *ctx, struct pi_op_thread *st)
 {
     if (cfg.op_totals_only) {
         count_op(&st->cur);
+        if (st->cur.entry_gap_ns)
+            sample_gap(&st->cur);
         return;
     }
     u32 i = st->batch.count;
