@@ -11,6 +11,7 @@ stated (profiler_cost: probes in the target plus the collector's CPU).
 
     .venv/bin/python bench/cost_check.py --model tiny --pairs 10 --window 3
     .venv/bin/python bench/cost_check.py --config op --config "op two-probe" --pairs 15
+    .venv/bin/python bench/cost_check.py --config op --config "op nodes" --pairs 15
 
 `--all` checks every engine and level the accounting must hold for, each the way its cost
 shows in time, and says whether stated / timed falls within ACCEPT: llama.cpp's op level
@@ -39,7 +40,11 @@ from profinfer.exporters.trace_reader import read_trace
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
 MARGIN_S = 0.3      # left out at each window's edges (attach and detach are in progress)
+TRACE = "{trace}"     # a trace file of the window's own
+# "op": without a timeline, ops counted in BPF per op type and phase (issue 23); "op nodes":
+# every node recorded, as -o asks
 CONFIGS = {"op": ["--levels", "token,graph,op"],
+           "op nodes": ["--levels", "token,graph,op", "-o", TRACE],
            "op+2 counters": ["--levels", "token,graph,op", "--counters", "task-clock,page-faults"],
            # the floor (issue 10): the op level's probe points, each hit only counted
            "bare op probes": ["--levels", "token,graph,op"],
@@ -117,7 +122,8 @@ def check(model: str, configs: list[str], pairs: int, window_s: float, threads: 
             time.sleep(window_s)
             js = tmp / f"op{i}.json"
             launched = now()
-            p = subprocess.Popen([*PROFINFER, "attach", "--pid", str(target.pid), *CONFIGS[config],
+            options = [str(tmp / f"op{i}.pftrace") if o == TRACE else o for o in CONFIGS[config]]
+            p = subprocess.Popen([*PROFINFER, "attach", "--pid", str(target.pid), *options,
                                   "--duration", str(window_s), "--quiet", "--json", str(js)],
                                  stderr=subprocess.PIPE, text=True, env={**env, **CONFIG_ENV.get(config, {})})
             _wait_attached(p)

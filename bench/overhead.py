@@ -29,15 +29,22 @@ from pathlib import Path
 
 from profinfer.engines.llamacpp import workload
 
-# profinfer options per configuration (None: no profiler)
+# profinfer options per configuration (None: no profiler); TRACE: a trace file of the run's own
+TRACE = "{trace}"
+# The op level records every node when a timeline is written (-o), and counts ops in BPF per
+# op type and phase otherwise (issue 23): "token+graph+op" writes one, "op (counted)" not.
 CONFIGS = {"none": None, "token": ["--levels", "token"], "token+graph": ["--levels", "token,graph"],
-           "token+graph+op": ["--levels", "token,graph,op"],
+           "token+graph+op": ["--levels", "token,graph,op", "-o", TRACE],
+           "op (counted)": ["--levels", "token,graph,op"],
            # issue 3: op level with its structure (sources' shapes) and two counters, and sched
+           # (both record every node, with or without -o)
            "op+2 counters": ["--levels", "token,graph,op", "--counters", "task-clock,page-faults"],
            "op+sched": ["--levels", "token,graph,op,sched"],
            # issue 10: the op level's two-probe design (one probe per node is the default)
-           "op two-probe": ["--levels", "token,graph,op"]}
-CONFIG_ENV = {"op two-probe": {"PROFINFER_OP_DESIGN": "two-probe"}}
+           "op two-probe": ["--levels", "token,graph,op", "-o", TRACE],
+           "op two-probe (counted)": ["--levels", "token,graph,op"]}
+CONFIG_ENV = {"op two-probe": {"PROFINFER_OP_DESIGN": "two-probe"},
+              "op two-probe (counted)": {"PROFINFER_OP_DESIGN": "two-probe"}}
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
 EVAL = re.compile(r"(?:llama_perf_context_print|common_perf_print):\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs")
 
@@ -60,6 +67,8 @@ def run_once(cmd: list[str], options: list[str] | None, env: dict, tries: int = 
 def _run(cmd: list[str], options: list[str] | None, env: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         js = Path(tmp) / "s.json"
+        options = None if options is None else [str(Path(tmp) / "t.pftrace") if o == TRACE else o
+                                                for o in options]
         full = cmd if options is None else [sys.executable, "-m", "profinfer.cli", "record", "--quiet",
                                            *options, "--json", str(js), "--", *cmd]
         p = subprocess.run(full, capture_output=True, text=True, env=env, timeout=1800)

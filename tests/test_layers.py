@@ -24,7 +24,9 @@ def test_layers_and_context_staircase(llama_build, tiny_model, llama_env, tmp_pa
     words = "the and of to in is that it for on with as was at by this from".split()
     prompt = " ".join(words[i % len(words)] for i in range(236))
     r = with_llama_log(lambda: run_profinfer(
-        ["record", "--quiet", "--", *completion_cmd(llama_build, tiny_model, n=48, prompt=prompt)],
+        # layers need every node (-o; without a timeline ops are counted per type)
+        ["record", "--quiet", "-o", str(tmp_path / "t.pftrace"), "--",
+         *completion_cmd(llama_build, tiny_model, n=48, prompt=prompt)],
         env=llama_env, tmp_path=tmp_path))
     assert r.rc == 0, r.stderr[-2000:]
     s = r.summary

@@ -90,7 +90,9 @@ def test_decode_matmul_memory_bound_prefill_not(llama_build, big_model, llama_en
     words = "the and of to in is that it for on with as was at by this from".split()
     prompt = " ".join(words[i % len(words)] for i in range(560))   # one token a word in our vocab
     r = with_llama_log(lambda: run_profinfer(
-        ["record", "--quiet", "--", *completion_cmd(llama_build, big_model, n=8, prompt=prompt,
+        # verdicts need every node's shapes (-o; without a timeline ops are counted per type)
+        ["record", "--quiet", "-o", str(tmp_path / "t.pftrace"), "--",
+         *completion_cmd(llama_build, big_model, n=8, prompt=prompt,
                                                     extra=("-b", "512", "-ub", "512"))],
         env=llama_env, tmp_path=tmp_path, timeout=900))
     assert r.rc == 0, r.stderr[-2000:]

@@ -49,6 +49,11 @@ def test_concurrent_requests_against_server_timings(server, tmp_path):
     assert s["tokens"]["prefill"] == sum(t["prompt_n"] for t in timings.values())
     assert s["tokens"]["decode"] == sum(t["predicted_n"] - 1 for t in timings.values())
     assert s["phases"]["decode"]["calls"] > 0
+    # without a timeline the op level counts ops per phase in BPF, from the decode call under
+    # way: the phases its ops fall in are those of the calls (prompts batched with generations
+    # are "mixed"), as the calls' own batches give them
+    assert s["meta"]["op_level"] == "counted"
+    assert {p for p, v in s["phases"].items() if v["ops"]} == {p for p, v in s["phases"].items() if v["calls"]}
     by_seq = {q["seq"]: q for q in s["sequence_latency"]}
     assert set(by_seq) == set(timings)
     for slot, t in timings.items():

@@ -126,6 +126,16 @@ class OpSlice:
 
 
 @dataclass(frozen=True, slots=True)
+class OpTotal:
+    """An op type's runs in one phase, counted where they happened (BPF) instead of recorded
+    one by one: what the op level gives without a timeline."""
+    op: str              # as OpSlice.op: "MUL_MAT", "RMS_NORM+MUL"
+    phase: str           # of the decode call under way at each run's start (core.stats.PHASES)
+    calls: int
+    total_ns: int
+
+
+@dataclass(frozen=True, slots=True)
 class TensorArg:
     """A tensor argument of a native op call, as it was at the call's entry."""
     name: str            # the argument's name in the op's schema
@@ -204,6 +214,8 @@ class Profile:
     graphs: list[GraphCall] = field(default_factory=list)
     # a list of OpSlice, or OpColumns (a collected profile: the same ops, stored compactly)
     ops: Sequence[OpSlice] = field(default_factory=list)
+    # the ops counted per type and phase instead (no timeline asked): ops is then empty
+    op_totals: list[OpTotal] = field(default_factory=list)
     # engines whose ops are functions (vLLM): each call, and the engine's steps
     calls: list[OpCall] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)

@@ -30,7 +30,8 @@ class Plugin:
     name: str
     module: str                                      # the package that declares it
     title: str = ""                                  # for people: "llama.cpp", "CUDA"
-    # What the daemon may ask its collector for, e.g. "tokens_by_process", "op_totals".
+    # What the daemon may ask its collector for, e.g. "tokens_by_process", "op_totals" (ops
+    # counted in BPF per op type and phase, which a session without a timeline asks for too).
     capabilities: frozenset[str] = field(default_factory=frozenset)
     # Its contributions, each a module of its own package (imported only when asked for):
     report: str | None = None        # report and JSON summary sections

@@ -18,7 +18,7 @@ from typing import Callable
 
 import psutil
 
-from profinfer.core import discovery, kernel, layout, libbpf, procfs
+from profinfer.core import discovery, kernel, layout, libbpf, procfs, registry
 from profinfer.core.cputime import CpuShares, cpu_s, own_cpu_s, rss_kb
 from profinfer.core.collector import Collector
 from profinfer.core.errors import ProfinferError
@@ -216,7 +216,16 @@ class SessionOptions:
     status: bool | None = None           # the live status line (None: on a terminal)
     follow: bool = False                 # the target is our child, held before its exec
     extra_packs: tuple[str, ...] = ()    # pack files tried before the bundled ones
-    timeline: bool = True                # False: a level counts calls in BPF instead
+    # False: a level counts calls in BPF instead, and an engine that can counts its ops per
+    # type and phase (its plugin's capability "op_totals")
+    timeline: bool = True
+
+
+def counts_ops(pack: Pack) -> bool:
+    """The pack's engine can count its ops in BPF per op type and phase instead of sending
+    each (its collector's op_totals)."""
+    plugin = registry.plugin_of_pack(pack)
+    return plugin is not None and plugin.can("op_totals")
 
 
 def _quiet(_msg: str) -> None:
@@ -266,6 +275,8 @@ class Session:
             extra["open_spans_fd"] = self.open_spans_fd
         if p.level:
             extra["timeline"] = self.opts.timeline
+        elif not self.opts.timeline and counts_ops(p):
+            extra["op_totals"] = True
         return p.collector_class()(where, self.opts.levels, p, files, root=f"/proc/{where}/root",
                                    tensor_layout=self.opts.tensor_layout, buffer=self.opts.buffer,
                                    counters=self.opts.counters, **extra)
@@ -545,7 +556,7 @@ def profile_process(pid: int, levels: set[str], duration: float | None = None,
     (and, followed, in every process that maps its runtime); a process that runs no known
     engine but that runtime is profiled at that level alone. extra_packs: pack files tried
     before the bundled ones. timeline: False lets a level count calls in BPF instead of
-    sending each.
+    sending each, and an engine that can count its ops per type and phase.
 
     The Profile holds no calibration: the caller stamps it (recorded_calibration.stamp)."""
     options = SessionOptions(levels, duration, tensor_layout, buffer, counters, status, follow,

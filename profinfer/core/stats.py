@@ -16,6 +16,9 @@ Definitions:
 - thread arrival: in each graph compute, from the first node start of any thread to this
   thread's own first node start (zero for the first thread). A worker that is preempted or
   slow to wake when a graph begins arrives late; that time is its arrival, not any node's.
+- ops counted instead of recorded (Profile.op_totals: no timeline asked): the op table and
+  each phase's op time come from the counts; what needs single runs (percentiles, barrier
+  waits, per-thread op time, arrival) is None.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from statistics import median
 
 import numpy as np
 
-from profinfer.core.model import GraphCall, OpSlice, Profile, Step, TokenCall
+from profinfer.core.model import GraphCall, OpSlice, OpTotal, Profile, Step, TokenCall
 from profinfer.core.opcolumns import as_columns
 from profinfer.core import sequences as _sequences
 
@@ -44,8 +47,8 @@ class OpStats:
     count: int
     total_ns: int
     mean_ns: float
-    p50_ns: float
-    p99_ns: float
+    p50_ns: float | None  # None: counted ops (no single run kept)
+    p99_ns: float | None
     share: float          # of all op time in the same scope (0..1)
 
 
@@ -54,15 +57,17 @@ class ThreadStats:
     tid: int
     name: str
     graph_ns: int
-    op_ns: int
-    barrier_ns: int
-    arrival_ns: int = 0   # late starts of graphs, summed (see "thread arrival" above)
+    op_ns: int | None             # None: counted ops (not known per thread)
+    barrier_ns: int | None
+    arrival_ns: int | None = 0    # late starts of graphs, summed (see "thread arrival" above)
 
     @property
     def coverage(self) -> float | None:
         """Share of graph time explained by arrival, op work and barrier waits (gaps are probe
         loss/overhead)."""
-        return (self.arrival_ns + self.op_ns + self.barrier_ns) / self.graph_ns if self.graph_ns else None
+        if not self.graph_ns or self.op_ns is None or self.barrier_ns is None or self.arrival_ns is None:
+            return None
+        return (self.arrival_ns + self.op_ns + self.barrier_ns) / self.graph_ns
 
 
 @dataclass(slots=True)
@@ -86,7 +91,7 @@ class PhaseStats:
     tokens: int = 0
     time_ns: int = 0      # sum of the decode calls' durations
     op_ns: int = 0
-    barrier_ns: int = 0
+    barrier_ns: int | None = 0    # None: counted ops
     ops: list[OpStats] = field(default_factory=list)
 
     @property
@@ -104,7 +109,7 @@ class ProfileStats:
     threads: list[ThreadStats]
     ops: list[OpStats]                  # sorted by total_ns, descending
     op_total_ns: int
-    barrier_total_ns: int
+    barrier_total_ns: int | None        # None: counted ops
     prefill_tokens: int = 0             # over all calls, mixed ones included
     decode_tokens: int = 0
 
@@ -172,6 +177,21 @@ def op_table(durs: np.ndarray, codes: np.ndarray, names: list[str]) -> list[OpSt
         p50, p99 = np.percentile(seg, [50, 99])
         rows.append(OpStats(name, len(seg), total, total / len(seg), float(p50), float(p99),
                             total / grand if grand else 0.0))
+    rows.sort(key=lambda r: (-r.total_ns, r.op))
+    return rows
+
+
+def totals_table(totals: list[OpTotal]) -> list[OpStats]:
+    """Per-op-type count/total/mean/share of counted ops (no percentiles), sorted by total
+    descending."""
+    by_op: dict[str, list[int]] = {}
+    for t in totals:
+        acc = by_op.setdefault(t.op, [0, 0])
+        acc[0] += t.calls
+        acc[1] += t.total_ns
+    grand = sum(ns for _, ns in by_op.values())
+    rows = [OpStats(op, n, ns, ns / n, None, None, ns / grand if grand else 0.0)
+            for op, (n, ns) in by_op.items() if n]
     rows.sort(key=lambda r: (-r.total_ns, r.op))
     return rows
 
@@ -293,15 +313,42 @@ def thread_totals(profile: Profile, arr: OpArrays) -> list[ThreadStats]:
                         int(barrier_ns[i]), int(arrival_ns[i])) for i, tid in enumerate(tids)]
 
 
+def counted(profile: Profile) -> bool:
+    """The profile's ops were counted per type and phase, not recorded one by one."""
+    return bool(profile.op_totals) and not len(profile.ops)
+
+
+def _counted_stats(profile: Profile, phases: dict[str, PhaseStats]) -> ProfileStats:
+    for name in PHASES:
+        rows = [t for t in profile.op_totals if t.phase == name]
+        if name not in phases and not rows:
+            continue
+        ph = phases.setdefault(name, PhaseStats(name))
+        ph.op_ns = sum(t.total_ns for t in rows)
+        ph.barrier_ns = None
+        ph.ops = totals_table(rows)
+    threads = thread_totals(profile, op_arrays([]))
+    for th in threads:
+        th.op_ns = th.barrier_ns = th.arrival_ns = None
+    return ProfileStats(
+        decode_calls=len(profile.tokens), graphs=len(profile.graphs), lost_events=profile.lost_events,
+        phases=phases, sequences=sequences(profile.tokens), threads=threads,
+        ops=totals_table(profile.op_totals), op_total_ns=sum(t.total_ns for t in profile.op_totals),
+        barrier_total_ns=None, prefill_tokens=sum(t.prefill_tokens for t in profile.tokens),
+        decode_tokens=sum(t.decode_tokens for t in profile.tokens))
+
+
 def compute(profile: Profile) -> ProfileStats:
-    arr = op_arrays(profile.ops)
-    durs, barriers = arr.dur, arr.barrier
     phases = {p: PhaseStats(p) for p in ("prefill", "decode")}
     for t in profile.tokens:
         ph = phases.setdefault(t.phase, PhaseStats(t.phase))
         ph.calls += 1
         ph.tokens += t.n_tokens
         ph.time_ns += t.dur_ns
+    if counted(profile):
+        return _counted_stats(profile, phases)
+    arr = op_arrays(profile.ops)
+    durs, barriers = arr.dur, arr.barrier
     op_phase = op_phases(arr, profile.tokens)
     for code, name in enumerate(PHASES):
         mask = op_phase == code

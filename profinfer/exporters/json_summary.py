@@ -4,6 +4,8 @@ Times are nanoseconds. Required keys: decode_calls, tokens, time_ns, lost_events
 the rest (latency, per-phase ops, percentiles, meta) are extras. The main view's keys come
 first (the neutral one below, or that of the engine that holds the profile), then each
 plugin's sections in their order (core.sections).
+Ops counted in BPF per op type and phase (no timeline asked; meta "op_level": "counted"):
+the ops' percentiles, barrier times and per-thread op times are null.
 """
 from __future__ import annotations
 
@@ -20,9 +22,13 @@ def _int(x: float | None) -> int | None:
     return None if x is None else int(round(x))
 
 
+def _float(x: float | None) -> float | None:
+    return None if x is None else float(x)
+
+
 def _op_row(o: OpStats) -> dict:
     return {"op": o.op, "count": o.count, "total_ns": o.total_ns, "mean_ns": float(o.mean_ns),
-            "p50_ns": float(o.p50_ns), "p99_ns": float(o.p99_ns), "share": float(o.share)}
+            "p50_ns": _float(o.p50_ns), "p99_ns": _float(o.p99_ns), "share": float(o.share)}
 
 
 def summary(profile: Profile) -> dict:

@@ -9,7 +9,7 @@ from rich.table import Table
 from profinfer.core import sections
 from profinfer.core.model import Profile
 from profinfer.core.sections import ReportSection, View
-from profinfer.core.stats import ProfileStats, compute
+from profinfer.core.stats import ProfileStats, compute, counted
 from profinfer.core.tables import ms, op_table, pct, print_cost, print_lost
 from profinfer.viewers.terminal import report_console
 
@@ -48,9 +48,17 @@ def latency_line(st: ProfileStats) -> str:
             f"sequences {len(st.sequences)}   lost events {st.lost_events:,}")
 
 
+# Said under the op table of ops counted in BPF: which views need every node, and how to get them.
+COUNTED = ("op level counted in BPF per op type and phase (no timeline asked): calls, total and "
+           "mean time; -o trace.pftrace records every node (percentiles, barrier waits, per-thread "
+           "op time, roofline, layers, MoE)")
+
+
 def _main(profile: Profile, console: Console) -> None:
     st = compute(profile)
     console.print(op_table(st.ops))
+    if counted(profile):
+        console.print(COUNTED)
     console.print(phase_table(st))
     console.print(latency_line(st))
     console.print(thread_table(st))

@@ -275,7 +275,8 @@ def test_op_totals_counted_in_bpf_equal_the_op_level(design, tmp_path, llama_bui
                                                      monkeypatch):
     """The daemon's op level counts ops by type in BPF (no op events): the same counts, fused
     pairs included, as the op level's events give for the same generation (`record --levels
-    op`, whose ops the tests check against the engine's own graph), in either op design."""
+    op -o`, every node recorded, whose ops the tests check against the engine's own graph),
+    in either op design."""
     monkeypatch.setenv("PROFINFER_OP_DESIGN", design)
     d = Daemon(tmp_path, ("--levels", "token,op", "--budget", "1.0"))
     try:
@@ -293,7 +294,7 @@ def test_op_totals_counted_in_bpf_equal_the_op_level(design, tmp_path, llama_bui
                 got[line.split('op="', 1)[1].split('"', 1)[0]] = int(float(line.rsplit(" ", 1)[1]))
     finally:
         d.stop()
-    r = run_profinfer(["record", "--levels", "op", "--quiet", "--",
+    r = run_profinfer(["record", "--levels", "op", "--quiet", "-o", str(tmp_path / "t.pftrace"), "--",
                        *completion_cmd(llama_build, tiny_model, n=16)],
                       env={**llama_env, "PROFINFER_OP_DESIGN": design}, tmp_path=tmp_path)
     assert r.rc == 0, r.stderr

@@ -2,8 +2,8 @@
 the engine's files for every watched process), collect its events, detach, build the Profile.
 
 What is probed and how is probeplan.py's; the records are parsed by records.py; graph
-backends are named by backends.py; what BPF counts in place of events (a daemon's) is
-read by totals.py.
+backends are named by backends.py; what BPF counts in place of events (a daemon's; the op
+level's, when no timeline is asked) is read by totals.py.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 from profinfer.core import collector as core
 from profinfer.core import discovery, libbpf
 from profinfer.core.errors import ProfinferError
-from profinfer.core.model import Profile, TokenCall
+from profinfer.core.model import OpTotal, Profile, TokenCall
 from profinfer.core.packs import Pack, copies_of_probed
 from profinfer.core.transport import steps_begun
 from profinfer.engines.llamacpp import backends
@@ -39,12 +39,24 @@ OP_TALLIES = (("node_reads", "PI_TALLY_NODE_READS"),
 
 @dataclass
 class TotalsInBpf:
-    """What BPF counts in place of sending events (a daemon's): graph computes per process and
-    backend (graph), ops per op type (ops), and the readers of those counts."""
+    """What BPF counts in place of sending events: graph computes per process and backend
+    (graph, a daemon's), ops per op type and phase (ops), and the readers of those counts."""
     graph: bool
     ops: bool
     graph_counts: GraphTotals
     op_counts: OpTotals | None = None      # made at the first take
+    # why ops asked to be counted are recorded one by one instead ("" when they are not)
+    ops_recorded_because: str = ""
+
+
+def ops_recorded_because(levels: set[str], counters: list[str] | None) -> str:
+    """Why the op level records every node even though counting was asked: what a view
+    needs per node."""
+    if counters:
+        return "--counters are read per node"
+    if "sched" in levels:
+        return "the sched level's time per op needs every node"
+    return ""
 
 
 @dataclass
@@ -65,11 +77,14 @@ class Collector(core.Collector):
                  followed_map_fd: int | None = None, open_spans_fd: int | None = None,
                  graph_totals: bool = False, op_totals: bool = False):
         """With graph_totals, graph computes are counted in BPF per process and backend
-        (take_graph_totals), not sent; with op_totals, ops are counted in BPF per op type
-        (take_op_totals), not sent."""
+        (take_graph_totals), not sent; with op_totals, ops are counted in BPF per op type and
+        phase (take_op_totals; the Profile's op_totals), not sent, unless a view asked for
+        needs every node (counters, sched: ops_recorded_because)."""
         super().__init__(pid, levels, pack, lib_paths, root, tensor_layout, ringbuf_pages, buffer,
                          counters, followed_map_fd, open_spans_fd)
-        self.totals = TotalsInBpf(graph_totals, op_totals, GraphTotals(self.dt, self._backend_name))
+        because = ops_recorded_because(levels, counters) if op_totals and "op" in levels else ""
+        self.totals = TotalsInBpf(graph_totals, op_totals and not because,
+                                  GraphTotals(self.dt, self._backend_name), ops_recorded_because=because)
         self.elfs: list = []
         self.probed_files: set[tuple[int, int]] = set()
         self.plan: ProbePlan | None = None          # made at attach
@@ -98,6 +113,10 @@ class Collector(core.Collector):
                                  f"and the executable does not define {self.pack.marker})")
         self.plan = ProbePlan(self.pack, self.elfs, self.levels, self.buffer, self.consts, self.warnings)
         self.plan.resolve(self.forced_layout, bool(self.counter_request), self.n_cpus)
+        if self.totals.ops and not self.plan.layout_trusted:
+            # op types counted through an unchecked layout could be anything
+            self.totals.ops = False
+            self.totals.ops_recorded_because = "a table layout is checked on the nodes it reads"
         if self.counter_request:
             if "op" not in self.levels:
                 raise ProfinferError("--counters are read per op: add the op level")
@@ -222,9 +241,12 @@ class Collector(core.Collector):
             return ops.take_totals() if ops is not None else {}
         if self.obj is None:
             return {}
+        return self._op_counts().take(self.obj)
+
+    def _op_counts(self) -> OpTotals:
         if self.totals.op_counts is None:
-            self.totals.op_counts = OpTotals(self.dt, self.plan.op_names)
-        return self.totals.op_counts.take(self.obj)
+            self.totals.op_counts = OpTotals(self.dt, self.consts, self.plan.op_names, self.n_cpus)
+        return self.totals.op_counts
 
     def note_process_maps(self, tgid: int):
         """Read a followed process's mappings while it lives (its backends' names are read
@@ -267,6 +289,10 @@ class Collector(core.Collector):
             libbpf.map_update(self.obj.map_fd(".data.control"), _ZERO_U32, stopped)
         self._drain()
         self._drain_threads()
+        counted = self._op_counts().take_by_phase(self.obj) if self.op_totals and "op" in self.levels else None
+        trap_in_situ = (self._op_counts().trap_in_situ_ns(self.obj, self.dt["pi_gap_sample"],
+                                                          self.consts["PI_GAP_SAMPLES"])
+                        if counted is not None else None)
         lost = self._stop_counting_lost()
         self.tallies = self._op_tallies()
         self.bpf_stats = self._hit_costs()
@@ -274,6 +300,13 @@ class Collector(core.Collector):
         self.detach()
         profile = self._build_profile(lost)
         profile.meta["steps_begun"] = str(steps)
+        if counted is not None:
+            profile.op_totals = [OpTotal(op, phase, calls, ns)
+                                 for (op, phase), (calls, ns) in sorted(counted.items())]
+            self._op_meta(profile, trap_in_situ)
+            profile.meta["op_level"] = "counted"
+        elif self.totals.ops_recorded_because:
+            profile.meta["op_level"] = f"nodes ({self.totals.ops_recorded_because})"
         return profile
 
     def _drain_threads(self) -> None:
@@ -291,6 +324,12 @@ class Collector(core.Collector):
         for raw in states:
             self.states_at_end.left += 1
             st = np.frombuffer(raw[: state_dt.itemsize], state_dt, count=1)[0]
+            if self.op_totals:          # counted: only the op it was computing is not yet
+                cur = st["cur"]
+                if st["has_cur"]:
+                    self._op_counts().add_open(int(cur["node"]), int(cur["end_ns"]) - int(cur["start_ns"])
+                                               if cur["end_ns"] else 0)
+                continue
             batch = st["batch"]
             parts = [batch["ev"][: batch["count"]].copy()]
             if st["has_cur"]:
@@ -374,14 +413,19 @@ class Collector(core.Collector):
         assembler, self.records.ops = self.records.ops, None
         prof.meta["node_descriptions"] = str(assembler.n_described)
         prof.meta["node_descriptions_repeated"] = str(assembler.redescribed)
+        self._op_meta(prof, self.records.trap_in_situ_ns())
+        prof.ops = assembler.finish(prof.graphs, self.records.experts)
+        self.counter_dropped = assembler.dropped
+
+    def _op_meta(self, prof: Profile, trap_in_situ_ns: int | None = None) -> None:
+        """What the op level's probes saw and cost, recorded or counted."""
         # "generation": a node's description read once per graph change, else every run
         prof.meta["node_check"] = "generation" if self.plan.nodes_by_generation else "content"
         for name, n in self.tallies.items():
             prof.meta[name] = str(n)
         prof.meta["op_probes"] = self.plan.op_design
-        in_situ = self.records.trap_in_situ_ns()
-        if in_situ is not None:
-            prof.meta["trap_in_situ_ns"] = str(in_situ)
+        if trap_in_situ_ns is not None:
+            prof.meta["trap_in_situ_ns"] = str(trap_in_situ_ns)
         walk_faults = self.tallies.get("walk_lost", 0) + self.tallies.get("walk_mismatch", 0)
         if walk_faults:
             self.warnings.append(f"{walk_faults} graph-loop barriers could not be matched to "
@@ -391,8 +435,6 @@ class Collector(core.Collector):
         prof.meta["thread_slots_releasing"] = str(self.states_at_end.releasing)
         # threads still alive when collection ended (an exiting one sends its ops itself)
         prof.meta["op_threads_left"] = str(self.states_at_end.left)
-        prof.ops = assembler.finish(prof.graphs, self.records.experts)
-        self.counter_dropped = assembler.dropped
 
     def _meta(self) -> dict[str, str]:
         meta = self._shared_meta()

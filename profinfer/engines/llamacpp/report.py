@@ -14,7 +14,7 @@ from profinfer.engines.llamacpp import cost, layers, moe
 
 
 def holds(profile: Profile) -> bool:
-    return bool(profile.tokens or profile.ops)
+    return bool(profile.tokens or profile.ops or profile.op_totals)
 
 
 def _roofline_keys(profile: Profile) -> dict:

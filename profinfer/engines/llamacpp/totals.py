@@ -1,10 +1,12 @@
-"""What BPF counts in place of sending events, for a daemon: graph computes per process and
-backend (graph_totals), ops per op type (op_totals); read while collecting."""
+"""What BPF counts in place of sending events: graph computes per process and backend
+(graph_totals, a daemon's), ops per op type and phase (op_totals: a daemon's, and record's or
+attach's without a timeline); read while collecting."""
 from __future__ import annotations
 
 import numpy as np
 
-from profinfer.core import libbpf
+from profinfer.core import libbpf, selfcost
+from profinfer.core.stats import PHASES
 from profinfer.engines.llamacpp import assemble
 from profinfer.engines.llamacpp.probeplan import graph_backend
 
@@ -49,24 +51,72 @@ class GraphTotals:
 
 
 class OpTotals:
-    """The op_totals map, per op type (and fused pair): what was added since the last take."""
+    """The op_totals map, per op type (and fused pair) and phase of the decode call under way
+    (events.h: PI_OP_KEY, PI_OP_PHASE): what was added since the last take."""
 
-    def __init__(self, dt: dict[str, np.dtype], op_names: list[str]):
+    def __init__(self, dt: dict[str, np.dtype], consts: dict[str, int], op_names: list[str], n_cpus: int):
         self.total_dt = dt["pi_op_total"]
+        self.n_cpus = n_cpus             # the map is per CPU: a value a CPU, summed
         self.op_names = op_names
+        self.phases = {consts[f"PI_PHASE_{p.upper()}"]: p for p in PHASES}
         self._seen: dict[int, tuple[int, int]] = {}
+        self._open: dict[int, tuple[int, int]] = {}     # ops BPF still held at the end
 
-    def take(self, obj: libbpf.BpfObject) -> dict[str, tuple[int, int]]:
-        """Per op type, (ops, ns) since the last take."""
-        out: dict[str, tuple[int, int]] = {}
-        for k, v in obj.map_items("op_totals"):
+    def name(self, key: int) -> tuple[str, str]:
+        """(op name, phase) of an op_totals key."""
+        op = assemble.op_name(self.op_names, key & 0xff, ((key >> 8) & 0xff) - 1)
+        return op, self.phases.get((key >> 16) & 0xff, "other")
+
+    def add_open(self, key: int, ns: int) -> None:
+        """An op its thread was still computing when collection ended (BPF counts an op when
+        its thread's next one starts): counted, with its time so far (ns, 0 when unknown)."""
+        calls, total = self._open.get(key, (0, 0))
+        self._open[key] = (calls + 1, total + max(ns, 0))
+
+    def take_by_phase(self, obj: libbpf.BpfObject) -> dict[tuple[str, str], tuple[int, int]]:
+        """Per (op type, phase), (ops, ns) since the last take."""
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        # a per-CPU map's lookup fills one value per possible CPU
+        values = libbpf.map_items(obj.map_fd("op_totals"), 4, self.total_dt.itemsize * self.n_cpus)
+        for k, raw in values:
             key = int.from_bytes(k[:4], "little")
-            total = np.frombuffer(v, self.total_dt)[0]
-            calls, ns = int(total["calls"]), int(total["ns"])
+            per_cpu = np.frombuffer(raw, self.total_dt)
+            calls, ns = int(per_cpu["calls"].sum()), int(per_cpu["ns"].sum())
             seen = self._seen.get(key, (0, 0))
             if calls > seen[0]:
                 self._seen[key] = (calls, ns)
-                name = assemble.op_name(self.op_names, key & 0xff, ((key >> 8) & 0xff) - 1)
-                a, b = out.get(name, (0, 0))
-                out[name] = (a + calls - seen[0], b + ns - seen[1])
+                self._add(out, key, calls - seen[0], ns - seen[1])
+        opened, self._open = self._open, {}
+        for key, (calls, ns) in opened.items():
+            self._add(out, key, calls, ns)
         return out
+
+    def _add(self, out: dict, key: int, calls: int, ns: int) -> None:
+        name = self.name(key)
+        a, b = out.get(name, (0, 0))
+        out[name] = (a + calls, b + ns)
+
+    def take(self, obj: libbpf.BpfObject) -> dict[str, tuple[int, int]]:
+        """Per op type, (ops, ns) since the last take, whatever the phase."""
+        out: dict[str, tuple[int, int]] = {}
+        for (op, _), (calls, ns) in self.take_by_phase(obj).items():
+            a, b = out.get(op, (0, 0))
+            out[op] = (a + calls, b + ns)
+        return out
+
+    def trap_in_situ_ns(self, obj: libbpf.BpfObject, gap_dt: np.dtype, samples: int) -> int | None:
+        """The trap's cost as the fused ops' entry gaps BPF kept show it (selfcost), if any
+        were kept: the latest `samples` fused ops of each CPU."""
+        fd = obj.map_fd("gap_samples")
+        parts = []
+        for i in range(samples):
+            raw = libbpf.map_lookup(fd, i.to_bytes(4, "little"), gap_dt.itemsize * self.n_cpus)
+            if raw is not None:
+                parts.append(np.frombuffer(raw, gap_dt))
+        kept = np.concatenate(parts) if parts else np.zeros(0, gap_dt)
+        kept = kept[kept["gap_ns"] > 0]
+        if not len(kept):
+            return None
+        return selfcost.trap_at_fused_entries(kept["release_ns"].astype(np.int64),
+                                              kept["gap_ns"].astype(np.int64))
+

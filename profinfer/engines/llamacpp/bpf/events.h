@@ -161,15 +161,32 @@ struct pi_op_event {
                             entry on this thread (the last to arrive: one trap; 0: none) */
 };
 
-/* The op level counted in BPF (cfg.op_totals_only, a daemon's): per op type, its runs and
- * their time (start to end, as user space's totals). A node's number is then its type,
- * PI_OP_KEY(op, fused_op), not a description's number: no descriptions are sent, and the
- * per-thread tables (slots, walk memo) that remember numbers remember types. */
+/* The op level counted in BPF (cfg.op_totals_only: a daemon's, and record's or attach's
+ * without a timeline): per op type and phase, its runs and their time (start to end, as
+ * user space's totals). A node's number is then its type, PI_OP_KEY(op, fused_op), not a
+ * description's number: no descriptions are sent, and the per-thread tables (slots, walk
+ * memo) that remember numbers remember types. An op event's number adds the phase of the
+ * decode call under way at its start (PI_OP_PHASE), the op_totals key. */
 #define PI_OP_KEY(op, fused_op) (((u32)(op) & 0xff) | ((((u32)(fused_op) + 1) & 0xff) << 8))
+#define PI_OP_PHASE(phase) (((u32)(phase) & 0xff) << 16)
+/* A decode call's phase, as TokenCall.phase: ops outside every call are "other" */
+#define PI_PHASE_OTHER 0
+#define PI_PHASE_PREFILL 1
+#define PI_PHASE_DECODE 2
+#define PI_PHASE_MIXED 3
 
 struct pi_op_total {
     u64 calls;
     u64 ns;
+};
+
+/* A fused op's entry gap (struct pi_op_event: entry_gap_ns) and the release it follows,
+ * kept for the latest PI_GAP_SAMPLES fused ops of each CPU when ops are counted */
+#define PI_GAP_SAMPLES 1024
+
+struct pi_gap_sample {
+    u64 release_ns;
+    u64 gap_ns;
 };
 
 /* Op events travel in per-thread batches: one ring-buffer record, one wakeup per batch. */

@@ -122,6 +122,18 @@ static __always_inline void first_decode(struct pt_regs *ctx, u32 tid, u64 now)
         count_lost(1);
 }
 
+/* The phase of the decode call under way (events.h: PI_PHASE_*, as TokenCall.phase has it),
+ * PI_PHASE_OTHER between calls: the op level counted in BPF keys each op with it at the
+ * op's start (a process decodes one call at a time; its graph's ops run inside it). */
+u32 decode_phase = 0;
+
+static __always_inline u32 phase_of(u32 n_tokens, u32 decoding)
+{
+    if (decoding >= n_tokens)
+        return PI_PHASE_DECODE;
+    return decoding ? PI_PHASE_MIXED : PI_PHASE_PREFILL;
+}
+
 /* A decode call is the thread's open step (common.bpf.h: open_spans). */
 static __always_inline void step_begins(u32 tid, u64 now)
 {
@@ -148,6 +160,8 @@ int token_enter(struct pt_regs *ctx)
     first_decode(ctx, tid, ev.start_ns);
     bpf_map_update_elem(&token_open, &tid, &ev, BPF_ANY);
     step_begins(tid, ev.start_ns);
+    /* llama.cpp's own rule (model.py: split_batch): one token decodes, more read a prompt */
+    decode_phase = phase_of((u32)ev.n_tokens, ev.n_tokens == 1);
     return 0;
 }
 
@@ -163,6 +177,7 @@ struct batch_scan {
     s32 pos0;
     u32 n;
     u32 unread;
+    u32 decoding;      /* runs kept that add one token after position 0 (split_batch) */
 };
 
 /* Zero, read from memory: the verifier follows a bpf_loop callback until its state repeats,
@@ -180,6 +195,8 @@ static __always_inline void close_run(struct batch_scan *b)
         ev->runs[k & (PI_MAX_RUNS - 1)].pos0 = b->pos0;
         ev->runs[k & (PI_MAX_RUNS - 1)].n_tokens = b->n;
         ev->n_runs = k + 1;
+        if (b->n == 1 && b->pos0 > 0)
+            b->decoding++;
     } else {
         b->unread += b->n;
     }
@@ -220,18 +237,24 @@ static __always_inline int token_enter_batch(struct pt_regs *ctx, int read_seque
     bpf_probe_read_user(vec, sizeof(vec), (void *)(PT_REGS_PARM2(ctx) + cfg.bext_off_tokens));
     u64 size = cfg.bext_token_size ? cfg.bext_token_size : 1;
     ev.n_tokens = vec[1] > vec[0] ? (s32)((vec[1] - vec[0]) / size) : 0;
+    /* without the batch's sequences, llama.cpp's rule (model.py: split_batch) */
+    u32 decoding = ev.n_tokens == 1;
     if (read_sequences) {
         struct batch_scan b = {.ev = &ev, .tokens = vec[0], .size = size,
-                               .n = scan_counter_start, .unread = scan_counter_start};
+                               .n = scan_counter_start, .unread = scan_counter_start,
+                               .decoding = scan_counter_start};
         ev.n_runs = scan_counter_start;
         u32 n = (u32)ev.n_tokens < PI_BATCH_SCAN ? (u32)ev.n_tokens : PI_BATCH_SCAN;
         bpf_loop(n, scan_token, &b, 0);
         close_run(&b);
         ev.unread = b.unread + ((u32)ev.n_tokens - n);
+        if (ev.n_runs)
+            decoding = b.decoding;
     }
     first_decode(ctx, tid, ev.start_ns);
     bpf_map_update_elem(&token_open, &tid, &ev, BPF_ANY);
     step_begins(tid, ev.start_ns);
+    decode_phase = phase_of((u32)ev.n_tokens, decoding);
     return 0;
 }
 
@@ -260,6 +283,7 @@ int token_return(struct pt_regs *ctx)
     if (emit(ctx, ev, sizeof(*ev)))
         count_lost(1);
     bpf_map_delete_elem(&token_open, &tid);
+    decode_phase = PI_PHASE_OTHER;
     struct pi_open_span *span = bpf_map_lookup_elem(&open_spans, &tid);
     if (span)
         span->step_start_ns = 0;
@@ -428,9 +452,11 @@ static __always_inline void send_batch(void *ctx, struct pi_op_thread *st, u32 n
     st->batch.count = 0;
 }
 
-/* Per op type (events.h: PI_OP_KEY): the op level counted, not sent. */
+/* Per op type and phase (events.h: PI_OP_KEY): the op level counted, not sent. Per CPU:
+ * a graph's threads end the same node at the same barrier, and one shared count would move
+ * its cache line between their CPUs at every node (user space sums the CPUs). */
 struct {
-    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(type, BPF_MAP_TYPE_PERCPU_HASH);
     __uint(max_entries, 1024);
     __type(key, u32);
     __type(value, struct pi_op_total);
@@ -449,9 +475,40 @@ static __always_inline void count_op(struct pi_op_event *op)
             return;
         }
     }
-    __sync_fetch_and_add(&t->calls, 1);
+    __sync_fetch_and_add(&t->calls, 1);   /* atomic: a preempted run may share the CPU */
     if (op->end_ns > op->start_ns)
         __sync_fetch_and_add(&t->ns, op->end_ns - op->start_ns);
+}
+
+/* Counted ops: the latest fused ops' entry gaps, PI_GAP_SAMPLES per CPU, from which user
+ * space measures a trap as the target meets it (selfcost.trap_at_fused_entries), as it does
+ * from the op events when they are sent. */
+struct {
+    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(max_entries, PI_GAP_SAMPLES);
+    __type(key, u32);
+    __type(value, struct pi_gap_sample);
+} gap_samples SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, u32);
+    __type(value, u32);
+} gap_next SEC(".maps");
+
+static __always_inline void sample_gap(struct pi_op_event *op)
+{
+    u32 zero = 0;
+    u32 *next = bpf_map_lookup_elem(&gap_next, &zero);
+    if (!next)
+        return;
+    u32 i = (*next)++ % PI_GAP_SAMPLES;
+    struct pi_gap_sample *g = bpf_map_lookup_elem(&gap_samples, &i);
+    if (g) {
+        g->release_ns = op->start_ns - op->entry_gap_ns;
+        g->gap_ns = op->entry_gap_ns;
+    }
 }
 
 /* Add the thread's finished node to its batch, sending the batch when full. */
@@ -459,6 +516,8 @@ static __always_inline void push_op(void *ctx, struct pi_op_thread *st)
 {
     if (cfg.op_totals_only) {
         count_op(&st->cur);
+        if (st->cur.entry_gap_ns)
+            sample_gap(&st->cur);
         return;
     }
     u32 i = st->batch.count;
@@ -842,6 +901,16 @@ static __always_inline u32 describe_node(struct pt_regs *ctx, struct pi_op_threa
     return node_number(ctx, st, tid, way, generation);
 }
 
+/* What an op event carries for node number `node`: the number; counted in BPF, its type
+ * and the phase of the decode call under way as it starts (events.h: PI_OP_KEY). */
+static __always_inline u32 op_number(u32 node)
+{
+    node &= ~PI_NODE_EXPERTS;
+    if (cfg.op_totals_only)
+        node |= PI_OP_PHASE(*(volatile u32 *)&decode_phase);
+    return node;
+}
+
 static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const void *fused_with)
 {
     if (!collecting())
@@ -869,7 +938,7 @@ static __always_inline int op_begin(struct pt_regs *ctx, const void *t, const vo
     ev->flags = 0;
     ev->entry_gap_ns = 0;
     u32 node = describe_node(ctx, st, tid, t, fused_with);
-    ev->node = node & ~PI_NODE_EXPERTS;
+    ev->node = op_number(node);
     if (node & PI_NODE_EXPERTS)       /* MUL_MAT_ID: the experts it runs change every time */
         send_node_experts(ctx, st, (u64)t);
     if (cfg.n_counters) {
@@ -1195,7 +1264,7 @@ int op_node_end(struct pt_regs *ctx)
             m->stamp = w->memo_stamp;
         }
     }
-    ev->node = node & ~PI_NODE_EXPERTS;
+    ev->node = op_number(node);
     if ((node & PI_NODE_EXPERTS) && t)
         send_node_experts(ctx, st, t);
     st->has_cur = 1;
