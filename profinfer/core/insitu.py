@@ -19,8 +19,8 @@ from profinfer.core import bpfobj, libbpf
 from profinfer.core.errors import ProfinferError
 
 PROGRAM = "bare_hit"
-WINDOW_S = 1.0          # each window, with the bare probe and without, in turn
-WINDOWS = 6             # windows with it; then it is gone for good
+WINDOW_S = 0.5          # each window, with the bare probe and without, in turn
+WINDOWS = 4             # windows with it; then it is gone for good
 SHORT_CALL_NS = 50_000  # calls longer than this vary too much to show a trap
 MIN_CALLS = 30          # of one kind, in the windows with it and in those without
 EDGE_NS = 20_000_000    # calls this close to an attach or detach are left out
