@@ -33,6 +33,8 @@ ROUNDS = 5                        # probed and plain rounds, alternating
 CALLS = {"emulated": 200_000, "stepped": 20_000}
 ATTEMPTS = 4             # runs, of which two must pass
 SPREAD_LIMIT = 0.35      # the 3 cheapest probed rounds of each kind agree within 35%
+QUICK_CALLS = {"emulated": 20_000, "stepped": 2_000}    # measure_quick: a tenth of the calls,
+QUICK_ROUNDS = 3                                        # and 3 rounds of each
 
 
 def _cache_path() -> str:
@@ -59,30 +61,35 @@ def _uprobe_attr(path: bytes, offset: int, retprobe: bool) -> tuple[PerfEventAtt
     return attr, buf          # the path buffer must live until the event is open
 
 
-def _rounds(binary: str, function: str, offset: int, retprobe: bool) -> tuple[list[float], list[float]]:
-    """ns per call of each plain and each probed round."""
-    calls = CALLS[function]
-    proc = subprocess.Popen([binary, function, str(calls), str(2 * ROUNDS)], stdin=subprocess.PIPE,
+def _rounds(binary: str, function: str, offset: int, retprobe: bool,
+            calls_by_function: dict[str, int] = CALLS, n_rounds: int = ROUNDS,
+            alternate: bool = True) -> tuple[list[float], list[float]]:
+    """ns per call of each plain and each probed round: alternating, or (alternate False)
+    the plain rounds first and then the probed ones under one probe (removing a uprobe
+    waits ~0.1 s for the kernel's grace period; measure_quick places it once)."""
+    calls = calls_by_function[function]
+    proc = subprocess.Popen([binary, function, str(calls), str(2 * n_rounds)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     plain, probed = [], []
+    fd = -1
     try:
-        for r in range(2 * ROUNDS):
-            fd = -1
-            if r % 2:
+        for r in range(2 * n_rounds):
+            is_probed = bool(r % 2) if alternate else r >= n_rounds
+            if is_probed and fd < 0:
                 attr, _buf = _uprobe_attr(binary.encode(), offset, retprobe)
                 fd = perf_event_open(attr, proc.pid, -1)
                 if fd < 0:
                     raise ProfinferError(f"cannot place a uprobe to measure its cost: "
                                          f"{os.strerror(-fd)}")
-            try:
-                proc.stdin.write("\n")
-                proc.stdin.flush()
-                ns = float(proc.stdout.readline())
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-            (probed if r % 2 else plain).append(ns)
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            (probed if is_probed else plain).append(float(proc.stdout.readline()))
+            if fd >= 0 and alternate:
+                os.close(fd)
+                fd = -1
     finally:
+        if fd >= 0:
+            os.close(fd)
         proc.stdin.close()
         proc.wait(timeout=60)
     return plain, probed
@@ -105,6 +112,39 @@ def measure_checked() -> tuple[dict, list[str], str]:
     problems += [f"{k} rounds differ by {s:.0%}" for k, s in spread.items() if s > SPREAD_LIMIT]
     return cost, problems, (f"cheapest 3 probed rounds within {max(spread.values()):.1%}, "
                             f"{window.load.describe()}")
+
+
+def measure_quick(attempts: int = 2) -> tuple[dict | None, str]:
+    """The costs in under a second, for a daemon that starts with none cached (its image):
+    a tenth of calibrate's calls in 3 rounds of each kind under one probe, checked as calibrate checks each run (its 3 probed
+    rounds of each kind agree within SPREAD_LIMIT; thread CPU time, so other
+    processes' load, which a node serving inference always has, is not refused) with a
+    second try if the first fails. Nothing is cached. (costs, how it was checked) or
+    (None, why not)."""
+    t0 = time.monotonic()
+    try:
+        binary = nativebuild.build("probecost.c", ["-O2"])
+        syms = load_elf(binary).symbols
+        off = {f: syms[f"pi_probe_{f}"].file_offset for f in CALLS}
+    except (OSError, ProfinferError, KeyError) as e:
+        return None, f"cannot build the measurement: {e}"
+    kinds = {"emulated": ("emulated", False), "stepped": ("stepped", False),
+             "with_return": ("emulated", True)}
+    why = ""
+    for _ in range(attempts):
+        try:
+            rounds = {k: _rounds(binary, fn, off[fn], ret, QUICK_CALLS, QUICK_ROUNDS, False) for k, (fn, ret) in kinds.items()}
+        except (OSError, ValueError, ProfinferError, subprocess.SubprocessError) as e:
+            return None, f"cannot measure: {e}"
+        spread = {k: loadcheck.spread(probed, 3, higher_is_better=False) for k, (_, probed) in rounds.items()}
+        bad = [f"{k} rounds differ by {v:.0%}" for k, v in spread.items() if v > SPREAD_LIMIT]
+        if not bad:
+            cost = {k: max(statistics.median(probed) - statistics.median(plain), 0.0)
+                    for k, (plain, probed) in rounds.items()}
+            return _as_costs(cost), (f"cheapest 3 probed rounds within {max(spread.values()):.1%}, "
+                                     f"in {time.monotonic() - t0:.2f} s")
+        why = "; ".join(bad)
+    return None, f"unreliable ({why})"
 
 
 def _as_costs(cost: dict) -> dict:

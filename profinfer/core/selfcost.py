@@ -128,6 +128,16 @@ class SelfCost:
         return self.collector_cpu_ns / base if base > 0 else None
 
 
+def added_ns(counts: dict, trap_costs: dict) -> float:
+    """What probes added to their targets' threads, in ns: the kernel-counted BPF run time
+    plus each hit's trap by kind. counts: as a collector's cost_counts() gives them (bpf_ns,
+    hits_emulated, hits_stepped, hits_return); trap_costs: as probecost gives them
+    (emulated_ns, stepped_ns, uretprobe_extra_ns)."""
+    return (counts.get("bpf_ns", 0) + counts.get("hits_emulated", 0) * trap_costs["emulated_ns"]
+            + counts.get("hits_stepped", 0) * trap_costs["stepped_ns"]
+            + counts.get("hits_return", 0) * trap_costs["uretprobe_extra_ns"])
+
+
 def program_totals(stats: dict[str, tuple[int, int]]) -> dict[str, int]:
     """The kernel's count of an engine's BPF programs ({program: (ns run, runs)}) as the
     recording's cost:* meta: totals, and runs and ns per run for each program; the hits

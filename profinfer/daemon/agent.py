@@ -93,6 +93,7 @@ class Agent:
         self.lock = threading.Lock()          # watches, unwatched: the HTTP threads read them
         raise_fd_limit()
         self.governor = Governor(budget, self.metrics, self._relevel)
+        self.log(f"probe hits priced at {self.governor.trap_costs_source}")
         if not self.governor.stats_on and "op" in self.levels:
             # the governor measures the op level's cost from the kernel's BPF run-time counts
             # (run time, and runs: the probe hits): without them it would run ungoverned
@@ -138,6 +139,11 @@ class Agent:
         with self.lock:
             self.unwatched = {k: v for k, v in self.unwatched.items() if k[0] in alive}
         for w in list(self.watches.values()):
+            if w.op_pending and w.collector is None and self._attach_op(w):   # its files were being read
+                w.op_pending = False
+                w.cost_mark = None
+                self.metrics.level(w.identity, level_rank(w.levels))
+                self.log(f"PID {w.identity.pid}: op level attached, {w.collector.n_probes} probes of its own")
             if not w.identity.model and now - w.model_checked >= MODEL_RECHECK_S:
                 w.model_checked = now          # a model loaded after the process was found
                 found = model_file(w.identity.pid)
@@ -339,16 +345,7 @@ class Agent:
             shared = {lv for lv in SHARED_LEVELS if lv in self.levels} or {"token"}
         group = None
         try:
-            key = group_key(pack, files)
-            group = self.groups.get(key)
-            if group is None:
-                group = SharedProbes.open(key, pack, pid, files, shared)
-                self.groups[key] = group
-                self.log(f"{pack.engine}: {group.collector.n_probes} probes on "
-                         + ", ".join(sorted(os.path.basename(h) for h, _ in files))
-                         + f" at {','.join(sorted(shared))}, shared by every process that maps them")
-            else:
-                group.add(pid)
+            group = self._join_group(pack, pid, files, shared)
         except NotReady:
             return                          # a file still being read: the next scan tries again
         except Exception as e:              # ProfinferError, or a process vanishing mid-read
@@ -358,7 +355,7 @@ class Agent:
         w = Watch(ident, None, set(shared), time.time(), pack=pack, files=files, group=group,
                   model_checked=time.monotonic(), step_up_wait_s=STEP_UP_S, capabilities=caps)
         if "op" in self.levels and "op_totals" in caps:
-            self._attach_op(w)
+            w.op_pending = not self._attach_op(w)
         w.pidfd = exit_fd(pid, start)
         with self.lock:
             self.watches[pid] = w
@@ -371,6 +368,45 @@ class Agent:
                  + (f", pod {ident.namespace}/{ident.pod}" if ident.pod_uid else "")
                  + f") at {','.join(sorted(w.levels))}"
                  + (f", {w.collector.n_probes} op-level probes of its own" if w.collector else ""))
+
+    def _join_group(self, pack: Pack, pid: int, files: list[tuple[str, str]], shared: set[str]) -> SharedProbes:
+        """The process added to its build's shared probes at these levels (opened if none yet)."""
+        key = group_key(pack, files) + (frozenset(shared),)
+        group = self.groups.get(key)
+        if group is None:
+            group = SharedProbes.open(key, pack, pid, files, shared)
+            self.groups[key] = group
+            self.log(f"{pack.engine}: {group.collector.n_probes} probes on "
+                     + ", ".join(sorted(os.path.basename(h) for h, _ in files))
+                     + f" at {','.join(sorted(shared))}, shared by every process that maps them")
+        else:
+            group.add(pid)
+        return group
+
+    def _regroup(self, w: Watch, shared: set[str]) -> bool:
+        """The graph level taken from (or given back to) one process: it leaves its build's
+        shared probes for those at `shared` levels (the old object goes with its last process,
+        and with it the probes' traps). A decode call in flight at the move is counted by
+        neither object."""
+        old, pid = w.group, w.identity.pid
+        self._drain_group(old)
+        self._group_totals(old)
+        try:
+            old.remove(pid)
+            w.group = self._join_group(w.pack, pid, w.files, shared)
+        except Exception as e:
+            self._error(f"PID {pid}: moving to the shared probes at {','.join(sorted(shared))}: "
+                        f"{type(e).__name__}: {e}")
+            try:
+                old.add(pid)
+            except Exception:
+                pass
+            return False
+        finally:
+            if not old.pids:
+                self._close_group(old)
+        w.levels = (w.levels - set(SHARED_LEVELS)) | shared
+        return True
 
     def _attach_op(self, w: Watch) -> bool:
         """The op level's probes, attached to this process alone (with the graph probes
@@ -387,8 +423,9 @@ class Agent:
                     coll.detach()
                 except Exception:
                     pass
-            if not isinstance(e, NotReady):       # else tried again at the next step up
+            if not isinstance(e, NotReady):       # else tried again at the next scan (op_pending)
                 self._error(f"PID {pid}: the op level not attached: {e}")
+                w.op_pending = False
             return False
         w.collector = coll
         w.levels = w.levels | {"op"}
@@ -614,6 +651,8 @@ class Agent:
             if c.pid in by_pid:
                 by_pid[c.pid][1].append(c)
         for pid, (g, c) in by_pid.items():
+            # its calls so far (each a probe hit at entry, some at return too): its share of the cost
+            rt.count_calls(pid, sum(x.count for x in g) if groups else None, len(c))
             w = self.watches.get(pid)
             if w is not None and w.cuda:
                 self.metrics.cuda(w.identity, g, c)
@@ -705,19 +744,28 @@ class Agent:
                 self._sample_programs(w)
             self.metrics.self_metrics(self)
         if self.governor.due():
-            self.governor.govern(list(self.groups.values()), list(self.watches.values()), self.levels)
+            self.governor.govern(list(self.groups.values()), self.runtime, list(self.watches.values()),
+                                 self.levels)
 
     # ---- the overhead budget (governor.py judges; this changes the levels) ----
 
     def _relevel(self, w: Watch, levels: set[str], why: str) -> bool:
-        """Add or take away the process's op level (its shared levels stay: it is never left
-        unprofiled)."""
+        """Take away or give back one level of the process: its op level (its own probes), or
+        the graph level (it moves to its build's shared probes without it). The floor (token
+        or step) stays: it is never left unprofiled."""
         pid, old = w.identity.pid, set(w.levels)
-        if "op" in levels and "op" not in w.levels:
-            if not self._attach_op(w):
+        changed = (levels - w.levels) | (w.levels - levels)
+        if changed == {"op"}:
+            if "op" in levels and not self._attach_op(w):
                 return False
-        elif "op" not in levels and "op" in w.levels:
-            self._detach_op(w)
+            if "op" not in levels:
+                self._detach_op(w)
+        elif changed == {"graph"} and w.group is not None:
+            shared = (w.levels & set(SHARED_LEVELS)) ^ {"graph"}
+            if not self._regroup(w, shared):
+                return False
+        else:
+            return False
         w.cost_mark = None
         self.metrics.level(w.identity, level_rank(w.levels), changed=True)
         self.log(f"PID {pid}: levels {','.join(sorted(old))} -> {','.join(sorted(w.levels))} ({why})")
@@ -745,7 +793,9 @@ class Agent:
             "pid": self.own_pid, "started": self.started, "levels": sorted(self.levels),
             "budget": self.governor.budget, "attach_errors": self.attach_errors, "loop_errors": self.loop_errors,
             "trap_costs_ns": self.governor.trap_costs, "traps_calibrated": self.governor.traps_calibrated,
+            "trap_costs_source": self.governor.trap_costs_source,
             "processes": [{**w.identity.as_dict(), "levels": sorted(w.levels), "cost_share": w.share,
+                           "cost_by_level": w.shares, "idle": w.idle, "step_up_wait_s": w.step_up_wait_s,
                            "probes": getattr(w.collector, "n_probes", 0),
                            "probes_stepped": getattr(w.collector, "probes_stepped", 0),
                            "shared_probes": w.group.collector.n_probes if w.group else 0,

@@ -1,12 +1,19 @@
-"""The overhead budget: what each watched process's probes cost it, and its op level taken
-away or given back to keep that under the budget.
+"""The overhead budget: what each watched process's probes cost it, at every level, and its
+dearest levels taken away or given back to keep that under the budget.
 
-Each process's cost (kernel-counted BPF time + probe hits x this machine's calibrated trap
-costs, plus its share of the CPU of the daemon's thread that watches, over its own CPU time)
-is checked every GOVERN_S; over the budget, its op level goes (the token and graph levels, a
-few probe hits per decode call shared by every process of its build, are the floor), and
-comes back after STEP_UP_S with room (under half the budget), waiting twice as long each time
-a step up went over again.
+Each process's cost, checked every GOVERN_S: its own op-level probes', its share of its
+build's shared probes (token or step, graph) and of the shared cuda level (each shared
+object's cost shared out by the probe hits each process made: shared.Charges), priced in one
+place (selfcost.added_ns: kernel-counted BPF time + probe hits x trap costs), plus its share
+of the CPU of the daemon's thread that watches; over its own CPU time. Over the budget, the
+dearest level it has goes (STEP_DOWN_ORDER: op, the cuda level's per-call detail, graph);
+the token or step level is the floor, its own cost reported. A level comes back, the last
+taken first, after STEP_UP_S with room (under half the budget, or the process idle),
+waiting twice as long each time a step up went over again.
+
+Trap costs: the cached calibration (`profinfer calibrate`); with none (the image's empty
+cache), measured at start (probecost.measure_quick, under a second); if that fails, none:
+the kernel-counted BPF time alone, and /status says why.
 """
 from __future__ import annotations
 
@@ -14,18 +21,23 @@ import os
 import time
 from typing import Callable
 
-from profinfer.core import libbpf
+from profinfer.core import libbpf, probecost
 from profinfer.core.procfs import stat_fields
+from profinfer.core.selfcost import added_ns
 from profinfer.daemon.watch import Watch
 
 GOVERN_S = 2.0
-STEP_DOWN_ORDER = ("op",)
+# dearest first: the op level (a trap on every node), the cuda level's per-call detail (per
+# kernel, grid, stream and op: the cuda level keeps its counts by function), the graph level
+STEP_DOWN_ORDER = ("op", "cuda-detail", "graph")
+FLOOR_LEVELS = ("token", "step")
 STEP_UP_S = 20.0
 LEVEL_RANK = {"op": 3, "graph": 2, "token": 1, "step": 1}
-# what a level needs its engine's plugin to declare
-LEVEL_NEEDS = {"op": "op_totals"}
 TRAP_KEYS = ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")
 MIN_CPU_TO_JUDGE_NS = 50_000_000
+# a process that used less than MIN_CPU_TO_JUDGE_NS for this long is idle: nothing of its
+# time is being taken, so there is room (its levels may come back)
+IDLE_S = 3 * GOVERN_S
 MAX_STEP_UP_WAIT_S = 600.0
 
 
@@ -34,13 +46,31 @@ def level_rank(levels: set[str]) -> int:
 
 
 def can_have(w: Watch, level: str) -> bool:
-    need = LEVEL_NEEDS.get(level)
-    return need is None or need in w.capabilities
+    """Whether the level may be given to the process: its engine offers it (op totals; the
+    graph level is llama.cpp's, not an engine's that works in steps), or it has a runtime."""
+    if level == "op":
+        return "op_totals" in w.capabilities
+    if level == "graph":
+        return w.group is not None and "graph_totals" in w.capabilities
+    if level == "cuda-detail":
+        return w.cuda
+    return True
+
+
+def trap_costs() -> tuple[dict[str, float], str]:
+    """The trap costs the governor prices hits at, and where they come from."""
+    cached = probecost.cached()
+    if cached:
+        return {k: float(cached[k]) for k in TRAP_KEYS}, f"cached calibration ({cached.get('measured_at', '?')})"
+    costs, how = probecost.measure_quick()
+    if costs is not None:
+        return {k: float(costs[k]) for k in TRAP_KEYS}, f"measured at start: {how}"
+    return dict.fromkeys(TRAP_KEYS, 0.0), f"none: no calibration cached, and measuring at start failed: {how}"
 
 
 class Governor:
     """Judges each watch's cost share every GOVERN_S and asks `relevel(watch, levels, why)`
-    (True when done) to step its op level down or up."""
+    (True when done) to step its dearest level down, or the last one taken back up."""
 
     def __init__(self, budget: float, metrics, relevel: Callable[[Watch, set[str], str], bool]):
         self.budget = budget
@@ -51,12 +81,9 @@ class Governor:
         self.stats_fd = libbpf.enable_run_time_stats()
         self.ticks = os.sysconf("SC_CLK_TCK")
         self.last = 0.0
-        from profinfer.core.probecost import cached
-        costs = cached()
-        # a probe hit's trap by kind, as calibrated here (profinfer calibrate); without it,
-        # the kernel-counted BPF time alone (said in /status and at start)
-        self.trap_costs = {k: float(costs[k]) for k in TRAP_KEYS} if costs else dict.fromkeys(TRAP_KEYS, 0.0)
-        self.traps_calibrated = costs is not None
+        # a probe hit's trap by kind; without any, the kernel-counted BPF time alone
+        self.trap_costs, self.trap_costs_source = trap_costs()
+        self.traps_calibrated = any(self.trap_costs.values())
         self.loop_tid: int | None = None      # the thread running the agent's loop: the one that watches
 
     @property
@@ -84,25 +111,30 @@ class Governor:
             return 0
         return self.cpu_ns(os.getpid(), self.loop_tid) or 0
 
-    def cost_ns(self, coll) -> int | None:
-        """What a collector's probes cost so far: kernel-counted BPF time plus the hits by
-        kind at this machine's calibrated trap costs (the accounting `attach` reports)."""
+    def cost_ns(self, coll) -> float | None:
+        """What a collector's probes cost so far (selfcost.added_ns)."""
         try:
             c = coll.cost_counts()
         except Exception:
             return None
-        if not c:
-            return None
-        t = self.trap_costs
-        return int(c["bpf_ns"] + c["hits_emulated"] * t["emulated_ns"] + c["hits_stepped"] * t["stepped_ns"]
-                   + c["hits_return"] * t["uretprobe_extra_ns"])
+        return added_ns(c, self.trap_costs) if c else None
 
-    def probe_cost_ns(self, w: Watch) -> int | None:
-        """The process's own probes' cost, plus its share of its build's shared probes'."""
-        if w.group is None:
+    def probe_costs_ns(self, w: Watch, runtime) -> dict[str, float] | None:
+        """What the process's probes cost it so far, by level: its own op level's, and its
+        charged shares of its build's shared probes and of the cuda level."""
+        if w.group is None and not w.cuda:
             return None
-        own = self.cost_ns(w.collector) if w.collector is not None else 0
-        return None if own is None else int(own + w.group.charged_ns.get(w.identity.pid, 0.0))
+        parts: dict[str, float] = {}
+        if w.collector is not None:
+            own = self.cost_ns(w.collector)
+            if own is None:
+                return None
+            parts["op"] = own
+        if w.group is not None:
+            parts.update(w.group.charges.of(w.identity.pid))
+        if w.cuda and runtime is not None:
+            parts.update(runtime.charges.of(w.identity.pid))
+        return parts
 
     def due(self) -> bool:
         if time.monotonic() - self.last < GOVERN_S:
@@ -110,48 +142,60 @@ class Governor:
         self.last = time.monotonic()
         return True
 
-    def govern(self, groups: list, watches: list[Watch], levels: set[str]) -> None:
+    def govern(self, groups: list, runtime, watches: list[Watch], levels: set[str]) -> None:
         """Charge the shared probes' cost to their processes, then judge each process
         (`levels`: the daemon's, the most a process is given back)."""
         now = time.monotonic()
-        for g in groups:
-            cost = self.cost_ns(g.collector)
+        for shared in groups + ([runtime] if runtime is not None else []):
+            cost = self.cost_ns(shared.collector)
             if cost is not None:
-                g.charge(cost)
+                shared.charge(cost)
         own = self.watching_cpu_ns()
         for w in watches:
             cpu = self.cpu_ns(w.identity.pid)
-            probes = self.probe_cost_ns(w)
-            if cpu is None or probes is None:
+            parts = self.probe_costs_ns(w, runtime)
+            if cpu is None or parts is None:
                 continue
             mark = w.cost_mark
             if mark is not None and cpu - mark[1] < MIN_CPU_TO_JUDGE_NS:   # too little CPU yet to judge
+                if now - mark[0] >= IDLE_S:
+                    w.cost_mark, w.idle = (now, cpu, parts, own), True
+                    self._judge(w, now, levels, 0.0)
                 continue
-            w.cost_mark = (now, cpu, probes, own)
+            w.cost_mark = (now, cpu, parts, own)
             if mark is None:
                 continue
             # the watching thread's CPU, shared out among the processes it watches: on a busy
             # machine it is taken from them
-            daemon = (own - mark[3]) / max(len(watches), 1)
-            w.share = max(0.0, ((probes - mark[2]) + daemon) / (cpu - mark[1]))
-            self.metrics.cost(w.identity, w.share)
-            self._judge(w, now, levels)
+            spent = cpu - mark[1]
+            shares = {lv: max(0.0, ns - mark[2].get(lv, 0.0)) / spent for lv, ns in parts.items()}
+            shares["daemon"] = (own - mark[3]) / max(len(watches), 1) / spent
+            w.shares, w.idle = shares, False
+            w.share = sum(shares.values())
+            self.metrics.cost(w.identity, w.share, shares)
+            self._judge(w, now, levels, w.share)
 
-    def _judge(self, w: Watch, now: float, levels: set[str]) -> None:
+    def _judge(self, w: Watch, now: float, levels: set[str], share: float) -> None:
         lower = next((lv for lv in STEP_DOWN_ORDER if lv in w.levels), None)
-        if w.share > self.budget:
+        if share > self.budget:
             w.calm_since = None
             if lower is not None and self.relevel(
-                    w, w.levels - {lower}, f"costs {w.share:.1%} > budget {self.budget:.1%}"):
+                    w, w.levels - {lower}, f"costs {share:.1%} > budget {self.budget:.1%}"):
                 if w.stepped_up:          # the level it went back up to did not fit
                     w.step_up_wait_s = min(w.step_up_wait_s * 2, MAX_STEP_UP_WAIT_S)
                 w.stepped_up = False
-        elif w.share <= self.budget / 2:
+        elif share <= self.budget / 2:
             w.calm_since = now if w.calm_since is None else w.calm_since
             missing = [lv for lv in reversed(STEP_DOWN_ORDER)
-                       if lv in levels and lv not in w.levels and can_have(w, lv)]
+                       if _daemon_has(levels, lv) and lv not in w.levels and can_have(w, lv)]
+            room = "idle" if w.idle else f"costs {share:.1%}, room under {self.budget:.1%}"
             if missing and now - w.calm_since >= w.step_up_wait_s and self.relevel(
-                    w, w.levels | {missing[0]}, f"costs {w.share:.1%}, room under {self.budget:.1%}"):
+                    w, w.levels | {missing[0]}, room):
                 w.stepped_up, w.calm_since = True, None
         else:
             w.calm_since = None
+
+
+def _daemon_has(levels: set[str], level: str) -> bool:
+    """The cuda level's detail comes with the cuda level."""
+    return ("cuda" if level == "cuda-detail" else level) in levels

@@ -77,6 +77,7 @@ class _Process:
     live: dict[int, int] = field(default_factory=dict)   # device allocations: pointer -> bytes
     # the graph level, counted in BPF (cumulative): backend -> (computes, ns, nodes, buckets)
     graphs: dict[str, tuple[int, int, int, list[int]]] = field(default_factory=dict)
+    shares: dict[str, float] = field(default_factory=dict)   # the share by level ("daemon": its loop)
 
     def labels(self, minimal: bool = False) -> list[str]:
         i = self.identity
@@ -182,11 +183,12 @@ class Metrics:
                 p.level = rank
                 p.changes += int(changed)
 
-    def cost(self, ident: Identity, share: float) -> None:
+    def cost(self, ident: Identity, share: float, shares: dict[str, float] | None = None) -> None:
         with self.lock:
             p = self.processes.get(ident.pid)
             if p is not None and p.identity.start == ident.start:
                 p.share = share
+                p.shares = dict(shares or {})
 
     def cuda(self, ident: Identity, groups: list, calls: list) -> None:
         """The cuda level: BPF's cumulative counts (groups) replace the last ones; the calls
@@ -268,7 +270,7 @@ class _Exposer:
             procs = [_Process(p.identity, dict(p.calls), dict(p.tokens), p.ttft.copy(), p.tpot.copy(),
                               {k: h.copy() for k, h in p.call_time.items()}, p.lost,
                               {k: list(v) for k, v in p.ops.items()}, p.level, p.share, p.changes,
-                              _copy_cuda(p.cuda), dict(p.live), dict(p.graphs))
+                              _copy_cuda(p.cuda), dict(p.live), dict(p.graphs), dict(p.shares))
                      for p in m.processes.values()]
             programs = dict(m.programs)
             watched = m.watched_now
@@ -307,6 +309,9 @@ class _Exposer:
         share = GaugeMetricFamily("profinfer_overhead_ratio", "What the probes cost a process: "
                                   "kernel-counted BPF time + probe hits x calibrated trap cost, over "
                                   "its CPU time (last governor window)", labels=labels)
+        by_level = GaugeMetricFamily("profinfer_overhead_ratio_by_level", "The same, by level: op, "
+                                     "cuda, graph, and the floor (token, or step) that is never taken "
+                                     "away; daemon: its share of the daemon's loop", labels=labels + ["level"])
         changes = CounterMetricFamily("profinfer_governor_changes", "Level changes the governor made",
                                       labels=labels)
         graph_n = CounterMetricFamily("profinfer_graph_computes", "Backend graph computes (the "
@@ -331,6 +336,8 @@ class _Exposer:
             level.add_metric(lv, p.level)
             if p.share is not None:
                 share.add_metric(lv, p.share)
+            for part, v in sorted(p.shares.items()):
+                by_level.add_metric(lv + [part], v)
             changes.add_metric(lv, p.changes)
             info.add_metric(lv + ([p.identity.exe, p.identity.model] if paths else []), 1)
             for phase, n in sorted(p.calls.items()):
@@ -343,7 +350,7 @@ class _Exposer:
                 dur.add_metric(lv + [phase], h.buckets(), h.total)
             lost.add_metric(lv, p.lost)
         yield from (info, calls, tokens, ttft, tpot, dur, lost, graph_n, graph_t, graph_nodes,
-                    op_calls, op_secs, level, share, changes)
+                    op_calls, op_secs, level, share, by_level, changes)
 
     def _daemon_families(self, watched: int, programs: dict[str, tuple[int, int]]):
         """The daemon's own series: what it watches and dropped, its BPF programs, its CPU,

@@ -56,6 +56,37 @@ def group_key(pack: Pack, files: list[tuple[str, str]]) -> tuple:
     return (pack.engine, frozenset(discovery.file_key(host) for host, _ in files))
 
 
+class Charges:
+    """What shared probes cost, charged to the processes they serve: each process's share of
+    the cost since the last charge is its share of the probe hits made since (counted by
+    level, and charged by level)."""
+
+    def __init__(self):
+        self.by_pid: dict[int, dict[str, float]] = {}      # ns charged so far, by level
+        self._mark: tuple[float, dict[int, dict[str, int]]] | None = None
+
+    def charge(self, cost_ns: float, hits: dict[int, dict[str, int]]) -> None:
+        """cost_ns: what the probes cost so far, in all; hits: each process's so far, by level."""
+        if self._mark is not None and hits:
+            spent = cost_ns - self._mark[0]
+            before = self._mark[1]
+            made = {pid: {lv: n - before.get(pid, {}).get(lv, 0) for lv, n in by.items()}
+                    for pid, by in hits.items()}
+            total = sum(sum(by.values()) for by in made.values())
+            for pid, by in made.items():
+                mine = self.by_pid.setdefault(pid, {})
+                for lv, n in by.items():
+                    share = n / total if total else 1 / (len(made) * len(by))
+                    mine[lv] = mine.get(lv, 0.0) + spent * share
+        self._mark = (cost_ns, hits)
+
+    def of(self, pid: int) -> dict[str, float]:
+        return dict(self.by_pid.get(pid, {}))
+
+    def forget(self, pid: int) -> None:
+        self.by_pid.pop(pid, None)
+
+
 @dataclass
 class SharedProbes:
     key: tuple
@@ -66,8 +97,7 @@ class SharedProbes:
     # one at return): its share of what the shared probes cost
     token_calls: dict[int, int] = field(default_factory=dict)
     graph_calls: dict[int, int] = field(default_factory=dict)
-    charged_ns: dict[int, float] = field(default_factory=dict)   # cost charged to each so far
-    _charge_mark: tuple[int, dict[int, int]] | None = None
+    charges: Charges = field(default_factory=Charges)   # their cost, charged to each process
     programs: dict[str, tuple[int, int]] = field(default_factory=dict)   # last kernel counts
     lost_seen: int = 0
     errors: int = 0
@@ -98,24 +128,21 @@ class SharedProbes:
         """The process is gone (drained first): its entries go; the object stays for the rest."""
         libbpf.map_delete(self.followed_fd, pid.to_bytes(4, "little"))
         self.pids.discard(pid)
-        for d in (self.token_calls, self.graph_calls, self.charged_ns):
+        for d in (self.token_calls, self.graph_calls):
             d.pop(pid, None)
+        self.charges.forget(pid)
         forget = getattr(self.collector, "forget_process", None)
         if forget is not None:
             forget(pid)
 
-    def charge(self, cost_ns: int) -> None:
+    def charge(self, cost_ns: float) -> None:
         """Share out what the probes cost since the last charge (cost_ns: so far, in all)
-        among the processes by the probe hits each made since."""
-        hits = {pid: self.token_calls.get(pid, 0) + self.graph_calls.get(pid, 0) for pid in self.pids}
-        if self._charge_mark is not None:
-            spent = cost_ns - self._charge_mark[0]
-            made = {pid: n - self._charge_mark[1].get(pid, 0) for pid, n in hits.items()}
-            total = sum(made.values())
-            for pid, n in made.items():
-                share = n / total if total else 1 / len(made)
-                self.charged_ns[pid] = self.charged_ns.get(pid, 0.0) + spent * share
-        self._charge_mark = (cost_ns, hits)
+        among the processes by the probe hits each made since: a decode call (or step) and a
+        graph compute each are an entry and a return hit. Each process's charge is kept by
+        level (the token or step level: the floor; the graph level)."""
+        floor = "step" if "steps_by_process" in self.capabilities else "token"
+        self.charges.charge(cost_ns, {pid: {floor: self.token_calls.get(pid, 0),
+                                            "graph": self.graph_calls.get(pid, 0)} for pid in self.pids})
 
     def close(self) -> None:
         try:
@@ -136,6 +163,10 @@ class SharedRuntime:
     programs: dict[str, tuple[int, int]] = field(default_factory=dict)
     lost_seen: int = 0
     errors: int = 0
+    # per process: its calls BPF counted (cumulative) and sent (each sent call once), so far
+    counted: dict[int, int] = field(default_factory=dict)
+    sent: dict[int, int] = field(default_factory=dict)
+    charges: Charges = field(default_factory=Charges)
 
     @classmethod
     def open(cls, pack: Pack, pid: int, files: list[tuple[str, str]]) -> "SharedRuntime":
@@ -156,7 +187,23 @@ class SharedRuntime:
     def remove(self, pid: int) -> None:
         libbpf.map_delete(self.followed_fd, pid.to_bytes(4, "little"))
         self.pids.discard(pid)
+        for d in (self.counted, self.sent):
+            d.pop(pid, None)
+        self.charges.forget(pid)
         self.collector.forget_process(pid)
+
+    def count_calls(self, pid: int, counted: int | None, sent: int) -> None:
+        """A drain's calls of the process: BPF's cumulative count (None: not read this time)
+        and the calls sent since the last drain."""
+        if counted is not None:
+            self.counted[pid] = counted
+        self.sent[pid] = self.sent.get(pid, 0) + sent
+
+    def charge(self, cost_ns: float) -> None:
+        """Share out what the cuda level cost since the last charge by each process's calls
+        (each a probe hit at entry; some at return too)."""
+        self.charges.charge(cost_ns, {pid: {"cuda": self.counted.get(pid, 0) + self.sent.get(pid, 0)}
+                                      for pid in self.pids})
 
     def files(self) -> list[str]:
         return sorted(os.path.basename(f.path) for f in self.collector.files)

@@ -24,8 +24,12 @@ class Watch:
     files: list = field(default_factory=list)
     group: SharedProbes | None = None   # its build's shared probes (token, graph)
     cuda: bool = False                  # served by the shared cuda level (it maps a CUDA runtime)
-    cost_mark: tuple[float, int, int, int] | None = None   # (t, its CPU ns, probe cost ns, watching CPU ns)
+    # (t, its CPU ns, its probes' cost ns by level, watching CPU ns); None: a new window
+    cost_mark: tuple[float, int, dict[str, float], int] | None = None
     share: float | None = None          # what the probes cost it, as a share of its CPU time
+    shares: dict[str, float] = field(default_factory=dict)   # the same, by level (and "daemon")
+    idle: bool = False                  # it used next to no CPU in the last window
+    op_pending: bool = False            # its op level waits for its files to be read
     calm_since: float | None = None     # under the budget with room since
     step_up_wait_s: float = 0.0
     stepped_up: bool = False            # the last change was a step up

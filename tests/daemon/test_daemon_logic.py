@@ -126,7 +126,7 @@ def test_no_op_level_is_given_back_to_an_engine_without_one():
                              (frozenset({"tokens_by_process", "op_totals"}), {"token"})):
             w = Watch(_ident(42, 1000), None, set(levels), 0.0, capabilities=caps, share=0.001,
                       calm_since=0.0)
-            gov._judge(w, 100.0, {"token", "graph", "op"})
+            gov._judge(w, 100.0, {"token", "graph", "op"}, w.share)
         assert [sorted(levels) for _, levels in asked] == [["op", "token"]]
     finally:
         gov.close()

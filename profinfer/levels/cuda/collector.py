@@ -66,6 +66,9 @@ class CudaCollector(Collector):
         self._kernel_names: dict[tuple[int, int, bool], str] = {}   # named once per kernel
         self._memory = KnownMemory()        # allocations seen: which way Default copies went
         self._call_sites: dict[tuple[int, int], str] = {}   # (tgid, address): its caller's name
+        # while collecting (take): each function's calls BPF counted (cumulative, per
+        # process) and sent so far: what the probes' hits were (cost_counts)
+        self._taken: dict[str, dict] = {"counted": {}, "sent": {}}
 
     # ---- attach ----
 
@@ -269,7 +272,38 @@ class CudaCollector(Collector):
         self._drain()
         calls = self._calls()
         self._records = []
-        return ([] if self.timeline else self._groups()), calls
+        groups = [] if self.timeline else self._groups()
+        if groups:
+            counted: dict[tuple[int, str], int] = {}
+            for c in groups:
+                counted[(c.pid, c.api)] = counted.get((c.pid, c.api), 0) + c.count
+            self._taken["counted"].update(counted)     # a process gone keeps its last count
+        sent = self._taken["sent"]
+        for c in calls:
+            sent[c.api] = sent.get(c.api, 0) + 1
+        return groups, calls
+
+    def cost_counts(self) -> dict[str, int]:
+        """What the probes cost so far, while collecting (a daemon's governor): the kernel's
+        counts of the programs, and the calls take() saw as hits by where each function's
+        probe sits (bpf_ns, hits_emulated, hits_stepped, hits_return)."""
+        stats = self._program_stats()
+        if not stats:
+            return {}
+        by_api = dict(self._taken["sent"])
+        for (_, api), n in self._taken["counted"].items():
+            by_api[api] = by_api.get(api, 0) + n
+        return self._hit_costs(stats, by_api, self._tallies().get("nested", 0))
+
+    def _hit_costs(self, stats: dict, by_api: dict[str, int], nested: int) -> dict[str, int]:
+        cost = program_costs(stats)
+        returns = {a.name for a in self.apis if a.returns}
+        for name, n in by_api.items():
+            add_hits(cost, n, self.sites.placements[name].emulated, returns=name in returns)
+        # driver launches the runtime made: trapped, then skipped in BPF (emulated or not,
+        # as the driver's probes are placed: counted as single-stepped, the dearer)
+        cost["hits_stepped"] += nested
+        return cost
 
     def _groups(self) -> list[np.ndarray]:
         key_dt, val_dt = self.dt["pc_agg_key"], self.dt["pc_agg_value"]
@@ -357,17 +391,10 @@ class CudaCollector(Collector):
                 ("static in " if rf.static else "") + rf.path + (f" ({rf.elf.build_id})" if rf.elf.build_id else ""))
         meta.update((f"cuda_{k}", str(v)) for k, v in tallies.items())
         if stats:
-            cost = program_costs(stats)
             by_api: dict[str, int] = {}
-            returns = {a.name for a in self.apis if a.returns}
             for c in calls:
                 by_api[c.api] = by_api.get(c.api, 0) + c.count
-            for name, n in by_api.items():
-                add_hits(cost, n, self.sites.placements[name].emulated, returns=name in returns)
-            # driver launches the runtime made: trapped, then skipped in BPF (emulated or not,
-            # as the driver's probes are placed: counted as single-stepped, the dearer)
-            cost["hits_stepped"] += tallies.get("nested", 0)
-            meta.update(self._cost_meta(cost, "cuda_cost:"))
+            meta.update(self._cost_meta(self._hit_costs(stats, by_api, tallies.get("nested", 0)), "cuda_cost:"))
         return meta
 
 

@@ -1,0 +1,109 @@
+"""The governor against time: a llama-server the daemon governs (A) and an identical one it
+does not (B), generating in turn, each window's rate as llama.cpp measures it itself (the
+completion's timings.predicted_per_second).
+
+B runs from a copy of the build: the shared probes (token, graph) are uprobes on the library
+files, and every process that maps a probed file traps on them, followed or not; a copy is
+other inodes, so B takes no trap. In the copy the engine's libraries are renamed (libLLama,
+libGGml: the same length, in every file that names them), so that the daemon, which knows
+llama.cpp by its libraries' names, does not watch B (nor do other processes on the machine
+take its place, as with --max-processes 1). The daemon's loop runs during B's windows too:
+what is compared is what watching A costs A.
+
+Used by tests/daemon/test_daemon.py and bench/daemon_governor.py."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
+
+
+RENAMES = ((b"libllama.so", b"libLLama.so"), (b"libggml", b"libGGml"))
+
+
+def _renamed(name: str) -> str:
+    for old, new in RENAMES:
+        name = name.replace(old.decode(), new.decode())
+    return name
+
+
+def copied_build(build: Path, dest: Path) -> Path:
+    """llama.cpp's server and libraries copied (new inodes), the engine's libraries renamed
+    where they are named (file names, symlinks, DT_NEEDED and DT_SONAME strings)."""
+    out = dest / "bin"
+    out.mkdir(parents=True)
+    for f in sorted((build / "bin").iterdir()):
+        if not (f.name.startswith("lib") or f.name == "llama-server"):
+            continue
+        target = out / _renamed(f.name)
+        if f.is_symlink():
+            target.symlink_to(_renamed(os.readlink(f)))
+            continue
+        data = f.read_bytes()
+        for old, new in RENAMES:
+            data = data.replace(old, new)
+        target.write_bytes(data)
+        shutil.copymode(f, target)
+    return out
+
+
+def start_server(bin_dir: Path, model: Path, env: dict, port: int, ctx: int = 2048) -> subprocess.Popen:
+    env = {**env, "LD_LIBRARY_PATH": str(bin_dir)}
+    return subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(model), "-np", "1", "-c", str(ctx),
+                             "-t", "2", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "llama-server exited"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} not healthy in {timeout} s")
+
+
+def window(url: str, n: int) -> float:
+    """One generation of n tokens: llama.cpp's own decode rate (tokens/s)."""
+    body = json.dumps({"prompt": PROMPT, "n_predict": n, "ignore_eos": True, "cache_prompt": False}).encode()
+    req = urllib.request.Request(url + "/completion", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        timings = json.loads(r.read())["timings"]
+    return float(timings["predicted_per_second"])
+
+
+def alternate(governed: str, alone: str, pairs: int, n: int, each=lambda i, a, b: None) -> list[tuple[float, float]]:
+    """pairs x (governed, alone) windows, in ABBA order (a drift cancels): [(A, B)] rates."""
+    out = []
+    for i in range(pairs):
+        if i % 2:
+            b = window(alone, n)
+            a = window(governed, n)
+        else:
+            a = window(governed, n)
+            b = window(alone, n)
+        out.append((a, b))
+        each(i, a, b)
+    return out
+
+
+def timed_cost(rates: list[tuple[float, float]]) -> tuple[float, float]:
+    """(cost, its standard error): 1 - the median of the pairs' A/B, and 1.25 x the MAD of the
+    ratios / sqrt(pairs) (the median's standard error for normal noise)."""
+    ratios = [a / b for a, b in rates]
+    med = statistics.median(ratios)
+    mad = statistics.median(abs(r - med) for r in ratios) * 1.4826
+    return 1 - med, 1.25 * mad / len(ratios) ** 0.5
