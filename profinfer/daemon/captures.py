@@ -118,10 +118,11 @@ class Captures:
         self.lock = threading.Lock()
 
     @contextlib.contextmanager
-    def slot(self, query: dict[str, list[str]]) -> Iterator[Callable[[], bytes]]:
+    def slot(self, query: dict[str, list[str]], who: str = "") -> Iterator[Callable[[], bytes]]:
         """A capture's place, held until the with block ends: the trace is sent inside it, so
         that MAX_CAPTURES also bounds the traces held in memory while slow clients read them."""
         pid, seconds, levels = self._parse(query)
+        self._within_budget(pid, levels, query.get("force", ["0"])[0] == "1", who)
         with self.lock:
             if pid in self.running:
                 raise BadRequest(409, f"a capture of PID {pid} is already running")
@@ -152,6 +153,21 @@ class Captures:
         if not watched:
             raise BadRequest(404, f"PID {pid} is not an inference process this daemon watches")
         return pid, seconds, levels
+
+    def _within_budget(self, pid: int, levels: set[str], force: bool, who: str) -> None:
+        """A capture counts against the budget: refused (429, and why) where the process's cost
+        now plus the capture's would go over it, unless forced, which is logged."""
+        governor = getattr(self.agent, "governor", None)
+        with self.agent.lock:
+            w = self.agent.watches.get(pid)
+        if governor is None or w is None:
+            return
+        fits, why = governor.capture_fits(w, levels)
+        if fits:
+            return
+        if not force:
+            raise BadRequest(429, f"{why}; ask with force=1 to capture anyway")
+        self.note(f"capture forced over the budget by {who or 'an unknown peer'}: {why}")
 
     def _capture(self, pid: int, seconds: float, levels: set[str]) -> bytes:
         root = temp_root()

@@ -172,8 +172,22 @@ class Governor:
             shares["daemon"] = (own - mark[3]) / max(len(watches), 1) / spent
             w.shares, w.idle = shares, False
             w.share = sum(shares.values())
+            w.known_shares.update(shares)
             self.metrics.cost(w.identity, w.share, shares)
             self._judge(w, now, levels, w.share)
+
+    def capture_fits(self, w: Watch, levels: set[str]) -> tuple[bool, str]:
+        """Whether a capture at `levels` (a full attach of its own, beside the daemon's probes)
+        keeps the process under the budget: its cost now plus what each of those levels cost
+        it when it last had it here (a level never measured on it counts nothing), and why."""
+        now = w.share or 0.0
+        extra = {lv: w.known_shares[lv] for lv in sorted(levels) if lv in w.known_shares}
+        total = now + sum(extra.values())
+        said = ", ".join(f"{lv} {v:.1%}" for lv, v in extra.items()) or "no level measured on it yet"
+        why = (f"PID {w.identity.pid} costs {now:.1%} now; a capture at {','.join(sorted(levels))} adds "
+               f"about {total - now:.1%} ({said}, as measured on it here): {total:.1%} "
+               f"{'>' if total > self.budget else '<='} budget {self.budget:.1%}")
+        return total <= self.budget, why
 
     def _judge(self, w: Watch, now: float, levels: set[str], share: float) -> None:
         lower = next((lv for lv in STEP_DOWN_ORDER if lv in w.levels), None)

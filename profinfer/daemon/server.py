@@ -5,7 +5,8 @@ traces (a bearer token always: control endpoints can attach probes).
     GET  /metrics                     Prometheus text format
     GET  /healthz                     200 "ok" while the agent loop runs
     GET  /status                      JSON: what is watched, levels, cost, GPU metrics state
-    POST /capture?pid=P&seconds=S&levels=L   a Perfetto trace of P for S seconds
+    POST /capture?pid=P&seconds=S&levels=L   a Perfetto trace of P for S seconds (429 where
+                                      it would take P over the budget, unless &force=1)
 
 A request whose Host header names neither an IP address, nor localhost, nor this machine,
 nor a name given with --allow-host is refused (421): a web page whose own name an attacker
@@ -127,7 +128,7 @@ def make_server(agent, host: str, port: int, token: str, note, allow_hosts: tupl
     def capture(req: Request) -> Response:
         """The trace, its slot held until the answer is sent (or fails): MAX_CAPTURES also
         bounds the traces held in memory while slow clients read them."""
-        held = captures.slot(req.query)
+        held = captures.slot(req.query, req.peer)
         try:
             run = held.__enter__()
         except BadRequest as e:

@@ -29,6 +29,7 @@ class Watch:
     share: float | None = None          # what the probes cost it, as a share of its CPU time
     shares: dict[str, float] = field(default_factory=dict)   # the same, by level (and "daemon")
     idle: bool = False                  # it used next to no CPU in the last window
+    known_shares: dict[str, float] = field(default_factory=dict)   # each level's, when it last had it
     op_pending: bool = False            # its op level waits for its files to be read
     calm_since: float | None = None     # under the budget with room since
     step_up_wait_s: float = 0.0
