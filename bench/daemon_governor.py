@@ -1,11 +1,19 @@
-"""The daemon's overhead budget, enforced: a model generating without end while the daemon
-watches it at token,op levels under --budget. Sampled twice a second from the daemon itself:
-the process's levels and stated cost (/status) and its decode tokens (/metrics, for the
-decode rate per window). Also the decode rate with no daemon, as the reference.
+"""The daemon's overhead budget, against time: a llama-server the daemon governs (A) and an
+identical one it cannot see (B: a copy of the build, its engine libraries renamed; see
+tests/daemon/governed.py), generating in turn, each window's decode rate as llama.cpp
+measures it itself.
 
-    .venv/bin/python bench/daemon_governor.py [--model tiny|llama-1.5b] [--seconds 40] [--budget 0.04]
+1. Before the daemon: pairs of A and B windows (ABBA): what A/B is with nothing watching
+   (the two servers' own difference and the machine's noise).
+2. `profinfer daemon --levels token,graph,op --budget B` started; A loaded without a pause
+   until its levels settle (no change for 6 s): when the op level went, and each change.
+3. Pairs again, A governed: the timed cost is 1 - (median A/B governed) / (median A/B before),
+   with the standard error of each median (1.25 x MAD / sqrt(pairs)).
+4. A idle: when the last level taken comes back.
 
-Prints one JSON line per sample and a summary; results go in bench/results.md.
+    .venv/bin/python bench/daemon_governor.py [--model tiny] [--pairs 12] [--budget 0.04]
+
+Prints one JSON line per window and a summary; results go in bench/results.md.
 """
 from __future__ import annotations
 
@@ -16,12 +24,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from pathlib import Path
 
-from profinfer.engines.llamacpp import workload
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "daemon"))
+from governed import alternate, copied_build, start_server, timed_cost, wait_healthy, window  # noqa: E402
 
-PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
+from profinfer.engines.llamacpp import workload  # noqa: E402
 
 
 def _port() -> int:
@@ -30,85 +41,100 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read()
+def _status(url: str, pid: int) -> dict | None:
+    with urllib.request.urlopen(url + "/status", timeout=10) as r:
+        return next((p for p in json.loads(r.read())["processes"] if p["pid"] == pid), None)
 
 
-def _decode_tokens(url: str, pid: int) -> int:
-    for line in _get(url + "/metrics").decode().splitlines():
-        if line.startswith("profinfer_tokens_total{") and f'pid="{pid}"' in line and 'phase="decode"' in line:
-            return int(float(line.rsplit(" ", 1)[1]))
-    return 0
-
-
-def _generate(build, model, seconds: float) -> subprocess.Popen:
-    cmd = workload.completion_command(build, model, PROMPT, -1, 2,
-                                      extra=("--context-shift", "--ignore-eos", "-c", "256"))
-    return subprocess.Popen(cmd, env={**os.environ, **workload.llama_env(build)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _rate_alone(build, model, seconds: float) -> float:
-    """Decode tokens/s with no profiler: llama.cpp's own eval line after `seconds`."""
-    p = _generate(build, model, seconds)
-    time.sleep(seconds)
-    p.send_signal(2)          # SIGINT: llama-completion prints its perf lines
-    _, err = p.communicate(timeout=60)
-    for line in err.splitlines():
-        if "eval time" in line and "prompt" not in line and "tokens per second" in line:
-            return float(line.split("(")[1].split("ms per token,")[1].split("tokens per second")[0])
-    return float("nan")
+def _pairs(url_a: str, url_b: str, pairs: int, n: int, phase: str) -> list[tuple[float, float]]:
+    return alternate(url_a, url_b, pairs, n, lambda i, a, b: print(json.dumps(
+        {"phase": phase, "pair": i, "governed_tok_s": round(a, 1), "alone_tok_s": round(b, 1)}), flush=True))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--seconds", type=float, default=40)
+    ap.add_argument("--pairs", type=int, default=12)
     ap.add_argument("--budget", type=float, default=0.04)
+    ap.add_argument("--levels", default="token,graph,op")
     args = ap.parse_args()
     build, model = workload.ensure_llama_build(), workload.ensure_model(args.model)
-    alone = _rate_alone(build, model, min(15.0, args.seconds / 2))
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, **workload.llama_env(build)}
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = subprocess.Popen([sys.executable, "-m", "profinfer.cli", "daemon", "--listen", f"127.0.0.1:{port}",
-                                   "--token-file", f"{tmp}/token", "--levels", "token,op",
-                                   "--budget", str(args.budget)], stderr=open(f"{tmp}/daemon.log", "w"))
-        time.sleep(2)
-        target = _generate(build, model, args.seconds)
-        t0, samples, last = time.monotonic(), [], None
+        pa, pb, pd = _port(), _port(), _port()
+        url_a, url_b, url_d = (f"http://127.0.0.1:{p}" for p in (pa, pb, pd))
+        a = start_server(build / "bin", model, env, pa)
+        b = start_server(copied_build(build, Path(tmp)), model, env, pb)
+        daemon = None
         try:
-            while time.monotonic() - t0 < args.seconds:
+            wait_healthy(url_a, a)
+            wait_healthy(url_b, b)
+            window(url_a, 100)
+            window(url_b, 100)
+            n = max(400, min(2000, int(window(url_b, 300) * 1.5)))     # ~1.5 s windows
+            before = _pairs(url_a, url_b, args.pairs, n, "before")
+            log = open(f"{tmp}/daemon.log", "w")
+            daemon = subprocess.Popen([sys.executable, "-m", "profinfer.cli", "daemon", "--listen",
+                                       f"127.0.0.1:{pd}", "--token-file", f"{tmp}/token", "--levels",
+                                       args.levels, "--budget", str(args.budget)], stderr=log)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    if _status(url_d, a.pid):
+                        break
+                except OSError:
+                    pass
+                time.sleep(0.2)
+            load = threading.Event()
+            load.set()
+            loader = threading.Thread(target=lambda: [window(url_a, 100) for _ in iter(load.is_set, False)])
+            began = time.monotonic()
+            loader.start()
+            levels, changed, op_gone, history = None, began, None, []
+            while time.monotonic() - changed < 6 and time.monotonic() - began < 60:
+                p = _status(url_d, a.pid)
+                if p["levels"] != levels:
+                    levels, changed = p["levels"], time.monotonic()
+                    history.append((round(changed - began, 2), levels))
+                    if op_gone is None and "op" not in levels:
+                        op_gone = round(changed - began, 2)
+                time.sleep(0.2)
+            load.clear()
+            loader.join()
+            settled = _status(url_d, a.pid)
+            governed = _pairs(url_a, url_b, args.pairs, n, "governed")
+            during = _status(url_d, a.pid)
+            idle_from, back = time.monotonic(), None
+            while time.monotonic() - idle_from < 200:
+                p = _status(url_d, a.pid)
+                if p["levels"] != during["levels"]:
+                    back = (round(time.monotonic() - idle_from, 1), p["levels"])
+                    break
                 time.sleep(0.5)
-                status = json.loads(_get(url + "/status"))
-                proc = next((p for p in status["processes"] if p["pid"] == target.pid), None)
-                if proc is None:
-                    continue
-                now, tokens = time.monotonic(), _decode_tokens(url, target.pid)
-                rate = (tokens - last[1]) / (now - last[0]) if last else None
-                last = (now, tokens)
-                s = {"t": round(now - t0, 2), "levels": proc["levels"], "cost": proc["cost_share"],
-                     "decode_tok_s": None if rate is None else round(rate, 1)}
-                samples.append(s)
-                print(json.dumps(s), flush=True)
         finally:
-            target.kill()
-            target.wait()
-            daemon.terminate()
-            daemon.wait(timeout=30)
-            log = open(f"{tmp}/daemon.log").read()
-    changes = [line.split("daemon: ", 1)[1] for line in log.splitlines() if "levels " in line and "->" in line]
-    at_op = [s["decode_tok_s"] for s in samples if "op" in s["levels"] and s["decode_tok_s"]]
-    at_token = [s["decode_tok_s"] for s in samples if "op" not in s["levels"] and s["decode_tok_s"]]
-    first_down = next((s["t"] for s in samples if "op" not in s["levels"]), None)
-    summary = {"model": args.model, "budget": args.budget, "decode_tok_s_alone": alone,
-               "first_step_down_s": first_down, "changes": changes,
-               "decode_tok_s_at_op": round(sum(at_op) / len(at_op), 1) if at_op else None,
-               "decode_tok_s_at_token": round(sum(at_token) / len(at_token), 1) if at_token else None,
-               "cost_at_op": [s["cost"] for s in samples if "op" in s["levels"] and s["cost"] is not None][-3:],
-               "cost_at_token": [s["cost"] for s in samples if "op" not in s["levels"] and s["cost"] is not None][-3:],
-               "share_of_time_at_op": round(sum(1 for s in samples if "op" in s["levels"]) / max(len(samples), 1), 2)}
+            for p in (a, b):
+                p.kill()
+                p.wait()
+            if daemon is not None:
+                daemon.terminate()
+                daemon.wait(timeout=30)
+        text = open(f"{tmp}/daemon.log").read()
+    r0, se0 = timed_cost(before)
+    r1, se1 = timed_cost(governed)
+    ratio0, ratio1 = 1 - r0, 1 - r1
+    summary = {
+        "model": args.model, "budget": args.budget, "levels": args.levels, "pairs": args.pairs, "tokens_per_window": n,
+        "alone_tok_s_median": round(sorted(x for _, x in governed)[len(governed) // 2], 1),
+        "a_over_b_before": round(ratio0, 4), "before_se": round(se0, 4),
+        "a_over_b_governed": round(ratio1, 4), "governed_se": round(se1, 4),
+        "timed_cost": round(1 - ratio1 / ratio0, 4), "timed_cost_se": round((se0 ** 2 + se1 ** 2) ** 0.5, 4),
+        "op_gone_after_load_s": op_gone, "level_history": history,
+        "settled_levels": settled["levels"], "stated_cost_settled": settled["cost_share"],
+        "stated_by_level": settled["cost_by_level"], "stated_cost_after_windows": during["cost_share"],
+        "given_back_when_idle": back,
+        "changes": [l.split("daemon: ", 1)[1] for l in text.splitlines() if f"PID {a.pid}: levels" in l],
+        "trap_costs": next((l.split("priced at ", 1)[1] for l in text.splitlines() if "priced at" in l), None),
+    }
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -219,3 +219,32 @@ def test_a_capture_slot_is_held_until_its_trace_is_sent(monkeypatch):
         assert post() == 200                               # freed once sent
     finally:
         srv.close()
+
+
+def test_trap_costs_none_say_why(monkeypatch):
+    """No calibration cached and no compiler to build the measurement: no trap costs (the
+    kernel-counted BPF time alone), and the reason, for /status."""
+    from profinfer.core import nativebuild, probecost
+    from profinfer.core.errors import ProfinferError
+    from profinfer.daemon import governor
+
+    def no_compiler(*_):
+        raise ProfinferError("calibrate needs a C compiler: apt-get install gcc")
+
+    monkeypatch.setattr(probecost, "cached", lambda: None)
+    monkeypatch.setattr(nativebuild, "build", no_compiler)
+    costs, how = governor.trap_costs()
+    assert costs == dict.fromkeys(governor.TRAP_KEYS, 0.0)
+    assert how.startswith("none: ") and "C compiler" in how, how
+
+
+def test_a_shared_objects_cost_is_charged_by_each_processs_hits():
+    """Charges: what a shared object cost between two charges goes to its processes by the
+    probe hits each made meanwhile, by level."""
+    from profinfer.daemon.shared import Charges
+    c = Charges()
+    c.charge(1000.0, {1: {"token": 0, "graph": 0}, 2: {"token": 0, "graph": 0}})
+    c.charge(5000.0, {1: {"token": 30, "graph": 10}, 2: {"token": 0, "graph": 0}})
+    c.charge(7000.0, {1: {"token": 30, "graph": 10}, 2: {"token": 10, "graph": 10}})
+    assert c.of(1) == {"token": 3000.0, "graph": 1000.0}
+    assert c.of(2) == {"token": 1000.0, "graph": 1000.0}

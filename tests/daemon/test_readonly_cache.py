@@ -1,5 +1,7 @@
 """A cache the daemon cannot write (the image's read-only root, a volume not mounted): one
-warning line, the cache kept in memory, and every process watched and counted as before."""
+warning line, the cache kept in memory, and every process watched and counted as before.
+An empty cache, or one it cannot write: no calibration of the probes' traps, so the daemon
+measures them at start (under a second), says so in /status, and prices hits at them."""
 from __future__ import annotations
 
 import os
@@ -7,8 +9,11 @@ import time
 
 import pytest
 
+import json
+
 from conftest import llama_perf
 from daemon_helpers import Daemon, Workload, _get, kill_started, series
+from profinfer.core import probecost
 
 
 @pytest.fixture(autouse=True)
@@ -41,5 +46,33 @@ def test_unwritable_cache_warns_once_and_counts(tmp_path, llama_build, tiny_mode
         assert len(warnings) >= 1 and all(cache in l for l in warnings), d.text()
         assert len({l.split(" (")[0] for l in warnings}) == len(warnings)     # once per directory
         assert "Traceback" not in d.text()
+        _measured_at_start(d)
+    finally:
+        d.stop()
+
+
+def _measured_at_start(d: Daemon) -> None:
+    """/status says the trap costs were measured at start (and how long it took), and they agree
+    with this machine's calibration (`profinfer calibrate`, checked over many more calls)
+    within a factor of 2 where one is cached here."""
+    status = json.loads(_get(d.url + "/status")[1])
+    how = status["trap_costs_source"]
+    assert how.startswith("measured at start: ") and status["traps_calibrated"], status
+    assert f"probe hits priced at {how}" in d.text()
+    got, calibrated = status["trap_costs_ns"], probecost.cached()
+    assert 0 < got["emulated_ns"] < got["stepped_ns"], got
+    if calibrated is not None:
+        for k in ("emulated_ns", "stepped_ns"):
+            assert calibrated[k] / 2 <= got[k] <= calibrated[k] * 2, (k, got, calibrated)
+
+
+def test_an_empty_cache_measures_trap_costs_at_start(tmp_path):
+    os.environ["PROFINFER_CACHE"] = str(tmp_path / "cache")
+    try:
+        d = Daemon(tmp_path)
+    finally:
+        del os.environ["PROFINFER_CACHE"]
+    try:
+        _measured_at_start(d)
     finally:
         d.stop()
