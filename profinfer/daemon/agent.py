@@ -456,7 +456,8 @@ class Agent:
     def _watch_runtime_only(self, pid: int, start: int) -> None:
         """A process that runs no known engine but a CUDA runtime: watched at the cuda level."""
         ident = identify(pid, start, self.cuda_pack.engine)
-        w = Watch(ident, None, set(), time.time(), model_checked=time.monotonic(), pidfd=exit_fd(pid, start))
+        w = Watch(ident, None, set(), time.time(), model_checked=time.monotonic(), pidfd=exit_fd(pid, start),
+                  step_up_wait_s=STEP_UP_S)
         with self.lock:
             self.watches[pid] = w
         self.metrics.watched(ident)
@@ -486,7 +487,7 @@ class Agent:
             self._attach_failed(pid, w.identity.start, self.cuda_pack, e)
             return
         w.cuda = True
-        w.levels = w.levels | {"cuda"}
+        w.levels = w.levels | {"cuda", "cuda-detail"}
         self.log(f"PID {pid} ({w.identity.comm}): cuda level, {self.runtime.collector.n_probes} probes "
                  f"on {', '.join(self.runtime.files())}, shared by {len(self.runtime.pids)} process(es)")
 
@@ -750,9 +751,10 @@ class Agent:
     # ---- the overhead budget (governor.py judges; this changes the levels) ----
 
     def _relevel(self, w: Watch, levels: set[str], why: str) -> bool:
-        """Take away or give back one level of the process: its op level (its own probes), or
-        the graph level (it moves to its build's shared probes without it). The floor (token
-        or step) stays: it is never left unprofiled."""
+        """Take away or give back one level of the process: its op level (its own probes), the
+        cuda level's per-call detail (a flag in the cuda object's map), or the graph level (it
+        moves to its build's shared probes without it). The floor (token or step, the cuda
+        level's counts by function) stays: it is never left unprofiled."""
         pid, old = w.identity.pid, set(w.levels)
         changed = (levels - w.levels) | (w.levels - levels)
         if changed == {"op"}:
@@ -760,6 +762,13 @@ class Agent:
                 return False
             if "op" not in levels:
                 self._detach_op(w)
+        elif changed == {"cuda-detail"} and w.cuda and self.runtime is not None:
+            try:
+                self.runtime.detail(pid, "cuda-detail" in levels)
+            except OSError as e:
+                self._error(f"PID {pid}: the cuda level's detail: {e}")
+                return False
+            w.levels = set(levels)
         elif changed == {"graph"} and w.group is not None:
             shared = (w.levels & set(SHARED_LEVELS)) ^ {"graph"}
             if not self._regroup(w, shared):

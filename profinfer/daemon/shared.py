@@ -174,8 +174,10 @@ class SharedRuntime:
         return cls(coll, fd, {pid})
 
     def add(self, pid: int, files: list[tuple[str, str]]) -> None:
-        """A process (or a runtime it loaded later): its files probed where not yet."""
-        libbpf.map_update(self.followed_fd, pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
+        """A process (or a runtime it loaded later: its detail flag kept): its files probed
+        where not yet."""
+        if pid not in self.pids:
+            libbpf.map_update(self.followed_fd, pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
         try:
             self.collector.attach_files(files, pid, root=f"/proc/{pid}/root")
         except BaseException:
@@ -191,6 +193,11 @@ class SharedRuntime:
             d.pop(pid, None)
         self.charges.forget(pid)
         self.collector.forget_process(pid)
+
+    def detail(self, pid: int, on: bool) -> None:
+        """The process's per-call detail (each launch by kernel, grid, stream and engine op)
+        on, or off: its launches counted by function alone (cuda.h PC_FOLLOW_COUNTS_ONLY)."""
+        libbpf.map_update(self.followed_fd, pid.to_bytes(4, "little"), (1 if on else 3).to_bytes(4, "little"))
 
     def count_calls(self, pid: int, counted: int | None, sent: int) -> None:
         """A drain's calls of the process: BPF's cumulative count (None: not read this time)

@@ -29,6 +29,7 @@ ENTRY_ONLY, ENTRY, RETURN = "cuda_enter_only", "cuda_enter", "cuda_return"
 COPY_KINDS = {0: "H2H", 1: "H2D", 2: "D2H", 3: "D2D", 4: "Default"}
 MEMORY_KINDS = {1: "device", 2: "host"}
 TALLIES = ("nested", "agg_full", "unpaired", "pending_full")
+DETAIL_OFF = "(per-call detail off)"     # the kernel of launches counted by function alone
 
 
 class ProbeSites:
@@ -318,6 +319,8 @@ class CudaCollector(Collector):
     def _kernel(self, tgid: int, api: runtime.Api, handle: int) -> str:
         if api.what != "launch":
             return ""
+        if not handle:          # counted by function alone (a daemon took the detail away)
+            return DETAIL_OFF
         key = (tgid, handle, api.driver)
         name = self._kernel_names.get(key)
         if name is None:

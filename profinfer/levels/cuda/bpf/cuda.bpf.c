@@ -161,6 +161,27 @@ static __always_inline int sent_always(const struct pc_call *c, u8 cls)
         || ((cls == PC_MEMCPY || cls == PC_MEMCPY_2D) && c->copy_kind == PC_MEMCPY_DEFAULT);
 }
 
+/* One more call under `k` in `agg`. */
+static __always_inline void count(struct pc_agg_key *k, u64 took, u64 bytes)
+{
+    struct pc_agg_value *v = bpf_map_lookup_elem(&agg, k);
+    if (!v) {
+        struct pc_agg_value zero = {};
+        if (bpf_map_update_elem(&agg, k, &zero, BPF_NOEXIST) && bpf_map_lookup_elem(&agg, k) == 0) {
+            tally(PC_TALLY_AGG_FULL);
+            return;
+        }
+        v = bpf_map_lookup_elem(&agg, k);
+        if (!v)
+            return;
+    }
+    __sync_fetch_and_add(&v->calls, 1);
+    __sync_fetch_and_add(&v->total_ns, took);
+    __sync_fetch_and_add(&v->bytes, bytes);
+    if (took > v->max_ns)
+        v->max_ns = took;     /* racy between threads: a maximum, not a sum */
+}
+
 /* Send the call, or count it in `agg`. */
 static __always_inline void finish(void *ctx, struct pc_call *c, u8 cls)
 {
@@ -177,23 +198,16 @@ static __always_inline void finish(void *ctx, struct pc_call *c, u8 cls)
         .shmem = c->shmem, .copy_kind = c->copy_kind, .op = c->op, .engine = c->engine,
         .flags = c->flags & (PC_CAPTURED | PC_OP_OPEN), .ret = c->ret,
     };
-    u64 took = c->end_ns ? c->end_ns - c->start_ns : 0;
-    struct pc_agg_value *v = bpf_map_lookup_elem(&agg, &k);
-    if (!v) {
-        struct pc_agg_value zero = {};
-        if (bpf_map_update_elem(&agg, &k, &zero, BPF_NOEXIST) && bpf_map_lookup_elem(&agg, &k) == 0) {
-            tally(PC_TALLY_AGG_FULL);
-            return;
-        }
-        v = bpf_map_lookup_elem(&agg, &k);
-        if (!v)
-            return;
-    }
-    __sync_fetch_and_add(&v->calls, 1);
-    __sync_fetch_and_add(&v->total_ns, took);
-    __sync_fetch_and_add(&v->bytes, c->bytes);
-    if (took > v->max_ns)
-        v->max_ns = took;     /* racy between threads: a maximum, not a sum */
+    count(&k, c->end_ns ? c->end_ns - c->start_ns : 0, c->bytes);
+}
+
+/* The governor took the process's per-call detail away (PC_FOLLOW_COUNTS_ONLY). */
+static __always_inline int counts_only(u32 tgid)
+{
+    if (!cfg.transport.follow)
+        return 0;
+    u32 *v = bpf_map_lookup_elem(&followed, &tgid);
+    return v && (*v & PC_FOLLOW_COUNTS_ONLY);
 }
 
 static __always_inline struct pending_call *scratch_call(void)
@@ -234,6 +248,12 @@ int cuda_enter_only(struct pt_regs *ctx)
             tally(PC_TALLY_NESTED);
             return 0;
         }
+    }
+    if (spec->cls <= PC_GRAPH_LAUNCH && counts_only(c->tgid)) {
+        /* by function alone: no arguments, open op or capture looked up */
+        struct pc_agg_key k = {.tgid = c->tgid, .api = api};
+        count(&k, 0, 0);
+        return 0;
     }
     c->kind = PC_EV_CALL;
     c->api = api;

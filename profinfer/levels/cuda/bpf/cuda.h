@@ -49,6 +49,9 @@ struct pc_api_spec {
 #define PC_CAPTURED 1         /* a launch made while its stream was being captured into a graph */
 #define PC_OP_OPEN 2          /* an engine op was open on the thread (op, op_start_ns) */
 #define PC_STEP_OPEN 4        /* an engine step was open on the thread */
+/* A followed process's value in the `followed` map (a daemon's): with this bit, its launches
+ * are counted by function alone (the governor took its per-call detail away) */
+#define PC_FOLLOW_COUNTS_ONLY 2
 
 struct pc_call {
     u32 kind;
