@@ -19,6 +19,7 @@ tenant's): their symbols and DWARF are read in a worker process with a deadline
 """
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import select
@@ -60,6 +61,23 @@ RING_PAGES = 16
 DEFAULT_MAX_PROCESSES = 64
 
 
+def _set_up(method):
+    """The loop thread's CPU while it attaches or detaches probes (once per change, not as
+    long as a process is watched) is kept apart from what watching costs over time (the
+    governor's daemon share)."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        if self._setting_up:
+            return method(self, *args, **kwargs)
+        self._setting_up, began = True, time.thread_time_ns()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._setting_up = False
+            self.governor.setup_cpu_ns += time.thread_time_ns() - began
+    return timed
+
+
 def raise_fd_limit() -> None:
     """Each build's shared object, and each process's own op level, holds ~25 fds (maps,
     programs, links, ring): the soft limit goes up to the hard one."""
@@ -91,6 +109,7 @@ class Agent:
         self.loop_errors = 0
         self.retired_programs: dict[str, tuple[int, int]] = {}  # what exited watches' programs ran
         self.lock = threading.Lock()          # watches, unwatched: the HTTP threads read them
+        self._setting_up = False              # in an attach or detach (_set_up)
         raise_fd_limit()
         self.governor = Governor(budget, self.metrics, self._relevel)
         self.log(f"probe hits priced at {self.governor.trap_costs_source}")
@@ -221,6 +240,7 @@ class Agent:
             self.log(f"watching {self.max_processes} processes (--max-processes): PID {key[0]} and any "
                      "other found now are left out, counted in profinfer_processes_dropped_total")
 
+    @_set_up
     def _look_runtime(self, pid: int, w: Watch, st: tuple[int, int]) -> None:
         """A watched process that may have loaded a CUDA runtime since it was looked at."""
         self.seen.cuda_checked[(pid, st[0])] = st[1]
@@ -329,6 +349,7 @@ class Agent:
             elif self.cuda_pack is not None:
                 self._look_runtime(pid, w, st)
 
+    @_set_up
     def _watch(self, pid: int, start: int, pack: Pack, files: list[tuple[str, str]]) -> None:
         caps = capabilities(pack)
         if not caps & {"tokens_by_process", "steps_by_process"}:
@@ -408,6 +429,7 @@ class Agent:
         w.levels = (w.levels - set(SHARED_LEVELS)) | shared
         return True
 
+    @_set_up
     def _attach_op(self, w: Watch) -> bool:
         """The op level's probes, attached to this process alone (with the graph probes
         its ops are bounded by), its ops counted in BPF by type."""
@@ -431,6 +453,7 @@ class Agent:
         w.levels = w.levels | {"op"}
         return True
 
+    @_set_up
     def _detach_op(self, w: Watch) -> None:
         """Its op level drained, its programs' counts kept, then detached."""
         if w.collector is not None:
@@ -453,6 +476,7 @@ class Agent:
             a, b = self.retired_programs.get(prog, (0, 0))
             self.retired_programs[prog] = (a + ns, b + runs)
 
+    @_set_up
     def _watch_runtime_only(self, pid: int, start: int) -> None:
         """A process that runs no known engine but a CUDA runtime: watched at the cuda level."""
         ident = identify(pid, start, self.cuda_pack.engine)
@@ -462,6 +486,7 @@ class Agent:
             self.watches[pid] = w
         self.metrics.watched(ident)
 
+    @_set_up
     def _watch_cuda(self, w: Watch, files: list[tuple[str, str]]) -> None:
         """The cuda level beside the process's engine: counted in BPF (no timeline), by the
         one object that serves every process with a runtime."""
@@ -516,6 +541,7 @@ class Agent:
             self.metrics.attach_errors.labels(engine=pack.engine).inc()
             self.log(f"PID {pid} ({pack.engine}): not watched: {e} (tried again, backing off)")
 
+    @_set_up
     def _gone(self, w: Watch) -> None:
         """Detach at once; the series stay for SERIES_TTL_S."""
         group = w.group
@@ -750,6 +776,7 @@ class Agent:
 
     # ---- the overhead budget (governor.py judges; this changes the levels) ----
 
+    @_set_up
     def _relevel(self, w: Watch, levels: set[str], why: str) -> bool:
         """Take away or give back one level of the process: its op level (its own probes), the
         cuda level's per-call detail (a flag in the cuda object's map), or the graph level (it

@@ -85,6 +85,7 @@ class Governor:
         self.trap_costs, self.trap_costs_source = trap_costs()
         self.traps_calibrated = any(self.trap_costs.values())
         self.loop_tid: int | None = None      # the thread running the agent's loop: the one that watches
+        self.setup_cpu_ns = 0                 # of its CPU, what attaching and detaching took
 
     @property
     def stats_on(self) -> bool:
@@ -106,10 +107,11 @@ class Governor:
         """The CPU of the daemon's thread that watches: the loop, where every probe's events are
         drained, every process looked at and every BPF object loaded. Not the HTTP threads'
         (a flood of scrapes is no watched process's cost), nor NVML's or OTLP's; the discovery
-        watchdog's is left out too (it sleeps but to continue a process held too long)."""
+        watchdog's is left out too (it sleeps but to continue a process held too long); and so
+        is the loop's set-up (attaching and detaching probes: once per change)."""
         if self.loop_tid is None:
             return 0
-        return self.cpu_ns(os.getpid(), self.loop_tid) or 0
+        return (self.cpu_ns(os.getpid(), self.loop_tid) or 0) - self.setup_cpu_ns
 
     def cost_ns(self, coll) -> float | None:
         """What a collector's probes cost so far (selfcost.added_ns)."""
@@ -169,7 +171,7 @@ class Governor:
             # machine it is taken from them
             spent = cpu - mark[1]
             shares = {lv: max(0.0, ns - mark[2].get(lv, 0.0)) / spent for lv, ns in parts.items()}
-            shares["daemon"] = (own - mark[3]) / max(len(watches), 1) / spent
+            shares["daemon"] = max(0.0, (own - mark[3]) / max(len(watches), 1) / spent)
             w.shares, w.idle = shares, False
             w.share = sum(shares.values())
             w.known_shares.update(shares)

@@ -77,3 +77,46 @@ def test_cuda_counts_in_the_daemon_equal_the_programs_log(tmp_path):
         assert not any(g["engine"] == "CUDA" for g in json.loads(_get(d.url + "/status")[1])["shared_probes"])
     finally:
         d.stop()
+
+
+def test_the_cuda_level_is_charged_and_its_detail_stepped_down(tmp_path):
+    """A program that makes CUDA calls without a pause and runs no engine (watched at the cuda
+    level alone): the governor charges it the cuda level's cost, finds it over the budget (a
+    call every few microseconds), and takes its per-call detail away; its launches are then
+    counted by function alone, and every launch is still counted: as many as its own log
+    says one repeat makes, times the repeats."""
+    program = workload.build_program(PROGRAM, "shared")
+    one = tmp_path / "one.jsonl"
+    subprocess.run([str(program), "--log", str(one), "--repeat", "1"], check=True, stdout=subprocess.DEVNULL)
+    per_repeat = sum(cuda_log_counts(one)[0].values())
+    repeats = 40000
+    d = Daemon(tmp_path)
+    go = tmp_path / "go"
+    try:
+        proc = subprocess.Popen([str(program), "--log", "/dev/null", "--repeat", str(repeats),
+                                 "--start-after", str(go)], stdout=subprocess.PIPE, text=True)
+        _STARTED.append(proc)
+        assert proc.stdout.readline().startswith("ready ")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and "cuda-detail" not in d.watched(proc.pid)["levels"]:
+            time.sleep(0.1)
+        assert d.watched(proc.pid)["levels"] == ["cuda", "cuda-detail"], d.text()
+        go.write_text("")
+        charged = None
+        while proc.poll() is None:
+            info = d.watched(proc.pid)
+            if info["levels"] == ["cuda"] and info["cost_by_level"]:
+                charged = info
+            time.sleep(0.2)
+        assert proc.wait() == 0
+        assert f"PID {proc.pid}: levels cuda,cuda-detail -> cuda (costs" in d.text(), d.text()
+        assert charged is not None and charged["cost_by_level"]["cuda"] > 0, charged
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and proc.pid in {
+                p["pid"] for p in json.loads(_get(d.url + "/status")[1])["processes"]}:
+            time.sleep(0.1)
+        got = series(_get(d.url + "/metrics")[1].decode(), "profinfer_cuda_kernel_launches_total", proc.pid, "kernel")
+        assert got.get("(per-call detail off)", 0) > 0, got
+        assert sum(int(v) for v in got.values()) == per_repeat * repeats, got
+    finally:
+        d.stop()
