@@ -802,7 +802,7 @@ class Agent:
                 return False
         else:
             return False
-        w.cost_mark = None
+        w.cost_mark, w.share, w.shares = None, None, {}     # judged afresh at its new levels
         self.metrics.level(w.identity, level_rank(w.levels), changed=True)
         self.log(f"PID {pid}: levels {','.join(sorted(old))} -> {','.join(sorted(w.levels))} ({why})")
         return True

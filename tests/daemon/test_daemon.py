@@ -244,12 +244,12 @@ def _levels_now(d: Daemon, pid: int) -> list[str]:
 
 
 def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_model, llama_env):
-    """The tiny model under `--levels token,graph,op --budget 0.04` (its op level costs far
-    more: its ops take microseconds). Loaded, the op level goes within 10 s; settled, the
-    governed server's decode rate, against an identical unwatched server's in alternating
-    windows (governed.py), is at most 4% lower, within what the windows resolve; its op-level
-    counts up to the step down are kept; idle, the last level taken comes back after its wait.
-    """
+    """The tiny model under `--levels token,graph,op --budget 0.04` (its op level costs more:
+    its ops take microseconds). Loaded, the op level goes within 10 s; settled, the levels kept
+    are what the governor's stated cost allows, and the governed server's decode rate, against
+    an identical unwatched server's in alternating windows (governed.py), is at most 4% lower,
+    where the windows resolve it; its op-level counts up to the step down are kept; idle, the
+    last level taken comes back after its wait."""
     from governed import alternate, copied_build, start_server, timed_cost, wait_healthy, window
     d = Daemon(tmp_path, ("--levels", "token,graph,op", "--budget", "0.04"))
     pa, pb = _free_port(), _free_port()
@@ -272,13 +272,13 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
         loader = threading.Thread(target=lambda: [window(url_a, 100) for _ in iter(load.is_set, False)])
         loader.start()
         try:
-            began, stepped = time.monotonic(), None
+            began, stepped, said = time.monotonic(), None, f"PID {a.pid}: levels graph,op,token -> graph,token ("
             while time.monotonic() - began < 30 and stepped is None:
-                if "op" not in _levels_now(d, a.pid):
+                if said in d.text():          # logged once its levels have changed
                     stepped = time.monotonic() - began
                 time.sleep(0.2)
             assert stepped is not None and stepped <= 10, (stepped, d.text())
-            assert f"PID {a.pid}: levels graph,op,token -> graph,token" in d.text() and "budget 4.0%" in d.text()
+            assert "op" not in _levels_now(d, a.pid) and "budget 4.0%" in d.text()
             # settled: no change for three governor windows (6 s) of load
             mine = f"PID {a.pid}: levels"
             last, changes, settle_end = d.text().count(mine), time.monotonic(), time.monotonic() + 40
@@ -286,13 +286,16 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
                 time.sleep(0.5)
                 if d.text().count(mine) != last:
                     last, changes = d.text().count(mine), time.monotonic()
+            deadline = time.monotonic() + 10     # judged at the levels it has now
+            while time.monotonic() < deadline and d.watched(a.pid)["cost_share"] is None:
+                time.sleep(0.2)
+            info = d.watched(a.pid)
         finally:
             load.clear()
             loader.join()
-        settled = _levels_now(d, a.pid)
-        assert "op" not in settled and "token" in settled, d.text()
-        info = d.watched(a.pid)
-        assert info["cost_share"] is not None and 0 < info["cost_share"] <= 0.04, info
+        # the levels it keeps are what its last judgment allowed: under the budget, or the floor
+        settled = info["levels"]
+        assert info["cost_share"] is not None and (info["cost_share"] <= 0.04 or settled == ["token"]), info
         assert info["cost_by_level"]["token"] > 0, info         # the floor's own cost, stated
 
         # windows of ~1.5 s each at B's rate now (the machine is shared: its rate varies)
@@ -308,15 +311,25 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
         assert any(l.startswith("profinfer_overhead_ratio_by_level{") and f'pid="{a.pid}"' in l
                    and 'level="token"' in l for l in text.splitlines())
 
-        # idle: the last level taken comes back after its wait
+        # idle: the last level taken comes back after its wait (if the governor gave every
+        # level back meanwhile, loaded until one goes again)
+        if _levels_now(d, a.pid) == ["graph", "op", "token"]:
+            count, deadline = d.text().count(f"PID {a.pid}: levels"), time.monotonic() + 30
+            while time.monotonic() < deadline and d.text().count(f"PID {a.pid}: levels") == count:
+                window(url_a, 100)
         before = _levels_now(d, a.pid)
+        assert before != ["graph", "op", "token"], d.text()
         wait = d.watched(a.pid)["step_up_wait_s"] + 3 * 2.0 + 2 * 2.0 + 5
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and _levels_now(d, a.pid) == before:
             time.sleep(0.5)
         after = _levels_now(d, a.pid)
         assert len(after) == len(before) + 1 and set(before) < set(after), (before, after, wait, d.text())
-        assert f"PID {a.pid}: levels {','.join(before)} -> {','.join(after)} (idle)" in d.text()
+        said = f"PID {a.pid}: levels {','.join(before)} -> {','.join(after)} (idle)"
+        deadline = time.monotonic() + 5        # logged once its levels have changed
+        while time.monotonic() < deadline and said not in d.text():
+            time.sleep(0.2)
+        assert said in d.text(), d.text()
     finally:
         kill_started()
         d.stop()
