@@ -66,7 +66,7 @@ def _rounds(binary: str, function: str, offset: int, retprobe: bool,
             alternate: bool = True) -> tuple[list[float], list[float]]:
     """ns per call of each plain and each probed round: alternating, or (alternate False)
     the plain rounds first and then the probed ones under one probe (removing a uprobe
-    waits ~0.1 s for the kernel's grace period; measure_quick places it once)."""
+    waits for the kernel's grace period, bench/results.md; measure_quick places it once)."""
     calls = calls_by_function[function]
     proc = subprocess.Popen([binary, function, str(calls), str(2 * n_rounds)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
