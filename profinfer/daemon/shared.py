@@ -5,8 +5,9 @@ A uprobe belongs to a file (its inode), not to a process: attached without a pid
 in every process that maps the file, and the programs run for the processes in the object's
 `followed` map only. So N processes of one build cost one BPF object, one set of uprobes and
 one ring, and a process found later costs a map update (bench/daemon_footprint.py measures
-both ways). The object is keyed by the engine and the files' (device, inode): a container with
-its own copy of the libraries gets its own. Its links close when its last process exits.
+both ways). The object is keyed by the engine, the files' (device, inode) and its levels: a
+container with its own copy of the libraries gets its own, and so do the processes the
+governor took the graph level from. Its links close when its last process exits.
 
 Shared: the engines' always-on levels (llama.cpp's token and graph, vLLM's step: a few
 probe hits per forward call) and the cuda level (one object for every process with a
@@ -141,8 +142,10 @@ class SharedProbes:
         graph compute each are an entry and a return hit. Each process's charge is kept by
         level (the token or step level: the floor; the graph level)."""
         floor = "step" if "steps_by_process" in self.capabilities else "token"
+        graph = "graph" in self.key[-1]         # the levels it was opened at (agent._join_group)
         self.charges.charge(cost_ns, {pid: {floor: self.token_calls.get(pid, 0),
-                                            "graph": self.graph_calls.get(pid, 0)} for pid in self.pids})
+                                            **({"graph": self.graph_calls.get(pid, 0)} if graph else {})}
+                                      for pid in self.pids})
 
     def close(self) -> None:
         try:
