@@ -71,7 +71,7 @@ def main() -> int:
             wait_healthy(url_b, b)
             window(url_a, 100)
             window(url_b, 100)
-            n = max(400, min(2000, int(window(url_b, 300) * 1.5)))     # ~1.5 s windows
+            n = max(50, min(2000, int(window(url_b, 300) * 1.5)))     # ~1.5 s windows at its rate now
             before = _pairs(url_a, url_b, args.pairs, n, "before")
             log = open(f"{tmp}/daemon.log", "w")
             daemon = subprocess.Popen([sys.executable, "-m", "profinfer.cli", "daemon", "--listen",

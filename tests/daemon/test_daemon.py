@@ -299,7 +299,7 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
         assert info["cost_by_level"]["token"] > 0, info         # the floor's own cost, stated
 
         # windows of ~1.5 s each at B's rate now (the machine is shared: its rate varies)
-        n = max(400, min(1500, int(window(url_b, 200) * 1.5)))
+        n = max(50, min(1500, int(window(url_b, 100) * 1.5)))
         rates = alternate(url_a, url_b, 8, n)
         cost, se = timed_cost(rates)
         timed = f"timed cost {cost:+.1%} +- {se:.1%} in 8 pairs of {n} tokens at {settled}: {rates}"
