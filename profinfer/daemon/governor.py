@@ -182,13 +182,15 @@ class Governor:
         """Whether a capture at `levels` (a full attach of its own, beside the daemon's probes)
         keeps the process under the budget: its cost now plus what each of those levels cost
         it when it last had it here (a level never measured on it counts nothing), and why."""
-        now = w.share or 0.0
+        # not judged yet at the levels it has now (just changed): what they cost when it last had them
+        now = w.share if w.share is not None else sum(
+            v for lv, v in w.known_shares.items() if lv in w.levels or lv == "daemon")
         extra = {lv: w.known_shares[lv] for lv in sorted(levels) if lv in w.known_shares}
         total = now + sum(extra.values())
-        said = ", ".join(f"{lv} {v:.1%}" for lv, v in extra.items()) or "no level measured on it yet"
-        why = (f"PID {w.identity.pid} costs {now:.1%} now; a capture at {','.join(sorted(levels))} adds "
-               f"about {total - now:.1%} ({said}, as measured on it here): {total:.1%} "
-               f"{'>' if total > self.budget else '<='} budget {self.budget:.1%}")
+        said = ", ".join(f"{lv} {v:.2%}" for lv, v in extra.items()) or "no level measured on it yet"
+        why = (f"PID {w.identity.pid} costs {now:.2%} now; a capture at {','.join(sorted(levels))} adds "
+               f"about {total - now:.2%} ({said}, as measured on it here): {total:.2%} "
+               f"{'>' if total > self.budget else '<='} budget {self.budget:.2%}")
         return total <= self.budget, why
 
     def _judge(self, w: Watch, now: float, levels: set[str], share: float) -> None:

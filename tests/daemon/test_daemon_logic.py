@@ -248,3 +248,19 @@ def test_a_shared_objects_cost_is_charged_by_each_processs_hits():
     c.charge(7000.0, {1: {"token": 30, "graph": 10}, 2: {"token": 10, "graph": 10}})
     assert c.of(1) == {"token": 3000.0, "graph": 1000.0}
     assert c.of(2) == {"token": 1000.0, "graph": 1000.0}
+
+
+def test_a_capture_is_priced_at_what_its_levels_cost_the_process():
+    """A capture at the op level of a process at 1.5% whose op level cost 3% when it had it:
+    4.5%, over a 4% budget; at the token level it fits (1.5% + its token share 0.5%)."""
+    gov = Governor(0.04, Metrics(), lambda w, levels, why: True)
+    try:
+        w = Watch(_ident(42, 1000), None, {"token"}, 0.0, share=0.015,
+                  known_shares={"op": 0.03, "token": 0.005, "daemon": 0.01})
+        fits, why = gov.capture_fits(w, {"op"})
+        assert not fits and "PID 42 costs 1.50% now" in why and "op 3.00%" in why and "4.50% > budget 4.00%" in why
+        assert gov.capture_fits(w, {"token"})[0]
+        w.share = None        # just stepped: its levels' last known costs stand in
+        assert "costs 1.50% now" in gov.capture_fits(w, {"op"})[1]
+    finally:
+        gov.close()
