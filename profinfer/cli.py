@@ -501,14 +501,17 @@ def status(url, token_file, cacert, insecure_http, as_json):
 @click.option("--seconds", type=click.FloatRange(0.01, 300), default=10, show_default=True)
 @click.option("--levels", default="token,graph,op", show_default=True)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="Capture even where it takes the process over the daemon's "
+              "budget (the daemon logs it).")
 @client_options
-def capture(pid, seconds, levels, output, url, token_file, cacert, insecure_http):
+def capture(pid, seconds, levels, output, force, url, token_file, cacert, insecure_http):
     """Ask the daemon for a Perfetto trace of one process. The token goes to whatever listens
     at --url: on loopback, make sure that is the daemon."""
     from urllib.parse import urlencode
     token = _client_token(token_file, required=True)
     data = _daemon_request("POST", url.rstrip("/") + "/capture?" + urlencode(
-        {"pid": pid, "seconds": seconds, "levels": levels}), token, timeout=seconds + 120,
+        {"pid": pid, "seconds": seconds, "levels": levels, **({"force": 1} if force else {})}), token,
+        timeout=seconds + 120,
         cacert=cacert, insecure_http=insecure_http)
     with open(output, "wb") as f:
         f.write(data)
