@@ -412,6 +412,7 @@ class Agent:
         old, pid = w.group, w.identity.pid
         self._drain_group(old)
         self._group_totals(old)
+        self.metrics.carry_graphs(w.identity)
         try:
             old.remove(pid)
             w.group = self._join_group(w.pack, pid, w.files, shared)

@@ -78,6 +78,8 @@ class _Process:
     # the graph level, counted in BPF (cumulative): backend -> (computes, ns, nodes, buckets)
     graphs: dict[str, tuple[int, int, int, list[int]]] = field(default_factory=dict)
     shares: dict[str, float] = field(default_factory=dict)   # the share by level ("daemon": its loop)
+    # the graph counts of shared objects it has left (the governor moved it): added to the next
+    graph_base: dict[str, tuple[int, int, int, list[int]]] = field(default_factory=dict)
 
     def labels(self, minimal: bool = False) -> list[str]:
         i = self.identity
@@ -169,12 +171,20 @@ class Metrics:
             if p is None or p.identity.start != ident.start:
                 return
             before = p.graphs
-            p.graphs = dict(backends)
+            p.graphs = {**p.graph_base, **{b: _graph_sum(p.graph_base.get(b), v) for b, v in backends.items()}}
         if self.otlp is not None:
             for backend, (n, ns, _, _) in backends.items():
                 old = before.get(backend, (0, 0, 0, []))
                 if n > old[0]:
                     self.otlp.graphs(ident, backend, n - old[0], (ns - old[1]) / 1e9)
+
+    def carry_graphs(self, ident: Identity) -> None:
+        """The process moves to another shared object (whose counts begin at 0): its graph
+        counts so far stay, the new object's added to them."""
+        with self.lock:
+            p = self.processes.get(ident.pid)
+            if p is not None and p.identity.start == ident.start:
+                p.graph_base = dict(p.graphs)
 
     def level(self, ident: Identity, rank: int, changed: bool = False) -> None:
         with self.lock:
@@ -256,6 +266,15 @@ class Metrics:
             agent.log(line)                 # said before it shows in /metrics and /status
         self._gpu_said, self.gpu_problems = state, problems
         self.gpu_state, self.gpus = state, gpus
+
+
+def _graph_sum(a, b):
+    """Two graph counts of a backend (computes, ns, nodes, log2 buckets) added."""
+    if a is None:
+        return b
+    n = max(len(a[3]), len(b[3]))
+    buckets = [(a[3][i] if i < len(a[3]) else 0) + (b[3][i] if i < len(b[3]) else 0) for i in range(n)]
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2], buckets)
 
 
 class _Exposer:

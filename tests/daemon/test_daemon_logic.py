@@ -264,3 +264,18 @@ def test_a_capture_is_priced_at_what_its_levels_cost_the_process():
         assert "costs 1.50% now" in gov.capture_fits(w, {"op"})[1]
     finally:
         gov.close()
+
+
+def test_graph_counts_carry_over_a_move_between_shared_objects():
+    """The governor moves a process to another shared object (the graph level taken and
+    given back): that object's counts begin at 0, and are added to what was counted before,
+    so the exported counter never goes down."""
+    m = Metrics()
+    ident = _ident(42, 1000)
+    m.watched(ident)
+    m.graphs(ident, {"CPU": (10, 1000, 50, [1, 2])})
+    m.carry_graphs(ident)
+    m.graphs(ident, {"CPU": (3, 300, 15, [0, 1, 4])})
+    assert m.processes[42].graphs == {"CPU": (13, 1300, 65, [1, 3, 4])}
+    m.graphs(ident, {"CPU": (5, 500, 25, [0, 2, 4])})
+    assert m.processes[42].graphs["CPU"][0] == 15
