@@ -110,6 +110,7 @@ class Agent:
         self.retired_programs: dict[str, tuple[int, int]] = {}  # what exited watches' programs ran
         self.lock = threading.Lock()          # watches, unwatched: the HTTP threads read them
         self._setting_up = False              # in an attach or detach (_set_up)
+        self._leaving: list = []              # (shared object, pid, when): moved away (_regroup)
         raise_fd_limit()
         self.governor = Governor(budget, self.metrics, self._relevel)
         self.log(f"probe hits priced at {self.governor.trap_costs_source}")
@@ -405,30 +406,50 @@ class Agent:
         return group
 
     def _regroup(self, w: Watch, shared: set[str]) -> bool:
-        """The graph level taken from (or given back to) one process: it leaves its build's
-        shared probes for those at `shared` levels (the old object goes with its last process,
-        and with it the probes' traps). A decode call in flight at the move is counted by
-        neither object."""
+        """The graph level taken from (or given back to) one process: it moves to its build's
+        shared probes at `shared` levels (the old object goes with its last process, and with
+        it the probes' traps). The new object follows it first; the calls that begin from
+        then on are the new object's to count, those begun before the old one's, which lets
+        the process go a scan later (a call in flight ends meanwhile): no decode call is
+        lost or counted twice."""
         old, pid = w.group, w.identity.pid
-        self._drain_group(old)
-        self._group_totals(old)
-        self.metrics.carry_graphs(w.identity)
         try:
-            old.remove(pid)
-            w.group = self._join_group(w.pack, pid, w.files, shared)
+            new = self._join_group(w.pack, pid, w.files, shared)
         except Exception as e:
             self._error(f"PID {pid}: moving to the shared probes at {','.join(sorted(shared))}: "
                         f"{type(e).__name__}: {e}")
-            try:
-                old.add(pid)
-            except Exception:
-                pass
             return False
-        finally:
-            if not old.pids:
-                self._close_group(old)
+        moved_at = time.monotonic_ns()          # BPF's clock (CLOCK_MONOTONIC)
+        new.count_from[pid] = moved_at
+        old.count_until[pid] = moved_at
+        if "graph" in new.key[-1]:              # its graph counts begin again there
+            self._group_totals(old)
+            self.metrics.carry_graphs(w.identity)
+        w.group = new
+        self._leaving.append((old, pid, time.monotonic() + SCAN_S))
         w.levels = (w.levels - set(SHARED_LEVELS)) | shared
         return True
+
+    def _let_go(self, now: float, pid_now: int | None = None) -> None:
+        """The shared objects processes moved away from (a scan ago, or pid_now's at once):
+        drained, their graph counts kept, then they let the processes go."""
+        keep = []
+        for group, pid, when in self._leaving:
+            if now < when and pid != pid_now:
+                keep.append((group, pid, when))
+                continue
+            self._drain_group(group)
+            w = self.watches.get(pid)
+            if "graph" in group.key[-1] and w is not None:    # the graph level was taken: its last counts
+                self._group_totals(group)
+                self.metrics.carry_graphs(w.identity)
+            try:
+                group.remove(pid)
+            except Exception as e:
+                self._error(f"PID {pid}: leaving its shared probes: {type(e).__name__}: {e}")
+            if not group.pids and group.key in self.groups:
+                self._close_group(group)
+        self._leaving = keep
 
     @_set_up
     def _attach_op(self, w: Watch) -> bool:
@@ -545,6 +566,8 @@ class Agent:
     @_set_up
     def _gone(self, w: Watch) -> None:
         """Detach at once; the series stay for SERIES_TTL_S."""
+        if any(pid == w.identity.pid for _, pid, _ in self._leaving):
+            self._let_go(time.monotonic(), w.identity.pid)
         group = w.group
         if group is not None:
             self._drain_group(group)
@@ -642,8 +665,12 @@ class Agent:
             taken = coll.take_steps_by_process() if steps else coll.take_tokens_by_process()
             for tgid, calls in taken.items():
                 w = self.watches.get(tgid)
-                if w is None or w.group is not group:
+                if w is None or (w.group is not group and tgid not in group.count_until):
                     continue            # a process that left the map while its call was queued
+                if tgid in group.count_from:      # moved here: what began before, the old object counts
+                    calls = [t for t in calls if t.start_ns >= group.count_from[tgid]]
+                if tgid in group.count_until:     # moving away: what began since, the new object counts
+                    calls = [t for t in calls if t.start_ns < group.count_until[tgid]]
                 group.token_calls[tgid] = group.token_calls.get(tgid, 0) + len(calls)
                 for t in calls:
                     if steps:
@@ -708,7 +735,7 @@ class Agent:
             return
         for tgid, backends in totals.items():
             w = self.watches.get(tgid)
-            if w is None or w.group is not group:
+            if w is None or (w.group is not group and tgid not in group.count_until):
                 continue
             group.graph_calls[tgid] = sum(v[0] for v in backends.values())
             self.metrics.graphs(w.identity, backends)
@@ -757,6 +784,8 @@ class Agent:
             w = exits.get(fd)
             if w is not None and self.watches.get(w.identity.pid) is w:
                 self._gone(w)
+        if self._leaving:
+            self._let_go(time.monotonic())
         if time.monotonic() - self._last_scan >= SCAN_S:
             self._last_scan = time.monotonic()
             self.scan()

@@ -99,6 +99,10 @@ class SharedProbes:
     token_calls: dict[int, int] = field(default_factory=dict)
     graph_calls: dict[int, int] = field(default_factory=dict)
     charges: Charges = field(default_factory=Charges)   # their cost, charged to each process
+    # a process moved between objects at a moment (ns): its calls begun before it are the old
+    # object's (count_until), those begun since the new one's (count_from)
+    count_from: dict[int, int] = field(default_factory=dict)
+    count_until: dict[int, int] = field(default_factory=dict)
     programs: dict[str, tuple[int, int]] = field(default_factory=dict)   # last kernel counts
     lost_seen: int = 0
     errors: int = 0
@@ -129,7 +133,7 @@ class SharedProbes:
         """The process is gone (drained first): its entries go; the object stays for the rest."""
         libbpf.map_delete(self.followed_fd, pid.to_bytes(4, "little"))
         self.pids.discard(pid)
-        for d in (self.token_calls, self.graph_calls):
+        for d in (self.token_calls, self.graph_calls, self.count_from, self.count_until):
             d.pop(pid, None)
         self.charges.forget(pid)
         forget = getattr(self.collector, "forget_process", None)

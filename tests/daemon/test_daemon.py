@@ -430,3 +430,37 @@ def test_a_process_that_went_keeps_no_sequences(daemon, llama_build, tiny_model,
     while time.monotonic() < deadline and sequences() != before:
         time.sleep(0.2)
     assert sequences() == before, daemon.text()
+
+
+def test_moving_between_shared_objects_loses_no_decode_call(tmp_path, llama_build, tiny_model, llama_env):
+    """The governor takes the graph level from a process (it moves to its build's token-only
+    probes) and gives it back, while the process decodes: every decode call and token is
+    counted once, as llama.cpp counts them itself."""
+    from profinfer.daemon.agent import Agent
+    agent = Agent({"token", "graph"}, 1.0, discover_processes=False)
+    try:
+        for _ in range(4):      # llama.cpp's async logger can lose its last lines
+            w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=1500)
+            deadline = time.monotonic() + 30
+            while w.proc.pid not in agent.watches and time.monotonic() < deadline:
+                agent.poll(0.1)
+            watch = agent.watches[w.proc.pid]
+            assert watch.levels == {"token", "graph"}
+            w.go()
+            moves = [({"token"}, 40), ({"token", "graph"}, 400)]
+            while w.proc.poll() is None:
+                agent.poll(0.05)
+                decoded = agent.metrics.processes[w.proc.pid].tokens.get("decode", 0)
+                if moves and decoded >= moves[0][1]:
+                    assert agent._relevel(watch, moves.pop(0)[0], "test")
+            for _ in range(10):
+                agent.poll(0.05)
+            assert not moves and watch.levels == {"token", "graph"}
+            perf = llama_perf(w.proc.stderr.read())
+            if {"prompt eval", "eval"} <= perf.keys():
+                break
+        got = agent.metrics.processes[w.proc.pid].tokens
+        assert got == {"prefill": perf["prompt eval"][1], "decode": perf["eval"][1]}, (got, perf)
+        assert agent.metrics.processes[w.proc.pid].graphs, "graph counts kept across the moves"
+    finally:
+        agent.close()
