@@ -413,6 +413,8 @@ class Agent:
         the process go a scan later (a call in flight ends meanwhile): no decode call is
         lost or counted twice."""
         old, pid = w.group, w.identity.pid
+        if any(p == pid for _, p, _ in self._leaving):
+            return False                        # still leaving the last one: at a later judgment
         try:
             new = self._join_group(w.pack, pid, w.files, shared)
         except Exception as e:
