@@ -834,7 +834,7 @@ class Agent:
                 return False
         else:
             return False
-        w.cost_mark, w.share, w.shares = None, None, {}     # judged afresh at its new levels
+        w.cost_mark, w.share = None, None       # judged afresh at its new levels (shares: the last judgment's)
         self.metrics.level(w.identity, level_rank(w.levels), changed=True)
         self.log(f"PID {pid}: levels {','.join(sorted(old))} -> {','.join(sorted(w.levels))} ({why})")
         return True
