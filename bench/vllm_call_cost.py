@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from profinfer.core import insitu
 from profinfer.engines.vllm import workload
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
@@ -60,6 +61,9 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=2000, help="calls per round")
     ap.add_argument("--out", default=str(Path(__file__).with_name("vllm_call_cost.jsonl")))
     ap.add_argument("--label", default="", help="kept in each row (which profinfer was measured)")
+    ap.add_argument("--settle", type=float, default=2 * insitu.WINDOWS * insitu.WINDOW_S + 0.5,
+                    help="seconds of each probed window left out: the trap's measure in the "
+                         "target puts one more probe in every call meanwhile")
     args = ap.parse_args()
     seconds = (2 * args.pairs + 2) * (args.window + 3) + 30
     target = subprocess.Popen([str(workload.ensure_vllm()), "-c", TARGET, str(args.calls), str(seconds)],
@@ -92,7 +96,8 @@ def main() -> int:
                         attached = time.monotonic_ns()
                 if attach.wait() or not attached:
                     raise SystemExit(f"profinfer attach failed (exit {attach.returncode})")
-                windows.append((True, attached, attached + int(args.window * 1e9), json.loads(out.read_text())))
+                windows.append((True, attached + int(args.settle * 1e9), attached + int(args.window * 1e9),
+                                json.loads(out.read_text())))
             else:
                 time.sleep(args.window)
                 windows.append((False, t0, time.monotonic_ns(), None))
@@ -126,7 +131,10 @@ def main() -> int:
                      "added_us": statistics.median(mine) - statistics.median(around),
                      "rounds_probed": len(mine), "calls_recorded": calls,
                      "probe_hits": cost.get("probe_hits"), "stated_slowdown": cost.get("slowdown"),
-                     "probes_stepped": (summary.get("meta") or {}).get("probes_stepped")})
+                     "probes_stepped": (summary.get("meta") or {}).get("probes_stepped"),
+                     "bpf_ns_per_run": {k.split(":")[-1]: int(v) for k, v in (summary.get("meta") or {}).items()
+                                        if k.startswith("cost:ns_per_run:")},
+                     "trap_in_situ_ns": cost.get("trap_in_situ_ns")})
     with open(args.out, "a") as f:
         for r in rows:
             f.write(json.dumps({"date": time.strftime("%Y-%m-%dT%H:%M"), "label": args.label, **r}) + "\n")

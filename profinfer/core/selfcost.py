@@ -131,9 +131,11 @@ class SelfCost:
 def added_ns(counts: dict, trap_costs: dict) -> float:
     """What probes added to their targets' threads, in ns: the kernel-counted BPF run time
     plus each hit's trap by kind. counts: as a collector's cost_counts() gives them (bpf_ns,
-    hits_emulated, hits_stepped, hits_return); trap_costs: as probecost gives them
-    (emulated_ns, stepped_ns, uretprobe_extra_ns)."""
-    return (counts.get("bpf_ns", 0) + counts.get("hits_emulated", 0) * trap_costs["emulated_ns"]
+    hits_emulated, hits_stepped, hits_return, and trap_in_situ_ns where the collector has
+    measured an emulated trap in its target: that prices the emulated hits); trap_costs: as
+    probecost gives them (emulated_ns, stepped_ns, uretprobe_extra_ns)."""
+    emulated = counts.get("trap_in_situ_ns") or trap_costs["emulated_ns"]
+    return (counts.get("bpf_ns", 0) + counts.get("hits_emulated", 0) * emulated
             + counts.get("hits_stepped", 0) * trap_costs["stepped_ns"]
             + counts.get("hits_return", 0) * trap_costs["uretprobe_extra_ns"])
 

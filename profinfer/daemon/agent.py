@@ -674,6 +674,7 @@ class Agent:
                 if tgid in group.count_until:     # moving away: what began since, the new object counts
                     calls = [t for t in calls if t.start_ns < group.count_until[tgid]]
                 group.token_calls[tgid] = group.token_calls.get(tgid, 0) + len(calls)
+                w.callers.update(t.tid for t in calls)
                 for t in calls:
                     if steps:
                         # a step is known by its first op's call alone: no duration, and no

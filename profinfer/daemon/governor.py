@@ -31,6 +31,9 @@ GOVERN_S = 2.0
 # kernel, grid, stream and op: the cuda level keeps its counts by function), the graph level
 STEP_DOWN_ORDER = ("op", "cuda-detail", "graph")
 FLOOR_LEVELS = ("token", "step")
+# levels whose probes trap in the threads that make the engine's calls (Watch.callers): each
+# is charged against those threads' time, not the whole process's (vLLM's OpenMP pool spins)
+CALLER_LEVELS = ("token", "step", "graph")
 STEP_UP_S = 20.0
 LEVEL_RANK = {"op": 3, "graph": 2, "token": 1, "step": 1}
 TRAP_KEYS = ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")
@@ -103,6 +106,13 @@ class Governor:
             return None
         return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // self.ticks
 
+    def callers_cpu_ns(self, w: Watch) -> int | None:
+        """The CPU time of the threads that make the process's engine calls (None: none
+        seen yet, or none readable)."""
+        times = [self.cpu_ns(w.identity.pid, t) for t in w.callers]
+        times = [t for t in times if t is not None]
+        return sum(times) if times else None
+
     def watching_cpu_ns(self) -> int:
         """The CPU of the daemon's thread that watches: the loop, where every probe's events are
         drained, every process looked at and every BPF object loaded. Not the HTTP threads'
@@ -161,16 +171,22 @@ class Governor:
             mark = w.cost_mark
             if mark is not None and cpu - mark[1] < MIN_CPU_TO_JUDGE_NS:   # too little CPU yet to judge
                 if now - mark[0] >= IDLE_S:
-                    w.cost_mark, w.idle = (now, cpu, parts, own), True
+                    w.cost_mark, w.idle = (now, cpu, parts, own, self.callers_cpu_ns(w)), True
                     self._judge(w, now, levels, 0.0)
                 continue
-            w.cost_mark = (now, cpu, parts, own)
+            callers = self.callers_cpu_ns(w)
+            w.cost_mark = (now, cpu, parts, own, callers)
             if mark is None:
                 continue
             # the watching thread's CPU, shared out among the processes it watches: on a busy
             # machine it is taken from them
             spent = cpu - mark[1]
-            shares = {lv: max(0.0, ns - mark[2].get(lv, 0.0)) / spent for lv, ns in parts.items()}
+            # the floor's and the graph level's probes against their callers' time, where known
+            by_callers = callers - mark[4] if callers is not None and mark[4] is not None else 0
+            if by_callers < MIN_CPU_TO_JUDGE_NS / 2:
+                by_callers = spent
+            shares = {lv: max(0.0, ns - mark[2].get(lv, 0.0)) / (by_callers if lv in CALLER_LEVELS else spent)
+                      for lv, ns in parts.items()}
             shares["daemon"] = max(0.0, (own - mark[3]) / max(len(watches), 1) / spent)
             w.shares, w.idle = shares, False
             w.share = sum(shares.values())

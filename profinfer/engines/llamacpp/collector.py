@@ -267,7 +267,13 @@ class Collector(core.Collector):
         if not self._counting_costs():
             return {}
         self.tallies = self._op_tallies()
-        return self._hit_costs()
+        out = self._hit_costs()
+        if self.totals.op_counts is not None:        # counted: the trap as BPF's gaps show it
+            trap = self.totals.op_counts.trap_in_situ_ns(self.obj, self.dt["pi_gap_sample"],
+                                                        self.consts["PI_GAP_SAMPLES"])
+            if trap is not None:
+                out["trap_in_situ_ns"] = trap
+        return out
 
     def _backend_name(self, fn_addr: int, pid: int | None = None) -> str:
         """Name of the backend whose get_name function is at fn_addr in the target (or in
