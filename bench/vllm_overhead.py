@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).with_name("vllm_overhead.jsonl")))
     ap.add_argument("--summary", help="write the medians (JSON) here too")
     args = ap.parse_args()
-    seconds = (2 * args.pairs + 2) * (args.window + 2) + 30
+    seconds = (2 * args.pairs + 2) * (args.window + 8) + 60   # an attach and its report take seconds too
     target = subprocess.Popen([str(workload.ensure_vllm()), str(WORKLOAD), str(workload.ensure_model()),
                                args.mode, str(seconds)], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True)
@@ -58,9 +58,11 @@ def main() -> int:
             t0 = time.monotonic_ns()
             if probed:
                 out = tmp / f"w{i}.json"
-                subprocess.run([*PROFINFER, "attach", "--pid", str(target.pid), "--duration",
-                                str(args.window), "--json", str(out), "--quiet"],
-                               check=True, capture_output=True, text=True)
+                done = subprocess.run([*PROFINFER, "attach", "--pid", str(target.pid), "--duration",
+                                       str(args.window), "--json", str(out), "--quiet"],
+                                      capture_output=True, text=True)
+                if done.returncode:
+                    raise SystemExit(f"profinfer attach failed: {done.stderr.strip()[-2000:]}")
                 windows.append((True, t0, time.monotonic_ns(), json.loads(out.read_text())))
             else:
                 time.sleep(args.window)

@@ -285,6 +285,24 @@ def start_profinfer(args: list[str], env=None) -> subprocess.Popen:
     return p
 
 
+def attached_run(target: subprocess.Popen, args: list[str], go: Path, on_attached=None,
+                 timeout: float = 300) -> str:
+    """profinfer started on a target held before its work (`args`), the target let go (`go`
+    touched), both waited for: profinfer's stderr. on_attached(prof) runs before the go."""
+    try:
+        prof = start_profinfer(args)
+        if on_attached is not None:
+            on_attached(prof)
+        go.touch()
+        assert target.wait(timeout=timeout) == 0
+        _, err = prof.communicate(timeout=120)
+        assert prof.returncode == 0, prof.early_stderr + err
+    finally:
+        if target.poll() is None:
+            target.kill()
+    return prof.early_stderr + err
+
+
 def start_vllm_truth(vllm_python: Path, vllm_model: Path, mode: str, go: Path,
                      truth_path: Path) -> subprocess.Popen:
     """tests/vllm/offline_truth.py started and past its warm-up (READY), its output drained."""
@@ -309,7 +327,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float) -> None:
+def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"{what} exited"
@@ -333,7 +351,7 @@ def llama_server(build: Path, model: Path, env: dict, slots: int, ctx_per_slot: 
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(proc, f"{url}/health", "llama-server", 60)
+        wait_healthy(proc, f"{url}/health", "llama-server", 60)
         yield proc, url
     finally:
         proc.kill()
@@ -352,7 +370,7 @@ def vllm_server(vllm_python: Path, vllm_model: Path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
     try:
-        _wait_healthy(proc, f"http://127.0.0.1:{port}/health", "the vLLM server", 300)
+        wait_healthy(proc, f"http://127.0.0.1:{port}/health", "the vLLM server", 300)
         yield proc, port
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

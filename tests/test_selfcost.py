@@ -45,6 +45,10 @@ def test_the_probes_time_is_judged_against_the_threads_that_took_the_hits():
     old = selfcost.compute(Profile(pid=1, meta={k: v for k, v in meta.items() if k != "threads_cpu_s"},
                                    calls=calls), costs)
     assert abs(old.in_target_share - 0.3 / 2.7) < 1e-9
+    # the collector delays the caller only while the caller waits for a CPU
+    waited = selfcost.compute(Profile(pid=1, meta={**meta, "threads_waited_s": "10:0.01 11:0.5 12:0.5"},
+                                      calls=calls), costs)
+    assert abs(waited.collector_share - 0.01 / 0.7) < 1e-9
     # two threads sharing the hits alike, each against its own time
     calls2 = calls + [OpCall(1, 11, i, i + 1, "op") for i in range(100)]
     both = selfcost.compute(Profile(pid=1, meta=meta, calls=calls2), costs)

@@ -47,6 +47,14 @@ class ProcessesCpu:
         return sum(self.last[p] - self.first[p] for p in self.last)
 
 
+def _run_delay_ns(task: str) -> int | None:
+    try:
+        with open(f"/proc/{task}/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class ThreadsCpu:
     """CPU time of each thread of a set of processes, from when it was first sampled to its
     last sample (one that exited keeps its last): a probe's cost is borne by the thread that
@@ -55,6 +63,10 @@ class ThreadsCpu:
     def __init__(self):
         self.first: dict[int, int] = {}      # tid -> CPU ticks at its first sample
         self.last: dict[int, int] = {}
+        # tid -> ns it waited, runnable, for a CPU (schedstat's run_delay): the most that
+        # anything else running (the collector among them) can have delayed it
+        self.waited_first: dict[int, int] = {}
+        self.waited_last: dict[int, int] = {}
 
     def sample(self, pids) -> None:
         for pid in pids:
@@ -70,6 +82,14 @@ class ThreadsCpu:
                     continue
                 self.first.setdefault(int(t), ticks)
                 self.last[int(t)] = ticks
+                waited = _run_delay_ns(f"{pid}/task/{t}")
+                if waited is not None:
+                    self.waited_first.setdefault(int(t), waited)
+                    self.waited_last[int(t)] = waited
+
+    def waited_s(self, tids) -> dict[int, float]:
+        """{tid: seconds it waited for a CPU between its first and last sample}."""
+        return {t: (self.waited_last[t] - self.waited_first[t]) / 1e9 for t in tids if t in self.waited_last}
 
     def used_s(self, min_s: float = 0.0) -> dict[int, float]:
         """{tid: CPU seconds used between its first and last sample}, those above min_s."""

@@ -36,6 +36,7 @@ class SelfCost:
     # borne by the threads that take them (None: not known; the whole target's CPU is used)
     thread_cpu_ns: dict[int, int] | None = None
     hit_shares: dict[int, float] | None = None
+    thread_waited_ns: dict[int, int] | None = None    # each thread's wait for a CPU meanwhile
 
     def _bearers(self) -> dict[int, tuple[float, int]] | None:
         """{tid: (its share of the hits, its CPU ns)} of the threads that took the hits, when
@@ -125,7 +126,22 @@ class SelfCost:
         if self.collector_cpu_ns is None or not cpu:
             return None
         base = cpu - (self.in_target_ns or 0)
-        return self.collector_cpu_ns / base if base > 0 else None
+        return self._collector_delay_ns() / base if base > 0 else None
+
+    def _collector_delay_ns(self) -> int:
+        """The collector's CPU time, or, where the threads that took the hits are known with
+        their waits for a CPU, no more than those waits: the collector delays the target
+        only where it keeps one of those threads from running (an OpenMP pool's spinning
+        worker gives its CPU up for nothing)."""
+        bearers = self._bearers()
+        if bearers is None or not self.thread_waited_ns:
+            return self.collector_cpu_ns
+        waited = sum(self.thread_waited_ns.get(t, 0) for t in bearers)
+        return min(self.collector_cpu_ns, waited)
+
+    @property
+    def collector_delay_bounded(self) -> bool:
+        return self._bearers() is not None and bool(self.thread_waited_ns)
 
 
 def added_ns(counts: dict, trap_costs: dict) -> float:
@@ -205,7 +221,8 @@ def _compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCos
                     num("trap_in_situ_ns") if "trap_in_situ_ns" in meta else
                     trap_in_situ_ns(profile, num("cost:barrier_ns_per_run") or 0, cols),
                     critical, threads or 1, graph_share(profile),
-                    threads_cpu_ns(meta.get("threads_cpu_s", "")), hit_shares(profile, cols))
+                    threads_cpu_ns(meta.get("threads_cpu_s", "")), hit_shares(profile, cols),
+                    threads_cpu_ns(meta.get("threads_waited_s", "")))
 
 
 def threads_cpu_ns(text: str) -> dict[int, int] | None:

@@ -485,6 +485,8 @@ class Session:
         if threads:
             # the probes' cost is judged against the time of the threads that took them
             meta["threads_cpu_s"] = " ".join(f"{t}:{v:.2f}" for t, v in sorted(threads.items()))
+            waited = self.cpu.threads.waited_s(threads)
+            meta["threads_waited_s"] = " ".join(f"{t}:{v:.3f}" for t, v in sorted(waited.items()))
         return profile
 
     def _release(self) -> None:

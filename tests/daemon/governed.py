@@ -18,9 +18,10 @@ import os
 import shutil
 import statistics
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
+
+import conftest
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
 
@@ -62,17 +63,7 @@ def start_server(bin_dir: Path, model: Path, env: dict, port: int, ctx: int = 20
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "llama-server exited"
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} not healthy in {timeout} s")
+    conftest.wait_healthy(proc, url + "/health", "llama-server", timeout)
 
 
 def window(url: str, n: int) -> float:

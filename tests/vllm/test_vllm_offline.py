@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROFINFER, start_profinfer, start_vllm_truth
+from conftest import PROFINFER, attached_run, start_vllm_truth
 
 # torch.profiler's dtype names for the ScalarTypes seen (c10's C++ type names)
 PROFILER_DTYPES = {"c10::BFloat16": "bfloat16", "float": "float32", "int": "int32",
@@ -34,18 +34,9 @@ def run_offline(vllm_python, vllm_model, mode: str, tmp_path: Path,
                 extra: tuple[str, ...] = ()) -> tuple[dict, dict, str]:
     go, truth_path, summary_path = tmp_path / "go", tmp_path / "truth.json", tmp_path / "summary.json"
     target = start_vllm_truth(vllm_python, vllm_model, mode, go, truth_path)
-    try:
-        prof = start_profinfer(["attach", "--pid", str(target.pid), "--json", str(summary_path),
-                                "-o", str(tmp_path / "trace.pftrace"), "--quiet", *extra])
-        go.touch()
-        assert target.wait(timeout=300) == 0
-        _, err = prof.communicate(timeout=120)
-        assert prof.returncode == 0, prof.early_stderr + err
-    finally:
-        if target.poll() is None:
-            target.kill()
-    return (json.loads(truth_path.read_text()), json.loads(summary_path.read_text()),
-            prof.early_stderr + err)
+    err = attached_run(target, ["attach", "--pid", str(target.pid), "--json", str(summary_path),
+                                "-o", str(tmp_path / "trace.pftrace"), "--quiet", *extra], go)
+    return json.loads(truth_path.read_text()), json.loads(summary_path.read_text()), err
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from elftools.elf.elffile import ELFFile
 
-from conftest import open_fds, start_profinfer
+from conftest import attached_run, open_fds
 
 CALLS, CALLS_WITHOUT_KEY = 500, 7
 TARGET = r"""
@@ -113,18 +113,11 @@ def test_no_op_probe_is_single_stepped_and_every_call_is_seen(vllm_python, tmp_p
     go, summary_path = tmp_path / "go", tmp_path / "summary.json"
     target = subprocess.Popen([str(vllm_python), "-c", TARGET, str(go)], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert target.stdout.readline().strip() == "READY"
-        prof = start_profinfer(["attach", "--pid", str(target.pid), "--levels", "op",
-                                "--json", str(summary_path), "--quiet"])
-        links = uprobe_multi_links(prof.pid)
-        go.touch()
-        assert target.wait(timeout=300) == 0
-        _, err = prof.communicate(timeout=120)
-        assert prof.returncode == 0, prof.early_stderr + err
-    finally:
-        if target.poll() is None:
-            target.kill()
+    assert target.stdout.readline().strip() == "READY"
+    links = []
+    attached_run(target, ["attach", "--pid", str(target.pid), "--levels", "op", "--json",
+                          str(summary_path), "--quiet"], go,
+                 on_attached=lambda prof: links.extend(uprobe_multi_links(prof.pid)))
     probed = [(path, off) for path, offsets in links if "/vllm/_C" in path for off in offsets]
     assert len(probed) >= 100       # entry and return probes of every op's wrappers
     stepped = {}
