@@ -20,10 +20,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+import timed_target
 from profinfer.core import insitu
 from profinfer.engines.vllm import workload
 
@@ -66,20 +66,8 @@ def main() -> int:
                          "target puts one more probe in every call meanwhile")
     args = ap.parse_args()
     seconds = (2 * args.pairs + 2) * (args.window + 3) + 30
-    target = subprocess.Popen([str(workload.ensure_vllm()), "-c", TARGET, str(args.calls), str(seconds)],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    rounds: list[tuple[int, int, int, int]] = []
-    for line in target.stdout:
-        if line.strip() == "READY":
-            break
-
-    def read() -> None:
-        for line in target.stdout:
-            if line.startswith("ROUND"):
-                _, a, b, n, cpu = line.split()
-                rounds.append((int(a), int(b), int(n), int(cpu)))
-
-    threading.Thread(target=read, daemon=True).start()
+    target, rounds = timed_target.start([str(workload.ensure_vllm()), "-c", TARGET, str(args.calls),
+                                         str(seconds)], "ROUND")
     windows = []        # (probed, start_ns, end_ns, summary or None)
     tmp = Path(tempfile.mkdtemp())
     try:

@@ -16,10 +16,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+import timed_target
 from profinfer.engines.vllm import workload
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
@@ -35,21 +35,8 @@ def main() -> int:
     ap.add_argument("--summary", help="write the medians (JSON) here too")
     args = ap.parse_args()
     seconds = (2 * args.pairs + 2) * (args.window + 8) + 60   # an attach and its report take seconds too
-    target = subprocess.Popen([str(workload.ensure_vllm()), str(WORKLOAD), str(workload.ensure_model()),
-                               args.mode, str(seconds)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
-    batches: list[tuple[int, int]] = []
-    for line in target.stdout:
-        if line.strip() == "READY":
-            break
-
-    def read() -> None:
-        for line in target.stdout:
-            if line.startswith("BATCH"):
-                _, a, b = line.split()
-                batches.append((int(a), int(b)))
-
-    threading.Thread(target=read, daemon=True).start()
+    target, batches = timed_target.start([str(workload.ensure_vllm()), str(WORKLOAD),
+                                          str(workload.ensure_model()), args.mode, str(seconds)], "BATCH")
     windows = []       # (probed, start_ns, end_ns, summary or None)
     tmp = Path(tempfile.mkdtemp())
     try:
