@@ -29,7 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "daemon"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("daemon", "")]
 from governed import alternate, copied_build, start_server, timed_cost, wait_healthy, window  # noqa: E402
 
 from profinfer.engines.llamacpp import workload  # noqa: E402
