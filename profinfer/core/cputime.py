@@ -47,26 +47,27 @@ class ProcessesCpu:
         return sum(self.last[p] - self.first[p] for p in self.last)
 
 
-def _run_delay_ns(task: str) -> int | None:
+def _schedstat_ns(task: str) -> tuple[int, int] | None:
+    """(ns on a CPU, ns waiting runnable for one) of a thread, as /proc's schedstat counts
+    them (exact, where stat's utime and stime come in clock ticks)."""
     try:
         with open(f"/proc/{task}/schedstat") as f:
-            return int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
+            ran, waited = f.read().split()[:2]
+        return int(ran), int(waited)
+    except (OSError, ValueError):
         return None
 
 
 class ThreadsCpu:
     """CPU time of each thread of a set of processes, from when it was first sampled to its
     last sample (one that exited keeps its last): a probe's cost is borne by the thread that
-    takes it, so it is judged against that thread's time, not the whole tree's."""
+    takes it, so it is judged against that thread's time, not the whole tree's. Beside it,
+    the time each waited, runnable, for a CPU: the most that anything else running (the
+    collector among them) can have delayed it."""
 
     def __init__(self):
-        self.first: dict[int, int] = {}      # tid -> CPU ticks at its first sample
-        self.last: dict[int, int] = {}
-        # tid -> ns it waited, runnable, for a CPU (schedstat's run_delay): the most that
-        # anything else running (the collector among them) can have delayed it
-        self.waited_first: dict[int, int] = {}
-        self.waited_last: dict[int, int] = {}
+        self.first: dict[int, tuple[int, int]] = {}      # tid -> (ran ns, waited ns)
+        self.last: dict[int, tuple[int, int]] = {}
 
     def sample(self, pids) -> None:
         for pid in pids:
@@ -75,26 +76,18 @@ class ThreadsCpu:
             except OSError:
                 continue
             for t in tids:
-                fields = stat_fields(f"{pid}/task/{t}")
-                try:
-                    ticks = int(fields[11]) + int(fields[12])
-                except (TypeError, ValueError, IndexError):
-                    continue
-                self.first.setdefault(int(t), ticks)
-                self.last[int(t)] = ticks
-                waited = _run_delay_ns(f"{pid}/task/{t}")
-                if waited is not None:
-                    self.waited_first.setdefault(int(t), waited)
-                    self.waited_last[int(t)] = waited
+                read = _schedstat_ns(f"{pid}/task/{t}")
+                if read is not None:
+                    self.first.setdefault(int(t), read)
+                    self.last[int(t)] = read
 
     def waited_s(self, tids) -> dict[int, float]:
         """{tid: seconds it waited for a CPU between its first and last sample}."""
-        return {t: (self.waited_last[t] - self.waited_first[t]) / 1e9 for t in tids if t in self.waited_last}
+        return {t: (self.last[t][1] - self.first[t][1]) / 1e9 for t in tids if t in self.last}
 
     def used_s(self, min_s: float = 0.0) -> dict[int, float]:
         """{tid: CPU seconds used between its first and last sample}, those above min_s."""
-        hz = os.sysconf("SC_CLK_TCK")
-        used = {t: (self.last[t] - self.first[t]) / hz for t in self.last}
+        used = {t: (self.last[t][0] - self.first[t][0]) / 1e9 for t in self.last}
         return {t: s for t, s in used.items() if s > min_s}
 
 
