@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("daemon", "")]
-from governed import alternate, copied_build, start_server, timed_cost, wait_healthy, window  # noqa: E402
+from governed import alternate, copied_build, cost_against_before, start_server, timed_cost, wait_healthy, window  # noqa: E402
 
 from profinfer.engines.llamacpp import workload  # noqa: E402
 
@@ -122,12 +122,13 @@ def main() -> int:
     r0, se0 = timed_cost(before)
     r1, se1 = timed_cost(governed)
     ratio0, ratio1 = 1 - r0, 1 - r1
+    cost, cost_se = cost_against_before(before, governed)
     summary = {
         "model": args.model, "budget": args.budget, "levels": args.levels, "pairs": args.pairs, "tokens_per_window": n,
         "alone_tok_s_median": round(sorted(x for _, x in governed)[len(governed) // 2], 1),
         "a_over_b_before": round(ratio0, 4), "before_se": round(se0, 4),
         "a_over_b_governed": round(ratio1, 4), "governed_se": round(se1, 4),
-        "timed_cost": round(1 - ratio1 / ratio0, 4), "timed_cost_se": round((se0 ** 2 + se1 ** 2) ** 0.5, 4),
+        "timed_cost": round(cost, 4), "timed_cost_se": round(cost_se, 4),
         "op_gone_after_load_s": op_gone, "level_history": history,
         "settled_levels": settled["levels"], "stated_cost_settled": settled["cost_share"],
         "stated_by_level": settled["cost_by_level"], "stated_cost_after_windows": during["cost_share"],

@@ -98,3 +98,12 @@ def timed_cost(rates: list[tuple[float, float]]) -> tuple[float, float]:
     med = statistics.median(ratios)
     mad = statistics.median(abs(r - med) for r in ratios) * 1.4826
     return 1 - med, 1.25 * mad / len(ratios) ** 0.5
+
+
+def cost_against_before(before: list[tuple[float, float]], governed: list[tuple[float, float]]) -> tuple[float, float]:
+    """(cost, its standard error) of watching A: 1 - (median A/B governed) / (median A/B
+    before the daemon). Two servers alike are not alike in time (A ran 3.4% slower than B with
+    nothing watching, bench/results.md): that difference is the servers', not the daemon's."""
+    c0, se0 = timed_cost(before)
+    c1, se1 = timed_cost(governed)
+    return 1 - (1 - c1) / (1 - c0), (se0 ** 2 + se1 ** 2) ** 0.5
