@@ -21,6 +21,7 @@ from profinfer.core.packs import Pack, copies_of_probed
 from profinfer.core.transport import RecordSlots, steps_begun
 from profinfer.engines.vllm import ops as native, steps as stepmaker, tensors, wrappers
 from profinfer.engines.vllm.calls import CallRecords, TensorLayoutCheck
+from profinfer.engines.vllm import server_metrics
 from profinfer.engines.vllm.server_metrics import MetricsWindow
 from profinfer.levels.sched import probe as schedprobe
 
@@ -86,6 +87,7 @@ class VllmCollector(Collector):
         self.compiled_kernels = 0
         self.counter_names: list[str] = []
         self._server_metrics: MetricsWindow | None = None
+        self._metrics_url: str | None = None      # vLLM's server's /metrics, found before the probes
         self.processes: set[int] = set()    # attach: the tree's processes followed
         self._tree_fd = -1
 
@@ -118,7 +120,7 @@ class VllmCollector(Collector):
     def attach(self) -> None:
         super().attach()
         # the server's own account of the same stretch, where it serves /metrics
-        self._server_metrics = MetricsWindow(sorted(self.processes or {self.pid}))
+        self._server_metrics = MetricsWindow(self._metrics_url)
 
     def _prepare(self) -> None:
         self.elfs = self._mapped_engine_files()
@@ -127,6 +129,7 @@ class VllmCollector(Collector):
                                  f"{', '.join(self.pack.libraries)} is mapped)")
         self._find_ops()
         self._find_wrappers()
+        self._metrics_url = server_metrics.find(self.pid)     # before any probe: records wait on it
         mapped = [m.path for m in discovery.mapped_files(self.pid)]
         version = tensors.torch_version(mapped, self.root)
         if version is None and not any(op.kinds for op in self.ops):

@@ -1,9 +1,14 @@
 """vLLM's own request-level numbers, where its OpenAI server's /metrics endpoint is reachable:
 scraped when profiling starts and when it ends, so the report can set the server's account of
-the same stretch beside profinfer's. Nothing profinfer records depends on it."""
+the same stretch beside profinfer's. Nothing profinfer records depends on it.
+
+The endpoint is found before the probes go in: every listening port of the process tree is
+asked at once, and one that is no HTTP server (torch's, ZeroMQ's) holds the request until its
+timeout, a second each, while the probes' records would pile up unread (bench/results.md)."""
 from __future__ import annotations
 
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
@@ -52,16 +57,27 @@ def scrape(url: str) -> dict[str, float] | None:
     return out
 
 
+def find(pid: int) -> str | None:
+    """The /metrics URL of vLLM's server among the process's and its descendants' listening
+    ports, all asked at once (at most TIMEOUT_S, whatever their number), or None."""
+    try:
+        tree = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return None
+    urls = endpoints(tree)
+    if not urls:
+        return None
+    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
+        return next((url for url, values in zip(urls, pool.map(scrape, urls)) if values is not None), None)
+
+
 class MetricsWindow:
     """The server's counts over the recording: a scrape at its start and one at its end."""
 
-    def __init__(self, pids: list[int]):
-        self.url, self.start = None, None
-        for url in endpoints(pids):
-            values = scrape(url)
-            if values is not None:
-                self.url, self.start = url, values
-                break
+    def __init__(self, url: str | None):
+        self.url, self.start = url, scrape(url) if url else None
+        if self.start is None:
+            self.url = None
 
     def delta(self) -> dict[str, float]:
         if self.url is None:

@@ -1,0 +1,55 @@
+"""Attaching to a vLLM process that is already busy loses no record. The probes go in while
+its ops run, so whatever profinfer does between the probes and its first drain of the ring
+is paid in records. Here that included finding vLLM's /metrics among the process's listening
+ports: a port that is no HTTP server (torch's store, ZeroMQ's) held each request for its
+timeout, a second per port, and 64% of a busy engine's records were lost (bench/results.md).
+The target here listens on such ports (they accept and never answer) and calls an op at
+about the bundled engine's rate from before the attach to after it."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+from conftest import start_profinfer
+
+SILENT_PORTS = 3
+TARGET = r"""
+import socket, sys, time, torch
+from vllm.platforms.cpu import CpuPlatform
+CpuPlatform.import_kernels()
+silent = []
+for _ in range(%d):             # listening, never answering: the kernel completes the handshake
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    silent.append(s)
+positions = torch.arange(4, dtype=torch.long)
+query = torch.randn(4, 256, dtype=torch.bfloat16)
+key = torch.randn(4, 256, dtype=torch.bfloat16)
+cos_sin = torch.randn(512, 64, dtype=torch.bfloat16)
+print("READY", flush=True)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:   # ~20k calls a second, paced
+    for _ in range(100):
+        torch.ops._C.rotary_embedding(positions, query, key, 64, cos_sin, True)
+    time.sleep(0.005)
+""" % SILENT_PORTS
+
+
+def test_attach_to_a_busy_process_loses_nothing(vllm_python, tmp_path):
+    summary_path = tmp_path / "summary.json"
+    target = subprocess.Popen([str(vllm_python), "-c", TARGET, "120"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert target.stdout.readline().strip() == "READY"
+        prof = start_profinfer(["attach", "--pid", str(target.pid), "--levels", "op", "--duration", "3",
+                                "--json", str(summary_path), "--quiet"])
+        _, err = prof.communicate(timeout=120)
+        assert prof.returncode == 0, prof.early_stderr + err
+    finally:
+        target.kill()
+        target.wait()
+    summary = json.loads(summary_path.read_text())
+    calls = sum(o["count"] for o in summary["ops"] if o["op"] == "rotary_embedding")
+    assert calls > 1000, summary["ops"]
+    assert summary["lost_events"] == 0, (summary["lost_events"], calls)
