@@ -4,7 +4,9 @@ is paid in records. Here that included finding vLLM's /metrics among the process
 ports: a port that is no HTTP server (torch's store, ZeroMQ's) held each request for its
 timeout, a second per port, and 64% of a busy engine's records were lost (bench/results.md).
 The target here listens on such ports (they accept and never answer) and calls an op at
-about the bundled engine's rate from before the attach to after it."""
+about the bundled engine's rate from before the attach to after it. The recording also
+measures a trap in the target (insitu.py) on the op called most, in that op's own function:
+its windows run and its calls are compared."""
 from __future__ import annotations
 
 import json
@@ -42,7 +44,7 @@ def test_attach_to_a_busy_process_loses_nothing(vllm_python, tmp_path):
                               stderr=subprocess.DEVNULL, text=True)
     try:
         assert target.stdout.readline().strip() == "READY"
-        prof = start_profinfer(["attach", "--pid", str(target.pid), "--levels", "op", "--duration", "3",
+        prof = start_profinfer(["attach", "--pid", str(target.pid), "--levels", "op", "--duration", "6",
                                 "--json", str(summary_path), "--quiet"])
         _, err = prof.communicate(timeout=120)
         assert prof.returncode == 0, prof.early_stderr + err
@@ -53,3 +55,6 @@ def test_attach_to_a_busy_process_loses_nothing(vllm_python, tmp_path):
     calls = sum(o["count"] for o in summary["ops"] if o["op"] == "rotary_embedding")
     assert calls > 1000, summary["ops"]
     assert summary["lost_events"] == 0, (summary["lost_events"], calls)
+    meta = summary["meta"]
+    assert meta["trap_in_situ_windows"] == "4", meta
+    assert int(meta["trap_in_situ_calls"]) > 1000 and "trap_in_situ_ns" in meta, meta

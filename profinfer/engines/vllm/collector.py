@@ -28,6 +28,8 @@ from profinfer.levels.sched import probe as schedprobe
 ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
 # the programs' tallies, by their index (bpf/vllm.bpf.c PV_TALLY_*)
 TALLIES = ("too_deep", "other_processes", "unsent", "typed")
+# the in-target trap is measured on this many of the ops called most (insitu.py)
+TRAP_OPS = 3
 _U32_P = ctypes.POINTER(ctypes.c_uint32)
 
 
@@ -45,9 +47,11 @@ class OpPlan:
     step_rules: dict = field(default_factory=dict)
     cost_values: dict[str, int] = field(default_factory=dict)   # op: the argument a cost model reads values of
     tensor_check: TensorLayoutCheck | None = None
-    # where a probe that does nothing would cost each call one more trap (insitu.py), by file
-    trap_sites: list[tuple[str, tuple[int, int] | None, list[int]]] = field(default_factory=list)
+    # where a probe that does nothing would cost each call of an op one more trap (insitu.py):
+    # op index: (path, file_id, file offset), in the op's own function's entry block
+    trap_sites: dict[int, tuple[str, tuple[int, int] | None, int]] = field(default_factory=dict)
     traps: insitu.TrapSampler | None = None      # measuring a trap in the target, once calls come
+    trap_ops: list[int] = field(default_factory=list)   # the ops it is measured on
 
 
 class Inbox:
@@ -265,24 +269,26 @@ class VllmCollector(Collector):
             path = paths.get(elf.path, elf.path)
             offsets, cookies = self._wrapper_probes(elf)
             found = self.plan.wrappers.get(elf.path)
-            probed = [(w.symbol, w.place.offset) for w in found.wrappers] if found else []
+            file_id = elf.file_id if path == elf.path else None     # a copy: as it was read
             for i, op in enumerate(self.ops):
                 sym = elf.find(op.symbol) if self.plan.op_library[i] == os.path.basename(elf.path) else None
-                if sym is None or (found and op.name in found.covered):
+                if sym is None:
+                    continue
+                code = elf.code_bytes(sym, 64)
+                if found and op.name in found.covered:
+                    self._note_trap_site(i, path, file_id, sym, code, 0)
                     continue
                 # on the op's own function: the entry probe reads every argument register and
                 # the stack, placed where none has moved (placement.choose), else on the
                 # first instruction; the return probe shares its place (the stack pointer has
                 # not moved: the return address is still on top)
-                place = placement.choose(elf.code_bytes(sym, 64), (1, 2, 3, 4, 5, 6))
+                place = placement.choose(code, (1, 2, 3, 4, 5, 6))
                 self.plan.placements[op.name] = place
                 offsets.append(sym.file_offset + place.offset)
                 cookies.append(i)
-                probed.append((sym, place.offset))
+                self._note_trap_site(i, path, file_id, sym, code, place.offset)
             if not cookies:
                 continue
-            file_id = elf.file_id if path == elf.path else None     # a copy: as it was read
-            self._note_trap_sites(elf, path, file_id, probed)
             # the returns first: a call entered between the two has no open span to close
             self._attach_uprobes(RETURN_PROGRAM, path, offsets, cookies, pid, retprobe=True,
                                  file_id=file_id)
@@ -290,17 +296,13 @@ class VllmCollector(Collector):
             self.n_probes += 2 * len(cookies)
             self.probed_files.add(discovery.file_key(path))
 
-    def _note_trap_sites(self, elf, path: str, file_id, probed: list[tuple]) -> None:
-        """Where, past each probe ((symbol, offset in it)), an instruction the kernel
-        emulates runs on every call (its entry block): the places a trap is measured in the
-        target (insitu.py)."""
-        sites = []
-        for sym, at in probed:
-            after = placement.next_emulated(elf.code_bytes(sym, 64), at)
-            if after is not None:
-                sites.append(sym.file_offset + after)
-        if sites:
-            self.plan.trap_sites.append((path, file_id, sites))
+    def _note_trap_site(self, op: int, path: str, file_id, sym, code: bytes, after: int) -> None:
+        """Where in the op's own function, past `after` (its probe's place, or its first
+        instruction: a wrapper calls it), an instruction the kernel emulates runs on every
+        call (its entry block): where a trap is measured in the target (insitu.py)."""
+        at = placement.next_emulated(code, after)
+        if at is not None and op not in self.plan.trap_sites:
+            self.plan.trap_sites[op] = (path, file_id, sym.file_offset + at)
 
     def _wrapper_probes(self, elf) -> tuple[list[int], list[int]]:
         """The file offsets and cookies of the kernel wrappers probed for the library's ops."""
@@ -345,11 +347,20 @@ class VllmCollector(Collector):
             return
         if "op" not in self.levels or not plan.trap_sites or self.obj is None:
             return
+        # the few ops called most: a probe placed and removed at a handful of sites, not at
+        # every op's, for each window (placing one rewrites the target's code page)
+        calls = np.bincount(ev["op"].astype(np.int64))
+        plan.trap_ops = [int(i) for i in np.argsort(-calls, kind="stable")
+                         if calls[i] and int(i) in plan.trap_sites][:TRAP_OPS]
+        by_file: dict[tuple, list[int]] = {}
+        for i in plan.trap_ops:
+            path, file_id, offset = plan.trap_sites[i]
+            by_file.setdefault((path, file_id), []).append(offset)
         try:
-            plan.traps = insitu.TrapSampler(plan.trap_sites, int(np.bincount(ev["tgid"]).argmax()),
-                                            self.buffer)
+            plan.traps = insitu.TrapSampler([(path, file_id, offsets) for (path, file_id), offsets in by_file.items()],
+                                            int(np.bincount(ev["tgid"]).argmax()), self.buffer)
         except ProfinferError as e:
-            plan.trap_sites = []
+            plan.trap_sites = {}
             self.warnings.append(f"the trap's cost in the target not measured: {e}")
             return
         self._add_companion(plan.traps.obj)
@@ -428,7 +439,9 @@ class VllmCollector(Collector):
         if traps is None:
             return {}
         ns, runs = stats.get(insitu.PROGRAM, (0, 0))
-        found = traps.trap_ns(*self.records.timed(), bare=(runs, ns))
+        start, end, kind = self.records.timed()
+        mine = np.isin(kind >> 32, self.plan.trap_ops)
+        found = traps.trap_ns(start[mine], end[mine], kind[mine], bare=(runs, ns))
         out = {"trap_in_situ_windows": str(len(traps.on))}
         if found is not None:
             out["trap_in_situ_ns"], out["trap_in_situ_calls"] = f"{found[0]:.0f}", str(found[1])
