@@ -82,32 +82,57 @@ static __always_inline u64 slot_value(struct pt_regs *ctx, u32 slot)
     return read_u64(PT_REGS_SP(ctx) + 8 * (slot - 5));
 }
 
+/* TensorImpl from its SizesAndStrides to its dtype, where they lie together (every known
+ * layout: SizesAndStrides' size word, 5 inline sizes and 5 strides, then storage_offset_,
+ * numel_ and data_type_, 106 bytes): read at once, one user-memory read a tensor, not two. */
+#define PV_TI_SPAN 128       /* a power of two: the words are indexed under a mask */
+struct pv_ti_span {
+    u64 words[PV_TI_SPAN / 8];
+};
+
+static __always_inline void unreadable(struct pv_tensor *t)
+{
+    /* nothing read: what the slot held before must not tell calls apart */
+    __builtin_memset(t->sizes, 0, sizeof(t->sizes));
+    t->numel = 0;
+    t->dtype = 0;
+}
+
 static __always_inline void read_tensor(struct pv_tensor *t, u64 impl)
 {
     t->ndim = 0xff;
-    /* SizesAndStrides' size word and its inline sizes in one read, into numel and sizes
-     * (adjacent in pv_tensor): numel holds the dimension count until it is read itself */
-    if (!impl || bpf_probe_read_user(&t->numel, sizeof(t->numel) + sizeof(t->sizes),
-                                     (void *)(impl + cfg.ti_off_sizes))) {
-        /* nothing read: what the slot held before must not tell calls apart */
-        __builtin_memset(t->sizes, 0, sizeof(t->sizes));
-        t->numel = 0;
-        t->dtype = 0;
+    if (!impl) {
+        unreadable(t);
         return;
     }
-    u64 ndim = t->numel;
-    /* up to 5 dims inline (sizes, then strides); beyond, the first word points to them */
-    if (ndim > 5)
-        bpf_probe_read_user(t->sizes, sizeof(t->sizes), (void *)t->sizes[0]);
-    if (cfg.ti_off_dtype == cfg.ti_off_numel + 8) {     /* every known layout: one read */
-        struct { s64 numel; u16 dtype; u16 pad[3]; } nd = {};
-        bpf_probe_read_user(&nd, sizeof(nd.numel) + sizeof(nd.dtype), (void *)(impl + cfg.ti_off_numel));
-        t->numel = nd.numel;
-        t->dtype = nd.dtype;
+    u64 ndim;
+    u64 numel_at = cfg.ti_off_numel - cfg.ti_off_sizes, dtype_at = cfg.ti_off_dtype - cfg.ti_off_sizes;
+    if (cfg.ti_off_numel > cfg.ti_off_sizes && cfg.ti_off_dtype == cfg.ti_off_numel + 8
+        && numel_at % 8 == 0 && dtype_at + 8 <= PV_TI_SPAN) {
+        struct pv_ti_span span;
+        if (bpf_probe_read_user(&span, sizeof(span), (void *)(impl + cfg.ti_off_sizes))) {
+            unreadable(t);
+            return;
+        }
+        ndim = span.words[0];
+        __builtin_memcpy(t->sizes, &span.words[1], sizeof(t->sizes));
+        t->numel = span.words[(numel_at / 8) & (PV_TI_SPAN / 8 - 1)];
+        t->dtype = (u16)span.words[(dtype_at / 8) & (PV_TI_SPAN / 8 - 1)];
     } else {
+        /* SizesAndStrides' size word and its inline sizes in one read, into numel and sizes
+         * (adjacent in pv_tensor): numel holds the dimension count until it is read itself */
+        if (bpf_probe_read_user(&t->numel, sizeof(t->numel) + sizeof(t->sizes),
+                                (void *)(impl + cfg.ti_off_sizes))) {
+            unreadable(t);
+            return;
+        }
+        ndim = t->numel;
         bpf_probe_read_user(&t->dtype, sizeof(t->dtype), (void *)(impl + cfg.ti_off_dtype));
         bpf_probe_read_user(&t->numel, sizeof(t->numel), (void *)(impl + cfg.ti_off_numel));
     }
+    /* up to 5 dims inline (sizes, then strides); beyond, the first word points to them */
+    if (ndim > 5)
+        bpf_probe_read_user(t->sizes, sizeof(t->sizes), (void *)t->sizes[0]);
     t->ndim = ndim > 254 ? 254 : ndim;
 }
 
