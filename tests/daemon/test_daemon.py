@@ -248,8 +248,8 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
     its ops take microseconds). Loaded, the op level goes within 10 s; settled, the levels kept
     are what the governor's stated cost allows, and the governed server's decode rate, against
     an identical unwatched server's in alternating windows (governed.py), is at most 4% lower
-    than their ratio before the daemon started, where the windows resolve it; its op-level counts up to the step down are kept; idle, the
-    last level taken comes back after its wait."""
+    than their ratio before the daemon started, where the windows resolve it; its op-level
+    counts up to the step down are kept; idle, the last level taken comes back after its wait."""
     from governed import alternate, copied_build, cost_against_before, start_server, wait_healthy, window
     pa, pb = _free_port(), _free_port()
     a = start_server(llama_build / "bin", tiny_model, llama_env, pa)

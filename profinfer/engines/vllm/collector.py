@@ -352,13 +352,15 @@ class VllmCollector(Collector):
         calls = np.bincount(ev["op"].astype(np.int64))
         plan.trap_ops = [int(i) for i in np.argsort(-calls, kind="stable")
                          if calls[i] and int(i) in plan.trap_sites][:TRAP_OPS]
+        if not plan.trap_ops:       # none of these calls' ops has a site: the next records'
+            return
         by_file: dict[tuple, list[int]] = {}
         for i in plan.trap_ops:
             path, file_id, offset = plan.trap_sites[i]
             by_file.setdefault((path, file_id), []).append(offset)
         try:
-            plan.traps = insitu.TrapSampler([(path, file_id, offsets) for (path, file_id), offsets in by_file.items()],
-                                            int(np.bincount(ev["tgid"]).argmax()), self.buffer)
+            sites = [(path, file_id, offsets) for (path, file_id), offsets in by_file.items()]
+            plan.traps = insitu.TrapSampler(sites, int(np.bincount(ev["tgid"]).argmax()), self.buffer)
         except ProfinferError as e:
             plan.trap_sites = {}
             self.warnings.append(f"the trap's cost in the target not measured: {e}")
@@ -440,8 +442,8 @@ class VllmCollector(Collector):
             return {}
         ns, runs = stats.get(insitu.PROGRAM, (0, 0))
         start, end, kind = self.records.timed()
-        mine = np.isin(kind >> 32, self.plan.trap_ops)
-        found = traps.trap_ns(start[mine], end[mine], kind[mine], bare=(runs, ns))
+        at_trap_ops = np.isin(kind >> 32, self.plan.trap_ops)
+        found = traps.trap_ns(start[at_trap_ops], end[at_trap_ops], kind[at_trap_ops], bare=(runs, ns))
         out = {"trap_in_situ_windows": str(len(traps.on))}
         if found is not None:
             out["trap_in_situ_ns"], out["trap_in_situ_calls"] = f"{found[0]:.0f}", str(found[1])

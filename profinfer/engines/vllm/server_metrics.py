@@ -7,13 +7,19 @@ asked at once, and one that is no HTTP server (torch's, ZeroMQ's) holds the requ
 timeout, a second each, while the probes' records would pile up unread (bench/results.md)."""
 from __future__ import annotations
 
+import http.client
+import queue
+import threading
+import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-TIMEOUT_S = 1.0
+TIMEOUT_S = 1.0        # each socket operation of one scrape
+FIND_S = 2.0           # looking for the endpoint among every listening port, in all
+MAX_BYTES = 16 << 20   # of one answer read
+MAX_PORTS = 64         # asked, at most (a thread each)
 # counters, and histograms as (count, sum), summed over their label sets (engines, models)
 COUNTERS = ("vllm:prompt_tokens", "vllm:generation_tokens")
 HISTOGRAMS = ("vllm:iteration_tokens_total", "vllm:time_to_first_token_seconds",
@@ -38,16 +44,21 @@ def endpoints(pids: list[int]) -> list[str]:
 
 
 def scrape(url: str) -> dict[str, float] | None:
-    """The metrics profinfer sets beside its own, or None (not vLLM's, or unreachable)."""
+    """The metrics profinfer sets beside its own, or None (not vLLM's, unreachable, or not
+    what it claims: whatever a tenant's port answers is read, never trusted)."""
     try:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as r:
-            text = r.read().decode("utf-8", "replace")
-    except (OSError, ValueError):
+            text = r.read(MAX_BYTES).decode("utf-8", "replace")
+    except (OSError, ValueError, http.client.HTTPException):
         return None
     if "vllm:" not in text:
         return None
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    try:
+        families = list(text_string_to_metric_families(text))
+    except Exception:           # the parser's errors on text it cannot read are of many kinds
+        return None
+    for family in families:
         for sample in family.samples:
             name = sample.name
             if family.name in COUNTERS and name == family.name + "_total":
@@ -59,16 +70,25 @@ def scrape(url: str) -> dict[str, float] | None:
 
 def find(pid: int) -> str | None:
     """The /metrics URL of vLLM's server among the process's and its descendants' listening
-    ports, all asked at once (at most TIMEOUT_S, whatever their number), or None."""
+    ports, all asked at once, or None. At most FIND_S: a port that keeps its request longer
+    (one that trickles bytes keeps it for ever) is given up, its thread left to end alone."""
     try:
         tree = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         return None
-    urls = endpoints(tree)
-    if not urls:
-        return None
-    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
-        return next((url for url, values in zip(urls, pool.map(scrape, urls)) if values is not None), None)
+    urls = list(dict.fromkeys(endpoints(tree)))[:MAX_PORTS]
+    answers: queue.Queue = queue.Queue()
+    for url in urls:
+        threading.Thread(target=lambda u=url: answers.put((u, scrape(u))), daemon=True).start()
+    deadline = time.monotonic() + FIND_S
+    for _ in urls:
+        try:
+            url, values = answers.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
+        if values is not None:
+            return url
+    return None
 
 
 class MetricsWindow:

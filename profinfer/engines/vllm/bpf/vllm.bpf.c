@@ -84,13 +84,15 @@ static __always_inline u64 slot_value(struct pt_regs *ctx, u32 slot)
 
 /* TensorImpl from its SizesAndStrides to its dtype, where they lie together (every known
  * layout: SizesAndStrides' size word, 5 inline sizes and 5 strides, then storage_offset_,
- * numel_ and data_type_, 106 bytes): read at once, one user-memory read a tensor, not two. */
-#define PV_TI_SPAN 128       /* a power of two: the words are indexed under a mask */
+ * numel_ and data_type_, 106 bytes): read at once, one user-memory read a tensor, not two.
+ * PV_TI_READ bytes are read, which end within the object (tensors.py: sizes at 64 or 56 in
+ * a TensorImpl of 184 or 176 bytes), into words indexed under a power-of-two mask. */
+#define PV_TI_READ 112
 struct pv_ti_span {
-    u64 words[PV_TI_SPAN / 8];
+    u64 words[16];
 };
 
-static __always_inline void unreadable(struct pv_tensor *t)
+static __always_inline void mark_unreadable(struct pv_tensor *t)
 {
     /* nothing read: what the slot held before must not tell calls apart */
     __builtin_memset(t->sizes, 0, sizeof(t->sizes));
@@ -102,28 +104,28 @@ static __always_inline void read_tensor(struct pv_tensor *t, u64 impl)
 {
     t->ndim = 0xff;
     if (!impl) {
-        unreadable(t);
+        mark_unreadable(t);
         return;
     }
     u64 ndim;
     u64 numel_at = cfg.ti_off_numel - cfg.ti_off_sizes, dtype_at = cfg.ti_off_dtype - cfg.ti_off_sizes;
     if (cfg.ti_off_numel > cfg.ti_off_sizes && cfg.ti_off_dtype == cfg.ti_off_numel + 8
-        && numel_at % 8 == 0 && dtype_at + 8 <= PV_TI_SPAN) {
+        && numel_at % 8 == 0 && dtype_at + 8 <= PV_TI_READ) {
         struct pv_ti_span span;
-        if (bpf_probe_read_user(&span, sizeof(span), (void *)(impl + cfg.ti_off_sizes))) {
-            unreadable(t);
+        if (bpf_probe_read_user(&span, PV_TI_READ, (void *)(impl + cfg.ti_off_sizes))) {
+            mark_unreadable(t);
             return;
         }
         ndim = span.words[0];
         __builtin_memcpy(t->sizes, &span.words[1], sizeof(t->sizes));
-        t->numel = span.words[(numel_at / 8) & (PV_TI_SPAN / 8 - 1)];
-        t->dtype = (u16)span.words[(dtype_at / 8) & (PV_TI_SPAN / 8 - 1)];
+        t->numel = span.words[(numel_at / 8) & 15];
+        t->dtype = (u16)span.words[(dtype_at / 8) & 15];
     } else {
         /* SizesAndStrides' size word and its inline sizes in one read, into numel and sizes
          * (adjacent in pv_tensor): numel holds the dimension count until it is read itself */
         if (bpf_probe_read_user(&t->numel, sizeof(t->numel) + sizeof(t->sizes),
                                 (void *)(impl + cfg.ti_off_sizes))) {
-            unreadable(t);
+            mark_unreadable(t);
             return;
         }
         ndim = t->numel;
