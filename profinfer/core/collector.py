@@ -487,6 +487,16 @@ class Collector:
             att.stats_fd = -1
 
 
+def ops_recorded_because(levels: set[str], counters: list[str] | None, unit: str) -> str:
+    """Why an op level asked to count its ops in BPF sends each one (each `unit`: a node, a
+    call) instead: what a view asked for needs every one ("" when nothing does)."""
+    if counters:
+        return f"--counters are read per {unit}"
+    if "sched" in levels:
+        return f"the sched level's time per op needs every {unit}"
+    return ""
+
+
 @lru_cache(maxsize=1)
 def _possible_cpus() -> int:
     return perfevents.possible_cpus()

@@ -135,6 +135,21 @@ class OpTotal:
     total_ns: int
 
 
+@dataclass(slots=True)
+class CallTotal:
+    """An op's calls with one argument signature, on one thread, in one phase of its step, at
+    the top level or inside another op: counted where they happened (BPF) instead of recorded
+    one by one, what the op level gives without a timeline (engines whose ops are calls)."""
+    pid: int
+    tid: int
+    op: str
+    args: tuple["TensorArg", ...] | None     # None: not kept (BPF's table of them was full)
+    phase: str           # core.stats.PHASES: of the thread's step when each call began
+    nested: bool         # called from inside another op
+    calls: int
+    total_ns: int
+
+
 @dataclass(frozen=True, slots=True)
 class TensorArg:
     """A tensor argument of a native op call, as it was at the call's entry."""
@@ -219,6 +234,10 @@ class Profile:
     # engines whose ops are functions (vLLM): each call, and the engine's steps
     calls: list[OpCall] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
+    # the calls counted instead (no timeline asked; calls then holds those still sent: the
+    # step ops', ...), and each op's counted calls' durations (core.loghist counts)
+    call_totals: list[CallTotal] = field(default_factory=list)
+    call_hists: dict[str, "np.ndarray"] = field(default_factory=dict)
     # the levels' records: CUDA calls (levels/cuda/records.py), context switches and wakeups
     # (levels/sched/records.py)
     cuda_calls: list = field(default_factory=list)

@@ -61,8 +61,9 @@ class Verdict:
 
 LINE_BYTES = 64
 
-# One op run as the verdicts take it: its cost (None: unknown), duration, counter values.
-CostedRun = tuple[Cost | None, int, tuple | None]
+# One op run as the verdicts take it: its cost (None: unknown), duration, counter values;
+# or runs counted together (their summed cost and duration, no counters, and how many).
+CostedRun = tuple[Cost | None, int, tuple | None] | tuple[Cost | None, int, None, int]
 
 
 def judge_costs(scope: str, items: Iterable[CostedRun], roofs: Roofs, llc_miss_index: int | None = None
@@ -73,13 +74,13 @@ def judge_costs(scope: str, items: Iterable[CostedRun], roofs: Roofs, llc_miss_i
     time_ns = 0
     counted = 0
     miss_lines, miss_ns = 0.0, 0
-    for cost, dur_ns, counters in items:
+    for cost, dur_ns, counters, *runs in items:
         if cost is None or dur_ns <= 0:
             continue
         flops += cost.flops
         bytes_ += cost.bytes
         time_ns += dur_ns
-        counted += 1
+        counted += runs[0] if runs else 1
         if llc_miss_index is not None and counters is not None:
             miss_lines += counters[llc_miss_index]
             miss_ns += dur_ns

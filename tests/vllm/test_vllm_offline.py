@@ -31,19 +31,27 @@ def _truth_key(call: dict) -> tuple:
 
 
 def run_offline(vllm_python, vllm_model, mode: str, tmp_path: Path,
-                extra: tuple[str, ...] = ()) -> tuple[dict, dict, str]:
+                extra: tuple[str, ...] = (), timeline: bool = True) -> tuple[dict, dict, str]:
+    """timeline: with -o (each call sent); without, the op level counts calls in BPF."""
     go, truth_path, summary_path = tmp_path / "go", tmp_path / "truth.json", tmp_path / "summary.json"
     target = start_vllm_truth(vllm_python, vllm_model, mode, go, truth_path)
+    out = ["-o", str(tmp_path / "trace.pftrace")] if timeline else []
     err = attached_run(target, ["attach", "--pid", str(target.pid), "--json", str(summary_path),
-                                "-o", str(tmp_path / "trace.pftrace"), "--quiet", *extra], go)
+                                *out, "--quiet", *extra], go)
     return json.loads(truth_path.read_text()), json.loads(summary_path.read_text()), err
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, mode, tmp_path):
-    truth, summary, err = run_offline(vllm_python, vllm_model, mode, tmp_path)
+@pytest.mark.parametrize("mode, timeline", [("eager", True), ("compiled", True),
+                                            ("eager", False), ("compiled", False)],
+                         ids=["eager", "compiled", "eager-counted", "compiled-counted"])
+def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, mode, timeline, tmp_path):
+    """With a timeline every call is sent; without, BPF counts them by op, shapes, thread and
+    phase, and sends only the step ops' and attention's (whose values it reads): the same
+    figures either way."""
+    truth, summary, err = run_offline(vllm_python, vllm_model, mode, tmp_path, timeline=timeline)
     assert summary["lost_events"] == 0
     assert summary["meta"]["engine"] == "vLLM"
+    assert summary["meta"].get("op_level") == (None if timeline else "counted")
     # every native op call, by op and by each tensor argument's dtype and shape (an empty
     # optional: None), exactly as torch.profiler recorded them in the same process
     want = Counter(_truth_key(c) for c in truth["calls"])
@@ -87,6 +95,8 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, mod
     contexts = sum(p * p for p in prompts) + sum(p + k for k in range(1, 12) for p in prompts)
     attention = [v for scope, v in verdicts.items() if scope.endswith(" cpu_attention_with_kv_cache")]
     assert sum(v["flops"] for v in attention) == 4 * 4 * heads * dim * contexts    # 4 layers
+    if not timeline:
+        return
     # the Perfetto trace holds the same: `report` of it gives the same summary
     reread = tmp_path / "reread.json"
     r = subprocess.run([*PROFINFER, "report", str(tmp_path / "trace.pftrace"), "--json", str(reread)],

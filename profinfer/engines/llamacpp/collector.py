@@ -49,16 +49,6 @@ class TotalsInBpf:
     ops_recorded_because: str = ""
 
 
-def ops_recorded_because(levels: set[str], counters: list[str] | None) -> str:
-    """Why the op level records every node even though counting was asked: what a view
-    needs per node."""
-    if counters:
-        return "--counters are read per node"
-    if "sched" in levels:
-        return "the sched level's time per op needs every node"
-    return ""
-
-
 @dataclass
 class OpStatesAtEnd:
     """The op level's per-thread states BPF still held when collection ended."""
@@ -82,7 +72,7 @@ class Collector(core.Collector):
         needs every node (counters, sched: ops_recorded_because)."""
         super().__init__(pid, levels, pack, lib_paths, root, tensor_layout, ringbuf_pages, buffer,
                          counters, followed_map_fd, open_spans_fd)
-        because = ops_recorded_because(levels, counters) if op_totals and "op" in levels else ""
+        because = core.ops_recorded_because(levels, counters, "node") if op_totals and "op" in levels else ""
         self.totals = TotalsInBpf(graph_totals, op_totals and not because,
                                   GraphTotals(self.dt, self._backend_name), ops_recorded_because=because)
         self.elfs: list = []

@@ -30,6 +30,9 @@ class CallRecords:
         self.counter_dropped = {"migrated": 0, "unreadable": 0, "not running": 0}
         self.calls_per_op = np.zeros(len(ops), np.int64)   # calls parsed so far, by op index
         self._taken = 0                  # calls handed over by take_steps
+        # (tid, step): (end_ns, calls) of a step as BPF saw its calls end, carried by the
+        # next step op's call (a recording whose other calls were counted, not sent)
+        self.step_ends: dict[tuple[int, int], tuple[int, int]] = {}
 
     def add(self, ev: np.ndarray) -> None:
         """Records of one drain (a view: what is kept is copied)."""
@@ -45,11 +48,14 @@ class CallRecords:
             sid = index.get(key)
             if sid is None:
                 sid = index[key] = len(self.signatures)
-                self.signatures.append(self._decode_args(int(ops[i]), t[i, :k]))
+                self.signatures.append(self.decode_args(int(ops[i]), t[i, :k]))
             ids[i] = sid
         self.sig_ids.append(ids)
         if self.n_counters:
             self.counter_values.append(self._scaled_counters(ev))
+        for i in np.flatnonzero(ev["prev_step"]):
+            self.step_ends[(int(ev["tid"][i]), int(ev["prev_step"][i]))] = (
+                int(ev["prev_step_end_ns"][i]), int(ev["prev_step_calls"][i]))
         for i in np.flatnonzero(ev["n_values"]):
             self.values[self.n_calls + int(i)] = stepmaker.values_of(
                 ev["values"][i], int(ev["n_values"][i]), int(ev["value_bytes"][i]))
@@ -71,7 +77,7 @@ class CallRecords:
         self.counter_dropped["not running"] += int(idle.sum())
         return values
 
-    def _decode_args(self, op_index: int, tensors_read: np.ndarray) -> tuple[TensorArg, ...]:
+    def decode_args(self, op_index: int, tensors_read: np.ndarray) -> tuple[TensorArg, ...]:
         schema_args = self.ops[op_index].schema.args
         args = []
         for t in tensors_read:

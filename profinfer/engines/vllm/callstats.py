@@ -1,5 +1,7 @@
 """Statistics of engines whose ops are function calls (vLLM): per op, per op and argument
-shapes, per step and per phase. Engine-neutral: it reads Profile.calls and Profile.steps."""
+shapes, per step and per phase. Engine-neutral: it reads Profile.calls and Profile.steps, and
+the calls counted instead of sent (Profile.call_totals and call_hists: no timeline asked),
+whose percentiles come from their histograms (core.loghist)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -7,7 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from profinfer.core.model import OpCall, Profile, Step
+from profinfer.core import loghist
+from profinfer.core.model import CallTotal, OpCall, Profile, Step
 from profinfer.core.stats import OpStats
 
 
@@ -44,36 +47,66 @@ class CallProfileStats:
     steps_per_s: float | None = None
 
 
-def signature(call: OpCall) -> tuple[tuple[str, str, tuple[int, ...] | None], ...]:
+# the signature of calls counted where BPF's table of signatures was full
+NOT_KEPT = (("(shapes not kept)", "", None),)
+
+
+def signature(call: OpCall | CallTotal) -> tuple[tuple[str, str, tuple[int, ...] | None], ...]:
+    if call.args is None:
+        return NOT_KEPT
     return tuple((a.name, a.dtype, a.shape) for a in call.args)
+
+
+def _op_stats(profile: Profile, total_ns: int) -> list[OpStats]:
+    """Per op: the calls sent, each timed, and those counted, with their histogram."""
+    by_op: dict[str, list[int]] = defaultdict(list)
+    for c in profile.calls:
+        by_op[c.op].append(c.dur_ns)
+    counted: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for t in profile.call_totals:
+        counted[t.op][0] += t.calls
+        counted[t.op][1] += t.total_ns
+    ops = []
+    for name in by_op.keys() | counted.keys():
+        d = np.asarray(by_op.get(name, ()), dtype=np.int64)
+        calls, ns = counted.get(name, (0, 0))
+        n, ns = len(d) + calls, int(d.sum()) + ns
+        if not n:
+            continue
+        hist = profile.call_hists.get(name)
+        if calls and hist is not None:
+            p50, p99 = loghist.percentiles(loghist.add(hist, d), [50, 99])
+        elif len(d):
+            p50, p99 = (float(x) for x in np.percentile(d, [50, 99]))
+        else:
+            p50 = p99 = None
+        ops.append(OpStats(name, n, ns, ns / n, p50, p99, ns / total_ns))
+    ops.sort(key=lambda o: -o.total_ns)
+    return ops
 
 
 def compute(profile: Profile) -> CallProfileStats:
     top = [c for c in profile.calls if c.depth == 0]
-    by_op: dict[str, list[int]] = defaultdict(list)
-    for c in profile.calls:
-        by_op[c.op].append(c.dur_ns)
-    total = sum(c.dur_ns for c in top) or 1
-    ops = []
-    for name, durs in by_op.items():
-        d = np.asarray(durs, dtype=np.int64)
-        ops.append(OpStats(name, len(d), int(d.sum()), float(d.mean()), float(np.percentile(d, 50)),
-                             float(np.percentile(d, 99)), float(d.sum()) / total))
-    ops.sort(key=lambda o: -o.total_ns)
+    counted_top = [t for t in profile.call_totals if not t.nested]
+    op_total = sum(c.dur_ns for c in top) + sum(t.total_ns for t in counted_top)
+    ops = _op_stats(profile, op_total or 1)
     shapes: dict[tuple, ShapeStats] = {}
-    for c in profile.calls:
+    for c in (*profile.calls, *profile.call_totals):
         key = (c.op, signature(c))
+        calls, ns = (c.calls, c.total_ns) if isinstance(c, CallTotal) else (1, c.dur_ns)
         s = shapes.get(key)
         if s is None:
-            shapes[key] = ShapeStats(c.op, key[1], 1, c.dur_ns)
+            shapes[key] = ShapeStats(c.op, key[1], calls, ns)
         else:
-            s.count += 1
-            s.total_ns += c.dur_ns
+            s.count += calls
+            s.total_ns += ns
     threads: dict[int, int] = defaultdict(int)
     for c in top:
         threads[c.tid] += c.dur_ns
+    for t in counted_top:
+        threads[t.tid] += t.total_ns
     st = CallProfileStats(ops, sorted(shapes.values(), key=lambda s: -s.total_ns), profile.steps,
-                          op_total_ns=sum(c.dur_ns for c in top), threads=dict(threads))
+                          op_total_ns=op_total, threads=dict(threads))
     phases = {"prefill": PhaseStats(), "decode": PhaseStats(), "mixed": PhaseStats()}
     calls_by_step = _op_time_by_step(top, profile.steps)
     for step, op_ns in zip(profile.steps, calls_by_step):
@@ -84,6 +117,9 @@ def compute(profile: Profile) -> CallProfileStats:
         ph.op_ns += op_ns
         st.prefill_tokens += step.prefill_tokens
         st.decode_tokens += step.decode_tokens
+    for t in counted_top:           # counted in the phase of the step each call began in
+        if t.phase in phases:
+            phases[t.phase].op_ns += t.total_ns
     st.phases = phases
     if len(profile.steps) > 1:
         span = profile.steps[-1].end_ns - profile.steps[0].start_ns

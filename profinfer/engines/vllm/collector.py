@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,7 +15,7 @@ import psutil
 
 from profinfer.core import discovery, insitu, libbpf, procfs
 from profinfer.core.arch import placement
-from profinfer.core.collector import Collector, add_hits, program_costs
+from profinfer.core.collector import Collector, add_hits, ops_recorded_because, program_costs
 from profinfer.core.errors import ProfinferError
 from profinfer.core.model import Profile, Step
 from profinfer.core.packs import Pack, copies_of_probed
@@ -23,6 +24,7 @@ from profinfer.engines.vllm import ops as native, steps as stepmaker, tensors, w
 from profinfer.engines.vllm.calls import CallRecords, TensorLayoutCheck
 from profinfer.engines.vllm import server_metrics
 from profinfer.engines.vllm.server_metrics import MetricsWindow
+from profinfer.engines.vllm.totals import CallTotals
 from profinfer.levels.sched import probe as schedprobe
 
 ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
@@ -30,6 +32,8 @@ ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
 TALLIES = ("too_deep", "other_processes", "unsent", "typed")
 # the in-target trap is measured on this many of the ops called most (insitu.py)
 TRAP_OPS = 3
+# calls counted, not sent: how often the counts are looked at for the ops called most
+TRAP_LOOK_S = 1.0
 _U32_P = ctypes.POINTER(ctypes.c_uint32)
 
 
@@ -79,9 +83,18 @@ class VllmCollector(Collector):
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
                  buffer: str = "auto", counters: list[str] | None = None,
-                 followed_map_fd: int | None = None, open_spans_fd: int | None = None):
+                 followed_map_fd: int | None = None, open_spans_fd: int | None = None,
+                 op_totals: bool = False):
+        """With op_totals, the op level's calls are counted in BPF (totals.py; the Profile's
+        call_totals), not sent, except those a step or a cost model reads values of, unless
+        a view asked for needs every call (counters, sched: ops_recorded_because)."""
         super().__init__(pid, levels, pack, lib_paths, root, tensor_layout, ringbuf_pages, buffer,
                          counters, followed_map_fd, open_spans_fd)
+        self.recorded_because = ops_recorded_because(levels, counters, "call") if op_totals and "op" in levels else ""
+        self.counting = op_totals and "op" in levels and not self.recorded_because
+        self.totals: CallTotals | None = None     # the counts' reader, made at attach
+        self._sending: set[int] = set()           # counted ops sent for now (the trap's measure)
+        self._trap_look_at = 0.0                  # when the counts are next looked at for it
         self.plan = OpPlan()
         self.elfs = []
         self.probed_files: set[tuple[int, int]] = set()
@@ -155,6 +168,9 @@ class VllmCollector(Collector):
             self._open_counters()
             self.counter_names = [c.name for c in self.counters.counters]
         self.records = CallRecords(self.ops, plan.op_library, self.consts, len(self.counter_names))
+        if self.counting:
+            self.totals = CallTotals(self.dt, self.consts, [op.name for op in self.ops],
+                                     self.records.decode_args)
 
     def _find_ops(self) -> None:
         """The native ops of the engine's libraries to probe (the pack's declared ones, or
@@ -197,6 +213,7 @@ class VllmCollector(Collector):
     def _size_maps(self) -> None:
         self.obj.set_max_entries("threads", 256)
         self.obj.set_max_entries("counters", self.consts["PI_MAX_COUNTERS"] * self.n_cpus)
+        self.obj.set_max_entries("op_hists", max(1, len(self.ops)))
 
     def _programs(self) -> set[str]:
         return {ENTRY_PROGRAM, RETURN_PROGRAM}
@@ -212,13 +229,9 @@ class VllmCollector(Collector):
             self._follow_tree()
         if self.counters:
             self.counters.install(self.obj.map_fd("counters"), self.n_cpus)
-        specs, by_fn = self.obj.map_fd("op_specs"), self.obj.map_fd("op_by_fn")
-        typed = self.consts["PV_MAX_OPS"]        # a typed wrapper's spec: its op's index plus this
-        for i, op in enumerate(self.ops):
-            libbpf.map_update(specs, i.to_bytes(4, "little"), self._spec(op).tobytes())
-            shifted = native.describe(op.schema, op.symbol, leading=2)
-            if shifted is not None:
-                libbpf.map_update(specs, (i + typed).to_bytes(4, "little"), self._spec(shifted).tobytes())
+        for i in range(len(self.ops)):
+            self._write_specs(i)
+        by_fn = self.obj.map_fd("op_by_fn")
         for lib, elf in enumerate(self.elfs):     # the ops the wrappers call, by their functions
             found = self.plan.wrappers.get(elf.path)
             for i, op in enumerate(self.ops):
@@ -252,8 +265,18 @@ class VllmCollector(Collector):
         cfg["ti_off_numel"], cfg["ti_off_dtype"] = lay.numel, lay.dtype
         cfg["n_counters"] = len(self.counters.counters) if self.counters else 0
         cfg["n_cpus"] = self.n_cpus
+        cfg["op_totals_only"] = int(self.counting)
 
-    def _spec(self, op: native.NativeOp) -> np.ndarray:
+    def _write_specs(self, i: int) -> None:
+        """Op i's specs: its own function's, and a typed wrapper's (its index plus PV_MAX_OPS)."""
+        op, fd = self.ops[i], self.obj.map_fd("op_specs")
+        libbpf.map_update(fd, i.to_bytes(4, "little"), self._spec(op, i).tobytes())
+        shifted = native.describe(op.schema, op.symbol, leading=2)
+        if shifted is not None:
+            libbpf.map_update(fd, (i + self.consts["PV_MAX_OPS"]).to_bytes(4, "little"),
+                              self._spec(shifted, i).tobytes())
+
+    def _spec(self, op: native.NativeOp, i: int) -> np.ndarray:
         spec = np.zeros(1, self.dt["pv_op_spec"])
         spec["n_args"] = len(op.kinds)
         spec["kind"][0, :len(op.kinds)] = op.kinds
@@ -261,6 +284,9 @@ class VllmCollector(Collector):
         rule = self.step_rules.get(op.name)
         spec["values_of"] = rule.values_arg if rule else self.plan.cost_values.get(op.name, 0xff)
         spec["starts_step"] = int(rule is not None)
+        # counted in BPF, still sent: what a step or a cost model reads per call, and for now
+        # the ops the in-target trap is measured on
+        spec["send"] = int(rule is not None or op.name in self.plan.cost_values or i in self._sending)
         return spec
 
     def _attach_ops(self, elfs, paths: dict[str, str]) -> None:
@@ -329,27 +355,50 @@ class VllmCollector(Collector):
 
     def _parse(self) -> None:
         ev = self._inbox.ops.take()
-        if ev is None:
-            return
-        if not self.tensor_check.trusted:
-            self.tensor_check.check(ev, self.ops)
-        self.records.add(ev)
-        self.n_events += len(ev)
-        self.decoding = True
-        self._sample_traps(ev)
+        if ev is not None:
+            if not self.tensor_check.trusted:
+                self.tensor_check.check(ev, self.ops)
+            self.records.add(ev)
+            self.n_events += len(ev)
+            self.decoding = True
+        if ev is not None or self.counting:
+            self._sample_traps(ev)
 
-    def _sample_traps(self, ev: np.ndarray) -> None:
+    def _calls_so_far(self, ev: np.ndarray | None) -> tuple[np.ndarray, int] | None:
+        """Calls by op index, and the process that made most, from these records, or where
+        calls are counted from the counts (looked at every TRAP_LOOK_S); None: not now."""
+        if not self.counting:
+            return np.bincount(ev["op"].astype(np.int64)), int(np.bincount(ev["tgid"]).argmax())
+        now = time.monotonic()
+        if now < self._trap_look_at:
+            return None
+        self._trap_look_at = now + TRAP_LOOK_S
+        counted = self.totals.totals(self.obj)
+        if not counted:
+            return None
+        by_process: dict[int, int] = {}
+        for t in counted:
+            by_process[t.pid] = by_process.get(t.pid, 0) + t.calls
+        return self.totals.calls_by_op(self.obj), max(by_process, key=by_process.get)
+
+    def _sample_traps(self, ev: np.ndarray | None) -> None:
         """Measure a trap in the target (insitu.py) from once the op level's calls come, in
-        the process that makes them; a failure to is said, and the calibration's cost used."""
+        the process that makes them; a failure to is said, and the calibration's cost used.
+        Where calls are counted, those of the ops it is measured on are sent meanwhile."""
         plan = self.plan
         if plan.traps is not None:
             plan.traps.tick()
+            if self._sending and (plan.traps.done or plan.traps.error):
+                self._send_for_now(set())
             return
         if "op" not in self.levels or not plan.trap_sites or self.obj is None:
             return
+        found = self._calls_so_far(ev)
+        if found is None:
+            return
+        calls, pid = found
         # the few ops called most: a probe placed and removed at a handful of sites, not at
         # every op's, for each window (placing one rewrites the target's code page)
-        calls = np.bincount(ev["op"].astype(np.int64))
         plan.trap_ops = [int(i) for i in np.argsort(-calls, kind="stable")
                          if calls[i] and int(i) in plan.trap_sites][:TRAP_OPS]
         if not plan.trap_ops:       # none of these calls' ops has a site: the next records'
@@ -360,12 +409,20 @@ class VllmCollector(Collector):
             by_file.setdefault((path, file_id), []).append(offset)
         try:
             sites = [(path, file_id, offsets) for (path, file_id), offsets in by_file.items()]
-            plan.traps = insitu.TrapSampler(sites, int(np.bincount(ev["tgid"]).argmax()), self.buffer)
+            plan.traps = insitu.TrapSampler(sites, pid, self.buffer)
         except ProfinferError as e:
             plan.trap_sites = {}
             self.warnings.append(f"the trap's cost in the target not measured: {e}")
             return
         self._add_companion(plan.traps.obj)
+        if self.counting:
+            self._send_for_now(set(plan.trap_ops))
+
+    def _send_for_now(self, ops: set[int]) -> None:
+        """Counted calls of these ops are sent (none: all counted again)."""
+        changed, self._sending = self._sending ^ ops, ops
+        for i in changed:
+            self._write_specs(i)
 
     def refresh_process_info(self) -> None:
         if self._tree_fd >= 0 and self.obj is not None:
@@ -393,8 +450,35 @@ class VllmCollector(Collector):
         """What the probes cost so far (see _cost), while collecting (a daemon's governor)."""
         if not self._counting_costs():
             return {}
-        return self._cost(self.obj.program_stats(), self.records.calls_by_op(),
+        return self._cost(self.obj.program_stats(), self._calls_by_op(),
                           self._read_tallies([("unsent", TALLIES.index("unsent"))])["unsent"])
+
+    def _calls_by_op(self) -> dict[str, int]:
+        """Calls so far by op name: sent and counted."""
+        out = self.records.calls_by_op()
+        if self.counting and self.obj is not None:
+            for op, n in zip(self.ops, self.totals.calls_by_op(self.obj).tolist()):
+                if n:
+                    out[op.name] = out.get(op.name, 0) + n
+        return out
+
+    def take_op_totals(self) -> dict[str, tuple[int, int]]:
+        """Calls counted (not sent) since the last take, (calls, ns) by op (a daemon's)."""
+        if not self.counting or self.obj is None:
+            return {}
+        self.records.take_steps(self.step_rules)    # what was sent is another's to keep
+        self.records.step_ends.clear()
+        return self.totals.take(self.obj)
+
+    def _step_ends_now(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """Each thread's current step as BPF saw its calls end: (tid, step): (end_ns, calls)."""
+        dt, out = self.dt["pv_thread"], {}
+        for k, v in libbpf.map_items(self.obj.map_fd("threads"), 4, dt.itemsize):
+            th = np.frombuffer(v, dt)[0]
+            if int(th["step"]):
+                out[(int.from_bytes(k, "little"), int(th["step"]))] = (int(th["step_end_ns"]),
+                                                                       int(th["step_calls"]))
+        return out
 
     def op_name(self, index: int) -> str:
         """The op a thread's open span names (a level under the engine reads it)."""
@@ -409,9 +493,14 @@ class VllmCollector(Collector):
         stats = self._program_stats()
         tallies = self._read_tallies((name, i) for i, name in enumerate(TALLIES))
         steps = steps_begun(self.obj)
+        calls_by_op = self._calls_by_op()
+        counted, hists, step_ends = [], {}, None
+        if self.counting:
+            counted, hists = self.totals.totals(self.obj), self.totals.hists(self.obj)
+            step_ends = {**self.records.step_ends, **self._step_ends_now()}
         self.detach()
         calls = self.records.calls()
-        self.bpf_stats = self._cost(stats, self.records.calls_by_op(), tallies["unsent"])
+        self.bpf_stats = self._cost(stats, calls_by_op, tallies["unsent"])
         trap_meta = self._trap_in_situ(stats)
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
@@ -420,15 +509,25 @@ class VllmCollector(Collector):
         if self.counter_names:
             prof.counter_names = list(self.counter_names)
             prof.counter_dropped = dict(self.records.counter_dropped)
-        prof.steps = stepmaker.steps(calls, self.step_rules)
+        prof.steps = stepmaker.steps(calls, self.step_rules, step_ends)
+        prof.call_totals = counted
+        for i, counts in hists.items():
+            name = self.ops[i].name        # an op in two libraries: one histogram
+            prof.call_hists[name] = prof.call_hists[name] + counts if name in prof.call_hists else counts
         prof.meta.update(self._meta(tallies))
+        if self.counting:
+            prof.meta["op_level"] = "counted"
+        elif self.recorded_because:
+            prof.meta["op_level"] = f"calls ({self.recorded_because})"
+
         prof.meta["steps_begun"] = str(steps)
         prof.meta.update(trap_meta)
         if server:
             prof.meta["server_metrics_url"] = self._server_metrics.url
             prof.meta.update((f"server:{k}", f"{v:g}") for k, v in sorted(server.items()))
         # the processes whose ops were recorded (a worker child, not the API server)
-        prof.meta["op_processes"] = ",".join(str(p) for p in sorted({c.pid for c in calls}))
+        prof.meta["op_processes"] = ",".join(str(p) for p in sorted({c.pid for c in calls}
+                                                                  | {t.pid for t in counted}))
         warning = self.tensor_check.warning(self.n_events)
         if warning:
             self.warnings.append(warning)

@@ -27,10 +27,11 @@ def tensor_bytes(shape: tuple[int, ...], dtype: str) -> float:
 
 
 def call_cost(call, rule: dict, query_lens: tuple[int, ...] = ()) -> Cost | None:
-    """`query_lens`: the new tokens of each sequence in the call's step (attention)."""
-    args = {a.name: a for a in call.args}
+    """`query_lens`: the new tokens of each sequence in the call's step (attention). A call
+    counted, not sent, has no values: no attention cost (its op is sent)."""
+    args = {a.name: a for a in call.args or ()}
     if "attention" in rule:
-        return _attention_cost(args, rule["attention"], call.values, query_lens)
+        return _attention_cost(args, rule["attention"], getattr(call, "values", ()), query_lens)
     mm = rule.get("matmul")
     if mm is None:
         return None
@@ -71,4 +72,10 @@ def call_verdicts(profile, roofs: Roofs, rules: dict[str, dict]) -> list[Verdict
         phase = step.phase if step else "other"
         cost = call_cost(c, rule, step.query_lens if step else ())
         groups.setdefault(f"{phase} {c.op}", []).append((cost, c.dur_ns, c.counters))
+    for t in profile.call_totals:       # counted: one signature's calls at once
+        rule = rules.get(t.op)
+        cost = call_cost(t, rule) if rule else None
+        if cost is not None:
+            groups.setdefault(f"{t.phase} {t.op}", []).append(
+                (Cost(cost.flops * t.calls, cost.bytes * t.calls), t.total_ns, None, t.calls))
     return judge_groups(groups, roofs, profile.counter_names)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer.core import packs, recorded_calibration
+from profinfer.core import loghist, packs, recorded_calibration
 from profinfer.core.model import Profile
 from profinfer.core.sections import ReportSection, SummarySection, View, roofline_keys
 from profinfer.core.tables import ms, op_table, print_cost, print_lost, roofline_origin, roofline_table, us
@@ -17,12 +17,12 @@ TOP_SHAPES = 15
 
 
 def holds(profile: Profile) -> bool:
-    return bool(profile.calls or profile.steps)
+    return bool(profile.calls or profile.steps or profile.call_totals)
 
 
 def call_stats(profile: Profile) -> CallProfileStats:
     """callstats.compute, once per profile (the main view and the server table share it)."""
-    key = (len(profile.calls), len(profile.steps))
+    key = (len(profile.calls), len(profile.steps), len(profile.call_totals))
     cached = profile.__dict__.get("_call_stats")
     if cached is None or cached[0] != key:
         cached = profile.__dict__["_call_stats"] = (key, callstats.compute(profile))
@@ -70,7 +70,7 @@ def _main_keys(profile: Profile) -> dict:
 
 
 def _cost_rules(profile: Profile) -> dict[str, dict]:
-    return packs.cost_rules(profile.meta.get("pack")) if profile.calls else {}
+    return packs.cost_rules(profile.meta.get("pack")) if profile.calls or profile.call_totals else {}
 
 
 def _roofline_keys(profile: Profile) -> dict:
@@ -129,6 +129,9 @@ def server_table(rows: list[callstats.ServerRow]) -> Table:
 def _print_main(profile: Profile, console: Console) -> None:
     st = call_stats(profile)
     console.print(op_table(st.ops, "Native ops (all threads)"))
+    if profile.call_totals:
+        console.print(f"[dim]calls counted in BPF (no timeline asked): p50 and p99 from a log "
+                      f"histogram, within {loghist.PRECISION:.0%}; -o trace.pftrace records each call[/]")
     console.print(shape_table(st))
     if st.steps:
         console.print(step_table(st))

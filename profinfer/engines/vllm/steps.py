@@ -44,9 +44,12 @@ def values_of(raw: np.ndarray, n: int, value_bytes: int) -> tuple[int, ...]:
     return tuple(int(v) for v in raw[:n])
 
 
-def steps(calls: list[OpCall], step_rules: dict[str, StepRule]) -> list[Step]:
+def steps(calls: list[OpCall], step_rules: dict[str, StepRule],
+          ends: dict[tuple[int, int], tuple[int, int]] | None = None) -> list[Step]:
     """One Step per (process, thread, step number) that holds its step op's call: BPF numbers
-    each thread's steps at their step op (open_spans), and each call carries its number."""
+    each thread's steps at their step op (open_spans), and each call carries its number.
+    `ends`: where the step's calls were counted, not sent, its end and calls as BPF saw them,
+    by (thread, step)."""
     if not step_rules:
         return []
     by_key: dict[tuple[int, int, int], Step] = {}
@@ -62,4 +65,8 @@ def steps(calls: list[OpCall], step_rules: dict[str, StepRule]) -> list[Step]:
         group = members[key]
         step.end_ns = max(c.end_ns for c in group)
         step.n_calls = len(group)
+        seen = ends.get(key[1:]) if ends else None
+        if seen is not None and seen[1]:
+            step.end_ns = max(step.end_ns, seen[0])
+            step.n_calls = seen[1]
     return sorted(by_key.values(), key=lambda s: (s.start_ns, s.tid))

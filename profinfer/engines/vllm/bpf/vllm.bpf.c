@@ -7,6 +7,8 @@
  * is a tensor. At entry the tensors' shapes and dtypes are read from
  * their c10::TensorImpl (offsets in cfg), and the values of one small integer tensor where
  * the spec asks (a step's query start locations); the call is sent at its return.
+ * Where no timeline is asked (cfg.op_totals_only), a call is counted at its return instead
+ * (count_call), and sent only where its spec says.
  * Attach cookies need Linux 5.15, bpf_loop 5.17.
  */
 #define PI_ENGINE_EVENTS "vllm.h"
@@ -66,6 +68,30 @@ static __always_inline void tally(u32 which)
 {
     tally_in(&tallies, which);
 }
+
+/* The op level counted (vllm.h: PV_PHASE_OTHER): calls by op, signature, thread, phase and
+ * nesting; each signature's tensors, kept at its first call; each op's durations. */
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, 16384);
+    __type(key, struct pv_total_key);
+    __type(value, struct pv_call_total);
+} call_totals SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(map_flags, BPF_F_NO_PREALLOC);     /* 2 KiB a signature: made as they come */
+    __uint(max_entries, 4096);
+    __type(key, struct pv_sig_key);
+    __type(value, struct pv_tensor[PV_MAX_TENSORS]);
+} call_sigs SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, 1);                   /* sized to the ops probed */
+    __type(key, u32);
+    __type(value, struct pv_op_hist);
+} op_hists SEC(".maps");
 
 /* An integer argument slot: registers first, then the stack above the return address (the
  * entry probe sits before the function moves its stack pointer). */
@@ -229,6 +255,145 @@ static __always_inline u32 wrapped_op(struct pt_regs *ctx, u64 cookie, u32 at)
     return op ? *op : PV_OP_NONE;
 }
 
+/* A step's phase from its query start locations (steps.py, Step.phase): a sequence of one
+ * new token decodes, any other prefills. */
+struct phase_walk {
+    struct pv_op_event *ev;
+    s64 prev;
+    u32 prefill;
+    u32 decode;
+};
+
+static long phase_of_seq(u32 i, struct phase_walk *w)
+{
+    struct pv_op_event *ev = w->ev;
+    if (i >= ev->n_values)
+        return 1;
+    s64 v = ev->value_bytes == 4 ? (s64)((s32 *)ev->values)[i & (2 * PV_MAX_VALUES - 1)]
+                                 : ev->values[i & (PV_MAX_VALUES - 1)];
+    if (i) {
+        if (v - w->prev == 1)
+            w->decode = 1;
+        else
+            w->prefill = 1;
+    }
+    w->prev = v;
+    return 0;
+}
+
+static __always_inline u32 step_phase(struct pv_op_event *ev)
+{
+    struct phase_walk w = {.ev = ev};
+    bpf_loop(2 * PV_MAX_VALUES, phase_of_seq, &w, 0);
+    if (!w.prefill)
+        return PV_PHASE_DECODE;
+    return w.decode ? PV_PHASE_MIXED : PV_PHASE_PREFILL;
+}
+
+/* The thread's next step begins at this step op's call: the one before, as its calls
+ * ended, goes with this call's record. */
+static __always_inline void begin_step(struct pv_thread *th, struct pv_op_event *ev, u64 step, u32 phase)
+{
+    ev->prev_step = th->step;
+    ev->prev_step_end_ns = th->step_end_ns;
+    ev->prev_step_calls = th->step_calls;
+    th->step = step;
+    th->step_end_ns = 0;
+    th->step_calls = 0;
+    th->phase = phase;
+}
+
+/* A call's argument signature: its tensors' arguments, dtypes and sizes, hashed (0 is kept
+ * for "not kept"). */
+struct sig_walk {
+    struct pv_op_event *ev;
+    u64 h;
+};
+
+static __always_inline u64 mix(u64 h, u64 word)
+{
+    h = (h ^ word) * 0x9e3779b97f4a7c15ULL;
+    return h ^ (h >> 29);
+}
+
+static long hash_tensor(u32 i, struct sig_walk *w)
+{
+    if (i >= w->ev->n_tensors || i >= PV_MAX_TENSORS)
+        return 1;
+    struct pv_tensor *t = &w->ev->t[i & (PV_MAX_TENSORS - 1)];
+    u64 h = mix(w->h, ((u64)t->arg << 24) | ((u64)t->ndim << 16) | t->dtype);
+    u32 ndim = t->ndim == 0xff ? 0 : t->ndim;
+#pragma unroll
+    for (u32 d = 0; d < PV_MAX_DIMS; d++) {
+        if (d < ndim)
+            h = mix(h, t->sizes[d]);
+    }
+    w->h = h;
+    return 0;
+}
+
+static __always_inline u32 log2_u64(u64 v)
+{
+    u32 r = 0;
+    if (v >> 32) { v >>= 32; r += 32; }
+    if (v >> 16) { v >>= 16; r += 16; }
+    if (v >> 8) { v >>= 8; r += 8; }
+    if (v >> 4) { v >>= 4; r += 4; }
+    if (v >> 2) { v >>= 2; r += 2; }
+    if (v >> 1) r += 1;
+    return r;
+}
+
+/* vllm.h: PV_HIST_SUB buckets a power of two (8: the shift by e - 3) */
+static __always_inline u32 hist_bucket(u64 ns)
+{
+    if (ns < PV_HIST_SUB)
+        return ns;
+    u32 e = log2_u64(ns);
+    if (e > PV_HIST_MAX_LOG2)
+        return PV_HIST_BUCKETS - 1;
+    return PV_HIST_SUB * (e - 2) + ((ns >> (e - 3)) & (PV_HIST_SUB - 1));
+}
+
+/* The call counted, not sent: into its key's total (a new key's signature kept), and its
+ * duration into its op's histogram. */
+static __always_inline void count_call(struct pv_op_event *ev, u32 depth)
+{
+    struct sig_walk w = {.ev = ev, .h = 0xcbf29ce484222325ULL};
+    bpf_loop(PV_MAX_TENSORS, hash_tensor, &w, 0);
+    struct pv_total_key key = {.sig = w.h ? w.h : 1, .op = ev->op, .tid = ev->tid,
+                               .tgid = ev->tgid, .phase = ev->phase, .nested = depth > 0};
+    struct pv_call_total *t = bpf_map_lookup_elem(&call_totals, &key);
+    if (!t) {
+        struct pv_call_total zero = {};
+        if (!bpf_map_update_elem(&call_totals, &key, &zero, BPF_NOEXIST)) {
+            struct pv_sig_key sk = {.sig = key.sig, .op = ev->op,
+                                    .n_tensors = ev->n_tensors > PV_MAX_TENSORS ? PV_MAX_TENSORS : ev->n_tensors};
+            bpf_map_update_elem(&call_sigs, &sk, ev->t, BPF_NOEXIST);
+        }
+        t = bpf_map_lookup_elem(&call_totals, &key);
+        if (!t) {               /* full: its op's calls of signatures not kept */
+            key.sig = 0;
+            bpf_map_update_elem(&call_totals, &key, &zero, BPF_NOEXIST);
+            t = bpf_map_lookup_elem(&call_totals, &key);
+            if (!t) {
+                count_lost(1);
+                return;
+            }
+        }
+    }
+    u64 ns = ev->end_ns > ev->start_ns ? ev->end_ns - ev->start_ns : 0;
+    __sync_fetch_and_add(&t->calls, 1);
+    __sync_fetch_and_add(&t->ns, ns);
+    u32 op = ev->op;
+    struct pv_op_hist *h = bpf_map_lookup_elem(&op_hists, &op);
+    if (h) {
+        u32 b = hist_bucket(ns);
+        if (b < PV_HIST_BUCKETS)
+            __sync_fetch_and_add(&h->buckets[b], 1);
+    }
+}
+
 SEC("uprobe")
 int vop_enter(struct pt_regs *ctx)
 {
@@ -291,6 +456,9 @@ int vop_enter(struct pt_regs *ctx)
     ev->depth = depth;
     ev->n_values = 0;
     ev->value_bytes = 0;
+    ev->step = 0;
+    ev->prev_step = 0;
+    ev->send = spec->send;
     struct arg_walk a = {.ctx = ctx, .spec = spec, .ev = ev};
     if (at == PV_AT_BOXED) {    /* std::vector<IValue>*: its end pointer is its second word */
         a.boxed = 1;
@@ -305,6 +473,7 @@ int vop_enter(struct pt_regs *ctx)
         bpf_probe_read_user(&dtype, sizeof(dtype), (void *)(values_impl + cfg.ti_off_dtype));
         read_values(ev, values_impl, dtype);
     }
+    u32 phase = spec->starts_step ? step_phase(ev) : PV_PHASE_OTHER;
     ev->flags = 0;
     if (cfg.n_counters) {       /* last before the clock: the call's own work is what counts */
         ev->cpu = bpf_get_smp_processor_id();
@@ -318,11 +487,13 @@ int vop_enter(struct pt_regs *ctx)
         if (spec->starts_step) {
             span->step++;
             span->step_start_ns = ev->start_ns;
+            begin_step(th, ev, span->step, phase);
         }
         span->op = op;
         span->op_start_ns = ev->start_ns;
         ev->step = span->step;
     }
+    ev->phase = ev->step ? th->phase : PV_PHASE_OTHER;
     return 0;
 }
 
@@ -357,6 +528,11 @@ int vop_return(struct pt_regs *ctx)
     if (ev->op == PV_OP_NONE)   /* nothing was opened: nothing to send or reopen */
         return 0;
     ev->end_ns = now;
+    if (ev->step && ev->step == th->step) {     /* the step's end, as its calls return */
+        th->step_calls++;
+        if (now > th->step_end_ns)
+            th->step_end_ns = now;
+    }
     if (cfg.n_counters && !ev->flags) {
         if (bpf_get_smp_processor_id() != ev->cpu) {
             ev->flags |= PV_CTR_MIGRATED;
@@ -372,16 +548,20 @@ int vop_return(struct pt_regs *ctx)
             }
         }
     }
-    /* a record as long as what it holds: most calls have a few tensors and no values */
-    u32 size = sizeof(*ev);
-    if (!ev->n_values) {
-        u32 n = ev->n_tensors;
-        if (n > PV_MAX_TENSORS)
-            n = PV_MAX_TENSORS;
-        size = offsetof(struct pv_op_event, t) + n * sizeof(struct pv_tensor);
+    if (cfg.op_totals_only && !ev->send) {
+        count_call(ev, depth);
+    } else {
+        /* a record as long as what it holds: most calls have a few tensors and no values */
+        u32 size = sizeof(*ev);
+        if (!ev->n_values) {
+            u32 n = ev->n_tensors;
+            if (n > PV_MAX_TENSORS)
+                n = PV_MAX_TENSORS;
+            size = offsetof(struct pv_op_event, t) + n * sizeof(struct pv_tensor);
+        }
+        if (emit(ctx, ev, size))
+            count_lost(1);
     }
-    if (emit(ctx, ev, size))
-        count_lost(1);
     struct pi_open_span *span = bpf_map_lookup_elem(&open_spans, &tid);
     if (span) {                 /* the op that called this one, if any, is open again */
         struct pv_op_event *outer = &th->ev[(depth - 1) & (PV_MAX_DEPTH - 1)];

@@ -18,6 +18,21 @@
 #define PV_CTR_MIGRATED 1     /* the thread changed CPU inside the call */
 #define PV_CTR_FAILED 2       /* a counter could not be read */
 
+/* The op level counted in BPF (cfg.op_totals_only: no timeline asked): calls are added to
+ * call_totals by op, argument shapes, thread, phase and nesting, and to the op's duration
+ * histogram, not sent; the calls of ops whose spec says `send` (a step op, an op whose
+ * argument values a cost model reads, an op the in-target trap is measured on) still are.
+ * A phase is the thread's step's, read at its step op from the query start locations. */
+#define PV_PHASE_OTHER 0      /* before the thread's first step (as core.stats.PHASES) */
+#define PV_PHASE_PREFILL 1
+#define PV_PHASE_DECODE 2
+#define PV_PHASE_MIXED 3
+/* A call's duration histogram: below 8 ns one bucket a nanosecond, then 8 buckets for each
+ * power of two up to 2^40 ns (each within 1/8 of its lower bound). */
+#define PV_HIST_SUB 8
+#define PV_HIST_MAX_LOG2 40
+#define PV_HIST_BUCKETS 312   /* PV_HIST_SUB * (PV_HIST_MAX_LOG2 - 2) + PV_HIST_SUB */
+
 /* How a C++ parameter arrives (x86-64 SysV, after the hidden return pointer if any). */
 #define PV_ARG_SKIP 0         /* in a vector register (double), or nothing to read */
 #define PV_ARG_TENSOR 1       /* at::Tensor, by reference or by value: a pointer to its TensorImpl* */
@@ -66,7 +81,8 @@ struct pv_op_spec {
     u8 n_args;
     u8 values_of;             /* read the values of this tensor argument (0xff: none) */
     u8 starts_step;           /* a call of this op begins the thread's next step */
-    u8 pad[5];
+    u8 send;                  /* counted in BPF: still send each call (see PV_PHASE_OTHER) */
+    u8 pad[4];
     u8 kind[PV_MAX_ARGS];
     u8 slot[PV_MAX_ARGS];
 };
@@ -94,7 +110,14 @@ struct pv_op_event {
     u32 value_bytes;          /* 4 or 8 */
     u32 cpu;                  /* where it began (counters are per CPU) */
     u32 flags;                /* PV_CTR_*: why its counter deltas are not valid */
-    u32 pad;
+    u8 send;                  /* its spec's send, at entry */
+    u8 phase;                 /* PV_PHASE_*: its thread's step's at entry */
+    u16 pad;
+    /* a step op's call: the thread's previous step as BPF saw it end (its last call's end
+     * and its calls; 0: none), for a recording whose other calls were counted, not sent */
+    u64 prev_step;
+    u64 prev_step_end_ns;
+    u64 prev_step_calls;
     struct pi_counter_read ctr[PI_MAX_COUNTERS];   /* read at entry; sent: end minus entry */
     struct pv_tensor t[PV_MAX_TENSORS];   /* sent: the first n_tensors, */
     s64 values[PV_MAX_VALUES];            /* and these only when n_values */
@@ -104,9 +127,42 @@ struct pv_op_event {
  * return address's slot: its return is matched by it). */
 struct pv_thread {
     u32 depth;
-    u32 pad;
+    u32 phase;                /* PV_PHASE_* of its current step */
     u64 sp[PV_MAX_DEPTH];
+    u64 step;                 /* the step its step_* count (open_spans' number) */
+    u64 step_end_ns;          /* the latest end of a call begun in that step */
+    u64 step_calls;           /* calls begun in that step that returned */
     struct pv_op_event ev[PV_MAX_DEPTH];
+};
+
+/* call_totals' key: an op's calls with one argument signature (sig: a hash of its tensors'
+ * arguments, dtypes and sizes; 0: not kept, the table was full) on one thread, in one
+ * phase, at the top level or inside another op. */
+struct pv_total_key {
+    u64 sig;
+    u32 op;
+    u32 tid;
+    u32 tgid;
+    u8 phase;
+    u8 nested;
+    u16 pad;
+};
+
+struct pv_call_total {
+    u64 calls;
+    u64 ns;
+};
+
+/* call_sigs' key: a signature's tensors (the value: pv_tensor[PV_MAX_TENSORS], the first
+ * n_tensors as read at the first call that had it). */
+struct pv_sig_key {
+    u64 sig;
+    u32 op;
+    u32 n_tensors;
+};
+
+struct pv_op_hist {
+    u64 buckets[PV_HIST_BUCKETS];
 };
 
 /* c10::TensorImpl's fields as this torch build lays them out (debug info or a validated
@@ -121,4 +177,6 @@ struct pi_config {
     u64 ti_off_dtype;         /* caffe2::TypeMeta's index: the ScalarType */
     u32 n_counters;           /* perf counters in `counters` (counters.bpf.h) */
     u32 n_cpus;
+    u32 op_totals_only;       /* count calls (call_totals), sending only those whose spec says */
+    u32 pad;
 };

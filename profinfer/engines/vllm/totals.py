@@ -1,0 +1,96 @@
+"""What vLLM's probes count in place of sending each call (no timeline asked; bpf/vllm.h):
+calls by op, argument signature, thread, phase and nesting (call_totals), each signature's
+tensors as its first call had them (call_sigs), and each op's durations (op_hists, a
+core.loghist histogram). Read while collecting (a daemon's take) and at the end."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from profinfer.core import libbpf, loghist
+from profinfer.core.errors import ProfinferError
+from profinfer.core.model import CallTotal, TensorArg
+from profinfer.core.stats import PHASES
+
+
+class CallTotals:
+    """`decode_args(op index, tensors read)`: a signature's TensorArgs (calls.CallRecords')."""
+
+    def __init__(self, dt: dict[str, np.dtype], consts: dict[str, int], op_names: list[str],
+                 decode_args: Callable[[int, np.ndarray], tuple[TensorArg, ...]]):
+        if (consts["PV_HIST_SUB"], consts["PV_HIST_MAX_LOG2"]) != (loghist.SUB, loghist.MAX_LOG2):
+            raise ProfinferError("bpf/vllm.h's histogram is not core.loghist's")
+        self.key_dt, self.total_dt = dt["pv_total_key"], dt["pv_call_total"]
+        self.sig_key_dt, self.tensor_dt = dt["pv_sig_key"], dt["pv_tensor"]
+        self.max_tensors = consts["PV_MAX_TENSORS"]
+        self.phases = {consts[f"PV_PHASE_{p.upper()}"]: p for p in PHASES}
+        self.op_names = op_names
+        self.decode_args = decode_args
+        self._signatures: dict[tuple[int, int], tuple[TensorArg, ...]] = {}
+        self._taken: dict[bytes, tuple[int, int]] = {}
+
+    def _items(self, obj: libbpf.BpfObject) -> list[tuple[bytes, np.void, int, int]]:
+        """(raw key, key, calls, ns) of every call_totals entry, cumulative."""
+        out = []
+        fd = obj.map_fd("call_totals")
+        for k, v in libbpf.map_items(fd, self.key_dt.itemsize, self.total_dt.itemsize):
+            key, val = np.frombuffer(k, self.key_dt)[0], np.frombuffer(v, self.total_dt)[0]
+            out.append((k, key, int(val["calls"]), int(val["ns"])))
+        return out
+
+    def _signature(self, obj: libbpf.BpfObject, op: int, sig: int) -> tuple[TensorArg, ...] | None:
+        found = self._signatures.get((op, sig))
+        if found is None and sig:
+            fd, size = obj.map_fd("call_sigs"), self.tensor_dt.itemsize * self.max_tensors
+            for k, v in libbpf.map_items(fd, self.sig_key_dt.itemsize, size):
+                key = np.frombuffer(k, self.sig_key_dt)[0]
+                n = min(int(key["n_tensors"]), self.max_tensors)
+                self._signatures[(int(key["op"]), int(key["sig"]))] = self.decode_args(
+                    int(key["op"]), np.frombuffer(v, self.tensor_dt)[:n])
+            found = self._signatures.get((op, sig))
+        return found
+
+    def totals(self, obj: libbpf.BpfObject) -> list[CallTotal]:
+        """Everything counted so far."""
+        out = []
+        for _, key, calls, ns in self._items(obj):
+            op = int(key["op"])
+            if op >= len(self.op_names) or not calls:
+                continue
+            out.append(CallTotal(int(key["tgid"]), int(key["tid"]), self.op_names[op],
+                                 self._signature(obj, op, int(key["sig"])),
+                                 self.phases.get(int(key["phase"]), "other"), bool(key["nested"]),
+                                 calls, ns))
+        return out
+
+    def hists(self, obj: libbpf.BpfObject) -> dict[int, np.ndarray]:
+        """Each op's counted durations (loghist counts), by op index; ops never counted left out."""
+        fd, out = obj.map_fd("op_hists"), {}
+        for i in range(len(self.op_names)):
+            raw = libbpf.map_lookup(fd, i.to_bytes(4, "little"), 8 * loghist.BUCKETS)
+            if raw is not None:
+                counts = np.frombuffer(raw, np.uint64).astype(np.int64)
+                if counts.any():
+                    out[i] = counts
+        return out
+
+    def calls_by_op(self, obj: libbpf.BpfObject) -> np.ndarray:
+        """Calls counted so far, by op index."""
+        out = np.zeros(len(self.op_names), np.int64)
+        for i, counts in self.hists(obj).items():
+            out[i] = counts.sum()
+        return out
+
+    def take(self, obj: libbpf.BpfObject) -> dict[str, tuple[int, int]]:
+        """Per op name, (calls, ns) counted since the last take."""
+        out: dict[str, tuple[int, int]] = {}
+        for raw, key, calls, ns in self._items(obj):
+            seen = self._taken.get(raw, (0, 0))
+            op = int(key["op"])
+            if calls <= seen[0] or op >= len(self.op_names):
+                continue
+            self._taken[raw] = (calls, ns)
+            a, b = out.get(self.op_names[op], (0, 0))
+            out[self.op_names[op]] = (a + calls - seen[0], b + ns - seen[1])
+        return out
