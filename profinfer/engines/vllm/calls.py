@@ -56,9 +56,13 @@ class CallRecords:
         for i in np.flatnonzero(ev["prev_step"]):
             self.step_ends[(int(ev["tid"][i]), int(ev["prev_step"][i]))] = (
                 int(ev["prev_step_end_ns"][i]), int(ev["prev_step_calls"][i]))
+        follow, tensor_size = self.consts["PV_VALUES_FOLLOW"], ev.dtype["t"].base.itemsize
         for i in np.flatnonzero(ev["n_values"]):
+            k = int(ev["n_tensors"][i])
+            # sent right after the call's tensors where there are few (bpf/vllm.h)
+            raw = ev["t"][i].tobytes()[k * tensor_size:] if k <= follow else ev["values"][i].tobytes()
             self.values[self.n_calls + int(i)] = stepmaker.values_of(
-                ev["values"][i], int(ev["n_values"][i]), int(ev["value_bytes"][i]))
+                raw, int(ev["n_values"][i]), int(ev["value_bytes"][i]))
         self.n_calls += n
 
     def _scaled_counters(self, ev: np.ndarray) -> np.ndarray:

@@ -37,11 +37,10 @@ def rules(pack: Pack, ops: list[NativeOp]) -> dict[str, StepRule]:
     return {}
 
 
-def values_of(raw: np.ndarray, n: int, value_bytes: int) -> tuple[int, ...]:
-    """BPF's value words as integers: int64 as read, or int32 pairs packed in each word."""
-    if value_bytes == 4:
-        return tuple(int(v) for v in raw.view("<i4")[:n])
-    return tuple(int(v) for v in raw[:n])
+def values_of(raw: bytes, n: int, value_bytes: int) -> tuple[int, ...]:
+    """BPF's values as integers: n int64 or int32, as read."""
+    kind = "<i4" if value_bytes == 4 else "<i8"
+    return tuple(int(v) for v in np.frombuffer(raw, kind, count=n))
 
 
 def steps(calls: list[OpCall], step_rules: dict[str, StepRule],

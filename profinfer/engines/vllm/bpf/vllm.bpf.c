@@ -551,13 +551,20 @@ int vop_return(struct pt_regs *ctx)
     if (cfg.op_totals_only && !ev->send) {
         count_call(ev, depth);
     } else {
-        /* a record as long as what it holds: most calls have a few tensors and no values */
+        /* a record as long as what it holds: most calls have a few tensors and no values,
+         * and those with values a few of them */
         u32 size = sizeof(*ev);
+        u32 n = ev->n_tensors;
+        if (n > PV_MAX_TENSORS)
+            n = PV_MAX_TENSORS;
         if (!ev->n_values) {
-            u32 n = ev->n_tensors;
-            if (n > PV_MAX_TENSORS)
-                n = PV_MAX_TENSORS;
             size = offsetof(struct pv_op_event, t) + n * sizeof(struct pv_tensor);
+        } else if (n <= PV_VALUES_FOLLOW) {
+            u32 bytes = ev->n_values * ev->value_bytes;
+            if (bytes > sizeof(ev->values))
+                bytes = sizeof(ev->values);
+            bpf_probe_read_kernel(&ev->t[n], bytes, ev->values);
+            size = offsetof(struct pv_op_event, t) + n * sizeof(struct pv_tensor) + bytes;
         }
         if (emit(ctx, ev, size))
             count_lost(1);

@@ -14,6 +14,9 @@
 #define PV_MAX_TENSORS 32     /* tensor arguments read per call (a power of two) */
 #define PV_MAX_DIMS 6         /* sizes kept per tensor (more: ndim says how many it had) */
 #define PV_MAX_VALUES 64      /* integer values read from one small tensor per call */
+/* A call sent with values and at most this many tensors has them sent right after its
+ * tensors (in t: the record ends there), not in `values` (the whole record sent) */
+#define PV_VALUES_FOLLOW 24
 #define PV_MAX_DEPTH 4        /* ops open at once on one thread (an op calling another) */
 #define PV_CTR_MIGRATED 1     /* the thread changed CPU inside the call */
 #define PV_CTR_FAILED 2       /* a counter could not be read */
