@@ -239,13 +239,16 @@ def threads_cpu_ns(text: str) -> dict[int, int] | None:
 
 def hit_shares(profile: Profile, cols: OpColumns) -> dict[int, float] | None:
     """Each thread's share of the recorded probe hits: its ops (graph nodes) and its calls
-    (an engine's native ops), each a hit of its probes; None when neither was recorded."""
+    (an engine's native ops, sent or counted), each a hit of its probes; None when neither
+    was recorded."""
     counts: dict[int, int] = {}
     if len(cols):
         tids, n = np.unique(cols.tid, return_counts=True)
         counts.update(zip(tids.tolist(), n.tolist()))
     for c in profile.calls:
         counts[c.tid] = counts.get(c.tid, 0) + 1
+    for t in profile.call_totals:       # counted, not sent
+        counts[t.tid] = counts.get(t.tid, 0) + t.calls
     total = sum(counts.values())
     return {t: n / total for t, n in counts.items()} if total else None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 
 from conftest import start_vllm_truth
 from daemon_helpers import _STARTED, Daemon, _get, kill_started, series
@@ -54,6 +55,39 @@ def test_vllm_steps_in_the_daemon_equal_its_scheduler(vllm_python, vllm_model, t
         assert got == want_tokens, d.text()
         assert series(text, "profinfer_decode_calls_total", target.pid, "phase") == want_calls
         assert want_tokens["decode"] > 0 and want_tokens["prefill"] > 0
+    finally:
+        if d is not None:
+            d.stop()
+        kill_started()
+
+
+def test_vllm_op_level_in_the_daemon_counts_every_native_op_call(vllm_python, vllm_model, tmp_path):
+    """At the op level (asked for, in budget), the daemon counts vLLM's native op calls in BPF
+    per op (its step op's calls and attention's, which are sent, counted too): by op, as many
+    as torch.profiler recorded in the same process."""
+    go, truth_path = tmp_path / "go", tmp_path / "truth.json"
+    target = start_vllm_truth(vllm_python, vllm_model, "eager", go, truth_path)
+    _STARTED.append(target)
+    d = None
+    try:
+        d = Daemon(tmp_path, ("--levels", "token,op", "--budget", "1.0"))
+        deadline, info = time.monotonic() + 60, {}
+        while time.monotonic() < deadline and "op" not in info.get("levels", ()):
+            info = d.watched(target.pid, timeout=30)
+            time.sleep(0.2)
+        assert info["engine"] == "vLLM" and info["levels"] == ["op", "step"], (info, d.text())
+        go.touch()
+        assert target.wait(timeout=300) == 0
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if not any(p["pid"] == target.pid for p in json.loads(_get(d.url + "/status")[1])["processes"]):
+                break                    # exited and drained
+            time.sleep(0.2)
+        got = series(_get(d.url + "/metrics")[1].decode(), "profinfer_op_calls_total", target.pid, "op")
+        truth = json.loads(truth_path.read_text())
+        want = Counter(c["op"] for c in truth["calls"])
+        assert got == {op: float(n) for op, n in want.items()}, d.text()
+        assert "weight_packed_linear" in got and "get_scheduler_metadata" in got
     finally:
         if d is not None:
             d.stop()

@@ -111,6 +111,19 @@ class CallRecords:
                 out[op.name] = out.get(op.name, 0) + n
         return out
 
+    def take_by_op(self) -> dict[str, tuple[int, int]]:
+        """(calls, ns) by op name of the calls kept, which are forgotten."""
+        cols, self.columns, self.sig_ids, self.values = self.columns, [], [], {}
+        self._taken += sum(len(c["op"]) for c in cols)
+        out: dict[str, tuple[int, int]] = {}
+        for c in cols:
+            ns = (c["end_ns"].astype(np.int64) - c["start_ns"].astype(np.int64))
+            for i in np.unique(c["op"]).tolist():
+                mine = c["op"] == i
+                a, b = out.get(self.ops[i].name, (0, 0))
+                out[self.ops[i].name] = (a + int(mine.sum()), b + int(ns[mine].sum()))
+        return out
+
     def take_steps(self, step_rules: dict) -> dict[int, list[Step]]:
         """The steps begun since the last take, by process, each one its step op's call (its
         end is that call's), handed over and forgotten with the calls behind them."""

@@ -32,8 +32,11 @@ ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
 TALLIES = ("too_deep", "other_processes", "unsent", "typed")
 # the in-target trap is measured on this many of the ops called most (insitu.py)
 TRAP_OPS = 3
-# calls counted, not sent: how often the counts are looked at for the ops called most
+# calls counted, not sent: how often the counts are looked at for the ops called most, and
+# one in how many calls of those the trap is measured on is sent meanwhile (their medians
+# are what it compares: a sample does)
 TRAP_LOOK_S = 1.0
+TRAP_SAMPLE_ONE_IN = 8
 _U32_P = ctypes.POINTER(ctypes.c_uint32)
 
 
@@ -285,8 +288,9 @@ class VllmCollector(Collector):
         spec["values_of"] = rule.values_arg if rule else self.plan.cost_values.get(op.name, 0xff)
         spec["starts_step"] = int(rule is not None)
         # counted in BPF, still sent: what a step or a cost model reads per call, and for now
-        # the ops the in-target trap is measured on
-        spec["send"] = int(rule is not None or op.name in self.plan.cost_values or i in self._sending)
+        # a sample of the calls of the ops the in-target trap is measured on
+        spec["send"] = (1 if rule is not None or op.name in self.plan.cost_values
+                        else TRAP_SAMPLE_ONE_IN if i in self._sending else 0)
         return spec
 
     def _attach_ops(self, elfs, paths: dict[str, str]) -> None:
@@ -419,7 +423,7 @@ class VllmCollector(Collector):
             self._send_for_now(set(plan.trap_ops))
 
     def _send_for_now(self, ops: set[int]) -> None:
-        """Counted calls of these ops are sent (none: all counted again)."""
+        """A sample of the counted calls of these ops is sent (none: all counted again)."""
         changed, self._sending = self._sending ^ ops, ops
         for i in changed:
             self._write_specs(i)
@@ -463,12 +467,16 @@ class VllmCollector(Collector):
         return out
 
     def take_op_totals(self) -> dict[str, tuple[int, int]]:
-        """Calls counted (not sent) since the last take, (calls, ns) by op (a daemon's)."""
+        """Calls since the last take, (calls, ns) by op (a daemon's): those counted, and
+        those sent (a step op's, ...), which are then forgotten."""
         if not self.counting or self.obj is None:
             return {}
-        self.records.take_steps(self.step_rules)    # what was sent is another's to keep
+        out = self.totals.take(self.obj)
+        for op, (calls, ns) in self.records.take_by_op().items():
+            a, b = out.get(op, (0, 0))
+            out[op] = (a + calls, b + ns)
         self.records.step_ends.clear()
-        return self.totals.take(self.obj)
+        return out
 
     def _step_ends_now(self) -> dict[tuple[int, int], tuple[int, int]]:
         """Each thread's current step as BPF saw its calls end: (tid, step): (end_ns, calls)."""

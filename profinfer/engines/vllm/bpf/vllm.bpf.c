@@ -458,7 +458,7 @@ int vop_enter(struct pt_regs *ctx)
     ev->value_bytes = 0;
     ev->step = 0;
     ev->prev_step = 0;
-    ev->send = spec->send;
+    ev->send = spec->send == 1 || (spec->send > 1 && th->sampled++ % spec->send == 0);
     struct arg_walk a = {.ctx = ctx, .spec = spec, .ev = ev};
     if (at == PV_AT_BOXED) {    /* std::vector<IValue>*: its end pointer is its second word */
         a.boxed = 1;

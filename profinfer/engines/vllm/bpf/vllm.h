@@ -84,7 +84,8 @@ struct pv_op_spec {
     u8 n_args;
     u8 values_of;             /* read the values of this tensor argument (0xff: none) */
     u8 starts_step;           /* a call of this op begins the thread's next step */
-    u8 send;                  /* counted in BPF: still send each call (see PV_PHASE_OTHER) */
+    u8 send;                  /* counted in BPF, still sent (see PV_PHASE_OTHER): 0 none, 1 every
+                               * call, n: one in n of the thread's calls of such ops */
     u8 pad[4];
     u8 kind[PV_MAX_ARGS];
     u8 slot[PV_MAX_ARGS];
@@ -113,7 +114,7 @@ struct pv_op_event {
     u32 value_bytes;          /* 4 or 8 */
     u32 cpu;                  /* where it began (counters are per CPU) */
     u32 flags;                /* PV_CTR_*: why its counter deltas are not valid */
-    u8 send;                  /* its spec's send, at entry */
+    u8 send;                  /* sent, not counted (its spec's send, at entry) */
     u8 phase;                 /* PV_PHASE_*: its thread's step's at entry */
     u16 pad;
     /* a step op's call: the thread's previous step as BPF saw it end (its last call's end
@@ -131,6 +132,8 @@ struct pv_op_event {
 struct pv_thread {
     u32 depth;
     u32 phase;                /* PV_PHASE_* of its current step */
+    u32 sampled;              /* its calls of ops sent one in n (pv_op_spec.send) */
+    u32 pad;
     u64 sp[PV_MAX_DEPTH];
     u64 step;                 /* the step its step_* count (open_spans' number) */
     u64 step_end_ns;          /* the latest end of a call begun in that step */
