@@ -377,12 +377,9 @@ class VllmCollector(Collector):
         if now < self._trap_look_at:
             return None
         self._trap_look_at = now + TRAP_LOOK_S
-        counted = self.totals.totals(self.obj)
-        if not counted:
+        by_process = self.totals.calls_by_process(self.obj)
+        if not by_process:
             return None
-        by_process: dict[int, int] = {}
-        for t in counted:
-            by_process[t.pid] = by_process.get(t.pid, 0) + t.calls
         return self.totals.calls_by_op(self.obj), max(by_process, key=by_process.get)
 
     def _sample_traps(self, ev: np.ndarray | None) -> None:

@@ -39,29 +39,32 @@ class CallTotals:
             out.append((k, key, int(val["calls"]), int(val["ns"])))
         return out
 
-    def _signature(self, obj: libbpf.BpfObject, op: int, sig: int) -> tuple[TensorArg, ...] | None:
-        found = self._signatures.get((op, sig))
-        if found is None and sig:
-            fd, size = obj.map_fd("call_sigs"), self.tensor_dt.itemsize * self.max_tensors
-            for k, v in libbpf.map_items(fd, self.sig_key_dt.itemsize, size):
-                key = np.frombuffer(k, self.sig_key_dt)[0]
+    def _read_signatures(self, obj: libbpf.BpfObject) -> None:
+        """The signatures BPF kept that are not decoded yet."""
+        fd, size = obj.map_fd("call_sigs"), self.tensor_dt.itemsize * self.max_tensors
+        for k, v in libbpf.map_items(fd, self.sig_key_dt.itemsize, size):
+            key = np.frombuffer(k, self.sig_key_dt)[0]
+            op, sig = int(key["op"]), int(key["sig"])
+            if (op, sig) not in self._signatures and op < len(self.op_names):
                 n = min(int(key["n_tensors"]), self.max_tensors)
-                self._signatures[(int(key["op"]), int(key["sig"]))] = self.decode_args(
-                    int(key["op"]), np.frombuffer(v, self.tensor_dt)[:n])
-            found = self._signatures.get((op, sig))
-        return found
+                self._signatures[(op, sig)] = self.decode_args(op, np.frombuffer(v, self.tensor_dt)[:n])
 
     def totals(self, obj: libbpf.BpfObject) -> list[CallTotal]:
-        """Everything counted so far."""
-        out = []
-        for _, key, calls, ns in self._items(obj):
-            op = int(key["op"])
-            if op >= len(self.op_names) or not calls:
-                continue
-            out.append(CallTotal(int(key["tgid"]), int(key["tid"]), self.op_names[op],
-                                 self._signature(obj, op, int(key["sig"])),
-                                 self.phases.get(int(key["phase"]), "other"), bool(key["nested"]),
-                                 calls, ns))
+        """Everything counted so far (a signature BPF did not keep: args None)."""
+        items = [(key, calls, ns) for _, key, calls, ns in self._items(obj)
+                 if int(key["op"]) < len(self.op_names) and calls]
+        if any(int(k["sig"]) and (int(k["op"]), int(k["sig"])) not in self._signatures for k, _, _ in items):
+            self._read_signatures(obj)
+        return [CallTotal(int(key["tgid"]), int(key["tid"]), self.op_names[int(key["op"])],
+                          self._signatures.get((int(key["op"]), int(key["sig"]))),
+                          self.phases.get(int(key["phase"]), "other"), bool(key["nested"]), calls, ns)
+                for key, calls, ns in items]
+
+    def calls_by_process(self, obj: libbpf.BpfObject) -> dict[int, int]:
+        """Calls counted so far, by process."""
+        out: dict[int, int] = {}
+        for _, key, calls, _ in self._items(obj):
+            out[int(key["tgid"])] = out.get(int(key["tgid"]), 0) + calls
         return out
 
     def hists(self, obj: libbpf.BpfObject) -> dict[int, np.ndarray]:

@@ -186,6 +186,10 @@ static __always_inline void read_values(struct pv_op_event *ev, u64 impl, u16 dt
     }
 }
 
+/* A boxed call's last arguments' IValues, read at once (one user-memory read, not one a
+ * tensor) into ev->values, free until the arguments are read. */
+#define PV_IVALUES_READ (sizeof(((struct pv_op_event *)0)->values) / sizeof(struct pv_ivalue))
+
 struct arg_walk {
     struct pt_regs *ctx;
     struct pv_op_spec *spec;
@@ -194,6 +198,8 @@ struct arg_walk {
     u32 boxed;                /* the arguments are IValues (a boxed wrapper's), not SysV slots */
     u64 values_impl;          /* the TensorImpl whose values are read */
     u64 ivalues_end;          /* a boxed call's: its stack's end (0: unreadable) */
+    u32 ivalues_read;         /* its last IValues, read at once into ev->values (free until
+                               * the walk ends) */
 };
 
 /* A tensor argument of a boxed call: its IValue, n_args - i from the stack's end; None
@@ -201,9 +207,24 @@ struct arg_walk {
 static __always_inline u64 ivalue_impl(struct arg_walk *a, u32 i)
 {
     struct pv_ivalue iv = {};
-    bpf_probe_read_user(&iv, sizeof(iv),
-                        (void *)(a->ivalues_end - sizeof(iv) * (u64)(a->spec->n_args - i)));
+    u32 back = a->spec->n_args - i;
+    if (back <= a->ivalues_read) {
+        struct pv_ivalue *read = (struct pv_ivalue *)a->ev->values;
+        iv = read[(a->ivalues_read - back) & (PV_IVALUES_READ - 1)];
+    } else {
+        bpf_probe_read_user(&iv, sizeof(iv), (void *)(a->ivalues_end - sizeof(iv) * (u64)back));
+    }
     return iv.tag == PV_IVALUE_TAG_TENSOR ? iv.payload : 0;
+}
+
+static __always_inline void read_ivalues(struct arg_walk *a)
+{
+    u32 n = a->spec->n_args;
+    if (n > PV_IVALUES_READ)
+        n = PV_IVALUES_READ;
+    if (n && !bpf_probe_read_user(a->ev->values, n * sizeof(struct pv_ivalue),
+                                  (void *)(a->ivalues_end - n * sizeof(struct pv_ivalue))))
+        a->ivalues_read = n;
 }
 
 /* A tensor argument in a SysV slot: its TensorImpl (0: an empty optional). */
@@ -463,6 +484,8 @@ int vop_enter(struct pt_regs *ctx)
     if (at == PV_AT_BOXED) {    /* std::vector<IValue>*: its end pointer is its second word */
         a.boxed = 1;
         a.ivalues_end = read_u64(PT_REGS_PARM4(ctx) + 8);
+        if (a.ivalues_end)
+            read_ivalues(&a);
     }
     bpf_loop(PV_MAX_ARGS, read_arg, &a, 0);
     u32 n = a.n;
