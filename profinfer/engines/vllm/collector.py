@@ -24,7 +24,7 @@ from profinfer.engines.vllm import ops as native, steps as stepmaker, tensors, w
 from profinfer.engines.vllm.calls import CallRecords, TensorLayoutCheck
 from profinfer.engines.vllm import server_metrics
 from profinfer.engines.vllm.server_metrics import MetricsWindow
-from profinfer.engines.vllm.totals import CallTotals
+from profinfer.engines.vllm.totals import CallTotals, CountedCalls
 from profinfer.levels.sched import probe as schedprobe
 
 ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
@@ -93,11 +93,8 @@ class VllmCollector(Collector):
         a view asked for needs every call (counters, sched: ops_recorded_because)."""
         super().__init__(pid, levels, pack, lib_paths, root, tensor_layout, ringbuf_pages, buffer,
                          counters, followed_map_fd, open_spans_fd)
-        self.recorded_because = ops_recorded_because(levels, counters, "call") if op_totals and "op" in levels else ""
-        self.counting = op_totals and "op" in levels and not self.recorded_because
-        self.totals: CallTotals | None = None     # the counts' reader, made at attach
-        self._sending: set[int] = set()           # counted ops sent for now (the trap's measure)
-        self._trap_look_at = 0.0                  # when the counts are next looked at for it
+        because = ops_recorded_because(levels, counters, "call") if op_totals and "op" in levels else ""
+        self.counted = CountedCalls(op_totals and "op" in levels and not because, because)
         self.plan = OpPlan()
         self.elfs = []
         self.probed_files: set[tuple[int, int]] = set()
@@ -171,9 +168,9 @@ class VllmCollector(Collector):
             self._open_counters()
             self.counter_names = [c.name for c in self.counters.counters]
         self.records = CallRecords(self.ops, plan.op_library, self.consts, len(self.counter_names))
-        if self.counting:
-            self.totals = CallTotals(self.dt, self.consts, [op.name for op in self.ops],
-                                     self.records.decode_args)
+        if self.counted.on:
+            self.counted.reader = CallTotals(self.dt, self.consts, [op.name for op in self.ops],
+                                             self.records.decode_args)
 
     def _find_ops(self) -> None:
         """The native ops of the engine's libraries to probe (the pack's declared ones, or
@@ -268,7 +265,7 @@ class VllmCollector(Collector):
         cfg["ti_off_numel"], cfg["ti_off_dtype"] = lay.numel, lay.dtype
         cfg["n_counters"] = len(self.counters.counters) if self.counters else 0
         cfg["n_cpus"] = self.n_cpus
-        cfg["op_totals_only"] = int(self.counting)
+        cfg["op_totals_only"] = int(self.counted.on)
 
     def _write_specs(self, i: int) -> None:
         """Op i's specs: its own function's, and a typed wrapper's (its index plus PV_MAX_OPS)."""
@@ -290,7 +287,7 @@ class VllmCollector(Collector):
         # counted in BPF, still sent: what a step or a cost model reads per call, and for now
         # a sample of the calls of the ops the in-target trap is measured on
         spec["send"] = (1 if rule is not None or op.name in self.plan.cost_values
-                        else TRAP_SAMPLE_ONE_IN if i in self._sending else 0)
+                        else TRAP_SAMPLE_ONE_IN if i in self.counted.sending else 0)
         return spec
 
     def _attach_ops(self, elfs, paths: dict[str, str]) -> None:
@@ -365,22 +362,22 @@ class VllmCollector(Collector):
             self.records.add(ev)
             self.n_events += len(ev)
             self.decoding = True
-        if ev is not None or self.counting:
+        if ev is not None or self.counted.on:
             self._sample_traps(ev)
 
     def _calls_so_far(self, ev: np.ndarray | None) -> tuple[np.ndarray, int] | None:
         """Calls by op index, and the process that made most, from these records, or where
         calls are counted from the counts (looked at every TRAP_LOOK_S); None: not now."""
-        if not self.counting:
+        if not self.counted.on:
             return np.bincount(ev["op"].astype(np.int64)), int(np.bincount(ev["tgid"]).argmax())
         now = time.monotonic()
-        if now < self._trap_look_at:
+        if now < self.counted.look_at:
             return None
-        self._trap_look_at = now + TRAP_LOOK_S
-        by_process = self.totals.calls_by_process(self.obj)
+        self.counted.look_at = now + TRAP_LOOK_S
+        by_process = self.counted.reader.calls_by_process(self.obj)
         if not by_process:
             return None
-        return self.totals.calls_by_op(self.obj), max(by_process, key=by_process.get)
+        return self.counted.reader.calls_by_op(self.obj), max(by_process, key=by_process.get)
 
     def _sample_traps(self, ev: np.ndarray | None) -> None:
         """Measure a trap in the target (insitu.py) from once the op level's calls come, in
@@ -389,7 +386,7 @@ class VllmCollector(Collector):
         plan = self.plan
         if plan.traps is not None:
             plan.traps.tick()
-            if self._sending and (plan.traps.done or plan.traps.error):
+            if self.counted.sending and (plan.traps.done or plan.traps.error):
                 self._send_for_now(set())
             return
         if "op" not in self.levels or not plan.trap_sites or self.obj is None:
@@ -416,12 +413,12 @@ class VllmCollector(Collector):
             self.warnings.append(f"the trap's cost in the target not measured: {e}")
             return
         self._add_companion(plan.traps.obj)
-        if self.counting:
+        if self.counted.on:
             self._send_for_now(set(plan.trap_ops))
 
     def _send_for_now(self, ops: set[int]) -> None:
         """A sample of the counted calls of these ops is sent (none: all counted again)."""
-        changed, self._sending = self._sending ^ ops, ops
+        changed, self.counted.sending = self.counted.sending ^ ops, ops
         for i in changed:
             self._write_specs(i)
 
@@ -457,8 +454,8 @@ class VllmCollector(Collector):
     def _calls_by_op(self) -> dict[str, int]:
         """Calls so far by op name: sent and counted."""
         out = self.records.calls_by_op()
-        if self.counting and self.obj is not None:
-            for op, n in zip(self.ops, self.totals.calls_by_op(self.obj).tolist()):
+        if self.counted.on and self.obj is not None:
+            for op, n in zip(self.ops, self.counted.reader.calls_by_op(self.obj).tolist()):
                 if n:
                     out[op.name] = out.get(op.name, 0) + n
         return out
@@ -466,9 +463,9 @@ class VllmCollector(Collector):
     def take_op_totals(self) -> dict[str, tuple[int, int]]:
         """Calls since the last take, (calls, ns) by op (a daemon's): those counted, and
         those sent (a step op's, ...), which are then forgotten."""
-        if not self.counting or self.obj is None:
+        if not self.counted.on or self.obj is None:
             return {}
-        out = self.totals.take(self.obj)
+        out = self.counted.reader.take(self.obj)
         for op, (calls, ns) in self.records.take_by_op().items():
             a, b = out.get(op, (0, 0))
             out[op] = (a + calls, b + ns)
@@ -500,8 +497,8 @@ class VllmCollector(Collector):
         steps = steps_begun(self.obj)
         calls_by_op = self._calls_by_op()
         counted, hists, step_ends = [], {}, None
-        if self.counting:
-            counted, hists = self.totals.totals(self.obj), self.totals.hists(self.obj)
+        if self.counted.on:
+            counted, hists = self.counted.reader.totals(self.obj), self.counted.reader.hists(self.obj)
             step_ends = {**self.records.step_ends, **self._step_ends_now()}
         self.detach()
         calls = self.records.calls()
@@ -520,10 +517,10 @@ class VllmCollector(Collector):
             name = self.ops[i].name        # an op in two libraries: one histogram
             prof.call_hists[name] = prof.call_hists[name] + counts if name in prof.call_hists else counts
         prof.meta.update(self._meta(tallies))
-        if self.counting:
+        if self.counted.on:
             prof.meta["op_level"] = "counted"
-        elif self.recorded_because:
-            prof.meta["op_level"] = f"calls ({self.recorded_because})"
+        elif self.counted.recorded_because:
+            prof.meta["op_level"] = f"calls ({self.counted.recorded_because})"
 
         prof.meta["steps_begun"] = str(steps)
         prof.meta.update(trap_meta)

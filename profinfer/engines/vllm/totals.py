@@ -5,6 +5,7 @@ core.loghist histogram). Read while collecting (a daemon's take) and at the end.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -97,3 +98,15 @@ class CallTotals:
             a, b = out.get(self.op_names[op], (0, 0))
             out[self.op_names[op]] = (a + calls - seen[0], b + ns - seen[1])
         return out
+
+
+@dataclass
+class CountedCalls:
+    """A collector's op level counted in BPF: whether it is (on), why not where it was asked
+    (recorded_because), the counts' reader, the ops whose calls are sampled for now (the
+    trap's measure) and when the counts are next looked at for it."""
+    on: bool
+    recorded_because: str = ""
+    reader: CallTotals | None = None
+    sending: set[int] = field(default_factory=set)
+    look_at: float = 0.0
