@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 
 import click
 
@@ -353,8 +354,27 @@ DEFAULT_URL = "http://127.0.0.1:9464"
 @click.option("--max-connections", type=click.IntRange(4, 65536), default=256, show_default=True,
               help="Open HTTP connections at most (a quarter of them from one peer address); over "
               "it the oldest of the peer holding the most is closed (each has 10 s to send its request whole).")
+@click.option("--trigger", "triggers", multiple=True, metavar="CONDITION",
+              help="Flight recorder: capture a process whose own latency breaks CONDITION, e.g. "
+              "'tpot_p99 > 3x baseline for 5s' or 'ttft_p99 > 2s' (quantities ttft, tpot, call; "
+              "statistics p50, p90, p99 over the last 10 s; baseline: the same over the 5 minutes "
+              "before). Repeatable.")
+@click.option("--record-for", default="10s", show_default=True, help="How long a triggered capture records.")
+@click.option("--keep", type=click.IntRange(1, 10000), default=20, show_default=True,
+              help="Triggered captures kept (the oldest go).")
+@click.option("--captures-dir", default="/var/lib/profinfer/captures", show_default=True,
+              type=click.Path(file_okay=False), help="Where triggered captures are kept (the daemon's own).")
+@click.option("--captures-max-bytes", type=click.IntRange(1 << 20), default=1 << 30, show_default=True,
+              help="The kept captures' total size at most.")
+@click.option("--capture-levels", default="op,sched", show_default=True,
+              help="Levels a triggered capture adds to the process's own, as far as the budget allows.")
+@click.option("--trigger-cooldown", default="60s", show_default=True,
+              help="After a capture, the least time before the same trigger fires again for the process.")
+@click.option("--trigger-baseline", default="5m", show_default=True,
+              help="The window a trigger's baseline is taken over (before its own 10 s window).")
 def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tls_key, otlp, otlp_interval,
-           max_processes, labels, allow_hosts, max_connections):
+           max_processes, labels, allow_hosts, max_connections, triggers, record_for, keep, captures_dir,
+           captures_max_bytes, capture_levels, trigger_cooldown, trigger_baseline):
     """Run the node agent: watch every inference process, serve Prometheus metrics and traces.
 
     /status answers without a token only a client on loopback (its address, not the one
@@ -374,7 +394,12 @@ def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tl
         os.makedirs(os.path.dirname(token_file), mode=0o700, exist_ok=True)
     sys.exit(run_daemon(listen, budget, levels, token, token_file, allow_remote, otlp, otlp_interval,
                         tls_cert=tls_cert, tls_key=tls_key, max_processes=max_processes,
-                        labels=labels, allow_hosts=allow_hosts, max_connections=max_connections))
+                        labels=labels, allow_hosts=allow_hosts, max_connections=max_connections,
+                        flight=dict(triggers=list(triggers), record_for=record_for, keep=keep,
+                                    captures_dir=captures_dir, max_bytes=captures_max_bytes,
+                                    levels=_levels(capture_levels), cooldown=trigger_cooldown,
+                                    baseline=trigger_baseline)
+                        if triggers else None))
 
 
 def _client_token(token_file: str, required: bool) -> str | None:
@@ -494,6 +519,14 @@ def status(url, token_file, cacert, insecure_http, as_json):
     for g in data.get("shared_probes", []):
         click.echo(f"  shared by {len(g['processes'])} process(es): {g['engine']}, {g['probes']} probes on "
                    + ", ".join(g["files"]))
+    flight = data.get("flight_recorder")
+    if flight:
+        click.echo(f"flight recorder: {'; '.join(flight['triggers'])}: {len(flight['kept'])} of "
+                   f"{flight['keep']} captures kept, {flight['failed']} failed")
+        for c in flight["kept"]:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["started_at"]))
+            click.echo(f"  {c['id']}  {when}  PID {c['pid']:>7}  {c['trigger']}  "
+                       f"{','.join(c['levels'])}  {c['bytes']:,} bytes")
 
 
 @cli.command()

@@ -111,6 +111,7 @@ class Agent:
         self.lock = threading.Lock()          # watches, unwatched: the HTTP threads read them
         self._setting_up = False              # in an attach or detach (_set_up)
         self._leaving: list = []              # (shared object, pid, when): moved away (_regroup)
+        self.recorder = None                  # the flight recorder (recorder.py), with --trigger
         raise_fd_limit()
         self.governor = Governor(budget, self.metrics, self._relevel)
         self.log(f"probe hits priced at {self.governor.trap_costs_source}")
@@ -594,6 +595,8 @@ class Agent:
         w.group = None     # its buffers go now; the series stay (metrics)
         w.cuda = False
         w.tracker = SequenceTracker(keep=False)    # its sequences: nothing more will come
+        if self.recorder is not None:
+            self.recorder.forget(w.identity)
         for caches in process_caches():           # what was read through its /proc/PID/root
             caches.forget_process(w.identity.pid)
         if w.pidfd >= 0:
@@ -683,6 +686,8 @@ class Agent:
                     else:
                         ttfts, tpots = w.tracker.feed(t)
                         self.metrics.decode_call(w.identity, t, ttfts, tpots)
+                        if self.recorder is not None:
+                            self.recorder.observe(w.identity, t, ttfts, tpots)
             self._shared_lost(group, coll.lost())
         except Exception as e:
             group.errors += 1
@@ -789,6 +794,8 @@ class Agent:
                 self._gone(w)
         if self._leaving:
             self._let_go(time.monotonic())
+        if self.recorder is not None:
+            self.recorder.judge()
         if time.monotonic() - self._last_scan >= SCAN_S:
             self._last_scan = time.monotonic()
             self.scan()
@@ -889,6 +896,7 @@ class Agent:
                        "sequences": sum(len(w.tracker.current) for w in watches + list(self.exited))},
             "discovery": ({"loaders_hooked": len(discovery.loaders), "held": discovery.held_now()}
                           if discovery is not None else {"off": self.discovery_off}),
+            **({"flight_recorder": self.recorder.status()} if self.recorder is not None else {}),
         }
 
     def close(self) -> None:

@@ -130,7 +130,22 @@ class Captures:
                 raise BadRequest(429, f"{MAX_CAPTURES} captures are running; try again later")
             self.running.add(pid)
         try:
-            yield lambda: self._capture(pid, seconds, levels)
+            yield lambda: self._capture(pid, seconds, levels)[0]
+        finally:
+            with self.lock:
+                self.running.discard(pid)
+
+    def run(self, pid: int, seconds: float, levels: set[str]) -> tuple[bytes, dict]:
+        """A capture the daemon itself starts (a trigger's, its levels already fitted to the
+        budget): its trace and its summary; BadRequest where it could not be made."""
+        with self.lock:
+            if pid in self.running:
+                raise BadRequest(409, f"a capture of PID {pid} is already running")
+            if len(self.running) >= MAX_CAPTURES:
+                raise BadRequest(429, f"{MAX_CAPTURES} captures are running")
+            self.running.add(pid)
+        try:
+            return self._capture(pid, seconds, levels)
         finally:
             with self.lock:
                 self.running.discard(pid)
@@ -169,7 +184,7 @@ class Captures:
             raise BadRequest(429, f"{why}; ask with force=1 to capture anyway")
         self.note(f"capture forced over the budget by {who or 'an unknown peer'}: {why}")
 
-    def _capture(self, pid: int, seconds: float, levels: set[str]) -> bytes:
+    def _capture(self, pid: int, seconds: float, levels: set[str]) -> tuple[bytes, dict]:
         root = temp_root()
         try:
             tmp = tempfile.TemporaryDirectory(prefix="profinfer-capture-", dir=root)
@@ -204,7 +219,8 @@ class Captures:
                 raise BadRequest(410 if gone else 500,
                                  f"PID {pid} exited during the capture" if gone else last)
             with open(summary) as f:
-                stopped = json.load(f).get("meta", {}).get("stopped_by", "")
+                told = json.load(f)
+            stopped = told.get("meta", {}).get("stopped_by", "")
             if stopped.startswith("target exited"):
                 raise BadRequest(410, f"PID {pid} exited during the capture")
             limit = max_trace_bytes()
@@ -214,7 +230,7 @@ class Captures:
                 raise BadRequest(507, f"the trace of PID {pid} is over {limit:,} bytes, more than the daemon "
                                       "sends back: capture fewer seconds or fewer levels")
         self.note(f"captured PID {pid} for {seconds:g} s at {','.join(sorted(levels))}: {len(data):,} bytes")
-        return data
+        return data, told
 
     def _continue_left(self, pid: int, stopped_before: set[tuple[int, float]]) -> None:
         """SIGCONT to the processes of pid's tree that a dead capture left stopped: each one

@@ -103,6 +103,11 @@ class Metrics:
                                      "not whole within its deadline), too_large, malformed, "
                                      "send_deadline (an answer not taken in time)", ["reason"],
                                      registry=self.registry)
+        self._captures = Counter("profinfer_captures", "Captures the flight recorder kept, by the "
+                                 "trigger that fired them (quantity and statistic)", ["reason"],
+                                 registry=self.registry)
+        self._capture_failures = Counter("profinfer_capture_failures", "Captures a trigger fired that "
+                                         "could not be made or kept", ["reason"], registry=self.registry)
         self.watched_now = 0
         self.processes_dropped = 0    # found past the agent's cap on watched processes
         self.series_dropped = 0       # exited processes' series dropped before their TTL (the cap)
@@ -117,6 +122,12 @@ class Metrics:
 
     def http_dropped(self, reason: str) -> None:
         self._http_dropped.labels(reason).inc()
+
+    def capture_made(self, reason: str) -> None:
+        self._captures.labels(reason).inc()
+
+    def capture_failed(self, reason: str) -> None:
+        self._capture_failures.labels(reason).inc()
 
     # ---- fed by the agent ----
 

@@ -8,6 +8,7 @@ import time
 
 from profinfer.core.errors import ProfinferError
 from profinfer.daemon.agent import Agent
+from profinfer.daemon.captures import Captures
 from profinfer.daemon.identity import printable
 from profinfer.daemon.metrics import LABEL_SETS
 from profinfer.daemon.server import MAX_CONNECTIONS, is_loopback, make_server, parse_listen
@@ -20,12 +21,33 @@ def log(msg: str) -> None:
     print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} profinfer daemon: {printable(msg)}", file=sys.stderr, flush=True)
 
 
+def flight_settings(triggers: list[str], record_for: str, keep: int, captures_dir: str, max_bytes: int,
+                    levels: set[str], cooldown: str, baseline: str) -> dict:
+    """The flight recorder's settings, checked (ProfinferError: one line) before anything starts."""
+    from profinfer.daemon.flight import parse_duration, parse_trigger
+    return {"triggers": [parse_trigger(t) for t in triggers],
+            "record_for_s": parse_duration(record_for, "--record-for"), "keep": keep,
+            "captures_dir": captures_dir, "max_bytes": max_bytes, "levels": set(levels),
+            "cooldown_s": parse_duration(cooldown, "--trigger-cooldown"),
+            "baseline_s": parse_duration(baseline, "--trigger-baseline")}
+
+
+def make_recorder(agent: Agent, captures: Captures, settings: dict):
+    from profinfer.daemon.capturestore import CaptureStore
+    from profinfer.daemon.recorder import FlightRecorder
+    store = CaptureStore(settings["captures_dir"], settings["keep"], settings["max_bytes"])
+    return FlightRecorder(agent, captures, store, settings["triggers"], settings["record_for_s"],
+                          settings["levels"], settings["cooldown_s"], settings["baseline_s"])
+
+
 def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, token_file: str,
                allow_remote: bool, otlp: str | None = None, otlp_interval_s: float = 10.0,
                tls_cert: str | None = None, tls_key: str | None = None, max_processes: int = 64,
                labels: str = "full", allow_hosts: tuple[str, ...] = (),
-               max_connections: int = MAX_CONNECTIONS) -> int:
+               max_connections: int = MAX_CONNECTIONS, flight: dict | None = None) -> int:
+    """flight: the flight recorder's options as given (flight_settings), with --trigger."""
     host, port = parse_listen(listen)
+    recording = flight_settings(**flight) if flight else None
     if not is_loopback(host) and not allow_remote:
         raise ProfinferError(f"--listen {listen}: not a loopback address; pass --allow-remote to "
                              "serve other machines (metrics are readable without a token)")
@@ -38,11 +60,18 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
             "clear; give --tls-cert and --tls-key")
     agent = Agent(levels, budget, log=log, max_processes=max_processes)
     agent.metrics.label_set = labels
+    captures = Captures(agent, log)
     try:
-        server = make_server(agent, host, port, secret, log, allow_hosts, max_connections, ssl_context=tls)
+        if recording:
+            agent.recorder = make_recorder(agent, captures, recording)
+        server = make_server(agent, host, port, secret, log, allow_hosts, max_connections, ssl_context=tls,
+                             captures=captures)
     except OSError as e:
         agent.close()
         raise ProfinferError(f"cannot listen on {listen}: {e.strerror}") from None
+    except ProfinferError:
+        agent.close()
+        raise
     if otlp:
         from profinfer.daemon.otlp import OtlpExport
         agent.metrics.otlp = OtlpExport(otlp, otlp_interval_s)
@@ -65,6 +94,10 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
                                       "of /proc each second" if agent.discovery is not None else
                                       f"by a scan of /proc each second (discovery from the kernel is off: "
                                       f"{agent.discovery_off})"))
+        if agent.recorder is not None:
+            log(f"flight recorder: {'; '.join(t.text for t in agent.recorder.triggers.triggers)}: "
+                f"{agent.recorder.record_for_s:g} s captures kept in {agent.recorder.store.dir} "
+                f"(the last {agent.recorder.store.keep}, {agent.recorder.store.max_bytes:,} bytes at most)")
         log(f"listening on {'https' if tls else 'http'}://{host}:{port} (metrics, {labels} labels; control endpoints need the token"
             + ("" if token else f" in {token_file}") + f"); levels {','.join(sorted(agent.levels))}")
         while not stop.is_set():

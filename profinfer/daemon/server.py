@@ -7,6 +7,8 @@ traces (a bearer token always: control endpoints can attach probes).
     GET  /status                      JSON: what is watched, levels, cost, GPU metrics state
     POST /capture?pid=P&seconds=S&levels=L   a Perfetto trace of P for S seconds (429 where
                                       it would take P over the budget, unless &force=1)
+    GET  /captures                    JSON: the flight recorder's kept captures, and why each
+    GET  /captures/ID                 one kept capture's Perfetto trace
 
 A request whose Host header names neither an IP address, nor localhost, nor this machine,
 nor a name given with --allow-host is refused (421): a web page whose own name an attacker
@@ -110,8 +112,9 @@ def _json(status: int, obj) -> Response:
 
 
 def make_server(agent, host: str, port: int, token: str, note, allow_hosts: tuple[str, ...] = (),
-                max_connections: int = MAX_CONNECTIONS, ssl_context=None) -> BoundedHTTPServer:
-    captures = Captures(agent, note)
+                max_connections: int = MAX_CONNECTIONS, ssl_context=None,
+                captures: Captures | None = None) -> BoundedHTTPServer:
+    captures = captures or Captures(agent, note)
     secret = token.encode("utf-8", "surrogateescape")
     hosts = HostCheck(host, allow_hosts)
     metrics = MetricsBody(agent.metrics.registry)
@@ -143,6 +146,17 @@ def make_server(agent, host: str, port: int, token: str, note, allow_hosts: tupl
             held.__exit__(None, None, None)
             raise
 
+    def kept(cid: str | None) -> Response:
+        recorder = getattr(agent, "recorder", None)
+        if recorder is None:
+            return _json(404, {"error": "no flight recorder: the daemon was started without --trigger"})
+        if cid is None:
+            return _json(200, {"captures": recorder.store.list()})
+        trace = recorder.store.trace(cid)
+        if trace is None:
+            return _json(404, {"error": f"no kept capture {cid!r}"})
+        return Response(200, trace, "application/octet-stream")
+
     def route(req: Request):
         """Cheap decisions here (the server's loop); the work on a lane's workers."""
         if not hosts.accepts(req.headers.get("Host")):
@@ -161,6 +175,12 @@ def make_server(agent, host: str, port: int, token: str, note, allow_hosts: tupl
             if not authorized(req):
                 return _json(401, {"error": "a bearer token is required (Authorization: Bearer <token>)"})
             return "capture", lambda: capture(req)
+        if req.path == "/captures" or req.path.startswith("/captures/"):
+            if req.method != "GET":
+                return _json(405, {"error": f"{req.method} is not for {req.path}"})
+            if not authorized(req):
+                return _json(401, {"error": "a bearer token is required (Authorization: Bearer <token>)"})
+            return "quick", lambda: kept(req.path[len("/captures/"):] if req.path != "/captures" else None)
         if req.path in ("/metrics", "/healthz", "/status", "/capture"):
             return _json(405, {"error": f"{req.method} is not for {req.path}"})
         return _json(404, {"error": f"no such endpoint: {req.path}"})

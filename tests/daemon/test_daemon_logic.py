@@ -107,9 +107,9 @@ def test_features_are_the_plugins_declared_ones(tmp_path):
     plugin's collector (the ops pack names vLLM's) gets that plugin's; one whose collector
     no plugin holds gets none."""
     assert capabilities(load_pack("llamacpp")) == {"tokens_by_process", "graph_totals", "op_totals"}
-    assert capabilities(load_pack("vllm")) == {"steps_by_process"}
+    assert capabilities(load_pack("vllm")) == {"steps_by_process", "op_totals"}
     assert capabilities(load_pack("cuda")) == frozenset()
-    assert capabilities(load_pack(os.path.join(TESTS, "cuda", "ops_pack.toml"))) == {"steps_by_process"}
+    assert capabilities(load_pack(os.path.join(TESTS, "cuda", "ops_pack.toml"))) == {"steps_by_process", "op_totals"}
     alien = tmp_path / "alien.toml"
     alien.write_text(open(os.path.join(TESTS, "cuda", "ops_pack.toml")).read().replace(
         "profinfer.engines.vllm.collector", "profinfer.engines.vllmx.collector"))
@@ -118,7 +118,7 @@ def test_features_are_the_plugins_declared_ones(tmp_path):
 
 def test_no_op_level_is_given_back_to_an_engine_without_one():
     """The governor steps the op level up only for an engine whose plugin declares op
-    totals: a vLLM process with room is left at its step level."""
+    totals: a process of one that does not, with room, is left at its step level."""
     asked = []
     gov = Governor(0.04, Metrics(), lambda w, levels, why: asked.append((w, levels)) or True)
     try:

@@ -1,0 +1,107 @@
+"""The flight recorder's kept captures, in a directory of the daemon's own (a writable
+volume): the newest `keep`, under a total byte cap. Each is a Perfetto trace (ID.pftrace) and
+its record (ID.json: the process, the trigger and what it saw, the levels asked for and
+recorded, what the budget left out, the cost), each written whole under a temporary name,
+then renamed. Records are what /captures lists; a trace is read only by an ID it lists."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+
+from profinfer.core.errors import ProfinferError
+
+CAPTURE_ID = re.compile(r"^[0-9]{8}T[0-9]{6}-[0-9]+-[0-9a-f]{6}$")
+
+
+class CaptureStore:
+    def __init__(self, directory: str, keep: int, max_bytes: int):
+        self.dir = os.path.abspath(directory)
+        self.keep, self.max_bytes = keep, max_bytes
+        self.lock = threading.Lock()
+        try:
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            st = os.lstat(self.dir)
+        except OSError as e:
+            raise ProfinferError(f"--captures-dir {directory}: {e.strerror}: give the daemon a writable "
+                                 "directory of its own (a hostPath or emptyDir volume)") from None
+        # the daemon's own: not a link, owned by it, written by nobody else
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise ProfinferError(f"--captures-dir {directory}: not a directory of the daemon's own "
+                                 "(a link, another owner's, or writable by others)")
+        self.records = self._load()
+        self._prune()
+
+    def _load(self) -> list[dict]:
+        out = []
+        for name in os.listdir(self.dir):
+            cid, ext = os.path.splitext(name)
+            if ext != ".json" or not CAPTURE_ID.match(cid) or not os.path.exists(self._trace_path(cid)):
+                continue
+            try:
+                with open(os.path.join(self.dir, name)) as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if record.get("id") == cid:
+                out.append(record)
+        return sorted(out, key=lambda r: r.get("kept_at", 0))
+
+    def _trace_path(self, cid: str) -> str:
+        return os.path.join(self.dir, cid + ".pftrace")
+
+    def _write(self, path: str, data: bytes) -> None:
+        tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def add(self, record: dict, trace: bytes) -> dict:
+        """Keep a capture (the oldest go past `keep` captures or `max_bytes`); its record, with
+        its ID. A trace over the byte cap alone is not kept (ProfinferError)."""
+        if len(trace) > self.max_bytes:
+            raise ProfinferError(f"a trace of {len(trace):,} bytes is over the captures' cap of "
+                                 f"{self.max_bytes:,} bytes: not kept")
+        with self.lock:
+            cid = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{record.get('pid', 0)}-{secrets.token_hex(3)}"
+            record = {**record, "id": cid, "bytes": len(trace), "kept_at": time.time()}
+            self._write(self._trace_path(cid), trace)
+            self._write(os.path.join(self.dir, cid + ".json"), (json.dumps(record, indent=1) + "\n").encode())
+            self.records.append(record)
+            self._prune()
+        return record
+
+    def _prune(self) -> None:
+        while self.records and (len(self.records) > self.keep
+                                or sum(r.get("bytes", 0) for r in self.records) > self.max_bytes):
+            old = self.records.pop(0)
+            for path in (self._trace_path(old["id"]), os.path.join(self.dir, old["id"] + ".json")):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+    def list(self) -> list[dict]:
+        with self.lock:
+            return [dict(r) for r in self.records]
+
+    def trace(self, cid: str) -> bytes | None:
+        """A kept capture's trace; None for an ID not kept (or not one at all)."""
+        with self.lock:
+            if not CAPTURE_ID.match(cid) or not any(r["id"] == cid for r in self.records):
+                return None
+            try:
+                with open(self._trace_path(cid), "rb") as f:
+                    return f.read(self.max_bytes + 1)
+            except OSError:
+                return None

@@ -1,0 +1,252 @@
+"""The flight recorder's triggers: conditions on a watched process's own latency series
+(`tpot_p99 > 3x baseline for 5s`, `ttft_p99 > 2s`) that, held for their time, fire once
+per incident. A trigger fires again only after its condition has been clear for its hold
+time and a cooldown has passed since it fired.
+
+A condition's statistic is taken over the last WINDOW_S of samples, or over the newest
+WINDOW_MAX_SAMPLES where there are more (a busy server's window would otherwise hold so many
+fast samples that a slowdown took seconds to reach its p99); a baseline is the same
+statistic over the baseline window before that (5 minutes unless set), frozen from the
+moment the condition first holds (the incident's own samples never raise it). A window
+with fewer than MIN_WINDOW_SAMPLES samples, or a baseline with fewer than
+MIN_BASELINE_SAMPLES or covering less than a quarter of its window, judges nothing: a
+process warming up does not fire."""
+from __future__ import annotations
+
+import re
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from profinfer.core.errors import ProfinferError
+
+QUANTITIES = {"ttft": "time to first token", "tpot": "time per output token",
+              "call": "decode call (llama.cpp) or step (vLLM) time"}
+STATS = {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+WINDOW_S = 10.0
+DEFAULT_BASELINE_S = 300.0
+MIN_WINDOW_SAMPLES = 20
+WINDOW_MAX_SAMPLES = 500
+MIN_BASELINE_SAMPLES = 100
+BIN_S = 1.0                 # samples are kept in bins of this long
+MAX_BIN_SAMPLES = 2000      # per bin: a bound whatever the rate (later ones in the bin dropped)
+EVALUATE_S = 0.5            # conditions judged at most this often
+BASELINE_EVERY_S = 5.0      # a baseline not frozen is recomputed at most this often
+SERIES_S = 120.0            # a firing carries its quantity's series this far back
+DEFAULT_COOLDOWN_S = 60.0
+
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+_SYNTAX = re.compile(
+    r"^\s*(?P<quantity>[a-z]+)_(?P<stat>p\d+)\s*>\s*(?P<value>\d+(?:\.\d+)?)\s*"
+    r"(?P<unit>x\s*baseline|us|ms|s)?\s*(?:for\s+(?P<hold>\d+(?:\.\d+)?)\s*(?P<hold_unit>ms|s)?)?\s*$")
+
+
+@dataclass(frozen=True)
+class Trigger:
+    text: str
+    quantity: str            # a key of QUANTITIES
+    stat: str                # a key of STATS
+    limit_s: float | None    # above this many seconds; or
+    factor: float | None     # above this multiple of the process's baseline
+    hold_s: float
+
+    @property
+    def reason(self) -> str:
+        """What profinfer_captures_total{reason} says: the quantity and statistic."""
+        return f"{self.quantity}_{self.stat}"
+
+
+def parse_duration(text: str, what: str) -> float:
+    """`10s`, `500ms`, `2m` or bare seconds, above 0."""
+    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$", text)
+    if m is None or float(m[1]) <= 0:
+        raise ProfinferError(f"{what} {text!r}: expected a duration above 0 (e.g. 10s, 500ms, 2m)")
+    return float(m[1]) * {"ms": 1e-3, "s": 1.0, "m": 60.0}[m[2] or "s"]
+
+
+def parse_trigger(text: str) -> Trigger:
+    """`QUANTITY_STAT > LIMIT [for HOLD]`: LIMIT in us, ms or s (seconds when bare), or `Nx
+    baseline`; HOLD in ms or s (0 when left out)."""
+    m = _SYNTAX.match(text)
+    if m is None:
+        raise ProfinferError(f"--trigger {text!r}: expected e.g. 'tpot_p99 > 3x baseline for 5s' or "
+                             f"'ttft_p99 > 2s' (QUANTITY_STAT > LIMIT [for HOLD])")
+    quantity, stat = m["quantity"], m["stat"]
+    if quantity not in QUANTITIES:
+        raise ProfinferError(f"--trigger {text!r}: no quantity {quantity!r}; choose from {', '.join(QUANTITIES)}")
+    if stat not in STATS:
+        raise ProfinferError(f"--trigger {text!r}: no statistic {stat!r}; choose from {', '.join(STATS)}")
+    value = float(m["value"])
+    unit = (m["unit"] or "s").replace(" ", "")
+    hold = float(m["hold"] or 0) * _UNITS[m["hold_unit"] or "s"]
+    if unit == "xbaseline":
+        if value <= 1:
+            raise ProfinferError(f"--trigger {text!r}: a multiple of the baseline must be above 1")
+        return Trigger(text.strip(), quantity, stat, None, value, hold)
+    if value <= 0:
+        raise ProfinferError(f"--trigger {text!r}: the limit must be above 0")
+    return Trigger(text.strip(), quantity, stat, value * _UNITS[unit], None, hold)
+
+
+class Series:
+    """One quantity's samples (seconds) of one process, in bins of BIN_S, as far back as a
+    baseline and its window reach (horizon_s)."""
+
+    def __init__(self, horizon_s: float):
+        self.horizon_bins = int(horizon_s / BIN_S) + 1
+        self.bins: deque[tuple[int, list[float]]] = deque()
+
+    def add(self, now: float, values: list[float]) -> None:
+        b = int(now // BIN_S)
+        if not self.bins or self.bins[-1][0] != b:
+            self.bins.append((b, []))
+            while self.bins and self.bins[0][0] < b - self.horizon_bins:
+                self.bins.popleft()
+        kept = self.bins[-1][1]
+        kept.extend(values[:max(0, MAX_BIN_SAMPLES - len(kept))])
+
+    def between(self, lo: float, hi: float) -> tuple[np.ndarray, float]:
+        """The samples of the bins that begin inside [lo, hi), and how far back the first
+        of them begins (s before hi)."""
+        inside = [(b, v) for b, v in self.bins if lo <= b * BIN_S < hi and v]
+        if not inside:
+            return np.zeros(0), 0.0
+        return np.concatenate([np.asarray(v) for _, v in inside]), hi - inside[0][0] * BIN_S
+
+    def newest(self, since: float) -> np.ndarray:
+        """The newest samples from `since` on, WINDOW_MAX_SAMPLES at most."""
+        parts, n = [], 0
+        for b, v in reversed(self.bins):
+            if b * BIN_S < since or n >= WINDOW_MAX_SAMPLES:
+                break
+            if v:
+                parts.append(v[-(WINDOW_MAX_SAMPLES - n):])
+                n += len(parts[-1])
+        return np.concatenate([np.asarray(p) for p in parts]) if parts else np.zeros(0)
+
+    def per_bin(self, lo: float, stat: float) -> list[tuple[float, float, int]]:
+        """(bin start, the statistic, samples) of each bin from lo on (a firing's series)."""
+        return [(b * BIN_S, float(np.percentile(v, stat)), len(v)) for b, v in self.bins
+                if b * BIN_S >= lo and v]
+
+
+@dataclass
+class TriggerState:
+    pending_since: float | None = None     # the condition has held since
+    baseline: float | None = None          # frozen while pending or fired
+    baseline_at: float = float("-inf")     # when it was last computed (not frozen)
+    baseline_until: float | None = None    # its samples are from before this
+    fired_at: float | None = None          # it fired, and has not re-armed since
+    clear_since: float | None = None       # after a firing, the condition is clear since
+
+
+@dataclass
+class Firing:
+    """What a trigger saw when it fired, for its capture's record."""
+    trigger: Trigger
+    at: float                   # CLOCK_MONOTONIC s
+    value_s: float              # the statistic over the window
+    limit_s: float              # what it was above
+    baseline_s: float | None
+    baseline_until: float | None    # the baseline's samples are from before this (monotonic s)
+    baseline_window_s: float
+    window_samples: int
+    series: list[tuple[float, float, int]] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"trigger": self.trigger.text, "reason": self.trigger.reason,
+                "quantity": self.trigger.quantity, "stat": self.trigger.stat,
+                "value_s": self.value_s, "limit_s": self.limit_s, "baseline_s": self.baseline_s,
+                "hold_s": self.trigger.hold_s, "window_s": WINDOW_S,
+                "baseline_window_s": self.baseline_window_s, "baseline_until_monotonic_s": self.baseline_until,
+                "window_samples": self.window_samples, "fired_monotonic_s": self.at,
+                "series": [{"t": t, "value_s": v, "samples": n} for t, v, n in self.series]}
+
+
+class Triggers:
+    """Every watched process's series and each trigger's state for it; judge() fires
+    `on_fire(key, firing)` (key: the process's (pid, start)) from the agent's loop."""
+
+    def __init__(self, triggers: list[Trigger], on_fire: Callable[[tuple, Firing], None],
+                 cooldown_s: float = DEFAULT_COOLDOWN_S, baseline_s: float = DEFAULT_BASELINE_S):
+        self.triggers = triggers
+        self.on_fire = on_fire
+        self.cooldown_s = cooldown_s
+        self.baseline_s = baseline_s
+        self.quantities = {t.quantity for t in triggers}
+        self.lock = threading.Lock()
+        self.series: dict[tuple, dict[str, Series]] = {}
+        self.states: dict[tuple, list[TriggerState]] = {}
+        self.judged_at = float("-inf")
+
+    def observe(self, key: tuple, quantity: str, now: float, values: list[float]) -> None:
+        if quantity not in self.quantities or not values:
+            return
+        with self.lock:
+            per = self.series.setdefault(key, {})
+            per.setdefault(quantity, Series(WINDOW_S + self.baseline_s)).add(now, values)
+
+    def forget(self, key: tuple) -> None:
+        with self.lock:
+            self.series.pop(key, None)
+            self.states.pop(key, None)
+
+    def series_since(self, key: tuple, trigger: Trigger, lo: float) -> list[tuple[float, float, int]]:
+        with self.lock:
+            s = self.series.get(key, {}).get(trigger.quantity)
+            return s.per_bin(lo, STATS[trigger.stat]) if s else []
+
+    def judge(self, now: float) -> None:
+        if now - self.judged_at < EVALUATE_S:
+            return
+        self.judged_at = now
+        fired = []
+        with self.lock:
+            for key, per in self.series.items():
+                states = self.states.setdefault(key, [TriggerState() for _ in self.triggers])
+                for trigger, state in zip(self.triggers, states):
+                    s = per.get(trigger.quantity)
+                    if s is not None:
+                        f = self._judge_one(trigger, state, s, now)
+                        if f is not None:
+                            fired.append((key, f))
+        for key, f in fired:             # outside the lock: a capture may take a while to start
+            self.on_fire(key, f)
+
+    def _judge_one(self, trigger: Trigger, state: TriggerState, s: Series, now: float) -> Firing | None:
+        window = s.newest(now - WINDOW_S)
+        stat = STATS[trigger.stat]
+        value = float(np.percentile(window, stat)) if len(window) >= MIN_WINDOW_SAMPLES else None
+        limit = trigger.limit_s
+        if trigger.factor is not None:
+            if state.pending_since is None and state.fired_at is None and now - state.baseline_at >= BASELINE_EVERY_S:
+                state.baseline_at, state.baseline_until = now, now - WINDOW_S
+                base, span = s.between(now - WINDOW_S - self.baseline_s, now - WINDOW_S)
+                state.baseline = (float(np.percentile(base, stat)) if len(base) >= MIN_BASELINE_SAMPLES
+                                  and span >= self.baseline_s / 4 else None)
+            limit = trigger.factor * state.baseline if state.baseline is not None else None
+        holds = value is not None and limit is not None and value > limit
+        if state.fired_at is not None:       # re-armed once clear for the hold time and cooled down
+            if holds:
+                state.clear_since = None
+            elif state.clear_since is None:
+                state.clear_since = now
+            if state.clear_since is not None and now - state.clear_since >= trigger.hold_s \
+                    and now - state.fired_at >= self.cooldown_s:
+                state.fired_at = state.clear_since = state.pending_since = None
+            return None
+        if not holds:
+            state.pending_since = None
+            return None
+        if state.pending_since is None:
+            state.pending_since = now
+        if now - state.pending_since < trigger.hold_s:
+            return None
+        state.fired_at = now
+        factored = trigger.factor is not None
+        return Firing(trigger, now, value, limit, state.baseline if factored else None,
+                      state.baseline_until if factored else None, self.baseline_s, len(window),
+                      s.per_bin(now - SERIES_S, stat))

@@ -1,0 +1,110 @@
+"""The flight recorder: a watched process whose own latency breaks a trigger (flight.py) is
+captured at once, for `record_for` seconds, at the levels the budget allows (the governor's
+capture_fits; what it left out is written into the capture), and the capture is kept
+(capturestore.py) with what fired it: the trigger, its value, its limit and baseline, and the
+quantity's series before the firing and during the capture."""
+from __future__ import annotations
+
+import threading
+import time
+
+from profinfer.core.model import TokenCall
+from profinfer.daemon.captures import BadRequest, Captures
+from profinfer.daemon.capturestore import CaptureStore
+from profinfer.daemon.flight import Firing, Trigger, Triggers
+from profinfer.daemon.identity import Identity
+
+# levels a capture drops first when the budget cannot hold them all
+DROP_ORDER = ("sched", "op", "graph")
+
+
+class FlightRecorder:
+    def __init__(self, agent, captures: Captures, store: CaptureStore, triggers: list[Trigger],
+                 record_for_s: float, levels: set[str], cooldown_s: float, baseline_s: float):
+        self.agent = agent
+        self.captures = captures
+        self.store = store
+        self.record_for_s = record_for_s
+        self.levels = set(levels)
+        self.triggers = Triggers(triggers, self._fire, cooldown_s, baseline_s)
+        self.failed = 0
+
+    # ---- fed by the agent's loop ----
+
+    def observe(self, ident: Identity, t: TokenCall, ttfts: list[int], tpots: list[tuple[float, int]],
+                timed: bool = True) -> None:
+        key, now = (ident.pid, ident.start), time.monotonic()
+        if ttfts:
+            self.triggers.observe(key, "ttft", now, [v / 1e9 for v in ttfts])
+        if tpots:
+            self.triggers.observe(key, "tpot", now, [v / 1e9 for v, _ in tpots])
+        if timed:
+            self.triggers.observe(key, "call", now, [t.dur_ns / 1e9])
+
+    def judge(self) -> None:
+        self.triggers.judge(time.monotonic())
+
+    def forget(self, ident: Identity) -> None:
+        self.triggers.forget((ident.pid, ident.start))
+
+    # ---- a firing ----
+
+    def _fire(self, key: tuple, firing: Firing) -> None:
+        with self.agent.lock:
+            w = self.agent.watches.get(key[0])
+        if w is None or w.identity.start != key[1]:
+            return
+        levels, left_out = self._affordable(w)
+        self.agent.log(f"PID {w.identity.pid}: {firing.trigger.text} fired ({firing.trigger.stat} "
+                       f"{firing.value_s * 1e3:.2f} ms > {firing.limit_s * 1e3:.2f} ms): capturing "
+                       f"{self.record_for_s:g} s at {','.join(sorted(levels))}")
+        threading.Thread(target=self._capture, args=(w, firing, levels, left_out),
+                         name="profinfer-flight", daemon=True).start()
+
+    def _affordable(self, w) -> tuple[set[str], dict[str, str]]:
+        """The levels asked for, less those the budget cannot hold (DROP_ORDER), and why."""
+        levels, left_out = set(w.levels) | self.levels, {}
+        for level in DROP_ORDER:
+            fits, why = self.agent.governor.capture_fits(w, levels)
+            if fits:
+                break
+            if level in levels:
+                levels.discard(level)
+                left_out[level] = why
+        return levels, left_out
+
+    def _capture(self, w, firing: Firing, levels: set[str], left_out: dict[str, str]) -> None:
+        ident, reason = w.identity, firing.trigger.reason
+        started = time.time()
+        try:
+            trace, summary = self.captures.run(ident.pid, self.record_for_s, levels)
+        except BadRequest as e:
+            self.failed += 1
+            self.agent.metrics.capture_failed(reason)
+            self.agent.log(f"PID {ident.pid}: the capture {firing.trigger.text} fired could not be made: {e}")
+            return
+        fired = firing.as_dict()
+        # the quantity's series on from the firing, through the capture
+        fired["series_after"] = [{"t": t, "value_s": v, "samples": n} for t, v, n in
+                                 self.triggers.series_since((ident.pid, ident.start), firing.trigger, firing.at)]
+        record = {"pid": ident.pid, "process": ident.as_dict(), "fired": fired,
+                  "started_at": started, "record_for_s": self.record_for_s,
+                  "levels_asked": sorted(set(w.levels) | self.levels), "levels": sorted(levels),
+                  "left_out": left_out, "cost": summary.get("profiler_cost"),
+                  "lost_events": summary.get("lost_events")}
+        try:
+            kept = self.store.add(record, trace)
+        except Exception as e:             # a full volume, or a trace over the cap
+            self.failed += 1
+            self.agent.metrics.capture_failed(reason)
+            self.agent.log(f"PID {ident.pid}: the capture {firing.trigger.text} fired was not kept: {e}")
+            return
+        self.agent.metrics.capture_made(reason)
+        self.agent.log(f"PID {ident.pid}: capture {kept['id']} kept ({len(trace):,} bytes; "
+                       f"{len(self.store.list())} kept)")
+
+    def status(self) -> dict:
+        return {"triggers": [t.text for t in self.triggers.triggers], "record_for_s": self.record_for_s,
+                "keep": self.store.keep, "max_bytes": self.store.max_bytes, "failed": self.failed,
+                "kept": [{k: r.get(k) for k in ("id", "pid", "started_at", "bytes", "levels")}
+                         | {"trigger": r["fired"]["trigger"]} for r in self.store.list()]}
