@@ -171,7 +171,7 @@ def test_a_capture_slot_is_held_until_its_trace_is_sent(monkeypatch):
     from profinfer.daemon.captures import Captures
 
     trace = os.urandom(16 << 20)
-    monkeypatch.setattr(Captures, "_capture", lambda self, pid, seconds, levels: trace)
+    monkeypatch.setattr(Captures, "_capture", lambda self, pid, seconds, levels: (trace, {}))
 
     from prometheus_client import CollectorRegistry
 
