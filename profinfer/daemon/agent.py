@@ -96,8 +96,8 @@ class Agent:
         self.own_pid = own_pid or os.getpid()
         all_packs = [load_pack(n) for n in pack_names()]
         engine_packs = [p for p in all_packs if not p.level]
-        self.cuda_pack = next((p for p in all_packs if p.level == "cuda"), None) if "cuda" in self.levels else None
-        self.all_packs = engine_packs + ([self.cuda_pack] if self.cuda_pack is not None else [])
+        cuda_pack = next((p for p in all_packs if p.level == "cuda"), None) if "cuda" in self.levels else None
+        self.all_packs = engine_packs + ([cuda_pack] if cuda_pack is not None else [])
         self.seen = SeenProcesses()
         self.metrics = Metrics()
         self.watches: dict[int, Watch] = {}
@@ -859,6 +859,11 @@ class Agent:
                 a, b = out.get(prog, (0, 0))
                 out[prog] = (a + ns, b + runs)
         return out
+
+    @property
+    def cuda_pack(self) -> Pack | None:
+        """The cuda level's pack, where the daemon has that level (the last of all_packs)."""
+        return next((p for p in self.all_packs if p.level == "cuda"), None)
 
     def status(self) -> dict:
         with self.lock:
