@@ -330,8 +330,9 @@ class _Exposer:
                                     "decode call, by phase", labels=labels + ["phase"])
         lost = CounterMetricFamily("profinfer_events_lost", "Events BPF could not hand to the "
                                    "collector", labels=labels)
-        op_calls = CounterMetricFamily("profinfer_op_calls", "Engine ops (graph nodes) run, by op "
-                                       "type (the op level, when the budget allows it)", labels=labels + ["op"])
+        op_calls = CounterMetricFamily("profinfer_op_calls", "Engine ops run (llama.cpp's graph "
+                                       "nodes, vLLM's native op calls), by op type (the op level, when the "
+                                       "budget allows it)", labels=labels + ["op"])
         op_secs = CounterMetricFamily("profinfer_op_seconds", "Time in engine ops, by op type",
                                       labels=labels + ["op"])
         level = GaugeMetricFamily("profinfer_governor_level", "The levels a process is profiled at, "
