@@ -795,7 +795,10 @@ class Agent:
         if self._leaving:
             self._let_go(time.monotonic())
         if self.recorder is not None:
-            self.recorder.judge()
+            try:
+                self.recorder.judge()
+            except Exception as e:          # the recorder's trouble, not the loop's
+                self._error(f"flight recorder: {type(e).__name__}: {e}")
         if time.monotonic() - self._last_scan >= SCAN_S:
             self._last_scan = time.monotonic()
             self.scan()

@@ -33,14 +33,20 @@ class CaptureStore:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
             raise ProfinferError(f"--captures-dir {directory}: not a directory of the daemon's own "
                                  "(a link, another owner's, or writable by others)")
-        self.records = self._load()
+        try:
+            self.records = self._load()
+        except OSError as e:
+            raise ProfinferError(f"--captures-dir {directory}: {e.strerror}") from None
         self._prune()
 
     def _load(self) -> list[dict]:
         out = []
         for name in os.listdir(self.dir):
+            if name.endswith(".tmp"):        # a write a crash cut short
+                os.unlink(os.path.join(self.dir, name))
+                continue
             cid, ext = os.path.splitext(name)
-            if ext != ".json" or not CAPTURE_ID.match(cid) or not os.path.exists(self._trace_path(cid)):
+            if ext != ".json" or not CAPTURE_ID.fullmatch(cid) or not os.path.exists(self._trace_path(cid)):
                 continue
             try:
                 with open(os.path.join(self.dir, name)) as f:
@@ -98,7 +104,7 @@ class CaptureStore:
     def trace(self, cid: str) -> bytes | None:
         """A kept capture's trace; None for an ID not kept (or not one at all)."""
         with self.lock:
-            if not CAPTURE_ID.match(cid) or not any(r["id"] == cid for r in self.records):
+            if not CAPTURE_ID.fullmatch(cid) or not any(r["id"] == cid for r in self.records):
                 return None
             try:
                 with open(self._trace_path(cid), "rb") as f:

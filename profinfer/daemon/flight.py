@@ -32,7 +32,9 @@ MIN_WINDOW_SAMPLES = 20
 WINDOW_MAX_SAMPLES = 500
 MIN_BASELINE_SAMPLES = 100
 BIN_S = 1.0                 # samples are kept in bins of this long
-MAX_BIN_SAMPLES = 2000      # per bin: a bound whatever the rate (later ones in the bin dropped)
+# A bin keeps its newest WINDOW_MAX_SAMPLES (a bound whatever the rate); a baseline reads an
+# even sample of at most BASELINE_BIN_SAMPLES of each (its percentile, cheaply, every few s)
+BASELINE_BIN_SAMPLES = 100
 EVALUATE_S = 0.5            # conditions judged at most this often
 BASELINE_EVERY_S = 5.0      # a baseline not frozen is recomputed at most this often
 SERIES_S = 120.0            # a firing carries its quantity's series this far back
@@ -91,46 +93,70 @@ def parse_trigger(text: str) -> Trigger:
     return Trigger(text.strip(), quantity, stat, value * _UNITS[unit], None, hold)
 
 
+class Bin:
+    """A second's samples: its newest WINDOW_MAX_SAMPLES while the window may read them, then
+    an even sample of BASELINE_BIN_SAMPLES (what a baseline reads), and how many came."""
+    __slots__ = ("start", "values", "seen")
+
+    def __init__(self, start: float):
+        self.start = start
+        self.values: deque[float] | np.ndarray = deque(maxlen=WINDOW_MAX_SAMPLES)
+        self.seen = 0
+
+    def compact(self) -> None:
+        if isinstance(self.values, deque):
+            v = np.asarray(self.values, dtype=np.float32)
+            self.values = v[::max(1, len(v) // BASELINE_BIN_SAMPLES)][:BASELINE_BIN_SAMPLES]
+
+
 class Series:
     """One quantity's samples (seconds) of one process, in bins of BIN_S, as far back as a
     baseline and its window reach (horizon_s)."""
 
     def __init__(self, horizon_s: float):
-        self.horizon_bins = int(horizon_s / BIN_S) + 1
-        self.bins: deque[tuple[int, list[float]]] = deque()
+        self.horizon_s = horizon_s
+        self.bins: deque[Bin] = deque()
 
     def add(self, now: float, values: list[float]) -> None:
-        b = int(now // BIN_S)
-        if not self.bins or self.bins[-1][0] != b:
-            self.bins.append((b, []))
-            while self.bins and self.bins[0][0] < b - self.horizon_bins:
+        start = (now // BIN_S) * BIN_S
+        if not self.bins or self.bins[-1].start != start:
+            for old in reversed(self.bins):        # out of the window's reach: compacted
+                if old.start >= start - WINDOW_S - BIN_S:
+                    continue
+                if not isinstance(old.values, deque):
+                    break
+                old.compact()
+            while self.bins and self.bins[0].start < start - self.horizon_s - BIN_S:
                 self.bins.popleft()
-        kept = self.bins[-1][1]
-        kept.extend(values[:max(0, MAX_BIN_SAMPLES - len(kept))])
+            self.bins.append(Bin(start))
+        self.bins[-1].values.extend(values)
+        self.bins[-1].seen += len(values)
 
     def between(self, lo: float, hi: float) -> tuple[np.ndarray, float]:
-        """The samples of the bins that begin inside [lo, hi), and how far back the first
-        of them begins (s before hi)."""
-        inside = [(b, v) for b, v in self.bins if lo <= b * BIN_S < hi and v]
+        """An even sample of the samples of the bins that begin inside [lo, hi), and how far
+        back the first of them begins (s before hi)."""
+        inside = [b for b in self.bins if lo <= b.start < hi and b.seen]
         if not inside:
             return np.zeros(0), 0.0
-        return np.concatenate([np.asarray(v) for _, v in inside]), hi - inside[0][0] * BIN_S
+        parts = [np.asarray(b.values)[::max(1, len(b.values) // BASELINE_BIN_SAMPLES)] for b in inside]
+        return np.concatenate(parts), hi - inside[0].start
 
     def newest(self, since: float) -> np.ndarray:
         """The newest samples from `since` on, WINDOW_MAX_SAMPLES at most."""
         parts, n = [], 0
-        for b, v in reversed(self.bins):
-            if b * BIN_S < since or n >= WINDOW_MAX_SAMPLES:
+        for b in reversed(self.bins):
+            if b.start < since or n >= WINDOW_MAX_SAMPLES:
                 break
-            if v:
-                parts.append(v[-(WINDOW_MAX_SAMPLES - n):])
+            if b.seen:
+                parts.append(list(b.values)[-(WINDOW_MAX_SAMPLES - n):])
                 n += len(parts[-1])
         return np.concatenate([np.asarray(p) for p in parts]) if parts else np.zeros(0)
 
     def per_bin(self, lo: float, stat: float) -> list[tuple[float, float, int]]:
-        """(bin start, the statistic, samples) of each bin from lo on (a firing's series)."""
-        return [(b * BIN_S, float(np.percentile(v, stat)), len(v)) for b, v in self.bins
-                if b * BIN_S >= lo and v]
+        """(bin start, the statistic, samples that came) of each bin from lo on (a firing's
+        series; an older bin's statistic is its even sample's)."""
+        return [(b.start, float(np.percentile(b.values, stat)), b.seen) for b in self.bins
+                if b.start >= lo and b.seen]
 
 
 @dataclass
@@ -139,6 +165,7 @@ class TriggerState:
     baseline: float | None = None          # frozen while pending or fired
     baseline_at: float = float("-inf")     # when it was last computed (not frozen)
     baseline_until: float | None = None    # its samples are from before this
+    baseline_from: float = float("-inf")   # and from this on (a firing's re-arm)
     fired_at: float | None = None          # it fired, and has not re-armed since
     clear_since: float | None = None       # after a firing, the condition is clear since
 
@@ -223,10 +250,11 @@ class Triggers:
         limit = trigger.limit_s
         if trigger.factor is not None:
             if state.pending_since is None and state.fired_at is None and now - state.baseline_at >= BASELINE_EVERY_S:
-                state.baseline_at, state.baseline_until = now, now - WINDOW_S
-                base, span = s.between(now - WINDOW_S - self.baseline_s, now - WINDOW_S)
-                state.baseline = (float(np.percentile(base, stat)) if len(base) >= MIN_BASELINE_SAMPLES
-                                  and span >= self.baseline_s / 4 else None)
+                state.baseline_at = now
+                base, span = s.between(max(now - WINDOW_S - self.baseline_s, state.baseline_from), now - WINDOW_S)
+                if len(base) >= MIN_BASELINE_SAMPLES and span >= self.baseline_s / 4:
+                    state.baseline, state.baseline_until = float(np.percentile(base, stat)), now - WINDOW_S
+                # else the one before the last incident holds until a new one is whole (or none yet)
             limit = trigger.factor * state.baseline if state.baseline is not None else None
         holds = value is not None and limit is not None and value > limit
         if state.fired_at is not None:       # re-armed once clear for the hold time and cooled down
@@ -234,9 +262,18 @@ class Triggers:
                 state.clear_since = None
             elif state.clear_since is None:
                 state.clear_since = now
-            if state.clear_since is not None and now - state.clear_since >= trigger.hold_s \
-                    and now - state.fired_at >= self.cooldown_s:
+            cleared = state.clear_since is not None and now - state.clear_since >= trigger.hold_s \
+                and now - state.fired_at >= self.cooldown_s
+            # held as long as a baseline reaches back: the process's new normal, the next baseline
+            shifted = trigger.factor is not None and now - state.fired_at >= self.baseline_s
+            if cleared or shifted:
                 state.fired_at = state.clear_since = state.pending_since = None
+                # the next baseline's samples begin here: the incident and its capture are
+                # not in it; until it is whole, the one before the incident holds (after a
+                # shift, none: the old normal is gone)
+                state.baseline_from, state.baseline_at = now, float("-inf")
+                if shifted:
+                    state.baseline = None
             return None
         if not holds:
             state.pending_since = None

@@ -9,7 +9,7 @@ import threading
 import time
 
 from profinfer.core.model import TokenCall
-from profinfer.daemon.captures import BadRequest, Captures
+from profinfer.daemon.captures import CAPTURE_LEVELS, Captures
 from profinfer.daemon.capturestore import CaptureStore
 from profinfer.daemon.flight import Firing, Trigger, Triggers
 from profinfer.daemon.identity import Identity
@@ -54,16 +54,27 @@ class FlightRecorder:
             w = self.agent.watches.get(key[0])
         if w is None or w.identity.start != key[1]:
             return
-        levels, left_out = self._affordable(w)
+        if w.identity.pid in self.captures.running:      # another trigger's, of the same incident
+            self.agent.log(f"PID {w.identity.pid}: {firing.trigger.text} fired during its running capture")
+            return
+        asked = self._asked(w)
+        levels, left_out = self._affordable(w, asked)
         self.agent.log(f"PID {w.identity.pid}: {firing.trigger.text} fired ({firing.trigger.stat} "
                        f"{firing.value_s * 1e3:.2f} ms > {firing.limit_s * 1e3:.2f} ms): capturing "
                        f"{self.record_for_s:g} s at {','.join(sorted(levels))}")
-        threading.Thread(target=self._capture, args=(w, firing, levels, left_out),
+        threading.Thread(target=self._capture, args=(w, firing, asked, levels, left_out),
                          name="profinfer-flight", daemon=True).start()
 
-    def _affordable(self, w) -> tuple[set[str], dict[str, str]]:
-        """The levels asked for, less those the budget cannot hold (DROP_ORDER), and why."""
-        levels, left_out = set(w.levels) | self.levels, {}
+    def _asked(self, w) -> set[str]:
+        """The process's levels and the capture's, as a capture takes them (the daemon's
+        cuda-detail is the cuda level's timeline)."""
+        own = {"cuda" if lv == "cuda-detail" else lv for lv in w.levels}
+        return (own | self.levels) & CAPTURE_LEVELS
+
+    def _affordable(self, w, asked: set[str]) -> tuple[set[str], dict[str, str]]:
+        """The levels asked for, less those the budget cannot hold (DROP_ORDER), and why.
+        What is left is captured even where it does not fit: the process's own levels."""
+        levels, left_out = set(asked), {}
         for level in DROP_ORDER:
             fits, why = self.agent.governor.capture_fits(w, levels)
             if fits:
@@ -73,12 +84,12 @@ class FlightRecorder:
                 left_out[level] = why
         return levels, left_out
 
-    def _capture(self, w, firing: Firing, levels: set[str], left_out: dict[str, str]) -> None:
+    def _capture(self, w, firing: Firing, asked: set[str], levels: set[str], left_out: dict[str, str]) -> None:
         ident, reason = w.identity, firing.trigger.reason
         started = time.time()
         try:
             trace, summary = self.captures.run(ident.pid, self.record_for_s, levels)
-        except BadRequest as e:
+        except Exception as e:          # BadRequest, or the capture's files gone wrong
             self.failed += 1
             self.agent.metrics.capture_failed(reason)
             self.agent.log(f"PID {ident.pid}: the capture {firing.trigger.text} fired could not be made: {e}")
@@ -89,7 +100,7 @@ class FlightRecorder:
                                  self.triggers.series_since((ident.pid, ident.start), firing.trigger, firing.at)]
         record = {"pid": ident.pid, "process": ident.as_dict(), "fired": fired,
                   "started_at": started, "record_for_s": self.record_for_s,
-                  "levels_asked": sorted(set(w.levels) | self.levels), "levels": sorted(levels),
+                  "levels_asked": sorted(asked), "levels": sorted(levels),
                   "left_out": left_out, "cost": summary.get("profiler_cost"),
                   "lost_events": summary.get("lost_events")}
         try:
@@ -107,4 +118,4 @@ class FlightRecorder:
         return {"triggers": [t.text for t in self.triggers.triggers], "record_for_s": self.record_for_s,
                 "keep": self.store.keep, "max_bytes": self.store.max_bytes, "failed": self.failed,
                 "kept": [{k: r.get(k) for k in ("id", "pid", "started_at", "bytes", "levels")}
-                         | {"trigger": r["fired"]["trigger"]} for r in self.store.list()]}
+                         | {"trigger": r.get("fired", {}).get("trigger")} for r in self.store.list()]}

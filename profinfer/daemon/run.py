@@ -24,9 +24,12 @@ def log(msg: str) -> None:
 def flight_settings(triggers: list[str], record_for: str, keep: int, captures_dir: str, max_bytes: int,
                     levels: set[str], cooldown: str, baseline: str) -> dict:
     """The flight recorder's settings, checked (ProfinferError: one line) before anything starts."""
+    from profinfer.daemon.captures import MAX_CAPTURE_S
     from profinfer.daemon.flight import parse_duration, parse_trigger
-    return {"triggers": [parse_trigger(t) for t in triggers],
-            "record_for_s": parse_duration(record_for, "--record-for"), "keep": keep,
+    seconds = parse_duration(record_for, "--record-for")
+    if not 0.01 <= seconds <= MAX_CAPTURE_S:
+        raise ProfinferError(f"--record-for {record_for!r}: from 10 ms to {MAX_CAPTURE_S} s")
+    return {"triggers": [parse_trigger(t) for t in triggers], "record_for_s": seconds, "keep": keep,
             "captures_dir": captures_dir, "max_bytes": max_bytes, "levels": set(levels),
             "cooldown_s": parse_duration(cooldown, "--trigger-cooldown"),
             "baseline_s": parse_duration(baseline, "--trigger-baseline")}

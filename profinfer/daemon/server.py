@@ -146,16 +146,26 @@ def make_server(agent, host: str, port: int, token: str, note, allow_hosts: tupl
             held.__exit__(None, None, None)
             raise
 
+    # kept traces being sent at once: each is held in memory until its reader has it all
+    sending = threading.BoundedSemaphore(MAX_CAPTURES)
+
     def kept(cid: str | None) -> Response:
         recorder = getattr(agent, "recorder", None)
         if recorder is None:
             return _json(404, {"error": "no flight recorder: the daemon was started without --trigger"})
         if cid is None:
             return _json(200, {"captures": recorder.store.list()})
-        trace = recorder.store.trace(cid)
+        if not sending.acquire(blocking=False):
+            return _json(429, {"error": f"{MAX_CAPTURES} kept captures are being sent; try again later"})
+        try:
+            trace = recorder.store.trace(cid)
+        except BaseException:
+            sending.release()
+            raise
         if trace is None:
+            sending.release()
             return _json(404, {"error": f"no kept capture {cid!r}"})
-        return Response(200, trace, "application/octet-stream")
+        return Response(200, trace, "application/octet-stream", after_send=sending.release)
 
     def route(req: Request):
         """Cheap decisions here (the server's loop); the work on a lane's workers."""

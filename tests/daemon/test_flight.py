@@ -120,3 +120,54 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
     busiest = max(sched["threads"], key=lambda t: t["on_cpu_ns"])
     assert busiest["preempted_ns"] > 0 and busiest["preempted_by"][0]["comm"] == HOG_COMM, busiest
 
+
+
+def daemon_rss(d: Daemon) -> int:
+    with open(f"/proc/{d.proc.pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_five_incidents_keep_the_newest_three_under_the_byte_cap(tmp_path, llama_build, tiny_model, llama_env):
+    """Five real slowdowns, each cleared before the next: one capture each (the trigger re-arms
+    once its condition is clear for its hold time and its cooldown has passed), the newest 3
+    kept on disk and listed, under the byte cap; the daemon's memory stays flat."""
+    store, cap_bytes = tmp_path / "captures", 1 << 20
+    with llama_server(llama_build, tiny_model, llama_env, 2) as (server, url):
+        d = Daemon(tmp_path, ("--levels", "token,graph", "--budget", "0.25", "--trigger", "tpot_p99 > 20ms for 1s",
+                              "--record-for", "2s", "--keep", "3", "--captures-max-bytes", str(cap_bytes),
+                              "--trigger-cooldown", "1s", "--captures-dir", str(store), "--capture-levels", "token"))
+        rss = []
+        try:
+            d.watched(server.pid)
+            cpus = sorted(os.sched_getaffinity(server.pid))
+            with SteadyLoad(url):
+                time.sleep(5)
+                for incident in range(5):
+                    hogs = [subprocess.Popen([sys.executable, "-c", HOG],
+                                             preexec_fn=lambda c=c: os.sched_setaffinity(0, {c}))
+                            for c in cpus for _ in range(2)]
+                    try:
+                        deadline = time.monotonic() + 60
+                        while time.monotonic() < deadline and made(d) < incident + 1:
+                            time.sleep(0.5)
+                    finally:
+                        for h in hogs:
+                            h.kill()
+                            h.wait()
+                    assert made(d) == incident + 1, (incident, d.text())
+                    time.sleep(6)          # clear for its hold time, cooled down
+                    if incident in (1, 4):
+                        rss.append(daemon_rss(d))
+            caps = kept(d)
+            on_disk = sorted(p.name for p in store.iterdir())
+        finally:
+            d.stop()
+    assert len(caps) == 3 and sum(c["bytes"] for c in caps) <= cap_bytes, caps
+    assert on_disk == sorted(f"{c['id']}{ext}" for c in caps for ext in (".json", ".pftrace")), on_disk
+    assert rss[1] - rss[0] < 8 << 20, rss       # three captures more, no more memory kept
+
+
+def made(d: Daemon) -> int:
+    text = _get(d.url + "/metrics")[1].decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("profinfer_captures_total{")))

@@ -112,8 +112,10 @@ class CallRecords:
         return out
 
     def take_by_op(self) -> dict[str, tuple[int, int]]:
-        """(calls, ns) by op name of the calls kept, which are forgotten."""
+        """(calls, ns) by op name of the calls kept, which are forgotten (their argument
+        signatures too)."""
         cols, self.columns, self.sig_ids, self.values = self.columns, [], [], {}
+        self.signatures, self._sig_index = [], {}
         self._taken += sum(len(c["op"]) for c in cols)
         out: dict[str, tuple[int, int]] = {}
         for c in cols:

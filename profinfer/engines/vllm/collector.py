@@ -513,7 +513,7 @@ class VllmCollector(Collector):
             prof.counter_dropped = dict(self.records.counter_dropped)
         prof.steps = stepmaker.steps(calls, self.step_rules, step_ends)
         prof.call_totals = counted
-        for i, counts in hists.items():
+        for i, (_, _, counts) in hists.items():
             name = self.ops[i].name        # an op in two libraries: one histogram
             prof.call_hists[name] = prof.call_hists[name] + counts if name in prof.call_hists else counts
         prof.meta.update(self._meta(tallies))

@@ -131,7 +131,7 @@ def _print_main(profile: Profile, console: Console) -> None:
     console.print(op_table(st.ops, "Native ops (all threads)"))
     if profile.call_totals:
         console.print(f"[dim]calls counted in BPF (no timeline asked): p50 and p99 from a log "
-                      f"histogram, within {loghist.PRECISION:.0%}; -o trace.pftrace records each call[/]")
+                      f"histogram, within {loghist.PRECISION:.2%}; -o trace.pftrace records each call[/]")
     console.print(shape_table(st))
     if st.steps:
         console.print(step_table(st))

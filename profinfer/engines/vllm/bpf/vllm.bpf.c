@@ -80,6 +80,13 @@ struct {
 
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, 4096);
+    __type(key, struct pv_total_key);
+    __type(value, struct pv_call_total);
+} call_totals_unkept SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
     __uint(map_flags, BPF_F_NO_PREALLOC);     /* 2 KiB a signature: made as they come */
     __uint(max_entries, 4096);
     __type(key, struct pv_sig_key);
@@ -129,6 +136,7 @@ static __always_inline void mark_unreadable(struct pv_tensor *t)
 static __always_inline void read_tensor(struct pv_tensor *t, u64 impl)
 {
     t->ndim = 0xff;
+    t->pad = 0;                 /* the slot may hold what a call's values left (their copy) */
     if (!impl) {
         mark_unreadable(t);
         return;
@@ -395,20 +403,25 @@ static __always_inline void count_call(struct pv_op_event *ev, u32 depth)
         t = bpf_map_lookup_elem(&call_totals, &key);
         if (!t) {               /* full: its op's calls of signatures not kept */
             key.sig = 0;
-            bpf_map_update_elem(&call_totals, &key, &zero, BPF_NOEXIST);
-            t = bpf_map_lookup_elem(&call_totals, &key);
+            t = bpf_map_lookup_elem(&call_totals_unkept, &key);
             if (!t) {
-                count_lost(1);
-                return;
+                bpf_map_update_elem(&call_totals_unkept, &key, &zero, BPF_NOEXIST);
+                t = bpf_map_lookup_elem(&call_totals_unkept, &key);
             }
         }
     }
     u64 ns = ev->end_ns > ev->start_ns ? ev->end_ns - ev->start_ns : 0;
-    __sync_fetch_and_add(&t->calls, 1);
-    __sync_fetch_and_add(&t->ns, ns);
+    if (t) {
+        __sync_fetch_and_add(&t->calls, 1);
+        __sync_fetch_and_add(&t->ns, ns);
+    } else {
+        count_lost(1);          /* in its op's count below, in no signature's */
+    }
     u32 op = ev->op;
     struct pv_op_hist *h = bpf_map_lookup_elem(&op_hists, &op);
     if (h) {
+        __sync_fetch_and_add(&h->calls, 1);
+        __sync_fetch_and_add(&h->ns, ns);
         u32 b = hist_bucket(ns);
         if (b < PV_HIST_BUCKETS)
             __sync_fetch_and_add(&h->buckets[b], 1);

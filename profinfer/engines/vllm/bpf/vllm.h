@@ -142,8 +142,9 @@ struct pv_thread {
 };
 
 /* call_totals' key: an op's calls with one argument signature (sig: a hash of its tensors'
- * arguments, dtypes and sizes; 0: not kept, the table was full) on one thread, in one
- * phase, at the top level or inside another op. */
+ * arguments, dtypes and sizes) on one thread, in one phase, at the top level or inside
+ * another op; call_totals_unkept's, with sig 0: those calls whose signature found
+ * call_totals full. */
 struct pv_total_key {
     u64 sig;
     u32 op;
@@ -167,7 +168,10 @@ struct pv_sig_key {
     u32 n_tensors;
 };
 
+/* An op's counted calls: how many, their time, their durations' histogram. */
 struct pv_op_hist {
+    u64 calls;
+    u64 ns;
     u64 buckets[PV_HIST_BUCKETS];
 };
 
