@@ -123,6 +123,18 @@ class Captures:
         that MAX_CAPTURES also bounds the traces held in memory while slow clients read them."""
         pid, seconds, levels = self._parse(query)
         self._within_budget(pid, levels, query.get("force", ["0"])[0] == "1", who)
+        with self._place(pid):
+            yield lambda: self._capture(pid, seconds, levels)[0]
+
+    def run(self, pid: int, seconds: float, levels: set[str]) -> tuple[bytes, dict]:
+        """A capture the daemon itself starts (a trigger's, its levels already fitted to the
+        budget): its trace and its summary; BadRequest where it could not be made."""
+        with self._place(pid):
+            return self._capture(pid, seconds, levels)
+
+    @contextlib.contextmanager
+    def _place(self, pid: int) -> Iterator[None]:
+        """One capture a process, MAX_CAPTURES at once: held until the block ends."""
         with self.lock:
             if pid in self.running:
                 raise BadRequest(409, f"a capture of PID {pid} is already running")
@@ -130,22 +142,7 @@ class Captures:
                 raise BadRequest(429, f"{MAX_CAPTURES} captures are running; try again later")
             self.running.add(pid)
         try:
-            yield lambda: self._capture(pid, seconds, levels)[0]
-        finally:
-            with self.lock:
-                self.running.discard(pid)
-
-    def run(self, pid: int, seconds: float, levels: set[str]) -> tuple[bytes, dict]:
-        """A capture the daemon itself starts (a trigger's, its levels already fitted to the
-        budget): its trace and its summary; BadRequest where it could not be made."""
-        with self.lock:
-            if pid in self.running:
-                raise BadRequest(409, f"a capture of PID {pid} is already running")
-            if len(self.running) >= MAX_CAPTURES:
-                raise BadRequest(429, f"{MAX_CAPTURES} captures are running")
-            self.running.add(pid)
-        try:
-            return self._capture(pid, seconds, levels)
+            yield
         finally:
             with self.lock:
                 self.running.discard(pid)

@@ -164,6 +164,19 @@ static __always_inline void tally_in(void *tallies, u32 which)
         __sync_fetch_and_add(v, 1);
 }
 
+/* floor(log2(v)) (0 for 0): a histogram's power of two */
+static __always_inline u32 log2_u64(u64 v)
+{
+    u32 r = 0;
+    if (v >> 32) { v >>= 32; r += 32; }
+    if (v >> 16) { v >>= 16; r += 16; }
+    if (v >> 8) { v >>= 8; r += 8; }
+    if (v >> 4) { v >>= 4; r += 4; }
+    if (v >> 2) { v >>= 2; r += 2; }
+    if (v >> 1) r += 1;
+    return r;
+}
+
 static __always_inline u32 current_tid(void)
 {
     return (u32)bpf_get_current_pid_tgid();

@@ -324,18 +324,6 @@ struct {
     __type(value, struct pi_graph_total);
 } graph_totals SEC(".maps");
 
-static __always_inline u32 log2_u64(u64 v)
-{
-    u32 r = 0;
-    if (v >> 32) { v >>= 32; r += 32; }
-    if (v >> 16) { v >>= 16; r += 16; }
-    if (v >> 8) { v >>= 8; r += 8; }
-    if (v >> 4) { v >>= 4; r += 4; }
-    if (v >> 2) { v >>= 2; r += 2; }
-    if (v >> 1) r += 1;
-    return r;
-}
-
 static __always_inline void count_graph(struct pi_graph_event *ev)
 {
     struct pi_graph_key key = {.tgid = bpf_get_current_pid_tgid() >> 32, .probe = ev->probe,

@@ -361,18 +361,6 @@ static long hash_tensor(u32 i, struct sig_walk *w)
     return 0;
 }
 
-static __always_inline u32 log2_u64(u64 v)
-{
-    u32 r = 0;
-    if (v >> 32) { v >>= 32; r += 32; }
-    if (v >> 16) { v >>= 16; r += 16; }
-    if (v >> 8) { v >>= 8; r += 8; }
-    if (v >> 4) { v >>= 4; r += 4; }
-    if (v >> 2) { v >>= 2; r += 2; }
-    if (v >> 1) r += 1;
-    return r;
-}
-
 /* vllm.h: PV_HIST_SUB buckets a power of two (8: the shift by e - 3) */
 static __always_inline u32 hist_bucket(u64 ns)
 {
