@@ -304,10 +304,12 @@ def attached_run(target: subprocess.Popen, args: list[str], go: Path, on_attache
 
 
 def start_vllm_truth(vllm_python: Path, vllm_model: Path, mode: str, go: Path,
-                     truth_path: Path) -> subprocess.Popen:
-    """tests/vllm/offline_truth.py started and past its warm-up (READY), its output drained."""
+                     truth_path: Path, seconds: float = 0.0) -> subprocess.Popen:
+    """tests/vllm/offline_truth.py started and past its warm-up (READY), its output drained;
+    it generates for `seconds` at least."""
     script = Path(__file__).parent / "vllm" / "offline_truth.py"
-    target = subprocess.Popen([str(vllm_python), str(script), str(vllm_model), mode, str(go), str(truth_path)],
+    target = subprocess.Popen([str(vllm_python), str(script), str(vllm_model), mode, str(go), str(truth_path),
+                               str(seconds)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     seen = []
     for line in target.stdout:              # vLLM logs to stdout too

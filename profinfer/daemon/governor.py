@@ -38,8 +38,9 @@ STEP_UP_S = 20.0
 LEVEL_RANK = {"op": 3, "graph": 2, "token": 1, "step": 1}
 TRAP_KEYS = ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")
 MIN_CPU_TO_JUDGE_NS = 50_000_000
-# a process that used less than MIN_CPU_TO_JUDGE_NS for this long is idle: nothing of its
-# time is being taken, so there is room (its levels may come back)
+# a process that used less than MIN_CPU_TO_JUDGE_NS for this long is idle (and stays so while
+# it uses less than that in each check): nothing of its time is being taken, so there is room
+# (its levels may come back)
 IDLE_S = 3 * GOVERN_S
 MAX_STEP_UP_WAIT_S = 600.0
 
@@ -170,7 +171,9 @@ class Governor:
                 continue
             mark = w.cost_mark
             if mark is not None and cpu - mark[1] < MIN_CPU_TO_JUDGE_NS:   # too little CPU yet to judge
-                if now - mark[0] >= IDLE_S:
+                # idle for IDLE_S, then judged idle at each check while it stays so: its wait
+                # to get a level back counts in checks, not in IDLE_S windows
+                if w.idle or now - mark[0] >= IDLE_S:
                     w.cost_mark, w.idle = (now, cpu, parts, own, self.callers_cpu_ns(w)), True
                     self._judge(w, now, levels, 0.0)
                 continue

@@ -14,7 +14,9 @@ from daemon_helpers import _STARTED, Daemon, _get, kill_started, series
 
 def test_vllm_steps_in_the_daemon_equal_its_scheduler(vllm_python, vllm_model, tmp_path):
     go, truth_path = tmp_path / "go", tmp_path / "truth.json"
-    target = start_vllm_truth(vllm_python, vllm_model, "eager", go, truth_path)
+    # it generates for 8 s (its prompts again and again, its steps alone recorded): the governor's judgments (one each
+    # 2 s, of the CPU since the last) see windows with steps whatever the machine's load
+    target = start_vllm_truth(vllm_python, vllm_model, "eager", go, truth_path, seconds=8)
     _STARTED.append(target)
     d = None
     try:

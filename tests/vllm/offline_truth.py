@@ -1,13 +1,19 @@
 """A vLLM offline generation that records its own truth: run inside vLLM's venv by
 tests/vllm/test_vllm_offline.py, with profinfer attached between READY and the go file.
 
-    python offline_truth.py MODEL eager|compiled GO_FILE TRUTH_JSON
+    python offline_truth.py MODEL eager|compiled GO_FILE TRUTH_JSON [SECONDS]
+
+SECONDS: generate the prompts again and again until that long has passed, without
+torch.profiler (its teardown of so many calls would take minutes): the truth is the
+scheduler's steps, and no calls. A generation of the tiny model takes a fraction of a
+second, shorter than a daemon's judgment needs.
 
 Truth, from inside the process: torch.profiler's record of every `_C` op call (name, input
 shapes and dtypes, with the schema's argument names from torch's own op registry), the
 engine's scheduler outputs (tokens per request in each step), and the calling thread's time
 on a CPU (the kernel's schedstat), for the generate call only.
 """
+import contextlib
 import json
 import os
 import sys
@@ -22,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
 model, mode, go_file, truth_path = sys.argv[1:5]
+seconds = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
 llm = LLM(model=model, enforce_eager=mode == "eager", max_model_len=512, dtype="bfloat16", seed=0)
 params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 prompts = ["hello world model token", "the cache of the attention layer",
@@ -52,12 +59,15 @@ def on_cpu_ns() -> int:
 
 
 cpu0, t0 = on_cpu_ns(), time.monotonic_ns()
-with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+profiled = not seconds
+with profile(activities=[ProfilerActivity.CPU], record_shapes=True) if profiled else contextlib.nullcontext() as prof:
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    while time.monotonic_ns() - t0 < seconds * 1e9:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
 t1, cpu1 = time.monotonic_ns(), on_cpu_ns()
 
 calls = []
-for e in prof.events():
+for e in prof.events() if profiled else ():
     if not e.name.startswith("_C::"):
         continue
     name = e.name.split("::", 1)[1]

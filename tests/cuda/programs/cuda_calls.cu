@@ -2,7 +2,7 @@
 // logged as one JSON line, so a test can compare what a profiler recorded with this log.
 //
 //   cuda_calls --log FILE [--runtime linked | --runtime dlopen:PATH] [--libcuda PATH]
-//              [--start-after FILE] [--repeat R] [--libcuda-early]
+//              [--start-after FILE] [--repeat R | --until FILE] [--libcuda-early]
 //
 // --runtime linked (default)  call the cudart this program is linked with (static or shared)
 // --runtime dlopen:PATH       dlopen(PATH) (e.g. libcudart.so.12) and call it through dlsym;
@@ -12,6 +12,8 @@
 // --libcuda-early             dlopen --libcuda's PATH before that wait, not after it (a daemon
 //                             that finds processes by scanning /proc alone sees it mapped)
 // --repeat R                  make the whole sequence R times (default 1)
+// --until FILE                make it until FILE exists (looked for between sequences), then
+//                             print "repeats <n>": as long as a test needs, counted exactly
 //
 // Log: one JSON object per line, one per CUDA call made, in call order:
 //   {"fn": ..., "tid": gettid(), "t_ns": CLOCK_MONOTONIC just before the call, "ret": int,
@@ -556,7 +558,7 @@ static void sequence(const Runtime& rt, bool linked, const Driver* drv, char* h1
 static int usage() {
     fprintf(stderr,
             "usage: cuda_calls --log FILE [--runtime linked | --runtime dlopen:PATH] "
-            "[--libcuda PATH] [--start-after FILE] [--repeat R] [--libcuda-early]\n");
+            "[--libcuda PATH] [--start-after FILE] [--repeat R | --until FILE] [--libcuda-early]\n");
     return 2;
 }
 
@@ -565,6 +567,7 @@ int main(int argc, char** argv) {
     const char* runtime = "linked";
     const char* libcuda = nullptr;
     const char* start_after = nullptr;
+    const char* until = nullptr;
     int repeat = 1;
     bool libcuda_early = false;
     for (int i = 1; i < argc; i++) {
@@ -579,6 +582,7 @@ int main(int argc, char** argv) {
         else if (!strcmp(a, "--libcuda")) libcuda = argv[++i];
         else if (!strcmp(a, "--start-after")) start_after = argv[++i];
         else if (!strcmp(a, "--repeat")) repeat = atoi(argv[++i]);
+        else if (!strcmp(a, "--until")) until = argv[++i];
         else return usage();
     }
     bool linked = !strcmp(runtime, "linked");
@@ -611,7 +615,14 @@ int main(int argc, char** argv) {
 
     char* h1 = (char*)calloc(1, kHostBufBytes);
     char* h2 = (char*)calloc(1, kHostBufBytes);
-    for (int r = 0; r < repeat; r++) sequence(rt, linked, libcuda ? &drv : nullptr, h1, h2);
+    if (until) {
+        long made = 0;
+        for (; access(until, F_OK) != 0; made++) sequence(rt, linked, libcuda ? &drv : nullptr, h1, h2);
+        printf("repeats %ld\n", made);
+        fflush(stdout);
+    } else {
+        for (int r = 0; r < repeat; r++) sequence(rt, linked, libcuda ? &drv : nullptr, h1, h2);
+    }
     flush_log();
     free(h1);
     free(h2);
