@@ -30,7 +30,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("daemon", "")]
-from governed import alternate, copied_build, cost_against_before, start_server, timed_cost, wait_healthy, window  # noqa: E402
+from governed import (alternate, copied_build, cost_against_before, server_window, start_server,  # noqa: E402
+                      timed_cost, wait_healthy, window)
 
 from profinfer.engines.llamacpp import workload  # noqa: E402
 
@@ -47,7 +48,7 @@ def _status(url: str, pid: int) -> dict | None:
 
 
 def _pairs(url_a: str, url_b: str, pairs: int, n: int, phase: str) -> list[tuple[float, float]]:
-    return alternate(url_a, url_b, pairs, n, lambda i, a, b: print(json.dumps(
+    return alternate(server_window(url_a), server_window(url_b), pairs, n, lambda i, a, b: print(json.dumps(
         {"phase": phase, "pair": i, "governed_tok_s": round(a, 1), "alone_tok_s": round(b, 1)}), flush=True))
 
 

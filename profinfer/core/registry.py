@@ -31,7 +31,9 @@ class Plugin:
     module: str                                      # the package that declares it
     title: str = ""                                  # for people: "llama.cpp", "CUDA"
     # What the daemon may ask its collector for, e.g. "tokens_by_process", "op_totals" (ops
-    # counted in BPF per op type and phase, which a session without a timeline asks for too).
+    # counted in BPF per op type and phase, which a session without a timeline asks for too),
+    # and what it should know of it: "ops_on_callers" (its op probes trap only in the threads
+    # that make its token or step calls).
     capabilities: frozenset[str] = field(default_factory=frozenset)
     # Its contributions, each a module of its own package (imported only when asked for):
     report: str | None = None        # report and JSON summary sections

@@ -83,10 +83,11 @@ def summary_sections(profile: Profile, neutral: View, common: tuple[SummarySecti
     return sorted(found, key=lambda s: s.order)
 
 
-def report_sections(profile: Profile, neutral: View) -> list[ReportSection]:
+def report_sections(profile: Profile, neutral: View, common: tuple[ReportSection, ...] = ()
+                    ) -> list[ReportSection]:
     """The report's sections for this profile, in order."""
     main = main_view(profile, neutral)
-    found = [s for _, m in report_modules() for s in getattr(m, "REPORT", ())]
+    found = [*common, *(s for _, m in report_modules() for s in getattr(m, "REPORT", ()))]
     if main is None:
         found = [s for s in found if s.alone]
     else:

@@ -32,15 +32,16 @@ GOVERN_S = 2.0
 STEP_DOWN_ORDER = ("op", "cuda-detail", "graph")
 FLOOR_LEVELS = ("token", "step")
 # levels whose probes trap in the threads that make the engine's calls (Watch.callers): each
-# is charged against those threads' time, not the whole process's (vLLM's OpenMP pool spins)
+# is charged against those threads' time, not the whole process's (vLLM's OpenMP pool spins);
+# the op level too where the engine's plugin says its ops are called there (ops_on_callers)
 CALLER_LEVELS = ("token", "step", "graph")
 STEP_UP_S = 20.0
 LEVEL_RANK = {"op": 3, "graph": 2, "token": 1, "step": 1}
 TRAP_KEYS = ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")
 MIN_CPU_TO_JUDGE_NS = 50_000_000
-# a process that used less than MIN_CPU_TO_JUDGE_NS for this long is idle (and stays so while
-# it uses less than that in each check): nothing of its time is being taken, so there is room
-# (its levels may come back)
+# a process that used less than MIN_CPU_TO_JUDGE_NS, or made no decode call or step, for this
+# long is idle (and stays so while it does neither in each check): nothing of its engine's
+# time is being taken, so there is room (its levels may come back)
 IDLE_S = 3 * GOVERN_S
 MAX_STEP_UP_WAIT_S = 600.0
 
@@ -169,16 +170,18 @@ class Governor:
             parts = self.probe_costs_ns(w, runtime)
             if cpu is None or parts is None:
                 continue
-            mark = w.cost_mark
-            if mark is not None and cpu - mark[1] < MIN_CPU_TO_JUDGE_NS:   # too little CPU yet to judge
+            mark, calls = w.cost_mark, engine_calls(w)
+            # too little CPU yet to judge, or no decode call or step made since (its engine
+            # waits: a background thread's CPU is no work of its that the probes slow)
+            if mark is not None and (cpu - mark[1] < MIN_CPU_TO_JUDGE_NS or (calls is not None and calls == mark[5])):
                 # idle for IDLE_S, then judged idle at each check while it stays so: its wait
                 # to get a level back counts in checks, not in IDLE_S windows
                 if w.idle or now - mark[0] >= IDLE_S:
-                    w.cost_mark, w.idle = (now, cpu, parts, own, self.callers_cpu_ns(w)), True
+                    w.cost_mark, w.idle = (now, cpu, parts, own, self.callers_cpu_ns(w), calls), True
                     self._judge(w, now, levels, 0.0)
                 continue
             callers = self.callers_cpu_ns(w)
-            w.cost_mark = (now, cpu, parts, own, callers)
+            w.cost_mark = (now, cpu, parts, own, callers, calls)
             if mark is None:
                 continue
             # the watching thread's CPU, shared out among the processes it watches: on a busy
@@ -188,7 +191,8 @@ class Governor:
             by_callers = callers - mark[4] if callers is not None and mark[4] is not None else 0
             if by_callers < MIN_CPU_TO_JUDGE_NS / 2:
                 by_callers = spent
-            shares = {lv: max(0.0, ns - mark[2].get(lv, 0.0)) / (by_callers if lv in CALLER_LEVELS else spent)
+            on_callers = CALLER_LEVELS + (("op",) if "ops_on_callers" in w.capabilities else ())
+            shares = {lv: max(0.0, ns - mark[2].get(lv, 0.0)) / (by_callers if lv in on_callers else spent)
                       for lv, ns in parts.items()}
             shares["daemon"] = max(0.0, (own - mark[3]) / max(len(watches), 1) / spent)
             w.shares, w.idle = shares, False
@@ -231,6 +235,12 @@ class Governor:
                 w.stepped_up, w.calm_since = True, None
         else:
             w.calm_since = None
+
+
+def engine_calls(w: Watch) -> int | None:
+    """The decode calls or steps its build's shared probes have seen it make (None: no
+    engine's, a process watched at the cuda level alone)."""
+    return None if w.group is None else w.group.token_calls.get(w.identity.pid, 0)
 
 
 def _daemon_has(levels: set[str], level: str) -> bool:

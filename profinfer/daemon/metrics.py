@@ -259,6 +259,22 @@ class Metrics:
                     acc[0] += 1
                     acc[1] += c.bytes
 
+    def totals(self, ident: Identity) -> dict[str, dict[str, tuple[float, float]]] | None:
+        """The process's cumulative counts as the flight recorder's baseline samples them:
+        family -> item -> (count, seconds): "op" (calls, time by op type), "graph" (computes,
+        time by backend), "call" (decode calls or steps, their time, by phase), "kernel"
+        (launches by kernel; no time: the cuda level counts them), "sync" (calls, time)."""
+        with self.lock:
+            p = self.processes.get(ident.pid)
+            if p is None or p.identity.start != ident.start:
+                return None
+            cuda = p.cuda or {}
+            return {"op": {op: (n, ns / 1e9) for op, (n, ns) in p.ops.items()},
+                    "graph": {b: (v[0], v[1] / 1e9) for b, v in p.graphs.items()},
+                    "call": {ph: (sum(h.counts), h.total) for ph, h in p.call_time.items()},
+                    "kernel": {k: (n, 0.0) for k, n in cuda.get("kernels", {}).items()},
+                    "sync": {a: (v[0], v[1]) for a, v in cuda.get("syncs", {}).items()}}
+
     def lost(self, ident: Identity, n: int) -> None:
         with self.lock:
             p = self.processes.get(ident.pid)

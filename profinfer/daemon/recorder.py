@@ -1,18 +1,24 @@
 """The flight recorder: a watched process whose own latency breaks a trigger (flight.py) is
 captured at once, for `record_for` seconds, at the levels the budget allows (the governor's
 capture_fits; what it left out is written into the capture), and the capture is kept
-(capturestore.py) with what fired it: the trigger, its value, its limit and baseline, and the
-quantity's series before the firing and during the capture."""
+(capturestore.py) with what fired it: the trigger, its value, its limit and baseline, the
+quantity's series before the firing and during the capture, and the process's own counts
+(baseline.py) in the baseline before the incident and during it. That record also goes into
+the trace (meta.flight), so that `profinfer report` of the trace alone sets one against the
+other."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 from profinfer.core.model import TokenCall
+from profinfer.daemon.baseline import SAMPLE_S, RollingTotals
 from profinfer.daemon.captures import CAPTURE_LEVELS, Captures
 from profinfer.daemon.capturestore import CaptureStore
-from profinfer.daemon.flight import Firing, Trigger, Triggers
+from profinfer.daemon.flight import WINDOW_S, Firing, Trigger, Triggers
 from profinfer.daemon.identity import Identity
+from profinfer.exporters.perfetto import with_meta
 
 # levels a capture drops first when the budget cannot hold them all
 DROP_ORDER = ("sched", "op", "graph")
@@ -27,6 +33,9 @@ class FlightRecorder:
         self.record_for_s = record_for_s
         self.levels = set(levels)
         self.triggers = Triggers(triggers, self._fire, cooldown_s, baseline_s)
+        self.baseline_s = baseline_s
+        hold = max((t.hold_s for t in triggers), default=0.0)
+        self.totals = RollingTotals(baseline_s + WINDOW_S + hold + record_for_s)
         self.failed = 0
 
     # ---- fed by the agent's loop ----
@@ -42,10 +51,19 @@ class FlightRecorder:
             self.triggers.observe(key, "call", now, [t.dur_ns / 1e9])
 
     def judge(self) -> None:
-        self.triggers.judge(time.monotonic())
+        now = time.monotonic()
+        if self.totals.due(now):
+            with self.agent.lock:
+                idents = [w.identity for w in self.agent.watches.values()]
+            for ident in idents:
+                counts = self.agent.metrics.totals(ident)
+                if counts is not None:
+                    self.totals.sample((ident.pid, ident.start), now, counts)
+        self.triggers.judge(now)
 
     def forget(self, ident: Identity) -> None:
         self.triggers.forget((ident.pid, ident.start))
+        self.totals.forget((ident.pid, ident.start))
 
     # ---- a firing ----
 
@@ -94,16 +112,24 @@ class FlightRecorder:
             self.agent.metrics.capture_failed(reason)
             self.agent.log(f"PID {ident.pid}: the capture {firing.trigger.text} fired could not be made: {e}")
             return
+        key = (ident.pid, ident.start)
         fired = firing.as_dict()
         # the quantity's series on from the firing, through the capture
         fired["series_after"] = [{"t": t, "value_s": v, "samples": n} for t, v, n in
-                                 self.triggers.series_since((ident.pid, ident.start), firing.trigger, firing.at)]
+                                 self.triggers.series_since(key, firing.trigger, firing.at)]
+        # the process's own counts: in the baseline before the incident (the trigger's, or
+        # the baseline window before the condition began to hold), and from then on
+        began = firing.at - firing.trigger.hold_s
+        until = firing.baseline_until if firing.baseline_until is not None else began - WINDOW_S
+        counts = {"baseline": self.totals.between(key, until - self.baseline_s, until),
+                  "incident": self.totals.between(key, began - SAMPLE_S, time.monotonic() + SAMPLE_S)}
         record = {"pid": ident.pid, "process": ident.as_dict(), "fired": fired,
                   "started_at": started, "record_for_s": self.record_for_s,
                   "levels_asked": sorted(asked), "levels": sorted(levels),
                   "left_out": left_out, "cost": summary.get("profiler_cost"),
-                  "lost_events": summary.get("lost_events")}
+                  "lost_events": summary.get("lost_events"), "counts": counts}
         try:
+            trace = with_meta(trace, {"flight": json.dumps(record)})
             kept = self.store.add(record, trace)
         except Exception as e:             # a full volume, or a trace over the cap
             self.failed += 1

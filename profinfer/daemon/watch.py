@@ -24,8 +24,9 @@ class Watch:
     files: list = field(default_factory=list)
     group: SharedProbes | None = None   # its build's shared probes (token, graph)
     cuda: bool = False                  # served by the shared cuda level (it maps a CUDA runtime)
-    # (t, its CPU ns, its probes' cost ns by level, watching CPU ns, its callers' CPU ns); None: a new window
-    cost_mark: tuple[float, int, dict[str, float], int, int | None] | None = None
+    # (t, its CPU ns, its probes' cost ns by level, watching CPU ns, its callers' CPU ns, its
+    # decode calls or steps); None: a new window
+    cost_mark: tuple[float, int, dict[str, float], int, int | None, int | None] | None = None
     share: float | None = None          # what the probes cost it, as a share of its CPU time
     shares: dict[str, float] = field(default_factory=dict)   # the same, by level (and "daemon")
     idle: bool = False                  # it used next to no CPU in the last window

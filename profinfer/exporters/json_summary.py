@@ -1,9 +1,10 @@
 """Machine-readable run summary: one JSON object of plain ints, floats, strings (null when unknown).
 
 Times are nanoseconds. Required keys: decode_calls, tokens, time_ns, lost_events, threads, ops;
-the rest (latency, per-phase ops, percentiles, meta) are extras. The main view's keys come
-first (the neutral one below, or that of the engine that holds the profile), then each
-plugin's sections in their order (core.sections).
+the rest (latency, per-phase ops, percentiles, meta) are extras. A flight recorder's capture
+has "flight" first (viewers/flight.py); then the main view's keys (the neutral one below, or
+that of the engine that holds the profile), then each plugin's sections in their order
+(core.sections).
 Ops counted in BPF per op type and phase (no timeline asked; meta "op_level": "counted"):
 the ops' percentiles, barrier times and per-thread op times are null.
 """
@@ -16,6 +17,7 @@ from profinfer.core import recorded_calibration, sections, selfcost
 from profinfer.core.model import Profile
 from profinfer.core.sections import SummarySection, View
 from profinfer.core.stats import OpStats, compute
+from profinfer.viewers import flight
 
 
 def _int(x: float | None) -> int | None:
@@ -92,7 +94,7 @@ def _profiler_cost(profile: Profile) -> dict:
 # The view of a profile of tokens, graphs and ops that no engine's own view stands for.
 NEUTRAL = View(summary=(SummarySection(0, _main),))
 # In every summary.
-COMMON = (SummarySection(50, _profiler_cost),)
+COMMON = (SummarySection(-20, flight.keys), SummarySection(50, _profiler_cost))
 
 
 def write_json(profile: Profile, path: str | Path) -> None:

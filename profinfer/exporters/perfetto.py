@@ -299,6 +299,26 @@ class _ThreadSequence:
                 self.flush()
 
 
+def _attributes_packet(attributes: list[tuple[str, object]]) -> TraceProtoBuilder:
+    footer = TraceProtoBuilder()
+    pkt = footer.add_packet()
+    pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
+    for key, value in attributes:
+        attr = pkt.trace_attributes.attribute.add()
+        attr.key = key
+        if isinstance(value, str):
+            attr.string_value = value
+        else:
+            attr.long_value = value
+    return footer
+
+
+def with_meta(trace: bytes, meta: dict[str, str]) -> bytes:
+    """A written trace with more meta.<key> attributes: a second attributes packet after the
+    last (the reader takes every one; the last packet is still the attributes)."""
+    return trace + _attributes_packet([(ATTR_META_PREFIX + k, v) for k, v in meta.items()]).serialize()
+
+
 def write_perfetto(profile: Profile, path: str | Path) -> None:
     """Write `profile` as a native Perfetto trace (open it in ui.perfetto.dev or trace_processor)."""
     parts_of = timelines()
@@ -340,20 +360,11 @@ def write_perfetto(profile: Profile, path: str | Path) -> None:
     for part in parts_of:
         part.header(profile, add_packet)
 
-    footer = TraceProtoBuilder()
-    pkt = footer.add_packet()
-    pkt.trusted_packet_sequence_id = MAIN_SEQUENCE
     attributes = [(ATTR_FORMAT, FORMAT_VERSION), (ATTR_LOST, profile.lost_events)]
     for part in parts_of:
         attributes += part.attributes(profile)
     attributes += [(ATTR_META_PREFIX + k, str(v)) for k, v in profile.meta.items()]
-    for key, value in attributes:
-        attr = pkt.trace_attributes.attribute.add()
-        attr.key = key
-        if isinstance(value, str):
-            attr.string_value = value
-        else:
-            attr.long_value = value
+    footer = _attributes_packet(attributes)
 
     with open(path, "wb") as f:
         out: list[bytes] = [header.serialize()]

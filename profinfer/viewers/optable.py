@@ -11,6 +11,7 @@ from profinfer.core.model import Profile
 from profinfer.core.sections import ReportSection, View
 from profinfer.core.stats import ProfileStats, compute, counted
 from profinfer.core.tables import ms, op_table, pct, print_cost, print_lost
+from profinfer.viewers import flight
 from profinfer.viewers.terminal import report_console
 
 
@@ -68,8 +69,12 @@ def _main(profile: Profile, console: Console) -> None:
 NEUTRAL = View(report=(ReportSection(0, _main), ReportSection(50, print_cost), ReportSection(99, print_lost)))
 
 
+# In every report: a flight recorder's capture says first what fired it.
+COMMON = (ReportSection(-20, flight.print_flight, alone=True),)
+
+
 def render(profile: Profile, console: Console | None = None) -> None:
     """Print the report."""
     console = console or report_console()
-    for section in sections.report_sections(profile, NEUTRAL):
+    for section in sections.report_sections(profile, NEUTRAL, COMMON):
         section.render(profile, console)

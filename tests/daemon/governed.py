@@ -1,6 +1,7 @@
-"""The governor against time: a llama-server the daemon governs (A) and an identical one it
-does not (B), generating in turn, each window's rate as llama.cpp measures it itself (the
-completion's timings.predicted_per_second).
+"""The governor against time: an engine process the daemon governs (A) and an identical one
+it does not (B), generating in turn, each window's rate as the engine measures it itself
+(llama-server: the completion's timings.predicted_per_second; vLLM: tests/vllm/on_demand.py's
+batches a second).
 
 B runs from a copy of the build: the shared probes (token, graph) are uprobes on the library
 files, and every process that maps a probed file traps on them, followed or not; a copy is
@@ -10,7 +11,13 @@ llama.cpp by its libraries' names, does not watch B (nor do other processes on t
 take its place, as with --max-processes 1). The daemon's loop runs during B's windows too:
 what is compared is what watching A costs A.
 
-Used by tests/daemon/test_daemon.py and bench/daemon_governor.py."""
+vLLM's B imports a copy of the vllm package (copied_vllm): its native libraries copied (other
+inodes: no trap on A's probes), its other files linked. Its libraries' names are vLLM's, so
+the daemon would watch B too: it runs with --max-processes 1, A started first (the daemon's
+scan goes by PID).
+
+Used by tests/daemon/test_daemon.py, tests/daemon/test_daemon_vllm.py and
+bench/daemon_governor.py."""
 from __future__ import annotations
 
 import json
@@ -20,8 +27,13 @@ import statistics
 import subprocess
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import conftest
+
+# the windows resolve a 4% budget where the standard error of their median ratio (measured)
+# is under this: the cost must then be under the budget within 3 of it
+TIMED_NOISE_MAX = 0.015
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
 
@@ -76,19 +88,73 @@ def window(url: str, n: int) -> float:
     return float(timings["predicted_per_second"])
 
 
-def alternate(governed: str, alone: str, pairs: int, n: int, each=lambda i, a, b: None) -> list[tuple[float, float]]:
-    """pairs x (governed, alone) windows, in ABBA order (a drift cancels): [(A, B)] rates."""
+def alternate(governed: Callable[[int], float], alone: Callable[[int], float], pairs: int, n: int,
+              each=lambda i, a, b: None) -> list[tuple[float, float]]:
+    """pairs x (governed, alone) windows of n (tokens, batches: each a function of n that
+    returns its rate), in ABBA order (a drift cancels): [(A, B)] rates."""
     out = []
     for i in range(pairs):
         if i % 2:
-            b = window(alone, n)
-            a = window(governed, n)
+            b = alone(n)
+            a = governed(n)
         else:
-            a = window(governed, n)
-            b = window(alone, n)
+            a = governed(n)
+            b = alone(n)
         out.append((a, b))
         each(i, a, b)
     return out
+
+
+def server_window(url: str) -> Callable[[int], float]:
+    return lambda n: window(url, n)
+
+
+ON_DEMAND = Path(__file__).resolve().parents[1] / "vllm" / "on_demand.py"
+
+
+def copied_vllm(vllm_python: Path, dest: Path) -> Path:
+    """A directory to put first on PYTHONPATH: the vllm package of vllm_python's venv, its
+    native libraries (`*.so`) copied, every other file a link to the original."""
+    found = subprocess.run([str(vllm_python), "-c", "import importlib.util as u; print(u.find_spec('vllm').origin)"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    package = Path(found).parent
+    for root, dirs, files in os.walk(package):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        out = dest / "vllm" / Path(root).relative_to(package)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            if f.endswith(".so"):
+                shutil.copy2(Path(root) / f, out / f)
+            else:
+                (out / f).symlink_to(Path(root) / f)
+    return dest
+
+
+class VllmOnDemand:
+    """tests/vllm/on_demand.py started and past its warm-up; window(n): n batches, their rate."""
+
+    def __init__(self, vllm_python: Path, model: Path, mode: str = "eager", pythonpath: Path | None = None):
+        env = {**os.environ, **({"PYTHONPATH": str(pythonpath)} if pythonpath else {})}
+        self.proc = subprocess.Popen([str(vllm_python), str(ON_DEMAND), str(model), mode], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        self.pid = self.proc.pid
+
+    def ready(self) -> None:
+        seen = []
+        for line in self.proc.stdout:           # vLLM logs to stdout too
+            seen.append(line)
+            if line.strip() == "READY":
+                return
+        raise AssertionError("vLLM on demand exited before READY: " + "".join(seen[-20:]))
+
+    def window(self, n: int) -> float:
+        self.proc.stdin.write(f"RUN {n}\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("DONE "):
+                return float(line.split()[1])
+        raise AssertionError(f"vLLM on demand (PID {self.pid}) exited mid-window")
 
 
 def timed_cost(rates: list[tuple[float, float]]) -> tuple[float, float]:

@@ -250,7 +250,7 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
     an identical unwatched server's in alternating windows (governed.py), is at most 4% lower
     than their ratio before the daemon started, where the windows resolve it; its op-level
     counts up to the step down are kept; idle, the last level taken comes back after its wait."""
-    from governed import alternate, copied_build, cost_against_before, start_server, wait_healthy, window
+    from governed import alternate, copied_build, cost_against_before, server_window, start_server, wait_healthy, window
     pa, pb = _free_port(), _free_port()
     a = start_server(llama_build / "bin", tiny_model, llama_env, pa)
     _STARTED.append(a)
@@ -265,7 +265,7 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
         # rate now (the machine is shared: its rate varies)
         window(url_a, 100)
         n = max(50, min(1500, int(window(url_b, 100) * 1.5)))
-        before = alternate(url_a, url_b, 8, n)
+        before = alternate(server_window(url_a), server_window(url_b), 8, n)
         d = Daemon(tmp_path, ("--levels", "token,graph,op", "--budget", "0.04"))
         assert sorted(d.watched(a.pid)["levels"]) == ["graph", "op", "token"], d.text()
         status = json.loads(_get(d.url + "/status")[1])
@@ -304,7 +304,7 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
         assert info["cost_share"] is not None and (info["cost_share"] <= 0.04 or settled == ["token"]), info
         assert info["cost_by_level"]["token"] > 0, info         # the floor's own cost, stated
 
-        rates = alternate(url_a, url_b, 8, n)
+        rates = alternate(server_window(url_a), server_window(url_b), 8, n)
         cost, se = cost_against_before(before, rates)
         timed = (f"timed cost {cost:+.1%} +- {se:.1%} in 8 pairs of {n} tokens at {settled} "
                  f"(A, B before the daemon: {before}; governed: {rates})")
@@ -342,12 +342,11 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
     # the windows resolve the budget where their noise (the standard error of the median
     # ratio, measured) is under TIMED_NOISE_MAX: the cost must then be under the budget within
     # 3 of it. Noisier (other work on the machine), 4% cannot be told: said, not asserted
+    from governed import TIMED_NOISE_MAX
     if se >= TIMED_NOISE_MAX:
         pytest.skip(f"{timed}: too noisy to resolve the 4% budget (bench/daemon_governor.py measures it)")
     assert cost <= 0.04 + 3 * se, timed
 
-
-TIMED_NOISE_MAX = 0.015
 
 
 def test_a_capture_counts_against_the_budget(tmp_path, llama_build, tiny_model, llama_env):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ class SteadyLoad:
         self.url, self.stop = url, threading.Event()
         self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
         self.done = 0
+        self.tpots: list[tuple[float, float]] = []   # (when it ended, the server's own ms a token)
 
     def _client(self) -> None:
         body = json.dumps({"prompt": f"Once upon a time {PROMPT_MARKER} was", "n_predict": 48}).encode()
@@ -41,7 +43,8 @@ class SteadyLoad:
                                          headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=120) as r:
-                    r.read()
+                    timings = json.loads(r.read())["timings"]
+                self.tpots.append((time.monotonic(), float(timings["predicted_per_token_ms"])))
                 self.done += 1
             except OSError:
                 time.sleep(0.1)
@@ -70,8 +73,8 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
         hogs = []
         try:
             d.watched(server.pid)
-            with SteadyLoad(url):
-                time.sleep(30)          # the baseline: steady load, a quarter of its window and more
+            with SteadyLoad(url) as load:
+                time.sleep(40)          # the baseline: steady load, a quarter of its window and more (5 s samples of its counts)
                 assert kept(d) == [], d.text()
                 cpus = sorted(os.sched_getaffinity(server.pid))
                 started = time.monotonic()
@@ -119,6 +122,20 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
     sched = json.loads((tmp_path / "s.json").read_text())["sched"]
     busiest = max(sched["threads"], key=lambda t: t["on_cpu_ns"])
     assert busiest["preempted_ns"] > 0 and busiest["preempted_by"][0]["comm"] == HOG_COMM, busiest
+    # the trace alone: what fired it, and the incident against the baseline before it (the
+    # daemon's own counts): the server's graph computes took longer a compute than in any of
+    # the baseline's intervals, as its own timings say its tokens did
+    flight = json.loads((tmp_path / "s.json").read_text())["flight"]
+    assert flight["fired"]["trigger"] == cap["fired"]["trigger"] and flight["levels"] == cap["levels"]
+    assert flight["baseline"]["until_monotonic_s"] <= started and flight["baseline"]["intervals"] >= 3, flight
+    graph = next(r for r in flight["changes"] if r["family"] == "graph")
+    assert "s_per_call" in graph["verdict"] and graph["per_call_ratio"] > 1.3, graph
+    assert graph["incident"]["s_per_call"] > graph["baseline"]["s_per_call_range"][1]
+    before = [ms for t, ms in load.tpots if t <= started]
+    during = [ms for t, ms in load.tpots if started + HOLD_S <= t <= started + HOLD_S + RECORD_S + 5]
+    assert during and statistics.median(during) / statistics.median(before) > 1.3, (before, during)
+    printed = subprocess.run([*PROFINFER, "report", str(trace)], capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0 and "Flight recorder" in printed.stdout and "^ fired" in printed.stdout, printed
 
 
 

@@ -1,0 +1,91 @@
+"""The flight recorder's rolling baseline: each watched process's cumulative counts (its op
+types', graph computes', decode calls' or steps', kernels', syncs': Metrics.totals) sampled
+every SAMPLE_S over the last minutes, so that a capture can hold what the process did just
+before its incident, and how much that varied from one interval to the next.
+
+For a stretch of time, each family's items (an op type, a kernel, a phase) get their rate,
+time per call, and share of the family's time (of its count where it has no time: kernels),
+each as the whole stretch's figure and as the lowest and highest of its SAMPLE_S intervals
+(the baseline's own variation, against which a capture's figure is judged)."""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+SAMPLE_S = 5.0
+MIN_INTERVALS = 3             # fewer, and a baseline has no variation to judge by
+
+
+def _delta(new: dict, old: dict) -> dict[str, dict[str, tuple[float, float]]]:
+    out = {}
+    for family, items in new.items():
+        before = old.get(family, {})
+        got = {}
+        for item, (n, s) in items.items():
+            n0, s0 = before.get(item, (0, 0.0))
+            if n > n0:          # counts that fell (a process moved between shared objects) give nothing
+                got[item] = (n - n0, max(0.0, s - s0))
+        out[family] = got
+    return out
+
+
+def _figures(items: dict[str, tuple[float, float]], seconds: float) -> dict[str, dict[str, float]]:
+    """Each item's rate (a second), time per call, and share of its family's time (or count)."""
+    total_s = sum(s for _, s in items.values())
+    total_n = sum(n for n, _ in items.values())
+    out = {}
+    for item, (n, s) in items.items():
+        share = s / total_s if total_s > 0 else n / total_n if total_n else 0.0
+        out[item] = {"per_s": n / seconds, "s_per_call": s / n if n else 0.0, "share": share}
+    return out
+
+
+class RollingTotals:
+    def __init__(self, horizon_s: float):
+        self.horizon_s = horizon_s
+        self.lock = threading.Lock()
+        self.samples: dict[tuple, deque] = {}
+        self.sampled_at = float("-inf")
+
+    def due(self, now: float) -> bool:
+        if now - self.sampled_at < SAMPLE_S:
+            return False
+        self.sampled_at = now
+        return True
+
+    def sample(self, key: tuple, now: float, totals: dict) -> None:
+        with self.lock:
+            d = self.samples.setdefault(key, deque())
+            d.append((now, totals))
+            while d and d[0][0] < now - self.horizon_s - SAMPLE_S:
+                d.popleft()
+
+    def forget(self, key: tuple) -> None:
+        with self.lock:
+            self.samples.pop(key, None)
+
+    def between(self, key: tuple, lo: float, hi: float) -> dict | None:
+        """The baseline of [lo, hi] (the samples within it): None with fewer than two."""
+        with self.lock:
+            picked = [(t, v) for t, v in self.samples.get(key, ()) if lo <= t <= hi]
+        if len(picked) < 2:
+            return None
+        seconds = picked[-1][0] - picked[0][0]
+        whole = _delta(picked[-1][1], picked[0][1])
+        intervals = [(b[0] - a[0], _delta(b[1], a[1])) for a, b in zip(picked, picked[1:])]
+        out = {"from_monotonic_s": picked[0][0], "until_monotonic_s": picked[-1][0], "seconds": seconds,
+               "intervals": len(intervals), "families": {}}
+        for family, items in whole.items():
+            figures = _figures(items, seconds)
+            if len(intervals) >= MIN_INTERVALS:
+                per = [_figures(d.get(family, {}), dt) for dt, d in intervals]
+                for item, f in figures.items():
+                    for key in ("per_s", "s_per_call", "share"):
+                        # an interval without the item: it ran 0 a second, 0 of the share
+                        vals = [p[item][key] for p in per if item in p] + \
+                               ([0.0] * sum(1 for p in per if item not in p) if key != "s_per_call" else [])
+                        if vals:
+                            f[key + "_range"] = [min(vals), max(vals)]
+            if figures:
+                out["families"][family] = figures
+        return out

@@ -1,0 +1,167 @@
+"""A flight recorder's capture (the daemon's, meta.flight in its trace): what fired it, the
+trigger's series around the moment drawn in the terminal, and what changed against the
+baseline before the incident.
+
+The comparison is of the daemon's own counts (one method on both sides: daemon/baseline.py),
+the incident's against the baseline's: each family's items (op types, graph computes by
+backend, decode calls or steps by phase, kernels, syncs) by share of the family's time (of
+its count where it has no time), time per call, and rate. An item is "outside" where one of
+those falls outside the range the baseline's own intervals spanned (by more than MARGIN of
+it, and a point of share); "new" or "gone" where only one side has it."""
+from __future__ import annotations
+
+import json
+
+from rich.table import Table
+
+from profinfer.core.model import Profile
+
+FAMILIES = {"call": "decode calls / steps", "op": "ops", "graph": "graph computes",
+            "kernel": "CUDA kernels", "sync": "CUDA syncs"}
+BLOCKS = "▁▂▃▄▅▆▇█"
+MIN_SHARE_SHOWN = 0.01        # items under this share on both sides are not listed
+MARGIN = 0.05                 # beyond the baseline's range by more than this of it: outside
+SHARE_FLOOR = 0.01            # and, for a share, by more than a point
+
+
+def record(profile: Profile) -> dict | None:
+    text = profile.meta.get("flight")
+    if not text:
+        return None
+    try:
+        rec = json.loads(text)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("fired"), dict) else None
+
+
+def _outside(value: float, span: list | None, floor: float = 0.0) -> bool | None:
+    """Beyond the baseline's range by more than MARGIN of it (and `floor`): a range its few
+    intervals drew narrow does not flag every hundredth of a change."""
+    if not span:
+        return None
+    lo, hi = span
+    pad = max(MARGIN * max(abs(lo), abs(hi)), floor)
+    return value < lo - pad or value > hi + pad
+
+
+def changes(rec: dict) -> list[dict]:
+    """Each item of each family, incident against baseline, the biggest share first."""
+    counts = rec.get("counts") or {}
+    base = ((counts.get("baseline") or {}).get("families")) or {}
+    now = ((counts.get("incident") or {}).get("families")) or {}
+    rows = []
+    for family in FAMILIES:
+        b, n = base.get(family, {}), now.get(family, {})
+        for item in sorted(set(b) | set(n)):
+            fb, fn = b.get(item), n.get(item)
+            row = {"family": family, "item": item, "baseline": fb, "incident": fn}
+            if fb is None:
+                row["verdict"] = "new"
+            elif fn is None:
+                row["verdict"] = "gone"
+            else:
+                keys = ("share", "per_s") + (("s_per_call",) if fb["s_per_call"] or fn["s_per_call"] else ())
+                judged = {k: _outside(fn[k], fb.get(k + "_range"), SHARE_FLOOR if k == "share" else 0.0)
+                          for k in keys}
+                if all(v is None for v in judged.values()):
+                    row["verdict"] = "no baseline variation"
+                else:
+                    out = [k for k, v in judged.items() if v]
+                    row["verdict"] = "outside: " + ", ".join(out) if out else "within"
+                row["share_change"] = fn["share"] - fb["share"]
+                if fb["s_per_call"]:
+                    row["per_call_ratio"] = fn["s_per_call"] / fb["s_per_call"]
+            rows.append(row)
+    return sorted(rows, key=lambda r: (list(FAMILIES).index(r["family"]),
+                                       -max((r["incident"] or {}).get("share", 0), (r["baseline"] or {}).get("share", 0))))
+
+
+def keys(profile: Profile) -> dict:
+    rec = record(profile)
+    if rec is None:
+        return {}
+    return {"flight": {"fired": rec["fired"], "levels": rec.get("levels"), "left_out": rec.get("left_out"),
+                       "record_for_s": rec.get("record_for_s"), "cost": rec.get("cost"),
+                       "baseline": _span((rec.get("counts") or {}).get("baseline")),
+                       "incident": _span((rec.get("counts") or {}).get("incident")),
+                       "changes": changes(rec)}}
+
+
+def _span(counts: dict | None) -> dict | None:
+    if not counts:
+        return None
+    return {k: counts.get(k) for k in ("from_monotonic_s", "until_monotonic_s", "seconds", "intervals")}
+
+
+def sparkline(values: list[float], top: float) -> str:
+    if top <= 0:
+        return BLOCKS[0] * len(values)
+    return "".join(BLOCKS[min(len(BLOCKS) - 1, int(v / top * (len(BLOCKS) - 1) + 0.5))] for v in values)
+
+
+def chart(fired: dict) -> list[str]:
+    """The trigger's statistic per 1 s bin before the firing and after it, as blocks scaled
+    to the largest of the series and its limit; a caret under the firing's bin."""
+    points = [(p["t"], p["value_s"]) for p in fired.get("series", [])]
+    points += [(p["t"], p["value_s"]) for p in fired.get("series_after", []) if not points or p["t"] > points[-1][0]]
+    if not points:
+        return []
+    at = fired.get("fired_monotonic_s", points[-1][0])
+    top = max([v for _, v in points] + [fired.get("limit_s") or 0.0])
+    line = sparkline([v for _, v in points], top)
+    mark = next((i for i, (t, _) in enumerate(points) if t >= at - 1.0), len(points) - 1)
+    span = f"{points[0][0] - at:+.0f} s .. {points[-1][0] - at:+.0f} s around the firing"
+    return [f"  {line}   ({fired.get('quantity')} {fired.get('stat')} per second, {span}; "
+            f"full height {top * 1e3:.2f} ms)",
+            "  " + " " * mark + "^ fired"]
+
+
+def _ms(s: float | None) -> str:
+    return "?" if s is None else f"{s * 1e3:.2f} ms"
+
+
+def _figure(f: dict | None, key: str, fmt) -> str:
+    if f is None:
+        return "-"
+    span = f.get(key + "_range")
+    return fmt(f[key]) + (f" ({fmt(span[0])}..{fmt(span[1])})" if span else "")
+
+
+def print_flight(profile: Profile, console) -> None:
+    rec = record(profile)
+    if rec is None:
+        return
+    fired = rec["fired"]
+    base = f", baseline {_ms(fired.get('baseline_s'))}" if fired.get("baseline_s") is not None else ""
+    console.print(f"[bold]Flight recorder[/bold]: {fired.get('trigger')} fired: {fired.get('stat')} "
+                  f"{_ms(fired.get('value_s'))} > limit {_ms(fired.get('limit_s'))}{base}; captured "
+                  f"{rec.get('record_for_s', 0):g} s at {','.join(rec.get('levels') or [])}")
+    for level, why in (rec.get("left_out") or {}).items():
+        console.print(f"  left out: {level} ({why})")
+    for line in chart(fired):
+        console.print(line, highlight=False, markup=False)
+    counts = rec.get("counts") or {}
+    b, i = counts.get("baseline"), counts.get("incident")
+    if not b or not i:
+        console.print("  No comparison with a baseline: the daemon had not counted this process long enough "
+                      "before the incident (its counts are sampled every 5 s).")
+        return
+    rows = [r for r in changes(rec)
+            if max((r["incident"] or {}).get("share", 0), (r["baseline"] or {}).get("share", 0)) >= MIN_SHARE_SHOWN]
+    table = Table(title=f"What changed: the incident ({i['seconds']:.0f} s) against the baseline before it "
+                        f"({b['seconds']:.0f} s, {b['intervals']} intervals; ranges: their lowest..highest)")
+    for col in ("what", "item", "share: baseline", "incident", "time a call: baseline", "incident", "a second: baseline",
+                "incident", "verdict"):
+        table.add_column(col, justify="left" if col in ("what", "item", "verdict") else "right")
+    pct, ms, rate = (lambda v: f"{v:.1%}"), (lambda v: f"{v * 1e3:.3f} ms"), (lambda v: f"{v:,.1f}")
+    for r in rows:
+        fb, fn = r["baseline"], r["incident"]
+        table.add_row(FAMILIES[r["family"]], r["item"], _figure(fb, "share", pct), _figure(fn, "share", pct),
+                      _figure(fb, "s_per_call", ms) if fb and fb["s_per_call"] else "-",
+                      _figure(fn, "s_per_call", ms) if fn and fn["s_per_call"] else "-",
+                      _figure(fb, "per_s", rate), _figure(fn, "per_s", rate), r["verdict"])
+    console.print(table)
+    if "op" not in ((b.get("families") or {})):
+        console.print("  No op types in the baseline: the daemon's op level was off before the incident "
+                      "(--levels ...,op, within the budget).")

@@ -1,0 +1,65 @@
+"""The flight recorder's pure logic: its trigger grammar, the rolling baseline's figures and
+ranges, and the report's verdicts, on hand-computed numbers."""
+from __future__ import annotations
+
+import pytest
+
+from profinfer.core.errors import ProfinferError
+from profinfer.daemon.baseline import RollingTotals
+from profinfer.daemon.flight import parse_trigger
+from profinfer.viewers.flight import changes, sparkline
+
+
+def test_trigger_grammar():
+    t = parse_trigger("tpot_p99 > 3x baseline for 5s")
+    assert (t.quantity, t.stat, t.factor, t.limit_s, t.hold_s) == ("tpot", "p99", 3.0, None, 5.0)
+    t = parse_trigger("ttft_p50 > 250ms")
+    assert (t.limit_s, t.factor, t.hold_s) == (0.25, None, 0.0)
+    for bad in ("tpot > 3", "speed_p99 > 1s", "tpot_p99 < 1s", "tpot_p99 > 3x", ""):
+        with pytest.raises(ProfinferError):
+            parse_trigger(bad)
+
+
+def test_baseline_figures_and_the_ranges_of_its_intervals():
+    """Cumulative op counts sampled at 0, 5, 10, 15 s: MUL_MAT 100 calls of 1 ms each
+    interval, ADD 100 calls of 0.25, 0.5, 0.25 ms: MUL_MAT's share 0.8, 2/3, 0.8."""
+    r = RollingTotals(horizon_s=60)
+    mul = add_n = 0
+    add_s = mul_s = 0.0
+    for t, add_each in ((0, None), (5, 0.25e-3), (10, 0.5e-3), (15, 0.25e-3)):
+        if add_each is not None:
+            mul, mul_s = mul + 100, mul_s + 0.1
+            add_n, add_s = add_n + 100, add_s + 100 * add_each
+        r.sample((1, 1), float(t), {"op": {"MUL_MAT": (mul, mul_s), **({"ADD": (add_n, add_s)} if add_n else {})}})
+    b = r.between((1, 1), 0.0, 15.0)
+    assert b["intervals"] == 3 and b["seconds"] == 15.0
+    m = b["families"]["op"]["MUL_MAT"]
+    assert m["per_s"] == pytest.approx(20.0) and m["s_per_call"] == pytest.approx(1e-3)
+    assert m["share"] == pytest.approx(0.3 / 0.4)
+    assert m["share_range"] == pytest.approx([2 / 3, 0.8])
+    assert b["families"]["op"]["ADD"]["s_per_call_range"] == pytest.approx([0.25e-3, 0.5e-3])
+    assert r.between((1, 1), 0.0, 4.0) is None          # one sample: no stretch
+    assert r.between((2, 1), 0.0, 15.0) is None         # another process
+
+
+def test_verdicts_against_the_baseline():
+    base = {"families": {"op": {
+        "MUL_MAT": {"per_s": 20.0, "s_per_call": 1e-3, "share": 0.75, "share_range": [0.66, 0.8],
+                    "s_per_call_range": [0.9e-3, 1.1e-3], "per_s_range": [19.0, 21.0]},
+        "ADD": {"per_s": 20.0, "s_per_call": 0.3e-3, "share": 0.25, "share_range": [0.2, 0.34],
+                "s_per_call_range": [0.25e-3, 0.5e-3], "per_s_range": [19.0, 21.0]}}}}
+    now = {"families": {"op": {
+        "MUL_MAT": {"per_s": 20.0, "s_per_call": 3e-3, "share": 0.9},
+        "ADD": {"per_s": 20.0, "s_per_call": 0.3e-3, "share": 0.08},
+        "SOFT_MAX": {"per_s": 5.0, "s_per_call": 0.1e-3, "share": 0.02}}}}
+    rows = {r["item"]: r for r in changes({"fired": {}, "counts": {"baseline": base, "incident": now}})}
+    assert rows["MUL_MAT"]["verdict"] == "outside: share, s_per_call" and rows["MUL_MAT"]["per_call_ratio"] == pytest.approx(3.0)
+    assert rows["ADD"]["verdict"] == "outside: share"
+    assert rows["SOFT_MAX"]["verdict"] == "new"
+    assert [r["item"] for r in changes({"fired": {}, "counts": {"baseline": base, "incident": now}})] == \
+        ["MUL_MAT", "ADD", "SOFT_MAX"]
+
+
+def test_sparkline_scales_to_the_top():
+    assert sparkline([0.0, 0.5, 1.0], 1.0) == "▁▅█"
+    assert sparkline([1.0, 2.0], 4.0) == "▃▅"
