@@ -29,6 +29,7 @@ from dataclasses import replace
 
 from profinfer.core import parsing
 from profinfer.core.errors import ProfinferError
+from profinfer.core.model import TokenCall
 from profinfer.core.parsing import NotReady
 from profinfer.core.packs import Pack, load_pack, pack_names
 from profinfer.core.discovery import mapped_files
@@ -680,9 +681,10 @@ class Agent:
                 w.callers.update(t.tid for t in calls)
                 for t in calls:
                     if steps:
-                        # a step is known by its first op's call alone: no duration, and no
-                        # sequence ids to follow (time to first token, per output token)
+                        # a step is known by its first op's call alone: its time at the next
+                        # step, and no sequence ids to follow (time to first token, per output token)
                         self.metrics.decode_call(w.identity, step_call(t), [], [], timed=False)
+                        self._step_time(w, step_call(t))
                     else:
                         ttfts, tpots = w.tracker.feed(t)
                         self.metrics.decode_call(w.identity, t, ttfts, tpots)
@@ -693,6 +695,17 @@ class Agent:
             group.errors += 1
             if group.errors <= 3:
                 self._error(f"{group.key[0]} shared probes: {type(e).__name__}: {e}")
+
+    def _step_time(self, w: Watch, step: TokenCall) -> None:
+        """A step's time, from its start to the next step's, where the engine went straight on:
+        the next one decodes a sequence (it was in this step: nothing idled between them)."""
+        prev, w.last_step = w.last_step, step
+        if prev is None or not step.decode_tokens or step.start_ns <= prev.start_ns:
+            return
+        timed = replace(prev, end_ns=step.start_ns)
+        self.metrics.call_time(w.identity, timed)
+        if self.recorder is not None:
+            self.recorder.observe(w.identity, timed, [], [])
 
     def _drain_runtime(self) -> None:
         """The cuda level: BPF's counts (cumulative) and the calls sent since, by process."""

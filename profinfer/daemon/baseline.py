@@ -3,10 +3,12 @@ types', graph computes', decode calls' or steps', kernels', syncs': Metrics.tota
 every SAMPLE_S over the last minutes, so that a capture can hold what the process did just
 before its incident, and how much that varied from one interval to the next.
 
-For a stretch of time, each family's items (an op type, a kernel, a phase) get their rate,
+Each sample also keeps the levels the process had (what was counted: a family whose level
+was taken away stops growing). For a stretch of time, each family's items (an op type, a kernel, a phase) get their rate,
 time per call, and share of the family's time (of its count where it has no time: kernels),
 each as the whole stretch's figure and as the lowest and highest of its SAMPLE_S intervals
-(the baseline's own variation, against which a capture's figure is judged)."""
+(the baseline's own variation, against which a capture's figure is judged), the intervals in
+which the family was nearly idle left out of the ranges."""
 from __future__ import annotations
 
 import threading
@@ -14,6 +16,7 @@ from collections import deque
 
 SAMPLE_S = 5.0
 MIN_INTERVALS = 3             # fewer, and a baseline has no variation to judge by
+QUIET_FRACTION = 0.25         # an interval under this of the median rate is not in the ranges
 
 
 def _delta(new: dict, old: dict) -> dict[str, dict[str, tuple[float, float]]]:
@@ -40,6 +43,17 @@ def _figures(items: dict[str, tuple[float, float]], seconds: float) -> dict[str,
     return out
 
 
+def _busy(intervals: list[tuple[float, dict]], family: str) -> list[tuple[float, dict]]:
+    """The intervals in which the family ran at a quarter of its median rate at least: one
+    in which the process was mostly idle (a load beginning, a pause) holds a few calls whose
+    figures (a prompt's long computes) would stretch the range past any change."""
+    rates = sorted(sum(n for n, _ in d.get(family, {}).values()) / dt for dt, d in intervals if dt > 0)
+    if not rates:
+        return []
+    floor = QUIET_FRACTION * rates[len(rates) // 2]
+    return [(dt, d) for dt, d in intervals if dt > 0 and sum(n for n, _ in d.get(family, {}).values()) / dt >= floor]
+
+
 class RollingTotals:
     def __init__(self, horizon_s: float):
         self.horizon_s = horizon_s
@@ -53,10 +67,11 @@ class RollingTotals:
         self.sampled_at = now
         return True
 
-    def sample(self, key: tuple, now: float, totals: dict) -> None:
+    def sample(self, key: tuple, now: float, totals: dict, levels: list[str]) -> None:
+        """The process's cumulative counts now, and the levels it had (what was counted)."""
         with self.lock:
             d = self.samples.setdefault(key, deque())
-            d.append((now, totals))
+            d.append((now, totals, levels))
             while d and d[0][0] < now - self.horizon_s - SAMPLE_S:
                 d.popleft()
 
@@ -67,18 +82,21 @@ class RollingTotals:
     def between(self, key: tuple, lo: float, hi: float) -> dict | None:
         """The baseline of [lo, hi] (the samples within it): None with fewer than two."""
         with self.lock:
-            picked = [(t, v) for t, v in self.samples.get(key, ()) if lo <= t <= hi]
+            picked = [(t, v) for t, v, _ in self.samples.get(key, ()) if lo <= t <= hi]
+            levels = sorted({lv for t, _, had in self.samples.get(key, ()) if lo <= t <= hi for lv in had})
+            steady = len({tuple(had) for t, _, had in self.samples.get(key, ()) if lo <= t <= hi}) == 1
         if len(picked) < 2:
             return None
         seconds = picked[-1][0] - picked[0][0]
         whole = _delta(picked[-1][1], picked[0][1])
         intervals = [(b[0] - a[0], _delta(b[1], a[1])) for a, b in zip(picked, picked[1:])]
         out = {"from_monotonic_s": picked[0][0], "until_monotonic_s": picked[-1][0], "seconds": seconds,
-               "intervals": len(intervals), "families": {}}
+               "intervals": len(intervals), "levels": levels, "levels_steady": steady, "families": {}}
         for family, items in whole.items():
             figures = _figures(items, seconds)
-            if len(intervals) >= MIN_INTERVALS:
-                per = [_figures(d.get(family, {}), dt) for dt, d in intervals]
+            busy = _busy(intervals, family)
+            if len(busy) >= MIN_INTERVALS:
+                per = [_figures(d.get(family, {}), dt) for dt, d in busy]
                 for item, f in figures.items():
                     for key in ("per_s", "s_per_call", "share"):
                         # an interval without the item: it ran 0 a second, 0 of the share

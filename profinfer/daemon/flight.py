@@ -182,6 +182,7 @@ class Firing:
     baseline_window_s: float
     window_samples: int
     series: list[tuple[float, float, int]] = field(default_factory=list)
+    baseline_from: float = float("-inf")    # no baseline sample is from before this (a re-arm)
 
     def as_dict(self) -> dict:
         return {"trigger": self.trigger.text, "reason": self.trigger.reason,
@@ -286,4 +287,4 @@ class Triggers:
         factored = trigger.factor is not None
         return Firing(trigger, now, value, limit, state.baseline if factored else None,
                       state.baseline_until if factored else None, self.baseline_s, len(window),
-                      s.per_bin(now - SERIES_S, stat))
+                      s.per_bin(now - SERIES_S, stat), state.baseline_from)

@@ -39,9 +39,10 @@ STEP_UP_S = 20.0
 LEVEL_RANK = {"op": 3, "graph": 2, "token": 1, "step": 1}
 TRAP_KEYS = ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")
 MIN_CPU_TO_JUDGE_NS = 50_000_000
-# a process that used less than MIN_CPU_TO_JUDGE_NS, or made no decode call or step, for this
-# long is idle (and stays so while it does neither in each check): nothing of its engine's
-# time is being taken, so there is room (its levels may come back)
+# a process that did next to nothing for this long (Governor._quiet: under MIN_CPU_TO_JUDGE_NS
+# of CPU, or no decode call or step with its calling threads near still) is idle, and stays
+# so while each check finds it so: nothing of its engine's time is being taken, so there is
+# room (its levels may come back)
 IDLE_S = 3 * GOVERN_S
 MAX_STEP_UP_WAIT_S = 600.0
 
@@ -170,17 +171,16 @@ class Governor:
             parts = self.probe_costs_ns(w, runtime)
             if cpu is None or parts is None:
                 continue
-            mark, calls = w.cost_mark, engine_calls(w)
-            # too little CPU yet to judge, or no decode call or step made since (its engine
-            # waits: a background thread's CPU is no work of its that the probes slow)
-            if mark is not None and (cpu - mark[1] < MIN_CPU_TO_JUDGE_NS or (calls is not None and calls == mark[5])):
+            mark, calls, callers = w.cost_mark, engine_calls(w), self.callers_cpu_ns(w)
+            if mark is not None and self._quiet(w, mark, now, cpu, calls, callers):
                 # idle for IDLE_S, then judged idle at each check while it stays so: its wait
                 # to get a level back counts in checks, not in IDLE_S windows
                 if w.idle or now - mark[0] >= IDLE_S:
-                    w.cost_mark, w.idle = (now, cpu, parts, own, self.callers_cpu_ns(w), calls), True
+                    w.cost_mark, w.idle = (now, cpu, parts, own, callers, calls), True
                     self._judge(w, now, levels, 0.0)
                 continue
-            callers = self.callers_cpu_ns(w)
+            if mark is not None and cpu - mark[1] < MIN_CPU_TO_JUDGE_NS:   # too little CPU yet to judge
+                continue
             w.cost_mark = (now, cpu, parts, own, callers, calls)
             if mark is None:
                 continue
@@ -200,6 +200,20 @@ class Governor:
             w.known_shares.update(shares)
             self.metrics.cost(w.identity, w.share, shares)
             self._judge(w, now, levels, w.share)
+
+    @staticmethod
+    def _quiet(w: Watch, mark: tuple, now: float, cpu: int, calls: int | None, callers: int | None) -> bool:
+        """Whether the process did next to nothing since the mark: under MIN_CPU_TO_JUDGE_NS
+        each IDLE_S of CPU (a rate: the same whether judged each check or over IDLE_S), or
+        no decode call or step while the threads that make them used under half that (its
+        engine waits; a background thread's CPU is no work of its that the probes slow; a
+        call under way for seconds still uses its caller's CPU)."""
+        elapsed = max(now - mark[0], 1e-9)
+        if cpu - mark[1] < MIN_CPU_TO_JUDGE_NS * min(1.0, elapsed / IDLE_S):
+            return True
+        if calls is None or calls != mark[5] or not w.callers or callers is None or mark[4] is None:
+            return False
+        return callers - mark[4] < MIN_CPU_TO_JUDGE_NS / 2 * min(1.0, elapsed / IDLE_S)
 
     def capture_fits(self, w: Watch, levels: set[str]) -> tuple[bool, str]:
         """Whether a capture at `levels` (a full attach of its own, beside the daemon's probes)

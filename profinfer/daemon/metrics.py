@@ -123,11 +123,16 @@ class Metrics:
     def http_dropped(self, reason: str) -> None:
         self._http_dropped.labels(reason).inc()
 
-    def capture_made(self, reason: str) -> None:
+    def capture_made(self, ident: Identity, reason: str, record: dict) -> None:
+        """A flight recorder's capture kept (record: capturestore's, with its id)."""
         self._captures.labels(reason).inc()
+        if self.otlp is not None:
+            self.otlp.capture(ident, record)
 
-    def capture_failed(self, reason: str) -> None:
+    def capture_failed(self, ident: Identity, reason: str, why: str) -> None:
         self._capture_failures.labels(reason).inc()
+        if self.otlp is not None:
+            self.otlp.capture_failed(ident, reason, why)
 
     # ---- fed by the agent ----
 
@@ -164,6 +169,13 @@ class Metrics:
                 p.tpot.observe(per_token / 1e9, n)
         if self.otlp is not None:
             self.otlp.decode_call(ident, t, ttfts, tpots)
+
+    def call_time(self, ident: Identity, t: TokenCall) -> None:
+        """A call's time known after it was counted (a vLLM step's, at the next step)."""
+        with self.lock:
+            p = self.processes.get(ident.pid)
+            if p is not None and p.identity.start == ident.start:
+                p.call_time.setdefault(t.phase, _Histogram(CALL_BUCKETS)).observe(t.dur_ns / 1e9)
 
     def op_totals(self, ident: Identity, totals: dict[str, tuple[int, int]]) -> None:
         with self.lock:
@@ -271,7 +283,9 @@ class Metrics:
             cuda = p.cuda or {}
             return {"op": {op: (n, ns / 1e9) for op, (n, ns) in p.ops.items()},
                     "graph": {b: (v[0], v[1] / 1e9) for b, v in p.graphs.items()},
-                    "call": {ph: (sum(h.counts), h.total) for ph, h in p.call_time.items()},
+                    # the calls timed (vLLM's last step before it idles is not), else counted
+                    "call": {ph: ((sum(p.call_time[ph].counts), p.call_time[ph].total)
+                                  if ph in p.call_time else (n, 0.0)) for ph, n in p.calls.items()},
                     "kernel": {k: (n, 0.0) for k, n in cuda.get("kernels", {}).items()},
                     "sync": {a: (v[0], v[1]) for a, v in cuda.get("syncs", {}).items()}}
 
@@ -343,7 +357,9 @@ class _Exposer:
         tpot = HistogramMetricFamily("profinfer_time_per_output_token_seconds", "Time per generated "
                                      "token of a sequence (since its previous token)", labels=labels)
         dur = HistogramMetricFamily("profinfer_decode_call_duration_seconds", "Duration of each "
-                                    "decode call, by phase", labels=labels + ["phase"])
+                                    "decode call (llama.cpp), or step from its start to the next's "
+                                    "where the engine went straight on (vLLM), by phase",
+                                    labels=labels + ["phase"])
         lost = CounterMetricFamily("profinfer_events_lost", "Events BPF could not hand to the "
                                    "collector", labels=labels)
         op_calls = CounterMetricFamily("profinfer_op_calls", "Engine ops run (llama.cpp's graph "

@@ -4,12 +4,21 @@ conventions' names where they exist (gen_ai.server.time_to_first_token,
 gen_ai.server.time_per_output_token, with gen_ai.operation.name and gen_ai.provider.name) and
 profinfer's own elsewhere. Each data point carries the process's attributes (process.pid,
 process.executable.name, container.id, k8s.pod.name, k8s.namespace.name, k8s.pod.uid) and the
-engine. Delta temporality: each export holds what happened since the previous one."""
+engine. Delta temporality: each export holds what happened since the previous one.
+
+The flight recorder's captures go out as OTLP log records with an event name (OTLP/HTTP
+`/v1/logs` beside `/v1/metrics`): `profinfer.capture` for each one kept (its id, trigger,
+value, limit, baseline, levels), `profinfer.capture.failed` for one that could not be made
+or kept (why)."""
 from __future__ import annotations
 
 import socket
 
+from opentelemetry._logs import LogRecord, SeverityNumber
+from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.sdk._logs import LoggerProvider
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
 from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider
 from opentelemetry.sdk.metrics.export import AggregationTemporality, PeriodicExportingMetricReader
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
@@ -36,9 +45,8 @@ def attributes(ident: Identity) -> dict[str, str | int]:
 
 class OtlpExport:
     def __init__(self, endpoint: str, interval_s: float = 10.0):
-        url = endpoint.rstrip("/")
-        if not url.endswith("/v1/metrics"):
-            url += "/v1/metrics"
+        base = endpoint.rstrip("/").removesuffix("/v1/metrics")
+        url = base + "/v1/metrics"
         # delta temporality: the SDK keeps no state for a process once it has gone quiet
         # (cumulative would export every process that ever ran, for ever)
         delta = {kind: AggregationTemporality.DELTA for kind in (Counter, Histogram)}
@@ -46,9 +54,12 @@ class OtlpExport:
                                                export_interval_millis=int(interval_s * 1000))
         views = [View(instrument_name=TTFT, aggregation=ExplicitBucketHistogramAggregation(TTFT_BUCKETS)),
                  View(instrument_name=TPOT, aggregation=ExplicitBucketHistogramAggregation(TPOT_BUCKETS))]
-        self.provider = MeterProvider(resource=Resource.create({"service.name": "profinfer",
-                                                                "host.name": socket.gethostname()}),
-                                      metric_readers=[reader], views=views)
+        resource = Resource.create({"service.name": "profinfer", "host.name": socket.gethostname()})
+        self.provider = MeterProvider(resource=resource, metric_readers=[reader], views=views)
+        self.logs = LoggerProvider(resource=resource)
+        self.logs.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter(endpoint=base + "/v1/logs"),
+                                                                   schedule_delay_millis=1000))
+        self.events = self.logs.get_logger("profinfer.flight")
         meter = self.provider.get_meter("profinfer")
         self.ttft = meter.create_histogram(TTFT, unit="s", description="Time to generate the first "
                                            "token of a sequence, from its first prompt decode call")
@@ -96,5 +107,23 @@ class OtlpExport:
         self.graph_computes.add(computes, attrs)
         self.graph_time.add(seconds, attrs)
 
+    def capture(self, ident: Identity, record: dict) -> None:
+        fired = record.get("fired") or {}
+        attrs = {**attributes(ident), "profinfer.capture.id": record.get("id", ""),
+                 "profinfer.trigger": fired.get("trigger", ""), "profinfer.trigger.reason": fired.get("reason", ""),
+                 "profinfer.capture.levels": ",".join(record.get("levels") or [])}
+        for key in ("value_s", "limit_s", "baseline_s"):
+            if isinstance(fired.get(key), (int, float)):
+                attrs[f"profinfer.trigger.{key}"] = float(fired[key])
+        self.events.emit(LogRecord(event_name="profinfer.capture", severity_number=SeverityNumber.WARN,
+                                   severity_text="WARN", attributes=attrs,
+                                   body=f"{fired.get('trigger', '')} fired: capture {record.get('id', '')} kept"))
+
+    def capture_failed(self, ident: Identity, reason: str, why: str) -> None:
+        self.events.emit(LogRecord(event_name="profinfer.capture.failed", severity_number=SeverityNumber.ERROR,
+                                   severity_text="ERROR", body=why[:500],
+                                   attributes={**attributes(ident), "profinfer.trigger.reason": reason}))
+
     def close(self) -> None:
         self.provider.shutdown()       # exports what is left
+        self.logs.shutdown()

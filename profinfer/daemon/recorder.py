@@ -3,7 +3,8 @@ captured at once, for `record_for` seconds, at the levels the budget allows (the
 capture_fits; what it left out is written into the capture), and the capture is kept
 (capturestore.py) with what fired it: the trigger, its value, its limit and baseline, the
 quantity's series before the firing and during the capture, and the process's own counts
-(baseline.py) in the baseline before the incident and during it. That record also goes into
+(baseline.py) in the baseline before the incident and in the incident up to the firing (not
+the capture: its own probes would be in them). That record also goes into
 the trace (meta.flight), so that `profinfer report` of the trace alone sets one against the
 other."""
 from __future__ import annotations
@@ -35,7 +36,8 @@ class FlightRecorder:
         self.triggers = Triggers(triggers, self._fire, cooldown_s, baseline_s)
         self.baseline_s = baseline_s
         hold = max((t.hold_s for t in triggers), default=0.0)
-        self.totals = RollingTotals(baseline_s + WINDOW_S + hold + record_for_s)
+        # a baseline held from before an earlier incident reaches back up to twice its window
+        self.totals = RollingTotals(2 * baseline_s + WINDOW_S + hold)
         self.failed = 0
 
     # ---- fed by the agent's loop ----
@@ -56,9 +58,7 @@ class FlightRecorder:
             with self.agent.lock:
                 idents = [w.identity for w in self.agent.watches.values()]
             for ident in idents:
-                counts = self.agent.metrics.totals(ident)
-                if counts is not None:
-                    self.totals.sample((ident.pid, ident.start), now, counts)
+                self._sample(ident, now)
         self.triggers.judge(now)
 
     def forget(self, ident: Identity) -> None:
@@ -75,13 +75,38 @@ class FlightRecorder:
         if w.identity.pid in self.captures.running:      # another trigger's, of the same incident
             self.agent.log(f"PID {w.identity.pid}: {firing.trigger.text} fired during its running capture")
             return
+        counts = self._counts(w, firing)
         asked = self._asked(w)
         levels, left_out = self._affordable(w, asked)
         self.agent.log(f"PID {w.identity.pid}: {firing.trigger.text} fired ({firing.trigger.stat} "
                        f"{firing.value_s * 1e3:.2f} ms > {firing.limit_s * 1e3:.2f} ms): capturing "
                        f"{self.record_for_s:g} s at {','.join(sorted(levels))}")
-        threading.Thread(target=self._capture, args=(w, firing, asked, levels, left_out),
+        threading.Thread(target=self._capture, args=(w, firing, asked, levels, left_out, counts),
                          name="profinfer-flight", daemon=True).start()
+
+    def _counts(self, w, firing: Firing) -> dict:
+        """The process's own counts (taken now, before the capture adds its probes): over the
+        baseline window before the incident (the trigger's: from its re-arm at the earliest;
+        for an absolute limit, the window before the condition began to hold), and over the
+        incident from the last sample before it began to now."""
+        key, now = (w.identity.pid, w.identity.start), time.monotonic()
+        began = firing.at - firing.trigger.hold_s
+        until = firing.baseline_until if firing.baseline_until is not None else began - WINDOW_S
+        try:
+            self._sample(w.identity, now)
+            return {"baseline": self.totals.between(key, max(until - self.baseline_s, firing.baseline_from), until),
+                    "incident": self.totals.between(key, began - SAMPLE_S, now)}
+        except Exception as e:          # the capture goes on without them
+            self.agent.log(f"PID {w.identity.pid}: the flight recorder's counts: {type(e).__name__}: {e}")
+            return {"baseline": None, "incident": None}
+
+    def _sample(self, ident: Identity, now: float) -> None:
+        counts = self.agent.metrics.totals(ident)
+        if counts is not None:
+            with self.agent.lock:
+                w = self.agent.watches.get(ident.pid)
+                levels = sorted(w.levels) if w is not None else []
+            self.totals.sample((ident.pid, ident.start), now, counts, levels)
 
     def _asked(self, w) -> set[str]:
         """The process's levels and the capture's, as a capture takes them (the daemon's
@@ -102,27 +127,19 @@ class FlightRecorder:
                 left_out[level] = why
         return levels, left_out
 
-    def _capture(self, w, firing: Firing, asked: set[str], levels: set[str], left_out: dict[str, str]) -> None:
+    def _capture(self, w, firing: Firing, asked: set[str], levels: set[str], left_out: dict[str, str],
+                 counts: dict) -> None:
         ident, reason = w.identity, firing.trigger.reason
         started = time.time()
         try:
             trace, summary = self.captures.run(ident.pid, self.record_for_s, levels)
         except Exception as e:          # BadRequest, or the capture's files gone wrong
-            self.failed += 1
-            self.agent.metrics.capture_failed(reason)
-            self.agent.log(f"PID {ident.pid}: the capture {firing.trigger.text} fired could not be made: {e}")
+            self._failed(ident, firing, f"could not be made: {e}")
             return
-        key = (ident.pid, ident.start)
         fired = firing.as_dict()
         # the quantity's series on from the firing, through the capture
         fired["series_after"] = [{"t": t, "value_s": v, "samples": n} for t, v, n in
-                                 self.triggers.series_since(key, firing.trigger, firing.at)]
-        # the process's own counts: in the baseline before the incident (the trigger's, or
-        # the baseline window before the condition began to hold), and from then on
-        began = firing.at - firing.trigger.hold_s
-        until = firing.baseline_until if firing.baseline_until is not None else began - WINDOW_S
-        counts = {"baseline": self.totals.between(key, until - self.baseline_s, until),
-                  "incident": self.totals.between(key, began - SAMPLE_S, time.monotonic() + SAMPLE_S)}
+                                 self.triggers.series_since((ident.pid, ident.start), firing.trigger, firing.at)]
         record = {"pid": ident.pid, "process": ident.as_dict(), "fired": fired,
                   "started_at": started, "record_for_s": self.record_for_s,
                   "levels_asked": sorted(asked), "levels": sorted(levels),
@@ -132,13 +149,16 @@ class FlightRecorder:
             trace = with_meta(trace, {"flight": json.dumps(record)})
             kept = self.store.add(record, trace)
         except Exception as e:             # a full volume, or a trace over the cap
-            self.failed += 1
-            self.agent.metrics.capture_failed(reason)
-            self.agent.log(f"PID {ident.pid}: the capture {firing.trigger.text} fired was not kept: {e}")
+            self._failed(ident, firing, f"was not kept: {e}")
             return
-        self.agent.metrics.capture_made(reason)
+        self.agent.metrics.capture_made(ident, reason, kept)
         self.agent.log(f"PID {ident.pid}: capture {kept['id']} kept ({len(trace):,} bytes; "
                        f"{len(self.store.list())} kept)")
+
+    def _failed(self, ident: Identity, firing: Firing, why: str) -> None:
+        self.failed += 1
+        self.agent.metrics.capture_failed(ident, firing.trigger.reason, why)
+        self.agent.log(f"PID {ident.pid}: the capture {firing.trigger.text} fired {why}")
 
     def status(self) -> dict:
         return {"triggers": [t.text for t in self.triggers.triggers], "record_for_s": self.record_for_s,

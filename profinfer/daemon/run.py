@@ -78,7 +78,8 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
     if otlp:
         from profinfer.daemon.otlp import OtlpExport
         agent.metrics.otlp = OtlpExport(otlp, otlp_interval_s)
-        log(f"exporting OTLP metrics to {agent.metrics.otlp.endpoint} every {otlp_interval_s:g} s")
+        log(f"exporting OTLP metrics to {agent.metrics.otlp.endpoint} every {otlp_interval_s:g} s"
+            + (", and the flight recorder's captures as OTLP events (/v1/logs)" if recording else ""))
     stop = threading.Event()
 
     def on_signal(signum, _frame):

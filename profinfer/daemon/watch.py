@@ -29,13 +29,14 @@ class Watch:
     cost_mark: tuple[float, int, dict[str, float], int, int | None, int | None] | None = None
     share: float | None = None          # what the probes cost it, as a share of its CPU time
     shares: dict[str, float] = field(default_factory=dict)   # the same, by level (and "daemon")
-    idle: bool = False                  # it used next to no CPU in the last window
+    idle: bool = False                  # it did next to nothing in the last window (Governor._quiet)
     known_shares: dict[str, float] = field(default_factory=dict)   # each level's, when it last had it
     op_pending: bool = False            # its op level waits for its files to be read
     calm_since: float | None = None     # under the budget with room since
     step_up_wait_s: float = 0.0
     stepped_up: bool = False            # the last change was a step up
     tracker: SequenceTracker = field(default_factory=lambda: SequenceTracker(keep=False))
+    last_step: TokenCall | None = None  # its engine's last step, timed at the next (vLLM)
     exited_at: float | None = None      # monotonic
     lost_seen: int = 0
     programs: dict[str, tuple[int, int]] = field(default_factory=dict)   # last kernel counts

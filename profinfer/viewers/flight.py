@@ -14,10 +14,13 @@ import json
 
 from rich.table import Table
 
+from profinfer.core.errors import ProfinferError
 from profinfer.core.model import Profile
 
 FAMILIES = {"call": "decode calls / steps", "op": "ops", "graph": "graph computes",
             "kernel": "CUDA kernels", "sync": "CUDA syncs"}
+# the level that counts each family: where it changed between the two sides, not compared
+FAMILY_LEVEL = {"op": "op", "graph": "graph", "kernel": "cuda-detail"}
 BLOCKS = "▁▂▃▄▅▆▇█"
 MIN_SHARE_SHOWN = 0.01        # items under this share on both sides are not listed
 MARGIN = 0.05                 # beyond the baseline's range by more than this of it: outside
@@ -25,14 +28,26 @@ SHARE_FLOOR = 0.01            # and, for a share, by more than a point
 
 
 def record(profile: Profile) -> dict | None:
+    """The capture's flight record, None in a trace that is no flight recorder's capture;
+    one that cannot be read as one raises ProfinferError (a trace is input: it may be
+    anything)."""
     text = profile.meta.get("flight")
     if not text:
         return None
     try:
         rec = json.loads(text)
-    except ValueError:
-        return None
-    return rec if isinstance(rec, dict) and isinstance(rec.get("fired"), dict) else None
+        if not isinstance(rec, dict) or not isinstance(rec.get("fired"), dict):
+            raise TypeError("not an object with a fired object")
+        # everything the report and the summary read, read once here
+        _header(rec)
+        chart(rec["fired"])
+        for row in changes(rec):
+            _row_cells(row)
+        _spans(rec)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, ZeroDivisionError) as e:
+        raise ProfinferError(f"the trace's flight record (meta.flight) cannot be read: "
+                             f"{type(e).__name__}: {str(e)[:200]}") from None
+    return rec
 
 
 def _outside(value: float, span: list | None, floor: float = 0.0) -> bool | None:
@@ -50,13 +65,16 @@ def changes(rec: dict) -> list[dict]:
     counts = rec.get("counts") or {}
     base = ((counts.get("baseline") or {}).get("families")) or {}
     now = ((counts.get("incident") or {}).get("families")) or {}
+    moved = _levels_changed(counts)
     rows = []
     for family in FAMILIES:
         b, n = base.get(family, {}), now.get(family, {})
         for item in sorted(set(b) | set(n)):
             fb, fn = b.get(item), n.get(item)
             row = {"family": family, "item": item, "baseline": fb, "incident": fn}
-            if fb is None:
+            if FAMILY_LEVEL.get(family) in moved:
+                row["verdict"] = f"not comparable: the {FAMILY_LEVEL[family]} level changed"
+            elif fb is None:
                 row["verdict"] = "new"
             elif fn is None:
                 row["verdict"] = "gone"
@@ -75,6 +93,19 @@ def changes(rec: dict) -> list[dict]:
             rows.append(row)
     return sorted(rows, key=lambda r: (list(FAMILIES).index(r["family"]),
                                        -max((r["incident"] or {}).get("share", 0), (r["baseline"] or {}).get("share", 0))))
+
+
+def _levels_changed(counts: dict) -> set[str]:
+    """The levels the process had on one side and not the other, or that changed within
+    either (the governor stepped it): their families' counts are not alike."""
+    b, i = counts.get("baseline") or {}, counts.get("incident") or {}
+    if not b or not i:
+        return set()
+    moved = set(b.get("levels", [])) ^ set(i.get("levels", []))
+    for side in (b, i):
+        if not side.get("levels_steady", True):
+            moved |= set(side.get("levels", []))
+    return moved
 
 
 def keys(profile: Profile) -> dict:
@@ -128,40 +159,65 @@ def _figure(f: dict | None, key: str, fmt) -> str:
     return fmt(f[key]) + (f" ({fmt(span[0])}..{fmt(span[1])})" if span else "")
 
 
+def _header(rec: dict) -> list[str]:
+    fired = rec["fired"]
+    base = f", baseline {_ms(fired.get('baseline_s'))}" if fired.get("baseline_s") is not None else ""
+    out = [f"[bold]Flight recorder[/bold]: {fired.get('trigger')} fired: {fired.get('stat')} "
+           f"{_ms(fired.get('value_s'))} > limit {_ms(fired.get('limit_s'))}{base}; captured "
+           f"{float(rec.get('record_for_s') or 0):g} s at {','.join(str(lv) for lv in rec.get('levels') or [])}"]
+    out += [f"  left out: {level} ({why})" for level, why in (rec.get("left_out") or {}).items()]
+    return out
+
+
+def _spans(rec: dict) -> tuple[dict, dict] | None:
+    """(baseline, incident) counts where both are there, their lengths read."""
+    counts = rec.get("counts") or {}
+    b, i = counts.get("baseline"), counts.get("incident")
+    if not b or not i:
+        return None
+    float(b["seconds"]), float(i["seconds"]), int(b["intervals"])
+    return b, i
+
+
+_PCT, _MS, _RATE = (lambda v: f"{v:.1%}"), (lambda v: f"{v * 1e3:.3f} ms"), (lambda v: f"{v:,.1f}")
+
+
+def _row_cells(r: dict) -> list[str]:
+    fb, fn = r["baseline"], r["incident"]
+    return [FAMILIES[r["family"]], str(r["item"]), _figure(fb, "share", _PCT), _figure(fn, "share", _PCT),
+            _figure(fb, "s_per_call", _MS) if fb and fb["s_per_call"] else "-",
+            _figure(fn, "s_per_call", _MS) if fn and fn["s_per_call"] else "-",
+            _figure(fb, "per_s", _RATE), _figure(fn, "per_s", _RATE), r["verdict"]]
+
+
 def print_flight(profile: Profile, console) -> None:
     rec = record(profile)
     if rec is None:
         return
-    fired = rec["fired"]
-    base = f", baseline {_ms(fired.get('baseline_s'))}" if fired.get("baseline_s") is not None else ""
-    console.print(f"[bold]Flight recorder[/bold]: {fired.get('trigger')} fired: {fired.get('stat')} "
-                  f"{_ms(fired.get('value_s'))} > limit {_ms(fired.get('limit_s'))}{base}; captured "
-                  f"{rec.get('record_for_s', 0):g} s at {','.join(rec.get('levels') or [])}")
-    for level, why in (rec.get("left_out") or {}).items():
-        console.print(f"  left out: {level} ({why})")
-    for line in chart(fired):
+    for line in _header(rec):
+        console.print(line)
+    for line in chart(rec["fired"]):
         console.print(line, highlight=False, markup=False)
-    counts = rec.get("counts") or {}
-    b, i = counts.get("baseline"), counts.get("incident")
-    if not b or not i:
+    spans = _spans(rec)
+    if spans is None:
         console.print("  No comparison with a baseline: the daemon had not counted this process long enough "
                       "before the incident (its counts are sampled every 5 s).")
         return
+    b, i = spans
+    moved = _levels_changed(rec["counts"])
+    if moved:
+        console.print(f"  The process's levels changed between the baseline and the incident ({', '.join(sorted(moved))}): "
+                      "their counts are not compared.")
     rows = [r for r in changes(rec)
             if max((r["incident"] or {}).get("share", 0), (r["baseline"] or {}).get("share", 0)) >= MIN_SHARE_SHOWN]
-    table = Table(title=f"What changed: the incident ({i['seconds']:.0f} s) against the baseline before it "
-                        f"({b['seconds']:.0f} s, {b['intervals']} intervals; ranges: their lowest..highest)")
+    table = Table(title=f"What changed: the incident before its capture ({i['seconds']:.0f} s) against the baseline "
+                        f"before it ({b['seconds']:.0f} s, {b['intervals']} intervals; ranges: their lowest..highest)")
     for col in ("what", "item", "share: baseline", "incident", "time a call: baseline", "incident", "a second: baseline",
                 "incident", "verdict"):
         table.add_column(col, justify="left" if col in ("what", "item", "verdict") else "right")
-    pct, ms, rate = (lambda v: f"{v:.1%}"), (lambda v: f"{v * 1e3:.3f} ms"), (lambda v: f"{v:,.1f}")
     for r in rows:
-        fb, fn = r["baseline"], r["incident"]
-        table.add_row(FAMILIES[r["family"]], r["item"], _figure(fb, "share", pct), _figure(fn, "share", pct),
-                      _figure(fb, "s_per_call", ms) if fb and fb["s_per_call"] else "-",
-                      _figure(fn, "s_per_call", ms) if fn and fn["s_per_call"] else "-",
-                      _figure(fb, "per_s", rate), _figure(fn, "per_s", rate), r["verdict"])
+        table.add_row(*_row_cells(r))
     console.print(table)
-    if "op" not in ((b.get("families") or {})):
+    if "op" not in (b.get("families") or {}):
         console.print("  No op types in the baseline: the daemon's op level was off before the incident "
                       "(--levels ...,op, within the budget).")

@@ -7,6 +7,7 @@ from collections import Counter
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -218,3 +219,55 @@ def cudart_tenant(cudart: Path, python: str = sys.executable, comm: str = "", en
     assert ready == "ready"
     proc.ns_pid = int(pid)
     return proc
+
+
+class OtlpReceiver:
+    """An OTLP/HTTP endpoint for metrics and logs: each request decoded with OpenTelemetry's
+    protobufs."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+        received = self.requests = []
+        kinds = {"/v1/metrics": ExportMetricsServiceRequest, "/v1/logs": ExportLogsServiceRequest}
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                received.append((self.path, kinds[self.path].FromString(body)))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def points(self, name: str) -> list:
+        """Every data point of `name` received so far (delta temporality: each is what
+        happened since the previous export)."""
+        out = []
+        for path, req in list(self.requests):
+            if path != "/v1/metrics":
+                continue
+            for rm in req.resource_metrics:
+                for sm in rm.scope_metrics:
+                    for m in sm.metrics:
+                        if m.name == name:
+                            data = getattr(m, m.WhichOneof("data"))
+                            assert data.aggregation_temporality == 1     # DELTA
+                            out.extend(data.data_points)
+        return out
+
+    def events(self, name: str) -> list:
+        """Every log record with event name `name` received so far."""
+        return [r for path, req in list(self.requests) if path == "/v1/logs"
+                for rl in req.resource_logs for sl in rl.scope_logs for r in sl.log_records if r.event_name == name]
+
+    def close(self):
+        self.server.shutdown()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import completion_cmd, llama_perf, llama_server, run_profinfer
-from daemon_helpers import _STARTED, PROFINFER, Daemon, Workload, _free_port, _get, kill_started
+from daemon_helpers import _STARTED, PROFINFER, Daemon, OtlpReceiver, Workload, _free_port, _get, kill_started
 
 @pytest.fixture(autouse=True)
 def _no_workload_left():
@@ -163,49 +163,6 @@ def test_listening_beyond_loopback_needs_the_flag(tmp_path):
     r = subprocess.run(PROFINFER + ["daemon", "--listen", "0.0.0.0:0", "--token-file", str(tmp_path / "t")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--allow-remote" in r.stderr and "Traceback" not in r.stderr
-
-
-class OtlpReceiver:
-    """An OTLP/HTTP metrics endpoint: each request decoded with OpenTelemetry's protobufs."""
-
-    def __init__(self):
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-        received = self.requests = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                received.append((self.path, ExportMetricsServiceRequest.FromString(body)))
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def points(self, name: str) -> list:
-        """Every data point of `name` received so far (delta temporality: each is what
-        happened since the previous export)."""
-        out = []
-        for path, req in list(self.requests):
-            assert path == "/v1/metrics"
-            for rm in req.resource_metrics:
-                for sm in rm.scope_metrics:
-                    for m in sm.metrics:
-                        if m.name == name:
-                            data = getattr(m, m.WhichOneof("data"))
-                            assert data.aggregation_temporality == 1     # DELTA
-                            out.extend(data.data_points)
-        return out
-
-    def close(self):
-        self.server.shutdown()
 
 
 def _attrs(dp) -> dict:

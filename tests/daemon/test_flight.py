@@ -14,9 +14,10 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 from conftest import PROFINFER, llama_server
-from daemon_helpers import Daemon, _get
+from daemon_helpers import Daemon, OtlpReceiver, _get
 
 HOLD_S = 3
 FACTOR = 1.8
@@ -66,10 +67,11 @@ def kept(d: Daemon) -> list[dict]:
 
 def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_build, tiny_model, llama_env):
     store = tmp_path / "captures"
+    receiver = OtlpReceiver()
     with llama_server(llama_build, tiny_model, llama_env, 2) as (server, url):
         d = Daemon(tmp_path, ("--levels", "token,graph", "--budget", "0.25", "--trigger", f"tpot_p99 > {FACTOR}x baseline for {HOLD_S}s",
                               "--trigger-baseline", "40s", "--record-for", f"{RECORD_S}s", "--keep", "3",
-                              "--captures-dir", str(store), "--capture-levels", "sched"))
+                              "--captures-dir", str(store), "--capture-levels", "sched", "--otlp", receiver.url))
         hogs = []
         try:
             d.watched(server.pid)
@@ -93,7 +95,8 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
             for h in hogs:
                 h.kill()
                 h.wait()
-            d.stop()
+            d.stop()                # its OTLP export flushed
+            receiver.close()
     log = (tmp_path / "daemon.log").read_text()
     assert len(caps) == 1, (caps, log)
     cap = caps[0]
@@ -105,6 +108,13 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
     # its baseline: samples from before the slowdown
     assert fired["baseline_until_monotonic_s"] <= started, (fired, started)
     assert "sched" in cap["levels"] and cap["left_out"] == {}
+    # the firing went out as an OTLP event, with the process's attributes and the trigger's
+    events = receiver.events("profinfer.capture")
+    assert len(events) == 1, events
+    attrs = {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in events[0].attributes}
+    assert attrs["profinfer.capture.id"] == cap["id"] and attrs["process.pid"] == server.pid, attrs
+    assert attrs["profinfer.trigger"] == fired["trigger"] and attrs["profinfer.trigger.value_s"] == fired["value_s"]
+    assert receiver.events("profinfer.capture.failed") == []
     # the capture's sched view: the server's threads were preempted, by the competitors most
     assert refused == 401                   # the list needs the token
     assert got[0] == 200 and got[1] == (store / f"{cap['id']}.pftrace").read_bytes()
@@ -117,14 +127,16 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
     marker = PROMPT_MARKER.encode()
     for what, data in (("trace", got[1]), ("record", (store / f"{cap['id']}.json").read_bytes()),
                        ("metrics", metrics), ("log", log.encode()),
+                       ("otlp", b"".join(req.SerializeToString() for _, req in receiver.requests)),
                        ("report", (tmp_path / "s.json").read_bytes())):
         assert marker not in data and marker.lower() not in data.lower(), what
     sched = json.loads((tmp_path / "s.json").read_text())["sched"]
     busiest = max(sched["threads"], key=lambda t: t["on_cpu_ns"])
     assert busiest["preempted_ns"] > 0 and busiest["preempted_by"][0]["comm"] == HOG_COMM, busiest
-    # the trace alone: what fired it, and the incident against the baseline before it (the
-    # daemon's own counts): the server's graph computes took longer a compute than in any of
-    # the baseline's intervals, as its own timings say its tokens did
+    # the trace alone: what fired it, and the incident up to the firing against the baseline
+    # before it (the daemon's own counts, not the capture's): the server's graph computes took
+    # longer a compute than in any of the baseline's intervals, as its own timings say its
+    # tokens did
     flight = json.loads((tmp_path / "s.json").read_text())["flight"]
     assert flight["fired"]["trigger"] == cap["fired"]["trigger"] and flight["levels"] == cap["levels"]
     assert flight["baseline"]["until_monotonic_s"] <= started and flight["baseline"]["intervals"] >= 3, flight
@@ -132,7 +144,8 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
     assert "s_per_call" in graph["verdict"] and graph["per_call_ratio"] > 1.3, graph
     assert graph["incident"]["s_per_call"] > graph["baseline"]["s_per_call_range"][1]
     before = [ms for t, ms in load.tpots if t <= started]
-    during = [ms for t, ms in load.tpots if started + HOLD_S <= t <= started + HOLD_S + RECORD_S + 5]
+    # the server's own: completions that ended in the slowdown, before the capture's probes
+    during = [ms for t, ms in load.tpots if started + 1 <= t <= fired["fired_monotonic_s"] + 1]
     assert during and statistics.median(during) / statistics.median(before) > 1.3, (before, during)
     printed = subprocess.run([*PROFINFER, "report", str(trace)], capture_output=True, text=True, timeout=120)
     assert printed.returncode == 0 and "Flight recorder" in printed.stdout and "^ fired" in printed.stdout, printed
@@ -188,3 +201,63 @@ def made(d: Daemon) -> int:
     text = _get(d.url + "/metrics")[1].decode()
     return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("profinfer_captures_total{")))
+
+
+BURST = Path(__file__).resolve().parents[1] / "vllm" / "steady_burst.py"
+
+
+def test_a_vllm_burst_of_long_prompts_fires_and_shows_the_phase_change(tmp_path, vllm_python, vllm_model):
+    """A vLLM engine decoding steadily (tests/vllm/steady_burst.py), watched at its step level
+    with a trigger on its step time (a decode step ~2 ms here, a mixed one ~4.5: 1.8x its
+    baseline's p90); then long prompts arrive for 15 s, and its steps mix prefill with the
+    decodes (the engine's own scheduler says so). One capture is made within
+    the burst, and its report sets the incident's steps against the baseline's: mixed steps
+    from a small share to most, decode steps from most to a small share."""
+    store = tmp_path / "captures"
+    target = subprocess.Popen([str(vllm_python), str(BURST), str(vllm_model)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    d = None
+    try:
+        for line in target.stdout:          # vLLM logs to stdout too
+            if line.strip() == "READY":
+                break
+        assert target.poll() is None, "the vLLM engine exited before READY"
+        d = Daemon(tmp_path, ("--levels", "token", "--budget", "0.25", "--trigger", "call_p90 > 1.8x baseline for 1s",
+                              "--trigger-baseline", "40s", "--record-for", "3s", "--keep", "3",
+                              "--captures-dir", str(store), "--capture-levels", "step"))
+        assert d.watched(target.pid, timeout=60)["levels"] == ["step"], d.text()
+        time.sleep(40)                      # the baseline: steady decodes
+        assert kept(d) == [], d.text()
+        started = time.monotonic()
+        target.stdin.write("BURST 15\n")
+        target.stdin.flush()
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline and not kept(d):
+            time.sleep(0.5)
+        caps = kept(d)
+        target.stdin.write("STOP\n")
+        target.stdin.flush()
+        truth = json.loads(next(line for line in target.stdout if line.startswith('{"steps"')))
+        got = _get(d.url + f"/captures/{caps[0]['id']}", d.token) if caps else None
+    finally:
+        if d is not None:
+            d.stop()
+        target.kill()
+        target.wait()
+    assert len(caps) == 1, (caps, (tmp_path / "daemon.log").read_text())
+    fired = caps[0]["fired"]
+    assert fired["reason"] == "call_p90" and started < fired["fired_monotonic_s"] < started + 15, (fired, started)
+    # the engine's own steps: decodes alone before the burst, mostly mixed in it up to the firing
+    def mixed_share(lo: float, hi: float) -> float:
+        picked = [lens for t, lens in truth["steps"] if lo <= t <= hi]
+        return sum(1 for lens in picked if any(q > 1 for q in lens) and any(q == 1 for q in lens)) / len(picked)
+    assert mixed_share(started - 30, started) < 0.1 and mixed_share(started + 1, fired["fired_monotonic_s"]) > 0.5
+    trace = tmp_path / "burst.pftrace"
+    trace.write_bytes(got[1])
+    r = subprocess.run([*PROFINFER, "report", str(trace), "--json", str(tmp_path / "s.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = {x["item"]: x for x in json.loads((tmp_path / "s.json").read_text())["flight"]["changes"] if x["family"] == "call"}
+    mixed, decode = rows["mixed"], rows["decode"]
+    assert mixed["incident"]["share"] > 0.5 and (mixed["verdict"] == "new" or "share" in mixed["verdict"]), rows
+    assert decode["incident"]["share"] < decode["baseline"]["share"] and "share" in decode["verdict"], rows

@@ -2,11 +2,16 @@
 ranges, and the report's verdicts, on hand-computed numbers."""
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
+from conftest import PROFINFER
 
 from profinfer.core.errors import ProfinferError
 from profinfer.daemon.baseline import RollingTotals
 from profinfer.daemon.flight import parse_trigger
+from profinfer.exporters.perfetto import with_meta
 from profinfer.viewers.flight import changes, sparkline
 
 
@@ -30,7 +35,8 @@ def test_baseline_figures_and_the_ranges_of_its_intervals():
         if add_each is not None:
             mul, mul_s = mul + 100, mul_s + 0.1
             add_n, add_s = add_n + 100, add_s + 100 * add_each
-        r.sample((1, 1), float(t), {"op": {"MUL_MAT": (mul, mul_s), **({"ADD": (add_n, add_s)} if add_n else {})}})
+        r.sample((1, 1), float(t), {"op": {"MUL_MAT": (mul, mul_s), **({"ADD": (add_n, add_s)} if add_n else {})}},
+                 ["op", "token"])
     b = r.between((1, 1), 0.0, 15.0)
     assert b["intervals"] == 3 and b["seconds"] == 15.0
     m = b["families"]["op"]["MUL_MAT"]
@@ -63,3 +69,38 @@ def test_verdicts_against_the_baseline():
 def test_sparkline_scales_to_the_top():
     assert sparkline([0.0, 0.5, 1.0], 1.0) == "▁▅█"
     assert sparkline([1.0, 2.0], 4.0) == "▃▅"
+
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "llamacpp.pftrace"
+
+
+@pytest.mark.parametrize("flight", [
+    "{not json", "[1]", '{"fired": {}, "record_for_s": "x"}',
+    '{"fired": {"series": [1]}}', '{"fired": {"value_s": "x"}}', '{"fired": {}, "counts": [1]}',
+    '{"fired": {}, "left_out": [1]}', '{"fired": {"series": [{"t": 0, "value_s": NaN}]}}',
+    '{"fired": {}, "counts": {"baseline": {"seconds": 5, "intervals": 1, "families": {"op": {"A": {"share": 1}}}},'
+    ' "incident": {"seconds": 5, "families": {"op": {"A": {"share": 1}}}}}}',
+    "[" * 100000])
+def test_a_malformed_flight_record_is_one_line(tmp_path, flight):
+    """A trace is input: a flight record that cannot be read gets one line and exit 1 from
+    `report` (text and --json), never a traceback."""
+    trace = tmp_path / "bad.pftrace"
+    trace.write_bytes(with_meta(GOLDEN.read_bytes(), {"flight": flight}))
+    for extra in ([], ["--json", str(tmp_path / "s.json")]):
+        r = subprocess.run([*PROFINFER, "report", str(trace), *extra], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert "flight record" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_nearly_idle_interval_is_left_out_of_the_ranges():
+    """Four intervals of 1,000 graph computes of 1 ms, and one (the load beginning) of 10
+    computes of 5 ms: its 5 ms is not in the range, which stays 1 ms."""
+    r = RollingTotals(horizon_s=60)
+    n, secs = 0, 0.0
+    r.sample((1, 1), 0.0, {"graph": {}}, ["graph"])
+    for t, (calls, each) in enumerate(((10, 5e-3), (1000, 1e-3), (1000, 1e-3), (1000, 1e-3), (1000, 1e-3)), start=1):
+        n, secs = n + calls, secs + calls * each
+        r.sample((1, 1), 5.0 * t, {"graph": {"CPU": (n, secs)}}, ["graph"])
+    cpu = r.between((1, 1), 0.0, 25.0)["families"]["graph"]["CPU"]
+    assert cpu["s_per_call_range"] == pytest.approx([1e-3, 1e-3])
+    assert cpu["s_per_call"] == pytest.approx(4.05 / 4010)
