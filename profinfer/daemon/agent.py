@@ -698,9 +698,12 @@ class Agent:
 
     def _step_time(self, w: Watch, step: TokenCall) -> None:
         """A step's time, from its start to the next step's, where the engine went straight on:
-        the next one decodes a sequence (it was in this step: nothing idled between them)."""
-        prev, w.last_step = w.last_step, step
-        if prev is None or not step.decode_tokens or step.start_ns <= prev.start_ns:
+        the next one decodes a sequence (one already running: nothing idled between them)."""
+        prev = w.last_step
+        if prev is not None and step.start_ns <= prev.start_ns:     # out of order (a move): not a next step
+            return
+        w.last_step = step
+        if prev is None or not step.decode_tokens:
             return
         timed = replace(prev, end_ns=step.start_ns)
         self.metrics.call_time(w.identity, timed)
@@ -888,7 +891,7 @@ class Agent:
         discovery = self.discovery       # the loop may close it meanwhile
         return {
             "pid": self.own_pid, "started": self.started, "levels": sorted(self.levels),
-            "budget": self.governor.budget, "attach_errors": self.attach_errors, "loop_errors": self.loop_errors,
+            "budget": self.governor.budget, "attach_errors": self.attach_errors, "loop_errors": self.loop_errors, "otlp_event_errors": self.metrics.otlp_event_errors,
             "trap_costs_ns": self.governor.trap_costs, "traps_calibrated": self.governor.traps_calibrated,
             "trap_costs_source": self.governor.trap_costs_source,
             "processes": [{**w.identity.as_dict(), "levels": sorted(w.levels), "cost_share": w.share,

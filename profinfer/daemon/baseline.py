@@ -17,6 +17,7 @@ from collections import deque
 SAMPLE_S = 5.0
 MIN_INTERVALS = 3             # fewer, and a baseline has no variation to judge by
 QUIET_FRACTION = 0.25         # an interval under this of the median rate is not in the ranges
+MIN_GAP_S = 1.0               # a sample asked for this soon after the last is not taken
 
 
 def _delta(new: dict, old: dict) -> dict[str, dict[str, tuple[float, float]]]:
@@ -71,6 +72,8 @@ class RollingTotals:
         """The process's cumulative counts now, and the levels it had (what was counted)."""
         with self.lock:
             d = self.samples.setdefault(key, deque())
+            if d and now - d[-1][0] < MIN_GAP_S:      # (a firing's sample just after the periodic one)
+                return
             d.append((now, totals, levels))
             while d and d[0][0] < now - self.horizon_s - SAMPLE_S:
                 d.popleft()

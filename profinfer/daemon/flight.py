@@ -166,6 +166,7 @@ class TriggerState:
     baseline_at: float = float("-inf")     # when it was last computed (not frozen)
     baseline_until: float | None = None    # its samples are from before this
     baseline_from: float = float("-inf")   # and from this on (a firing's re-arm)
+    baseline_lo: float = float("-inf")     # the baseline's samples begin here (the one in use)
     fired_at: float | None = None          # it fired, and has not re-armed since
     clear_since: float | None = None       # after a firing, the condition is clear since
 
@@ -182,7 +183,8 @@ class Firing:
     baseline_window_s: float
     window_samples: int
     series: list[tuple[float, float, int]] = field(default_factory=list)
-    baseline_from: float = float("-inf")    # no baseline sample is from before this (a re-arm)
+    baseline_from: float = float("-inf")    # the baseline's samples begin here (or a re-arm's)
+    began: float | None = None              # the condition has held since (monotonic s)
 
     def as_dict(self) -> dict:
         return {"trigger": self.trigger.text, "reason": self.trigger.reason,
@@ -199,9 +201,11 @@ class Triggers:
     `on_fire(key, firing)` (key: the process's (pid, start)) from the agent's loop."""
 
     def __init__(self, triggers: list[Trigger], on_fire: Callable[[tuple, Firing], None],
-                 cooldown_s: float = DEFAULT_COOLDOWN_S, baseline_s: float = DEFAULT_BASELINE_S):
+                 cooldown_s: float = DEFAULT_COOLDOWN_S, baseline_s: float = DEFAULT_BASELINE_S,
+                 on_pending: Callable[[tuple], None] = lambda key: None):
         self.triggers = triggers
         self.on_fire = on_fire
+        self.on_pending = on_pending      # a condition began to hold for the process (key)
         self.cooldown_s = cooldown_s
         self.baseline_s = baseline_s
         self.quantities = {t.quantity for t in triggers}
@@ -231,16 +235,21 @@ class Triggers:
         if now - self.judged_at < EVALUATE_S:
             return
         self.judged_at = now
-        fired = []
+        fired, pending = [], []
         with self.lock:
             for key, per in self.series.items():
                 states = self.states.setdefault(key, [TriggerState() for _ in self.triggers])
                 for trigger, state in zip(self.triggers, states):
                     s = per.get(trigger.quantity)
                     if s is not None:
+                        was = state.pending_since
                         f = self._judge_one(trigger, state, s, now)
+                        if was is None and state.pending_since is not None:
+                            pending.append(key)
                         if f is not None:
                             fired.append((key, f))
+        for key in dict.fromkeys(pending):      # outside the lock, as firings
+            self.on_pending(key)
         for key, f in fired:             # outside the lock: a capture may take a while to start
             self.on_fire(key, f)
 
@@ -252,9 +261,11 @@ class Triggers:
         if trigger.factor is not None:
             if state.pending_since is None and state.fired_at is None and now - state.baseline_at >= BASELINE_EVERY_S:
                 state.baseline_at = now
-                base, span = s.between(max(now - WINDOW_S - self.baseline_s, state.baseline_from), now - WINDOW_S)
+                lo = max(now - WINDOW_S - self.baseline_s, state.baseline_from)
+                base, span = s.between(lo, now - WINDOW_S)
                 if len(base) >= MIN_BASELINE_SAMPLES and span >= self.baseline_s / 4:
                     state.baseline, state.baseline_until = float(np.percentile(base, stat)), now - WINDOW_S
+                    state.baseline_lo = lo
                 # else the one before the last incident holds until a new one is whole (or none yet)
             limit = trigger.factor * state.baseline if state.baseline is not None else None
         holds = value is not None and limit is not None and value > limit
@@ -287,4 +298,5 @@ class Triggers:
         factored = trigger.factor is not None
         return Firing(trigger, now, value, limit, state.baseline if factored else None,
                       state.baseline_until if factored else None, self.baseline_s, len(window),
-                      s.per_bin(now - SERIES_S, stat), state.baseline_from)
+                      s.per_bin(now - SERIES_S, stat), state.baseline_lo if factored else float("-inf"),
+                      state.pending_since)

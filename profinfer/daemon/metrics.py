@@ -118,6 +118,7 @@ class Metrics:
         self._gpu_said: str | None = None           # the state the log last said
         self.gpu_sampler: GpuSampler | None = None   # NVML, in a thread of its own (daemon only)
         self.otlp = None          # an OtlpExport, with --otlp: fed the same observations
+        self.otlp_event_errors = 0   # flight recorder events the OTLP export refused (/status)
         self.registry.register(_Exposer(self))
 
     def http_dropped(self, reason: str) -> None:
@@ -127,12 +128,18 @@ class Metrics:
         """A flight recorder's capture kept (record: capturestore's, with its id)."""
         self._captures.labels(reason).inc()
         if self.otlp is not None:
-            self.otlp.capture(ident, record)
+            try:
+                self.otlp.capture(ident, record)
+            except Exception:           # the export's trouble: the capture is kept and counted
+                self.otlp_event_errors += 1
 
     def capture_failed(self, ident: Identity, reason: str, why: str) -> None:
         self._capture_failures.labels(reason).inc()
         if self.otlp is not None:
-            self.otlp.capture_failed(ident, reason, why)
+            try:
+                self.otlp.capture_failed(ident, reason, why)
+            except Exception:
+                self.otlp_event_errors += 1
 
     # ---- fed by the agent ----
 

@@ -14,7 +14,7 @@ import threading
 import time
 
 from profinfer.core.model import TokenCall
-from profinfer.daemon.baseline import SAMPLE_S, RollingTotals
+from profinfer.daemon.baseline import MIN_GAP_S, RollingTotals
 from profinfer.daemon.captures import CAPTURE_LEVELS, Captures
 from profinfer.daemon.capturestore import CaptureStore
 from profinfer.daemon.flight import WINDOW_S, Firing, Trigger, Triggers
@@ -33,11 +33,12 @@ class FlightRecorder:
         self.store = store
         self.record_for_s = record_for_s
         self.levels = set(levels)
-        self.triggers = Triggers(triggers, self._fire, cooldown_s, baseline_s)
+        self.triggers = Triggers(triggers, self._fire, cooldown_s, baseline_s, self._pending)
         self.baseline_s = baseline_s
         hold = max((t.hold_s for t in triggers), default=0.0)
-        # a baseline held from before an earlier incident reaches back up to twice its window
-        self.totals = RollingTotals(2 * baseline_s + WINDOW_S + hold)
+        # a baseline held from before an earlier incident: the incident (under a baseline
+        # window, or it shifted), the cooldown and a quarter window before a new one is whole
+        self.totals = RollingTotals(2 * baseline_s + cooldown_s + WINDOW_S + hold)
         self.failed = 0
 
     # ---- fed by the agent's loop ----
@@ -88,17 +89,25 @@ class FlightRecorder:
         """The process's own counts (taken now, before the capture adds its probes): over the
         baseline window before the incident (the trigger's: from its re-arm at the earliest;
         for an absolute limit, the window before the condition began to hold), and over the
-        incident from the last sample before it began to now."""
+        incident from when the condition began to hold (a sample is taken then) to now."""
         key, now = (w.identity.pid, w.identity.start), time.monotonic()
-        began = firing.at - firing.trigger.hold_s
+        began = firing.began if firing.began is not None else firing.at - firing.trigger.hold_s
         until = firing.baseline_until if firing.baseline_until is not None else began - WINDOW_S
         try:
             self._sample(w.identity, now)
             return {"baseline": self.totals.between(key, max(until - self.baseline_s, firing.baseline_from), until),
-                    "incident": self.totals.between(key, began - SAMPLE_S, now)}
+                    "incident": self.totals.between(key, began - MIN_GAP_S, now)}
         except Exception as e:          # the capture goes on without them
             self.agent.log(f"PID {w.identity.pid}: the flight recorder's counts: {type(e).__name__}: {e}")
             return {"baseline": None, "incident": None}
+
+    def _pending(self, key: tuple) -> None:
+        """A condition began to hold for the process: its counts now begin the incident's."""
+        with self.agent.lock:
+            w = self.agent.watches.get(key[0])
+            ident = w.identity if w is not None and w.identity.start == key[1] else None
+        if ident is not None:
+            self._sample(ident, time.monotonic())
 
     def _sample(self, ident: Identity, now: float) -> None:
         counts = self.agent.metrics.totals(ident)

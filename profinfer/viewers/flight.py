@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 from rich.table import Table
+from rich.text import Text
 
 from profinfer.core.errors import ProfinferError
 from profinfer.core.model import Profile
@@ -101,10 +102,10 @@ def _levels_changed(counts: dict) -> set[str]:
     b, i = counts.get("baseline") or {}, counts.get("incident") or {}
     if not b or not i:
         return set()
-    moved = set(b.get("levels", [])) ^ set(i.get("levels", []))
+    moved = {str(lv) for lv in b.get("levels", [])} ^ {str(lv) for lv in i.get("levels", [])}
     for side in (b, i):
         if not side.get("levels_steady", True):
-            moved |= set(side.get("levels", []))
+            moved |= {str(lv) for lv in side.get("levels", [])}
     return moved
 
 
@@ -162,7 +163,7 @@ def _figure(f: dict | None, key: str, fmt) -> str:
 def _header(rec: dict) -> list[str]:
     fired = rec["fired"]
     base = f", baseline {_ms(fired.get('baseline_s'))}" if fired.get("baseline_s") is not None else ""
-    out = [f"[bold]Flight recorder[/bold]: {fired.get('trigger')} fired: {fired.get('stat')} "
+    out = [f"Flight recorder: {fired.get('trigger')} fired: {fired.get('stat')} "
            f"{_ms(fired.get('value_s'))} > limit {_ms(fired.get('limit_s'))}{base}; captured "
            f"{float(rec.get('record_for_s') or 0):g} s at {','.join(str(lv) for lv in rec.get('levels') or [])}"]
     out += [f"  left out: {level} ({why})" for level, why in (rec.get("left_out") or {}).items()]
@@ -175,8 +176,8 @@ def _spans(rec: dict) -> tuple[dict, dict] | None:
     b, i = counts.get("baseline"), counts.get("incident")
     if not b or not i:
         return None
-    float(b["seconds"]), float(i["seconds"]), int(b["intervals"])
-    return b, i
+    return ({**b, "seconds": float(b["seconds"]), "intervals": int(b["intervals"])},
+            {**i, "seconds": float(i["seconds"])})
 
 
 _PCT, _MS, _RATE = (lambda v: f"{v:.1%}"), (lambda v: f"{v * 1e3:.3f} ms"), (lambda v: f"{v:,.1f}")
@@ -194,8 +195,8 @@ def print_flight(profile: Profile, console) -> None:
     rec = record(profile)
     if rec is None:
         return
-    for line in _header(rec):
-        console.print(line)
+    for line in _header(rec):            # a trace's text: printed as it is, no markup read in it
+        console.print(line, markup=False, highlight=False)
     for line in chart(rec["fired"]):
         console.print(line, highlight=False, markup=False)
     spans = _spans(rec)
@@ -207,7 +208,7 @@ def print_flight(profile: Profile, console) -> None:
     moved = _levels_changed(rec["counts"])
     if moved:
         console.print(f"  The process's levels changed between the baseline and the incident ({', '.join(sorted(moved))}): "
-                      "their counts are not compared.")
+                      "their counts are not compared.", markup=False)
     rows = [r for r in changes(rec)
             if max((r["incident"] or {}).get("share", 0), (r["baseline"] or {}).get("share", 0)) >= MIN_SHARE_SHOWN]
     table = Table(title=f"What changed: the incident before its capture ({i['seconds']:.0f} s) against the baseline "
@@ -216,7 +217,7 @@ def print_flight(profile: Profile, console) -> None:
                 "incident", "verdict"):
         table.add_column(col, justify="left" if col in ("what", "item", "verdict") else "right")
     for r in rows:
-        table.add_row(*_row_cells(r))
+        table.add_row(*(Text(cell) for cell in _row_cells(r)))
     console.print(table)
     if "op" not in (b.get("families") or {}):
         console.print("  No op types in the baseline: the daemon's op level was off before the incident "

@@ -1,7 +1,7 @@
 """The governor against time: an engine process the daemon governs (A) and an identical one
 it does not (B), generating in turn, each window's rate as the engine measures it itself
-(llama-server: the completion's timings.predicted_per_second; vLLM: tests/vllm/on_demand.py's
-batches a second).
+(llama-server: the completion's timings.predicted_per_second; vLLM: bench/vllm_workload.py's
+batches a second, on demand).
 
 B runs from a copy of the build: the shared probes (token, graph) are uprobes on the library
 files, and every process that maps a probed file traps on them, followed or not; a copy is
@@ -25,6 +25,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 from typing import Callable
@@ -105,11 +106,34 @@ def alternate(governed: Callable[[int], float], alone: Callable[[int], float], p
     return out
 
 
+def stepped_then_settled(d, pid: int, said: str) -> tuple[float | None, dict]:
+    """While the process is loaded: how long until the daemon logged `said` (its first step
+    down; None after 30 s), then its watch once its levels settled (no change for three
+    governor windows, 6 s, of load; 40 s at most) and it was judged at them."""
+    began, stepped = time.monotonic(), None
+    while time.monotonic() - began < 30 and stepped is None:
+        if said in d.text():          # logged once its levels have changed
+            stepped = time.monotonic() - began
+        time.sleep(0.2)
+    if stepped is None:
+        return None, d.watched(pid)
+    mine = f"PID {pid}: levels"
+    last, changes, settle_end = d.text().count(mine), time.monotonic(), time.monotonic() + 40
+    while time.monotonic() < settle_end and time.monotonic() - changes < 6:
+        time.sleep(0.5)
+        if d.text().count(mine) != last:
+            last, changes = d.text().count(mine), time.monotonic()
+    deadline = time.monotonic() + 10     # judged at the levels it has now
+    while time.monotonic() < deadline and d.watched(pid)["cost_share"] is None:
+        time.sleep(0.2)
+    return stepped, d.watched(pid)
+
+
 def server_window(url: str) -> Callable[[int], float]:
     return lambda n: window(url, n)
 
 
-ON_DEMAND = Path(__file__).resolve().parents[1] / "vllm" / "on_demand.py"
+WORKLOAD = Path(__file__).resolve().parents[2] / "bench" / "vllm_workload.py"
 
 
 def copied_vllm(vllm_python: Path, dest: Path) -> Path:
@@ -131,11 +155,11 @@ def copied_vllm(vllm_python: Path, dest: Path) -> Path:
 
 
 class VllmOnDemand:
-    """tests/vllm/on_demand.py started and past its warm-up; window(n): n batches, their rate."""
+    """bench/vllm_workload.py on demand, past its warm-up; window(n): n batches, their rate."""
 
     def __init__(self, vllm_python: Path, model: Path, mode: str = "eager", pythonpath: Path | None = None):
         env = {**os.environ, **({"PYTHONPATH": str(pythonpath)} if pythonpath else {})}
-        self.proc = subprocess.Popen([str(vllm_python), str(ON_DEMAND), str(model), mode], env=env,
+        self.proc = subprocess.Popen([str(vllm_python), str(WORKLOAD), str(model), mode, "on-demand"], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True)
         self.pid = self.proc.pid

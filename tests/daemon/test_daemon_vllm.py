@@ -104,7 +104,8 @@ def test_governor_keeps_vllms_budget_against_time(vllm_python, vllm_model, tmp_p
     settled, the engine's batch rate, against an identical unwatched engine's in alternating
     windows (governed.py), is at most 4% lower than their ratio before the daemon started,
     where the windows resolve it; idle, the op level comes back after its wait."""
-    from governed import TIMED_NOISE_MAX, VllmOnDemand, alternate, copied_vllm, cost_against_before
+    from governed import (TIMED_NOISE_MAX, VllmOnDemand, alternate, copied_vllm, cost_against_before,
+                          stepped_then_settled)
     a = VllmOnDemand(vllm_python, vllm_model)       # first: the lower PID, which the daemon's scan finds first
     _STARTED.append(a.proc)
     b = VllmOnDemand(vllm_python, vllm_model, pythonpath=copied_vllm(vllm_python, tmp_path / "twin"))
@@ -138,22 +139,8 @@ def test_governor_keeps_vllms_budget_against_time(vllm_python, vllm_model, tmp_p
         loader = threading.Thread(target=loading)
         loader.start()
         try:
-            began, stepped, said = time.monotonic(), None, f"PID {a.pid}: levels op,step -> step ("
-            while time.monotonic() - began < 30 and stepped is None:
-                if said in d.text():
-                    stepped = time.monotonic() - began
-                time.sleep(0.2)
+            stepped, info = stepped_then_settled(d, a.pid, f"PID {a.pid}: levels op,step -> step (")
             assert stepped is not None and stepped <= 10, (stepped, d.text())
-            mine, settle_end = f"PID {a.pid}: levels", time.monotonic() + 40
-            last, changes = d.text().count(mine), time.monotonic()
-            while time.monotonic() < settle_end and time.monotonic() - changes < 6:
-                time.sleep(0.5)
-                if d.text().count(mine) != last:
-                    last, changes = d.text().count(mine), time.monotonic()
-            deadline = time.monotonic() + 10     # judged at the levels it has now
-            while time.monotonic() < deadline and d.watched(a.pid)["cost_share"] is None:
-                time.sleep(0.2)
-            info = d.watched(a.pid)
         finally:
             load.clear()
             loader.join()

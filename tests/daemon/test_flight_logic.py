@@ -104,3 +104,18 @@ def test_a_nearly_idle_interval_is_left_out_of_the_ranges():
     cpu = r.between((1, 1), 0.0, 25.0)["families"]["graph"]["CPU"]
     assert cpu["s_per_call_range"] == pytest.approx([1e-3, 1e-3])
     assert cpu["s_per_call"] == pytest.approx(4.05 / 4010)
+
+
+def test_a_flight_records_text_is_printed_as_it_is(tmp_path):
+    """Text from the trace (a trigger, an item's name) is printed as written: what looks like
+    markup to the terminal's library is not read as such."""
+    trace = tmp_path / "odd.pftrace"
+    flight = ('{"fired": {"trigger": "[/x] [bold]", "value_s": 0.1, "limit_s": 0.05}, "levels": ["token"], '
+              '"counts": {"baseline": {"seconds": "20", "intervals": 3, "levels": ["token"], "families": '
+              '{"op": {"[/y]": {"share": 1.0, "per_s": 5.0, "s_per_call": 0.001}}}}, '
+              '"incident": {"seconds": 5, "levels": ["token"], "families": '
+              '{"op": {"[/y]": {"share": 1.0, "per_s": 5.0, "s_per_call": 0.002}}}}}}')
+    trace.write_bytes(with_meta(GOLDEN.read_bytes(), {"flight": flight}))
+    r = subprocess.run([*PROFINFER, "report", str(trace)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "[/x] [bold] fired" in r.stdout and "[/y]" in r.stdout
