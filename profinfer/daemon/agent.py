@@ -683,8 +683,9 @@ class Agent:
                     if steps:
                         # a step is known by its first op's call alone: its time at the next
                         # step, and no sequence ids to follow (time to first token, per output token)
-                        self.metrics.decode_call(w.identity, step_call(t), [], [], timed=False)
-                        self._step_time(w, step_call(t))
+                        step = step_call(t)
+                        self.metrics.decode_call(w.identity, step, [], [], timed=False)
+                        self._step_time(w, step)
                     else:
                         ttfts, tpots = w.tracker.feed(t)
                         self.metrics.decode_call(w.identity, t, ttfts, tpots)

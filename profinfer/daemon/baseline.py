@@ -85,11 +85,12 @@ class RollingTotals:
     def between(self, key: tuple, lo: float, hi: float) -> dict | None:
         """The baseline of [lo, hi] (the samples within it): None with fewer than two."""
         with self.lock:
-            picked = [(t, v) for t, v, _ in self.samples.get(key, ()) if lo <= t <= hi]
-            levels = sorted({lv for t, _, had in self.samples.get(key, ()) if lo <= t <= hi for lv in had})
-            steady = len({tuple(had) for t, _, had in self.samples.get(key, ()) if lo <= t <= hi}) == 1
-        if len(picked) < 2:
+            within = [sample for sample in self.samples.get(key, ()) if lo <= sample[0] <= hi]
+        if len(within) < 2:
             return None
+        picked = [(t, v) for t, v, _ in within]
+        levels = sorted({lv for _, _, had in within for lv in had})
+        steady = len({tuple(had) for _, _, had in within}) == 1
         seconds = picked[-1][0] - picked[0][0]
         whole = _delta(picked[-1][1], picked[0][1])
         intervals = [(b[0] - a[0], _delta(b[1], a[1])) for a, b in zip(picked, picked[1:])]

@@ -88,6 +88,10 @@ class _Process:
         return [i.engine, str(i.pid), i.comm, i.container, i.pod, i.namespace]
 
 
+def _observe_call(p: _Process, t: TokenCall) -> None:
+    p.call_time.setdefault(t.phase, _Histogram(CALL_BUCKETS)).observe(t.dur_ns / 1e9)
+
+
 class Metrics:
     def __init__(self, labels: str = "full"):
         assert labels in LABEL_SETS, labels
@@ -169,7 +173,7 @@ class Metrics:
             p.tokens["prefill"] = p.tokens.get("prefill", 0) + t.prefill_tokens
             p.tokens["decode"] = p.tokens.get("decode", 0) + t.decode_tokens
             if timed:
-                p.call_time.setdefault(t.phase, _Histogram(CALL_BUCKETS)).observe(t.dur_ns / 1e9)
+                _observe_call(p, t)
             for v in ttfts:
                 p.ttft.observe(v / 1e9)
             for per_token, n in tpots:
@@ -182,7 +186,7 @@ class Metrics:
         with self.lock:
             p = self.processes.get(ident.pid)
             if p is not None and p.identity.start == ident.start:
-                p.call_time.setdefault(t.phase, _Histogram(CALL_BUCKETS)).observe(t.dur_ns / 1e9)
+                _observe_call(p, t)
 
     def op_totals(self, ident: Identity, totals: dict[str, tuple[int, int]]) -> None:
         with self.lock:
