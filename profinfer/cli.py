@@ -355,10 +355,11 @@ DEFAULT_URL = "http://127.0.0.1:9464"
               help="Open HTTP connections at most (a quarter of them from one peer address); over "
               "it the oldest of the peer holding the most is closed (each has 10 s to send its request whole).")
 @click.option("--trigger", "triggers", multiple=True, metavar="CONDITION",
-              help="Flight recorder: capture a process whose own latency breaks CONDITION, e.g. "
-              "'tpot_p99 > 3x baseline for 5s' or 'ttft_p99 > 2s' (quantities ttft, tpot, call; "
-              "statistics p50, p90, p99 over the last 10 s; baseline: the same over the 5 minutes "
-              "before). Repeatable.")
+              help="Flight recorder: capture a process whose own series breaks CONDITION, e.g. "
+              "'tpot_p99 > 3x baseline for 5s', 'ttft_p99 > 2s' or 'tps_p10 < 0.5x baseline' "
+              "(quantities ttft, tpot, call, sync in s; tps in decode tokens/s; batch in tokens; "
+              "a percentile over the last 10 s; baseline: the same over the 5 minutes before). "
+              "Repeatable.")
 @click.option("--record-for", default="10s", show_default=True, help="How long a triggered capture records.")
 @click.option("--keep", type=click.IntRange(1, 10000), default=20, show_default=True,
               help="Triggered captures kept (the oldest go).")

@@ -736,6 +736,9 @@ class Agent:
             w = self.watches.get(pid)
             if w is not None and w.cuda:
                 self.metrics.cuda(w.identity, g, c)
+                if self.recorder is not None and groups:
+                    syncs = [x for x in g if x.what == "sync"]
+                    self.recorder.observe_syncs(w.identity, sum(x.count for x in syncs), sum(x.total_ns for x in syncs))
         self._shared_lost(rt, rt.collector.lost())
 
     def _shared_lost(self, shared: SharedProbes | SharedRuntime, lost: int) -> None:

@@ -1,6 +1,7 @@
-"""The flight recorder's triggers: conditions on a watched process's own latency series
-(`tpot_p99 > 3x baseline for 5s`, `ttft_p99 > 2s`) that, held for their time, fire once
-per incident. A trigger fires again only after its condition has been clear for its hold
+"""The flight recorder's triggers: conditions on a watched process's own series (latencies,
+decode throughput, batch sizes, CUDA sync times: QUANTITIES), such as `tpot_p99 > 3x
+baseline for 5s`, `ttft_p99 > 2s` or `tps_p10 < 0.5x baseline`, that, held for their time,
+fire once per incident. A trigger fires again only after its condition has been clear for its hold
 time and a cooldown has passed since it fired.
 
 A condition's statistic is taken over the last WINDOW_S of samples, or over the newest
@@ -23,9 +24,15 @@ import numpy as np
 
 from profinfer.core.errors import ProfinferError
 
-QUANTITIES = {"ttft": "time to first token", "tpot": "time per output token",
-              "call": "decode call (llama.cpp) or step (vLLM) time"}
-STATS = {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+# each quantity's meaning and unit: seconds; decode tokens per second; tokens
+QUANTITIES = {"ttft": ("time to first token", "s"),
+              "tpot": ("time per output token", "s"),
+              "call": ("decode call (llama.cpp) or step (vLLM) time", "s"),
+              "tps": ("decode tokens per second of a decode call or step (its decoding sequences' "
+                      "tokens over its time)", "tokens/s"),
+              "batch": ("tokens in a decode call or step (prompt and decode)", "tokens"),
+              "sync": ("a CUDA synchronising call's time (the cuda level's mean over each of "
+                       "the daemon's reads of its counts)", "s")}
 WINDOW_S = 10.0
 DEFAULT_BASELINE_S = 300.0
 MIN_WINDOW_SAMPLES = 20
@@ -42,23 +49,43 @@ DEFAULT_COOLDOWN_S = 60.0
 
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _SYNTAX = re.compile(
-    r"^\s*(?P<quantity>[a-z]+)_(?P<stat>p\d+)\s*>\s*(?P<value>\d+(?:\.\d+)?)\s*"
+    r"^\s*(?P<quantity>[a-z]+)_p(?P<stat>\d{1,2}(?:\.\d+)?)\s*(?P<op>[<>])\s*(?P<value>\d+(?:\.\d+)?)\s*"
     r"(?P<unit>x\s*baseline|us|ms|s)?\s*(?:for\s+(?P<hold>\d+(?:\.\d+)?)\s*(?P<hold_unit>ms|s)?)?\s*$")
+EXAMPLES = "e.g. 'tpot_p99 > 3x baseline for 5s', 'ttft_p99 > 2s' or 'tps_p10 < 0.5x baseline for 5s'"
 
 
 @dataclass(frozen=True)
 class Trigger:
     text: str
     quantity: str            # a key of QUANTITIES
-    stat: str                # a key of STATS
-    limit_s: float | None    # above this many seconds; or
-    factor: float | None     # above this multiple of the process's baseline
+    percentile: float        # the statistic: this percentile of the window's samples
+    limit: float | None      # beyond this (in the quantity's unit); or
+    factor: float | None     # beyond this multiple of the process's baseline
     hold_s: float
+    below: bool = False      # the condition is the statistic under the limit (a rate fallen)
+
+    @property
+    def stat(self) -> str:
+        return f"p{self.percentile:g}"
+
+    @property
+    def unit(self) -> str:
+        return QUANTITIES[self.quantity][1]
 
     @property
     def reason(self) -> str:
         """What profinfer_captures_total{reason} says: the quantity and statistic."""
         return f"{self.quantity}_{self.stat}"
+
+    def beyond(self, value: float, limit: float) -> bool:
+        return value < limit if self.below else value > limit
+
+
+def in_unit(value: float | None, unit: str) -> str:
+    """A quantity's value as a person reads it: times in ms."""
+    if value is None:
+        return "?"
+    return f"{value * 1e3:.2f} ms" if unit == "s" else f"{value:,.1f} {unit}"
 
 
 def parse_duration(text: str, what: str) -> float:
@@ -70,27 +97,35 @@ def parse_duration(text: str, what: str) -> float:
 
 
 def parse_trigger(text: str) -> Trigger:
-    """`QUANTITY_STAT > LIMIT [for HOLD]`: LIMIT in us, ms or s (seconds when bare), or `Nx
-    baseline`; HOLD in ms or s (0 when left out)."""
+    """`QUANTITY_pNN > LIMIT [for HOLD]` (or `<`: a rate fallen): LIMIT in the quantity's
+    unit (a time in us, ms or s, seconds when bare; a count or rate bare), or `Nx baseline`;
+    HOLD in ms or s (0 when left out)."""
     m = _SYNTAX.match(text)
     if m is None:
-        raise ProfinferError(f"--trigger {text!r}: expected e.g. 'tpot_p99 > 3x baseline for 5s' or "
-                             f"'ttft_p99 > 2s' (QUANTITY_STAT > LIMIT [for HOLD])")
-    quantity, stat = m["quantity"], m["stat"]
+        raise ProfinferError(f"--trigger {text!r}: expected {EXAMPLES} (QUANTITY_pNN > or < LIMIT [for HOLD])")
+    quantity, percentile = m["quantity"], float(m["stat"])
     if quantity not in QUANTITIES:
         raise ProfinferError(f"--trigger {text!r}: no quantity {quantity!r}; choose from {', '.join(QUANTITIES)}")
-    if stat not in STATS:
-        raise ProfinferError(f"--trigger {text!r}: no statistic {stat!r}; choose from {', '.join(STATS)}")
-    value = float(m["value"])
-    unit = (m["unit"] or "s").replace(" ", "")
+    if not 0 < percentile < 100:
+        raise ProfinferError(f"--trigger {text!r}: a percentile is between 0 and 100 (p50, p90, p99, p10)")
+    value, below = float(m["value"]), m["op"] == "<"
+    unit = (m["unit"] or "").replace(" ", "")
     hold = float(m["hold"] or 0) * _UNITS[m["hold_unit"] or "s"]
     if unit == "xbaseline":
-        if value <= 1:
-            raise ProfinferError(f"--trigger {text!r}: a multiple of the baseline must be above 1")
-        return Trigger(text.strip(), quantity, stat, None, value, hold)
+        if value == 1 or (value > 1) == below:
+            raise ProfinferError(f"--trigger {text!r}: a multiple of the baseline is above 1 with '>', "
+                                 f"under 1 with '<'")
+        if value <= 0:
+            raise ProfinferError(f"--trigger {text!r}: a multiple of the baseline must be above 0")
+        return Trigger(text.strip(), quantity, percentile, None, value, hold, below)
+    timed = QUANTITIES[quantity][1] == "s"
+    if unit and not timed:
+        raise ProfinferError(f"--trigger {text!r}: {quantity} is in {QUANTITIES[quantity][1]}: its limit "
+                             f"is a bare number")
     if value <= 0:
         raise ProfinferError(f"--trigger {text!r}: the limit must be above 0")
-    return Trigger(text.strip(), quantity, stat, value * _UNITS[unit], None, hold)
+    return Trigger(text.strip(), quantity, percentile, value * (_UNITS[unit or "s"] if timed else 1.0),
+                   None, hold, below)
 
 
 class Bin:
@@ -173,12 +208,13 @@ class TriggerState:
 
 @dataclass
 class Firing:
-    """What a trigger saw when it fired, for its capture's record."""
+    """What a trigger saw when it fired, for its capture's record (values in the quantity's
+    unit)."""
     trigger: Trigger
     at: float                   # CLOCK_MONOTONIC s
-    value_s: float              # the statistic over the window
-    limit_s: float              # what it was above
-    baseline_s: float | None
+    value: float                # the statistic over the window
+    limit: float                # what it was beyond
+    baseline: float | None
     baseline_until: float | None    # the baseline's samples are from before this (monotonic s)
     baseline_window_s: float
     window_samples: int
@@ -188,12 +224,13 @@ class Firing:
 
     def as_dict(self) -> dict:
         return {"trigger": self.trigger.text, "reason": self.trigger.reason,
-                "quantity": self.trigger.quantity, "stat": self.trigger.stat,
-                "value_s": self.value_s, "limit_s": self.limit_s, "baseline_s": self.baseline_s,
+                "quantity": self.trigger.quantity, "stat": self.trigger.stat, "unit": self.trigger.unit,
+                "below": self.trigger.below,
+                "value": self.value, "limit": self.limit, "baseline": self.baseline,
                 "hold_s": self.trigger.hold_s, "window_s": WINDOW_S,
                 "baseline_window_s": self.baseline_window_s, "baseline_until_monotonic_s": self.baseline_until,
                 "window_samples": self.window_samples, "fired_monotonic_s": self.at,
-                "series": [{"t": t, "value_s": v, "samples": n} for t, v, n in self.series]}
+                "series": [{"t": t, "value": v, "samples": n} for t, v, n in self.series]}
 
 
 class Triggers:
@@ -229,7 +266,7 @@ class Triggers:
     def series_since(self, key: tuple, trigger: Trigger, lo: float) -> list[tuple[float, float, int]]:
         with self.lock:
             s = self.series.get(key, {}).get(trigger.quantity)
-            return s.per_bin(lo, STATS[trigger.stat]) if s else []
+            return s.per_bin(lo, trigger.percentile) if s else []
 
     def judge(self, now: float) -> None:
         if now - self.judged_at < EVALUATE_S:
@@ -255,9 +292,9 @@ class Triggers:
 
     def _judge_one(self, trigger: Trigger, state: TriggerState, s: Series, now: float) -> Firing | None:
         window = s.newest(now - WINDOW_S)
-        stat = STATS[trigger.stat]
+        stat = trigger.percentile
         value = float(np.percentile(window, stat)) if len(window) >= MIN_WINDOW_SAMPLES else None
-        limit = trigger.limit_s
+        limit = trigger.limit
         if trigger.factor is not None:
             if state.pending_since is None and state.fired_at is None and now - state.baseline_at >= BASELINE_EVERY_S:
                 state.baseline_at = now
@@ -268,7 +305,7 @@ class Triggers:
                     state.baseline_lo = lo
                 # else the one before the last incident holds until a new one is whole (or none yet)
             limit = trigger.factor * state.baseline if state.baseline is not None else None
-        holds = value is not None and limit is not None and value > limit
+        holds = value is not None and limit is not None and trigger.beyond(value, limit)
         if state.fired_at is not None:       # re-armed once clear for the hold time and cooled down
             if holds:
                 state.clear_since = None

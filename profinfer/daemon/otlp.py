@@ -111,8 +111,9 @@ class OtlpExport:
         fired = record.get("fired") or {}
         attrs = {**attributes(ident), "profinfer.capture.id": record.get("id", ""),
                  "profinfer.trigger": fired.get("trigger", ""), "profinfer.trigger.reason": fired.get("reason", ""),
-                 "profinfer.capture.levels": ",".join(record.get("levels") or [])}
-        for key in ("value_s", "limit_s", "baseline_s"):
+                 "profinfer.capture.levels": ",".join(record.get("levels") or []),
+                 "profinfer.trigger.unit": fired.get("unit", "")}
+        for key in ("value", "limit", "baseline"):
             if isinstance(fired.get(key), (int, float)):
                 attrs[f"profinfer.trigger.{key}"] = float(fired[key])
         self.events.emit(LogRecord(event_name="profinfer.capture", severity_number=SeverityNumber.WARN,

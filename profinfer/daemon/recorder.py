@@ -17,7 +17,7 @@ from profinfer.core.model import TokenCall
 from profinfer.daemon.baseline import MIN_GAP_S, RollingTotals
 from profinfer.daemon.captures import CAPTURE_LEVELS, Captures
 from profinfer.daemon.capturestore import CaptureStore
-from profinfer.daemon.flight import WINDOW_S, Firing, Trigger, Triggers
+from profinfer.daemon.flight import WINDOW_S, Firing, Trigger, Triggers, in_unit
 from profinfer.daemon.identity import Identity
 from profinfer.exporters.perfetto import with_meta
 
@@ -40,6 +40,7 @@ class FlightRecorder:
         # window, or it shifted), the cooldown and a quarter window before a new one is whole
         self.totals = RollingTotals(2 * baseline_s + cooldown_s + WINDOW_S + hold)
         self.failed = 0
+        self.syncs_seen: dict[tuple, tuple[int, int]] = {}    # the cuda level's last (syncs, ns), by process
 
     # ---- fed by the agent's loop ----
 
@@ -52,6 +53,18 @@ class FlightRecorder:
             self.triggers.observe(key, "tpot", now, [v / 1e9 for v, _ in tpots])
         if timed:
             self.triggers.observe(key, "call", now, [t.dur_ns / 1e9])
+            self.triggers.observe(key, "batch", now, [float(t.n_tokens)])
+            if t.decode_tokens and t.dur_ns > 0:
+                self.triggers.observe(key, "tps", now, [t.decode_tokens * 1e9 / t.dur_ns])
+
+    def observe_syncs(self, ident: Identity, count: int, total_ns: int) -> None:
+        """The cuda level's cumulative sync calls and time for the process: the mean time of
+        those made since the last read is one sample."""
+        key = (ident.pid, ident.start)
+        before = self.syncs_seen.get(key)
+        self.syncs_seen[key] = (count, total_ns)
+        if before is not None and count > before[0] and total_ns >= before[1]:
+            self.triggers.observe(key, "sync", time.monotonic(), [(total_ns - before[1]) / 1e9 / (count - before[0])])
 
     def judge(self) -> None:
         now = time.monotonic()
@@ -64,6 +77,7 @@ class FlightRecorder:
 
     def forget(self, ident: Identity) -> None:
         self.triggers.forget((ident.pid, ident.start))
+        self.syncs_seen.pop((ident.pid, ident.start), None)
         self.totals.forget((ident.pid, ident.start))
 
     # ---- a firing ----
@@ -79,8 +93,9 @@ class FlightRecorder:
         counts = self._counts(w, firing)
         asked = self._asked(w)
         levels, left_out = self._affordable(w, asked)
-        self.agent.log(f"PID {w.identity.pid}: {firing.trigger.text} fired ({firing.trigger.stat} "
-                       f"{firing.value_s * 1e3:.2f} ms > {firing.limit_s * 1e3:.2f} ms): capturing "
+        t = firing.trigger
+        self.agent.log(f"PID {w.identity.pid}: {t.text} fired ({t.stat} {in_unit(firing.value, t.unit)} "
+                       f"{'<' if t.below else '>'} {in_unit(firing.limit, t.unit)}): capturing "
                        f"{self.record_for_s:g} s at {','.join(sorted(levels))}")
         threading.Thread(target=self._capture, args=(w, firing, asked, levels, left_out, counts),
                          name="profinfer-flight", daemon=True).start()
@@ -147,7 +162,7 @@ class FlightRecorder:
             return
         fired = firing.as_dict()
         # the quantity's series on from the firing, through the capture
-        fired["series_after"] = [{"t": t, "value_s": v, "samples": n} for t, v, n in
+        fired["series_after"] = [{"t": t, "value": v, "samples": n} for t, v, n in
                                  self.triggers.series_since((ident.pid, ident.start), firing.trigger, firing.at)]
         record = {"pid": ident.pid, "process": ident.as_dict(), "fired": fired,
                   "started_at": started, "record_for_s": self.record_for_s,

@@ -17,6 +17,7 @@ from rich.text import Text
 
 from profinfer.core.errors import ProfinferError
 from profinfer.core.model import Profile
+from profinfer.daemon.flight import in_unit
 
 FAMILIES = {"call": "decode calls / steps", "op": "ops", "graph": "graph computes",
             "kernel": "CUDA kernels", "sync": "CUDA syncs"}
@@ -135,22 +136,19 @@ def sparkline(values: list[float], top: float) -> str:
 def chart(fired: dict) -> list[str]:
     """The trigger's statistic per 1 s bin before the firing and after it, as blocks scaled
     to the largest of the series and its limit; a caret under the firing's bin."""
-    points = [(p["t"], p["value_s"]) for p in fired.get("series", [])]
-    points += [(p["t"], p["value_s"]) for p in fired.get("series_after", []) if not points or p["t"] > points[-1][0]]
+    points = [(float(p["t"]), float(p["value"])) for p in fired.get("series", [])]
+    points += [(float(p["t"]), float(p["value"])) for p in fired.get("series_after", [])
+               if not points or p["t"] > points[-1][0]]
     if not points:
         return []
     at = fired.get("fired_monotonic_s", points[-1][0])
-    top = max([v for _, v in points] + [fired.get("limit_s") or 0.0])
+    top = max([v for _, v in points] + [float(fired.get("limit") or 0.0)])
     line = sparkline([v for _, v in points], top)
     mark = next((i for i, (t, _) in enumerate(points) if t >= at - 1.0), len(points) - 1)
     span = f"{points[0][0] - at:+.0f} s .. {points[-1][0] - at:+.0f} s around the firing"
     return [f"  {line}   ({fired.get('quantity')} {fired.get('stat')} per second, {span}; "
-            f"full height {top * 1e3:.2f} ms)",
+            f"full height {in_unit(top, str(fired.get('unit', 's')))})",
             "  " + " " * mark + "^ fired"]
-
-
-def _ms(s: float | None) -> str:
-    return "?" if s is None else f"{s * 1e3:.2f} ms"
 
 
 def _figure(f: dict | None, key: str, fmt) -> str:
@@ -162,9 +160,11 @@ def _figure(f: dict | None, key: str, fmt) -> str:
 
 def _header(rec: dict) -> list[str]:
     fired = rec["fired"]
-    base = f", baseline {_ms(fired.get('baseline_s'))}" if fired.get("baseline_s") is not None else ""
+    unit = str(fired.get("unit", "s"))
+    base = f", baseline {in_unit(fired.get('baseline'), unit)}" if fired.get("baseline") is not None else ""
     out = [f"Flight recorder: {fired.get('trigger')} fired: {fired.get('stat')} "
-           f"{_ms(fired.get('value_s'))} > limit {_ms(fired.get('limit_s'))}{base}; captured "
+           f"{in_unit(fired.get('value'), unit)} {'<' if fired.get('below') else '>'} limit "
+           f"{in_unit(fired.get('limit'), unit)}{base}; captured "
            f"{float(rec.get('record_for_s') or 0):g} s at {','.join(str(lv) for lv in rec.get('levels') or [])}"]
     out += [f"  left out: {level} ({why})" for level, why in (rec.get("left_out") or {}).items()]
     return out

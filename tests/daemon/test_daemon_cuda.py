@@ -126,3 +126,38 @@ def test_the_cuda_level_is_charged_and_its_detail_stepped_down(tmp_path):
         assert sum(int(v) for v in got.values()) == per_repeat * repeats, (got, repeats)
     finally:
         d.stop()
+
+
+def test_a_sync_trigger_fires_on_the_programs_syncs(tmp_path):
+    """The flight recorder's `sync` quantity: a trigger on the cuda level's sync time fires on
+    a program's real synchronising calls (they fail at once without a driver, but enter the
+    runtime's functions), and its value is a sync call's time: above 0 and no more than the
+    program's own timing of its syncs (around each call, the probes' traps included)."""
+    program = workload.build_program(PROGRAM, "shared")
+    store = tmp_path / "captures"
+    d = Daemon(tmp_path, ("--trigger", "sync_p50 > 1ns", "--record-for", "1s", "--captures-dir", str(store),
+                          "--capture-levels", "cuda"))
+    go, stop = tmp_path / "go", tmp_path / "stop"
+    try:
+        proc = subprocess.Popen([str(program), "--log", "/dev/null", "--until", str(stop),
+                                 "--start-after", str(go)], stdout=subprocess.PIPE, text=True)
+        _STARTED.append(proc)
+        assert proc.stdout.readline().startswith("ready ")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and "cuda" not in d.watched(proc.pid)["levels"]:
+            time.sleep(0.1)
+        go.write_text("")
+        caps, deadline = [], time.monotonic() + 60
+        while time.monotonic() < deadline and not caps:
+            caps = json.loads(_get(d.url + "/captures", d.token)[1])["captures"]
+            time.sleep(0.5)
+        stop.write_text("")
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        d.stop()
+    assert caps, d.text()
+    fired = caps[0]["fired"]
+    syncs = next(line.split() for line in out.splitlines() if line.startswith("syncs "))
+    own_mean_s = int(syncs[2]) / int(syncs[1]) / 1e9
+    assert (fired["reason"], fired["unit"], fired["window_samples"] >= 20) == ("sync_p50", "s", True), fired
+    assert 0 < fired["value"] <= own_mean_s, (fired, own_mean_s)

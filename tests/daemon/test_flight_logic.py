@@ -10,19 +10,52 @@ from conftest import PROFINFER
 
 from profinfer.core.errors import ProfinferError
 from profinfer.daemon.baseline import RollingTotals
-from profinfer.daemon.flight import parse_trigger
+from profinfer.daemon.flight import Triggers, parse_trigger
 from profinfer.exporters.perfetto import with_meta
 from profinfer.viewers.flight import changes, sparkline
 
 
 def test_trigger_grammar():
     t = parse_trigger("tpot_p99 > 3x baseline for 5s")
-    assert (t.quantity, t.stat, t.factor, t.limit_s, t.hold_s) == ("tpot", "p99", 3.0, None, 5.0)
+    assert (t.quantity, t.stat, t.factor, t.limit, t.hold_s, t.below, t.unit) == ("tpot", "p99", 3.0, None, 5.0, False, "s")
     t = parse_trigger("ttft_p50 > 250ms")
-    assert (t.limit_s, t.factor, t.hold_s) == (0.25, None, 0.0)
-    for bad in ("tpot > 3", "speed_p99 > 1s", "tpot_p99 < 1s", "tpot_p99 > 3x", ""):
+    assert (t.limit, t.factor, t.hold_s) == (0.25, None, 0.0)
+    t = parse_trigger("tps_p10 < 0.5x baseline for 2s")
+    assert (t.quantity, t.percentile, t.factor, t.below, t.unit, t.reason) == ("tps", 10.0, 0.5, True, "tokens/s", "tps_p10")
+    t = parse_trigger("batch_p50 > 12")
+    assert (t.limit, t.unit) == (12.0, "tokens")
+    assert parse_trigger("sync_p99 > 2ms").limit == pytest.approx(2e-3)
+    for bad in ("tpot > 3", "speed_p99 > 1s", "tpot_p99 >= 1s", "tpot_p99 > 3x", "", "tpot_p100 > 1s",
+                "tps_p50 < 2x baseline", "tpot_p99 > 0.5x baseline", "batch_p50 > 12ms", "tps_p50 < 0"):
         with pytest.raises(ProfinferError):
             parse_trigger(bad)
+
+
+def test_a_rate_that_falls_fires_once_and_rearms():
+    """`tps_p50 < 0.5x baseline for 2s`: 60 s of 100 tokens/s (20 samples a second), then 10 s
+    at 30: it fires once, 2 s after the window's median falls under 50; back at 100, it re-arms
+    once clear for its hold time and cooled down, and fires again at the next fall."""
+    fired = []
+    tr = Triggers([parse_trigger("tps_p50 < 0.5x baseline for 2s")], lambda key, f: fired.append(f),
+                  cooldown_s=5.0, baseline_s=40.0)
+    def run(lo: int, hi: int, rate: float) -> None:
+        for tenth in range(lo * 10, hi * 10):
+            now = tenth / 10
+            tr.observe((1, 1), "tps", now, [rate, rate])
+            tr.judge(now)
+    run(0, 60, 100.0)
+    assert fired == []
+    run(60, 70, 30.0)
+    assert len(fired) == 1
+    f = fired[0]
+    assert (f.baseline, f.limit, f.value) == (100.0, 50.0, 30.0)
+    # the window's median is under 50 once more than half its samples are the new rate (5 s
+    # in), held 2 s
+    assert 65.0 <= f.at <= 67.6 and f.as_dict()["below"] is True and f.as_dict()["unit"] == "tokens/s"
+    run(70, 100, 100.0)
+    assert len(fired) == 1
+    run(100, 110, 30.0)
+    assert len(fired) == 2 and fired[1].baseline == 100.0
 
 
 def test_baseline_figures_and_the_ranges_of_its_intervals():
@@ -76,8 +109,8 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "llamacpp.pftrace"
 
 @pytest.mark.parametrize("flight", [
     "{not json", "[1]", '{"fired": {}, "record_for_s": "x"}',
-    '{"fired": {"series": [1]}}', '{"fired": {"value_s": "x"}}', '{"fired": {}, "counts": [1]}',
-    '{"fired": {}, "left_out": [1]}', '{"fired": {"series": [{"t": 0, "value_s": NaN}]}}',
+    '{"fired": {"series": [1]}}', '{"fired": {"value": "x"}}', '{"fired": {"value": 1, "unit": "tokens", "limit": "x"}}', '{"fired": {}, "counts": [1]}',
+    '{"fired": {}, "left_out": [1]}', '{"fired": {"series": [{"t": 0, "value": "x"}]}}',
     '{"fired": {}, "counts": {"baseline": {"seconds": 5, "intervals": 1, "families": {"op": {"A": {"share": 1}}}},'
     ' "incident": {"seconds": 5, "families": {"op": {"A": {"share": 1}}}}}}',
     "[" * 100000])
@@ -110,7 +143,7 @@ def test_a_flight_records_text_is_printed_as_it_is(tmp_path):
     """Text from the trace (a trigger, an item's name) is printed as written: what looks like
     markup to the terminal's library is not read as such."""
     trace = tmp_path / "odd.pftrace"
-    flight = ('{"fired": {"trigger": "[/x] [bold]", "value_s": 0.1, "limit_s": 0.05}, "levels": ["token"], '
+    flight = ('{"fired": {"trigger": "[/x] [bold]", "value": 0.1, "limit": 0.05}, "levels": ["token"], '
               '"counts": {"baseline": {"seconds": "20", "intervals": 3, "levels": ["token"], "families": '
               '{"op": {"[/y]": {"share": 1.0, "per_s": 5.0, "s_per_call": 0.001}}}}, '
               '"incident": {"seconds": 5, "levels": ["token"], "families": '

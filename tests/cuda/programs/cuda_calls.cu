@@ -13,7 +13,9 @@
 //                             that finds processes by scanning /proc alone sees it mapped)
 // --repeat R                  make the whole sequence R times (default 1)
 // --until FILE                make it until FILE exists (looked for between sequences), then
-//                             print "repeats <n>": as long as a test needs, counted exactly
+//                             print "syncs <calls> <ns>" (the synchronising calls, timed
+//                             around each) and "repeats <n>": as long as a test needs, counted
+//                             exactly
 //
 // Log: one JSON object per line, one per CUDA call made, in call order:
 //   {"fn": ..., "tid": gettid(), "t_ns": CLOCK_MONOTONIC just before the call, "ret": int,
@@ -501,19 +503,30 @@ static void memory(const Runtime& rt) {
     }
 }
 
+// The synchronising calls' count and time, each timed from just before it to just after it
+// (printed with --until): what a profiler's time for them cannot exceed.
+static long sync_calls = 0;
+static int64_t sync_ns = 0;
+
+static int64_t timed_sync(int64_t t) {
+    sync_calls++;
+    sync_ns += now_ns() - t;
+    return t;
+}
+
 static void syncs(const Runtime& rt) {
     int64_t t = now_ns();
     int ret = rt.cudaDeviceSynchronize();
-    Line("cudaDeviceSynchronize", t, ret).emit();
+    Line("cudaDeviceSynchronize", timed_sync(t), ret).emit();
     t = now_ns();
     ret = rt.cudaStreamSynchronize((cudaStream_t)kStreamA);
-    Line("cudaStreamSynchronize", t, ret).hex("stream", kStreamA).emit();
+    Line("cudaStreamSynchronize", timed_sync(t), ret).hex("stream", kStreamA).emit();
     t = now_ns();
     ret = rt.cudaEventSynchronize((cudaEvent_t)kEvent);
-    Line("cudaEventSynchronize", t, ret).hex("event", kEvent).emit();
+    Line("cudaEventSynchronize", timed_sync(t), ret).hex("event", kEvent).emit();
     t = now_ns();
     ret = rt.cudaStreamWaitEvent((cudaStream_t)kStreamB, (cudaEvent_t)kEvent, 0);
-    Line("cudaStreamWaitEvent", t, ret).hex("stream", kStreamB).hex("event", kEvent)
+    Line("cudaStreamWaitEvent", timed_sync(t), ret).hex("stream", kStreamB).hex("event", kEvent)
         .num("flags", 0).emit();
 }
 
@@ -618,6 +631,7 @@ int main(int argc, char** argv) {
     if (until) {
         long made = 0;
         for (; access(until, F_OK) != 0; made++) sequence(rt, linked, libcuda ? &drv : nullptr, h1, h2);
+        printf("syncs %ld %lld\n", sync_calls, (long long)sync_ns);
         printf("repeats %ld\n", made);
         fflush(stdout);
     } else {
