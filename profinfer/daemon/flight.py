@@ -204,6 +204,15 @@ class TriggerState:
     baseline_lo: float = float("-inf")     # the baseline's samples begin here (the one in use)
     fired_at: float | None = None          # it fired, and has not re-armed since
     clear_since: float | None = None       # after a firing, the condition is clear since
+    value: float | None = None             # the statistic at the last judgment (None: too few samples)
+    limit: float | None = None             # and the limit then (None: no baseline yet)
+
+    def as_dict(self, trigger: Trigger, now: float) -> dict:
+        """What `profinfer status` shows of it: armed (a value and a limit), holding, fired."""
+        return {"trigger": trigger.text, "unit": trigger.unit, "value": self.value, "limit": self.limit,
+                "baseline": self.baseline if trigger.factor is not None else None,
+                "holding_s": None if self.pending_since is None or self.fired_at is not None else now - self.pending_since,
+                "fired_s_ago": None if self.fired_at is None else now - self.fired_at}
 
 
 @dataclass
@@ -268,6 +277,10 @@ class Triggers:
             s = self.series.get(key, {}).get(trigger.quantity)
             return s.per_bin(lo, trigger.percentile) if s else []
 
+    def states(self, key: tuple, now: float) -> list[dict]:
+        with self.lock:
+            return [st.as_dict(t, now) for t, st in zip(self.triggers, self.states.get(key, []))]
+
     def judge(self, now: float) -> None:
         if now - self.judged_at < EVALUATE_S:
             return
@@ -305,6 +318,7 @@ class Triggers:
                     state.baseline_lo = lo
                 # else the one before the last incident holds until a new one is whole (or none yet)
             limit = trigger.factor * state.baseline if state.baseline is not None else None
+        state.value, state.limit = value, limit
         holds = value is not None and limit is not None and trigger.beyond(value, limit)
         if state.fired_at is not None:       # re-armed once clear for the hold time and cooled down
             if holds:

@@ -45,6 +45,30 @@ MIN_CPU_TO_JUDGE_NS = 50_000_000
 # room (its levels may come back)
 IDLE_S = 3 * GOVERN_S
 MAX_STEP_UP_WAIT_S = 600.0
+# An unattended capture's sched level, priced before it runs: each context switch of the
+# process's threads is two events (a switch and a wakeup), each its raw tracepoint's program,
+# its ring record and the capture's collector reading it (bench/results.md, "A capture's
+# sched level priced"); the switches counted over SCHED_SAMPLE_S
+SCHED_EVENT_NS = 3000.0
+SCHED_SAMPLE_S = 0.25
+
+
+def context_switches(pid: int) -> int | None:
+    """The process's threads' context switches so far (voluntary and not), from each
+    thread's status (the process's own counts its main thread's alone)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith(("voluntary_ctxt_switches:",
+                                                                                  "nonvoluntary_ctxt_switches:")))
+        except (OSError, ValueError, IndexError):
+            continue            # a thread gone meanwhile
+    return total
 
 
 def level_rank(levels: set[str]) -> int:
@@ -215,20 +239,55 @@ class Governor:
             return False
         return callers - mark[4] < MIN_CPU_TO_JUDGE_NS / 2 * min(1.0, elapsed / IDLE_S)
 
-    def capture_fits(self, w: Watch, levels: set[str]) -> tuple[bool, str]:
+    def capture_fits(self, w: Watch, levels: set[str], priced: dict[str, float] | None = None) -> tuple[bool, str]:
         """Whether a capture at `levels` (a full attach of its own, beside the daemon's probes)
         keeps the process under the budget: its cost now plus what each of those levels cost
-        it when it last had it here (a level never measured on it counts nothing), and why."""
+        it when it last had it here, or `priced` (capture_prices); a level priced by neither
+        counts nothing, and is named; and why."""
         # not judged yet at the levels it has now (just changed): what they cost when it last had them
         now = w.share if w.share is not None else sum(
             v for lv, v in w.known_shares.items() if lv in w.levels or lv == "daemon")
-        extra = {lv: w.known_shares[lv] for lv in sorted(levels) if lv in w.known_shares}
+        known = {**w.known_shares, **(priced or {})}
+        extra = {lv: known[lv] for lv in sorted(levels) if lv in known}
         total = now + sum(extra.values())
         said = ", ".join(f"{lv} {v:.2%}" for lv, v in extra.items()) or "no level measured on it yet"
+        unknown = sorted(set(levels) - set(known))
         why = (f"PID {w.identity.pid} costs {now:.2%} now; a capture at {','.join(sorted(levels))} adds "
-               f"about {total - now:.2%} ({said}, as measured on it here): {total:.2%} "
-               f"{'>' if total > self.budget else '<='} budget {self.budget:.2%}")
+               f"about {total - now:.2%} ({said}, as measured on it here"
+               + (f"; {', '.join(unknown)} never measured on it, not counted" if unknown else "")
+               + f"): {total:.2%} {'>' if total > self.budget else '<='} budget {self.budget:.2%}")
         return total <= self.budget, why
+
+    def capture_prices(self, w: Watch, levels: set[str]) -> tuple[dict[str, float], dict[str, str]]:
+        """For an unattended capture: the levels the daemon never measured on the process,
+        priced where it can be done without them (the sched level: the process's threads'
+        context switches over SCHED_SAMPLE_S, two events each, at SCHED_EVENT_NS, against its
+        CPU time meanwhile; it sleeps that long), and those that cannot be (why)."""
+        priced, unpriced = {}, {}
+        for lv in sorted(set(levels) - set(w.known_shares)):
+            if lv == "sched":
+                share = self.sched_share(w.identity.pid)
+                if share is not None:
+                    priced[lv] = share
+                    continue
+                unpriced[lv] = f"PID {w.identity.pid} used too little CPU to price its context switches against"
+            else:
+                unpriced[lv] = (f"its cost on PID {w.identity.pid} was never measured here (a level the "
+                                f"daemon runs, --levels, is measured, and stepped down where it costs too much)")
+        return priced, unpriced
+
+    def sched_share(self, pid: int) -> float | None:
+        """The sched level's estimated cost as a share of the process's CPU (None: it used
+        under 1% of a CPU meanwhile)."""
+        before = (context_switches(pid), self.cpu_ns(pid), time.monotonic())
+        time.sleep(SCHED_SAMPLE_S)
+        after = (context_switches(pid), self.cpu_ns(pid), time.monotonic())
+        if None in before or None in after:
+            return None
+        cpu = after[1] - before[1]
+        if cpu < 0.01 * (after[2] - before[2]) * 1e9:
+            return None
+        return max(0, after[0] - before[0]) * 2 * SCHED_EVENT_NS / cpu
 
     def _judge(self, w: Watch, now: float, levels: set[str], share: float) -> None:
         lower = next((lv for lv in STEP_DOWN_ORDER if lv in w.levels), None)

@@ -1,6 +1,7 @@
-"""The flight recorder: a watched process whose own latency breaks a trigger (flight.py) is
+"""The flight recorder: a watched process whose own series breaks a trigger (flight.py) is
 captured at once, for `record_for` seconds, at the levels the budget allows (the governor's
-capture_fits; what it left out is written into the capture), and the capture is kept
+capture_prices and capture_fits: a level it cannot price is not run unattended; what it left
+out, and why, is written into the capture), and the capture is kept
 (capturestore.py) with what fired it: the trigger, its value, its limit and baseline, the
 quantity's series before the firing and during the capture, and the process's own counts
 (baseline.py) in the baseline before the incident and in the incident up to the firing (not
@@ -41,6 +42,8 @@ class FlightRecorder:
         self.totals = RollingTotals(2 * baseline_s + cooldown_s + WINDOW_S + hold)
         self.failed = 0
         self.syncs_seen: dict[tuple, tuple[int, int]] = {}    # the cuda level's last (syncs, ns), by process
+        self.lock = threading.Lock()
+        self.starting: set[int] = set()       # PIDs whose capture is being priced and started
 
     # ---- fed by the agent's loop ----
 
@@ -91,14 +94,13 @@ class FlightRecorder:
             self.agent.log(f"PID {w.identity.pid}: {firing.trigger.text} fired during its running capture")
             return
         counts = self._counts(w, firing)
-        asked = self._asked(w)
-        levels, left_out = self._affordable(w, asked)
-        t = firing.trigger
-        self.agent.log(f"PID {w.identity.pid}: {t.text} fired ({t.stat} {in_unit(firing.value, t.unit)} "
-                       f"{'<' if t.below else '>'} {in_unit(firing.limit, t.unit)}): capturing "
-                       f"{self.record_for_s:g} s at {','.join(sorted(levels))}")
-        threading.Thread(target=self._capture, args=(w, firing, asked, levels, left_out, counts),
-                         name="profinfer-flight", daemon=True).start()
+        with self.lock:
+            if w.identity.pid in self.starting:
+                self.agent.log(f"PID {w.identity.pid}: {firing.trigger.text} fired as its capture starts")
+                return
+            self.starting.add(w.identity.pid)
+        # priced and started in a thread of its own: pricing the sched level takes a while
+        threading.Thread(target=self._capture, args=(w, firing, counts), name="profinfer-flight", daemon=True).start()
 
     def _counts(self, w, firing: Firing) -> dict:
         """The process's own counts (taken now, before the capture adds its probes): over the
@@ -139,11 +141,16 @@ class FlightRecorder:
         return (own | self.levels) & CAPTURE_LEVELS
 
     def _affordable(self, w, asked: set[str]) -> tuple[set[str], dict[str, str]]:
-        """The levels asked for, less those the budget cannot hold (DROP_ORDER), and why.
-        What is left is captured even where it does not fit: the process's own levels."""
-        levels, left_out = set(asked), {}
+        """The levels asked for, less those the budget cannot price (a level the process does
+        not have, never measured on it) or hold (DROP_ORDER), and why. What is left is
+        captured even where it does not fit: the process's own levels."""
+        governor = self.agent.governor
+        own = self._asked(w) & {"cuda" if lv == "cuda-detail" else lv for lv in w.levels}
+        priced, unpriced = governor.capture_prices(w, asked - own)
+        left_out = {lv: f"not priced: {why}" for lv, why in unpriced.items()}
+        levels = set(asked) - set(left_out)
         for level in DROP_ORDER:
-            fits, why = self.agent.governor.capture_fits(w, levels)
+            fits, why = governor.capture_fits(w, levels, priced)
             if fits:
                 break
             if level in levels:
@@ -151,18 +158,26 @@ class FlightRecorder:
                 left_out[level] = why
         return levels, left_out
 
-    def _capture(self, w, firing: Firing, asked: set[str], levels: set[str], left_out: dict[str, str],
-                 counts: dict) -> None:
-        ident, reason = w.identity, firing.trigger.reason
-        started = time.time()
+    def _capture(self, w, firing: Firing, counts: dict) -> None:
+        ident, reason, t = w.identity, firing.trigger.reason, firing.trigger
         try:
+            asked = self._asked(w)
+            levels, left_out = self._affordable(w, asked)
+            self.agent.log(f"PID {ident.pid}: {t.text} fired ({t.stat} {in_unit(firing.value, t.unit)} "
+                           f"{'<' if t.below else '>'} {in_unit(firing.limit, t.unit)}): capturing "
+                           f"{self.record_for_s:g} s at {','.join(sorted(levels))}"
+                           + "".join(f"; {lv} left out ({why})" for lv, why in sorted(left_out.items())))
+            started = time.time()
             trace, summary = self.captures.run(ident.pid, self.record_for_s, levels)
         except Exception as e:          # BadRequest, or the capture's files gone wrong
             self._failed(ident, firing, f"could not be made: {e}")
             return
+        finally:
+            with self.lock:
+                self.starting.discard(ident.pid)
         fired = firing.as_dict()
         # the quantity's series on from the firing, through the capture
-        fired["series_after"] = [{"t": t, "value": v, "samples": n} for t, v, n in
+        fired["series_after"] = [{"t": at, "value": v, "samples": n} for at, v, n in
                                  self.triggers.series_since((ident.pid, ident.start), firing.trigger, firing.at)]
         record = {"pid": ident.pid, "process": ident.as_dict(), "fired": fired,
                   "started_at": started, "record_for_s": self.record_for_s,
@@ -185,7 +200,11 @@ class FlightRecorder:
         self.agent.log(f"PID {ident.pid}: the capture {firing.trigger.text} fired {why}")
 
     def status(self) -> dict:
+        with self.agent.lock:
+            idents = [w.identity for w in self.agent.watches.values()]
+        now = time.monotonic()
         return {"triggers": [t.text for t in self.triggers.triggers], "record_for_s": self.record_for_s,
+                "processes": [{"pid": i.pid, "triggers": self.triggers.states((i.pid, i.start), now)} for i in idents],
                 "keep": self.store.keep, "max_bytes": self.store.max_bytes, "failed": self.failed,
                 "kept": [{k: r.get(k) for k in ("id", "pid", "started_at", "bytes", "levels")}
                          | {"trigger": r.get("fired", {}).get("trigger")} for r in self.store.list()]}

@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -263,6 +265,66 @@ def test_a_capture_is_priced_at_what_its_levels_cost_the_process():
         w.share = None        # just stepped: its levels' last known costs stand in
         assert "costs 1.50% now" in gov.capture_fits(w, {"op"})[1]
     finally:
+        gov.close()
+
+
+def test_context_switches_are_the_kernels_count_for_every_thread():
+    """The sched level's price counts every thread's switches: over a while when a thread of
+    this process sleeps 200 times, as many as the kernel's own count for the process
+    (getrusage: every thread's, another interface)."""
+    import resource
+    from profinfer.daemon.governor import context_switches
+
+    def kernels() -> int:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_nvcsw + r.ru_nivcsw
+    slept, done = threading.Event(), threading.Event()
+
+    def sleeper():
+        for _ in range(200):
+            time.sleep(0.001)
+        slept.set()
+        done.wait()          # alive while counted: a thread gone leaves /proc/PID/task
+    t = threading.Thread(target=sleeper)
+    ours0, kernel0 = context_switches(os.getpid()), kernels()
+    t.start()
+    slept.wait()
+    ours1, kernel1 = context_switches(os.getpid()), kernels()
+    done.set()
+    t.join()
+    assert ours1 - ours0 >= 200 and abs((ours1 - ours0) - (kernel1 - kernel0)) <= 5, (ours1 - ours0, kernel1 - kernel0)
+
+
+def test_an_unattended_capture_prices_what_it_can_and_names_what_it_cannot():
+    """A level never measured on the process (op) cannot be priced: named, with why; the
+    sched level is priced from its threads' switches against its CPU (a thread busy and one
+    sleeping: above 0); a process that used next to no CPU cannot be priced at all."""
+    from profinfer.daemon.governor import SCHED_EVENT_NS
+    gov = Governor(0.04, Metrics(), lambda w, levels, why: True)
+    stop = threading.Event()
+    busy = threading.Thread(target=lambda: [sum(range(1000)) for _ in iter(lambda: stop.is_set(), True)])
+    sleeper = threading.Thread(target=lambda: [time.sleep(0.001) for _ in iter(lambda: stop.is_set(), True)])
+    try:
+        w = Watch(_ident(os.getpid(), 1000), None, {"token"}, 0.0, share=0.01, known_shares={"token": 0.005})
+        busy.start()
+        sleeper.start()
+        priced, unpriced = gov.capture_prices(w, {"op", "sched", "token"})
+        assert set(unpriced) == {"op"} and "never measured here" in unpriced["op"], unpriced
+        # ~1,000 switches a second of the sleeper against ~1 s of CPU a second: ~0.6%
+        assert set(priced) == {"sched"} and 0 < priced["sched"] < 2000 * 2 * SCHED_EVENT_NS / 0.3e9, priced
+        fits, why = gov.capture_fits(w, {"sched", "token"}, priced)
+        assert fits and f"sched {priced['sched']:.2%}" in why, why
+        idle = subprocess.Popen(["sleep", "30"])
+        try:
+            nothing = Watch(_ident(idle.pid, 1000), None, {"token"}, 0.0)
+            assert "too little CPU" in gov.capture_prices(nothing, {"sched"})[1]["sched"]
+        finally:
+            idle.kill()
+            idle.wait()
+    finally:
+        stop.set()
+        busy.join()
+        sleeper.join()
         gov.close()
 
 

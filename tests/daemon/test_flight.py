@@ -152,6 +152,53 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
 
 
 
+# what an operator would set (the issue's own example among them), and the real slowdown's
+STEADY_TRIGGERS = ("tpot_p99 > 3x baseline for 5s", f"tpot_p99 > {FACTOR}x baseline for {HOLD_S}s",
+                   "call_p99 > 3x baseline for 5s", "tps_p50 < 0.5x baseline for 5s", "ttft_p99 > 2s")
+STEADY_S = 300
+POLL_S = 10
+
+
+def test_five_minutes_of_steady_load_make_no_capture(tmp_path, llama_build, tiny_model, llama_env):
+    """A llama-server under steady concurrent load for 5 minutes, watched with the triggers an
+    operator would set and the one the real slowdown fires (above): nothing fires. Each
+    trigger judged the whole run: from its baseline's first quarter on, every status poll shows
+    it armed (its statistic against a limit), so a trigger that never judged cannot pass. The
+    daemon's memory stays flat, and `profinfer status` prints each trigger's state."""
+    store = tmp_path / "captures"
+    with llama_server(llama_build, tiny_model, llama_env, 2) as (server, url):
+        d = Daemon(tmp_path, ("--levels", "token,graph", "--budget", "0.25",
+                              *(x for t in STEADY_TRIGGERS for x in ("--trigger", t)),
+                              "--trigger-baseline", "60s", "--record-for", "2s", "--captures-dir", str(store)))
+        polls, rss = [], []
+        try:
+            d.watched(server.pid)
+            with SteadyLoad(url) as load:
+                started = time.monotonic()
+                while time.monotonic() - started < STEADY_S:
+                    time.sleep(POLL_S)
+                    flight = json.loads(_get(d.url + "/status")[1])["flight_recorder"]
+                    polls.append(next(p["triggers"] for p in flight["processes"] if p["pid"] == server.pid))
+                    if len(polls) in (6, STEADY_S // POLL_S - 1):
+                        rss.append(daemon_rss(d))
+                caps, fired = kept(d), made(d)
+                printed = subprocess.run([*PROFINFER, "status", "--url", d.url], capture_output=True, text=True,
+                                         timeout=60)
+        finally:
+            d.stop()
+    assert load.done > 100, load.done
+    assert caps == [] and fired == 0, (caps, (tmp_path / "daemon.log").read_text())
+    judged = polls[3:]          # from 40 s on: a quarter of the baseline's window, and its 10 s
+    worst = {}
+    for i, text in enumerate(STEADY_TRIGGERS):
+        armed = [p[i] for p in judged if p[i]["value"] is not None and p[i]["limit"] is not None]
+        assert len(armed) == len(judged), (text, [p[i] for p in judged])
+        worst[text] = max(p["limit"] / p["value"] if "<" in text else p["value"] / p["limit"] for p in armed)
+    print("the closest each trigger came to its limit (value / limit):", worst)
+    assert rss[1] - rss[0] < 8 << 20, rss
+    assert printed.returncode == 0 and f"{STEADY_TRIGGERS[0]}: now " in printed.stdout, printed
+
+
 def daemon_rss(d: Daemon) -> int:
     with open(f"/proc/{d.proc.pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))

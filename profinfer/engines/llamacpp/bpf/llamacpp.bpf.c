@@ -168,11 +168,14 @@ int token_enter(struct pt_regs *ctx)
 /* The batch's tokens as runs (events.h): each token's first sequence id (the first node of
  * its std::unordered_set of ids) and position. A run ends where the sequence changes or the
  * positions stop following on. One bpf_loop step per token (Linux 5.17): a plain loop over
- * PI_BATCH_SCAN tokens exceeds what the verifier follows. */
-struct batch_scan {
-    struct pi_token_event *ev;
-    u64 tokens;
-    u64 size;
+ * PI_BATCH_SCAN tokens exceeds what the verifier follows.
+ *
+ * Everything the scan changes lives in maps (the call's open record, and its scan's state),
+ * none of it on the stack: the verifier tracks no value kept in a map, so the callback's
+ * state repeats at its second step. Kept on the stack, each count of runs so far and each
+ * branch taken was a state of its own, and 6.18.44's verifier gave up ("the sequence of
+ * 8193 jumps is too complex"; before that, a million instructions). */
+struct scan_state {
     s32 seq;
     s32 pos0;
     u32 n;
@@ -180,45 +183,55 @@ struct batch_scan {
     u32 decoding;      /* runs kept that add one token after position 0 (split_batch) */
 };
 
-/* Zero, read from memory: the verifier follows a bpf_loop callback until its state repeats,
- * and counters that start at a known constant never repeat. */
-u32 scan_counter_start = 0;
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, 4096);
+    __type(key, u32);
+    __type(value, struct scan_state);
+} batch_scans SEC(".maps");
 
-static __always_inline void close_run(struct batch_scan *b)
+struct batch_scan {
+    struct pi_token_event *ev;
+    struct scan_state *st;
+    u64 tokens;
+    u64 size;
+};
+
+static __always_inline void close_run(struct pi_token_event *ev, struct scan_state *st)
 {
-    struct pi_token_event *ev = b->ev;
     u32 k = ev->n_runs;
-    if (!b->n)
+    if (!st->n)
         return;
     if (k < PI_MAX_RUNS) {
-        ev->runs[k & (PI_MAX_RUNS - 1)].seq = b->seq;
-        ev->runs[k & (PI_MAX_RUNS - 1)].pos0 = b->pos0;
-        ev->runs[k & (PI_MAX_RUNS - 1)].n_tokens = b->n;
+        ev->runs[k & (PI_MAX_RUNS - 1)].seq = st->seq;
+        ev->runs[k & (PI_MAX_RUNS - 1)].pos0 = st->pos0;
+        ev->runs[k & (PI_MAX_RUNS - 1)].n_tokens = st->n;
         ev->n_runs = k + 1;
-        if (b->n == 1 && b->pos0 > 0)
-            b->decoding++;
+        if (st->n == 1 && st->pos0 > 0)
+            st->decoding++;
     } else {
-        b->unread += b->n;
+        st->unread += st->n;
     }
 }
 
 static long scan_token(u64 i, void *ctx)
 {
     struct batch_scan *b = ctx;
+    struct scan_state *st = b->st;
     u64 tok = b->tokens + i * b->size, node = 0;
     s32 seq = -1, pos = 0;
     bpf_probe_read_user(&pos, sizeof(pos), (void *)(tok + cfg.bext_tok_off_pos));
     bpf_probe_read_user(&node, sizeof(node), (void *)(tok + cfg.bext_tok_off_seq));
     if (node)
         bpf_probe_read_user(&seq, sizeof(seq), (void *)(node + cfg.seq_node_value));
-    if (b->n && seq == b->seq && pos == b->pos0 + (s32)b->n) {
-        b->n++;
+    if (st->n && seq == st->seq && pos == st->pos0 + (s32)st->n) {
+        st->n++;
         return 0;
     }
-    close_run(b);
-    b->seq = seq;
-    b->pos0 = pos;
-    b->n = scan_counter_start + 1;
+    close_run(b->ev, st);
+    st->seq = seq;
+    st->pos0 = pos;
+    st->n = 1;
     return 0;
 }
 
@@ -239,20 +252,23 @@ static __always_inline int token_enter_batch(struct pt_regs *ctx, int read_seque
     ev.n_tokens = vec[1] > vec[0] ? (s32)((vec[1] - vec[0]) / size) : 0;
     /* without the batch's sequences, llama.cpp's rule (model.py: split_batch) */
     u32 decoding = ev.n_tokens == 1;
-    if (read_sequences) {
-        struct batch_scan b = {.ev = &ev, .tokens = vec[0], .size = size,
-                               .n = scan_counter_start, .unread = scan_counter_start,
-                               .decoding = scan_counter_start};
-        ev.n_runs = scan_counter_start;
-        u32 n = (u32)ev.n_tokens < PI_BATCH_SCAN ? (u32)ev.n_tokens : PI_BATCH_SCAN;
-        bpf_loop(n, scan_token, &b, 0);
-        close_run(&b);
-        ev.unread = b.unread + ((u32)ev.n_tokens - n);
-        if (ev.n_runs)
-            decoding = b.decoding;
-    }
     first_decode(ctx, tid, ev.start_ns);
     bpf_map_update_elem(&token_open, &tid, &ev, BPF_ANY);
+    struct pi_token_event *open = read_sequences ? bpf_map_lookup_elem(&token_open, &tid) : NULL;
+    struct scan_state fresh = {};
+    if (open && bpf_map_update_elem(&batch_scans, &tid, &fresh, BPF_ANY) == 0) {
+        struct scan_state *st = bpf_map_lookup_elem(&batch_scans, &tid);
+        if (st) {
+            struct batch_scan b = {.ev = open, .st = st, .tokens = vec[0], .size = size};
+            u32 n = (u32)ev.n_tokens < PI_BATCH_SCAN ? (u32)ev.n_tokens : PI_BATCH_SCAN;
+            bpf_loop(n, scan_token, &b, 0);
+            close_run(open, st);
+            open->unread = st->unread + ((u32)ev.n_tokens - n);
+            if (open->n_runs)
+                decoding = st->decoding;
+        }
+        bpf_map_delete_elem(&batch_scans, &tid);
+    }
     step_begins(tid, ev.start_ns);
     decode_phase = phase_of((u32)ev.n_tokens, decoding);
     return 0;
@@ -1104,6 +1120,10 @@ static long walk_step(u64 k, void *ctx)
     ws->found = 1;
     return 1;
 }
+
+/* Zero, read from memory: the verifier follows a bpf_loop callback until its state repeats,
+ * and a flag that starts at a known constant makes a state of its own. */
+u32 scan_counter_start = 0;
 
 /* The index of the first node after `from` the graph loop computes, with its tensor; -1 when
  * there is none within PI_WALK_MAX. A node this thread described in this graph generation
