@@ -22,8 +22,8 @@ from profinfer.daemon.flight import WINDOW_S, Firing, Trigger, Triggers, in_unit
 from profinfer.daemon.identity import Identity
 from profinfer.exporters.perfetto import with_meta
 
-# levels a capture drops first when the budget cannot hold them all
-DROP_ORDER = ("sched", "op", "graph")
+# levels a capture may go without when the budget cannot hold them all (the dearest first)
+DROPPABLE = ("sched", "op", "graph")
 
 
 class FlightRecorder:
@@ -142,20 +142,20 @@ class FlightRecorder:
 
     def _affordable(self, w, asked: set[str]) -> tuple[set[str], dict[str, str]]:
         """The levels asked for, less those the budget cannot price (a level the process does
-        not have, never measured on it) or hold (DROP_ORDER), and why. What is left is
-        captured even where it does not fit: the process's own levels."""
+        not have, never measured on it) or hold (of DROPPABLE, the dearest first), and why.
+        What is left is captured even where it does not fit: the process's own floor."""
         governor = self.agent.governor
         own = self._asked(w) & {"cuda" if lv == "cuda-detail" else lv for lv in w.levels}
         priced, unpriced = governor.capture_prices(w, asked - own)
         left_out = {lv: f"not priced: {why}" for lv, why in unpriced.items()}
         levels = set(asked) - set(left_out)
-        for level in DROP_ORDER:
+        prices = {**w.known_shares, **priced}
+        for level in sorted((lv for lv in levels if lv in DROPPABLE), key=lambda lv: -prices.get(lv, 0.0)):
             fits, why = governor.capture_fits(w, levels, priced)
             if fits:
                 break
-            if level in levels:
-                levels.discard(level)
-                left_out[level] = why
+            levels.discard(level)
+            left_out[level] = why
         return levels, left_out
 
     def _capture(self, w, firing: Firing, counts: dict) -> None:
