@@ -536,12 +536,12 @@ def status(url, token_file, cacert, insecure_http, as_json):
 def _trigger_state(t: dict) -> str:
     """A trigger's state for one process, as `status` prints it."""
     from profinfer.daemon.flight import in_unit
+    if t["fired_s_ago"] is not None:
+        return f"fired {t['fired_s_ago']:.0f} s ago, not re-armed yet"
     if t["value"] is None or t["limit"] is None:
         why = ["too few samples in its window"] * (t["value"] is None) + ["no baseline yet"] * (t["limit"] is None)
         return f"not armed ({', '.join(why)})"
     said = f"now {in_unit(t['value'], t['unit'])}, limit {in_unit(t['limit'], t['unit'])}"
-    if t["fired_s_ago"] is not None:
-        return f"{said}; fired {t['fired_s_ago']:.0f} s ago, not re-armed yet"
     if t["holding_s"] is not None:
         return f"{said}; holding for {t['holding_s']:.1f} s"
     return said

@@ -14,6 +14,7 @@ MIN_BASELINE_SAMPLES or covering less than a quarter of its window, judges nothi
 process warming up does not fire."""
 from __future__ import annotations
 
+import math
 import re
 import threading
 from collections import deque
@@ -47,10 +48,10 @@ BASELINE_EVERY_S = 5.0      # a baseline not frozen is recomputed at most this o
 SERIES_S = 120.0            # a firing carries its quantity's series this far back
 DEFAULT_COOLDOWN_S = 60.0
 
-_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 _SYNTAX = re.compile(
     r"^\s*(?P<quantity>[a-z]+)_p(?P<stat>\d{1,2}(?:\.\d+)?)\s*(?P<op>[<>])\s*(?P<value>\d+(?:\.\d+)?)\s*"
-    r"(?P<unit>x\s*baseline|us|ms|s)?\s*(?:for\s+(?P<hold>\d+(?:\.\d+)?)\s*(?P<hold_unit>ms|s)?)?\s*$")
+    r"(?P<unit>x\s*baseline|ns|us|ms|s)?\s*(?:for\s+(?P<hold>\d+(?:\.\d+)?)\s*(?P<hold_unit>ms|s)?)?\s*$")
 EXAMPLES = "e.g. 'tpot_p99 > 3x baseline for 5s', 'ttft_p99 > 2s' or 'tps_p10 < 0.5x baseline for 5s'"
 
 
@@ -58,15 +59,16 @@ EXAMPLES = "e.g. 'tpot_p99 > 3x baseline for 5s', 'ttft_p99 > 2s' or 'tps_p10 < 
 class Trigger:
     text: str
     quantity: str            # a key of QUANTITIES
-    percentile: float        # the statistic: this percentile of the window's samples
+    stat: str                # `p99`, as written
     limit: float | None      # beyond this (in the quantity's unit); or
     factor: float | None     # beyond this multiple of the process's baseline
     hold_s: float
     below: bool = False      # the condition is the statistic under the limit (a rate fallen)
 
     @property
-    def stat(self) -> str:
-        return f"p{self.percentile:g}"
+    def percentile(self) -> float:
+        """The statistic: this percentile of the window's samples."""
+        return float(self.stat[1:])
 
     @property
     def unit(self) -> str:
@@ -103,28 +105,28 @@ def parse_trigger(text: str) -> Trigger:
     m = _SYNTAX.match(text)
     if m is None:
         raise ProfinferError(f"--trigger {text!r}: expected {EXAMPLES} (QUANTITY_pNN > or < LIMIT [for HOLD])")
-    quantity, percentile = m["quantity"], float(m["stat"])
+    quantity, stat = m["quantity"], "p" + m["stat"]
     if quantity not in QUANTITIES:
         raise ProfinferError(f"--trigger {text!r}: no quantity {quantity!r}; choose from {', '.join(QUANTITIES)}")
-    if not 0 < percentile < 100:
+    if not 0 < float(m["stat"]) < 100:
         raise ProfinferError(f"--trigger {text!r}: a percentile is between 0 and 100 (p50, p90, p99, p10)")
     value, below = float(m["value"]), m["op"] == "<"
     unit = (m["unit"] or "").replace(" ", "")
     hold = float(m["hold"] or 0) * _UNITS[m["hold_unit"] or "s"]
+    if not (math.isfinite(value) and math.isfinite(hold)):
+        raise ProfinferError(f"--trigger {text!r}: a number too large")
     if unit == "xbaseline":
-        if value == 1 or (value > 1) == below:
+        if value <= 0 or value == 1 or (value > 1) == below:
             raise ProfinferError(f"--trigger {text!r}: a multiple of the baseline is above 1 with '>', "
-                                 f"under 1 with '<'")
-        if value <= 0:
-            raise ProfinferError(f"--trigger {text!r}: a multiple of the baseline must be above 0")
-        return Trigger(text.strip(), quantity, percentile, None, value, hold, below)
+                                 f"between 0 and 1 with '<'")
+        return Trigger(text.strip(), quantity, stat, None, value, hold, below)
     timed = QUANTITIES[quantity][1] == "s"
     if unit and not timed:
         raise ProfinferError(f"--trigger {text!r}: {quantity} is in {QUANTITIES[quantity][1]}: its limit "
                              f"is a bare number")
     if value <= 0:
         raise ProfinferError(f"--trigger {text!r}: the limit must be above 0")
-    return Trigger(text.strip(), quantity, percentile, value * (_UNITS[unit or "s"] if timed else 1.0),
+    return Trigger(text.strip(), quantity, stat, value * (_UNITS[unit or "s"] if timed else 1.0),
                    None, hold, below)
 
 
@@ -277,7 +279,8 @@ class Triggers:
             s = self.series.get(key, {}).get(trigger.quantity)
             return s.per_bin(lo, trigger.percentile) if s else []
 
-    def states(self, key: tuple, now: float) -> list[dict]:
+    def state_dicts(self, key: tuple, now: float) -> list[dict]:
+        """Each trigger's state for the process (TriggerState.as_dict)."""
         with self.lock:
             return [st.as_dict(t, now) for t, st in zip(self.triggers, self.states.get(key, []))]
 

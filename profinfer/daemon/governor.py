@@ -8,8 +8,8 @@ place (selfcost.added_ns: kernel-counted BPF time + probe hits x trap costs), pl
 of the CPU of the daemon's thread that watches; over its own CPU time. Over the budget, the
 dearest level it has goes (STEP_DOWN_ORDER: op, the cuda level's per-call detail, graph);
 the token or step level is the floor, its own cost reported. A level comes back, the last
-taken first, after STEP_UP_S with room (under half the budget, or the process idle),
-waiting twice as long each time a step up went over again.
+taken first, after STEP_UP_S with room (under half the budget, or the process idle) and no
+capture of it running, waiting twice as long each time a step up went over again.
 
 Trap costs: the cached calibration (`profinfer calibrate`); with none (the image's empty
 cache), measured at start (probecost.measure_quick, under a second); if that fails, none:
@@ -45,30 +45,35 @@ MIN_CPU_TO_JUDGE_NS = 50_000_000
 # room (its levels may come back)
 IDLE_S = 3 * GOVERN_S
 MAX_STEP_UP_WAIT_S = 600.0
-# An unattended capture's sched level, priced before it runs: each context switch of the
-# process's threads is two events (a switch and a wakeup), each its raw tracepoint's program,
-# its ring record and the capture's collector reading it (bench/results.md, "A capture's
-# sched level priced"); the switches counted over SCHED_SAMPLE_S
+# An unattended capture's sched level, priced before it runs (sched_share): each event its
+# raw tracepoint's program, its ring record and the capture's collector reading it
+# (bench/results.md, "A capture's sched level priced"); the switches counted over
+# SCHED_SAMPLE_S
 SCHED_EVENT_NS = 3000.0
 SCHED_SAMPLE_S = 0.25
+MAX_THREADS_READ = 4096
 
 
-def context_switches(pid: int) -> int | None:
-    """The process's threads' context switches so far (voluntary and not), from each
-    thread's status (the process's own counts its main thread's alone)."""
-    total = 0
+def context_switches(pid: int) -> tuple[int, int] | None:
+    """The process's threads' context switches so far: (voluntary, not), summed over each
+    thread's status (the process's own status counts its main thread's alone). Its first
+    MAX_THREADS_READ threads: the thread count is the tenant's to choose."""
+    counts = [0, 0]
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
+        tids = os.listdir(f"/proc/{pid}/task")[:MAX_THREADS_READ]
     except OSError:
         return None
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/status") as f:
-                total += sum(int(line.split()[1]) for line in f if line.startswith(("voluntary_ctxt_switches:",
-                                                                                  "nonvoluntary_ctxt_switches:")))
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        counts[0] += int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches:"):
+                        counts[1] += int(line.split()[1])
         except (OSError, ValueError, IndexError):
             continue            # a thread gone meanwhile
-    return total
+    return counts[0], counts[1]
 
 
 def level_rank(levels: set[str]) -> int:
@@ -116,6 +121,8 @@ class Governor:
         self.traps_calibrated = any(self.trap_costs.values())
         self.loop_tid: int | None = None      # the thread running the agent's loop: the one that watches
         self.setup_cpu_ns = 0                 # of its CPU, what attaching and detaching took
+        # whether a capture of the process (PID) runs: its own probes, beside the daemon's
+        self.capturing: Callable[[int], bool] = lambda pid: False
 
     @property
     def stats_on(self) -> bool:
@@ -244,16 +251,19 @@ class Governor:
         keeps the process under the budget: its cost now plus what each of those levels cost
         it when it last had it here, or `priced` (capture_prices); a level priced by neither
         counts nothing, and is named; and why."""
+        # copies: the loop's judgments change them meanwhile (a flight recorder's capture is
+        # priced in a thread of its own)
+        share, has, shares = w.share, set(w.levels), dict(w.known_shares)
         # not judged yet at the levels it has now (just changed): what they cost when it last had them
-        now = w.share if w.share is not None else sum(
-            v for lv, v in w.known_shares.items() if lv in w.levels or lv == "daemon")
-        known = {**w.known_shares, **(priced or {})}
+        now = share if share is not None else sum(v for lv, v in shares.items() if lv in has or lv == "daemon")
+        known = {**shares, **(priced or {})}
         extra = {lv: known[lv] for lv in sorted(levels) if lv in known}
         total = now + sum(extra.values())
         said = ", ".join(f"{lv} {v:.2%}" for lv, v in extra.items()) or "no level measured on it yet"
         unknown = sorted(set(levels) - set(known))
         why = (f"PID {w.identity.pid} costs {now:.2%} now; a capture at {','.join(sorted(levels))} adds "
                f"about {total - now:.2%} ({said}, as measured on it here"
+               + (f"; {', '.join(sorted(priced))} estimated" if priced else "")
                + (f"; {', '.join(unknown)} never measured on it, not counted" if unknown else "")
                + f"): {total:.2%} {'>' if total > self.budget else '<='} budget {self.budget:.2%}")
         return total <= self.budget, why
@@ -264,30 +274,33 @@ class Governor:
         context switches over SCHED_SAMPLE_S, two events each, at SCHED_EVENT_NS, against its
         CPU time meanwhile; it sleeps that long), and those that cannot be (why)."""
         priced, unpriced = {}, {}
-        for lv in sorted(set(levels) - set(w.known_shares)):
+        for lv in sorted(set(levels) - set(dict(w.known_shares))):
             if lv == "sched":
                 share = self.sched_share(w.identity.pid)
                 if share is not None:
                     priced[lv] = share
                     continue
-                unpriced[lv] = f"PID {w.identity.pid} used too little CPU to price its context switches against"
+                unpriced[lv] = f"PID {w.identity.pid}'s threads could not be read"
             else:
                 unpriced[lv] = (f"its cost on PID {w.identity.pid} was never measured here (a level the "
                                 f"daemon runs, --levels, is measured, and stepped down where it costs too much)")
         return priced, unpriced
 
     def sched_share(self, pid: int) -> float | None:
-        """The sched level's estimated cost as a share of the process's CPU (None: it used
-        under 1% of a CPU meanwhile)."""
+        """The sched level's estimated cost: its events (a voluntary switch is three: the
+        wakeup, the switch out and the switch back in; one it did not choose, two) at
+        SCHED_EVENT_NS, against the process's CPU time or, for a process mostly off its CPUs
+        (a stall: when the sched level is wanted most), the time elapsed; None where its
+        threads cannot be read."""
         before = (context_switches(pid), self.cpu_ns(pid), time.monotonic())
         time.sleep(SCHED_SAMPLE_S)
         after = (context_switches(pid), self.cpu_ns(pid), time.monotonic())
         if None in before or None in after:
             return None
-        cpu = after[1] - before[1]
-        if cpu < 0.01 * (after[2] - before[2]) * 1e9:
-            return None
-        return max(0, after[0] - before[0]) * 2 * SCHED_EVENT_NS / cpu
+        voluntary = max(0, after[0][0] - before[0][0])
+        other = max(0, after[0][1] - before[0][1])
+        against = max(after[1] - before[1], (after[2] - before[2]) * 1e9, 1.0)
+        return (3 * voluntary + 2 * other) * SCHED_EVENT_NS / against
 
     def _judge(self, w: Watch, now: float, levels: set[str], share: float) -> None:
         lower = next((lv for lv in STEP_DOWN_ORDER if lv in w.levels), None)
@@ -298,6 +311,8 @@ class Governor:
                 if w.stepped_up:          # the level it went back up to did not fit
                     w.step_up_wait_s = min(w.step_up_wait_s * 2, MAX_STEP_UP_WAIT_S)
                 w.stepped_up = False
+        elif self.capturing(w.identity.pid):
+            w.calm_since = None       # a capture's probes take the room: nothing comes back meanwhile
         elif share <= self.budget / 2:
             w.calm_since = now if w.calm_since is None else w.calm_since
             missing = [lv for lv in reversed(STEP_DOWN_ORDER)

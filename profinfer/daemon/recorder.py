@@ -149,8 +149,9 @@ class FlightRecorder:
         priced, unpriced = governor.capture_prices(w, asked - own)
         left_out = {lv: f"not priced: {why}" for lv, why in unpriced.items()}
         levels = set(asked) - set(left_out)
-        prices = {**w.known_shares, **priced}
-        for level in sorted((lv for lv in levels if lv in DROPPABLE), key=lambda lv: -prices.get(lv, 0.0)):
+        prices = {**dict(w.known_shares), **priced}
+        for level in sorted((lv for lv in levels if lv in DROPPABLE),
+                            key=lambda lv: (-prices.get(lv, 0.0), DROPPABLE.index(lv))):
             fits, why = governor.capture_fits(w, levels, priced)
             if fits:
                 break
@@ -204,7 +205,7 @@ class FlightRecorder:
             idents = [w.identity for w in self.agent.watches.values()]
         now = time.monotonic()
         return {"triggers": [t.text for t in self.triggers.triggers], "record_for_s": self.record_for_s,
-                "processes": [{"pid": i.pid, "triggers": self.triggers.states((i.pid, i.start), now)} for i in idents],
+                "processes": [{"pid": i.pid, "triggers": self.triggers.state_dicts((i.pid, i.start), now)} for i in idents],
                 "keep": self.store.keep, "max_bytes": self.store.max_bytes, "failed": self.failed,
                 "kept": [{k: r.get(k) for k in ("id", "pid", "started_at", "bytes", "levels")}
                          | {"trigger": r.get("fired", {}).get("trigger")} for r in self.store.list()]}

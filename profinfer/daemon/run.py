@@ -64,6 +64,7 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
     agent = Agent(levels, budget, log=log, max_processes=max_processes)
     agent.metrics.label_set = labels
     captures = Captures(agent, log)
+    agent.governor.capturing = lambda pid: pid in captures.running
     try:
         if recording:
             agent.recorder = make_recorder(agent, captures, recording)

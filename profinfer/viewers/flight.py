@@ -40,13 +40,15 @@ def record(profile: Profile) -> dict | None:
         rec = json.loads(text)
         if not isinstance(rec, dict) or not isinstance(rec.get("fired"), dict):
             raise TypeError("not an object with a fired object")
+        rec["fired"] = _fired_in_units(rec["fired"])
         # everything the report and the summary read, read once here
         _header(rec)
         chart(rec["fired"])
         for row in changes(rec):
             _row_cells(row)
         _spans(rec)
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, ZeroDivisionError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, ZeroDivisionError,
+            OverflowError) as e:
         raise ProfinferError(f"the trace's flight record (meta.flight) cannot be read: "
                              f"{type(e).__name__}: {str(e)[:200]}") from None
     return rec
@@ -133,11 +135,25 @@ def sparkline(values: list[float], top: float) -> str:
     return "".join(BLOCKS[min(len(BLOCKS) - 1, int(v / top * (len(BLOCKS) - 1) + 0.5))] for v in values)
 
 
+def _value(point: dict) -> float:
+    """A series point's value (`value_s` in the daemon's captures before quantities had units)."""
+    return float(point["value"] if "value" in point else point["value_s"])
+
+
+def _fired_in_units(fired: dict) -> dict:
+    """The firing's figures by the names of its quantity's unit (a capture kept before
+    quantities had units named them value_s, limit_s, baseline_s: seconds)."""
+    if "value" in fired or "value_s" not in fired:
+        return fired
+    return {**fired, "unit": "s", "value": fired.get("value_s"), "limit": fired.get("limit_s"),
+            "baseline": fired.get("baseline_s")}
+
+
 def chart(fired: dict) -> list[str]:
     """The trigger's statistic per 1 s bin before the firing and after it, as blocks scaled
     to the largest of the series and its limit; a caret under the firing's bin."""
-    points = [(float(p["t"]), float(p["value"])) for p in fired.get("series", [])]
-    points += [(float(p["t"]), float(p["value"])) for p in fired.get("series_after", [])
+    points = [(float(p["t"]), _value(p)) for p in fired.get("series", [])]
+    points += [(float(p["t"]), _value(p)) for p in fired.get("series_after", [])
                if not points or p["t"] > points[-1][0]]
     if not points:
         return []

@@ -91,7 +91,8 @@ def test_vllm_op_level_in_the_daemon_counts_every_native_op_call(vllm_python, vl
         truth = json.loads(truth_path.read_text())
         want = Counter(c["op"] for c in truth["calls"])
         assert got == {op: float(n) for op, n in want.items()}, d.text()
-        assert "weight_packed_linear" in got and "get_scheduler_metadata" in got
+        # the linear layers' op (the CPU's: SGL's packed kernel, or oneDNN's with AVX-512 bf16)
+        assert {"weight_packed_linear", "onednn_mm"} & set(got) and "get_scheduler_metadata" in got
     finally:
         if d is not None:
             d.stop()

@@ -25,8 +25,11 @@ def test_trigger_grammar():
     t = parse_trigger("batch_p50 > 12")
     assert (t.limit, t.unit) == (12.0, "tokens")
     assert parse_trigger("sync_p99 > 2ms").limit == pytest.approx(2e-3)
+    assert parse_trigger("sync_p50 > 500ns").limit == pytest.approx(5e-7)
+    assert parse_trigger("call_p99.9 > 1s").reason == "call_p99.9"
     for bad in ("tpot > 3", "speed_p99 > 1s", "tpot_p99 >= 1s", "tpot_p99 > 3x", "", "tpot_p100 > 1s",
-                "tps_p50 < 2x baseline", "tpot_p99 > 0.5x baseline", "batch_p50 > 12ms", "tps_p50 < 0"):
+                "tps_p50 < 2x baseline", "tpot_p99 > 0.5x baseline", "batch_p50 > 12ms", "tps_p50 < 0",
+                "tpot_p99 > " + "9" * 400 + "s", "tpot_p99 > 1s for " + "9" * 400 + "s"):
         with pytest.raises(ProfinferError):
             parse_trigger(bad)
 
@@ -152,3 +155,17 @@ def test_a_flight_records_text_is_printed_as_it_is(tmp_path):
     r = subprocess.run([*PROFINFER, "report", str(trace)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "[/x] [bold] fired" in r.stdout and "[/y]" in r.stdout
+
+
+def test_a_capture_kept_before_quantities_had_units_still_reads(tmp_path):
+    """A capture the daemon kept before quantities had units (value_s, limit_s, baseline_s:
+    seconds) reads as before."""
+    trace = tmp_path / "old.pftrace"
+    flight = ('{"fired": {"trigger": "tpot_p99 > 3x baseline for 5s", "quantity": "tpot", "stat": "p99", '
+              '"value_s": 0.03, "limit_s": 0.02, "baseline_s": 0.00667, "fired_monotonic_s": 12.0, '
+              '"series": [{"t": 10.0, "value_s": 0.01, "samples": 50}, {"t": 11.0, "value_s": 0.03, "samples": 50}]}, '
+              '"levels": ["token"]}')
+    trace.write_bytes(with_meta(GOLDEN.read_bytes(), {"flight": flight}))
+    r = subprocess.run([*PROFINFER, "report", str(trace)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "p99 30.00 ms > limit 20.00 ms, baseline 6.67 ms" in r.stdout and "full height 30.00 ms" in r.stdout, r.stdout

@@ -82,3 +82,7 @@ with open(truth_path, "w") as f:
                "tid": threading.get_native_id(), "on_cpu_ns": cpu1 - cpu0,
                "generated": [list(o.outputs[0].token_ids) for o in outputs]}, f)
 print("DONE", flush=True)
+# Gone at once: the interpreter's teardown frees the engine's layers, and their oneDNN
+# handlers' release is a native op call of its own (release_dnnl_matmul_handler, once a
+# linear layer) that no truth above records
+os._exit(0)

@@ -18,6 +18,19 @@ PROFILER_DTYPES = {"c10::BFloat16": "bfloat16", "float": "float32", "int": "int3
                    "double": "float64", "bool": "bool", "unsigned char": "uint8", "short int": "int16"}
 
 
+# vLLM's linear layers on the CPU, by its ISA: SGL's packed kernel, or oneDNN's matmul where
+# the CPU has AVX-512 with bf16; each with its input and output arguments
+LINEAR_OPS = {"weight_packed_linear": ("mat1", "out"), "onednn_mm": ("a", "c")}
+
+
+def linear_op(truth: dict) -> tuple[str, tuple[str, str]]:
+    """The linear layers' op in a truth record (the one this machine's vLLM called)."""
+    found = {c["op"] for c in truth["calls"]} & set(LINEAR_OPS)
+    assert len(found) == 1, found
+    op = found.pop()
+    return op, LINEAR_OPS[op]
+
+
 def _key(op: str, args: dict) -> tuple:
     return (op, tuple(sorted((name, None if a is None else (a["dtype"], tuple(a["shape"])))
                              for name, a in args.items())))
@@ -80,11 +93,13 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, mod
     # every call from the first step's start on falls in one step: all but the first
     # step's input preparation (its slot mapping comes before its scheduler metadata)
     assert sum(s["calls"] for s in steps) == len(truth["calls"]) - 1
-    # roofline: the matmuls' FLOPs from the shapes, as torch.profiler recorded them
-    mm = [c["args"] for c in truth["calls"] if c["op"] == "weight_packed_linear"]
-    flops = sum(2 * a["mat1"]["shape"][-1] * a["out"]["shape"][0] * a["out"]["shape"][1] for a in mm)
+    # roofline: the matmuls' FLOPs from the shapes, as torch.profiler recorded them (the
+    # linear layers' op is the CPU's: LINEAR_OPS)
+    op, (a_name, out_name) = linear_op(truth)
+    mm = [c["args"] for c in truth["calls"] if c["op"] == op]
+    flops = sum(2 * a[a_name]["shape"][-1] * a[out_name]["shape"][0] * a[out_name]["shape"][1] for a in mm)
     verdicts = {v["scope"]: v for v in summary["roofline"]["verdicts"]}
-    linear = [v for scope, v in verdicts.items() if scope.endswith(" weight_packed_linear")]
+    linear = [v for scope, v in verdicts.items() if scope.endswith(f" {op}")]
     assert len(linear) == 2 and sum(v["flops"] for v in linear) == flops
     assert sum(v["nodes"] for v in linear) == len(mm)
     # attention: each new token against its sequence's whole context (4 FLOPs a head, key
@@ -130,8 +145,7 @@ def test_sched_level_on_native_ops(vllm_python, vllm_model, tmp_path):
     from profinfer.exporters.trace_reader import read_trace
     truth, summary, _ = run_offline(vllm_python, vllm_model, "eager", tmp_path, ("--levels", "op,sched"))
     assert summary["sched"]["switches"] > 0 and summary["lost_events"] == 0
-    assert {o["op"] for o in summary["sched"]["ops"]} >= {"weight_packed_linear",
-                                                          "cpu_attention_with_kv_cache"}
+    assert {o["op"] for o in summary["sched"]["ops"]} >= {linear_op(truth)[0], "cpu_attention_with_kv_cache"}
     profile = read_trace(tmp_path / "trace.pftrace")
     lo, hi = truth["start_ns"], truth["end_ns"]
     on_cpu = sum(max(0, min(e, hi) - max(s, lo))

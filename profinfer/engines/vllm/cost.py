@@ -4,7 +4,7 @@ pack models ([[cost]] in pack.toml), from their tensor arguments, and the verdic
 
 The pack says which ops have a cost model, in terms of their argument names, e.g.
 matmul = { a = "mat1", b = "mat2", out = "out" }: out[M, N] = a[M, K] times b[N, K]
-transposed.
+transposed (without b, weights the kernel holds itself: N x K of a's type).
 """
 from __future__ import annotations
 
@@ -35,13 +35,16 @@ def call_cost(call, rule: dict, query_lens: tuple[int, ...] = ()) -> Cost | None
     mm = rule.get("matmul")
     if mm is None:
         return None
-    a, b, out = args.get(mm["a"]), args.get(mm["b"]), args.get(mm["out"])
-    if not a or not b or not out or a.shape is None or b.shape is None or out.shape is None \
-            or not a.shape or not out.shape:
+    a, out = args.get(mm["a"]), args.get(mm["out"])
+    b = args.get(mm["b"]) if "b" in mm else None
+    if not a or not out or a.shape is None or out.shape is None or not a.shape or not out.shape \
+            or ("b" in mm and (not b or b.shape is None)):
         return None
     k = a.shape[-1]
     outputs = prod(max(int(x), 1) for x in out.shape)
-    return Cost(2.0 * k * outputs, sum(tensor_bytes(t.shape, t.dtype) for t in (a, b, out)))
+    # weights not passed (held by the kernel's own handle): N x K, of a's type
+    weights = tensor_bytes(b.shape, b.dtype) if b else tensor_bytes((out.shape[-1], k), a.dtype)
+    return Cost(2.0 * k * outputs, weights + sum(tensor_bytes(t.shape, t.dtype) for t in (a, out)))
 
 
 def _attention_cost(args: dict, names: dict, seq_lens: tuple[int, ...], query_lens) -> Cost | None:
