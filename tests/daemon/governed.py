@@ -129,8 +129,39 @@ def stepped_then_settled(d, pid: int, said: str) -> tuple[float | None, dict]:
     return stepped, d.watched(pid)
 
 
+def loaded_until_settled(d, pid: int, url: str, said: str) -> tuple[float | None, dict]:
+    """stepped_then_settled while the server at url generates without a pause (a thread)."""
+    import threading
+    load = threading.Event()
+    load.set()
+    loader = threading.Thread(target=lambda: [window(url, 100) for _ in iter(load.is_set, False)])
+    loader.start()
+    try:
+        return stepped_then_settled(d, pid, said)
+    finally:
+        load.clear()
+        loader.join()
+
+
 def server_window(url: str) -> Callable[[int], float]:
     return lambda n: window(url, n)
+
+
+def twin_servers(build: Path, model: Path, env: dict, tmp_path: Path, started: list) -> tuple:
+    """Server A (the build) and B (copied_build: the daemon cannot see it), healthy, each
+    added to `started` (killed by the caller): (A, B, A's URL, B's URL, n), n tokens making a
+    window of ~1.5 s at B's rate now (the machine is shared: its rate varies)."""
+    from daemon_helpers import _free_port
+    pa, pb = _free_port(), _free_port()
+    a = start_server(build / "bin", model, env, pa)
+    started.append(a)
+    b = start_server(copied_build(build, tmp_path), model, env, pb)
+    started.append(b)
+    url_a, url_b = f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
+    wait_healthy(url_a, a)
+    wait_healthy(url_b, b)
+    window(url_a, 100)
+    return a, b, url_a, url_b, max(50, min(1500, int(window(url_b, 100) * 1.5)))
 
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "bench" / "vllm_workload.py"

@@ -207,22 +207,11 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
     an identical unwatched server's in alternating windows (governed.py), is at most 4% lower
     than their ratio before the daemon started, where the windows resolve it; its op-level
     counts up to the step down are kept; idle, the last level taken comes back after its wait."""
-    from governed import (alternate, copied_build, cost_against_before, server_window, start_server,
-                          stepped_then_settled, wait_healthy, window)
-    pa, pb = _free_port(), _free_port()
-    a = start_server(llama_build / "bin", tiny_model, llama_env, pa)
-    _STARTED.append(a)
-    b = start_server(copied_build(llama_build, tmp_path), tiny_model, llama_env, pb)
-    _STARTED.append(b)
-    url_a, url_b = f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
+    from governed import alternate, cost_against_before, loaded_until_settled, server_window, twin_servers, window
     d = None
     try:
-        wait_healthy(url_a, a)
-        wait_healthy(url_b, b)
-        # before the daemon: what A/B is with nothing watching. Windows of ~1.5 s each at B's
-        # rate now (the machine is shared: its rate varies)
-        window(url_a, 100)
-        n = max(50, min(1500, int(window(url_b, 100) * 1.5)))
+        a, b, url_a, url_b, n = twin_servers(llama_build, tiny_model, llama_env, tmp_path, _STARTED)
+        # before the daemon: what A/B is with nothing watching
         before = alternate(server_window(url_a), server_window(url_b), 8, n)
         d = Daemon(tmp_path, ("--levels", "token,graph,op", "--budget", "0.04"))
         assert sorted(d.watched(a.pid)["levels"]) == ["graph", "op", "token"], d.text()
@@ -231,17 +220,9 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
         assert status["trap_costs_source"].startswith(("cached calibration", "measured at start")), status
 
         # loaded (generating without a pause, in a thread): the op level goes within 10 s
-        load = threading.Event()
-        load.set()
-        loader = threading.Thread(target=lambda: [window(url_a, 100) for _ in iter(load.is_set, False)])
-        loader.start()
-        try:
-            stepped, info = stepped_then_settled(d, a.pid, f"PID {a.pid}: levels graph,op,token -> graph,token (")
-            assert stepped is not None and stepped <= 10, (stepped, d.text())
-            assert "op" not in info["levels"] and "budget 4.0%" in d.text()
-        finally:
-            load.clear()
-            loader.join()
+        stepped, info = loaded_until_settled(d, a.pid, url_a, f"PID {a.pid}: levels graph,op,token -> graph,token (")
+        assert stepped is not None and stepped <= 10, (stepped, d.text())
+        assert "op" not in info["levels"] and "budget 4.0%" in d.text()
         # the levels it keeps are what its last judgment allowed: under the budget, or the floor
         settled = info["levels"]
         assert info["cost_share"] is not None and (info["cost_share"] <= 0.04 or settled == ["token"]), info

@@ -79,6 +79,21 @@ def test_cuda_counts_in_the_daemon_equal_the_programs_log(tmp_path):
         d.stop()
 
 
+def calls_until_stopped(program: Path, tmp_path: Path, d: Daemon, level: str) -> tuple[subprocess.Popen, Path]:
+    """The program started, watched at `level` (15 s at most), then making its calls until
+    the returned file exists."""
+    go, stop = tmp_path / "go", tmp_path / "stop"
+    proc = subprocess.Popen([str(program), "--log", "/dev/null", "--until", str(stop),
+                             "--start-after", str(go)], stdout=subprocess.PIPE, text=True)
+    _STARTED.append(proc)
+    assert proc.stdout.readline().startswith("ready ")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and level not in d.watched(proc.pid)["levels"]:
+        time.sleep(0.1)
+    go.write_text("")
+    return proc, stop
+
+
 def test_the_cuda_level_is_charged_and_its_detail_stepped_down(tmp_path):
     """A program that makes CUDA calls without a pause and runs no engine (watched at the cuda
     level alone): the governor charges it the cuda level's cost, finds it over the budget (a
@@ -91,17 +106,9 @@ def test_the_cuda_level_is_charged_and_its_detail_stepped_down(tmp_path):
     subprocess.run([str(program), "--log", str(one), "--repeat", "1"], check=True, stdout=subprocess.DEVNULL)
     per_repeat = sum(cuda_log_counts(one)[0].values())
     d = Daemon(tmp_path)
-    go, stop = tmp_path / "go", tmp_path / "stop"
     try:
-        proc = subprocess.Popen([str(program), "--log", "/dev/null", "--until", str(stop),
-                                 "--start-after", str(go)], stdout=subprocess.PIPE, text=True)
-        _STARTED.append(proc)
-        assert proc.stdout.readline().startswith("ready ")
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and "cuda-detail" not in d.watched(proc.pid)["levels"]:
-            time.sleep(0.1)
+        proc, stop = calls_until_stopped(program, tmp_path, d, "cuda-detail")
         assert d.watched(proc.pid)["levels"] == ["cuda", "cuda-detail"], d.text()
-        go.write_text("")
         stepped = f"PID {proc.pid}: levels cuda,cuda-detail -> cuda (costs"
         charged, deadline = None, time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None and stepped not in d.text():
@@ -137,16 +144,8 @@ def test_a_sync_trigger_fires_on_the_programs_syncs(tmp_path):
     store = tmp_path / "captures"
     d = Daemon(tmp_path, ("--trigger", "sync_p50 > 1ns", "--record-for", "1s", "--captures-dir", str(store),
                           "--capture-levels", "cuda"))
-    go, stop = tmp_path / "go", tmp_path / "stop"
     try:
-        proc = subprocess.Popen([str(program), "--log", "/dev/null", "--until", str(stop),
-                                 "--start-after", str(go)], stdout=subprocess.PIPE, text=True)
-        _STARTED.append(proc)
-        assert proc.stdout.readline().startswith("ready ")
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and "cuda" not in d.watched(proc.pid)["levels"]:
-            time.sleep(0.1)
-        go.write_text("")
+        proc, stop = calls_until_stopped(program, tmp_path, d, "cuda")
         caps, deadline = [], time.monotonic() + 60
         while time.monotonic() < deadline and not caps:
             caps = json.loads(_get(d.url + "/captures", d.token)[1])["captures"]

@@ -343,35 +343,17 @@ def test_a_triggered_capture_costs_within_the_budget(tmp_path, llama_build, tiny
     daemon: the timed cost of everything watching A (the daemon's levels and the capture)
     within the budget, where the windows resolve it (3 standard errors); stated, A's own
     share (the governor's) plus the capture's (its own accounting), within it too."""
-    from governed import (TIMED_NOISE_MAX, alternate, copied_build, cost_against_before, server_window,
-                          start_server, stepped_then_settled, wait_healthy, window)
-    from daemon_helpers import _STARTED, _free_port, kill_started
+    from governed import TIMED_NOISE_MAX, alternate, cost_against_before, loaded_until_settled, server_window, twin_servers
+    from daemon_helpers import _STARTED, kill_started
     store = tmp_path / "captures"
-    pa, pb = _free_port(), _free_port()
-    a = start_server(llama_build / "bin", tiny_model, llama_env, pa)
-    _STARTED.append(a)
-    b = start_server(copied_build(llama_build, tmp_path), tiny_model, llama_env, pb)
-    _STARTED.append(b)
-    url_a, url_b = f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
     d = None
     try:
-        wait_healthy(url_a, a)
-        wait_healthy(url_b, b)
-        window(url_a, 100)
-        n = max(50, min(1500, int(window(url_b, 100) * 1.5)))      # ~1.5 s windows
+        a, b, url_a, url_b, n = twin_servers(llama_build, tiny_model, llama_env, tmp_path, _STARTED)
         before = alternate(server_window(url_a), server_window(url_b), 8, n)
         d = Daemon(tmp_path, ("--levels", "token,graph,op", "--budget", "0.04", "--trigger", BURST_TRIGGER,
                               "--record-for", "45s", "--captures-dir", str(store)))
         assert sorted(d.watched(a.pid)["levels"]) == ["graph", "op", "token"], d.text()
-        load = threading.Event()
-        load.set()
-        loader = threading.Thread(target=lambda: [window(url_a, 100) for _ in iter(load.is_set, False)])
-        loader.start()
-        try:
-            stepped, info = stepped_then_settled(d, a.pid, f"PID {a.pid}: levels graph,op,token -> graph,token (")
-        finally:
-            load.clear()
-            loader.join()
+        stepped, info = loaded_until_settled(d, a.pid, url_a, f"PID {a.pid}: levels graph,op,token -> graph,token (")
         assert stepped is not None, d.text()
         share = info["cost_share"]
         programs = attached_programs()

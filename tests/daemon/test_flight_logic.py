@@ -142,6 +142,14 @@ def test_a_nearly_idle_interval_is_left_out_of_the_ranges():
     assert cpu["s_per_call"] == pytest.approx(4.05 / 4010)
 
 
+def reported(trace: Path, flight: str) -> str:
+    """`profinfer report` of the golden trace with this flight record: what it printed."""
+    trace.write_bytes(with_meta(GOLDEN.read_bytes(), {"flight": flight}))
+    r = subprocess.run([*PROFINFER, "report", str(trace)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
 def test_a_flight_records_text_is_printed_as_it_is(tmp_path):
     """Text from the trace (a trigger, an item's name) is printed as written: what looks like
     markup to the terminal's library is not read as such."""
@@ -151,10 +159,8 @@ def test_a_flight_records_text_is_printed_as_it_is(tmp_path):
               '{"op": {"[/y]": {"share": 1.0, "per_s": 5.0, "s_per_call": 0.001}}}}, '
               '"incident": {"seconds": 5, "levels": ["token"], "families": '
               '{"op": {"[/y]": {"share": 1.0, "per_s": 5.0, "s_per_call": 0.002}}}}}}')
-    trace.write_bytes(with_meta(GOLDEN.read_bytes(), {"flight": flight}))
-    r = subprocess.run([*PROFINFER, "report", str(trace)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "[/x] [bold] fired" in r.stdout and "[/y]" in r.stdout
+    out = reported(trace, flight)
+    assert "[/x] [bold] fired" in out and "[/y]" in out
 
 
 def test_a_capture_kept_before_quantities_had_units_still_reads(tmp_path):
@@ -165,7 +171,5 @@ def test_a_capture_kept_before_quantities_had_units_still_reads(tmp_path):
               '"value_s": 0.03, "limit_s": 0.02, "baseline_s": 0.00667, "fired_monotonic_s": 12.0, '
               '"series": [{"t": 10.0, "value_s": 0.01, "samples": 50}, {"t": 11.0, "value_s": 0.03, "samples": 50}]}, '
               '"levels": ["token"]}')
-    trace.write_bytes(with_meta(GOLDEN.read_bytes(), {"flight": flight}))
-    r = subprocess.run([*PROFINFER, "report", str(trace)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "p99 30.00 ms > limit 20.00 ms, baseline 6.67 ms" in r.stdout and "full height 30.00 ms" in r.stdout, r.stdout
+    out = reported(trace, flight)
+    assert "p99 30.00 ms > limit 20.00 ms, baseline 6.67 ms" in out and "full height 30.00 ms" in out, out
