@@ -45,11 +45,12 @@ MIN_CPU_TO_JUDGE_NS = 50_000_000
 # room (its levels may come back)
 IDLE_S = 3 * GOVERN_S
 MAX_STEP_UP_WAIT_S = 600.0
-# An unattended capture's sched level, priced before it runs (sched_share): each event its
-# raw tracepoint's program, its ring record and the capture's collector reading it
-# (bench/results.md, "A capture's sched level priced"); the switches counted over
-# SCHED_SAMPLE_S
-SCHED_EVENT_NS = 3000.0
+# An unattended capture's sched level, priced before it runs (sched_share): what it adds a
+# context switch of the process's threads (their switch and wakeup records: the raw
+# tracepoints' programs, the ring, the capture's collector reading them), as the capture's
+# own accounting states it (bench/results.md, "A capture's sched level priced"); the
+# switches counted over SCHED_SAMPLE_S
+SCHED_SWITCH_NS = 2700.0
 SCHED_SAMPLE_S = 0.25
 MAX_THREADS_READ = 4096
 
@@ -270,9 +271,8 @@ class Governor:
 
     def capture_prices(self, w: Watch, levels: set[str]) -> tuple[dict[str, float], dict[str, str]]:
         """For an unattended capture: the levels the daemon never measured on the process,
-        priced where it can be done without them (the sched level: the process's threads'
-        context switches over SCHED_SAMPLE_S, two events each, at SCHED_EVENT_NS, against its
-        CPU time meanwhile; it sleeps that long), and those that cannot be (why)."""
+        priced where it can be done without them (the sched level: sched_share, which sleeps
+        SCHED_SAMPLE_S), and those that cannot be (why)."""
         priced, unpriced = {}, {}
         for lv in sorted(set(levels) - set(dict(w.known_shares))):
             if lv == "sched":
@@ -287,20 +287,18 @@ class Governor:
         return priced, unpriced
 
     def sched_share(self, pid: int) -> float | None:
-        """The sched level's estimated cost: its events (a voluntary switch is three: the
-        wakeup, the switch out and the switch back in; one it did not choose, two) at
-        SCHED_EVENT_NS, against the process's CPU time or, for a process mostly off its CPUs
-        (a stall: when the sched level is wanted most), the time elapsed; None where its
-        threads cannot be read."""
+        """The sched level's estimated cost: the process's threads' context switches at
+        SCHED_SWITCH_NS, against its CPU time or, for a process mostly off its CPUs (a stall:
+        when the sched level is wanted most), the time elapsed; None where its threads
+        cannot be read."""
         before = (context_switches(pid), self.cpu_ns(pid), time.monotonic())
         time.sleep(SCHED_SAMPLE_S)
         after = (context_switches(pid), self.cpu_ns(pid), time.monotonic())
         if None in before or None in after:
             return None
-        voluntary = max(0, after[0][0] - before[0][0])
-        other = max(0, after[0][1] - before[0][1])
+        switches = max(0, sum(after[0]) - sum(before[0]))
         against = max(after[1] - before[1], (after[2] - before[2]) * 1e9, 1.0)
-        return (3 * voluntary + 2 * other) * SCHED_EVENT_NS / against
+        return switches * SCHED_SWITCH_NS / against
 
     def _judge(self, w: Watch, now: float, levels: set[str], share: float) -> None:
         lower = next((lv for lv in STEP_DOWN_ORDER if lv in w.levels), None)
