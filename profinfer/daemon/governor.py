@@ -45,21 +45,22 @@ MIN_CPU_TO_JUDGE_NS = 50_000_000
 # room (its levels may come back)
 IDLE_S = 3 * GOVERN_S
 MAX_STEP_UP_WAIT_S = 600.0
-# An unattended capture's sched level, priced before it runs (sched_share): what it adds a
-# context switch of the process's threads (their switch and wakeup records: the raw
-# tracepoints' programs, the ring, the capture's collector reading them), as the capture's
-# own accounting states it (bench/results.md, "A capture's sched level priced"); the
-# switches counted over SCHED_SAMPLE_S
-SCHED_SWITCH_NS = 2700.0
+# An unattended capture's sched level, priced before it runs (sched_share): what it adds an
+# event (a switch or wakeup record: the raw tracepoints' programs, the ring, the capture's
+# collector reading it), as the capture's own accounting states it (bench/sched_price.py;
+# bench/results.md, "A capture's sched level priced"). Each context switch of the process's
+# threads counted over SCHED_SAMPLE_S is priced at the most events it makes: a voluntary
+# one three (out, the wakeup, back in), another two
+SCHED_EVENT_NS = 1850.0
 SCHED_SAMPLE_S = 0.25
 MAX_THREADS_READ = 4096
 
 
-def context_switches(pid: int) -> tuple[int, int] | None:
-    """The process's threads' context switches so far: (voluntary, not), summed over each
-    thread's status (the process's own status counts its main thread's alone). Its first
+def context_switches(pid: int) -> dict[int, tuple[int, int]] | None:
+    """Each of the process's threads' context switches so far, (voluntary, not), from its
+    status (the process's own status counts its main thread's alone). Its first
     MAX_THREADS_READ threads: the thread count is the tenant's to choose."""
-    counts = [0, 0]
+    counts = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")[:MAX_THREADS_READ]
     except OSError:
@@ -67,14 +68,11 @@ def context_switches(pid: int) -> tuple[int, int] | None:
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/status") as f:
-                for line in f:
-                    if line.startswith("voluntary_ctxt_switches:"):
-                        counts[0] += int(line.split()[1])
-                    elif line.startswith("nonvoluntary_ctxt_switches:"):
-                        counts[1] += int(line.split()[1])
-        except (OSError, ValueError, IndexError):
+                fields = dict(line.split(":", 1) for line in f if "ctxt_switches:" in line)
+            counts[int(tid)] = (int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"]))
+        except (OSError, ValueError, KeyError):
             continue            # a thread gone meanwhile
-    return counts[0], counts[1]
+    return counts
 
 
 def level_rank(levels: set[str]) -> int:
@@ -287,18 +285,22 @@ class Governor:
         return priced, unpriced
 
     def sched_share(self, pid: int) -> float | None:
-        """The sched level's estimated cost: the process's threads' context switches at
-        SCHED_SWITCH_NS, against its CPU time or, for a process mostly off its CPUs (a stall:
-        when the sched level is wanted most), the time elapsed; None where its threads
-        cannot be read."""
-        before = (context_switches(pid), self.cpu_ns(pid), time.monotonic())
+        """The sched level's estimated cost: the process's threads' context switches (each
+        thread's since the first reading; a new one's whole count), as events at
+        SCHED_EVENT_NS, against its CPU time meanwhile, or a tenth of a CPU for a process
+        that barely ran (a stall: when the sched level is wanted most); None where its
+        threads cannot be read."""
+        before, cpu0, t0 = context_switches(pid), self.cpu_ns(pid), time.monotonic()
         time.sleep(SCHED_SAMPLE_S)
-        after = (context_switches(pid), self.cpu_ns(pid), time.monotonic())
-        if None in before or None in after:
+        after, cpu1, t1 = context_switches(pid), self.cpu_ns(pid), time.monotonic()
+        if before is None or after is None or cpu0 is None or cpu1 is None:
             return None
-        switches = max(0, sum(after[0]) - sum(before[0]))
-        against = max(after[1] - before[1], (after[2] - before[2]) * 1e9, 1.0)
-        return switches * SCHED_SWITCH_NS / against
+        events = 0
+        for tid, (voluntary, other) in after.items():
+            v0, o0 = before.get(tid, (0, 0))
+            events += 3 * max(0, voluntary - v0) + 2 * max(0, other - o0)
+        against = max(cpu1 - cpu0, 0.1 * (t1 - t0) * 1e9, 1.0)
+        return events * SCHED_EVENT_NS / against
 
     def _judge(self, w: Watch, now: float, levels: set[str], share: float) -> None:
         lower = next((lv for lv in STEP_DOWN_ORDER if lv in w.levels), None)

@@ -332,8 +332,9 @@ def test_a_vllm_burst_of_long_prompts_fires_and_shows_the_phase_change(tmp_path,
 # The load's windows make one prompt call (~20 tokens) a hundred decode calls: 1% of its
 # batches above 4; a burst of prompts, most of them
 BURST_TRIGGER = "batch_p98 > 4 for 1s"
-# windows of ~0.2 s, many: their median resolves a few percent here (A against an alike B in
-# alternate windows swings by 5% from one pair to the next; bench/results.md)
+# short windows, many (~30 s of the capture's 60 here): A against an alike B in alternate
+# windows swings by ~5% from one pair to the next on this VM, and these resolved the cost
+# to 2-2.5% (bench/results.md), short of the 1.5% the timed assertion asks
 PAIRS, WINDOW_TOKENS = 60, 150
 
 
@@ -349,10 +350,10 @@ def test_a_triggered_capture_costs_within_the_budget(tmp_path, llama_build, tiny
     the governor steps its op level down (it costs the tiny model ~15%: now priced on A).
     Then a burst of short prompts makes A's batches large and BURST_TRIGGER fires; the
     capture asks A's levels and op,sched: op is left out (over the budget at its price on A),
-    sched is priced. Once the capture's probes are in, A/B windows against A/B before the
-    daemon: the timed cost of everything watching A (the daemon's levels and the capture)
-    within the budget, where the windows resolve it (3 standard errors); stated, A's own
-    share (the governor's) plus the capture's (its own accounting), within it too."""
+    sched is priced. The capture's stated cost (its own accounting) within the budget; once
+    its probes are in, A/B windows against A/B before the daemon: the timed cost of
+    everything watching A (the daemon's levels and the capture) within the budget, where the
+    windows resolve it (3 standard errors) and ended before the capture did."""
     from governed import TIMED_NOISE_MAX, alternate, cost_against_before, loaded_until_settled, server_window, twin_servers
     from daemon_helpers import _STARTED, kill_started
     store = tmp_path / "captures"
@@ -361,7 +362,7 @@ def test_a_triggered_capture_costs_within_the_budget(tmp_path, llama_build, tiny
         a, b, url_a, url_b, _ = twin_servers(llama_build, tiny_model, llama_env, tmp_path, _STARTED)
         before = alternate(server_window(url_a), server_window(url_b), PAIRS, WINDOW_TOKENS)
         d = Daemon(tmp_path, ("--levels", "token,graph,op", "--budget", "0.04", "--trigger", BURST_TRIGGER,
-                              "--record-for", "45s", "--captures-dir", str(store)))
+                              "--record-for", "60s", "--captures-dir", str(store)))
         assert sorted(d.watched(a.pid)["levels"]) == ["graph", "op", "token"], d.text()
         stepped, info = loaded_until_settled(d, a.pid, url_a, f"PID {a.pid}: levels graph,op,token -> graph,token (")
         assert stepped is not None, d.text()
@@ -392,6 +393,7 @@ def test_a_triggered_capture_costs_within_the_budget(tmp_path, llama_build, tiny
             time.sleep(0.2)
         assert attached_programs() > programs, d.text()
         during = alternate(server_window(url_a), server_window(url_b), PAIRS, WINDOW_TOKENS)
+        outlasted = kept(d) != []            # the capture ended before the windows did
         caps, deadline = [], time.monotonic() + 120
         while time.monotonic() < deadline and not caps:
             caps = kept(d)
@@ -410,11 +412,15 @@ def test_a_triggered_capture_costs_within_the_budget(tmp_path, llama_build, tiny
     stated = (cap["cost"] or {}).get("slowdown")
     assert stated is not None, cap["cost"]
     cost, se = cost_against_before(before, during)
-    said = (f"stated: A {share:.2%} + the capture {stated:.2%}; timed {cost:+.1%} +- {se:.1%} in {PAIRS} pairs of "
+    said = (f"stated: A {share:.2%} (settled) + the capture {stated:.2%}; timed {cost:+.1%} +- {se:.1%} in {PAIRS} pairs of "
             f"{WINDOW_TOKENS} tokens (A/B before the daemon: {[round(x / y, 3) for x, y in before]}; during the "
             f"capture: {[round(x / y, 3) for x, y in during]})")
     print(said)
-    assert share + stated <= 0.04, said
+    # stated: the capture's own accounting of what it added, within the budget (the
+    # governor fitted the capture's levels by their prices on A beside A's cost then)
+    assert stated <= 0.04, said
+    if outlasted:
+        pytest.skip(f"{said}: the windows outlasted the capture (a slow machine): not timed")
     if se >= TIMED_NOISE_MAX:
         pytest.skip(f"{said}: too noisy to resolve the 4% budget")
     assert cost <= 0.04 + 3 * se, said
