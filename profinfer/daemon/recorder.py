@@ -134,19 +134,22 @@ class FlightRecorder:
                 levels = sorted(w.levels) if w is not None else []
             self.totals.sample((ident.pid, ident.start), now, counts, levels)
 
+    @staticmethod
+    def _own(w) -> set[str]:
+        """The process's levels as a capture takes them (the daemon's cuda-detail is the cuda
+        level's timeline)."""
+        return {"cuda" if lv == "cuda-detail" else lv for lv in w.levels} & CAPTURE_LEVELS
+
     def _asked(self, w) -> set[str]:
-        """The process's levels and the capture's, as a capture takes them (the daemon's
-        cuda-detail is the cuda level's timeline)."""
-        own = {"cuda" if lv == "cuda-detail" else lv for lv in w.levels}
-        return (own | self.levels) & CAPTURE_LEVELS
+        """The process's levels and the capture's."""
+        return self._own(w) | (self.levels & CAPTURE_LEVELS)
 
     def _affordable(self, w, asked: set[str]) -> tuple[set[str], dict[str, str]]:
         """The levels asked for, less those the budget cannot price (a level the process does
         not have, never measured on it) or hold (of DROPPABLE, the dearest first), and why.
         What is left is captured even where it does not fit: the process's own floor."""
         governor = self.agent.governor
-        own = self._asked(w) & {"cuda" if lv == "cuda-detail" else lv for lv in w.levels}
-        priced, unpriced = governor.capture_prices(w, asked - own)
+        priced, unpriced = governor.capture_prices(w, asked - self._own(w))
         left_out = {lv: f"not priced: {why}" for lv, why in unpriced.items()}
         levels = set(asked) - set(left_out)
         prices = {**dict(w.known_shares), **priced}

@@ -135,25 +135,22 @@ def sparkline(values: list[float], top: float) -> str:
     return "".join(BLOCKS[min(len(BLOCKS) - 1, int(v / top * (len(BLOCKS) - 1) + 0.5))] for v in values)
 
 
-def _value(point: dict) -> float:
-    """A series point's value (`value_s` in the daemon's captures before quantities had units)."""
-    return float(point["value"] if "value" in point else point["value_s"])
-
-
 def _fired_in_units(fired: dict) -> dict:
-    """The firing's figures by the names of its quantity's unit (a capture kept before
-    quantities had units named them value_s, limit_s, baseline_s: seconds)."""
+    """The firing's figures and series by the names of its quantity's unit (a capture kept
+    before quantities had units named them value_s, limit_s, baseline_s: seconds)."""
     if "value" in fired or "value_s" not in fired:
         return fired
+    old = ("series", "series_after")
     return {**fired, "unit": "s", "value": fired.get("value_s"), "limit": fired.get("limit_s"),
-            "baseline": fired.get("baseline_s")}
+            "baseline": fired.get("baseline_s"),
+            **{k: [{**p, "value": p.get("value_s")} for p in fired[k]] for k in old if k in fired}}
 
 
 def chart(fired: dict) -> list[str]:
     """The trigger's statistic per 1 s bin before the firing and after it, as blocks scaled
     to the largest of the series and its limit; a caret under the firing's bin."""
-    points = [(float(p["t"]), _value(p)) for p in fired.get("series", [])]
-    points += [(float(p["t"]), _value(p)) for p in fired.get("series_after", [])
+    points = [(float(p["t"]), float(p["value"])) for p in fired.get("series", [])]
+    points += [(float(p["t"]), float(p["value"])) for p in fired.get("series_after", [])
                if not points or p["t"] > points[-1][0]]
     if not points:
         return []
