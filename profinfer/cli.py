@@ -218,6 +218,44 @@ def report(trace, json_path):
         sys.exit(1)
 
 
+@cli.command()
+@click.argument("before", type=click.Path(dir_okay=False))
+@click.argument("after", type=click.Path(dir_okay=False))
+@click.option("--fail-above", "gates", multiple=True, metavar="[WHAT=]PCT",
+              help="Exit 1 when a quantity is significantly slower by more than PCT: any "
+              "phase's time per token or any op, or only WHAT (a row: 'decode', 'MUL_MAT', "
+              "'decode layer 3'). Repeatable.")
+@click.option("--noise", default="5%", show_default=True, metavar="PCT",
+              help="The run-to-run noise floor: a change whose interval reaches inside it is "
+              "not called significant.")
+@click.option("--confidence", type=click.FloatRange(0.5, 0.999), default=0.95, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Write the comparison (schema: docs/analysis.md#diff).")
+@click.option("--all", "show_all", is_flag=True, help="Show every quantity, moved or not.")
+def diff(before, after, gates, noise, confidence, json_path, show_all):
+    """Compare two saved traces: per phase, op, layer, node, thread (and kernel, for cuda),
+    what changed and with what confidence. Exit 1 when a --fail-above gate fails, 2 when the
+    runs cannot be compared."""
+    from profinfer.exporters import comparison
+    from profinfer.viewers import difftable
+    from profinfer.viewers.terminal import report_console
+    rules = tuple(comparison.parse_gate(g) for g in gates)
+    floor = comparison.parse_percent(noise, "--noise")
+    if json_path:
+        from profinfer import outputs
+        outputs.check_writable([outputs.Output("--json", json_path, "comparison", ".json", None)])
+    result = comparison.compare_profiles(_load_trace(before), _load_trace(after), floor, confidence,
+                                         rules, (before, after))
+    if json_path:
+        try:
+            comparison.write_json(result, json_path)
+        except OSError as e:
+            raise ProfinferError(f"cannot write {json_path}: {e.strerror}") from None
+    difftable.render(result, report_console(), show_all)
+    if result["failed"]:
+        sys.exit(1)
+
+
 def _load_trace(trace: str) -> Profile:
     from profinfer.exporters.trace_reader import TraceFormatError, read_trace
     if not os.path.exists(trace):

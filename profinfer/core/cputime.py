@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 from typing import Callable
+
+from profinfer.core.loadcheck import busy_ticks
 
 from profinfer.core.procfs import stat_fields
 
@@ -106,9 +109,21 @@ class CpuShares:
         self.child_cpu: list[float] = []     # our child's, once reaped
         self.threads = ThreadsCpu()          # each thread's, from the engine's first work
         self.threads_at = 0.0                # when last sampled (monotonic)
+        self.busy_from, self.wall_from = busy_ticks(), time.monotonic()   # every CPU's busy time
 
     def work_began(self, engine_pid: int) -> None:
         self.target_from, self.own_from, self.from_work = cpu_s(engine_pid), own_cpu_s(), True
+        self.busy_from, self.wall_from = busy_ticks(), time.monotonic()
+
+    def others_cpus(self, own_now: float, target_used: float | None) -> float | None:
+        """Other processes' CPU use while the target worked, in CPUs (all CPUs' busy time
+        less the target's and ours): a neighbour that took CPUs from the target makes its
+        times the neighbour's as much as its own (said by diff, judged by nobody else)."""
+        wall = time.monotonic() - self.wall_from
+        if target_used is None or wall <= 0:
+            return None
+        busy = (busy_ticks() - self.busy_from) / os.sysconf("SC_CLK_TCK")
+        return max(busy - target_used - (own_now - self.own_from), 0.0) / wall
 
     def target(self, engine_pid: int, others: Callable[[], list[int]]) -> float | None:
         """The target's CPU time while probed, its other processes' included: what the

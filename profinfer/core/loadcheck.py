@@ -27,7 +27,7 @@ class UnreliableMeasurement(ProfinferError):
     exit_code = 75  # EX_TEMPFAIL: try again later
 
 
-def _busy_ticks() -> int:
+def busy_ticks() -> int:
     """Busy time of all CPUs (user, nice, system, irq, softirq, steal), in clock ticks.
 
     Steal counts as busy: on a VM it is another guest holding our CPU."""
@@ -66,13 +66,13 @@ class LoadWindow:
     ours only once waited for)."""
 
     def __enter__(self) -> LoadWindow:
-        self._t0, self._busy0, self._own0 = time.monotonic(), _busy_ticks(), _own_cpu_s()
+        self._t0, self._busy0, self._own0 = time.monotonic(), busy_ticks(), _own_cpu_s()
         self.load: Load | None = None
         return self
 
     def __exit__(self, *exc) -> None:
         wall = time.monotonic() - self._t0
-        busy = (_busy_ticks() - self._busy0) / os.sysconf("SC_CLK_TCK")
+        busy = (busy_ticks() - self._busy0) / os.sysconf("SC_CLK_TCK")
         own = _own_cpu_s() - self._own0
         self.load = Load(wall, max(busy - own, 0.0) / wall if wall > 0 else 0.0)
 

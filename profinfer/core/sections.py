@@ -6,6 +6,11 @@ A report module (Plugin.report, e.g. profinfer/engines/vllm/report.py) may defin
   decode calls; a level's own records);
 - `SUMMARY`: SummarySections, keys it adds to the JSON summary;
 - `REPORT`: ReportSections, what it prints in the terminal report;
+- `SERIES`: SeriesSections, the quantities `diff` compares beyond the main view's;
+- `IDENTITY(profile) -> dict`: what two runs must share to be compared (an engine's model
+  structure: its layers, its graph's nodes), each fact a string or a frozenset of strings;
+- `SETUP(profile) -> dict[str, str]`: what two comparable runs may differ in, said when they
+  do (the shapes of a model's nodes);
 - `VIEW` (an engine): its own main view, which replaces the neutral one (the exporter's and
   the viewer's, over tokens, graphs and ops) for the profiles it holds. An engine that holds
   a profile without one (llama.cpp) is shown by the neutral view.
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from profinfer.core import registry
+from profinfer.core.compare import Series
 from profinfer.core.model import Profile
 from profinfer.core.roofline import Roofs, Verdict
 
@@ -45,10 +51,20 @@ class ReportSection:
 
 
 @dataclass(frozen=True)
+class SeriesSection:
+    """What `diff` compares (core.compare): a plugin's quantities of a profile, a sample per
+    unit of work each."""
+    order: int
+    series: Callable[[Profile], list[Series]]
+
+
+@dataclass(frozen=True)
 class View:
-    """A main view: the summary's and the report's sections for the profiles it stands for."""
+    """A main view: the summary's and the report's sections for the profiles it stands for,
+    and the quantities `diff` compares."""
     summary: tuple[SummarySection, ...] = ()
     report: tuple[ReportSection, ...] = ()
+    series: tuple[SeriesSection, ...] = ()
 
 
 def report_modules() -> list[tuple[registry.Plugin, ModuleType]]:
@@ -93,6 +109,26 @@ def report_sections(profile: Profile, neutral: View, common: tuple[ReportSection
     else:
         found += main.report
     return sorted(found, key=lambda s: s.order)
+
+
+def series_sections(profile: Profile, neutral: View) -> list[SeriesSection]:
+    """What `diff` compares for this profile, in order (as the report's sections: the main
+    view's, then every plugin's own)."""
+    main = main_view(profile, neutral)
+    found = [*(main.series if main is not None else ()),
+             *(s for _, m in report_modules() for s in getattr(m, "SERIES", ()))]
+    return sorted(found, key=lambda s: s.order)
+
+
+def facts(profile: Profile, hook: str) -> dict[str, object]:
+    """What the plugins that hold this profile say of it through `hook` ("IDENTITY": what two
+    runs must share to be compared; "SETUP": what may differ, and is said when it does)."""
+    out: dict[str, object] = {}
+    for _, m in report_modules():
+        fn = getattr(m, hook, None)
+        if fn is not None and _holds(m, profile):
+            out.update(fn(profile))
+    return out
 
 
 def roofline_keys(judged, verdicts: Callable[[Roofs], list[Verdict]]) -> dict:

@@ -481,6 +481,9 @@ class Session:
         meta["collector_cpu_decoding_s"] = f"{own_cpu - self.cpu.own_from:.3f}"
         if target_cpu is not None:
             meta["target_cpu_s"] = f"{target_cpu:.3f}"
+        others = self.cpu.others_cpus(own_cpu, target_cpu)
+        if others is not None:
+            meta["others_cpus"] = f"{others:.2f}"
         threads = self.cpu.threads.used_s(THREAD_CPU_MIN_S)
         if threads:
             # the probes' cost is judged against the time of the threads that took them

@@ -141,7 +141,7 @@ def build(profile: Profile, phase: str = "decode", collapse: bool = True,
     for n, layer in zip(first.nodes, layers):
         if layered and layer is not None:
             # the k-th node of this name and op within its layer, the same in every layer
-            base = _generic(n.name)
+            base = generic_name(n.name)
             seen_in_layer[(layer, base, n.op)] += 1
             key = ("layer", base, n.op, seen_in_layer[(layer, base, n.op)])
         else:
@@ -170,7 +170,7 @@ def build(profile: Profile, phase: str = "decode", collapse: bool = True,
                sum(d.arrival_ns for d in same), sum(d.span_ns for d in same))
 
 
-def _generic(name: str) -> str:
+def generic_name(name: str) -> str:
     """A tensor name without its layer number: "Qcur-3" -> "Qcur", "cache_k_l3 (view)" ->
     "cache_k_l# (view)", "node_41" -> "node_#"."""
     m = _LAYER.match(name)

@@ -8,9 +8,9 @@ from rich.table import Table
 
 from profinfer.core import recorded_calibration
 from profinfer.core.model import Profile
-from profinfer.core.sections import ReportSection, SummarySection, roofline_keys
+from profinfer.core.sections import ReportSection, SeriesSection, SummarySection, roofline_keys
 from profinfer.core.tables import ms, pct, roofline_origin, roofline_table
-from profinfer.engines.llamacpp import cost, layers, moe
+from profinfer.engines.llamacpp import comparable, cost, layers, moe
 
 
 def holds(profile: Profile) -> bool:
@@ -121,3 +121,6 @@ SUMMARY = (SummarySection(20, _roofline_keys), SummarySection(40, _layer_keys),
            SummarySection(41, _moe_keys))
 REPORT = (ReportSection(20, _print_roofline), ReportSection(40, _print_layers),
           ReportSection(41, _print_moe))
+SERIES = (SeriesSection(40, comparable.series),)
+IDENTITY = comparable.identity
+SETUP = comparable.shapes

@@ -1,0 +1,209 @@
+"""Two profiles compared: one JSON object of plain values, what `diff` prints, writes with
+--json and gates on (schema: profinfer/exporters/diff.schema.json, described in
+docs/analysis.md#diff).
+
+The runs must be comparable: held by the same engine (or the same levels alone), with the
+same model structure (each plugin's IDENTITY). Otherwise IncomparableRuns says why in one
+line. What differs between comparable runs (builds, kernel, threads, shapes) is listed, and
+where only the build differs that is said.
+
+Each quantity the main view and the plugins give (core.sections.series_sections) is judged
+by core.compare; the roofline verdicts that changed and each run's coverage (lost events,
+the share of graph time the probes explain) are beside them, so that a bad recording is
+not taken for a change.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from profinfer.core import comparable, compare, sections
+from profinfer.core.errors import ProfinferError
+from profinfer.core.loadcheck import OTHERS_CPU_LIMIT
+from profinfer.core.model import Profile
+from profinfer.core.sections import SeriesSection, View
+from profinfer.exporters import json_summary
+
+SCHEMA = "profinfer.diff/1"
+METHOD = (f"ratio of means, moving-block bootstrap ({compare.RESAMPLES} resamples, blocks of "
+          "about sqrt(n) units, seeded)")
+NOISE = 0.05            # the default noise floor: bench/results.md, "diff: run-to-run noise"
+CONFIDENCE = 0.95
+# Facts of a recording's meta that say how it was made: listed where two runs differ.
+SETUP_META = re.compile(r"^(engine|levels|kernel|cpus_online|tensor_layout|counters|roofs:cpu|"
+                        r"build_id:.*|version:.*|engine_version)$")
+# A run's coverage worth a warning: a change this large or more between the runs.
+COVERAGE_GAP = 0.05
+
+# The neutral main view's quantities (decode calls, ops, threads), for profiles no engine's
+# own view stands for.
+NEUTRAL = View(series=(SeriesSection(0, comparable.series),))
+
+
+class IncomparableRuns(ProfinferError):
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Gate:
+    """`--fail-above [WHAT=]PCT`: fail on a significant slowdown beyond `limit` of `what` (a
+    row's name, an op, a phase: see matches), or without `what` of any phase's time per token
+    or any op."""
+    limit: float
+    what: str | None = None
+
+    def matches(self, c: compare.Change) -> bool:
+        if self.what is None:
+            return c.section == "op" or (c.section == "latency" and c.name.endswith("time per token"))
+        w = self.what
+        return c.name == w or c.name.split(" ", 1)[-1] == w or c.name == f"{w} time per token"
+
+    def fails(self, c: compare.Change) -> bool:
+        return self.matches(c) and c.verdict == compare.SLOWER and c.change is not None and c.change > self.limit
+
+    @property
+    def label(self) -> str:
+        return f"{self.what + '=' if self.what else ''}{self.limit * 100:g}%"
+
+
+def parse_percent(text: str, what: str) -> float:
+    t = text.strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise ProfinferError(f"{what}: {text!r} is not a percentage (like 5%)") from None
+    if not 0 <= value < 100 or value != value:
+        raise ProfinferError(f"{what}: {text!r} is out of range")
+    return value
+
+
+def parse_gate(text: str) -> Gate:
+    what, sep, pct = text.rpartition("=")
+    if sep and not what.strip():
+        raise ProfinferError(f"--fail-above: {text!r} names nothing before '='")
+    return Gate(parse_percent(pct, "--fail-above"), what.strip() or None)
+
+
+def _engine(profile: Profile) -> str:
+    return profile.meta.get("engine") or ("levels " + profile.meta.get("levels", "?"))
+
+
+def _identity(profile: Profile) -> dict:
+    return {"engine": _engine(profile), **sections.facts(profile, "IDENTITY")}
+
+
+def _refusal(before: dict, after: dict) -> str | None:
+    for key in before.keys() | after.keys():
+        b, a = before.get(key), after.get(key)
+        if b == a:
+            continue
+        if isinstance(b, frozenset) and isinstance(a, frozenset):
+            gone, new = sorted(b - a), sorted(a - b)
+            parts = ([f"only before: {', '.join(gone[:4])}{' ...' if len(gone) > 4 else ''}"] if gone else []) + \
+                    ([f"only after: {', '.join(new[:4])}{' ...' if len(new) > 4 else ''}"] if new else [])
+            return f"{key} differ ({'; '.join(parts)})"
+        return f"{key}: {b or 'none'} before, {a or 'none'} after"
+    return None
+
+
+def _setup(profile: Profile) -> dict[str, str]:
+    out = {k: str(v) for k, v in profile.meta.items() if SETUP_META.match(k)}
+    threads = comparable.op_threads(profile)
+    if threads:
+        out["op threads"] = str(threads)
+    out.update((k, str(v)) for k, v in sections.facts(profile, "SETUP").items())
+    return out
+
+
+def _differences(before: dict[str, str], after: dict[str, str]) -> list[dict]:
+    return [{"fact": k, "before": before.get(k), "after": after.get(k)}
+            for k in sorted(before.keys() | after.keys()) if before.get(k) != after.get(k)]
+
+
+def _coverage(profile: Profile, summary: dict) -> dict:
+    threads = summary.get("threads") or []
+    graph = sum(t.get("graph_ns") or 0 for t in threads)
+    explained = [t for t in threads if None not in (t.get("op_ns"), t.get("barrier_ns"), t.get("arrival_ns"))]
+    covered = sum(t["op_ns"] + t["barrier_ns"] + t["arrival_ns"] for t in explained)
+    return {"lost_events": profile.lost_events,
+            "events": int(profile.meta.get("events", 0) or 0),
+            "levels": profile.meta.get("levels", ""),
+            "others_cpus": _float(profile.meta.get("others_cpus")),
+            "graph_coverage": covered / graph if graph and explained else None}
+
+
+def _float(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _verdicts(summary: dict) -> dict[str, str]:
+    roofline = summary.get("roofline") or {}
+    return {v["scope"]: v["bound"] for v in roofline.get("verdicts") or []}
+
+
+def _series(profile: Profile) -> list[compare.Series]:
+    return [s for sec in sections.series_sections(profile, NEUTRAL) for s in sec.series(profile)]
+
+
+def _warnings(cov: dict[str, dict], changes: list[compare.Change]) -> list[str]:
+    out = []
+    for side, c in cov.items():
+        if c["lost_events"]:
+            share = c["lost_events"] / (c["events"] + c["lost_events"]) if c["events"] else None
+            out.append(f"the {side} run lost {c['lost_events']:,} events"
+                       + (f" ({share:.1%} of its records)" if share is not None else "")
+                       + ": its totals are low, and a change may be the loss, not the code")
+        if c["others_cpus"] is not None and c["others_cpus"] > OTHERS_CPU_LIMIT:
+            out.append(f"other processes used {c['others_cpus']:.2f} CPUs while the {side} run "
+                       "worked: its times are partly theirs")
+    b, a = cov["before"]["graph_coverage"], cov["after"]["graph_coverage"]
+    if b is not None and a is not None and abs(a - b) >= COVERAGE_GAP:
+        out.append(f"the probes explain {b:.0%} of graph time before and {a:.0%} after: "
+                   "compare the recordings, not only the code")
+    if cov["before"]["levels"] != cov["after"]["levels"]:
+        out.append(f"levels differ ({cov['before']['levels']} before, {cov['after']['levels']} after): "
+                   "what one run did not record is not compared")
+    return out
+
+
+def compare_profiles(before: Profile, after: Profile, noise: float = NOISE,
+                     confidence: float = CONFIDENCE, gates: tuple[Gate, ...] = (),
+                     names: tuple[str, str] = ("before", "after")) -> dict:
+    """The comparison; IncomparableRuns where the runs cannot be compared."""
+    why = _refusal(_identity(before), _identity(after))
+    if why:
+        raise IncomparableRuns(f"the runs cannot be compared: {why}")
+    summaries = {"before": json_summary.summary(before), "after": json_summary.summary(after)}
+    changes = compare.compare(_series(before), _series(after), noise, confidence)
+    differences = _differences(_setup(before), _setup(after))
+    vb, va = _verdicts(summaries["before"]), _verdicts(summaries["after"])
+    coverage = {"before": _coverage(before, summaries["before"]), "after": _coverage(after, summaries["after"])}
+    failed = [{"gate": g.label, "name": c.name, "change": c.change}
+              for g in gates for c in changes if g.fails(c)]
+    return {
+        "schema": SCHEMA,
+        "runs": {"before": {"name": names[0], "engine": _engine(before), **coverage["before"]},
+                 "after": {"name": names[1], "engine": _engine(after), **coverage["after"]}},
+        "method": METHOD,
+        "confidence": confidence,
+        "noise": noise,
+        "differences": differences,
+        "only_build_differs": bool(differences) and all(d["fact"].startswith("build_id:") for d in differences),
+        "changes": [asdict(c) for c in changes],
+        "verdicts_changed": [{"scope": s, "before": vb.get(s), "after": va.get(s)}
+                             for s in sorted(vb.keys() | va.keys()) if vb.get(s) != va.get(s)],
+        "warnings": _warnings(coverage, changes),
+        "gates": [g.label for g in gates],
+        "failed": failed,
+    }
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2, allow_nan=False)
+        f.write("\n")
