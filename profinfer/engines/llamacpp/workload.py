@@ -330,7 +330,7 @@ def _tensor_data(name: str, shape: tuple[int, ...], rng: np.random.Generator) ->
     return out
 
 
-def _write_model(name: str, spec: ModelSpec, path: Path) -> None:
+def write_model(name: str, spec: ModelSpec, path: Path) -> None:
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_name(f"profinfer-{name}")
     writer.add_context_length(spec.n_ctx)
@@ -392,7 +392,7 @@ def ensure_model(name: str) -> Path:
         # interrupted run never leaves a truncated model at `path`.
         tmp = models / f".{name}.gguf.tmp"
         try:
-            _write_model(name, spec, tmp)
+            write_model(name, spec, tmp)
             tmp.replace(path)
         finally:
             tmp.unlink(missing_ok=True)

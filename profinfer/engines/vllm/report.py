@@ -8,9 +8,9 @@ from rich.table import Table
 
 from profinfer.core import loghist, packs, recorded_calibration
 from profinfer.core.model import Profile
-from profinfer.core.sections import ReportSection, SummarySection, View, roofline_keys
+from profinfer.core.sections import ReportSection, SeriesSection, SummarySection, View, roofline_keys
 from profinfer.core.tables import ms, op_table, print_cost, print_lost, roofline_origin, roofline_table, us
-from profinfer.engines.vllm import callstats, cost
+from profinfer.engines.vllm import callstats, comparable, cost
 from profinfer.engines.vllm.callstats import CallProfileStats
 
 TOP_SHAPES = 15
@@ -170,7 +170,15 @@ def _print_unobserved(profile: Profile, console: Console) -> None:
 
 
 # Levels beside the ops (sched, counters: 45) come between the steps and the roofline.
+def setup(profile: Profile) -> dict[str, str]:
+    """What diff says where two runs differ: eager or compiled."""
+    mode = profile.meta.get("mode")
+    return {"mode": mode.split(" ", 1)[0]} if mode else {}
+
+
 VIEW = View(summary=(SummarySection(0, _main_keys), SummarySection(20, _roofline_keys)),
             report=(ReportSection(0, _print_main), ReportSection(47, _print_roofline),
                     ReportSection(48, _print_server), ReportSection(50, _print_cost),
-                    ReportSection(51, _print_unobserved), ReportSection(99, print_lost)))
+                    ReportSection(51, _print_unobserved), ReportSection(99, print_lost)),
+            series=(SeriesSection(0, comparable.series),))
+SETUP = setup

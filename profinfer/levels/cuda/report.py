@@ -9,9 +9,9 @@ from rich.table import Table
 
 from profinfer.core import recorded_calibration
 from profinfer.core.model import Profile
-from profinfer.core.sections import ReportSection, SummarySection
+from profinfer.core.sections import ReportSection, SeriesSection, SummarySection
 from profinfer.core.tables import ms, placement_line
-from profinfer.levels.cuda import stats as cudastats
+from profinfer.levels.cuda import comparable, stats as cudastats
 
 TOP_KERNELS = 15
 
@@ -126,3 +126,4 @@ def _print(profile: Profile, console: Console) -> None:
 
 SUMMARY = (SummarySection(60, _keys),)
 REPORT = (ReportSection(-10, _print, alone=True),)
+SERIES = (SeriesSection(60, comparable.series),)

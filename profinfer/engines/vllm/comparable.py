@@ -1,0 +1,65 @@
+"""vLLM's quantities for `diff` (core.compare.Series), per engine step (pure logic).
+
+- "<phase> time per token": each step's duration over its tokens;
+- "<phase> <op>": each native op's calls inside the step (on the step's thread, within its
+  span; a nested call counts for its own op too), over the step's tokens, and its calls as
+  the series' events. An op that a mode does not call (compiled graphs fuse norms,
+  activations and rotary embeddings into kernels of their own) is a row of one run only.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from profinfer.core.comparable import CALL_PHASES, PER_TOKEN, call_of, per_call
+from profinfer.core.compare import Series
+from profinfer.core.model import Profile
+
+
+def series(profile: Profile) -> list[Series]:
+    steps = sorted((s for s in profile.steps if s.phase in CALL_PHASES), key=lambda s: s.start_ns)
+    if not steps:
+        return []
+    tokens = np.array([max(s.n_tokens, 1) for s in steps], np.float64)
+    phases = np.array([CALL_PHASES.index(s.phase) for s in steps], np.int64)
+    out: list[Series] = []
+    for p, phase in enumerate(CALL_PHASES):
+        mine = phases == p
+        if mine.any():
+            out.append(Series("latency", f"{phase} time per token", PER_TOKEN.format(phase=phase),
+                              np.array([s.dur_ns for s, m in zip(steps, mine) if m], np.float64) / tokens[mine]))
+    names = sorted({c.op for c in profile.calls})
+    if not names:
+        return out
+    code_of = {n: i for i, n in enumerate(names)}
+    by_thread: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, s in enumerate(steps):
+        by_thread[(s.pid, s.tid)].append(i)
+    calls_by_thread: dict[tuple[int, int], list] = defaultdict(list)
+    for c in profile.calls:
+        if (c.pid, c.tid) in by_thread:
+            calls_by_thread[(c.pid, c.tid)].append(c)
+    step_idx, codes, durs = [], [], []
+    for key, cs in calls_by_thread.items():
+        mine = np.array(by_thread[key], np.int64)
+        starts = np.array([steps[i].start_ns for i in mine], np.int64)
+        ends = np.array([steps[i].end_ns for i in mine], np.int64)
+        at = call_of(starts, ends, np.array([c.start_ns for c in cs], np.int64))
+        step_idx.append(np.where(at >= 0, mine[np.maximum(at, 0)], -1))
+        codes.append(np.array([code_of[c.op] for c in cs], np.int64))
+        durs.append(np.array([c.dur_ns for c in cs], np.float64))
+    if not step_idx:
+        return out
+    op_ns, op_calls = per_call(np.concatenate(step_idx), np.concatenate(codes), np.concatenate(durs),
+                               len(steps), len(names))
+    for p, phase in enumerate(CALL_PHASES):
+        mine = phases == p
+        if not mine.any():
+            continue
+        unit = PER_TOKEN.format(phase=phase)
+        for k in np.argsort(-op_ns[mine].sum(axis=0), kind="stable"):
+            n = int(op_calls[mine, k].sum())
+            if n:
+                out.append(Series("op", f"{phase} {names[k]}", unit, op_ns[mine, k] / tokens[mine], n))
+    return out
