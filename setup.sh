@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-need=(libbpf1 libbpf-dev clang lld bpftool graphviz python3-venv python3-pip cmake ninja-build gcc g++ prometheus)
+# sysbench: the outside reader the cache-roof tests compare calibrate with
+need=(libbpf1 libbpf-dev clang lld bpftool graphviz python3-venv python3-pip cmake ninja-build gcc g++ prometheus sysbench)
 missing=()
 for p in "${need[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -321,7 +321,7 @@ def _add_plugin_commands() -> None:
               help="Runs to try (two must pass their check) before giving up on a busy or "
               "noisy machine.")
 def calibrate_cmd(threads, force, attempts):
-    """Measure this machine's roofs (memory bandwidth, f32 FMA peak) for roofline verdicts,
+    """Measure this machine's roofs (DRAM and each cache level's read bandwidth, f32 FMA peak) for roofline verdicts,
     and what a uprobe hit costs here (for the profiler-cost line).
 
     A measurement taken while other processes use the CPUs, or whose repetitions disagree, is

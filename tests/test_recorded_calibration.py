@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from conftest import completion_cmd, run_profinfer
 
 from profinfer.core import bpfobj, calibrate, probecost, recorded_calibration
@@ -15,11 +17,13 @@ from profinfer.exporters.trace_reader import read_trace
 from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
 
 
-def calibration_cache(path, read_gbps, fma_gflops, emulated_ns, threads=2):
-    """A cache directory holding a checked calibration with these figures."""
+def calibration_cache(path, read_gbps, fma_gflops, emulated_ns, threads=2, caches=None):
+    """A cache directory holding a checked calibration with these figures (`caches`: the
+    entry's cache roofs; None: an entry cached before they were measured)."""
     path.mkdir()
     roofs = {"threads": threads, "read_gbps": read_gbps, "triad_gbps": read_gbps, "fma_gflops": fma_gflops,
-             "check": "test entry", "measured_at": "2000-01-01T00:00:00"}
+             "check": "test entry", "measured_at": "2000-01-01T00:00:00",
+             **({} if caches is None else {"caches": caches})}
     (path / "roofs.json").write_text(json.dumps({calibrate._key(threads): roofs}))
     costs = {"emulated_ns": emulated_ns, "stepped_ns": 4 * emulated_ns, "uretprobe_extra_ns": 100.0,
              "check": "test entry", "measured_at": "2000-01-01T00:00:00"}
@@ -64,6 +68,38 @@ def test_stored_calibration_round_trips(tmp_path, monkeypatch):
     assert "stores no roofs" in roofs["origin"]
     assert s["profiler_cost"]["hit_costs_ns"]["emulated"] == 3000.0
     assert not s["profiler_cost"]["hit_costs"]["stored_in_trace"]
+
+
+def test_cache_roofs_round_trip(tmp_path, monkeypatch):
+    """The cache roofs go into the trace and judge it there; a calibration without them judges
+    with DRAM's roof alone and says the caches were not measured."""
+    caches = [{"level": "L2", "gbps": 60.0, "bytes": 2 << 20, "working_set_bytes": 1 << 19},
+              {"level": "L3", "gbps": 40.0, "bytes": 32 << 20, "working_set_bytes": 8 << 20}]
+    recorder = calibration_cache(tmp_path / "recorder", 11.0, 110.0, 1000.0, caches=caches)
+    reader = calibration_cache(tmp_path / "reader", 33.0, 330.0, 3000.0)
+    monkeypatch.setenv("PROFINFER_CACHE", str(recorder))
+    p = decode_profile()            # 33.6 MB of F16 weights in 1 ms: 33.6 GB/s
+    recorded_calibration.stamp(p)
+    write_perfetto(p, tmp_path / "t.pftrace")
+
+    monkeypatch.setenv("PROFINFER_CACHE", str(reader))
+    roofline = summary(read_trace(tmp_path / "t.pftrace"))["roofline"]
+    assert roofline["roofs"]["caches"] == [{"level": "L2", "gbps": 60.0, "bytes": 2 << 20},
+                                           {"level": "L3", "gbps": 40.0, "bytes": 32 << 20}]
+    (v,) = roofline["verdicts"]
+    assert (v["roof"], v["roof_gbps"], v["bound"]) == ("L3", 40.0, "memory")
+    assert v["roof_share"] == pytest.approx(v["gbps"] / 40.0) and v["roof_share"] <= 1
+    assert v["notes"] == ["above the DRAM roof: cache-resident (L3)"]
+
+    monkeypatch.setenv("PROFINFER_CACHE", str(recorder))
+    old = decode_profile()
+    old.meta.update({"roofs:fma_gflops": "110.0", "roofs:read_gbps": "11.0"})   # stamped before caches
+    write_perfetto(old, tmp_path / "old.pftrace")
+    roofline = summary(read_trace(tmp_path / "old.pftrace"))["roofline"]
+    assert roofline["roofs"]["caches"] == [] and "cache roofs were not measured" in roofline["roofs"]["origin"]
+    (v,) = roofline["verdicts"]
+    assert (v["roof"], v["roof_gbps"]) == ("DRAM", 11.0) and v["roof_share"] > 1
+    assert "cache roofs were not measured" in v["notes"][0]
 
 
 def test_report_and_graph_of_a_trace_use_its_roofs(llama_build, tiny_model, llama_env, tmp_path):

@@ -9,7 +9,7 @@ from profinfer.core import calibrate, loadcheck
 from profinfer.core.loadcheck import UnreliableMeasurement
 from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
 from profinfer.engines.llamacpp.nodes import node_runs
-from profinfer.core.roofline import Roofs
+from profinfer.core.roofline import CacheRoof, Cost, Roofs, judge_costs
 from profinfer.engines.llamacpp.cost import judge, nbytes, node_cost
 
 
@@ -56,6 +56,41 @@ def test_verdicts():
     big = run("MUL_MAT", (8192, 512, 1, 1), mm512, dur=int(flops / 80.0))    # 80 GFLOP/s
     v = judge("p", [big], roofs)
     assert v.bound == "compute" and 0.75 < v.roof_share < 0.85 and v.intensity > roofs.ridge
+
+
+def test_hierarchical_verdicts():
+    """An op faster than DRAM is judged against the slowest cache roof that can deliver its
+    GB/s, never shown above 100% of it unless it beats every roof (then said plainly)."""
+    caches = (CacheRoof("L1", 300.0, 64 << 10), CacheRoof("L2", 200.0, 2 << 20), CacheRoof("L3", 150.0, 32 << 20))
+    roofs = Roofs(peak_gflops=200.0, peak_gbps=25.0, caches=caches)      # ridge 8 FLOP/B
+
+    def at(gbps, intensity=1.0):
+        return judge_costs("d", [(Cost(intensity * gbps * 1e6, gbps * 1e6), 1_000_000, None)], roofs)
+
+    v = at(20.0)                                   # below DRAM's roof: judged against it
+    assert (v.roof, v.roof_gbps, v.bound, v.notes) == ("DRAM", 25.0, "memory", [])
+    assert v.roof_share == pytest.approx(0.8)
+    v = at(100.0)                                  # past DRAM: L3 bounds it
+    assert (v.roof, v.roof_gbps, v.bound) == ("L3", 150.0, "memory")
+    assert v.roof_share == pytest.approx(100 / 150) and v.notes == ["above the DRAM roof: cache-resident (L3)"]
+    v = at(160.0)                                  # past L3: L2
+    assert (v.roof, v.roof_share) == ("L2", pytest.approx(0.8))
+    v = at(35.0)                                   # past DRAM but far under L3: not bandwidth-bound
+    assert (v.roof, v.bound) == ("L3", "neither") and "cache-resident (L3)" in v.notes[0]
+    v = at(400.0)                                  # beats even L1: the only share above 100%
+    assert (v.roof, v.roof_share) == ("L1", pytest.approx(400 / 300))
+    assert "above every measured roof" in v.notes[0]
+    v = at(2.0, intensity=50.0)                    # compute side (100 GFLOP/s): no bandwidth roof
+    assert (v.roof, v.roof_gbps, v.bound, v.notes) == ("compute", None, "compute", [])
+    assert v.roof_share == pytest.approx(0.5)
+
+
+def test_above_dram_without_cache_roofs():
+    """Roofs cached before the caches were measured: DRAM's roof, and the verdict says why its
+    share passes 100%."""
+    v = judge_costs("d", [(Cost(40e6, 40e6), 1_000_000, None)], Roofs(peak_gflops=200.0, peak_gbps=25.0))
+    assert (v.roof, v.roof_gbps) == ("DRAM", 25.0) and v.roof_share == pytest.approx(1.6)
+    assert "cache roofs were not measured" in v.notes[0]
 
 
 def test_node_runs_merge_threads_within_a_graph():

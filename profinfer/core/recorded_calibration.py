@@ -38,6 +38,11 @@ def stamp(profile: Profile) -> None:
     roofs = calibrate.cached(_op_threads(profile)) if profile.ops or profile.calls else None
     if roofs is not None:
         meta.update((f"roofs:{k}", str(roofs[k])) for k in ROOF_KEYS if k in roofs)
+        if "caches" in roofs:      # "roofs:caches" = "L1,L2,L3"; then each level's bandwidth and size
+            meta["roofs:caches"] = ",".join(c["level"] for c in roofs["caches"])
+            for c in roofs["caches"]:
+                meta[f"roofs:{c['level']}_gbps"] = str(c["gbps"])
+                meta[f"roofs:{c['level']}_bytes"] = str(c["bytes"])
         meta["roofs:cpu"] = calibrate.cpu_model()
         meta["roofs:cpus"] = str(os.cpu_count())
     trap = probecost.cached()
@@ -58,24 +63,40 @@ class Judged:
         return {"stored_in_trace": self.stored, "origin": self.origin}
 
 
+def _stored_roofs(meta: dict[str, str]) -> Roofs | None:
+    """The roofs stamped into a recording's meta (a recording made before the cache roofs
+    were stored, or with a calibration that lacks them: DRAM only)."""
+    try:
+        entry = {"fma_gflops": float(meta["roofs:fma_gflops"]), "read_gbps": float(meta["roofs:read_gbps"])}
+        levels = [lvl for lvl in meta.get("roofs:caches", "").split(",") if lvl]
+        entry["caches"] = [{"level": lvl, "gbps": meta[f"roofs:{lvl}_gbps"], "bytes": meta[f"roofs:{lvl}_bytes"]}
+                           for lvl in levels]
+        return calibrate.entry_roofs(entry)
+    except (KeyError, ValueError):
+        return None
+
+
+def _without_caches(roofs: Roofs) -> str:
+    return "" if roofs.caches else ("; the cache roofs were not measured (calibrated before they were: "
+                                    "`profinfer calibrate --force`)")
+
+
 def roofs(profile: Profile) -> Judged:
     meta = profile.meta
-    try:
-        stored = Roofs(peak_gflops=float(meta["roofs:fma_gflops"]),
-                       peak_gbps=float(meta["roofs:read_gbps"]))
-    except (KeyError, ValueError):
-        stored = None
+    stored = _stored_roofs(meta)
     if stored is not None:
         return Judged(stored, True, f"roofs stored in the recording ({meta.get('roofs:cpu', '?')}, "
                                     f"{meta.get('roofs:threads', '?')} threads, checked, measured "
-                                    f"{meta.get('roofs:measured_at', '?')})")
+                                    f"{meta.get('roofs:measured_at', '?')}){_without_caches(stored)}")
     local = calibrate.cached(_op_threads(profile))
     if local is None:
         return Judged(None, False, "no roofs in the recording nor calibration on this machine: "
                                    "run `profinfer calibrate` once")
-    return Judged(Roofs(peak_gflops=local["fma_gflops"], peak_gbps=local["read_gbps"]), False,
+    judged = calibrate.entry_roofs(local)
+    return Judged(judged, False,
                   f"the recording stores no roofs: judged with this machine's ({calibrate.cpu_model()}, "
-                  f"{local['threads']} threads), not necessarily the recording machine's")
+                  f"{local['threads']} threads), not necessarily the recording machine's"
+                  f"{_without_caches(judged)}")
 
 
 def trap_costs(profile: Profile) -> Judged:

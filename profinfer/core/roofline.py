@@ -12,6 +12,13 @@ machine's calibrated roofs (profinfer calibrate) a verdict:
 An engine's cost model counts the bytes an op must move at least once (sources read, result
 written); re-reads of data that does not stay in cache are not in them, so achieved GB/s is
 a lower bound and a memory-bound verdict is conservative.
+
+The roofline is hierarchical: an op whose data stays in a cache reads it faster than DRAM
+can deliver, so its achieved GB/s can pass the DRAM roof. Such an op is judged against the
+roof that bounds it: the lowest measured cache roof at or above its GB/s (usually the
+outermost level that can deliver it, L3 before L2 before L1), with its share of that roof
+and a note "above the DRAM roof: cache-resident (L3)". A share above 100% is shown only
+when the op beats every roof measured, and the note says so.
 """
 from __future__ import annotations
 
@@ -31,10 +38,18 @@ class Cost:
         return self.flops / self.bytes if self.bytes else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class CacheRoof:
+    level: str               # "L1", "L2", "L3"
+    gbps: float              # read bandwidth of a working set held in this level, all threads
+    bytes: int               # the level's capacity the measuring threads had between them
+
+
 @dataclass(slots=True)
 class Roofs:
     peak_gflops: float       # compute roof (f32 FMA, all threads)
-    peak_gbps: float         # memory roof (read bandwidth, all threads)
+    peak_gbps: float         # memory roof (DRAM read bandwidth, all threads)
+    caches: tuple[CacheRoof, ...] = ()    # lowest level first; () when not measured
 
     @property
     def ridge(self) -> float:
@@ -52,7 +67,9 @@ class Verdict:
     gbps: float
     intensity: float
     bound: str               # "memory", "compute" or "neither"
-    roof_share: float        # achieved / the roof its intensity points at
+    roof_share: float        # achieved / the roof it is judged against
+    roof: str                # that roof: "DRAM", a cache level ("L2"), or "compute"
+    roof_gbps: float | None  # its bandwidth (None for the compute roof)
     # cross-check where the PMU counts LLC load misses: DRAM read bandwidth they imply
     # (lines × 64 B over the counted nodes' time); None without that counter
     measured_gbps: float | None = None
@@ -88,14 +105,37 @@ def judge_costs(scope: str, items: Iterable[CostedRun], roofs: Roofs, llc_miss_i
         return None
     gflops, gbps = flops / time_ns, bytes_ / time_ns       # per ns = G per s
     intensity = flops / bytes_ if bytes_ else float("inf")
+    notes: list[str] = []
     if intensity < roofs.ridge:
-        side, share = "memory", gbps / roofs.peak_gbps
+        side, (roof, roof_gbps) = "memory", memory_roof(gbps, roofs, notes)
+        share = gbps / roof_gbps
     else:
-        side, share = "compute", gflops / roofs.peak_gflops
+        side, roof, roof_gbps, share = "compute", "compute", None, gflops / roofs.peak_gflops
     bound = side if share >= MIN_ROOF_SHARE else "neither"
     measured = miss_lines * LINE_BYTES / miss_ns if miss_ns else None
     return Verdict(scope, counted, time_ns, flops, bytes_, gflops, gbps, intensity, bound, share,
-                   measured)
+                   roof, roof_gbps, measured, notes)
+
+
+def memory_roof(gbps: float, roofs: Roofs, notes: list[str]) -> tuple[str, float]:
+    """The bandwidth roof that bounds an op reading at `gbps` (its name and GB/s): DRAM's
+    when it is at or below it; else the lowest cache roof at or above it; else (above every
+    roof measured) the highest. Appends to `notes` why, when not DRAM's."""
+    if gbps <= roofs.peak_gbps:
+        return "DRAM", roofs.peak_gbps
+    if not roofs.caches:
+        notes.append("above the DRAM roof: its data stays in cache, but the cache roofs were not "
+                     "measured (`profinfer calibrate --force` measures them)")
+        return "DRAM", roofs.peak_gbps
+    above = [c for c in roofs.caches if c.gbps >= gbps]
+    if above:
+        c = min(above, key=lambda c: c.gbps)
+        notes.append(f"above the DRAM roof: cache-resident ({c.level})")
+        return c.level, c.gbps
+    c = max(roofs.caches, key=lambda c: c.gbps)
+    notes.append(f"above every measured roof, {c.level}'s {c.gbps:,.1f} GB/s included: the cost "
+                 f"model's bytes or the roofs are wrong")
+    return c.level, c.gbps
 
 
 def llc_miss_index(counter_names: list[str]) -> int | None:

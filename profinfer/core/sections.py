@@ -139,9 +139,11 @@ def roofline_keys(judged, verdicts: Callable[[Roofs], list[Verdict]]) -> dict:
         return {"roofline": None}
     return {"roofline": {
         "roofs": {"peak_gflops": roofs.peak_gflops, "peak_gbps": roofs.peak_gbps, "ridge": roofs.ridge,
+                  "caches": [{"level": c.level, "gbps": c.gbps, "bytes": c.bytes} for c in roofs.caches],
                   **judged.as_json()},
         "verdicts": [{"scope": v.scope, "nodes": v.nodes, "time_ns": v.time_ns, "flops": v.flops,
                       "bytes": v.bytes, "gflops": v.gflops, "gbps": v.gbps, "intensity": v.intensity,
-                      "bound": v.bound, "roof_share": v.roof_share,
+                      "bound": v.bound, "roof_share": v.roof_share, "roof": v.roof,
+                      "roof_gbps": v.roof_gbps, "notes": list(v.notes),
                       "measured_gbps": v.measured_gbps}
                      for v in verdicts(roofs)]}}

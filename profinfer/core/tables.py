@@ -43,22 +43,33 @@ def op_table(ops: list[OpStats], title: str = "Operators (all threads)") -> Tabl
     return t
 
 
+def roofs_line(roofs: Roofs) -> str:
+    """The roofs a roofline is judged against, in one line."""
+    caches = ", ".join(f"{c.level} {c.gbps:,.1f}" for c in roofs.caches)
+    return (f"{roofs.peak_gbps:,.1f} GB/s read" + (f" (caches: {caches} GB/s)" if caches else
+                                                  " (cache roofs not measured)")
+            + f", {roofs.peak_gflops:,.1f} GFLOP/s f32 FMA; ridge {roofs.ridge:,.1f} FLOP/B")
+
+
 def roofline_table(vs: list[Verdict], roofs: Roofs) -> Table:
-    t = Table(title=f"Roofline (roofs: {roofs.peak_gbps:,.1f} GB/s read, {roofs.peak_gflops:,.1f} "
-              f"GFLOP/s f32 FMA; ridge {roofs.ridge:,.1f} FLOP/B)", title_justify="left")
+    t = Table(title=f"Roofline (roofs: {roofs_line(roofs)})", title_justify="left")
     t.add_column("phase op")
     for col in ("nodes", "time ms", "GFLOP/s", "GB/s", "FLOP/B"):
         t.add_column(col, justify="right")
     t.add_column("verdict")
+    t.add_column("roof")
     t.add_column("% of roof", justify="right")
     measured = any(v.measured_gbps is not None for v in vs)
     if measured:     # cross-check: DRAM reads the PMU saw (LLC load misses)
         t.add_column("GB/s (LLC misses)", justify="right")
+    noted = any(v.notes for v in vs)
+    if noted:
+        t.add_column("note")
     for v in vs:
         extra = ([f"{v.measured_gbps:,.2f}" if v.measured_gbps is not None else "-"] if measured else [])
         t.add_row(v.scope, f"{v.nodes:,}", ms(v.time_ns), f"{v.gflops:,.2f}", f"{v.gbps:,.2f}",
-                  f"{v.intensity:,.2f}", v.bound + ("" if v.bound == "neither" else "-bound"),
-                  f"{100 * v.roof_share:.0f}", *extra)
+                  f"{v.intensity:,.2f}", v.bound + ("" if v.bound == "neither" else "-bound"), v.roof,
+                  f"{100 * v.roof_share:.0f}", *extra, *(["; ".join(v.notes)] if noted else []))
     return t
 
 

@@ -4,14 +4,20 @@
  * wall time x N that this process spent on a CPU (under 1 when something else took our
  * CPUs). profinfer/core/calibrate.py builds and runs it, and judges stability and load from that.
  *
- *   roofs THREADS MIB_PER_ARRAY
+ * Each LEVEL:BYTES argument adds a cache level's read bandwidth: every thread reads its own
+ * BYTES-long buffer (sized by the caller to fit its share of that level) over and over, so
+ * the reads hit that level, not DRAM. Printed as LEVEL_gbps and LEVEL_cpu_share.
+ *
+ *   roofs THREADS MIB_PER_ARRAY [LEVEL:BYTES ...]
  */
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef float v16 __attribute__((vector_size(64)));
 
 static double seconds(clockid_t clock)
 {
@@ -22,6 +28,9 @@ static double seconds(clockid_t clock)
 
 #define REPS 7
 #define ACC 12
+#define MAX_LEVELS 4
+#define READ_ACC 8                  /* independent sums: the loop waits on loads, not on adds */
+#define CACHE_BYTES_READ (1ul << 31) /* per thread and repetition: tens of ms at cache speed */
 
 struct rep {
     double wall0, cpu0;
@@ -47,6 +56,50 @@ static void print_series(const char *name, const double *v)
     for (int i = 0; i < REPS; i++)
         printf("%s%.4f", i ? ", " : "", v[i]);
     printf("], ");
+}
+
+/* Read bandwidth of a working set of `bytes` per thread (a multiple of READ_ACC x 64),
+ * held by each thread's own cache: REPS repetitions into gbps[], share[]. */
+static float cache_read(int threads, size_t bytes, double *gbps, double *share)
+{
+    const size_t n = bytes / sizeof(v16);
+    const long passes = (long)(CACHE_BYTES_READ / bytes) + 1;
+    float sink = 0;
+    v16 **bufs = calloc(threads, sizeof(*bufs));
+#pragma omp parallel
+    {   /* allocated and filled by its reader: in its cache, on its NUMA node */
+        v16 *buf = aligned_alloc(64, n * sizeof(v16));
+        for (size_t i = 0; i < n; i++)
+            buf[i] = (v16){0} + 1.0f / (float)(i + 1);
+        bufs[omp_get_thread_num()] = buf;
+    }
+    for (int rep = 0; rep < REPS; rep++) {
+        struct rep r = rep_start();
+#pragma omp parallel reduction(+:sink)
+        {
+            const v16 *buf = bufs[omp_get_thread_num()];
+            v16 acc[READ_ACC] = {{0}};
+            for (long p = 0; p < passes; p++) {
+                for (size_t i = 0; i < n; i += READ_ACC) {
+#pragma GCC unroll 8
+                    for (int k = 0; k < READ_ACC; k++)
+                        acc[k] += buf[i + k];
+                }
+                for (int k = 0; k < READ_ACC; k++)   /* no pass may be skipped or merged */
+                    __asm__ volatile("" : "+v"(acc[k]));
+            }
+            float s = 0;
+            for (int k = 0; k < READ_ACC; k++)
+                for (int j = 0; j < 16; j++)
+                    s += acc[k][j];
+            sink += s;
+        }
+        gbps[rep] = (double)passes * n * sizeof(v16) * threads / rep_end(r, threads, &share[rep]) / 1e9;
+    }
+    for (int t = 0; t < threads; t++)
+        free(bufs[t]);
+    free(bufs);
+    return sink;
 }
 
 int main(int argc, char **argv)
@@ -111,6 +164,18 @@ int main(int argc, char **argv)
         }
         fma_gflops[rep] = fma_flops / rep_end(r, threads, &fma_share[rep]) / 1e9;
     }
+    char names[MAX_LEVELS][32];
+    double level_gbps[MAX_LEVELS][REPS], level_share[MAX_LEVELS][REPS];
+    int levels = 0;
+    for (int i = 3; i < argc && levels < MAX_LEVELS; i++, levels++) {
+        const char *colon = strchr(argv[i], ':');
+        size_t bytes = colon ? (size_t)atol(colon + 1) : 0;
+        bytes -= bytes % (READ_ACC * sizeof(v16));
+        if (!colon || colon - argv[i] >= 28 || bytes == 0)
+            return 2;
+        snprintf(names[levels], sizeof(names[levels]), "%.*s", (int)(colon - argv[i]), argv[i]);
+        sink += cache_read(threads, bytes, level_gbps[levels], level_share[levels]);
+    }
     printf("{\"threads\": %d, ", threads);
     print_series("read_gbps", read_gbps);
     print_series("read_cpu_share", read_share);
@@ -118,6 +183,13 @@ int main(int argc, char **argv)
     print_series("triad_cpu_share", triad_share);
     print_series("fma_gflops", fma_gflops);
     print_series("fma_cpu_share", fma_share);
+    for (int l = 0; l < levels; l++) {
+        char key[48];
+        snprintf(key, sizeof(key), "%.31s_gbps", names[l]);
+        print_series(key, level_gbps[l]);
+        snprintf(key, sizeof(key), "%.31s_cpu_share", names[l]);
+        print_series(key, level_share[l]);
+    }
     printf("\"sink\": %g}\n", (double)sink);
     return 0;
 }

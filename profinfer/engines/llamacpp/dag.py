@@ -162,9 +162,10 @@ def build(profile: Profile, phase: str = "decode", collapse: bool = True,
     if roofs is not None:
         for dn in nodes:
             v = judge(dn.key, dn.runs, roofs)
-            if v is not None:
-                dn.verdict = f"{v.bound}-bound {100 * v.roof_share:.0f}%" if v.bound != "neither" \
-                    else f"neither ({100 * v.roof_share:.0f}% of roof)"
+            if v is not None:      # the roof named where it is a cache's, not DRAM's or compute's
+                of = f" of {v.roof}" if v.roof_gbps is not None and v.roof != "DRAM" else ""
+                dn.verdict = f"{v.bound}-bound {100 * v.roof_share:.0f}%{of}" if v.bound != "neither" \
+                    else f"neither ({100 * v.roof_share:.0f}% of {v.roof if of else 'roof'})"
     n_layers = len({l for l in layers if l is not None}) if layered else 0
     return Dag(phase, len(same), len(first.nodes), len(first.edges), n_layers, nodes, edges,
                sum(d.arrival_ns for d in same), sum(d.span_ns for d in same))
