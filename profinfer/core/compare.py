@@ -11,9 +11,12 @@ the KV cache growing) widens the interval instead of passing for a change. The r
 seeded: the same two traces always give the same answer. A series of more than MAX_POINTS
 samples is first reduced to MAX_POINTS means of consecutive samples (a block of its own).
 
-A change is judged against a noise floor, the run-to-run noise the caller states (`diff
---noise`, measured in bench/results.md): only an interval wholly beyond it is "slower" or
-"faster". One inside it, or one that includes zero, is labelled as such.
+A change is judged against a noise floor: the run-to-run noise the caller states (`diff
+--noise`), or the quantity's own drift within a run where that is larger: the range of the
+means of a run's quarters, over its mean, the larger of the two runs'. A quantity that moves
+that much between parts of one run is not called changed by less between two runs. Only an
+interval wholly beyond the floor is "slower" or "faster"; one inside it, or one that
+includes zero, is labelled as such.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import numpy as np
 RESAMPLES = 2000
 MAX_POINTS = 1024
 MIN_SAMPLES = 3          # fewer on a side: shown, not judged
+DRIFT_PARTS = 4          # a run's parts whose means give its drift
 SEED = 20261204
 
 # Verdicts, from most to least telling.
@@ -70,6 +74,7 @@ class Change:
     change: float | None         # after/before - 1
     low: float | None            # its interval's bounds (None: not judged)
     high: float | None
+    floor: float | None          # the noise floor it was judged against
     verdict: str
 
     @property
@@ -109,21 +114,31 @@ def judge(before: Series | None, after: Series | None, noise: float, confidence:
                   before_events=(before.events or len(before.samples)) if before is not None else 0,
                   after_events=(after.events or len(after.samples)) if after is not None else 0)
     if before is None or after is None:
-        return Change(**common, change=None, low=None, high=None,
+        return Change(**common, change=None, low=None, high=None, floor=None,
                       verdict=ONLY_AFTER if before is None else ONLY_BEFORE)
     if b_mean <= 0:          # nothing to divide by: nothing before, something after
-        return Change(**common, change=None if a_mean > 0 else 0.0, low=None, high=None,
+        return Change(**common, change=None if a_mean > 0 else 0.0, low=None, high=None, floor=None,
                       verdict=ONLY_AFTER if a_mean > 0 else NO_CHANGE)
     change = a_mean / b_mean - 1
     if min(len(before.samples), len(after.samples)) < MIN_SAMPLES:
-        return Change(**common, change=change, low=None, high=None, verdict=FEW_SAMPLES)
+        return Change(**common, change=change, low=None, high=None, floor=None, verdict=FEW_SAMPLES)
     rng = np.random.default_rng(SEED)
     b, a = block_means(before.samples, rng), block_means(after.samples, rng)
     ratios = a / np.where(b > 0, b, np.nan) - 1
     ratios = ratios[np.isfinite(ratios)]
     tail = (1 - confidence) / 2 * 100
     low, high = (float(v) for v in np.percentile(ratios, [tail, 100 - tail]))
-    return Change(**common, change=change, low=low, high=high, verdict=_verdict(change, low, high, noise))
+    floor = max(noise, drift(before.samples), drift(after.samples))
+    return Change(**common, change=change, low=low, high=high, floor=floor,
+                  verdict=_verdict(change, low, high, floor))
+
+
+def drift(samples: np.ndarray) -> float:
+    """How far the means of a run's DRIFT_PARTS consecutive parts lie apart, over its mean."""
+    parts = np.array_split(np.asarray(samples, np.float64), DRIFT_PARTS)
+    means = [p.mean() for p in parts if len(p)]
+    whole = float(np.mean(samples))
+    return (max(means) - min(means)) / whole if whole > 0 and len(means) > 1 else 0.0
 
 
 def _verdict(change: float, low: float, high: float, noise: float) -> str:
