@@ -344,11 +344,11 @@ def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float) ->
 
 
 @contextlib.contextmanager
-def llama_server(build: Path, model: Path, env: dict, slots: int, ctx_per_slot: int = 1024):
+def llama_server(build: Path, model: Path, env: dict, slots: int, ctx_per_slot: int = 1024, threads: int = 2):
     """A llama-server with `slots` parallel slots, healthy: (its process, its URL)."""
     port = free_port()
     proc = subprocess.Popen([str(workload.llama_bin("llama-server", build)), "-m", str(model),
-                             "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", "2",
+                             "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads),
                              "--host", "127.0.0.1", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
