@@ -124,6 +124,10 @@ COMMON = (SummarySection(-20, flight.keys), SummarySection(50, _profiler_cost))
 
 
 def write_json(profile: Profile, path: str | Path) -> None:
+    write_summary(summary(profile), path)
+
+
+def write_summary(data: dict, path: str | Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(summary(profile), f, indent=2)
+        json.dump(data, f, indent=2)
         f.write("\n")
