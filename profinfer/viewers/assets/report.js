@@ -142,14 +142,15 @@
     return out;
   }
   function svgBox(parent, w, h, label) {
-    return sv("svg", { viewBox: `0 0 ${w} ${h}`, role: "img", "aria-label": label }, parent);
+    // never drawn larger than designed: a lone chart keeps its text size
+    return sv("svg", { viewBox: `0 0 ${w} ${h}`, role: "img", "aria-label": label, style: `max-width:${w}px` }, parent);
   }
 
   // ---- the page ----
   function header() {
     const meta = S.meta || {};
     const h = el("header", {}, page);
-    el("h1", {}, h, `profinfer report: ${S.process_name || "?"} (pid ${S.pid ?? "?"})`);
+    el("h1", {}, h, `profinfer report: ${S.process_name || meta.engine || "process"} (pid ${S.pid ?? "?"})`);
     const bits = [meta.engine && `engine ${meta.engine}`, meta.model && `model ${meta.model}`,
       meta.levels && `levels ${meta.levels}`, meta.cpus_online && `${meta.cpus_online} CPUs`,
       meta.kernel && `kernel ${meta.kernel}`].filter(Boolean);
@@ -271,19 +272,19 @@
       }
       const top = ops.map((o, i) => [o, i]).sort((a, b) => b[0].total_ns - a[0].total_ns).slice(0, 10);
       const rest = ops.length - top.length;
-      const W = 560, bh = 20, H = top.length * (bh + 5) + (rest ? 22 : 6);
+      const W = 600, bh = 20, H = top.length * (bh + 5) + (rest ? 22 : 6);
       const svg = svgBox(div, W, H, `ops in ${name}`);
-      const x = linear(0, top.length ? top[0][0].total_ns : 1, 0, W - 156 - 235);
+      const x = linear(0, top.length ? top[0][0].total_ns : 1, 0, W - 198 - 235);
       top.forEach(([o, i], k) => {
         const ty = k * (bh + 5);
-        sv("text", { x: 150, y: ty + 14, "text-anchor": "end" }, svg, o.op.length > 24 ? o.op.slice(0, 23) + "…" : o.op);
-        tip(sv("rect", { x: 156, y: ty, width: Math.max(1, x(o.total_ns)), height: bh, fill: phaseColor(name), rx: 2 }, svg),
+        tip(sv("text", { x: 192, y: ty + 14, "text-anchor": "end" }, svg, o.op.length > 28 ? o.op.slice(0, 27) + "…" : o.op), o.op);
+        tip(sv("rect", { x: 198, y: ty, width: Math.max(1, x(o.total_ns)), height: bh, fill: phaseColor(name), rx: 2 }, svg),
           `${o.op}: ${count(o.count)} runs`);
-        const t = sv("text", { x: 162 + Math.max(1, x(o.total_ns)), y: ty + 14 }, svg);
+        const t = sv("text", { x: 204 + Math.max(1, x(o.total_ns)), y: ty + 14 }, svg);
         mark(sv("tspan", {}, t, time(o.total_ns)), [...path, i, "total_ns"], o.total_ns);
         sv("tspan", { class: "muted" }, t, ` · ${pct(o.total_ns / total)} · ${count(o.count)} runs`);
       });
-      if (rest) sv("text", { x: 156, y: H - 6, class: "muted" }, svg, `and ${rest} more op types`);
+      if (rest) sv("text", { x: 198, y: H - 6, class: "muted" }, svg, `and ${rest} more op types`);
     }
     if (Array.isArray(S.ops) && S.ops.length) {
       el("h3", {}, s, "All ops (all phases, all threads)");
