@@ -82,18 +82,19 @@ def probe_options(f):
     return f
 
 
-def _check_outputs(output: str | None, json_path: str | None) -> None:
+def _check_outputs(output: str | None, json_path: str | None, html_path: str | None = None) -> None:
     """Refuse an output that cannot be written before anything is attached or run."""
     from profinfer import outputs
-    outputs.check_writable(outputs.requested(output, json_path))
+    outputs.check_writable(outputs.requested(output, json_path, html_path))
 
 
-def _emit(profile: Profile, output: str | None, json_path: str | None, quiet: bool) -> bool:
+def _emit(profile: Profile, output: str | None, json_path: str | None, quiet: bool,
+          html_path: str | None = None) -> bool:
     """Write the outputs and print the operator view. False when an output could not be
     written where asked (it is then saved elsewhere, and an error line says where)."""
     from profinfer import outputs
     from profinfer.viewers import optable
-    written = outputs.write_all(profile, outputs.requested(output, json_path), say=_note, error=_error)
+    written = outputs.write_all(profile, outputs.requested(output, json_path, html_path), say=_note, error=_error)
     if not quiet:
         optable.render(profile)
     return written
@@ -212,9 +213,12 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
 @cli.command()
 @click.argument("trace", type=click.Path(dir_okay=False))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the JSON summary.")
-def report(trace, json_path):
+@click.option("--html", "html_path", type=click.Path(dir_okay=False),
+              help="Also write the report as one self-contained HTML page (charts drawn from the JSON summary).")
+def report(trace, json_path, html_path):
     """Operator view of a saved trace (.pftrace written by profinfer)."""
-    if not _emit(_load_trace(trace), None, json_path, False):
+    _check_outputs(None, json_path, html_path)
+    if not _emit(_load_trace(trace), None, json_path, False, html_path):
         sys.exit(1)
 
 

@@ -20,15 +20,31 @@ class Output:
     write: Callable[[Profile, str], None]
 
 
-def requested(output: str | None, json_path: str | None) -> list[Output]:
+def requested(output: str | None, json_path: str | None, html_path: str | None = None) -> list[Output]:
     from profinfer.exporters import json_summary, perfetto
+    from profinfer.viewers import html
+    made: dict[int, dict] = {}
+
+    def summary(profile: Profile) -> dict:
+        """The JSON summary, computed once for the --json file and the page that draws it."""
+        if id(profile) not in made:
+            made.clear()
+            made[id(profile)] = json_summary.summary(profile)
+        return made[id(profile)]
+
+    def write_json(profile: Profile, path: str) -> None:
+        json_summary.write_summary(summary(profile), path)
+
     outs = []
     if output:
         chrome = output.endswith(".json")
         outs.append(Output("-o", output, "timeline", ".json" if chrome else ".pftrace",
                            perfetto.write_chrome_json if chrome else perfetto.write_perfetto))
     if json_path:
-        outs.append(Output("--json", json_path, "summary", ".json", json_summary.write_json))
+        outs.append(Output("--json", json_path, "summary", ".json", write_json))
+    if html_path:
+        outs.append(Output("--html", html_path, "page", ".html",
+                           lambda profile, path: html.write_html(summary(profile), path)))
     return outs
 
 

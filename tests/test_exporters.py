@@ -522,3 +522,25 @@ def test_a_plugins_own_record_type_is_written_and_read_back(tmp_path, monkeypatc
     monkeypatch.delenv("PROFINFER_PLUGINS")
     with pytest.raises(TraceFormatError, match="unknown slice category 'beep'"):
         read_trace(path)
+
+
+def test_decode_call_timeline_is_bounded_and_keeps_the_totals():
+    """Up to MAX_TIMELINE_POINTS calls: one entry each; more: consecutive groups of k calls,
+    which keep the calls' count, tokens and own time, and start and end where their calls do."""
+    from profinfer.exporters.json_summary import MAX_TIMELINE_POINTS
+    small = synth(n_tokens=5, n_nodes=2)
+    s = summary(small)
+    assert s["decode_call_group"] == 1
+    assert [(c["start_ns"], c["end_ns"], c["tokens"], c["phase"]) for c in s["decode_call_list"]] == [
+        (t.start_ns, t.end_ns, t.n_tokens, "prefill" if t.prefill else "decode") for t in small.tokens]
+    n = 2 * MAX_TIMELINE_POINTS + 3
+    calls = [TokenCall(tid=1, start_ns=100 * i, end_ns=100 * i + 7 + i % 5, n_tokens=1 + i % 3, prefill=i < 4)
+             for i in range(n)]
+    s = summary(Profile(pid=1, tokens=calls))
+    groups = s["decode_call_list"]
+    assert s["decode_call_group"] == 3 and len(groups) == -(-n // 3) <= MAX_TIMELINE_POINTS
+    assert sum(g["calls"] for g in groups) == n
+    assert sum(g["tokens"] for g in groups) == sum(c.n_tokens for c in calls)
+    assert sum(g["dur_ns"] for g in groups) == sum(c.end_ns - c.start_ns for c in calls)
+    assert groups[0]["phase"] == "prefill" and groups[1]["phase"] == "mixed" and groups[2]["phase"] == "decode"
+    assert groups[-1]["end_ns"] == calls[-1].end_ns and groups[1]["start_ns"] == calls[3].start_ns

@@ -5,16 +5,23 @@ the rest (latency, per-phase ops, percentiles, meta) are extras. A flight record
 has "flight" first (viewers/flight.py); then the main view's keys (the neutral one below, or
 that of the engine that holds the profile), then each plugin's sections in their order
 (core.sections).
+"decode_call_list" is the decode-call timeline (the HTML report's): per llama_decode-like call
+{start_ns, end_ns, dur_ns, calls, tokens, phase}, in start order. It holds at most
+MAX_TIMELINE_POINTS entries: a run of more calls is merged into consecutive groups of
+k = ceil(calls / MAX_TIMELINE_POINTS) calls each (start of the first, end of the last, dur_ns the
+sum of the calls' own durations, tokens summed, phase the calls' common phase or "mixed"), and
+"decode_call_group" says k (1: one entry per call).
 Ops counted in BPF per op type and phase (no timeline asked; meta "op_level": "counted"):
 the ops' percentiles, barrier times and per-thread op times are null.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from profinfer.core import recorded_calibration, sections, selfcost
-from profinfer.core.model import Profile
+from profinfer.core.model import Profile, TokenCall
 from profinfer.core.sections import SummarySection, View
 from profinfer.core.stats import OpStats, compute
 from profinfer.viewers import flight
@@ -31,6 +38,24 @@ def _float(x: float | None) -> float | None:
 def _op_row(o: OpStats) -> dict:
     return {"op": o.op, "count": o.count, "total_ns": o.total_ns, "mean_ns": float(o.mean_ns),
             "p50_ns": _float(o.p50_ns), "p99_ns": _float(o.p99_ns), "share": float(o.share)}
+
+
+# The decode-call timeline's bound (see the module's docstring): a page draws this many bars.
+MAX_TIMELINE_POINTS = 2000
+
+
+def _call_group(calls: list[TokenCall]) -> dict:
+    phases = {c.phase for c in calls}
+    return {"start_ns": calls[0].start_ns, "end_ns": calls[-1].end_ns,
+            "dur_ns": sum(c.dur_ns for c in calls), "calls": len(calls),
+            "tokens": sum(c.n_tokens for c in calls), "phase": phases.pop() if len(phases) == 1 else "mixed"}
+
+
+def decode_call_timeline(profile: Profile) -> dict:
+    calls = sorted(profile.tokens, key=lambda c: (c.start_ns, c.tid))
+    k = max(1, math.ceil(len(calls) / MAX_TIMELINE_POINTS))
+    return {"decode_call_group": k,
+            "decode_call_list": [_call_group(calls[i:i + k]) for i in range(0, len(calls), k)]}
 
 
 def summary(profile: Profile) -> dict:
@@ -66,6 +91,7 @@ def _main(profile: Profile) -> dict:
         "threads": [{"tid": t.tid, "name": t.name, "graph_ns": t.graph_ns, "arrival_ns": t.arrival_ns,
                      "op_ns": t.op_ns, "barrier_ns": t.barrier_ns} for t in st.threads],
         "ops": [_op_row(o) for o in st.ops],
+        **decode_call_timeline(profile),
         "phases": {name: {"calls": ph.calls, "tokens": ph.tokens, "time_ns": ph.time_ns,
                           "op_ns": ph.op_ns, "barrier_ns": ph.barrier_ns,
                           "ops": [{"op": o.op, "count": o.count, "total_ns": o.total_ns} for o in ph.ops]}
@@ -98,6 +124,10 @@ COMMON = (SummarySection(-20, flight.keys), SummarySection(50, _profiler_cost))
 
 
 def write_json(profile: Profile, path: str | Path) -> None:
+    write_summary(summary(profile), path)
+
+
+def write_summary(data: dict, path: str | Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(summary(profile), f, indent=2)
+        json.dump(data, f, indent=2)
         f.write("\n")

@@ -1,0 +1,541 @@
+// Draws profinfer's HTML report from the JSON summary embedded in the page (#summary).
+// Every number shown that is one of the summary's carries data-key (its path in the summary,
+// a JSON array) and data-value (the summary's value), so that a test can hold the page to it.
+"use strict";
+(function () {
+  const S = JSON.parse(document.getElementById("summary").textContent);
+  const page = document.getElementById("page");
+  const SVG = "http://www.w3.org/2000/svg";
+  const PHASE_COLOR = { prefill: "var(--prefill)", decode: "var(--decode)", mixed: "var(--mixed)", other: "var(--other)" };
+  const phaseColor = (p) => PHASE_COLOR[p] || PHASE_COLOR.other;
+  const PHASE_ORDER = ["prefill", "decode", "mixed", "other"];
+  const byPhase = (a, b) => ((PHASE_ORDER.indexOf(a) + 5) % 5) - ((PHASE_ORDER.indexOf(b) + 5) % 5);
+
+  // ---- formatting: fixed decimals, so a shown number says how exact it is ----
+  const isNum = (x) => typeof x === "number" && isFinite(x);
+  function fixed(x, d) { return x.toLocaleString("en-US", { minimumFractionDigits: d, maximumFractionDigits: d }); }
+  function time(ns) {
+    if (!isNum(ns)) return "–";
+    const a = Math.abs(ns);
+    if (a < 1e3) return fixed(ns, 0) + " ns";
+    if (a < 1e6) return fixed(ns / 1e3, 1) + " µs";
+    if (a < 1e9) return fixed(ns / 1e6, 2) + " ms";
+    return fixed(ns / 1e9, 3) + " s";
+  }
+  function sig3(x) {  // three significant digits, without exponent notation
+    if (!isNum(x)) return "–";
+    if (x === 0) return "0";
+    const d = Math.min(8, Math.max(0, 2 - Math.floor(Math.log10(Math.abs(x)))));
+    return fixed(x, d);
+  }
+  const count = (n) => (isNum(n) ? fixed(n, 0) : "–");
+  const pct = (x) => (isNum(x) ? fixed(100 * x, 1) + " %" : "–");
+  const mib = (b) => (isNum(b) ? fixed(b / 1048576, 3) + " MiB" : "–");
+  const rate = (x, unit) => (isNum(x) ? fixed(x, 1) + " " + unit : "–");
+  const withUnit = (x, unit) => (isNum(x) ? sig3(x) + " " + unit : "–");
+
+  // ---- DOM helpers ----
+  function el(tag, attrs, parent, text) {
+    const e = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+    if (text !== undefined) e.textContent = text;
+    if (parent) parent.appendChild(e);
+    return e;
+  }
+  function sv(tag, attrs, parent, text) {
+    const e = document.createElementNS(SVG, tag);
+    for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+    if (text !== undefined) e.textContent = text;
+    if (parent) parent.appendChild(e);
+    return e;
+  }
+  const barWidth = (w) => (w > 3 ? w - 1 : Math.max(0.8, w));
+  function tip(e, text) { sv("title", {}, e, text); return e; }
+  // A shown number of the summary: its path and value ride along for checking.
+  function num(parent, tag, path, value, text, attrs) {
+    const e = el(tag, attrs || {}, parent, text);
+    e.dataset.key = JSON.stringify(path);
+    e.dataset.value = JSON.stringify(value === undefined ? null : value);
+    return e;
+  }
+  function mark(e, path, value) {
+    e.setAttribute("data-key", JSON.stringify(path));
+    e.setAttribute("data-value", JSON.stringify(value === undefined ? null : value));
+    return e;
+  }
+  function section(title, note) {
+    const s = el("section", {}, page);
+    el("h2", {}, s, title);
+    if (note) el("p", { class: "note" }, s, note);
+    return s;
+  }
+  function legend(parent, items) {
+    const l = el("div", { class: "legend" }, parent);
+    for (const [label, color] of items) {
+      const span = el("span", {}, l);
+      el("i", { style: "background:" + color }, span);
+      span.appendChild(document.createTextNode(label));
+    }
+  }
+  function table(parent, columns) {
+    const t = el("table", {}, parent);
+    const tr = el("tr", {}, el("thead", {}, t));
+    for (const c of columns) el("th", {}, tr, c);
+    return el("tbody", {}, t);
+  }
+
+  // ---- scales and axes ----
+  function linear(d0, d1, r0, r1) {
+    const f = (v) => r0 + ((v - d0) / (d1 - d0 || 1)) * (r1 - r0);
+    f.domain = [d0, d1];
+    return f;
+  }
+  function logScale(d0, d1, r0, r1) {
+    const l0 = Math.log10(d0), l1 = Math.log10(d1);
+    const f = (v) => r0 + ((Math.log10(v) - l0) / (l1 - l0 || 1)) * (r1 - r0);
+    f.domain = [d0, d1];
+    return f;
+  }
+  function niceTicks(lo, hi, n) {
+    const span = hi - lo || 1;
+    const raw = span / n, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+    const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((s) => span / s <= n) || 10 * mag;
+    const out = [];
+    for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(+v.toFixed(12));
+    return out;
+  }
+  function tickLabel(v) {
+    const a = Math.abs(v);
+    if (a === 0) return "0";
+    if (a >= 1e6 || a < 1e-3) return v.toExponential(0).replace("e+", "e");
+    return String(+v.toPrecision(6)).replace(/\B(?=(\d{3})+(?!\d))/g, ",");
+  }
+  // Axes of a plot box: x along the bottom, y along the left, with grid lines and titles.
+  function axes(g, box, x, y, xticks, yticks, xtitle, ytitle, fmt) {
+    fmt = fmt || {};
+    const ax = sv("g", { class: "axis" }, g);
+    for (const t of yticks) {
+      const py = y(t.v);
+      sv("line", { x1: box.l, x2: box.r, y1: py, y2: py, class: "grid" + (t.major === false ? "" : " major") }, ax);
+      if (t.label !== "") sv("text", { x: box.l - 6, y: py + 3.5, "text-anchor": "end", class: "muted" }, ax, t.label);
+    }
+    for (const t of xticks) {
+      const px = x(t.v);
+      sv("line", { x1: px, x2: px, y1: box.t, y2: box.b, class: "grid" + (t.major === false ? "" : " major") }, ax);
+      if (t.label !== "") sv("text", { x: px, y: box.b + 15, "text-anchor": "middle", class: "muted" }, ax, t.label);
+    }
+    sv("line", { x1: box.l, x2: box.r, y1: box.b, y2: box.b }, ax);
+    sv("line", { x1: box.l, x2: box.l, y1: box.t, y2: box.b }, ax);
+    if (xtitle) sv("text", { x: (box.l + box.r) / 2, y: box.b + 34, "text-anchor": "middle", class: "title" }, ax, xtitle);
+    if (ytitle) sv("text", { x: 0, y: 0, "text-anchor": "middle", class: "title",
+      transform: `translate(${box.l - (fmt.ytitleOffset || 48)},${(box.t + box.b) / 2}) rotate(-90)` }, ax, ytitle);
+  }
+  const linTicks = (lo, hi, n) => niceTicks(lo, hi, n).map((v) => ({ v, label: tickLabel(v) }));
+  function logTicks(lo, hi) {
+    const out = [];
+    for (let e = Math.floor(Math.log10(lo)); e <= Math.ceil(Math.log10(hi)); e++) {
+      for (let m = 1; m < 10; m++) {
+        const v = m * Math.pow(10, e);
+        if (v >= lo * 0.999 && v <= hi * 1.001) out.push({ v, label: m === 1 ? tickLabel(v) : "", major: m === 1 });
+      }
+    }
+    return out;
+  }
+  function svgBox(parent, w, h, label) {
+    // never drawn larger than designed: a lone chart keeps its text size
+    return sv("svg", { viewBox: `0 0 ${w} ${h}`, role: "img", "aria-label": label, style: `max-width:${w}px` }, parent);
+  }
+
+  // ---- the page ----
+  function header() {
+    const meta = S.meta || {};
+    const h = el("header", {}, page);
+    el("h1", {}, h, `profinfer report: ${S.process_name || meta.engine || "process"} (pid ${S.pid ?? "?"})`);
+    const bits = [meta.engine && `engine ${meta.engine}`, meta.model && `model ${meta.model}`,
+      meta.levels && `levels ${meta.levels}`, meta.cpus_online && `${meta.cpus_online} CPUs`,
+      meta.kernel && `kernel ${meta.kernel}`].filter(Boolean);
+    el("div", { class: "sub" }, h, bits.join(" · "));
+    const tiles = el("div", { class: "tiles" }, page);
+    const tile = (label, path, value, text, key) => {
+      if (value === undefined) return;
+      const t = el("div", { class: "tile" + (key ? " key" : "") }, tiles);
+      el("div", { class: "label" }, t, label);
+      num(t, "div", path, value, text, { class: "value" });
+    };
+    tile("time to first token (TTFT, median)", ["ttft_ns"], S.ttft_ns, time(S.ttft_ns), true);
+    tile("time per output token (TPOT)", ["tpot_ns"], S.tpot_ns, time(S.tpot_ns), true);
+    tile("decode tokens/s", ["tokens_per_s"], S.tokens_per_s, rate(S.tokens_per_s, "tok/s"), true);
+    tile("prefill tokens/s", ["prefill_tokens_per_s"], S.prefill_tokens_per_s, rate(S.prefill_tokens_per_s, "tok/s"), true);
+    if (S.tokens) {
+      tile("prompt tokens", ["tokens", "prefill"], S.tokens.prefill, count(S.tokens.prefill));
+      tile("generated tokens", ["tokens", "decode"], S.tokens.decode, count(S.tokens.decode));
+    }
+    if (S.time_ns) {
+      tile("prefill time", ["time_ns", "prefill"], S.time_ns.prefill, time(S.time_ns.prefill));
+      tile("decode time", ["time_ns", "decode"], S.time_ns.decode, time(S.time_ns.decode));
+    }
+    if (isNum(S.decode_calls)) tile("decode calls", ["decode_calls"], S.decode_calls, count(S.decode_calls));
+    if (isNum(S.steps)) tile("engine steps", ["steps"], S.steps, count(S.steps));
+    if (isNum(S.sequences)) tile("sequences", ["sequences"], S.sequences, count(S.sequences));
+    tile("lost events", ["lost_events"], S.lost_events, count(S.lost_events));
+    if (S.lost_events) el("p", { class: "warn" }, page, "Events were lost: the numbers below undercount.");
+  }
+
+  // The decode calls (llama.cpp) or engine steps (vLLM) on one time axis, with each sequence's
+  // time to first token above them.
+  function timeline() {
+    const calls = S.decode_call_list || S.step_list;
+    if (!Array.isArray(calls) || !calls.length) return;
+    const what = S.decode_call_list ? "decode call" : "engine step";
+    const grouped = (S.decode_call_group || 1) > 1;
+    const s = section(`Timeline: ${what}s, TTFT and TPOT`,
+      `Top: each sequence from its request to its last token, the part before its first token (TTFT) in orange. ` +
+      `Middle: each ${what} as a bar as long as it ran. Bottom: its duration` +
+      (grouped ? ` (mean of each group of ${S.decode_call_group} calls: the summary merges calls beyond 2,000)` : "") +
+      `; the dashed line is the TPOT.`);
+    legend(s, [["prefill", phaseColor("prefill")], ["decode", phaseColor("decode")], ["mixed", phaseColor("mixed")]]);
+    const seqs = (S.sequence_latency || []).slice(0, 24);
+    const t0 = Math.min(...calls.map((c) => c.start_ns), ...seqs.map((q) => q.start_ns));
+    const t1 = Math.max(...calls.map((c) => (c.end_ns ?? c.start_ns + c.dur_ns)), ...seqs.map((q) => q.end_ns ?? q.start_ns));
+    const useMs = t1 - t0 < 5e9, unit = useMs ? 1e6 : 1e9;
+    const W = 1100, lane = 14, seqH = seqs.length ? seqs.length * (lane + 4) + 8 : 0;
+    const stripT = 10 + seqH, stripH = 22, plotT = stripT + stripH + 14, plotH = 200, H = plotT + plotH + 46;
+    const box = { l: 92, r: W - 16, t: plotT, b: plotT + plotH };
+    const svg = svgBox(s, W, H, "timeline");
+    const x = linear(0, (t1 - t0) / unit, box.l, box.r);
+    const X = (ns) => x((ns - t0) / unit);
+    const per = (c) => c.dur_ns / (c.calls || 1);
+    const shown = calls.filter((c) => c.phase !== "prefill" || !S.decode_call_list);
+    const ymax = Math.max(...shown.map(per), S.tpot_ns || 0, 1) * 1.12 / 1e6;
+    const y = linear(0, ymax, box.b, box.t);
+    axes(svg, box, x, y, linTicks(0, (t1 - t0) / unit, 10), linTicks(0, ymax, 5),
+      `time since the first ${what} (${useMs ? "ms" : "s"})`, `${what} duration (ms)`);
+    // sequences
+    seqs.forEach((q, i) => {
+      const ty = 10 + i * (lane + 4);
+      const end = q.end_ns ?? q.prefill_end_ns ?? q.start_ns;
+      const firstTok = q.prefill_end_ns ?? end;
+      tip(sv("rect", { x: X(q.start_ns), y: ty, width: Math.max(1, X(firstTok) - X(q.start_ns)), height: lane,
+        fill: phaseColor("prefill"), rx: 2 }, svg), `sequence ${q.seq}: TTFT ${time(q.ttft_ns)}`);
+      tip(sv("rect", { x: X(firstTok), y: ty, width: Math.max(1, X(end) - X(firstTok)), height: lane,
+        fill: phaseColor("decode"), "fill-opacity": 0.35, rx: 2 }, svg),
+      `sequence ${q.seq}: ${count(q.decode_tokens)} tokens after the first, TPOT ${time(q.tpot_ns)}`);
+      const label = sv("text", { x: box.l - 6, y: ty + lane - 3, "text-anchor": "end", class: "muted" }, svg, `seq ${q.seq}`);
+      void label;
+      const txt = sv("text", { x: Math.min(X(end) + 6, box.r - 200), y: ty + lane - 3 }, svg);
+      txt.appendChild(document.createTextNode("TTFT "));
+      mark(sv("tspan", {}, txt, time(q.ttft_ns)), ["sequence_latency", i, "ttft_ns"], q.ttft_ns);
+      txt.appendChild(document.createTextNode(" · TPOT "));
+      mark(sv("tspan", {}, txt, time(q.tpot_ns)), ["sequence_latency", i, "tpot_ns"], q.tpot_ns);
+    });
+    // the strip of calls
+    sv("text", { x: box.l - 6, y: stripT + stripH - 7, "text-anchor": "end", class: "muted" }, svg, what + "s");
+    const listKey = S.decode_call_list ? "decode_call_list" : "step_list";
+    calls.forEach((c, i) => {
+      const end = c.end_ns ?? c.start_ns + c.dur_ns;
+      tip(sv("rect", { x: X(c.start_ns), y: stripT, width: barWidth(X(end) - X(c.start_ns)), height: stripH,
+        fill: phaseColor(c.phase), class: "call" }, svg),
+      `${what} ${i}: ${c.phase}, ${count(c.tokens)} tokens, ${time(c.dur_ns)}`);
+    });
+    // durations
+    calls.forEach((c, i) => {
+      if (!shown.includes(c)) return;
+      const end = c.end_ns ?? c.start_ns + c.dur_ns;
+      const top = y(Math.min(per(c) / 1e6, ymax));
+      mark(tip(sv("rect", { x: X(c.start_ns), y: top, width: barWidth(X(end) - X(c.start_ns)), height: box.b - top,
+        fill: phaseColor(c.phase), class: "duration" }, svg), `${what} ${i}: ${time(per(c))}`),
+      [listKey, i, "dur_ns"], c.dur_ns);
+    });
+    if (isNum(S.tpot_ns)) {
+      const py = y(S.tpot_ns / 1e6);
+      sv("line", { x1: box.l, x2: box.r, y1: py, y2: py, stroke: "var(--ink)", "stroke-dasharray": "5 4", "stroke-width": 1.3 }, svg);
+      const t = sv("text", { x: box.r - 4, y: py - 5, "text-anchor": "end", class: "title" }, svg, "TPOT ");
+      mark(sv("tspan", {}, t, time(S.tpot_ns)), ["tpot_ns"], S.tpot_ns);
+    }
+  }
+
+  // Op time per phase: the top ops of each phase as bars.
+  function opBreakdown() {
+    const phases = Object.entries(S.phases || {}).filter(([, p]) => Array.isArray(p.ops) && p.ops.length);
+    const s = section("Where the time went: ops per phase",
+      "Each phase's op time (summed over threads) by op type, largest first; the share is of the phase's op time.");
+    const row = el("div", { class: "row" }, s);
+    const lists = phases.length ? phases.map(([name, p]) => [name, p.ops, ["phases", name, "ops"]])
+      : (S.ops && S.ops.length ? [["all", S.ops, ["ops"]]] : []);
+    for (const [name, ops, path] of lists) {
+      const div = el("div", {}, row);
+      const total = ops.reduce((a, o) => a + o.total_ns, 0) || 1;
+      const title = el("h3", {}, div, `${name}: `);
+      if (path[0] === "phases") {
+        title.appendChild(document.createTextNode("op time "));
+        num(title, "span", ["phases", name, "op_ns"], S.phases[name].op_ns, time(S.phases[name].op_ns));
+      }
+      const top = ops.map((o, i) => [o, i]).sort((a, b) => b[0].total_ns - a[0].total_ns).slice(0, 10);
+      const rest = ops.length - top.length;
+      const W = 600, bh = 20, H = top.length * (bh + 5) + (rest ? 22 : 6);
+      const svg = svgBox(div, W, H, `ops in ${name}`);
+      const x = linear(0, top.length ? top[0][0].total_ns : 1, 0, W - 198 - 235);
+      top.forEach(([o, i], k) => {
+        const ty = k * (bh + 5);
+        tip(sv("text", { x: 192, y: ty + 14, "text-anchor": "end" }, svg, o.op.length > 28 ? o.op.slice(0, 27) + "…" : o.op), o.op);
+        tip(sv("rect", { x: 198, y: ty, width: Math.max(1, x(o.total_ns)), height: bh, fill: phaseColor(name), rx: 2 }, svg),
+          `${o.op}: ${count(o.count)} runs`);
+        const t = sv("text", { x: 204 + Math.max(1, x(o.total_ns)), y: ty + 14 }, svg);
+        mark(sv("tspan", {}, t, time(o.total_ns)), [...path, i, "total_ns"], o.total_ns);
+        sv("tspan", { class: "muted" }, t, ` · ${pct(o.total_ns / total)} · ${count(o.count)} runs`);
+      });
+      if (rest) sv("text", { x: 198, y: H - 6, class: "muted" }, svg, `and ${rest} more op types`);
+    }
+    if (Array.isArray(S.ops) && S.ops.length) {
+      el("h3", {}, s, "All ops (all phases, all threads)");
+      const tb = table(s, ["op", "runs", "total", "mean", "p50", "p99", "share"]);
+      S.ops.forEach((o, i) => {
+        const tr = el("tr", {}, tb);
+        el("td", { class: "name" }, tr, o.op);
+        num(tr, "td", ["ops", i, "count"], o.count, count(o.count));
+        num(tr, "td", ["ops", i, "total_ns"], o.total_ns, time(o.total_ns));
+        num(tr, "td", ["ops", i, "mean_ns"], o.mean_ns, time(o.mean_ns));
+        num(tr, "td", ["ops", i, "p50_ns"], o.p50_ns, time(o.p50_ns));
+        num(tr, "td", ["ops", i, "p99_ns"], o.p99_ns, time(o.p99_ns));
+        num(tr, "td", ["ops", i, "share"], o.share, pct(o.share));
+      });
+    }
+  }
+
+  // The roofline: each verdict a point (intensity, GFLOP/s) under this machine's roofs, log-log.
+  function roofline() {
+    const R = S.roofline;
+    if (!R || !R.roofs || !Array.isArray(R.verdicts)) return;
+    const roofs = R.roofs;
+    const caches = Array.isArray(roofs.caches) ? roofs.caches.filter((c) => isNum(c.gbps) && c.gbps > 0) : [];
+    const s = section("Roofline",
+      "Each point is one op type in one phase, at its arithmetic intensity (FLOP per byte moved, from the engine's cost model) " +
+      "and the FLOP/s it reached; the lines are this machine's roofs (" + (roofs.origin || "calibrated") + "). " +
+      "Area ∝ the time it took. Log-log axes.");
+    const pts = R.verdicts.map((v, i) => [v, i]).filter(([v]) => isNum(v.intensity) && v.intensity > 0 && isNum(v.gflops) && v.gflops > 0);
+    const peak = roofs.peak_gflops, bw = roofs.peak_gbps;
+    const xs = [...pts.map(([v]) => v.intensity), roofs.ridge || peak / bw, ...caches.map((c) => peak / c.gbps)];
+    const ys = [...pts.map(([v]) => v.gflops), peak];
+    const xlo = Math.pow(10, Math.floor(Math.log10(Math.min(...xs) / 2))), xhi = Math.pow(10, Math.ceil(Math.log10(Math.max(...xs) * 2)));
+    const ylo = Math.pow(10, Math.floor(Math.log10(Math.min(...ys, bw * xlo) / 1.5))), yhi = Math.pow(10, Math.ceil(Math.log10(peak * 1.6)));
+    const W = 1100, H = 480, box = { l: 78, r: W - 230, t: 16, b: H - 48 };
+    const svg = svgBox(s, W, H, "roofline");
+    const x = logScale(xlo, xhi, box.l, box.r), y = logScale(ylo, yhi, box.b, box.t);
+    axes(svg, box, x, y, logTicks(xlo, xhi), logTicks(ylo, yhi),
+      "arithmetic intensity (FLOP/byte, log)", "performance (GFLOP/s, log)", { ytitleOffset: 58 });
+    const clip = sv("clipPath", { id: "plot" }, sv("defs", {}, svg));
+    sv("rect", { x: box.l, y: box.t, width: box.r - box.l, height: box.b - box.t }, clip);
+    const roofG = sv("g", { "clip-path": "url(#plot)" }, svg);
+    const drawRoof = (gbps, label, dash, path) => {
+      const ridge = peak / gbps;
+      const xa = Math.max(xlo, ylo / gbps);
+      sv("polyline", { points: `${x(xa)},${y(gbps * xa)} ${x(Math.min(ridge, xhi))},${y(gbps * Math.min(ridge, xhi))}`,
+        fill: "none", stroke: "var(--roof)", "stroke-width": dash ? 1.3 : 2.2, "stroke-dasharray": dash || "" }, roofG);
+      // the label along the slope, where the roof crosses the plot's lower part
+      const lx = Math.max(xa * 1.6, Math.min(ridge / 6, xhi / 2));
+      const angle = -Math.atan2(y(gbps * lx) - y(gbps * lx * 10), x(lx * 10) - x(lx)) * 180 / Math.PI;
+      const t = sv("text", { x: x(lx), y: y(gbps * lx) - 6, transform: `rotate(${angle} ${x(lx)} ${y(gbps * lx) - 6})`, class: "title" }, svg, label + " ");
+      mark(sv("tspan", {}, t, withUnit(gbps, "GB/s")), path, gbps);
+    };
+    sv("line", { x1: x(Math.min(peak / Math.max(bw, ...caches.map((c) => c.gbps)), xhi)), x2: box.r, y1: y(peak), y2: y(peak),
+      stroke: "var(--roof)", "stroke-width": 2.2 }, roofG);
+    const ct = sv("text", { x: box.r - 4, y: y(peak) - 7, "text-anchor": "end", class: "title" }, svg, "compute ");
+    mark(sv("tspan", {}, ct, withUnit(peak, "GFLOP/s")), ["roofline", "roofs", "peak_gflops"], peak);
+    drawRoof(bw, "DRAM", "", ["roofline", "roofs", "peak_gbps"]);
+    caches.forEach((c) => drawRoof(c.gbps, c.level, "6 4", ["roofline", "roofs", "caches", roofs.caches.indexOf(c), "gbps"]));
+    // points, biggest first so that small ones stay on top
+    const tmax = Math.max(...pts.map(([v]) => v.time_ns || 0), 1);
+    const sorted = pts.slice().sort((a, b) => (b[0].time_ns || 0) - (a[0].time_ns || 0));
+    for (const [v, i] of sorted) {
+      const phase = (v.scope || "").split(" ")[0];
+      const r = 4 + 12 * Math.sqrt((v.time_ns || 0) / tmax);
+      const c = sv("circle", { cx: x(v.intensity), cy: y(v.gflops), r, fill: phaseColor(phase), "fill-opacity": 0.75,
+        stroke: "#fff", "stroke-width": 1.2, class: "verdict" }, svg);
+      mark(tip(c, `${v.scope}: ${sig3(v.intensity)} FLOP/B, ${sig3(v.gflops)} GFLOP/s, ${v.bound}-bound, ${time(v.time_ns)}`),
+        ["roofline", "verdicts", i, "gflops"], v.gflops);
+    }
+    // labels of the larger points, on the right margin, joined to their point
+    const labelled = sorted.slice(0, 10).sort((a, b) => y(a[0].gflops) - y(b[0].gflops));
+    let ly = box.t + 4;
+    for (const [v] of labelled) {
+      const py = Math.max(ly, Math.min(y(v.gflops), box.b - 4));
+      sv("line", { x1: x(v.intensity), y1: y(v.gflops), x2: box.r + 12, y2: py, stroke: "#c0c6d0", "stroke-width": 0.8 }, svg);
+      sv("text", { x: box.r + 16, y: py + 4 }, svg, v.scope);
+      ly = py + 15;
+    }
+    const phases = [...new Set(pts.map(([v]) => (v.scope || "").split(" ")[0]))].sort(byPhase);
+    legend(s, [...phases.map((p) => [p, phaseColor(p)]), ["roof: solid (DRAM, compute), dashed (caches)", "var(--roof)"]]);
+    const cols = ["scope", "nodes", "time", "FLOP/B", "GFLOP/s", "GB/s", "bound", "of its roof"];
+    const hasRoof = R.verdicts.some((v) => v.roof), hasNotes = R.verdicts.some((v) => v.notes);
+    if (hasRoof) cols.push("roof");
+    if (hasNotes) cols.push("notes");
+    const tb = table(s, cols);
+    R.verdicts.forEach((v, i) => {
+      const tr = el("tr", {}, tb), p = ["roofline", "verdicts", i];
+      el("td", { class: "name" }, tr, v.scope);
+      num(tr, "td", [...p, "nodes"], v.nodes, count(v.nodes));
+      num(tr, "td", [...p, "time_ns"], v.time_ns, time(v.time_ns));
+      num(tr, "td", [...p, "intensity"], v.intensity, sig3(v.intensity));
+      num(tr, "td", [...p, "gflops"], v.gflops, sig3(v.gflops));
+      num(tr, "td", [...p, "gbps"], v.gbps, sig3(v.gbps));
+      el("span", { class: "badge bound-" + v.bound }, el("td", {}, tr), v.bound || "–");
+      num(tr, "td", [...p, "roof_share"], v.roof_share, pct(v.roof_share));
+      if (hasRoof) el("td", {}, tr, v.roof ? `${v.roof}${isNum(v.roof_gbps) ? " " + sig3(v.roof_gbps) + " GB/s" : ""}` : "–");
+      if (hasNotes) el("td", { class: "name" }, tr, Array.isArray(v.notes) ? v.notes.join("; ") : (v.notes || ""));
+    });
+  }
+
+  // Time per transformer layer, a bar per phase.
+  function layers() {
+    const rows = S.layers;
+    if (!Array.isArray(rows) || !rows.length) return;
+    const s = section("Per layer",
+      "Node time per transformer layer (each node counted once: its longest thread's slice), summed over the run.");
+    const phases = [...new Set(rows.map((r) => r.phase))].sort(byPhase);
+    const ids = [...new Set(rows.map((r) => r.layer))].sort((a, b) => (a === null) - (b === null) || a - b);
+    legend(s, phases.map((p) => [p, phaseColor(p)]));
+    const W = 1100, H = 300, box = { l: 70, r: W - 12, t: 22, b: H - 46 };
+    const svg = svgBox(s, W, H, "per-layer time");
+    const ymax = Math.max(...rows.map((r) => r.time_ns)) * 1.12 / 1e6 || 1;
+    const y = linear(0, ymax, box.b, box.t);
+    const slot = (box.r - box.l) / ids.length, bw = Math.min(46, (slot * 0.8) / phases.length);
+    axes(svg, box, () => 0, y, [], linTicks(0, ymax, 5), "", "time (ms)");
+    sv("text", { x: (box.l + box.r) / 2, y: box.b + 36, "text-anchor": "middle", class: "title" }, svg, "layer");
+    const labelBars = ids.length * phases.length <= 24;
+    ids.forEach((id, k) => {
+      const cx = box.l + slot * (k + 0.5);
+      sv("text", { x: cx, y: box.b + 16, "text-anchor": "middle", class: "muted" }, svg, id === null ? "outside layers" : String(id));
+      phases.forEach((ph, j) => {
+        const i = rows.findIndex((r) => r.layer === id && r.phase === ph);
+        if (i < 0) return;
+        const r = rows[i], bx = cx - (bw * phases.length) / 2 + j * bw, top = y(r.time_ns / 1e6);
+        mark(tip(sv("rect", { x: bx + 1, y: top, width: bw - 2, height: box.b - top, fill: phaseColor(ph), rx: 2, class: "layer" }, svg),
+          `layer ${id === null ? "outside" : id}, ${ph}: ${time(r.time_ns)} over ${count(r.nodes)} nodes`), ["layers", i, "time_ns"], r.time_ns);
+        if (labelBars) mark(sv("text", { x: bx + bw / 2, y: top - 4, "text-anchor": "middle", "font-size": 10 }, svg, time(r.time_ns)),
+          ["layers", i, "time_ns"], r.time_ns);
+      });
+    });
+    const ctx = S.decode_by_context;
+    if (Array.isArray(ctx) && ctx.length) {
+      el("h3", {}, s, "Decode time against context (KV length attention reads)");
+      const tb = table(s, ["KV length", "calls", "per call", "attention per call"]);
+      ctx.forEach((c, i) => {
+        const tr = el("tr", {}, tb);
+        num(tr, "td", ["decode_by_context", i, "kv_len"], c.kv_len, count(c.kv_len));
+        num(tr, "td", ["decode_by_context", i, "calls"], c.calls, count(c.calls));
+        num(tr, "td", ["decode_by_context", i, "mean_call_ns"], c.mean_call_ns, time(c.mean_call_ns));
+        num(tr, "td", ["decode_by_context", i, "mean_attention_ns"], c.mean_attention_ns, time(c.mean_attention_ns));
+      });
+    }
+  }
+
+  function threads() {
+    const th = S.threads;
+    if (!Array.isArray(th) || !th.length) return;
+    const s = section("Threads", "Per thread: time in ops, waiting at barriers, arriving late to a graph, and its graphs' time.");
+    const cols = [["op_ns", "in ops"], ["barrier_ns", "at barriers"], ["arrival_ns", "arrival"], ["graph_ns", "graphs"]]
+      .filter(([k]) => th.some((t) => k in t));
+    const tb = table(s, ["thread", ...cols.map((c) => c[1])]);
+    th.forEach((t, i) => {
+      const tr = el("tr", {}, tb);
+      el("td", {}, tr, `${t.tid}${t.name ? " " + t.name : ""}`);
+      for (const [k] of cols) num(tr, "td", ["threads", i, k], t[k], time(t[k]));
+    });
+  }
+
+  function cuda() {
+    const C = S.cuda;
+    if (!C) return;
+    const s = section("CUDA", "Kernels launched (top 15 by launches), copies and sets by kind, and where the host waited (syncs).");
+    const kt = table(s, ["kernel", "launches", "captured", "configs", "launched by op"]);
+    Object.entries(C.kernels || {}).slice(0, 15).forEach(([name, k]) => {
+      const tr = el("tr", {}, kt);
+      el("td", { class: "name", title: name }, tr, name);
+      num(tr, "td", ["cuda", "kernels", name, "launches"], k.launches, count(k.launches));
+      num(tr, "td", ["cuda", "kernels", name, "captured"], k.captured, count(k.captured));
+      el("td", {}, tr, count(Object.keys(k.configs || {}).length));
+      el("td", { class: "name" }, tr, Object.entries(k.ops || {}).sort((a, b) => b[1] - a[1]).slice(0, 3)
+        .map(([op, n]) => `${op} ${count(n)}`).join(", "));
+    });
+    const copies = Object.entries(C.copies || {});
+    if (copies.length) {
+      el("h3", {}, s, "Copies and sets by kind");
+      const tb = table(s, ["kind", "calls", "bytes", "host time"]);
+      copies.forEach(([kind, c]) => {
+        const tr = el("tr", {}, tb);
+        el("td", {}, tr, kind);
+        num(tr, "td", ["cuda", "copies", kind, "calls"], c.calls, count(c.calls));
+        num(tr, "td", ["cuda", "copies", kind, "bytes"], c.bytes, mib(c.bytes));
+        num(tr, "td", ["cuda", "copies", kind, "host_ns"], c.host_ns, time(c.host_ns));
+      });
+    }
+    const syncs = Object.entries(C.syncs || {});
+    if (syncs.length) {
+      el("h3", {}, s, "Where the host waited for the GPU");
+      const tb = table(s, ["call", "calls", "blocked", "longest"]);
+      syncs.forEach(([api, c]) => {
+        const tr = el("tr", {}, tb);
+        el("td", {}, tr, api);
+        num(tr, "td", ["cuda", "syncs", api, "calls"], c.calls, count(c.calls));
+        num(tr, "td", ["cuda", "syncs", api, "blocked_ns"], c.blocked_ns, time(c.blocked_ns));
+        num(tr, "td", ["cuda", "syncs", api, "max_ns"], c.max_ns, time(c.max_ns));
+      });
+    }
+    const m = C.memory;
+    if (m) {
+      const p = el("p", {}, s, "Device memory: peak ");
+      num(p, "span", ["cuda", "memory", "device_peak_bytes"], m.device_peak_bytes, mib(m.device_peak_bytes));
+      p.appendChild(document.createTextNode(", live at the end "));
+      num(p, "span", ["cuda", "memory", "device_live_bytes_at_end"], m.device_live_bytes_at_end, mib(m.device_live_bytes_at_end));
+      p.appendChild(document.createTextNode("; allocations "));
+      num(p, "span", ["cuda", "memory", "allocations"], m.allocations, count(m.allocations));
+      p.appendChild(document.createTextNode(", frees "));
+      num(p, "span", ["cuda", "memory", "frees"], m.frees, count(m.frees));
+    }
+  }
+
+  function profilerCost() {
+    const c = S.profiler_cost;
+    if (!c) return;
+    const s = section("What profiling cost", "The probes' own time, from the kernel's BPF accounting and the calibrated cost of a probe hit.");
+    const p = el("p", {}, s, "BPF programs ran ");
+    num(p, "span", ["profiler_cost", "bpf_runs"], c.bpf_runs, count(c.bpf_runs));
+    p.appendChild(document.createTextNode(" times for "));
+    num(p, "span", ["profiler_cost", "bpf_ns"], c.bpf_ns, time(c.bpf_ns));
+    if (isNum(c.trap_ns)) {
+      p.appendChild(document.createTextNode("; probe traps about "));
+      num(p, "span", ["profiler_cost", "trap_ns"], c.trap_ns, time(c.trap_ns));
+    }
+    if (isNum(c.in_target_share)) {
+      p.appendChild(document.createTextNode("; in the target, "));
+      num(p, "span", ["profiler_cost", "in_target_share"], c.in_target_share, pct(c.in_target_share));
+      p.appendChild(document.createTextNode(" of its CPU time"));
+    }
+    p.appendChild(document.createTextNode("."));
+  }
+
+  function footer() {
+    const f = el("footer", {}, page);
+    el("div", {}, f, "Drawn from profinfer's JSON summary (profinfer report TRACE --json), embedded in this page; it makes no request.");
+    const details = el("details", {}, f);
+    el("summary", {}, details, `The recording's metadata (${Object.keys(S.meta || {}).length} entries)`);
+    const dl = el("dl", {}, details);
+    for (const [k, v] of Object.entries(S.meta || {})) {
+      el("dt", {}, dl, k);
+      el("dd", {}, dl, v);
+    }
+  }
+
+  page.textContent = "";
+  if (document.body.dataset.kind !== "report") throw new Error("unknown page kind " + document.body.dataset.kind);
+  header();
+  timeline();
+  opBreakdown();
+  roofline();
+  layers();
+  cuda();
+  threads();
+  profilerCost();
+  footer();
+  document.body.dataset.rendered = "1";
+})();

@@ -1,0 +1,216 @@
+"""The HTML report (`profinfer report TRACE --html PAGE`, issue 25), loaded in Debian's headless
+Chromium (by Selenium, through Debian's chromedriver): the page raises no console error, asks
+for nothing over the network, and every number of the summary it shows (marked data-key, the
+path into the summary) is the JSON summary's, as written by `--json` next to it: its value
+exactly, its text to the digits shown. The charts have a mark per data row, and the roofline's
+points lie on log-log axes at their verdicts' intensity and GFLOP/s.
+
+A real run of the tiny llama.cpp model is drawn, and the stored recordings of tests/golden/
+(vLLM's steps, the CUDA level's tables). PROFINFER_SCREENSHOT=PATH keeps the tiny run's
+screenshot there (docs/report-example.png is one)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import PROFINFER, completion_cmd, run_profinfer, with_llama_log
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+GOLDEN = Path(__file__).parent / "golden"
+
+# What a shown number's unit multiplies it by to give the summary's unit.
+UNITS = {"ns": 1, "µs": 1e3, "ms": 1e6, "s": 1e9, "%": 0.01, "MiB": 1 << 20,
+         "tok/s": 1, "GFLOP/s": 1, "GB/s": 1, "": 1}
+NUMBER = re.compile(r"^(-?[\d,]+)(?:\.(\d+))?\s*(.*)$")
+
+
+@contextlib.contextmanager
+def chromium(width: int = 1280, height: int = 900):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    for tool in (CHROMIUM, CHROMEDRIVER):
+        assert os.access(tool, os.X_OK), f"{tool} missing: setup.sh installs Debian's chromium and chromium-driver"
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                f"--window-size={width},{height}"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def load(driver, page: Path) -> dict:
+    """The page loaded: what it logged, what it requested, and each number it marks."""
+    from selenium.webdriver.support.ui import WebDriverWait
+    driver.get(page.as_uri())
+    # the page's script runs inline, before the load completes
+    WebDriverWait(driver, 60).until(lambda d: d.execute_script("return document.readyState === 'complete'"))
+    rendered = driver.execute_script("return document.body.dataset.rendered")
+    marked = driver.execute_script("""
+        return [...document.querySelectorAll('[data-key]')].map(e => ({
+          tag: e.tagName, key: e.dataset.key, value: e.dataset.value, cls: e.getAttribute('class') || '',
+          text: (e instanceof SVGGeometryElement) ? null : e.textContent.trim(),
+          cx: e.getAttribute('cx'), cy: e.getAttribute('cy')}));""")
+    requests = [json.loads(e["message"])["message"] for e in driver.get_log("performance")]
+    return {"logs": driver.get_log("browser"), "marked": marked, "rendered": rendered,
+            "requests": {m["params"]["request"]["url"] for m in requests
+                         if m["method"] == "Network.requestWillBeSent"}}
+
+
+def at(summary: dict, path: list):
+    v = summary
+    for part in path:
+        v = v[part]
+    return v
+
+
+def shown_value(text: str) -> tuple[float, float]:
+    """A shown number in the summary's unit, and how far from it the true value may be (half
+    its last digit)."""
+    m = NUMBER.match(text)
+    assert m, f"not a number with a unit: {text!r}"
+    whole, frac, unit = m.groups()
+    assert unit in UNITS, f"unknown unit in {text!r}"
+    scale = UNITS[unit]
+    value = float(whole.replace(",", "") + (f".{frac}" if frac else ""))
+    return value * scale, 0.5 * 10 ** -len(frac or "") * scale
+
+
+def check_page(summary: dict, page: Path, loaded: dict) -> set[tuple]:
+    """The checks every page passes; returns the paths of the numbers it shows."""
+    assert not [e for e in loaded["logs"] if e["level"] in ("SEVERE", "WARNING")], loaded["logs"]
+    assert loaded["rendered"] == "1", "the page's script did not finish"
+    assert loaded["requests"] <= {page.as_uri()}, f"the page asked for {loaded['requests']}"
+    paths = set()
+    for m in loaded["marked"]:
+        path = json.loads(m["key"])
+        want = at(summary, path)
+        assert json.loads(m["value"]) == want, (path, m["value"], want)
+        if m["text"] is not None:
+            if want is None:
+                assert m["text"] == "–", (path, m["text"])
+            else:
+                shown, within = shown_value(m["text"])
+                assert abs(shown - want) <= within * (1 + 1e-9) + 1e-9 * abs(want), (path, m["text"], want)
+        paths.add(tuple(path))
+    return paths
+
+
+def report(trace: Path, tmp_path: Path) -> tuple[dict, Path]:
+    page, js = tmp_path / "page.html", tmp_path / "s.json"
+    p = subprocess.run([*PROFINFER, "report", str(trace), "--html", str(page), "--json", str(js)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return json.loads(js.read_text()), page
+
+
+def check_roofline_is_log_log(summary: dict, marked: list[dict]) -> None:
+    """Each point's x (y) is an affine function of log10 intensity (GFLOP/s), increasing
+    (decreasing: SVG's y runs down), within half a pixel."""
+    verdicts = summary["roofline"]["verdicts"]
+    plotted = [v for v in verdicts if (v["intensity"] or 0) > 0 and (v["gflops"] or 0) > 0]
+    points = [(verdicts[json.loads(m["key"])[2]], float(m["cx"]), float(m["cy"]))
+              for m in marked if "verdict" in m["cls"]]
+    assert len(points) == len(plotted) >= 2
+    for field, pos, sign in (("intensity", 1, 1), ("gflops", 2, -1)):
+        pts = sorted({(math.log10(p[0][field]), p[pos]) for p in points})
+        (l0, p0), (l1, p1) = pts[0], pts[-1]
+        assert (p1 - p0) * sign > 0, field
+        for lv, pv in pts:
+            assert abs(p0 + (lv - l0) * (p1 - p0) / (l1 - l0) - pv) < 0.5, (field, lv, pv)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(llama_build, tiny_model, llama_env, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("html")
+    trace = tmp / "run.pftrace"
+    r = with_llama_log(lambda: run_profinfer(   # -o: ops one by one (layers and the roofline need them)
+        ["record", "--quiet", "-o", str(trace), "--", *completion_cmd(llama_build, tiny_model, n=24)],
+        env=llama_env, tmp_path=tmp))
+    assert r.rc == 0, r.stderr[-2000:]
+    return trace, tmp
+
+
+def test_the_page_of_a_real_run_shows_the_summarys_numbers(tiny_run, tmp_path):
+    trace, _ = tiny_run
+    summary, page = report(trace, tmp_path)
+    with chromium() as driver:
+        loaded = load(driver, page)
+        shown = check_page(summary, page, loaded)
+        height = driver.execute_script("return document.documentElement.scrollHeight")
+        driver.set_window_size(1280, height)
+        shot = tmp_path / "report.png"
+        driver.save_screenshot(str(shot))
+    # the headline numbers, each row of the roofline and of the layers, each decode call's bar
+    assert {("ttft_ns",), ("tpot_ns",), ("tokens_per_s",), ("tokens", "prefill"), ("tokens", "decode"),
+            ("roofline", "roofs", "peak_gflops"), ("roofline", "roofs", "peak_gbps")} <= shown
+    assert summary["roofline"] and summary["layers"] and summary["decode_call_group"] == 1
+    assert {("roofline", "verdicts", i, "gflops") for i in range(len(summary["roofline"]["verdicts"]))} <= shown
+    assert {("layers", i, "time_ns") for i in range(len(summary["layers"]))} <= shown
+    calls = summary["decode_call_list"]
+    assert len(calls) == summary["decode_calls"]
+    assert {("decode_call_list", i, "dur_ns") for i, c in enumerate(calls) if c["phase"] != "prefill"} <= shown
+    for phase, p in summary["phases"].items():
+        assert {("phases", phase, "ops", i, "total_ns") for i in range(min(10, len(p["ops"])))} <= shown
+    check_roofline_is_log_log(summary, loaded["marked"])
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+    if os.environ.get("PROFINFER_SCREENSHOT"):
+        shutil.copyfile(shot, os.environ["PROFINFER_SCREENSHOT"])
+
+
+@pytest.mark.parametrize("name", ["llamacpp", "vllm", "cuda_calls", "cuda_ops"])
+def test_the_page_of_each_stored_recording(name, tmp_path):
+    summary, page = report(GOLDEN / f"{name}.pftrace", tmp_path)
+    with chromium() as driver:
+        shown = check_page(summary, page, load(driver, page))
+    assert ("lost_events",) in shown
+    if "step_list" in summary:
+        assert {("step_list", i, "dur_ns") for i in range(len(summary["step_list"]))} <= shown
+    if summary.get("cuda"):
+        kernels = list(summary["cuda"]["kernels"])[:15]
+        assert kernels and {("cuda", "kernels", k, "launches") for k in kernels} <= shown
+
+
+def test_cache_roofs_and_a_verdicts_roof_are_drawn(tmp_path):
+    """The roofline's cache roofs (roofs.caches) each get a line and their bandwidth; a
+    verdict's roof and notes a column."""
+    from profinfer.viewers import html
+    summary = json.loads((GOLDEN / "llamacpp.summary.json").read_text())
+    roofs = summary["roofline"]["roofs"]
+    roofs["caches"] = [{"level": "L1", "gbps": roofs["peak_gbps"] * 20, "bytes": 32768},
+                       {"level": "L2", "gbps": roofs["peak_gbps"] * 6, "bytes": 1 << 20}]
+    summary["roofline"]["verdicts"][0].update(roof="L2", roof_gbps=roofs["peak_gbps"] * 6, notes="fits in L2")
+    page = tmp_path / "page.html"
+    html.write_html(summary, page)
+    with chromium() as driver:
+        loaded = load(driver, page)
+        shown = check_page(summary, page, loaded)
+        text = driver.execute_script("return document.body.innerText")
+    assert {("roofline", "roofs", "caches", 0, "gbps"), ("roofline", "roofs", "caches", 1, "gbps")} <= shown
+    assert "fits in L2" in text and "L1" in text
+
+
+def test_bad_input_is_one_line(tmp_path):
+    missing = subprocess.run([*PROFINFER, "report", str(tmp_path / "none.pftrace"), "--html", str(tmp_path / "p.html")],
+                             capture_output=True, text=True, timeout=120)
+    unwritable = subprocess.run([*PROFINFER, "report", str(GOLDEN / "llamacpp.pftrace"),
+                                 "--html", str(tmp_path / "no" / "dir" / "p.html")],
+                                capture_output=True, text=True, timeout=120)
+    for p in (missing, unwritable):
+        assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert "Traceback" not in p.stderr
+    assert "no such file" in missing.stderr and "--html" in unwritable.stderr
+    assert not (tmp_path / "p.html").exists()
