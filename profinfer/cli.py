@@ -222,9 +222,19 @@ def report(trace, json_path, html_path):
         sys.exit(1)
 
 
+def _trace_paths(arg: str) -> list[str]:
+    """A side of diff: a trace, a comma-separated list of traces, or a directory of them."""
+    if os.path.isdir(arg):
+        found = sorted(os.path.join(arg, f) for f in os.listdir(arg) if f.endswith(".pftrace"))
+        if not found:
+            raise ProfinferError(f"{arg}: a directory without .pftrace files")
+        return found
+    return [p for p in arg.split(",") if p] or [arg]
+
+
 @cli.command()
-@click.argument("before", type=click.Path(dir_okay=False))
-@click.argument("after", type=click.Path(dir_okay=False))
+@click.argument("before")
+@click.argument("after")
 @click.option("--fail-above", "gates", multiple=True, metavar="[WHAT=]PCT",
               help="Exit 1 when a quantity is significantly slower by more than PCT: any "
               "phase's time per token or any op, or only WHAT (a row: 'decode', 'MUL_MAT', "
@@ -233,13 +243,18 @@ def report(trace, json_path, html_path):
               help="The run-to-run noise floor: a change whose interval reaches inside it is "
               "not called significant.")
 @click.option("--confidence", type=click.FloatRange(0.5, 0.999), default=0.95, show_default=True)
+@click.option("--statistic", type=click.Choice(["median", "mean"]), default="median", show_default=True,
+              help="What is compared of each quantity's samples: the median (a stall in a few "
+              "calls moves it little) or the mean (tails included).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write the comparison (schema: docs/analysis.md#diff).")
 @click.option("--all", "show_all", is_flag=True, help="Show every quantity, moved or not.")
-def diff(before, after, gates, noise, confidence, json_path, show_all):
+def diff(before, after, gates, noise, confidence, statistic, json_path, show_all):
     """Compare two saved traces: per phase, op, layer, node, thread (and kernel, for cuda),
-    what changed and with what confidence. Exit 1 when a --fail-above gate fails, 2 when the
-    runs cannot be compared."""
+    what changed and with what confidence. BEFORE and AFTER are each a trace, traces joined
+    by commas, or a directory of them: several runs a side are pooled, and the spread of
+    their means is a noise floor. Exit 1 when a --fail-above gate fails, 2 when the runs
+    cannot be compared."""
     from profinfer.exporters import comparison
     from profinfer.viewers import difftable
     from profinfer.viewers.terminal import report_console
@@ -248,8 +263,10 @@ def diff(before, after, gates, noise, confidence, json_path, show_all):
     if json_path:
         from profinfer import outputs
         outputs.check_writable([outputs.Output("--json", json_path, "comparison", ".json", None)])
-    result = comparison.compare_profiles(_load_trace(before), _load_trace(after), floor, confidence,
-                                         rules, (before, after))
+    sides = (_trace_paths(before), _trace_paths(after))
+    result = comparison.compare_profiles([_load_trace(p) for p in sides[0]],
+                                         [_load_trace(p) for p in sides[1]], floor, confidence, rules, sides,
+                                         statistic)
     if json_path:
         try:
             comparison.write_json(result, json_path)

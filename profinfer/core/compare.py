@@ -3,7 +3,10 @@
 A run is reduced to Series: one quantity (decode time per token, an op's time per decode
 token, a layer's, a kernel's) as one sample per unit of work (a decode call, an engine step,
 a sequence, a call), in the order the units ran. Two series with the same key are compared by
-the ratio of their means.
+the ratio of a statistic of their samples: the median by default (a stall of the machine
+in a few calls moves it little), or the mean (`diff --statistic mean`: what totals are made
+of, tails included). A row whose median is zero on a side (a unit in two without the op) is
+compared by its mean.
 
 The interval is a moving-block bootstrap of that ratio: each run's samples are resampled in
 contiguous blocks (about sqrt(n) long), so that slow drift within a run (a neighbour's load,
@@ -12,24 +15,36 @@ seeded: the same two traces always give the same answer. A series of more than M
 samples is first reduced to MAX_POINTS means of consecutive samples (a block of its own).
 
 A change is judged against a noise floor: the run-to-run noise the caller states (`diff
---noise`), or the quantity's own drift within a run where that is larger: the range of the
-means of a run's quarters, over its mean, the larger of the two runs'. A quantity that moves
-that much between parts of one run is not called changed by less between two runs. Only an
-interval wholly beyond the floor is "slower" or "faster"; one inside it, or one that
-includes zero, is labelled as such.
+--noise`), or, where larger, what the runs themselves show of it: the quantity's drift
+within a run (the range of the statistic over a run's quarters, over the whole run's; of
+several runs, the median run's). A quantity that moves that much between parts of one run
+is not called changed by less between two.
+
+Where both sides have several runs (pool), the run is the unit of run-to-run noise (a whole
+process can run 30% slower than another on a shared VM): the interval is widened to cover
+Welch's t interval on the logarithms of the runs' statistics. Only an interval wholly beyond the floor
+is "slower" or "faster"; one inside it, or one that includes zero, is labelled as such.
+
+A part of a whole (an op's time per decode token, of the decode time per token: rows of one
+unit) is also judged by what it moves the whole by: a change of less than IMPACT times the
+floor of the whole (1% of the decode time per token at the default 5%) is within the
+noise of the whole, however large it is for the part. Small ops' times swing between runs of
+one process by tens of percent (bench/results.md) without moving a token's time.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import stats
 
 RESAMPLES = 2000
 MAX_POINTS = 1024
-MIN_SAMPLES = 3          # fewer on a side: shown, not judged
-DRIFT_PARTS = 4          # a run's parts whose means give its drift
+MIN_SAMPLES = 8          # fewer on a side: shown, not judged (a bootstrap of fewer is too narrow)
+DRIFT_PARTS = 4          # a run's parts whose statistic gives its drift
+IMPACT = 0.2             # a part's change must move its whole by this share of the noise floor
 SEED = 20261204
+STATISTICS = ("median", "mean")
 
 # Verdicts, from most to least telling.
 SLOWER, FASTER = "slower", "faster"
@@ -44,20 +59,23 @@ VERDICTS = (SLOWER, FASTER, UNCERTAIN, WITHIN_NOISE, NO_CHANGE, FEW_SAMPLES, ONL
 
 @dataclass(frozen=True)
 class Series:
-    """One quantity of one run: a sample per unit of work, in the order the units ran."""
+    """One quantity of one side: a sample per unit of work, in the order the units ran."""
     section: str             # "latency", "op", "layer", "node", "kernel", "copy", "thread", ...
     name: str                # its row: "decode MUL_MAT", "layer 3", "decode time per token"
     unit: str                # what a sample is: "ns per decode token", "ns per call"
     samples: np.ndarray      # float64, one per unit of work
     events: int = 0          # the records behind the samples (op runs, calls), 0: the samples
+    # pooled from several runs (pool): where each run's samples end in `samples`
+    run_ends: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple[str, str]:
         return self.section, self.name
 
     @property
-    def mean(self) -> float:
-        return float(self.samples.mean()) if len(self.samples) else 0.0
+    def runs(self) -> list[np.ndarray]:
+        ends = self.run_ends or (len(self.samples),)
+        return [self.samples[a:b] for a, b in zip((0, *ends[:-1]), ends)]
 
 
 @dataclass(frozen=True)
@@ -65,7 +83,8 @@ class Change:
     section: str
     name: str
     unit: str
-    before: float | None         # mean per unit (None: not in that run)
+    statistic: str               # what was compared: "median" or "mean" of the samples
+    before: float | None         # the statistic per unit (None: not in that side)
     after: float | None
     before_n: int                # samples
     after_n: int
@@ -82,6 +101,10 @@ class Change:
         return self.verdict in SIGNIFICANT
 
 
+def _stat(name: str, x: np.ndarray, axis=None):
+    return np.median(x, axis=axis) if name == "median" else np.mean(x, axis=axis)
+
+
 def _points(samples: np.ndarray) -> np.ndarray:
     """At most MAX_POINTS points: the means of consecutive equal runs of samples."""
     n = len(samples)
@@ -92,72 +115,145 @@ def _points(samples: np.ndarray) -> np.ndarray:
     return sums / np.diff(edges)
 
 
-def block_means(samples: np.ndarray, rng: np.random.Generator, resamples: int = RESAMPLES) -> np.ndarray:
-    """The mean of `resamples` moving-block bootstrap resamples of `samples`."""
+def block_resamples(samples: np.ndarray, rng: np.random.Generator, statistic: str,
+                    resamples: int = RESAMPLES) -> np.ndarray:
+    """The statistic of `resamples` moving-block bootstrap resamples of `samples`."""
     x = _points(np.asarray(samples, np.float64))
     n = len(x)
-    block = max(1, min(n // 2 or 1, round(math.sqrt(n))))
+    block = max(1, min(n // 2 or 1, round(np.sqrt(n))))
     blocks = -(-n // block)
     starts = rng.integers(0, n - block + 1, size=(resamples, blocks))
     idx = (starts[:, :, None] + np.arange(block)).reshape(resamples, -1)[:, :n]
-    return x[idx].mean(axis=1)
+    return _stat(statistic, x[idx], axis=1)
 
 
-def judge(before: Series | None, after: Series | None, noise: float, confidence: float = 0.95) -> Change:
-    """The change from `before` to `after` (the same key; either may be missing)."""
+def _relative_range(values: list[float]) -> float:
+    whole = float(np.mean(values)) if values else 0.0
+    return (max(values) - min(values)) / whole if whole > 0 and len(values) > 1 else 0.0
+
+
+def drift(samples: np.ndarray, statistic: str = "median") -> float:
+    """How far the statistic of a run's DRIFT_PARTS consecutive parts lies apart, over the
+    parts' mean value."""
+    parts = [p for p in np.array_split(np.asarray(samples, np.float64), DRIFT_PARTS) if len(p)]
+    return _relative_range([float(_stat(statistic, p)) for p in parts])
+
+
+def spread(s: Series, statistic: str = "median") -> float:
+    """The range of a pooled series' run statistics over their mean (0 for one run; a run
+    without the quantity counts 0)."""
+    return _relative_range([float(_stat(statistic, r)) if len(r) else 0.0 for r in s.runs])
+
+
+def _floor(s: Series, statistic: str) -> float:
+    """The drift within a side's runs: its run's, or the median run's of several (one
+    disturbed run must not hide every change: the runs' interval already widens for it)."""
+    drifts = [drift(r, statistic) for r in s.runs if len(r)]
+    return float(np.median(drifts)) if drifts else 0.0
+
+
+def run_interval(before: Series, after: Series, statistic: str, confidence: float
+                 ) -> tuple[float, float] | None:
+    """Where both sides have several runs: the interval of the change from the runs'
+    statistics (Welch's t on their logarithms: the run is the unit of run-to-run noise);
+    None otherwise."""
+    b = [float(_stat(statistic, r)) for r in before.runs if len(r)]
+    a = [float(_stat(statistic, r)) for r in after.runs if len(r)]
+    if len(b) < 2 or len(a) < 2 or min(b + a) <= 0:
+        return None
+    lb, la = np.log(b), np.log(a)
+    vb, va = lb.var(ddof=1) / len(lb), la.var(ddof=1) / len(la)
+    se = np.sqrt(vb + va)
+    if se == 0:
+        return None
+    dof = (vb + va) ** 2 / ((vb ** 2 / (len(lb) - 1) if vb else 0) + (va ** 2 / (len(la) - 1) if va else 0))
+    t = stats.t.ppf(0.5 + confidence / 2, dof)
+    d = la.mean() - lb.mean()
+    return float(np.expm1(d - t * se)), float(np.expm1(d + t * se))
+
+
+def judge(before: Series | None, after: Series | None, noise: float, confidence: float = 0.95,
+          statistic: str = "median", whole: float | None = None) -> Change:
+    """The change from `before` to `after` (the same key; either may be missing); `whole`:
+    the statistic of what this quantity is a part of, where it is one."""
     s = before or after
-    b_mean = before.mean if before is not None else None
-    a_mean = after.mean if after is not None else None
-    common = dict(section=s.section, name=s.name, unit=s.unit, before=b_mean, after=a_mean,
+    if (before is not None and after is not None and statistic == "median"
+            and min(np.median(before.samples), np.median(after.samples)) <= 0 < max(before.samples.mean(), after.samples.mean())):
+        statistic = "mean"          # the op is absent from most units: its median says nothing
+    b_val = float(_stat(statistic, before.samples)) if before is not None and len(before.samples) else None
+    a_val = float(_stat(statistic, after.samples)) if after is not None and len(after.samples) else None
+    common = dict(section=s.section, name=s.name, unit=s.unit, statistic=statistic, before=b_val, after=a_val,
                   before_n=len(before.samples) if before is not None else 0,
                   after_n=len(after.samples) if after is not None else 0,
                   before_events=(before.events or len(before.samples)) if before is not None else 0,
                   after_events=(after.events or len(after.samples)) if after is not None else 0)
-    if before is None or after is None:
+    if b_val is None or a_val is None:
         return Change(**common, change=None, low=None, high=None, floor=None,
-                      verdict=ONLY_AFTER if before is None else ONLY_BEFORE)
-    if b_mean <= 0:          # nothing to divide by: nothing before, something after
-        return Change(**common, change=None if a_mean > 0 else 0.0, low=None, high=None, floor=None,
-                      verdict=ONLY_AFTER if a_mean > 0 else NO_CHANGE)
-    change = a_mean / b_mean - 1
+                      verdict=ONLY_AFTER if b_val is None else ONLY_BEFORE)
+    if b_val <= 0:          # nothing to divide by: nothing before, something after
+        return Change(**common, change=None if a_val > 0 else 0.0, low=None, high=None, floor=None,
+                      verdict=ONLY_AFTER if a_val > 0 else NO_CHANGE)
+    change = a_val / b_val - 1
     if min(len(before.samples), len(after.samples)) < MIN_SAMPLES:
         return Change(**common, change=change, low=None, high=None, floor=None, verdict=FEW_SAMPLES)
     rng = np.random.default_rng(SEED)
-    b, a = block_means(before.samples, rng), block_means(after.samples, rng)
-    ratios = a / np.where(b > 0, b, np.nan) - 1
+    b, a = block_resamples(before.samples, rng, statistic), block_resamples(after.samples, rng, statistic)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = a / np.where(b > 0, b, np.nan) - 1
     ratios = ratios[np.isfinite(ratios)]
     tail = (1 - confidence) / 2 * 100
     low, high = (float(v) for v in np.percentile(ratios, [tail, 100 - tail]))
-    floor = max(noise, drift(before.samples), drift(after.samples))
-    return Change(**common, change=change, low=low, high=high, floor=floor,
-                  verdict=_verdict(change, low, high, floor))
+    runs = run_interval(before, after, statistic, confidence)
+    if runs is not None:             # the wider of the two: within runs, between runs
+        low, high = min(low, runs[0]), max(high, runs[1])
+    floor = max(noise, _floor(before, statistic), _floor(after, statistic))
+    verdict = _verdict(change, low, high, floor)
+    if verdict != NO_CHANGE and whole and abs(a_val - b_val) < IMPACT * noise * whole:
+        verdict = WITHIN_NOISE
+    return Change(**common, change=change, low=low, high=high, floor=floor, verdict=verdict)
 
 
-def drift(samples: np.ndarray) -> float:
-    """How far the means of a run's DRIFT_PARTS consecutive parts lie apart, over its mean."""
-    parts = np.array_split(np.asarray(samples, np.float64), DRIFT_PARTS)
-    means = [p.mean() for p in parts if len(p)]
-    whole = float(np.mean(samples))
-    return (max(means) - min(means)) / whole if whole > 0 and len(means) > 1 else 0.0
-
-
-def _verdict(change: float, low: float, high: float, noise: float) -> str:
-    if low > noise:
+def _verdict(change: float, low: float, high: float, floor: float) -> str:
+    if low > floor:
         return SLOWER
-    if high < -noise:
+    if high < -floor:
         return FASTER
     if low <= 0 <= high:
         return NO_CHANGE
-    if abs(change) < noise:
+    if abs(change) < floor:
         return WITHIN_NOISE
     return UNCERTAIN
 
 
-def compare(before: list[Series], after: list[Series], noise: float, confidence: float = 0.95
-            ) -> list[Change]:
-    """Every quantity of either run, matched by key, in the order they first appear (the
-    before run's, then what only the after run has)."""
+def pool(runs: list[list[Series]]) -> list[Series]:
+    """Several runs of one side as one: each quantity's samples in run order, and where each
+    run's end (a run without the quantity: none of its samples)."""
+    if len(runs) == 1:
+        return runs[0]
+    first: dict[tuple[str, str], Series] = {}
+    for run in runs:
+        for s in run:
+            first.setdefault(s.key, s)
+    out = []
+    for key, model in first.items():
+        found = [next((s for s in run if s.key == key), None) for run in runs]
+        parts = [s.samples if s is not None else np.zeros(0) for s in found]
+        out.append(Series(model.section, model.name, model.unit, np.concatenate(parts),
+                          sum((s.events or len(s.samples)) for s in found if s is not None),
+                          tuple(np.cumsum([len(p) for p in parts]).tolist())))
+    return out
+
+
+def compare(before: list[Series], after: list[Series], noise: float, confidence: float = 0.95,
+            statistic: str = "median") -> list[Change]:
+    """Every quantity of either side, matched by key, in the order they first appear (the
+    before side's, then what only the after side has)."""
     b = {s.key: s for s in before}
     a = {s.key: s for s in after}
     keys = list(b) + [k for k in a if k not in b]
-    return [judge(b.get(k), a.get(k), noise, confidence) for k in keys]
+    wholes = {s.unit: max(float(_stat(statistic, s.samples)), float(_stat(statistic, a[k].samples)))
+              for k, s in b.items() if s.section == "latency" and k in a
+              and len(s.samples) and len(a[k].samples)}
+    return [judge(b.get(k), a.get(k), noise, confidence, statistic,
+                  None if k[0] == "latency" else wholes.get((b.get(k) or a.get(k)).unit))
+            for k in keys]

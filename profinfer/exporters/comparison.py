@@ -27,8 +27,8 @@ from profinfer.core.sections import SeriesSection, View
 from profinfer.exporters import json_summary
 
 SCHEMA = "profinfer.diff/1"
-METHOD = (f"ratio of means, moving-block bootstrap ({compare.RESAMPLES} resamples, blocks of "
-          "about sqrt(n) units, seeded)")
+METHOD = (f"ratio of the {{statistic}}s, moving-block bootstrap ({compare.RESAMPLES} resamples, blocks "
+          "of about sqrt(n) units, seeded)")
 NOISE = 0.05            # the default noise floor: bench/results.md, "diff: run-to-run noise"
 CONFIDENCE = 0.95
 # Facts of a recording's meta that say how it was made: listed where two runs differ.
@@ -150,16 +150,26 @@ def _series(profile: Profile) -> list[compare.Series]:
     return [s for sec in sections.series_sections(profile, NEUTRAL) for s in sec.series(profile)]
 
 
-def _warnings(cov: dict[str, dict], changes: list[compare.Change]) -> list[str]:
-    out = []
+def _side_coverage(runs: list[dict]) -> dict:
+    """A side's coverage over its runs: lost events and events summed, the busiest
+    neighbours, the least graph time explained."""
+    covered = [r["graph_coverage"] for r in runs if r["graph_coverage"] is not None]
+    others = [r["others_cpus"] for r in runs if r["others_cpus"] is not None]
+    return {"lost_events": sum(r["lost_events"] for r in runs), "events": sum(r["events"] for r in runs),
+            "levels": runs[0]["levels"], "others_cpus": max(others) if others else None,
+            "graph_coverage": min(covered) if covered else None}
+
+
+def _warnings(cov: dict[str, dict], inner: list[str]) -> list[str]:
+    out = list(inner)
     for side, c in cov.items():
         if c["lost_events"]:
             share = c["lost_events"] / (c["events"] + c["lost_events"]) if c["events"] else None
-            out.append(f"the {side} run lost {c['lost_events']:,} events"
+            out.append(f"the {side} side lost {c['lost_events']:,} events"
                        + (f" ({share:.1%} of its records)" if share is not None else "")
                        + ": its totals are low, and a change may be the loss, not the code")
         if c["others_cpus"] is not None and c["others_cpus"] > OTHERS_CPU_LIMIT:
-            out.append(f"other processes used {c['others_cpus']:.2f} CPUs while the {side} run "
+            out.append(f"other processes used {c['others_cpus']:.2f} CPUs while the {side} side "
                        "worked: its times are partly theirs")
     b, a = cov["before"]["graph_coverage"], cov["after"]["graph_coverage"]
     if b is not None and a is not None and abs(a - b) >= COVERAGE_GAP:
@@ -167,29 +177,50 @@ def _warnings(cov: dict[str, dict], changes: list[compare.Change]) -> list[str]:
                    "compare the recordings, not only the code")
     if cov["before"]["levels"] != cov["after"]["levels"]:
         out.append(f"levels differ ({cov['before']['levels']} before, {cov['after']['levels']} after): "
-                   "what one run did not record is not compared")
+                   "what one side did not record is not compared")
     return out
 
 
-def compare_profiles(before: Profile, after: Profile, noise: float = NOISE,
+def _one_side(runs: list[Profile], side: str) -> list[str]:
+    """A side's runs must be comparable with its first, and are said to differ in setup."""
+    first, out = _identity(runs[0]), []
+    for r in runs[1:]:
+        why = _refusal(first, _identity(r))
+        if why:
+            raise IncomparableRuns(f"the {side} runs cannot be pooled: {why}")
+        differs = _differences(_setup(runs[0]), _setup(r))
+        if differs:
+            out.append(f"the {side} runs differ in {', '.join(d['fact'] for d in differs)}")
+    return out
+
+
+def compare_profiles(before: list[Profile], after: list[Profile], noise: float = NOISE,
                      confidence: float = CONFIDENCE, gates: tuple[Gate, ...] = (),
-                     names: tuple[str, str] = ("before", "after")) -> dict:
-    """The comparison; IncomparableRuns where the runs cannot be compared."""
-    why = _refusal(_identity(before), _identity(after))
+                     names: tuple[list[str], list[str]] = (["before"], ["after"]),
+                     statistic: str = "median") -> dict:
+    """The comparison of two sides of one or more runs each (several: pooled, and the
+    spread of their means a floor: core.compare); IncomparableRuns where they cannot be
+    compared."""
+    inner = _one_side(before, "before") + _one_side(after, "after")
+    why = _refusal(_identity(before[0]), _identity(after[0]))
     if why:
         raise IncomparableRuns(f"the runs cannot be compared: {why}")
-    summaries = {"before": json_summary.summary(before), "after": json_summary.summary(after)}
-    changes = compare.compare(_series(before), _series(after), noise, confidence)
-    differences = _differences(_setup(before), _setup(after))
-    vb, va = _verdicts(summaries["before"]), _verdicts(summaries["after"])
-    coverage = {"before": _coverage(before, summaries["before"]), "after": _coverage(after, summaries["after"])}
+    summaries = {"before": [json_summary.summary(p) for p in before],
+                 "after": [json_summary.summary(p) for p in after]}
+    changes = compare.compare(compare.pool([_series(p) for p in before]),
+                              compare.pool([_series(p) for p in after]), noise, confidence, statistic)
+    differences = _differences(_setup(before[0]), _setup(after[0]))
+    vb, va = _verdicts(summaries["before"][0]), _verdicts(summaries["after"][0])
+    coverage = {side: _side_coverage([_coverage(p, s) for p, s in zip(profiles, summaries[side])])
+                for side, profiles in (("before", before), ("after", after))}
     failed = [{"gate": g.label, "name": c.name, "change": c.change}
               for g in gates for c in changes if g.fails(c)]
     return {
         "schema": SCHEMA,
-        "runs": {"before": {"name": names[0], "engine": _engine(before), **coverage["before"]},
-                 "after": {"name": names[1], "engine": _engine(after), **coverage["after"]}},
-        "method": METHOD,
+        "runs": {side: {"traces": list(n), "engine": _engine(profiles[0]), **coverage[side]}
+                 for side, profiles, n in (("before", before, names[0]), ("after", after, names[1]))},
+        "method": METHOD.format(statistic=statistic),
+        "statistic": statistic,
         "confidence": confidence,
         "noise": noise,
         "differences": differences,
@@ -197,7 +228,7 @@ def compare_profiles(before: Profile, after: Profile, noise: float = NOISE,
         "changes": [asdict(c) for c in changes],
         "verdicts_changed": [{"scope": s, "before": vb.get(s), "after": va.get(s)}
                              for s in sorted(vb.keys() | va.keys()) if vb.get(s) != va.get(s)],
-        "warnings": _warnings(coverage, changes),
+        "warnings": _warnings(coverage, inner),
         "gates": [g.label for g in gates],
         "failed": failed,
     }

@@ -31,6 +31,11 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:+.1f}%"
 
 
+def _side(run: dict) -> str:
+    traces = run["traces"]
+    return traces[0] if len(traces) == 1 else f"{len(traces)} runs ({traces[0]}, ...)"
+
+
 def _moved(c: dict) -> bool:
     return c["verdict"] in (compare.SLOWER, compare.FASTER, compare.UNCERTAIN,
                             compare.ONLY_BEFORE, compare.ONLY_AFTER)
@@ -38,7 +43,7 @@ def _moved(c: dict) -> bool:
 
 def render(result: dict, console: Console, show_all: bool = False) -> None:
     runs = result["runs"]
-    console.print(f"[bold]{runs['before']['name']}[/] → [bold]{runs['after']['name']}[/]   "
+    console.print(f"[bold]{_side(runs['before'])}[/] → [bold]{_side(runs['after'])}[/]   "
                   f"({runs['before']['engine']}; {result['confidence']:.0%} intervals, {result['method']}; "
                   f"noise floor ±{result['noise']:.0%})")
     if result["only_build_differs"]:

@@ -57,7 +57,7 @@ def series(profile: Profile) -> list[Series]:
         out.append(Series(section, name, unit, np.array([samples.get(gi, 0.0) for gi in in_phase]),
                           sum(c for _, _, c in vals)))
     # layers in their order, then the kinds of node by time, each phase together
-    out.sort(key=lambda s: (s.section, s.name.split(" ", 1)[0], -s.mean if s.section == "node" else 0))
+    out.sort(key=lambda s: (s.section, s.name.split(" ", 1)[0], -float(s.samples.mean()) if s.section == "node" else 0))
     return out
 
 
