@@ -6,21 +6,26 @@
 - a model made here with its FFN twice as wide doubles the FFN matmuls' FLOPs and nothing
   else (the models' shapes, written by the test), so diff must flag those matmuls within
   the FLOP ratio's bounds, leave attention and norms alone, and fail a 5% gate;
-- a model of another structure is refused with one line and exit status 2.
+- a model of another structure is refused with one line and exit status 2;
+- one thread against two: the threads that worked, thread 0's time and the barrier waits
+  move as the kernel's own count of each thread's CPU time (schedstat) says.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import jsonschema
 import pytest
 
 from profinfer.engines.llamacpp import workload
-from tests.conftest import PROFINFER, completion_cmd
+from conftest import PROFINFER, completion_cmd, llama_server, start_profinfer
 
 SCHEMA = Path(__file__).resolve().parents[1] / "profinfer" / "exporters" / "diff.schema.json"
 # A model where the FFN's matmuls are most of a token's work, small enough to make in a second.
@@ -162,3 +167,77 @@ def test_a_missing_or_foreign_trace_gets_one_line(base_runs, tmp_path):
         p, _ = _diff(base_runs[0], other)
         assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert "Traceback" not in p.stderr
+
+
+def _schedstat(pid: int) -> dict[int, tuple[int, int]]:
+    """Each thread's time on a CPU (ns) and how many times it was switched in, as the
+    kernel counts them."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run, _wait, slices = f.read().split()[:3]
+            out[int(tid)] = (int(run), int(slices))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _complete(url: str, n: int) -> int:
+    body = json.dumps({"prompt": "The quick brown fox", "n_predict": n, "ignore_eos": True,
+                       "cache_prompt": False}).encode()
+    req = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)["timings"]["predicted_n"]
+
+
+def _server_run(build, model, env, threads: int, out: Path) -> tuple[Path, dict[int, tuple[float, float]]]:
+    """A llama-server with `threads` threads, attached with -o while it answers requests:
+    the trace, and per thread its CPU time and switches per generated token over them.
+    OpenMP's threads wait passively (sleep at a barrier, and between graphs, instead of
+    spinning), so that a thread's CPU time is its work and its switches its waits."""
+    env = {**env, "OMP_WAIT_POLICY": "passive"}
+    with llama_server(build, model, env, slots=1, threads=threads) as (proc, url):
+        _complete(url, 8)
+        p = start_profinfer(["attach", "--pid", str(proc.pid), "--quiet", "-o", str(out)])
+        before = _schedstat(proc.pid)
+        tokens = sum(_complete(url, 32) for _ in range(4))
+        after = _schedstat(proc.pid)
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=120)
+        assert p.returncode == 0, p.stderr.read()
+    return out, {t: ((after[t][0] - before.get(t, (0, 0))[0]) / tokens,
+                     (after[t][1] - before.get(t, (0, 0))[1]) / tokens) for t in after}
+
+
+def test_one_thread_against_two_moves_as_the_threads_schedstat(llama_build, llama_env, models, tmp_path):
+    """-t 1 against -t 2 on one server process each: the threads that worked, thread 0's op
+    time per token and the barrier waits move as the kernel's own account of the threads
+    (/proc/PID/task/TID/schedstat: CPU time, times switched in) says."""
+    one, sched1 = _server_run(llama_build, models["base"], llama_env, 1, tmp_path / "t1.pftrace")
+    two, sched2 = _server_run(llama_build, models["base"], llama_env, 2, tmp_path / "t2.pftrace")
+
+    def busy(sched):       # the threads that worked, busiest first: (CPU ns, switches) per token
+        top = max(cpu for cpu, _ in sched.values())
+        return sorted((v for v in sched.values() if v[0] > 0.2 * top), reverse=True)
+
+    busy1, busy2 = busy(sched1), busy(sched2)
+    print(f"schedstat per token, busy threads (CPU µs, switches): -t 1 "
+          f"{[(round(c / 1e3), round(n, 1)) for c, n in busy1]}, -t 2 {[(round(c / 1e3), round(n, 1)) for c, n in busy2]}")
+    assert len(busy1) == 1 and len(busy2) == 2, (busy1, busy2)      # the truth is what we think
+    p, result = _diff(one, two)
+    assert p.returncode == 0, p.stderr
+    rows = _rows(result)
+    assert {d["fact"]: (d["before"], d["after"]) for d in result["differences"]}["op threads"] == ("1", "2")
+    # a second thread worked only with -t 2
+    assert rows["decode thread 1 op time"]["verdict"] == "only after", rows["decode thread 1 op time"]
+    # thread 0 (the first to run a node: the busiest) works per token as its CPU time says
+    t0 = rows["decode thread 0 op time"]
+    print(f"profinfer, thread 0 op time per token: {t0['before'] / 1e3:.0f} -> {t0['after'] / 1e3:.0f} µs")
+    assert (t0["after"] < t0["before"]) == (busy2[0][0] < busy1[0][0]), (t0, busy1, busy2)
+    # threads that wait for each other at barriers sleep there: barrier waits grow as the
+    # busy threads' switches per token grow
+    wait = rows["decode barrier wait"]
+    print(f"profinfer, barrier wait per token: {wait['before']} -> {wait['after']} ({wait['verdict']})")
+    grew = wait["verdict"] == "only after" or (wait["after"] or 0) > (wait["before"] or 0)
+    assert grew == (sum(n for _, n in busy2) > sum(n for _, n in busy1)), (wait, busy1, busy2)

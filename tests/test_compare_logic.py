@@ -1,0 +1,93 @@
+"""core.compare's rules on samples whose truth is known by construction (drawn here), and
+diff's gate parsing: the statistics behind `profinfer diff`."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from profinfer.core import compare
+from profinfer.core.compare import Series
+from profinfer.core.errors import ProfinferError
+from profinfer.exporters.comparison import Gate, parse_gate, parse_percent
+
+
+def _series(samples, name="decode MUL_MAT", section="op", unit="ns per decode token") -> Series:
+    return Series(section, name, unit, np.asarray(samples, np.float64))
+
+
+def _draw(mean: float, n: int = 200, seed: int = 0, sd: float = 0.05) -> np.ndarray:
+    return np.random.default_rng(seed).normal(mean, sd * mean, n)
+
+
+def test_twice_the_time_is_slower_with_an_interval_around_it():
+    c = compare.judge(_series(_draw(1000)), _series(_draw(2000, seed=1)), noise=0.05)
+    assert c.verdict == compare.SLOWER and c.low < 1.0 < c.high and c.statistic == "median"
+
+
+def test_the_same_distribution_is_no_change():
+    c = compare.judge(_series(_draw(1000)), _series(_draw(1000, seed=1)), noise=0.05)
+    assert c.verdict in (compare.NO_CHANGE, compare.WITHIN_NOISE) and not c.significant
+
+
+def test_a_small_sure_change_is_within_the_noise_floor():
+    c = compare.judge(_series(_draw(1000, sd=0.001)), _series(_draw(1020, seed=1, sd=0.001)), noise=0.05)
+    assert c.low > 0 and c.verdict == compare.WITHIN_NOISE
+
+
+def test_a_run_that_drifts_raises_its_own_floor():
+    drifting = np.concatenate([_draw(1000, 50), _draw(1500, 50, seed=2)])
+    c = compare.judge(_series(drifting), _series(_draw(1300, 100, seed=3)), noise=0.05)
+    assert c.floor > 0.3 and not c.significant
+
+
+def test_too_few_samples_are_shown_not_judged():
+    c = compare.judge(_series([1.0, 2.0]), _series([3.0, 4.0]), noise=0.05)
+    assert c.verdict == compare.FEW_SAMPLES and c.change == pytest.approx(3.5 / 1.5 - 1)
+
+
+def test_a_quantity_of_one_side_only():
+    changes = compare.compare([_series(_draw(1000), "decode RMS_NORM")], [_series(_draw(1000), "decode FUSED")], 0.05)
+    assert [(c.name, c.verdict) for c in changes] == [("decode RMS_NORM", compare.ONLY_BEFORE),
+                                                      ("decode FUSED", compare.ONLY_AFTER)]
+
+
+def test_a_mostly_absent_op_is_compared_by_its_mean():
+    sparse = np.zeros(100)
+    sparse[::10] = 1000.0
+    c = compare.judge(_series(sparse), _series(sparse * 3), noise=0.05)
+    assert c.statistic == "mean" and c.change == pytest.approx(2.0)
+
+
+def test_runs_offset_from_each_other_widen_the_interval():
+    """Five runs a side whose whole-run offsets (±30%) dwarf their calls' spread: one run a
+    side would call a 20% difference sure, pooled runs do not."""
+    rng = np.random.default_rng(7)
+    offsets = rng.uniform(0.7, 1.3, 10)
+    runs = [[_series(_draw(1000 * o, 50, seed=i, sd=0.02))] for i, o in enumerate(offsets)]
+    single = compare.judge(runs[0][0], runs[5][0], noise=0.05)
+    pooled = compare.compare(compare.pool(runs[:5]), compare.pool(runs[5:]), noise=0.05)[0]
+    assert single.high - single.low < 0.1
+    assert pooled.high - pooled.low > 0.2 and not pooled.significant
+
+
+def test_a_part_that_barely_moves_its_whole_is_within_noise():
+    """An op of 1% of a token's time, 50% slower: the token moves by 0.5%."""
+    whole_b, whole_a = _series(_draw(1000, sd=0.001), "decode time per token", "latency"), \
+        _series(_draw(1005, seed=1, sd=0.001), "decode time per token", "latency")
+    part_b, part_a = _series(_draw(10, sd=0.001), "decode ROPE"), _series(_draw(15, seed=1, sd=0.001), "decode ROPE")
+    changes = {c.name: c for c in compare.compare([whole_b, part_b], [whole_a, part_a], 0.05)}
+    assert changes["decode ROPE"].low > 0.4 and changes["decode ROPE"].verdict == compare.WITHIN_NOISE
+
+
+def test_gates():
+    assert parse_gate("5%") == Gate(0.05) and parse_gate("MUL_MAT=10%") == Gate(0.10, "MUL_MAT")
+    assert parse_percent("0.05", "--noise") == 0.05
+    for bad in ("lots", "=5%", "-5%", "nan%"):
+        with pytest.raises(ProfinferError):
+            parse_gate(bad)
+    slower = compare.Change("op", "decode MUL_MAT", "ns per decode token", "median", 1.0, 2.0, 100, 100,
+                            100, 100, 1.0, 0.9, 1.1, 0.05, compare.SLOWER)
+    assert Gate(0.05).fails(slower) and Gate(0.05, "MUL_MAT").fails(slower)
+    assert not Gate(0.05, "ROPE").fails(slower) and not Gate(1.5).fails(slower)
+    assert Gate(0.05, "decode").matches(compare.Change(**{**slower.__dict__, "section": "latency",
+                                                          "name": "decode time per token"}))
