@@ -241,3 +241,23 @@ def test_one_thread_against_two_moves_as_the_threads_schedstat(llama_build, llam
     print(f"profinfer, barrier wait per token: {wait['before']} -> {wait['after']} ({wait['verdict']})")
     grew = wait["verdict"] == "only after" or (wait["after"] or 0) > (wait["before"] or 0)
     assert grew == (sum(n for _, n in busy2) > sum(n for _, n in busy1)), (wait, busy1, busy2)
+
+
+def test_two_builds_of_one_model_differ_only_by_the_build(llama_build, llama_env, tiny_model, tmp_path):
+    """The tiny model under the pinned build and under another release (built here without
+    debug info): diff compares them and says that only the build differs, naming each
+    library whose build id (as the ELF files carry it) changed."""
+    other = workload.ensure_llama_build(workload.OTHER_VERSION, debug_info=False)
+    other_env = {**os.environ, **workload.llama_env(other)}
+    runs = []
+    for build, env, name in ((llama_build, llama_env, "pinned"), (other, other_env, "other")):
+        cmd = [*PROFINFER, "record", "--quiet", "-o", str(tmp_path / f"{name}.pftrace"), "--",
+               *completion_cmd(build, tiny_model, n=24)]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs.append(tmp_path / f"{name}.pftrace")
+    p, result = _diff(*runs)
+    assert p.returncode == 0, p.stderr
+    assert result["only_build_differs"] and "only the build differs" in p.stdout, result["differences"]
+    libs = {d["fact"].removeprefix("build_id:") for d in result["differences"] if d["fact"].startswith("build_id:")}
+    assert {"libllama.so", "libggml-base.so"} <= libs, libs

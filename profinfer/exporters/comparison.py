@@ -34,6 +34,11 @@ CONFIDENCE = 0.95
 # Facts of a recording's meta that say how it was made: listed where two runs differ.
 SETUP_META = re.compile(r"^(engine|levels|kernel|cpus_online|tensor_layout|counters|roofs:cpu|"
                         r"build_id:.*|version:.*|engine_version)$")
+# Facts that follow from the build alone: where only these differ, "only the build differs"
+# (tensor_layout: how the recording read the engine's structs, DWARF where the build has it).
+BUILD_FACT = re.compile(r"^(build_id:.*|version:.*|engine_version|tensor_layout)$")
+# A library's soname version (libggml.so.0.26.0): one library across builds.
+SONAME_VERSION = re.compile(r"(\.so)(\.\d+)+$")
 # A run's coverage worth a warning: a change this large or more between the runs.
 COVERAGE_GAP = 0.05
 
@@ -109,7 +114,7 @@ def _refusal(before: dict, after: dict) -> str | None:
 
 
 def _setup(profile: Profile) -> dict[str, str]:
-    out = {k: str(v) for k, v in profile.meta.items() if SETUP_META.match(k)}
+    out = {SONAME_VERSION.sub(r"\1", k): str(v) for k, v in profile.meta.items() if SETUP_META.match(k)}
     threads = comparable.op_threads(profile)
     if threads:
         out["op threads"] = str(threads)
@@ -224,7 +229,7 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
         "confidence": confidence,
         "noise": noise,
         "differences": differences,
-        "only_build_differs": bool(differences) and all(d["fact"].startswith("build_id:") for d in differences),
+        "only_build_differs": bool(differences) and all(BUILD_FACT.match(d["fact"]) for d in differences),
         "changes": [asdict(c) for c in changes],
         "verdicts_changed": [{"scope": s, "before": vb.get(s), "after": va.get(s)}
                              for s in sorted(vb.keys() | va.keys()) if vb.get(s) != va.get(s)],
