@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 from collections import Counter
-from pathlib import Path
 
-from test_cuda_level import LAUNCHES, PROFINFER, _captured, _expected_kernel, _log, _program, libcuda  # noqa: F401
+from test_cuda_level import LAUNCHES, PROFINFER, _captured, _expected_kernel, _log, _program
 
 
 def _launches(log: list[dict]) -> Counter:
@@ -16,7 +15,7 @@ def _launches(log: list[dict]) -> Counter:
                    if d["fn"] in LAUNCHES and not cap)
 
 
-def test_twice_the_work_is_twice_the_launches_of_each_kernel(tmp_path, libcuda):  # noqa: F811
+def test_twice_the_work_is_twice_the_launches_of_each_kernel(tmp_path, libcuda):
     program = _program("cuda_calls", "static")
     runs, logs = [], []
     for repeat in (2, 4):

@@ -24,16 +24,6 @@ LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaun
 NOT_PROBED = ("cuInit",)
 
 
-@pytest.fixture(scope="session")
-def libcuda() -> Path:
-    return workload.ensure_libcuda()
-
-
-@pytest.fixture(scope="session")
-def cudart12() -> Path:
-    return workload.ensure_cudart12()
-
-
 def _program(name: str, variant: str) -> Path:
     return workload.build_program(PROGRAMS / f"{name}.cu", variant)
 
