@@ -118,16 +118,13 @@
     const svg = svgBox(s, W, H, "forest plot");
     const x = logScale(lo, hi, box.l, box.r);
     const X = (change) => x(Math.min(hi, Math.max(lo, 1 + change)));
-    // ticks at least 44 px apart, kept outward from zero
+    // ticks at least 44 px apart, the nearest to zero first
     const ticks = [];
-    for (const side of [RATIO_TICKS.filter((t) => t >= 1), RATIO_TICKS.filter((t) => t < 1).reverse()]) {
-      let last = null;
-      for (const t of side.filter((t) => t >= lo && t <= hi)) {
-        if (last === null || Math.abs(x(t) - x(last)) >= 44) { ticks.push(t); last = t; }
-      }
+    for (const t of RATIO_TICKS.filter((t) => t >= lo && t <= hi).sort((a, b) => Math.abs(Math.log(a)) - Math.abs(Math.log(b)))) {
+      if (ticks.every((u) => Math.abs(x(t) - x(u)) >= 44)) ticks.push(t);
     }
     const tickMarks = ticks
-      .map((t) => ({ v: t, label: t === 1 ? "0" : signedPct(t - 1).replace(" ", ""), major: t === 1 }));
+      .map((t) => ({ v: t, label: t === 1 ? "0" : (t > 1 ? "+" : "") + fixed(100 * (t - 1), 0) + "%", major: t === 1 }));
     axes(svg, box, x, () => 0, tickMarks, [], `change, after against before (log of the ratio)`, "");
     rows.forEach(({ c, i }, k) => {
       const cy = box.t + lane * (k + 0.5), color = verdictColor(c.verdict);
