@@ -248,33 +248,41 @@ def _trace_paths(arg: str) -> list[str]:
               "calls moves it little) or the mean (tails included).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write the comparison (schema: docs/analysis.md#diff).")
-@click.option("--all", "show_all", is_flag=True, help="Show every quantity, moved or not.")
-def diff(before, after, gates, noise, confidence, statistic, json_path, show_all):
+@click.option("--html", "html_path", type=click.Path(dir_okay=False),
+              help="Also write the comparison as one self-contained HTML page (a forest plot per section).")
+@click.option("--all", "show_all", is_flag=True, help="Show every quantity, moved or not (in the terminal).")
+def diff(before, after, gates, noise, confidence, statistic, json_path, html_path, show_all):
     """Compare two saved traces: per phase, op, layer, node, thread (and kernel, for cuda),
     what changed and with what confidence. BEFORE and AFTER are each a trace, traces joined
     by commas, or a directory of them: several runs a side are pooled, and the spread of
     their means is a noise floor. Exit 1 when a --fail-above gate fails, 2 when the runs
     cannot be compared."""
+    from profinfer import outputs
     from profinfer.exporters import comparison
     from profinfer.viewers import difftable
     from profinfer.viewers.terminal import report_console
     rules = tuple(comparison.parse_gate(g) for g in gates)
     floor = comparison.parse_percent(noise, "--noise")
-    if json_path:
-        from profinfer import outputs
-        outputs.check_writable([outputs.Output("--json", json_path, "comparison", ".json", None)])
+    outputs.check_writable([outputs.Output(option, path, "comparison", suffix, None) for option, path, suffix in
+                            (("--json", json_path, ".json"), ("--html", html_path, ".html")) if path])
     sides = (_trace_paths(before), _trace_paths(after))
     result = comparison.compare_profiles([_load_trace(p) for p in sides[0]],
                                          [_load_trace(p) for p in sides[1]], floor, confidence, rules, sides,
                                          statistic)
-    if json_path:
-        try:
-            comparison.write_json(result, json_path)
-        except OSError as e:
-            raise ProfinferError(f"cannot write {json_path}: {e.strerror}") from None
+    for path, write in ((json_path, comparison.write_json), (html_path, _write_diff_html)):
+        if path:
+            try:
+                write(result, path)
+            except OSError as e:
+                raise ProfinferError(f"cannot write {path}: {e.strerror}") from None
     difftable.render(result, report_console(), show_all)
     if result["failed"]:
         sys.exit(1)
+
+
+def _write_diff_html(result: dict, path: str) -> None:
+    from profinfer.viewers import difftable, html
+    html.write_html(result, path, kind="diff", labels={"sections": difftable.SECTION_TITLES})
 
 
 def _load_trace(trace: str) -> Profile:

@@ -30,7 +30,7 @@ GOLDEN = Path(__file__).parent / "golden"
 # What a shown number's unit multiplies it by to give the summary's unit.
 UNITS = {"ns": 1, "µs": 1e3, "ms": 1e6, "s": 1e9, "%": 0.01, "MiB": 1 << 20,
          "tok/s": 1, "GFLOP/s": 1, "GB/s": 1, "": 1}
-NUMBER = re.compile(r"^(-?[\d,]+)(?:\.(\d+))?\s*(.*)$")
+NUMBER = re.compile(r"^([-+]?[\d,]+)(?:\.(\d+))?\s*(.*)$")
 
 
 @contextlib.contextmanager
