@@ -170,14 +170,14 @@ def test_a_missing_or_foreign_trace_gets_one_line(base_runs, tmp_path):
 
 
 def _schedstat(pid: int) -> dict[int, tuple[int, int]]:
-    """Each thread's time on a CPU (ns) and how many times it was switched in, as the
-    kernel counts them."""
+    """Each thread's time wanting a CPU (on one, or runnable and waiting for one: ns) and
+    how many times it was switched in, as the kernel counts them."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                run, _wait, slices = f.read().split()[:3]
-            out[int(tid)] = (int(run), int(slices))
+                run, waiting, slices = f.read().split()[:3]
+            out[int(tid)] = (int(run) + int(waiting), int(slices))
         except (OSError, ValueError):
             pass
     return out
@@ -193,9 +193,10 @@ def _complete(url: str, n: int) -> int:
 
 def _server_run(build, model, env, threads: int, out: Path) -> tuple[Path, dict[int, tuple[float, float]]]:
     """A llama-server with `threads` threads, attached with -o while it answers requests:
-    the trace, and per thread its CPU time and switches per generated token over them.
-    OpenMP's threads wait passively (sleep at a barrier, and between graphs, instead of
-    spinning), so that a thread's CPU time is its work and its switches its waits."""
+    the trace, and per thread its time wanting a CPU and its switches per generated token
+    over them. OpenMP's threads wait passively (sleep at a barrier, and between graphs,
+    instead of spinning), so that a thread's time wanting a CPU is its work (preempted or
+    not: an op's time is wall time) and its switches its waits."""
     env = {**env, "OMP_WAIT_POLICY": "passive"}
     with llama_server(build, model, env, slots=1, threads=threads) as (proc, url):
         _complete(url, 8)
@@ -213,7 +214,7 @@ def _server_run(build, model, env, threads: int, out: Path) -> tuple[Path, dict[
 def test_one_thread_against_two_moves_as_the_threads_schedstat(llama_build, llama_env, models, tmp_path):
     """-t 1 against -t 2 on one server process each: the threads that worked, thread 0's op
     time per token and the barrier waits move as the kernel's own account of the threads
-    (/proc/PID/task/TID/schedstat: CPU time, times switched in) says."""
+    (/proc/PID/task/TID/schedstat: time on a CPU and runnable, times switched in) says."""
     one, sched1 = _server_run(llama_build, models["base"], llama_env, 1, tmp_path / "t1.pftrace")
     two, sched2 = _server_run(llama_build, models["base"], llama_env, 2, tmp_path / "t2.pftrace")
 
@@ -222,7 +223,7 @@ def test_one_thread_against_two_moves_as_the_threads_schedstat(llama_build, llam
         return sorted((v for v in sched.values() if v[0] > 0.2 * top), reverse=True)
 
     busy1, busy2 = busy(sched1), busy(sched2)
-    print(f"schedstat per token, busy threads (CPU µs, switches): -t 1 "
+    print(f"schedstat per token, busy threads (µs wanting a CPU, switches): -t 1 "
           f"{[(round(c / 1e3), round(n, 1)) for c, n in busy1]}, -t 2 {[(round(c / 1e3), round(n, 1)) for c, n in busy2]}")
     assert len(busy1) == 1 and len(busy2) == 2, (busy1, busy2)      # the truth is what we think
     p, result = _diff(one, two)
