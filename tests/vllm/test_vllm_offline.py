@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import PROFINFER, attached_run, start_vllm_truth
+from profinfer.engines.vllm import comparable as vllm_comparable
+from profinfer.exporters.trace_reader import read_trace
 
 # torch.profiler's dtype names for the ScalarTypes seen (c10's C++ type names)
 PROFILER_DTYPES = {"c10::BFloat16": "bfloat16", "float": "float32", "int": "int32",
@@ -168,6 +170,15 @@ def test_diff_eager_against_compiled_shows_the_ops_compilation_removes(recorded,
         assert set(ops.get(op, {}).values()) == {"only after"}, (op, ops.get(op))
     for op in eager_ops & compiled_ops:
         assert not {"only before", "only after"} & set(ops.get(op, {}).values()), (op, ops[op])
+    # the runs are comparable: the same attention in both, as the processes called it
+    attention = [c["args"] for c in eager["calls"] if c["op"] == "cpu_attention_with_kv_cache"]
+    (heads, size), = {tuple(a["query"]["shape"][1:]) for a in attention}
+    kv_heads, = {a["key_cache"]["shape"][1] for a in attention}
+    want = {"attention layers": str(len(attention) // len(eager["steps"])), "query heads": str(heads),
+            "KV heads": str(kv_heads), "head size": str(size)}
+    assert len(attention) % len(eager["steps"]) == 0
+    for where in (eager_dir, compiled_dir):
+        assert vllm_comparable.identity(read_trace(where / "trace.pftrace")) == want
 
 
 def test_counters_per_native_op(vllm_python, vllm_model, tmp_path):
@@ -190,7 +201,6 @@ def test_sched_level_on_native_ops(vllm_python, vllm_model, tmp_path):
     """The sched level watches the engine's threads: the calling thread's time on a CPU over
     the generation, from its context switches, is the kernel's own count of it."""
     from profinfer.levels.sched import stats as schedstats
-    from profinfer.exporters.trace_reader import read_trace
     truth, summary, _ = run_offline(vllm_python, vllm_model, "eager", tmp_path, ("--levels", "op,sched"))
     assert summary["sched"]["switches"] > 0 and summary["lost_events"] == 0
     assert {o["op"] for o in summary["sched"]["ops"]} >= {linear_op(truth)[0], "cpu_attention_with_kv_cache"}
