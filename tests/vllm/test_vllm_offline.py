@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import PROFINFER, attached_run, start_vllm_truth
+from profinfer.engines.vllm import comparable as vllm_comparable
+from profinfer.exporters.trace_reader import read_trace
 
 # torch.profiler's dtype names for the ScalarTypes seen (c10's C++ type names)
 PROFILER_DTYPES = {"c10::BFloat16": "bfloat16", "float": "float32", "int": "int32",
@@ -54,14 +56,34 @@ def run_offline(vllm_python, vllm_model, mode: str, tmp_path: Path,
     return json.loads(truth_path.read_text()), json.loads(summary_path.read_text()), err
 
 
+@pytest.fixture(scope="module")
+def recorded(vllm_python, vllm_model, tmp_path_factory):
+    """recorded(mode): the mode's run with a timeline (its directory, truth and summary),
+    made once for the tests that read it (a vLLM start costs about a minute)."""
+    runs: dict[str, tuple[Path, dict, dict]] = {}
+
+    def get(mode: str) -> tuple[Path, dict, dict]:
+        if mode not in runs:
+            where = tmp_path_factory.mktemp(f"vllm-{mode}")
+            truth, summary, _ = run_offline(vllm_python, vllm_model, mode, where)
+            runs[mode] = (where, truth, summary)
+        return runs[mode]
+    return get
+
+
 @pytest.mark.parametrize("mode, timeline", [("eager", True), ("compiled", True),
                                             ("eager", False), ("compiled", False)],
                          ids=["eager", "compiled", "eager-counted", "compiled-counted"])
-def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, mode, timeline, tmp_path):
+def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, recorded, mode, timeline,
+                                                    tmp_path):
     """With a timeline every call is sent; without, BPF counts them by op, shapes, thread and
     phase, and sends only the step ops' and attention's (whose values it reads): the same
     figures either way."""
-    truth, summary, err = run_offline(vllm_python, vllm_model, mode, tmp_path, timeline=timeline)
+    if timeline:
+        where, truth, summary = recorded(mode)
+    else:
+        where = tmp_path
+        truth, summary, _ = run_offline(vllm_python, vllm_model, mode, tmp_path, timeline=False)
     assert summary["lost_events"] == 0
     assert summary["meta"]["engine"] == "vLLM"
     assert summary["meta"].get("op_level") == (None if timeline else "counted")
@@ -114,12 +136,49 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, mod
         return
     # the Perfetto trace holds the same: `report` of it gives the same summary
     reread = tmp_path / "reread.json"
-    r = subprocess.run([*PROFINFER, "report", str(tmp_path / "trace.pftrace"), "--json", str(reread)],
+    r = subprocess.run([*PROFINFER, "report", str(where / "trace.pftrace"), "--json", str(reread)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     again = json.loads(reread.read_text())
     for key in ("ops", "op_shapes", "step_list", "tokens", "phases", "lost_events", "roofline"):
         assert again[key] == summary[key], key
+
+
+def test_diff_eager_against_compiled_shows_the_ops_compilation_removes(recorded, tmp_path):
+    """`diff` of the eager run against the compiled one: each op torch.profiler saw only in
+    eager mode (the norms, activations and rotary embeddings that compiled graphs make
+    kernels of their own) is a row of the eager run alone, in decode; an op both modes
+    called is no such row, and no row names an op torch.profiler saw in neither."""
+    (eager_dir, eager, _), (compiled_dir, compiled, _) = recorded("eager"), recorded("compiled")
+    eager_ops, compiled_ops = ({c["op"] for c in t["calls"]} for t in (eager, compiled))
+    removed = eager_ops - compiled_ops
+    assert removed       # what compilation removes, by the processes' own record
+    out = tmp_path / "d.json"
+    r = subprocess.run([*PROFINFER, "diff", str(eager_dir / "trace.pftrace"), str(compiled_dir / "trace.pftrace"),
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [c for c in json.loads(out.read_text())["changes"] if c["section"] == "op"]
+    ops = {}
+    for c in rows:
+        phase, op = c["name"].split(" ", 1)
+        ops.setdefault(op, {})[phase] = c["verdict"]
+    assert set(ops) <= eager_ops | compiled_ops
+    for op in removed:
+        assert ops.get(op, {}).get("decode") == "only before", (op, ops.get(op))
+        assert set(ops[op].values()) == {"only before"}, (op, ops[op])
+    for op in compiled_ops - eager_ops:
+        assert set(ops.get(op, {}).values()) == {"only after"}, (op, ops.get(op))
+    for op in eager_ops & compiled_ops:
+        assert not {"only before", "only after"} & set(ops.get(op, {}).values()), (op, ops[op])
+    # the runs are comparable: the same attention in both, as the processes called it
+    attention = [c["args"] for c in eager["calls"] if c["op"] == "cpu_attention_with_kv_cache"]
+    (heads, size), = {tuple(a["query"]["shape"][1:]) for a in attention}
+    kv_heads, = {a["key_cache"]["shape"][1] for a in attention}
+    want = {"attention layers": str(len(attention) // len(eager["steps"])), "query heads": str(heads),
+            "KV heads": str(kv_heads), "head size": str(size)}
+    assert len(attention) % len(eager["steps"]) == 0
+    for where in (eager_dir, compiled_dir):
+        assert vllm_comparable.identity(read_trace(where / "trace.pftrace")) == want
 
 
 def test_counters_per_native_op(vllm_python, vllm_model, tmp_path):
@@ -142,7 +201,6 @@ def test_sched_level_on_native_ops(vllm_python, vllm_model, tmp_path):
     """The sched level watches the engine's threads: the calling thread's time on a CPU over
     the generation, from its context switches, is the kernel's own count of it."""
     from profinfer.levels.sched import stats as schedstats
-    from profinfer.exporters.trace_reader import read_trace
     truth, summary, _ = run_offline(vllm_python, vllm_model, "eager", tmp_path, ("--levels", "op,sched"))
     assert summary["sched"]["switches"] > 0 and summary["lost_events"] == 0
     assert {o["op"] for o in summary["sched"]["ops"]} >= {linear_op(truth)[0], "cpu_attention_with_kv_cache"}

@@ -1,20 +1,24 @@
-"""vLLM's quantities for `diff` (core.compare.Series), per engine step (pure logic).
+"""vLLM's quantities for `diff` (core.compare.Series), per engine step, and what two runs must share.
 
 - "<phase> time per token": each step's duration over its tokens;
 - "<phase> <op>": each native op's calls inside the step (on the step's thread, within its
   span; a nested call counts for its own op too), over the step's tokens, and its calls as
   the series' events. An op that a mode does not call (compiled graphs fuse norms,
   activations and rotary embeddings into kernels of their own) is a row of one run only.
+
+Two runs must share the model's attention structure (identity), as its attention op's
+arguments show it in both modes.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 
 from profinfer.core.comparable import CALL_PHASES, PER_TOKEN, call_of, per_call
 from profinfer.core.compare import Series
 from profinfer.core.model import Profile
+from profinfer.core.packs import cost_rules
 
 
 def series(profile: Profile) -> list[Series]:
@@ -63,3 +67,29 @@ def series(profile: Profile) -> list[Series]:
             if n:
                 out.append(Series("op", f"{phase} {names[k]}", unit, op_ns[mine, k] / tokens[mine], n))
     return out
+
+
+def identity(profile: Profile) -> dict[str, str]:
+    """The model's attention as the attention op's arguments show it (the op and its argument
+    names: the pack's attention cost rule): its layers (the op's calls in most steps), query
+    heads, KV heads and head size (q[T, H, D], KV cache [blocks, kv heads, block, D]).
+    Nothing where no step called such an op (a backend the pack does not model)."""
+    attention = {op: r["attention"] for op, r in cost_rules(profile.meta.get("pack")).items()
+                 if "attention" in r}
+    per_step: Counter = Counter()
+    heads: set[tuple[int, int, int]] = set()
+    for c in profile.calls:
+        names = attention.get(c.op)
+        if names is None or not c.step:
+            continue
+        per_step[(c.pid, c.tid, c.step)] += 1
+        args = {a.name: a.shape for a in c.args or ()}
+        q, kv = args.get(names["q"]), args.get(names["k_cache"])
+        if q and kv and len(q) == 3 and len(kv) == 4:
+            heads.add((q[1], kv[1], q[2]))
+    if not per_step or len(heads) != 1:
+        return {}
+    (layers, _), = Counter(per_step.values()).most_common(1)
+    (q_heads, kv_heads, size), = heads
+    return {"attention layers": str(layers), "query heads": str(q_heads), "KV heads": str(kv_heads),
+            "head size": str(size)}

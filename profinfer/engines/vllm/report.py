@@ -182,3 +182,4 @@ VIEW = View(summary=(SummarySection(0, _main_keys), SummarySection(20, _roofline
                     ReportSection(51, _print_unobserved), ReportSection(99, print_lost)),
             series=(SeriesSection(0, comparable.series),))
 SETUP = setup
+IDENTITY = comparable.identity
