@@ -4,7 +4,7 @@ A record's follower stops a process at each exec and loader change until its pro
 a daemon's discovery stops processes that map an engine until it has looked at them. The
 kernel does not count stops: the daemon's SIGCONT would let a recorded process run while the
 record still attaches. So the followers keep their processes in one BPF map pinned in bpffs
-(PIN), tgid -> start time (clock ticks since boot, /proc/PID/stat's 22nd field: a reused PID
+(PIN_DIR/recorded), tgid -> start time (clock ticks since boot, /proc/PID/stat's 22nd field: a reused PID
 is not taken for the process that had it), and discovery does not hold those (its BPF
 `may_stop`, bpf/discover.bpf.c); the follower's BPF adds forked children and removes exited
 processes (bpf/follow*.bpf.c). The map is an LRU: entries a crashed record left are dropped
@@ -25,8 +25,7 @@ from profinfer.core.errors import ProfinferError
 
 BPFFS = "/sys/fs/bpf"
 PIN_DIR = f"{BPFFS}/profinfer"
-PIN = f"{PIN_DIR}/recorded"
-MAP_NAME = "recorded"           # the objects' map (bpf/recorded.bpf.h)
+MAP_NAME = "recorded"           # the objects' map (bpf/recorded.bpf.h), pinned by that name
 _START_TIME_FIELD = 19          # procfs.stat_fields' index of field 22, starttime
 
 
@@ -52,54 +51,55 @@ def _root_only(path: str, folder: bool) -> str | None:
     return None
 
 
-def open_shared(warn: Callable[[str], None]) -> int | None:
+def open_shared(warn: Callable[[str], None], pin_dir: str = PIN_DIR) -> int | None:
     """A descriptor of the node's map, made and pinned if none is; None where it cannot be
-    shared (no bpffs: silently; otherwise said by `warn`)."""
+    shared (no bpffs: silently; otherwise said by `warn`). pin_dir: the tests' own."""
     if not bpffs_mounted() or os.sysconf("SC_CLK_TCK") != 100:   # transport.h's PI_NS_PER_TICK
         return None
+    pin = f"{pin_dir}/{MAP_NAME}"
     try:
-        os.mkdir(PIN_DIR, 0o700)
+        os.mkdir(pin_dir, 0o700)
     except FileExistsError:
         pass
     except OSError as e:
-        warn(f"cannot make {PIN_DIR} ({e.strerror}): a daemon on this node may hold recorded processes")
+        warn(f"cannot make {pin_dir} ({e.strerror}): a daemon on this node may hold recorded processes")
         return None
     try:
-        why = _root_only(PIN_DIR, folder=True)
+        why = _root_only(pin_dir, folder=True)
         for _ in range(3):          # another record or daemon may pin it between our two calls
             if why is not None:
                 break
             try:
-                fd = libbpf.pinned(PIN)
+                fd = libbpf.pinned(pin)
             except FileNotFoundError:
-                fd = _create_and_pin()
+                fd = _create_and_pin(pin)
                 if fd is None:
                     continue
                 return fd
-            why = _root_only(PIN, folder=False)
+            why = _root_only(pin, folder=False)
             if why is None and libbpf.map_shape(fd) == _shape():
                 return fd
             os.close(fd)
             if why is None:         # another version's: ours replaces it (its users keep theirs)
-                warn(f"{PIN} was made by another version of profinfer: replaced")
-                os.unlink(PIN)
+                warn(f"{pin} was made by another version of profinfer: replaced")
+                os.unlink(pin)
         else:
-            why = f"{PIN} keeps changing"
+            why = f"{pin} keeps changing"
     except (OSError, ProfinferError) as e:
         why = str(e)
     warn(f"{why}: not used; a daemon on this node may hold recorded processes")
     return None
 
 
-def _create_and_pin() -> int | None:
+def _create_and_pin(pin: str) -> int | None:
     kind, key, value, entries = _shape()
     fd = libbpf.create_map(kind, MAP_NAME, key, value, entries)   # reuse_fd takes its name
     try:
-        libbpf.pin(fd, PIN)
+        libbpf.pin(fd, pin)
     except FileExistsError:
         os.close(fd)
         return None
-    os.chmod(PIN, 0o600)
+    os.chmod(pin, 0o600)
     return fd
 
 
