@@ -1,9 +1,12 @@
 """`record` on a node where a daemon discovers engines: the daemon sees the recorded process
 but never holds it (SIGSTOP/SIGCONT are not counted: the daemon's SIGCONT would let it run
-while record attaches). Each record exits 0 and counts every decode call llama.cpp reports."""
+while record attaches). Each record exits 0 and counts every decode call llama.cpp reports:
+the engine as the recorded command itself (put in the node's map by record's user space) and
+as a shell script's child (put there by the follower's BPF at the fork)."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -23,8 +26,14 @@ def daemon(tmp_path):
     d.stop()
 
 
-def test_records_beside_a_daemon_count_every_decode(daemon, llama_build, tiny_model, llama_env, tmp_path):
+@pytest.mark.parametrize("through", ["command", "script"])
+def test_records_beside_a_daemon_count_every_decode(through, daemon, llama_build, tiny_model, llama_env, tmp_path):
     cmd = completion_cmd(llama_build, tiny_model, n=8)
+    if through == "script":
+        script = tmp_path / "run.sh"
+        script.write_text(f"#!/bin/sh\n{shlex.join(cmd)}\n")
+        script.chmod(0o755)
+        cmd = [str(script)]
     for i in range(RECORDS):
         trace = tmp_path / f"run{i}.pftrace"
         r = with_llama_log(lambda: run_profinfer(["record", "--quiet", "-o", str(trace), "--", *cmd],
