@@ -171,7 +171,8 @@ def test_the_unit_runs_in_its_sandbox(unit):
     mounts = _mounts(pid)
     for ro in ("/", "/proc/sys", "/sys/fs/cgroup", "/sys/fs/cgroup/memory"):
         assert "ro" in mounts[ro], (ro, mounts)
-    for rw in ("/tmp", "/var/tmp", "/run/profinfer", "/var/cache/profinfer"):
+    # /sys/fs/bpf: the node's map of processes a `record` follows (profinfer.core.recorded)
+    for rw in ("/tmp", "/var/tmp", "/run/profinfer", "/var/cache/profinfer", "/sys/fs/bpf"):
         assert "rw" in mounts[rw], rw
     # ProtectKernelLogs: the kernel's log mounted over (inaccessible); ProtectHostname: a UTS
     # namespace of its own
