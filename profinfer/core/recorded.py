@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from typing import Callable
 
 from profinfer.core import layout, libbpf, procfs
@@ -122,3 +123,20 @@ def remove(fd: int, pid: int) -> None:
     start = start_time(pid)
     if value is not None and (start is None or int.from_bytes(value, "little") == start):
         libbpf.map_delete(fd, key)
+
+
+def main() -> int:
+    """Make the node's map, or find it made: a service manager's privileged step before a
+    sandboxed daemon, which opens it but cannot pin it where /sys/fs/bpf is read-only to it
+    (systemd's ProtectKernelTunables). Says why not, and exits 0 all the same."""
+    said: list[str] = []
+    fd = open_shared(said.append)
+    for line in said:
+        print(f"profinfer: {line}", file=sys.stderr)
+    if fd is not None:
+        os.close(fd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
