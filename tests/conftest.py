@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from profinfer.core import recorded
 from profinfer.engines.llamacpp import workload
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
@@ -107,10 +108,19 @@ def _bpftool(*args: str) -> list[dict]:
     return json.loads(out or "[]") or []
 
 
+def _node_map() -> tuple[str, int] | None:
+    """The node's map of processes records follow (profinfer.core.recorded): pinned, it
+    outlives every run by design, whichever run made it."""
+    shown = _bpftool("map", "show", "pinned", f"{recorded.PIN_DIR}/{recorded.MAP_NAME}")
+    return ("map", shown["id"]) if isinstance(shown, dict) and "id" in shown else None
+
+
 def bpf_snapshot() -> dict[tuple[str, int], str]:
-    """Every BPF program, map and link loaded now, system-wide: {(kind, id): name}."""
+    """Every BPF program, map and link loaded now, system-wide, but the node's pinned map:
+    {(kind, id): name}."""
+    node = _node_map()
     return {(kind, o["id"]): o.get("name") or o.get("type", "")
-            for kind in _BPF_KINDS for o in _bpftool(kind, "show")}
+            for kind in _BPF_KINDS for o in _bpftool(kind, "show") if (kind, o["id"]) != node}
 
 
 def _fds(pid: int) -> list[tuple[str, str]]:

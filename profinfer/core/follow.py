@@ -7,7 +7,9 @@ The BPF side (bpf/follow.bpf.c) keeps the set of followed processes in the kerne
 followed process (SIGSTOP) at each exec and each library-list change its loader announces;
 `changes()` hands those stops to the caller, which attaches what the new code needs and then
 calls `resume()`. Engine probes are attached to library files, for every process, and their
-programs run only for the processes in the shared `followed` map.
+programs run only for the processes in the shared `followed` map. The followed processes are
+also in the node's `recorded` map (profinfer.core.recorded), which a daemon's discovery reads
+so as not to hold them as well.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from elftools.elf.elffile import ELFFile
 
-from profinfer.core import bpfobj, layout, libbpf, parsing, procfs
+from profinfer.core import bpfobj, layout, libbpf, parsing, procfs, recorded
 from profinfer.core.errors import ProfinferError
 from profinfer.core.parsing import NotReady
 from profinfer.core.arch.callsites import direct_calls
@@ -228,7 +230,7 @@ class LoaderHooks:
 
 
 class Follower:
-    def __init__(self, root_pid: int, buffer: str):
+    def __init__(self, root_pid: int, buffer: str, warn=lambda msg: None):
         consts, dt = layout.parse(header="transport.h")
         self._names = {consts[f"PI_FOLLOW_{w.upper()}"]: w for w in ("exec", "mapped", "fork", "exit")}
         self._dt = dt["pi_follow_event"]
@@ -240,17 +242,19 @@ class Follower:
         self._live = {root_pid}         # those that have not exited (their PIDs are theirs)
         self.forks_followed = os.path.exists("/sys/kernel/btf/vmlinux")
         config = np.zeros(1, dt["pi_core_config"]).tobytes()   # common.bpf.h: the core's pi_config
+        self.recorded_fd = recorded.open_shared(warn)     # None: each object has its own
         try:
             self.obj.set_rodata(config)
+            if self.recorded_fd is not None:
+                self.obj.reuse_map(recorded.MAP_NAME, self.recorded_fd)
             if buffer == "ring":
                 self.obj.set_max_entries("events", RING_PAGES * 4096)
             self.obj.load(set(TRACEPOINT_PROGRAMS) | {LOADER_PROGRAM})
-            libbpf.map_update(self.obj.map_fd("followed"), root_pid.to_bytes(4, "little"),
-                              (1).to_bytes(4, "little"))
+            self._follow(root_pid)
             if self.forks_followed:
                 self.fork_obj = libbpf.BpfObject(bpfobj.object_path("follow_fork.bpf.c", buffer))
                 self.fork_obj.set_rodata(config)
-                for name in SHARED_MAPS:
+                for name in SHARED_MAPS + (recorded.MAP_NAME,):
                     self.fork_obj.reuse_map(name, self.obj.map_fd(name))
                 self.fork_obj.load({FORK_PROGRAM})
                 self.fork_obj.attach(FORK_PROGRAM)
@@ -291,9 +295,13 @@ class Follower:
             out.append(change)
         return out
 
+    def _follow(self, pid: int) -> None:
+        libbpf.map_update(self.obj.map_fd("followed"), pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
+        recorded.add(self.obj.map_fd(recorded.MAP_NAME), pid)
+
     def add(self, pid: int) -> None:
         """Follow a process that already runs (a descendant of an attached process)."""
-        libbpf.map_update(self.obj.map_fd("followed"), pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
+        self._follow(pid)
         self.processes.add(pid)
         self._live.add(pid)
 
@@ -313,10 +321,16 @@ class Follower:
                 obj.detach()
         if getattr(self, "_buf", None) is not None and self.obj is not None:
             self.changes()          # forks and exits not read yet (a fork's child is live)
+        if self.obj is not None:    # a daemon may hold them from now on
+            for pid in self._live:
+                recorded.remove(self.obj.map_fd(recorded.MAP_NAME), pid)
         for name in ("fork_obj", "obj"):
             obj = getattr(self, name, None)
             if obj is not None:
                 setattr(self, name, None)
                 obj.close()
+        if getattr(self, "recorded_fd", None) is not None:
+            os.close(self.recorded_fd)
+            self.recorded_fd = None
         for pid in self._live:
             self.resume(pid)

@@ -118,6 +118,8 @@ def lib() -> ctypes.CDLL:
                                           ctypes.c_uint32, ctypes.c_uint32, _vp]),
         "bpf_map_update_elem": (ctypes.c_int, [ctypes.c_int, _vp, _vp, ctypes.c_uint64]),
         "bpf_map_get_next_key": (ctypes.c_int, [ctypes.c_int, _vp, _vp]),
+        "bpf_obj_pin": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p]),
+        "bpf_obj_get": (ctypes.c_int, [ctypes.c_char_p]),
         "bpf_map_delete_elem": (ctypes.c_int, [ctypes.c_int, _vp]),
         "ring_buffer__new": (_vp, [ctypes.c_int, _SAMPLE_FN, _vp, _vp]),
         "ring_buffer__poll": (ctypes.c_int, [_vp, ctypes.c_int]),
@@ -484,6 +486,37 @@ def create_map(map_type: int, name: str, key_size: int, value_size: int, max_ent
     if fd < 0:
         raise _failure(f"cannot create BPF map {name}")
     return fd
+
+
+def pin(fd: int, path: str) -> None:
+    """Pin a map (or any BPF object) in bpffs at `path` (OSError: EEXIST when one is there)."""
+    if lib().bpf_obj_pin(fd, path.encode()):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+
+
+def pinned(path: str) -> int:
+    """A descriptor of what is pinned at `path` in bpffs (OSError: ENOENT when nothing is)."""
+    fd = lib().bpf_obj_get(path.encode())
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return fd
+
+
+# struct bpf_map_info (linux/bpf.h, append-only ABI): type, id, key_size, value_size,
+# max_entries, map_flags
+_MAP_INFO_SIZE = 24
+
+
+def map_shape(fd: int) -> tuple[int, int, int, int] | None:
+    """(type, key size, value size, max entries) of a map; None if fd is no map."""
+    info = ctypes.create_string_buffer(_MAP_INFO_SIZE)
+    size = ctypes.c_uint32(_MAP_INFO_SIZE)
+    if lib().bpf_obj_get_info_by_fd(fd, info, ctypes.byref(size)) or size.value < _MAP_INFO_SIZE:
+        return None
+    kind, _id, key, value, entries, _flags = struct.unpack_from("<6I", info.raw)
+    return kind, key, value, entries
 
 
 def map_lookup(fd: int, key: bytes, value_size: int) -> bytes | None:

@@ -135,7 +135,7 @@ def _watch_tree(pid: int, buffer: str, warn: Callable[[str], None]) -> Follower 
     stops the process while its new libraries are probed. None (said) when that cannot be set
     up: the level then covers what is loaded now."""
     try:
-        follower = Follower(pid, kernel.event_buffer_kind(buffer))
+        follower = Follower(pid, kernel.event_buffer_kind(buffer), warn)
     except ProfinferError as e:
         warn(f"libraries loaded from now on will not be probed: {e}")
         return None
@@ -355,7 +355,7 @@ class Session:
                     self.warn(f"PID {child}: {e}")
 
     def _start_following(self) -> None:
-        self.follower = Follower(self.pid, kernel.event_buffer_kind(self.opts.buffer))
+        self.follower = Follower(self.pid, kernel.event_buffer_kind(self.opts.buffer), self.warn)
         self.note(f"following PID {self.pid} and what it starts (exec, fork, dlopen)"
                   + ("" if self.follower.forks_followed else
                      "; forked processes are not followed: this kernel has no BTF"))

@@ -3,7 +3,9 @@ a library list with a file named like a pack's library, or that execs an executa
 define a pack's marker, is held (SIGSTOP from BPF) until the agent has attached what it maps.
 So a process is watched before its first call however briefly it lives, and a library it
 loads late (dlopen) is probed before its first call. Unrelated processes are not stopped:
-they cost a map lookup at exec and a look at the names their loader adds.
+they cost a map lookup at exec and a look at the names their loader adds. Nor is a process
+that a `record` on the node follows (profinfer.core.recorded): it is seen, not held, as its
+record holds it until its own probes are on.
 
 The loader's hook is probed per loader file: the host's and every one a process found so far
 uses (at the daemon's start, each scan's new process, each new executable). The first
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profinfer.core import bpfobj, kernel, layout, libbpf
+from profinfer.core import bpfobj, kernel, layout, libbpf, recorded
 from profinfer.core.errors import ProfinferError
 from profinfer.core.follow import LoaderHooks
 from profinfer.core.packs import Pack
@@ -96,10 +98,16 @@ class NodeDiscovery:
         if len(prefixes) > MAX_PREFIXES or any(len(p.encode()) > NAME_MAX for p in prefixes):
             raise ProfinferError(f"the packs' library names do not fit discovery's table: {prefixes}")
         self.obj = libbpf.BpfObject(bpfobj.object_path("discover.bpf.c", "ring"))
+        recorded_fd = recorded.open_shared(log)
+        if recorded_fd is None and not recorded.bpffs_mounted():
+            log(f"no bpffs at {recorded.BPFFS}: a process that a `record` on this node follows "
+                "may be held by discovery too, and then run before the record's probes are on")
         try:
             config = np.zeros(1, dt["pi_core_config"])
             config["target_tgid"] = os.getpid()          # never itself
             self.obj.set_rodata(config.tobytes())
+            if recorded_fd is not None:
+                self.obj.reuse_map(recorded.MAP_NAME, recorded_fd)
             self.obj.set_max_entries("events", RING_PAGES * 4096)
             self.obj.load(set(PROGRAMS) | {LOADER_PROGRAM})
             fd = self.obj.map_fd("name_prefixes")
@@ -115,6 +123,9 @@ class NodeDiscovery:
         except ProfinferError:
             self.obj.close()
             raise
+        finally:
+            if recorded_fd is not None:     # the object holds its own descriptor
+                os.close(recorded_fd)
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._continue_late, name="discovery-watchdog", daemon=True)
         self._watchdog.start()

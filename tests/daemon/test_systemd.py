@@ -119,6 +119,8 @@ def unit():
         _podman("cp", str(UNIT), f"{CTR}:/etc/systemd/system/profinfer.service")
         _exec("sh", "-c", "mkdir -p /etc/systemd/system/profinfer.service.d && "
                           f"printf '{DROP_IN}' > /etc/systemd/system/profinfer.service.d/image.conf")
+        # the node's bpffs, as a host's systemd mounts it at boot (the container has none)
+        _exec("sh", "-c", "mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf")
         _exec("systemctl", "daemon-reload")
         _exec("systemctl", "start", "profinfer")
         deadline = time.monotonic() + 60
@@ -176,6 +178,10 @@ def test_the_unit_runs_in_its_sandbox(unit):
     # ProtectKernelLogs: the kernel's log mounted over (inaccessible); ProtectHostname: a UTS
     # namespace of its own
     assert "/proc/kmsg" in mounts and "/dev/kmsg" in mounts
+    # the node's map of processes a `record` follows, pinned by the privileged ExecStartPre
+    # (profinfer.core.recorded) where the daemon's sandbox keeps /sys/fs/bpf read-only
+    assert "ro" in mounts["/sys/fs/bpf"]
+    assert _exec("stat", "-c", "%a %u %U", "/sys/fs/bpf/profinfer/recorded").stdout.split() == ["600", "0", "root"]
     assert _exec("readlink", f"/proc/{pid}/ns/uts").stdout != _exec("readlink", "/proc/1/ns/uts").stdout
     ours = _exec("stat", "-c", "%d:%i", "/tmp").stdout
     its = _exec("stat", "-L", "-c", "%d:%i", f"/proc/{pid}/root/tmp").stdout

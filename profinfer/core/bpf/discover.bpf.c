@@ -16,6 +16,7 @@
  * Needs kernel BTF (CO-RE reads at exec) and bpf_loop (Linux 5.17); the daemon scans /proc
  * where they are missing. */
 #include "common.bpf.h"
+#include "recorded.bpf.h"
 #include <bpf/bpf_core_read.h>
 
 char LICENSE[] SEC("license") = "GPL";
@@ -47,6 +48,8 @@ struct signal_struct {
 struct task_struct {
     unsigned int ptrace;
     struct signal_struct *signal;
+    struct task_struct *group_leader;
+    u64 start_boottime;
 } __attribute__((preserve_access_index));
 
 /* A name prefix as 8-byte words and the mask of its bytes: compared without a loop per byte. */
@@ -140,13 +143,23 @@ static __always_inline long tell(void *ctx, u32 tgid, u32 what, struct pi_file_k
     return emit_urgent(ctx, &ev, sizeof(ev));
 }
 
+/* Whether a `record` follows the process (recorded.bpf.h): the same one, not a later process
+ * given its PID, as its start time says. */
+static __always_inline int recorded_now(struct task_struct *task, u32 tgid)
+{
+    u64 *start = bpf_map_lookup_elem(&recorded, &tgid);
+    return start && *start == BPF_CORE_READ(task, group_leader, start_boottime) / PI_NS_PER_TICK;
+}
+
 /* Whether stopping the current process would be seen by anyone but user space here: a
- * debugger's (traced), a shell's job control (a controlling terminal), the daemon itself. */
+ * debugger's (traced), a shell's job control (a controlling terminal), the daemon itself, a
+ * `record` (its follower stops the process too, and SIGCONTs are not counted: ours would let
+ * it run while the record attaches). */
 static __always_inline int may_stop(u32 tgid)
 {
     struct task_struct *task = (struct task_struct *)bpf_get_current_task();
     return tgid != cfg.target_tgid && BPF_CORE_READ(task, ptrace) == 0
-        && BPF_CORE_READ(task, signal, tty) == 0;
+        && BPF_CORE_READ(task, signal, tty) == 0 && !recorded_now(task, tgid);
 }
 
 /* Stop the current process for user space, or only tell where it may not be stopped

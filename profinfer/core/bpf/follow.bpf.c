@@ -7,7 +7,9 @@
  * hook, after mapping a library and before relocating it or running its constructors), the
  * process is stopped (SIGSTOP, taking effect before it runs another user instruction) and
  * user space is told at once; it attaches the probes the new code needs, then sends SIGCONT.
- * Engine objects reuse `followed` and run only for these tgids.
+ * Engine objects reuse `followed` and run only for these tgids. The node's `recorded`
+ * (recorded.bpf.h) holds them too, with their start times, for a daemon's discovery to leave
+ * alone: follow_fork adds a child, follow_exit removes a process.
  *
  * Forks are followed by follow_fork.bpf.c, a separate object because it reads the child's
  * task_struct with CO-RE (kernel BTF): this one loads without BTF.
@@ -43,6 +45,7 @@ int follow_exit(void *ctx)
     if ((u32)id != tgid || !bpf_map_lookup_elem(&followed, &tgid))
         return 0;
     bpf_map_delete_elem(&followed, &tgid);
+    bpf_map_delete_elem(&recorded, &tgid);
     tell(ctx, tgid, PI_FOLLOW_EXIT, 0);
     return 0;
 }

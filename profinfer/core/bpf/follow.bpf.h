@@ -1,8 +1,9 @@
 /* What the follower's objects share (follow.bpf.c, follow_fork.bpf.c): telling user space
- * about a followed process. */
+ * about a followed process, and the node's set of recorded processes (recorded.bpf.h). */
 #pragma once
 
 #include "common.bpf.h"
+#include "recorded.bpf.h"
 
 /* 0 when the record is in the buffer. */
 static __always_inline long tell(void *ctx, u32 tgid, u32 what, u32 child)

@@ -1,6 +1,7 @@
 /* Following forks (see follow.bpf.c): a fork of a followed process adds the child to
- * `followed` before the child first runs. The child's pid and tgid are read with CO-RE, so
- * this object needs kernel BTF; it reuses the follower's maps. */
+ * `followed`, and to the node's `recorded` with its start time, before the child first runs.
+ * The child's pid, tgid and start time are read with CO-RE, so this object needs kernel BTF;
+ * it reuses the follower's maps. */
 #include "follow.bpf.h"
 #include <bpf/bpf_core_read.h>
 
@@ -9,6 +10,7 @@ char LICENSE[] SEC("license") = "GPL";
 struct task_struct {
     int pid;
     int tgid;
+    u64 start_boottime;       /* Linux 5.5; /proc/PID/stat's start time, in ns */
 } __attribute__((preserve_access_index));
 
 /* sched_process_fork(struct task_struct *parent, struct task_struct *child): runs in the
@@ -26,6 +28,10 @@ int follow_fork(struct bpf_raw_tracepoint_args *ctx)
     u32 one = 1;
     if (bpf_map_update_elem(&followed, &tgid, &one, BPF_ANY))
         count_lost(1);        /* more followed processes than PI_MAX_FOLLOWED */
+    if (bpf_core_field_exists(child->start_boottime)) {   /* before 5.5: no daemon discovery */
+        u64 start = BPF_CORE_READ(child, start_boottime) / PI_NS_PER_TICK;
+        bpf_map_update_elem(&recorded, &tgid, &start, BPF_ANY);
+    }
     tell(ctx, parent, PI_FOLLOW_FORK, tgid);
     return 0;
 }

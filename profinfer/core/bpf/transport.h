@@ -34,6 +34,12 @@ struct pi_core_config {
 #define PI_FOLLOW_EXIT 4      /* its last thread exited */
 #define PI_MAX_FOLLOWED 4096
 
+/* The node's processes a `record` follows, for every record and daemon on it (recorded.bpf.h,
+ * profinfer/core/recorded.py): tgid -> its start time in clock ticks since boot (/proc/PID/stat's
+ * 22nd field), so that a reused PID is not taken for the process that had it. */
+#define PI_MAX_RECORDED 16384
+#define PI_NS_PER_TICK 10000000   /* USER_HZ is 100 (x86-64, arm64): nsec_to_clock_t() */
+
 struct pi_follow_event {
     u32 kind;
     u32 tgid;

@@ -1,0 +1,65 @@
+"""The node's map of recorded processes (profinfer.core.recorded), in a bpffs folder of this
+test's own: made root's alone, shared by whoever opens it next, a pin of another shape
+replaced, a folder others may enter not trusted."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from profinfer.core import libbpf, recorded
+
+pytestmark = pytest.mark.skipif(not recorded.bpffs_mounted(), reason="no bpffs at /sys/fs/bpf")
+
+
+@pytest.fixture
+def pin_dir():
+    path = f"{recorded.BPFFS}/profinfer-test-{os.getpid()}"
+    yield path
+    for name in os.listdir(path) if os.path.isdir(path) else []:
+        os.unlink(f"{path}/{name}")
+    if os.path.isdir(path):
+        os.rmdir(path)
+
+
+def _warnings():
+    said: list[str] = []
+    return said, said.append
+
+
+def test_made_root_only_and_shared(pin_dir):
+    said, warn = _warnings()
+    first = recorded.open_shared(warn, pin_dir)
+    second = recorded.open_shared(warn, pin_dir)
+    assert first is not None and second is not None and not said
+    folder, pin = os.lstat(pin_dir), os.lstat(f"{pin_dir}/{recorded.MAP_NAME}")
+    assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == 0
+    assert stat.S_IMODE(pin.st_mode) == 0o600 and pin.st_uid == 0
+    recorded.add(first, os.getpid())        # one map: what one descriptor adds, the other reads
+    assert libbpf.map_lookup(second, os.getpid().to_bytes(4, "little"), 8) is not None
+    recorded.remove(second, os.getpid())
+    assert libbpf.map_lookup(first, os.getpid().to_bytes(4, "little"), 8) is None
+    os.close(first)
+    os.close(second)
+
+
+def test_a_pin_of_another_shape_is_replaced(pin_dir):
+    os.mkdir(pin_dir, 0o700)
+    old = libbpf.create_map(libbpf.BPF_MAP_TYPE_HASH, "recorded", 4, 4, 64)
+    libbpf.pin(old, f"{pin_dir}/{recorded.MAP_NAME}")
+    said, warn = _warnings()
+    fd = recorded.open_shared(warn, pin_dir)
+    assert fd is not None and len(said) == 1 and "another version" in said[0], said
+    assert libbpf.map_shape(fd) != libbpf.map_shape(old)
+    assert libbpf.map_shape(fd)[1:3] == (4, 8)
+    os.close(fd)
+    os.close(old)
+
+
+def test_a_folder_others_may_enter_is_not_trusted(pin_dir):
+    os.mkdir(pin_dir, 0o700)
+    os.chmod(pin_dir, 0o755)
+    said, warn = _warnings()
+    assert recorded.open_shared(warn, pin_dir) is None
+    assert len(said) == 1 and "not root's alone" in said[0], said
