@@ -407,5 +407,19 @@ def vllm_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def libcuda() -> Path:
+    """Debian's libcuda1 (the CUDA driver library; no GPU: its calls fail after entry)."""
+    from profinfer.levels.cuda import workload as cuda_workload
+    return cuda_workload.ensure_libcuda()
+
+
+@pytest.fixture(scope="session")
+def cudart12() -> Path:
+    """CUDA 12's runtime from PyPI."""
+    from profinfer.levels.cuda import workload as cuda_workload
+    return cuda_workload.ensure_cudart12()
+
+
+@pytest.fixture(scope="session")
 def moe_model() -> Path:
     return workload.ensure_model("tiny-moe")
