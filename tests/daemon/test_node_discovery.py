@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import llama_perf
-from daemon_helpers import _STARTED, Daemon, _get, cuda_log_counts, kill_started, series
+from daemon_helpers import _STARTED, Daemon, _get, cuda_log_counts, discovering_daemon, kill_started, series
 from profinfer.levels.cuda import workload as cuda_workload
 
 from test_daemon_cuda import PROGRAM as CUDA_PROGRAM
@@ -27,9 +27,7 @@ def _no_workload_left():
 
 @pytest.fixture
 def daemon(tmp_path):
-    d = Daemon(tmp_path)
-    status = json.loads(_get(d.url + "/status")[1])
-    assert "loaders_hooked" in status["discovery"], status["discovery"]
+    d = discovering_daemon(tmp_path)
     yield d
     d.stop()
 

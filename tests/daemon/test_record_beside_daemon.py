@@ -5,23 +5,19 @@ the engine as the recorded command itself (put in the node's map by record's use
 as a shell script's child (put there by the follower's BPF at the fork)."""
 from __future__ import annotations
 
-import json
 import shlex
 
 import pytest
 
 from conftest import completion_cmd, llama_perf, run_profinfer, with_llama_log
-from daemon_helpers import Daemon, _get
+from daemon_helpers import discovering_daemon
 
 RECORDS = 10
 
 
 @pytest.fixture
 def daemon(tmp_path):
-    d = Daemon(tmp_path)
-    status = json.loads(_get(d.url + "/status")[1])
-    # discovery from the kernel (which holds processes): else this test would say nothing
-    assert "loaders_hooked" in status["discovery"], status["discovery"]
+    d = discovering_daemon(tmp_path)
     yield d
     d.stop()
 
