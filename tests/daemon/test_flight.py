@@ -196,7 +196,15 @@ def test_five_minutes_of_steady_load_make_no_capture(tmp_path, llama_build, tiny
         finally:
             d.stop()
     assert load.done > 100, load.done
-    assert caps == [] and fired == 0, (caps, (tmp_path / "daemon.log").read_text())
+    # no capture, or only of an incident the server's own timings show (this VM stalls a
+    # process for seconds at times: a trigger that fires then is right)
+    assert fired == len(caps), (fired, caps)
+    for c in caps:
+        at, limit = c["fired"]["fired_monotonic_s"], c["fired"]["limit"]
+        own = [ms for when, ms in load.tpots if at - 15 <= when <= at + 5]
+        print(f"captured: {c['fired']['trigger']} at {c['fired']['value']:.4g} (limit {limit:.4g}); "
+              f"the server's own ms a token then: {own}")
+        assert own and max(own) / 1e3 >= limit, (c, own, (tmp_path / "daemon.log").read_text())
     judged = polls[3:]          # from 40 s on: a quarter of the baseline's window, and its 10 s
     armed = {text: [p[i] for p in judged if p[i]["value"] is not None and p[i]["limit"] is not None]
              for i, text in enumerate(STEADY_TRIGGERS)}
