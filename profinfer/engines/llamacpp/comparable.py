@@ -30,10 +30,17 @@ def _graph_tokens(profile: Profile, graphs: list[GraphDag]) -> np.ndarray:
     return np.where(i >= 0, tokens[np.maximum(i, 0)] if len(tokens) else 1.0, 1.0)
 
 
+def _graphs(profile: Profile) -> list[GraphDag]:
+    """graph_dags, once per profile: series, identity and shapes all read them."""
+    key = (len(profile.ops), len(profile.graphs))
+    cached = profile.__dict__.get("_comparable_graphs")
+    if cached is None or cached[0] != key:
+        cached = profile.__dict__["_comparable_graphs"] = (key, graph_dags(profile) if profile.ops else [])
+    return cached[1]
+
+
 def series(profile: Profile) -> list[Series]:
-    if not profile.ops:
-        return []
-    graphs = [g for g in graph_dags(profile) if g.nodes and g.phase != "other"]
+    graphs = [g for g in _graphs(profile) if g.nodes and g.phase != "other"]
     if not graphs:
         return []
     per = _graph_tokens(profile, graphs)
@@ -49,12 +56,14 @@ def series(profile: Profile) -> list[Series]:
                 acc[key][1] += 1
         for key, (ns, count) in acc.items():
             rows[key].append((gi, ns / per[gi], count))
+    in_phase: dict[str, list[int]] = defaultdict(list)
+    for gi, g in enumerate(graphs):
+        in_phase[g.phase].append(gi)
     out = []
     for (section, name, unit), vals in rows.items():
-        phase = name.split(" ", 1)[0]
-        in_phase = [gi for gi, g in enumerate(graphs) if g.phase == phase]
         samples = dict((gi, v) for gi, v, _ in vals)
-        out.append(Series(section, name, unit, np.array([samples.get(gi, 0.0) for gi in in_phase]),
+        out.append(Series(section, name, unit,
+                          np.array([samples.get(gi, 0.0) for gi in in_phase[name.split(" ", 1)[0]]]),
                           sum(c for _, _, c in vals)))
     # layers in their order, then the kinds of node by time, each phase together
     out.sort(key=lambda s: (s.section, s.name.split(" ", 1)[0], -float(s.samples.mean()) if s.section == "node" else 0))
@@ -63,7 +72,7 @@ def series(profile: Profile) -> list[Series]:
 
 def identity(profile: Profile) -> dict[str, object]:
     """The model's structure as the graphs show it: layers, and the kinds of node."""
-    graphs = [g for g in graph_dags(profile) if g.nodes] if profile.ops else []
+    graphs = [g for g in _graphs(profile) if g.nodes]
     if not graphs:
         return {}
     layers = {l for g in graphs for l in node_layers(g.nodes) if l is not None}
@@ -77,7 +86,7 @@ def shapes(profile: Profile) -> dict[str, str]:
     out: dict[str, str] = {}
     if not profile.ops:
         return out
-    for g in graph_dags(profile):
+    for g in _graphs(profile):
         if g.phase != "decode":
             continue
         for n in g.nodes:
