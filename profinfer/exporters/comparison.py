@@ -207,6 +207,11 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
     spread of their means a floor: core.compare); IncomparableRuns where they cannot be
     compared."""
     inner = _one_side(before, "before") + _one_side(after, "after")
+    single = [side for side, runs in (("before", before), ("after", after)) if len(runs) == 1]
+    if single:
+        inner.append(f"one run {' and '.join(single)}: how much a whole process's speed varies from "
+                     "one run to the next is not measured (on a shared machine, by more than the "
+                     "floor); several runs a side (comma lists or directories) put it in each interval")
     why = _refusal(_identity(before[0]), _identity(after[0]))
     if why:
         raise IncomparableRuns(f"the runs cannot be compared: {why}")

@@ -388,7 +388,8 @@ BURST_TRIGGER = "batch_p98 > 4 for 1s"
 # short windows, many (~30 s of the capture's 60 here): A against an alike B in alternate
 # windows swings by ~5% from one pair to the next on this VM, and these resolved the cost
 # to 2-2.5% (bench/results.md), short of the 1.5% the timed assertion asks
-PAIRS, WINDOW_TOKENS = 60, 150
+PAIRS, WINDOW_TOKENS = int(os.environ.get("PROFINFER_CAPTURE_COST_PAIRS", 60)), 150   # more: a bench run
+CAPTURE_S = max(60, round(1.5 * PAIRS))     # outlasts the windows it holds (~0.5 s a pair here)
 
 
 def attached_programs() -> int:
@@ -415,7 +416,7 @@ def test_a_triggered_capture_costs_within_the_budget(tmp_path, llama_build, tiny
         a, b, url_a, url_b, _ = twin_servers(llama_build, tiny_model, llama_env, tmp_path, _STARTED)
         before = alternate(server_window(url_a), server_window(url_b), PAIRS, WINDOW_TOKENS)
         d = Daemon(tmp_path, ("--levels", "token,graph,op", "--budget", "0.04", "--trigger", BURST_TRIGGER,
-                              "--record-for", "60s", "--captures-dir", str(store)))
+                              "--record-for", f"{CAPTURE_S}s", "--captures-dir", str(store)))
         assert sorted(d.watched(a.pid)["levels"]) == ["graph", "op", "token"], d.text()
         stepped, info = loaded_until_settled(d, a.pid, url_a, f"PID {a.pid}: levels graph,op,token -> graph,token (")
         assert stepped is not None, d.text()
