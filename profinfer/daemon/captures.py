@@ -114,7 +114,7 @@ class Captures:
     def __init__(self, agent, note):
         self.agent = agent
         self.note = note
-        self.running: set[int] = set()
+        self.running: dict[int, float] = {}      # PID: what its capture was priced at (the budget's)
         self.lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -122,30 +122,31 @@ class Captures:
         """A capture's place, held until the with block ends: the trace is sent inside it, so
         that MAX_CAPTURES also bounds the traces held in memory while slow clients read them."""
         pid, seconds, levels = self._parse(query)
-        self._within_budget(pid, levels, query.get("force", ["0"])[0] == "1", who)
-        with self._place(pid):
+        price = self._within_budget(pid, levels, query.get("force", ["0"])[0] == "1", who)
+        with self._place(pid, price):
             yield lambda: self._capture(pid, seconds, levels)[0]
 
-    def run(self, pid: int, seconds: float, levels: set[str]) -> tuple[bytes, dict]:
+    def run(self, pid: int, seconds: float, levels: set[str], price: float) -> tuple[bytes, dict]:
         """A capture the daemon itself starts (a trigger's, its levels already fitted to the
-        budget): its trace and its summary; BadRequest where it could not be made."""
-        with self._place(pid):
+        budget, at `price`): its trace and its summary; BadRequest where it could not be made."""
+        with self._place(pid, price):
             return self._capture(pid, seconds, levels)
 
     @contextlib.contextmanager
-    def _place(self, pid: int) -> Iterator[None]:
-        """One capture a process, MAX_CAPTURES at once: held until the block ends."""
+    def _place(self, pid: int, price: float) -> Iterator[None]:
+        """One capture a process, MAX_CAPTURES at once: held until the block ends, its price
+        counted against the process's budget meanwhile."""
         with self.lock:
             if pid in self.running:
                 raise BadRequest(409, f"a capture of PID {pid} is already running")
             if len(self.running) >= MAX_CAPTURES:
                 raise BadRequest(429, f"{MAX_CAPTURES} captures are running; try again later")
-            self.running.add(pid)
+            self.running[pid] = price
         try:
             yield
         finally:
             with self.lock:
-                self.running.discard(pid)
+                self.running.pop(pid, None)
 
     def _parse(self, query: dict[str, list[str]]) -> tuple[int, float, set[str]]:
         try:
@@ -166,20 +167,20 @@ class Captures:
             raise BadRequest(404, f"PID {pid} is not an inference process this daemon watches")
         return pid, seconds, levels
 
-    def _within_budget(self, pid: int, levels: set[str], force: bool, who: str) -> None:
+    def _within_budget(self, pid: int, levels: set[str], force: bool, who: str) -> float:
         """A capture counts against the budget: refused (429, and why) where the process's cost
-        now plus the capture's would go over it, unless forced, which is logged."""
+        now plus the capture's would go over it, unless forced, which is logged; its price."""
         governor = getattr(self.agent, "governor", None)
         with self.agent.lock:
             w = self.agent.watches.get(pid)
         if governor is None or w is None:
-            return
+            return 0.0
         fits, why = governor.capture_fits(w, levels)
-        if fits:
-            return
-        if not force:
-            raise BadRequest(429, f"{why}; ask with force=1 to capture anyway")
-        self.note(f"capture forced over the budget by {who or 'an unknown peer'}: {why}")
+        if not fits:
+            if not force:
+                raise BadRequest(429, f"{why}; ask with force=1 to capture anyway")
+            self.note(f"capture forced over the budget by {who or 'an unknown peer'}: {why}")
+        return governor.capture_price(w, levels)
 
     def _capture(self, pid: int, seconds: float, levels: set[str]) -> tuple[bytes, dict]:
         root = temp_root()

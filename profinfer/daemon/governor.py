@@ -9,7 +9,8 @@ of the CPU of the daemon's thread that watches; over its own CPU time. Over the 
 dearest level it has goes (STEP_DOWN_ORDER: op, the cuda level's per-call detail, graph);
 the token or step level is the floor, its own cost reported. A level comes back, the last
 taken first, after STEP_UP_S with room (under half the budget, or the process idle) and no
-capture of it running, waiting twice as long each time a step up went over again.
+capture of it running, waiting twice as long each time a step up went over again. A running
+capture's price (capture_price) counts against the budget beside the process's own cost.
 
 Trap costs: the cached calibration (`profinfer calibrate`); with none (the image's empty
 cache), measured at start (probecost.measure_quick, under a second); if that fails, none:
@@ -120,8 +121,9 @@ class Governor:
         self.traps_calibrated = any(self.trap_costs.values())
         self.loop_tid: int | None = None      # the thread running the agent's loop: the one that watches
         self.setup_cpu_ns = 0                 # of its CPU, what attaching and detaching took
-        # whether a capture of the process (PID) runs: its own probes, beside the daemon's
-        self.capturing: Callable[[int], bool] = lambda pid: False
+        # a capture of the process (PID) running, its own probes beside the daemon's: what it
+        # was priced at (capture_price; 0.0 while it is priced and started), None where none runs
+        self.capture_cost: Callable[[int], float | None] = lambda pid: None
 
     @property
     def stats_on(self) -> bool:
@@ -256,7 +258,7 @@ class Governor:
         # not judged yet at the levels it has now (just changed): what they cost when it last had them
         now = share if share is not None else sum(v for lv, v in shares.items() if lv in has or lv == "daemon")
         known = {**shares, **(priced or {})}
-        extra = {lv: known[lv] for lv in sorted(levels) if lv in known}
+        extra = self._capture_levels(w, levels, priced)
         total = now + sum(extra.values())
         said = ", ".join(f"{lv} {v:.2%}" for lv, v in extra.items()) or "no level measured on it yet"
         unknown = sorted(set(levels) - set(known))
@@ -266,6 +268,18 @@ class Governor:
                + (f"; {', '.join(unknown)} never measured on it, not counted" if unknown else "")
                + f"): {total:.2%} {'>' if total > self.budget else '<='} budget {self.budget:.2%}")
         return total <= self.budget, why
+
+    @staticmethod
+    def _capture_levels(w: Watch, levels: set[str], priced: dict[str, float] | None) -> dict[str, float]:
+        """What each of a capture's levels cost the process when it last had them, or as
+        priced (a level known by neither is left out)."""
+        known = {**dict(w.known_shares), **(priced or {})}
+        return {lv: known[lv] for lv in sorted(levels) if lv in known}
+
+    def capture_price(self, w: Watch, levels: set[str], priced: dict[str, float] | None = None) -> float:
+        """What a capture at `levels` adds to the process's cost, as capture_fits prices it:
+        counted against the budget while it runs (_judge)."""
+        return sum(self._capture_levels(w, levels, priced).values())
 
     def capture_prices(self, w: Watch, levels: set[str]) -> tuple[dict[str, float], dict[str, str]]:
         """For an unattended capture: the levels the daemon never measured on the process,
@@ -304,14 +318,18 @@ class Governor:
 
     def _judge(self, w: Watch, now: float, levels: set[str], share: float) -> None:
         lower = next((lv for lv in STEP_DOWN_ORDER if lv in w.levels), None)
-        if share > self.budget:
+        # a capture's probes cost the process beside the daemon's (an idle process's, nothing):
+        # the daemon's own levels make room for it
+        capture = self.capture_cost(w.identity.pid)
+        total = share + (capture or 0.0) * (not w.idle)
+        if total > self.budget:
             w.calm_since = None
-            if lower is not None and self.relevel(
-                    w, w.levels - {lower}, f"costs {share:.1%} > budget {self.budget:.1%}"):
+            why = f"costs {share:.1%}" + (f" and its capture {capture:.1%}" if total > share else "")
+            if lower is not None and self.relevel(w, w.levels - {lower}, f"{why} > budget {self.budget:.1%}"):
                 if w.stepped_up:          # the level it went back up to did not fit
                     w.step_up_wait_s = min(w.step_up_wait_s * 2, MAX_STEP_UP_WAIT_S)
                 w.stepped_up = False
-        elif self.capturing(w.identity.pid):
+        elif capture is not None:
             w.calm_since = None       # a capture's probes take the room: nothing comes back meanwhile
         elif share <= self.budget / 2:
             w.calm_since = now if w.calm_since is None else w.calm_since

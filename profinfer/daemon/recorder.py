@@ -144,10 +144,11 @@ class FlightRecorder:
         """The process's levels and the capture's."""
         return self._own(w) | (self.levels & CAPTURE_LEVELS)
 
-    def _affordable(self, w, asked: set[str]) -> tuple[set[str], dict[str, str]]:
+    def _affordable(self, w, asked: set[str]) -> tuple[set[str], dict[str, str], float]:
         """The levels asked for, less those the budget cannot price (a level the process does
-        not have, never measured on it) or hold (of DROPPABLE, the dearest first), and why.
-        What is left is captured even where it does not fit: the process's own floor."""
+        not have, never measured on it) or hold (of DROPPABLE, the dearest first), and why;
+        and the price of what is left. That is captured even where it does not fit: the
+        process's own floor."""
         governor = self.agent.governor
         priced, unpriced = governor.capture_prices(w, asked - self._own(w))
         left_out = {lv: f"not priced: {why}" for lv, why in unpriced.items()}
@@ -160,19 +161,19 @@ class FlightRecorder:
                 break
             levels.discard(level)
             left_out[level] = why
-        return levels, left_out
+        return levels, left_out, governor.capture_price(w, levels, priced)
 
     def _capture(self, w, firing: Firing, counts: dict) -> None:
         ident, reason, t = w.identity, firing.trigger.reason, firing.trigger
         try:
             asked = self._asked(w)
-            levels, left_out = self._affordable(w, asked)
+            levels, left_out, price = self._affordable(w, asked)
             self.agent.log(f"PID {ident.pid}: {t.text} fired ({t.stat} {in_unit(firing.value, t.unit)} "
                            f"{'<' if t.below else '>'} {in_unit(firing.limit, t.unit)}): capturing "
                            f"{self.record_for_s:g} s at {','.join(sorted(levels))}"
                            + "".join(f"; {lv} left out ({why})" for lv, why in sorted(left_out.items())))
             started = time.time()
-            trace, summary = self.captures.run(ident.pid, self.record_for_s, levels)
+            trace, summary = self.captures.run(ident.pid, self.record_for_s, levels, price)
         except Exception as e:          # BadRequest, or the capture's files gone wrong
             self._failed(ident, firing, f"could not be made: {e}")
             return

@@ -64,9 +64,9 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
     agent = Agent(levels, budget, log=log, max_processes=max_processes)
     agent.metrics.label_set = labels
     captures = Captures(agent, log)
-    # a capture's probes, or one being priced and started (the flight recorder's)
-    agent.governor.capturing = lambda pid: pid in captures.running or (
-        agent.recorder is not None and pid in agent.recorder.starting)
+    # a capture's probes (at their price), or one being priced and started (the flight recorder's)
+    agent.governor.capture_cost = lambda pid: captures.running.get(pid, 0.0 if (
+        agent.recorder is not None and pid in agent.recorder.starting) else None)
     try:
         if recording:
             agent.recorder = make_recorder(agent, captures, recording)

@@ -268,6 +268,30 @@ def test_a_capture_is_priced_at_what_its_levels_cost_the_process():
         gov.close()
 
 
+def test_a_running_captures_price_counts_against_the_budget():
+    """A process at 3.05% with its graph level, under a 4% budget: with nothing else it keeps
+    its levels; with a capture priced 1.17% running (4.22%), its graph level steps down and
+    the log says both; idle, the capture costs it nothing; and no level comes back while the
+    capture runs, however much room."""
+    asked = []
+    gov = Governor(0.04, Metrics(), lambda w, levels, why: asked.append((sorted(levels), why)) or True)
+    try:
+        w = Watch(_ident(42, 1000), None, {"token", "graph"}, 0.0, share=0.0305)
+        gov._judge(w, 100.0, {"token", "graph"}, w.share)
+        assert asked == []
+        gov.capture_cost = lambda pid: 0.0117 if pid == 42 else None
+        gov._judge(w, 102.0, {"token", "graph"}, w.share)
+        assert asked == [(["token"], "costs 3.0% and its capture 1.2% > budget 4.0%")], asked
+        asked.clear()
+        w.idle = True
+        gov._judge(w, 104.0, {"token", "graph"}, 0.0)
+        w.idle, w.levels, w.calm_since = False, {"token"}, 0.0
+        gov._judge(w, 200.0, {"token", "graph"}, 0.001)
+        assert asked == [] and w.calm_since is None, asked
+    finally:
+        gov.close()
+
+
 SWITCHER = """
 import resource, sys, threading, time
 arrived, done = threading.Barrier(4), threading.Event()
