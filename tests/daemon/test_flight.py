@@ -415,8 +415,9 @@ def test_a_triggered_capture_costs_within_the_budget(tmp_path, llama_build, tiny
     try:
         a, b, url_a, url_b, _ = twin_servers(llama_build, tiny_model, llama_env, tmp_path, _STARTED)
         before = alternate(server_window(url_a), server_window(url_b), PAIRS, WINDOW_TOKENS)
+        # A alone: another llama.cpp process on the machine would be watched, and could fire
         d = Daemon(tmp_path, ("--levels", "token,graph,op", "--budget", "0.04", "--trigger", BURST_TRIGGER,
-                              "--record-for", f"{CAPTURE_S}s", "--captures-dir", str(store)))
+                              "--record-for", f"{CAPTURE_S}s", "--captures-dir", str(store), "--max-processes", "1"))
         assert sorted(d.watched(a.pid)["levels"]) == ["graph", "op", "token"], d.text()
         stepped, info = loaded_until_settled(d, a.pid, url_a, f"PID {a.pid}: levels graph,op,token -> graph,token (")
         assert stepped is not None, d.text()
