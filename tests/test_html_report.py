@@ -6,8 +6,8 @@ exactly, its text to the digits shown. The charts have a mark per data row, and 
 points lie on log-log axes at their verdicts' intensity and GFLOP/s.
 
 A real run of the tiny llama.cpp model is drawn, and the stored recordings of tests/golden/
-(vLLM's steps, the CUDA level's tables). PROFINFER_SCREENSHOT=PATH keeps the tiny run's
-screenshot there (docs/report-example.png is one)."""
+(vLLM's steps, also merged into groups; the CUDA level's tables). PROFINFER_SCREENSHOT=PATH
+keeps the tiny run's screenshot there (docs/report-example.png is one)."""
 from __future__ import annotations
 
 import contextlib
@@ -61,9 +61,11 @@ def load(driver, page: Path) -> dict:
     rendered = driver.execute_script("return document.body.dataset.rendered")
     marked = driver.execute_script("""
         return [...document.querySelectorAll('[data-key]')].map(e => ({
-          tag: e.tagName, key: e.dataset.key, value: e.dataset.value, cls: e.getAttribute('class') || '',
+          tag: e.tagName, key: e.dataset.key, value: e.dataset.value,
+          cls: e.getAttribute('class') || '',
           text: (e instanceof SVGGeometryElement) ? null : e.textContent.trim(),
-          cx: e.getAttribute('cx'), cy: e.getAttribute('cy')}));""")
+          cx: e.getAttribute('cx'), cy: e.getAttribute('cy'),
+          tip: (e.querySelector(':scope > title') || {}).textContent || null}));""")
     requests = [json.loads(e["message"])["message"] for e in driver.get_log("performance")]
     return {"logs": driver.get_log("browser"), "marked": marked, "rendered": rendered,
             "requests": {m["params"]["request"]["url"] for m in requests
@@ -171,17 +173,69 @@ def test_the_page_of_a_real_run_shows_the_summarys_numbers(tiny_run, tmp_path):
         shutil.copyfile(shot, os.environ["PROFINFER_SCREENSHOT"])
 
 
+def durations_shown(loaded: dict, key: str) -> dict[int, tuple[float, float]]:
+    """Each timeline entry's duration bar: the time its tooltip says it drew (ns, and how
+    exact its text is)."""
+    out = {}
+    for m in loaded["marked"]:
+        path = json.loads(m["key"])
+        if path[0] == key and "duration" in m["cls"]:
+            out[path[1]] = shown_value(m["tip"].rsplit(": ", 1)[1])
+    return out
+
+
 @pytest.mark.parametrize("name", ["llamacpp", "vllm", "cuda_calls", "cuda_ops"])
 def test_the_page_of_each_stored_recording(name, tmp_path):
     summary, page = report(GOLDEN / f"{name}.pftrace", tmp_path)
     with chromium() as driver:
-        shown = check_page(summary, page, load(driver, page))
+        loaded = load(driver, page)
+        shown = check_page(summary, page, loaded)
     assert ("lost_events",) in shown
-    if "step_list" in summary:
+    if summary.get("step_list"):     # vLLM's: each step a bar as long as the step (one a group)
+        assert summary["step_group"] == 1
         assert {("step_list", i, "dur_ns") for i in range(len(summary["step_list"]))} <= shown
+        drawn = durations_shown(loaded, "step_list")
+        assert sorted(drawn) == list(range(len(summary["step_list"])))
+        for i, (ns, within) in drawn.items():
+            assert abs(ns - summary["step_list"][i]["dur_ns"]) <= within, (i, ns)
     if summary.get("cuda"):
         kernels = list(summary["cuda"]["kernels"])[:15]
         assert kernels and {("cuda", "kernels", k, "launches") for k in kernels} <= shown
+
+
+def test_a_long_step_list_is_merged_into_groups(tmp_path, monkeypatch):
+    """The steps' timeline is bound as the decode calls' is: the stored vLLM recording's steps,
+    with the bound set to 2, are merged into groups of k = ceil(steps / 2), which hold every
+    step, its tokens and own time, and start and end where their first and last step do; the
+    page says so and draws each group's mean step."""
+    from profinfer.core import timeline_groups
+    from profinfer.exporters.json_summary import summary as summarise
+    from profinfer.exporters.trace_reader import read_trace
+    from profinfer.viewers import html
+    profile = read_trace(GOLDEN / "vllm.pftrace")
+    steps = sorted(profile.steps, key=lambda st: st.start_ns)
+    assert len(steps) >= 3                   # more than the bound: merged
+    monkeypatch.setattr(timeline_groups, "MAX_TIMELINE_POINTS", 2)
+    summary = summarise(profile)
+    k = -(-len(steps) // 2)
+    groups = summary["step_list"]
+    assert summary["step_group"] == k and len(groups) == -(-len(steps) // k) <= 2
+    for g, part in zip(groups, [steps[i:i + k] for i in range(0, len(steps), k)]):
+        assert g["steps"] == len(part) and g["tokens"] == sum(st.n_tokens for st in part)
+        assert g["start_ns"] == part[0].start_ns and g["end_ns"] == part[-1].end_ns
+        assert g["dur_ns"] == sum(st.end_ns - st.start_ns for st in part)
+        assert g["calls"] == sum(st.n_calls for st in part)
+        assert "query_lens" not in g
+    page = tmp_path / "page.html"
+    html.write_html(summary, page)
+    with chromium() as driver:
+        loaded = load(driver, page)
+        shown = check_page(summary, page, loaded)
+        text = driver.execute_script("return document.body.innerText")
+    assert {("step_list", i, "dur_ns") for i in range(len(groups))} <= shown
+    assert f"mean of each group of {k} engine steps" in text
+    for i, (ns, within) in durations_shown(loaded, "step_list").items():
+        assert abs(ns - groups[i]["dur_ns"] / groups[i]["steps"]) <= within, (i, ns, groups[i])
 
 
 def test_cache_roofs_and_a_verdicts_roof_are_drawn(tmp_path):

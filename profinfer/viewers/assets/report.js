@@ -45,11 +45,13 @@
     const calls = S.decode_call_list || S.step_list;
     if (!Array.isArray(calls) || !calls.length) return;
     const what = S.decode_call_list ? "decode call" : "engine step";
-    const grouped = (S.decode_call_group || 1) > 1;
+    // how many calls (steps) an entry merges: the summary groups a long run's
+    const group = (S.decode_call_list ? S.decode_call_group : S.step_group) || 1;
+    const merged = (c) => (S.decode_call_list ? c.calls : c.steps) || 1;
     const s = section(`Timeline: ${what}s, TTFT and TPOT`,
       `Top: each sequence from its request to its last token, the part before its first token (TTFT) in orange. ` +
       `Middle: each ${what} as a bar as long as it ran. Bottom: its duration` +
-      (grouped ? ` (mean of each group of ${S.decode_call_group} calls: the summary merges calls beyond 2,000)` : "") +
+      (group > 1 ? ` (mean of each group of ${count(group)} ${what}s: the summary merges ${what}s beyond 2,000)` : "") +
       `; the dashed line is the TPOT.`);
     legend(s, [["prefill", phaseColor("prefill")], ["decode", phaseColor("decode")], ["mixed", phaseColor("mixed")]]);
     const seqs = (S.sequence_latency || []).slice(0, 24);
@@ -62,7 +64,7 @@
     const svg = svgBox(s, W, H, "timeline");
     const x = linear(0, (t1 - t0) / unit, box.l, box.r);
     const X = (ns) => x((ns - t0) / unit);
-    const per = (c) => c.dur_ns / (c.calls || 1);
+    const per = (c) => c.dur_ns / merged(c);
     const shown = calls.filter((c) => c.phase !== "prefill" || !S.decode_call_list);
     const ymax = Math.max(...shown.map(per), S.tpot_ns || 0, 1) * 1.12 / 1e6;
     const y = linear(0, ymax, box.b, box.t);
@@ -93,7 +95,8 @@
       const end = c.end_ns ?? c.start_ns + c.dur_ns;
       tip(sv("rect", { x: X(c.start_ns), y: stripT, width: barWidth(X(end) - X(c.start_ns)), height: stripH,
         fill: phaseColor(c.phase), class: "call" }, svg),
-      `${what} ${i}: ${c.phase}, ${count(c.tokens)} tokens, ${time(c.dur_ns)}`);
+      (merged(c) > 1 ? `${what}s ${count(i * group)}–${count(i * group + merged(c) - 1)}` : `${what} ${count(i * group)}`) +
+      `: ${c.phase}, ${count(c.tokens)} tokens, ${time(c.dur_ns)}`);
     });
     // durations
     calls.forEach((c, i) => {
