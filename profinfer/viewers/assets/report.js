@@ -375,6 +375,184 @@
     p.appendChild(document.createTextNode("."));
   }
 
+  const text = (parent, t) => parent.appendChild(document.createTextNode(t));
+
+  // Perf counters per op type and per phase (scaled for multiplexing; counted ops only).
+  function counters() {
+    const C = S.counters;
+    if (!C || !Array.isArray(C.names)) return;
+    const names = C.names;
+    const s = section("Perf counters",
+      `Per op type and per phase, the counters read at each op's start and end (${names.join(", ") || "none"}), ` +
+      "summed over the ops counted (scaled where the kernel multiplexed them), and what they give.");
+    const dropped = Object.entries(C.dropped_ops || {}).filter(([, n]) => n);
+    if (dropped.length) {
+      const p = el("p", { class: "warn" }, s, "Ops not counted: ");
+      dropped.forEach(([why, n], j) => {
+        if (j) text(p, ", ");
+        num(p, "span", ["counters", "dropped_ops", why], n, count(n));
+        text(p, ` ${why}`);
+      });
+    }
+    for (const note of C.notes || []) el("p", { class: "warn" }, s, note);
+    const metrics = [...new Set([...(C.ops || []), ...Object.values(C.phases || {})].flatMap((r) => Object.keys(r.derived || {})))];
+    const rowCells = (tr, r, path) => {
+      num(tr, "td", [...path, "counted"], r.counted, count(r.counted));
+      num(tr, "td", [...path, "dur_ns"], r.dur_ns, time(r.dur_ns));
+      for (const n of names) num(tr, "td", [...path, "totals", n], (r.totals || {})[n], count((r.totals || {})[n]));
+      for (const m of metrics) {
+        const v = (r.derived || {})[m];
+        if (v === undefined) el("td", {}, tr, "–");
+        else num(tr, "td", [...path, "derived", m], v, isNum(v) ? fixed(v, 2) : "–");
+      }
+    };
+    const cols = ["counted", "time", ...names, ...metrics];
+    if ((C.ops || []).length) {
+      el("h3", {}, s, "Per op type");
+      const tb = table(s, ["op", ...cols]);
+      C.ops.forEach((r, i) => { const tr = el("tr", {}, tb); el("td", { class: "name" }, tr, r.op); rowCells(tr, r, ["counters", "ops", i]); });
+    }
+    const phases = Object.entries(C.phases || {}).sort((a, b) => byPhase(a[0], b[0]));
+    if (phases.length) {
+      el("h3", {}, s, "Per phase");
+      const tb = table(s, ["phase", ...cols]);
+      for (const [ph, r] of phases) { const tr = el("tr", {}, tb); el("td", {}, tr, ph); rowCells(tr, r, ["counters", "phases", ph]); }
+    }
+    const perTok = Object.entries(C.per_token || {});
+    if (perTok.length) {
+      el("h3", {}, s, "Per token");
+      const tb = table(s, ["phase", ...names]);
+      for (const [ph, vals] of perTok) {
+        const tr = el("tr", {}, tb);
+        el("td", {}, tr, ph);
+        for (const n of names) num(tr, "td", ["counters", "per_token", ph, n], vals[n], sig3(vals[n]));
+      }
+    }
+  }
+
+  // Each target thread's time on and off the CPU, from its context switches and wakeups.
+  const SCHED_PARTS = [["on CPU", "var(--accent)"], ["preempted", "var(--slower)"],
+    ["waiting for a CPU after a wakeup", "var(--uncertain)"], ["sleeping", "var(--other)"]];
+  function sched() {
+    const D = S.sched;
+    if (!D || !Array.isArray(D.threads)) return;
+    const s = section("Scheduling: on and off the CPU",
+      "Each thread of the target from its first context switch or wakeup on: on a CPU, preempted (taken off while " +
+      "runnable, and who ran instead), waiting for a CPU after a wakeup, and sleeping; runnable is the two waits together.");
+    const p = el("p", {}, s);
+    num(p, "span", ["sched", "switches"], D.switches, count(D.switches));
+    text(p, " context switches, ");
+    num(p, "span", ["sched", "wakeups"], D.wakeups, count(D.wakeups));
+    text(p, " wakeups.");
+    const th = D.threads.map((t, i) => [t, i]);
+    const total = (t) => t.on_cpu_ns + t.runnable_ns + t.sleeping_ns;
+    const drawn = th.filter(([t]) => total(t) > 0);
+    if (drawn.length) {
+      legend(s, SCHED_PARTS);
+      const lane = 22, W = 1100, box = { l: 200, r: W - 20, t: 6, b: 6 + drawn.length * (lane + 6) };
+      const svg = svgBox(s, W, box.b + 40, "scheduling per thread");
+      const tmax = Math.max(...drawn.map(([t]) => total(t)));
+      const x = linear(0, tmax / 1e6, box.l, box.r);
+      axes(svg, box, x, () => 0, linTicks(0, tmax / 1e6, 10), [], "time (ms)", "");
+      drawn.forEach(([t, i], row) => {
+        const ty = box.t + row * (lane + 6);
+        sv("text", { x: box.l - 6, y: ty + lane - 7, "text-anchor": "end" }, svg, `${t.tid}${t.name ? " " + t.name : ""}`);
+        const parts = [[t.on_cpu_ns, "on_cpu_ns"], [t.preempted_ns, "preempted_ns"], [t.runnable_ns - t.preempted_ns, null],
+          [t.sleeping_ns, "sleeping_ns"]];
+        let at = 0;
+        parts.forEach(([ns, key], j) => {
+          if (!(ns > 0)) return;
+          const r = tip(sv("rect", { x: x(at / 1e6), y: ty, width: Math.max(0.5, x((at + ns) / 1e6) - x(at / 1e6)), height: lane,
+            fill: SCHED_PARTS[j][1], class: "sched" }, svg), `${t.tid}: ${SCHED_PARTS[j][0]} ${time(ns)}`);
+          if (key) mark(r, ["sched", "threads", i, key], ns);
+          at += ns;
+        });
+      });
+    }
+    const tb = table(s, ["thread", "on CPU", "preempted", "preemptions", "runnable", "sleeping", "preempted by (top 3)"]);
+    th.forEach(([t, i]) => {
+      const tr = el("tr", {}, tb), P = ["sched", "threads", i];
+      el("td", {}, tr, `${t.tid}${t.name ? " " + t.name : ""}`);
+      num(tr, "td", [...P, "on_cpu_ns"], t.on_cpu_ns, time(t.on_cpu_ns));
+      num(tr, "td", [...P, "preempted_ns"], t.preempted_ns, time(t.preempted_ns));
+      num(tr, "td", [...P, "preemptions"], t.preemptions, count(t.preemptions));
+      num(tr, "td", [...P, "runnable_ns"], t.runnable_ns, time(t.runnable_ns));
+      num(tr, "td", [...P, "sleeping_ns"], t.sleeping_ns, time(t.sleeping_ns));
+      const by = el("td", { class: "wrap" }, tr);
+      (t.preempted_by || []).slice(0, 3).forEach((b, j) => {
+        if (j) text(by, ", ");
+        text(by, `${b.comm} `);
+        num(by, "span", [...P, "preempted_by", j, "ns"], b.ns, time(b.ns));
+      });
+      if (!(t.preempted_by || []).length) by.textContent = "–";
+    });
+    if (Array.isArray(D.ops) && D.ops.length) {
+      el("h3", {}, s, "Ops while their thread was not running");
+      const ot = table(s, ["op", "runs", "op time", "preempted", "runnable", "sleeping"]);
+      D.ops.forEach((o, i) => {
+        const tr = el("tr", {}, ot), P = ["sched", "ops", i];
+        el("td", { class: "name" }, tr, o.op);
+        num(tr, "td", [...P, "count"], o.count, count(o.count));
+        num(tr, "td", [...P, "op_ns"], o.op_ns, time(o.op_ns));
+        num(tr, "td", [...P, "preempted_ns"], o.preempted_ns, time(o.preempted_ns));
+        num(tr, "td", [...P, "runnable_ns"], o.runnable_ns, time(o.runnable_ns));
+        num(tr, "td", [...P, "sleeping_ns"], o.sleeping_ns, time(o.sleeping_ns));
+      });
+    }
+  }
+
+  // Mixture-of-experts routing: how often each layer chose each expert, as heatmaps.
+  function moe() {
+    const M = S.moe;
+    if (!M || !Array.isArray(M.counts) || !M.counts.length) return;
+    const s = section("Mixture of experts: expert selections per layer",
+      "How many times each MoE layer's router chose each expert (each routed token picks several), " +
+      "over the run and per phase; darker is more.");
+    const p = el("p", {}, s);
+    num(p, "span", ["moe", "activations"], M.activations, count(M.activations));
+    text(p, " selections: ");
+    num(p, "span", ["moe", "n_used"], M.n_used, count(M.n_used));
+    text(p, " of ");
+    num(p, "span", ["moe", "n_experts"], M.n_experts, count(M.n_experts));
+    text(p, ` experts a token in each of ${count((M.layers || []).length)} layers; routed tokens `);
+    Object.entries(M.routed_tokens || {}).forEach(([ph, n], j) => {
+      if (j) text(p, ", ");
+      text(p, `${ph} `);
+      num(p, "span", ["moe", "routed_tokens", ph], n, count(n));
+    });
+    text(p, ".");
+    const maps = [["all phases", M.counts, ["moe", "counts"]],
+      ...Object.entries(M.by_phase || {}).sort((a, b) => byPhase(a[0], b[0])).map(([ph, c]) => [ph, c, ["moe", "by_phase", ph]])];
+    const row = el("div", { class: "row" }, s);
+    for (const [name, counts, path] of maps) {
+      const div = el("div", {}, row);
+      el("h3", {}, div, name);
+      heatmap(div, counts, path, M.layers || []);
+    }
+  }
+
+  function heatmap(parent, counts, path, layers) {
+    const nE = Math.max(...counts.map((r) => r.length));
+    const W = 520, box = { l: 54, t: 18 }, cw = Math.max(4, Math.min(48, (W - box.l - 8) / nE)), ch = Math.max(8, Math.min(24, cw));
+    const H = box.t + counts.length * ch + 22;
+    const svg = svgBox(parent, W, H, "expert selections per layer");
+    const peak = Math.max(1, ...counts.flat());
+    const labelled = cw >= 26, every = Math.ceil(nE / Math.floor((W - box.l) / 28));
+    for (let e = 0; e < nE; e += every) sv("text", { x: box.l + (e + 0.5) * cw, y: box.t - 5, "text-anchor": "middle", class: "muted" }, svg, `e${e}`);
+    counts.forEach((r, i) => {
+      const y = box.t + i * ch;
+      sv("text", { x: box.l - 6, y: y + ch / 2 + 4, "text-anchor": "end", class: "muted" }, svg, `layer ${layers[i] ?? i}`);
+      r.forEach((v, e) => {
+        const cell = tip(sv("rect", { x: box.l + e * cw, y, width: cw - 1, height: ch - 1, fill: "var(--decode)",
+          "fill-opacity": 0.06 + 0.94 * (v / peak), class: "expert" }, svg), `layer ${layers[i] ?? i}, expert ${e}: ${count(v)}`);
+        mark(cell, [...path, i, e], v);
+        if (labelled) mark(sv("text", { x: box.l + (e + 0.5) * cw, y: y + ch / 2 + 4, "text-anchor": "middle", "font-size": 10,
+          style: v / peak > 0.55 ? "fill:#fff" : "" }, svg, count(v)), [...path, i, e], v);
+      });
+    });
+    sv("text", { x: box.l, y: H - 4, class: "muted" }, svg, "expert");
+  }
+
   function footer() {
     const f = el("footer", {}, page);
     el("div", {}, f, "Drawn from profinfer's JSON summary (profinfer report TRACE --json), embedded in this page; it makes no request.");
@@ -391,10 +569,13 @@
   header();
   timeline();
   opBreakdown();
+  counters();
   roofline();
   layers();
+  moe();
   cuda();
   threads();
+  sched();
   profilerCost();
   footer();
   document.body.dataset.rendered = "1";
