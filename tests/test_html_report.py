@@ -8,8 +8,9 @@ points lie on log-log axes at their verdicts' intensity and GFLOP/s.
 A real run of the tiny llama.cpp model is drawn, a run of the tiny MoE model with the sched
 level and perf counters (its expert heatmaps against llama.cpp's own token counts), and the
 stored recordings of tests/golden/ (vLLM's steps, also merged into groups; the CUDA level's
-tables; llama.cpp's sched and counters). PROFINFER_SCREENSHOT=PATH keeps the tiny run's
-screenshot there (docs/report-example.png is one)."""
+tables; llama.cpp's sched and counters). A flight recorder's capture is drawn in
+tests/daemon/test_flight_html.py. PROFINFER_SCREENSHOT=PATH keeps the tiny run's screenshot
+there (docs/report-example.png is one)."""
 from __future__ import annotations
 
 import contextlib
@@ -63,7 +64,7 @@ def load(driver, page: Path) -> dict:
     rendered = driver.execute_script("return document.body.dataset.rendered")
     marked = driver.execute_script("""
         return [...document.querySelectorAll('[data-key]')].map(e => ({
-          tag: e.tagName, key: e.dataset.key, value: e.dataset.value,
+          tag: e.tagName, key: e.dataset.key, value: e.dataset.value, scale: e.dataset.scale || null,
           cls: e.getAttribute('class') || '',
           text: (e instanceof SVGGeometryElement) ? null : e.textContent.trim(),
           cx: e.getAttribute('cx'), cy: e.getAttribute('cy'),
@@ -111,7 +112,8 @@ def check_page(summary: dict, page: Path, loaded: dict) -> set[tuple]:
                 assert m["text"] == "–", (path, m["text"])
             else:
                 shown, within = shown_value(m["text"])
-                assert abs(shown - want) <= within * (1 + 1e-9) + 1e-9 * abs(want), (path, m["text"], want)
+                want_shown = want * float(m["scale"] or 1)    # the text in another unit than the data's
+                assert abs(shown - want_shown) <= within * (1 + 1e-9) + 1e-9 * abs(want_shown), (path, m["text"], want)
         paths.add(tuple(path))
     return paths
 

@@ -1,4 +1,5 @@
 // The report page (kind "report"): a recording's JSON summary drawn (profinfer report --html).
+// LABELS.flight_families names a flight capture's families of counts (viewers/flight.py).
   const PHASE_COLOR = { prefill: "var(--prefill)", decode: "var(--decode)", mixed: "var(--mixed)", other: "var(--other)" };
   const phaseColor = (p) => PHASE_COLOR[p] || PHASE_COLOR.other;
   const PHASE_ORDER = ["prefill", "decode", "mixed", "other"];
@@ -375,7 +376,120 @@
     p.appendChild(document.createTextNode("."));
   }
 
+  // A figure in its quantity's unit (the flight recorder's: seconds, tokens/s, tokens), marked:
+  // seconds shown as a time (data-scale 1e9: the text reads in ns).
+  function inUnit(parent, tag, path, v, unit) {
+    if (unit === "s") return mark(el(tag, {}, parent, time(isNum(v) ? v * 1e9 : v)), path, v, 1e9);
+    if (unit === "tokens/s") return num(parent, tag, path, v, rate(v, "tok/s"));
+    const e = num(parent, tag, path, v, sig3(v));
+    if (unit) parent.appendChild(document.createTextNode(" " + unit));
+    return e;
+  }
   const text = (parent, t) => parent.appendChild(document.createTextNode(t));
+
+  // A flight recorder's capture: what fired it, the trigger's series around the moment, and
+  // what changed against the baseline before the incident.
+  function flight() {
+    const F = S.flight;
+    if (!F || !F.fired) return;
+    const f = F.fired, unit = f.unit || "s", P = ["flight", "fired"];
+    const s = section("Flight recorder: why this capture was made",
+      "The daemon's trigger fired on the process's own series; the capture that followed is the rest of this page.");
+    const p = el("p", {}, s);
+    el("b", {}, p, String(f.trigger ?? "a trigger"));
+    text(p, ` fired: ${f.stat ?? ""} `);
+    inUnit(p, "span", [...P, "value"], f.value, unit);
+    text(p, ` ${f.below ? "<" : ">"} limit `);
+    inUnit(p, "span", [...P, "limit"], f.limit, unit);
+    if (isNum(f.baseline)) { text(p, ", baseline "); inUnit(p, "span", [...P, "baseline"], f.baseline, unit); }
+    text(p, "; captured ");
+    mark(el("span", {}, p, time(isNum(F.record_for_s) ? F.record_for_s * 1e9 : null)), ["flight", "record_for_s"], F.record_for_s, 1e9);
+    text(p, ` at ${(F.levels || []).join(", ") || "–"}.`);
+    for (const [level, why] of Object.entries(F.left_out || {})) el("p", { class: "warn" }, s, `left out: ${level} (${why})`);
+    flightChart(s, f, unit);
+    flightChanges(s, F);
+  }
+
+  function flightChart(s, f, unit) {
+    const pts = [];
+    (f.series || []).forEach((q, j) => pts.push([q, ["flight", "fired", "series", j, "value"]]));
+    (f.series_after || []).forEach((q, j) => {
+      if (!pts.length || q.t > pts[pts.length - 1][0].t) pts.push([q, ["flight", "fired", "series_after", j, "value"]]);
+    });
+    const shown = pts.filter(([q]) => isNum(q.t) && isNum(q.value));
+    if (!shown.length) return;
+    const at = isNum(f.fired_monotonic_s) ? f.fired_monotonic_s : shown[shown.length - 1][0].t;
+    const k = unit === "s" ? 1e3 : 1, ylab = unit === "s" ? "ms" : unit;   // seconds drawn in ms
+    el("h3", {}, s, `${f.quantity ?? ""} ${f.stat ?? ""} per second around the firing`);
+    const W = 1100, H = 240, box = { l: 78, r: W - 130, t: 14, b: H - 44 };
+    const svg = svgBox(s, W, H, "the trigger's series");
+    const xs = shown.map(([q]) => q.t - at);
+    const x0 = Math.min(...xs, 0), x1 = Math.max(...xs, 0);
+    const ymax = Math.max(...shown.map(([q]) => q.value), isNum(f.limit) ? f.limit : 0, isNum(f.baseline) ? f.baseline : 0) * k * 1.15 || 1;
+    const x = linear(x0, x1, box.l, box.r), y = linear(0, ymax, box.b, box.t);
+    axes(svg, box, x, y, linTicks(x0, x1, 10), linTicks(0, ymax, 5), "seconds from the firing", `${f.stat ?? ""} (${ylab})`);
+    sv("line", { x1: x(0), x2: x(0), y1: box.t, y2: box.b, stroke: "var(--slower)", "stroke-width": 1.5 }, svg);
+    sv("text", { x: x(0) + 4, y: box.t + 10, class: "title" }, svg, "fired");
+    const level = (v, path, label, dash) => {
+      if (!isNum(v)) return;
+      sv("line", { x1: box.l, x2: box.r, y1: y(v * k), y2: y(v * k), stroke: "var(--ink)", "stroke-dasharray": dash, "stroke-width": 1.2 }, svg);
+      const t = sv("text", { x: box.r + 6, y: y(v * k) + 4 }, svg, label + " ");
+      const shownValue = unit === "s" ? time(v * 1e9) : sig3(v);
+      mark(sv("tspan", {}, t, shownValue), path, v, unit === "s" ? 1e9 : undefined);
+    };
+    level(f.limit, ["flight", "fired", "limit"], "limit", "6 4");
+    level(f.baseline, ["flight", "fired", "baseline"], "baseline", "2 3");
+    sv("polyline", { points: shown.map(([q]) => `${x(q.t - at)},${y(q.value * k)}`).join(" "), fill: "none",
+      stroke: "var(--decode)", "stroke-width": 1.8 }, svg);
+    for (const [q, path] of shown) {
+      mark(tip(sv("circle", { cx: x(q.t - at), cy: y(q.value * k), r: 3, fill: "var(--decode)", class: "flight-point" }, svg),
+        `${(q.t - at).toFixed(0)} s: ${unit === "s" ? time(q.value * 1e9) : sig3(q.value)} over ${count(q.samples)} samples`), path, q.value);
+    }
+  }
+
+  const VERDICT_CLASS = (v) => (/^outside/.test(v) ? "verdict-slower" : (v === "new" || v === "gone") ? "verdict-uncertain" : "");
+
+  function flightChanges(s, F) {
+    const rows = F.changes || [];
+    if (!F.baseline || !F.incident) {
+      el("p", { class: "note" }, s, "No comparison with a baseline: the daemon had not counted this process long enough before the incident.");
+      return;
+    }
+    el("h3", {}, s, "What changed: the incident against the baseline before it");
+    const p = el("p", { class: "note" }, s, "The daemon's own counts: the incident's ");
+    mark(el("span", {}, p, time(F.incident.seconds * 1e9)), ["flight", "incident", "seconds"], F.incident.seconds, 1e9);
+    text(p, " before its capture against the baseline's ");
+    mark(el("span", {}, p, time(F.baseline.seconds * 1e9)), ["flight", "baseline", "seconds"], F.baseline.seconds, 1e9);
+    text(p, " (");
+    num(p, "span", ["flight", "baseline", "intervals"], F.baseline.intervals, count(F.baseline.intervals));
+    text(p, " intervals; under a baseline's figure, their lowest..highest). Outside: beyond that range.");
+    if (!rows.length) return;
+    const tb = table(s, ["what", "item", "share: baseline", "incident", "time a call: baseline", "incident",
+      "a second: baseline", "incident", "verdict"]);
+    const figure = (tr, r, i, side, key, fmt, scale) => {
+      const td = el("td", {}, tr), f = r[side];
+      if (!f || f[key] === null || f[key] === undefined || (key === "s_per_call" && !f[key])) { td.textContent = "–"; return; }
+      const path = ["flight", "changes", i, side];
+      const put = (parent, k, v) => mark(el("span", {}, parent, fmt(scale ? v * scale : v)), [...path, ...k], v, scale);
+      put(td, [key], f[key]);
+      const span = f[key + "_range"];
+      if (Array.isArray(span)) {      // the baseline's range, under its figure
+        const m = el("div", { class: "range" }, td, "");
+        put(m, [key + "_range", 0], span[0]);
+        text(m, "..");
+        put(m, [key + "_range", 1], span[1]);
+      }
+    };
+    rows.forEach((r, i) => {
+      const tr = el("tr", {}, tb);
+      el("td", {}, tr, (LABELS.flight_families || {})[r.family] || r.family);
+      el("td", { class: "name", title: String(r.item) }, tr, String(r.item));
+      for (const side of ["baseline", "incident"]) figure(tr, r, i, side, "share", pct);
+      for (const side of ["baseline", "incident"]) figure(tr, r, i, side, "s_per_call", time, 1e9);
+      for (const side of ["baseline", "incident"]) figure(tr, r, i, side, "per_s", (v) => (isNum(v) ? fixed(v, 1) : "–"));
+      el("span", { class: "badge " + VERDICT_CLASS(r.verdict) }, el("td", { class: "wrap" }, tr), r.verdict);
+    });
+  }
 
   // Perf counters per op type and per phase (scaled for multiplexing; counted ops only).
   function counters() {
@@ -567,6 +681,7 @@
 
   page.textContent = "";
   header();
+  flight();
   timeline();
   opBreakdown();
   counters();
