@@ -22,7 +22,7 @@ class Output:
 
 def requested(output: str | None, json_path: str | None, html_path: str | None = None) -> list[Output]:
     from profinfer.exporters import json_summary, perfetto
-    from profinfer.viewers import html
+    from profinfer.viewers import flight, html
     made: dict[int, dict] = {}
 
     def summary(profile: Profile) -> dict:
@@ -44,7 +44,8 @@ def requested(output: str | None, json_path: str | None, html_path: str | None =
         outs.append(Output("--json", json_path, "summary", ".json", write_json))
     if html_path:
         outs.append(Output("--html", html_path, "page", ".html",
-                           lambda profile, path: html.write_html(summary(profile), path)))
+                           lambda profile, path: html.write_html(summary(profile), path,
+                                                                 labels={"flight_families": flight.FAMILIES})))
     return outs
 
 

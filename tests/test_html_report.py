@@ -5,9 +5,12 @@ path into the summary) is the JSON summary's, as written by `--json` next to it:
 exactly, its text to the digits shown. The charts have a mark per data row, and the roofline's
 points lie on log-log axes at their verdicts' intensity and GFLOP/s.
 
-A real run of the tiny llama.cpp model is drawn, and the stored recordings of tests/golden/
-(vLLM's steps, the CUDA level's tables). PROFINFER_SCREENSHOT=PATH keeps the tiny run's
-screenshot there (docs/report-example.png is one)."""
+A real run of the tiny llama.cpp model is drawn, a run of the tiny MoE model with the sched
+level and perf counters (its expert heatmaps against llama.cpp's own token counts), and the
+stored recordings of tests/golden/ (vLLM's steps, also merged into groups; the CUDA level's
+tables; llama.cpp's sched and counters). A flight recorder's capture is drawn in
+tests/daemon/test_flight_html.py. PROFINFER_SCREENSHOT=PATH keeps the tiny run's screenshot
+there (docs/report-example.png is one)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROFINFER, completion_cmd, run_profinfer, with_llama_log
+from conftest import PROFINFER, completion_cmd, llama_perf, run_profinfer, with_llama_log
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -61,9 +64,11 @@ def load(driver, page: Path) -> dict:
     rendered = driver.execute_script("return document.body.dataset.rendered")
     marked = driver.execute_script("""
         return [...document.querySelectorAll('[data-key]')].map(e => ({
-          tag: e.tagName, key: e.dataset.key, value: e.dataset.value, cls: e.getAttribute('class') || '',
+          tag: e.tagName, key: e.dataset.key, value: e.dataset.value, scale: e.dataset.scale || null,
+          cls: e.getAttribute('class') || '',
           text: (e instanceof SVGGeometryElement) ? null : e.textContent.trim(),
-          cx: e.getAttribute('cx'), cy: e.getAttribute('cy')}));""")
+          cx: e.getAttribute('cx'), cy: e.getAttribute('cy'),
+          tip: (e.querySelector(':scope > title') || {}).textContent || null}));""")
     requests = [json.loads(e["message"])["message"] for e in driver.get_log("performance")]
     return {"logs": driver.get_log("browser"), "marked": marked, "rendered": rendered,
             "requests": {m["params"]["request"]["url"] for m in requests
@@ -98,13 +103,17 @@ def check_page(summary: dict, page: Path, loaded: dict) -> set[tuple]:
     for m in loaded["marked"]:
         path = json.loads(m["key"])
         want = at(summary, path)
-        assert json.loads(m["value"]) == want, (path, m["value"], want)
+        got = json.loads(m["value"])
+        if isinstance(want, float) and isinstance(got, int):
+            got = float(got)      # JavaScript writes a large float without its fraction (2e17: "200000000000000000")
+        assert got == want, (path, m["value"], want)
         if m["text"] is not None:
             if want is None:
                 assert m["text"] == "–", (path, m["text"])
             else:
                 shown, within = shown_value(m["text"])
-                assert abs(shown - want) <= within * (1 + 1e-9) + 1e-9 * abs(want), (path, m["text"], want)
+                want_shown = want * float(m["scale"] or 1)    # the text in another unit than the data's
+                assert abs(shown - want_shown) <= within * (1 + 1e-9) + 1e-9 * abs(want_shown), (path, m["text"], want)
         paths.add(tuple(path))
     return paths
 
@@ -171,17 +180,125 @@ def test_the_page_of_a_real_run_shows_the_summarys_numbers(tiny_run, tmp_path):
         shutil.copyfile(shot, os.environ["PROFINFER_SCREENSHOT"])
 
 
+def durations_shown(loaded: dict, key: str) -> dict[int, tuple[float, float]]:
+    """Each timeline entry's duration bar: the time its tooltip says it drew (ns, and how
+    exact its text is)."""
+    out = {}
+    for m in loaded["marked"]:
+        path = json.loads(m["key"])
+        if path[0] == key and "duration" in m["cls"]:
+            out[path[1]] = shown_value(m["tip"].rsplit(": ", 1)[1])
+    return out
+
+
 @pytest.mark.parametrize("name", ["llamacpp", "vllm", "cuda_calls", "cuda_ops"])
 def test_the_page_of_each_stored_recording(name, tmp_path):
     summary, page = report(GOLDEN / f"{name}.pftrace", tmp_path)
     with chromium() as driver:
-        shown = check_page(summary, page, load(driver, page))
+        loaded = load(driver, page)
+        shown = check_page(summary, page, loaded)
     assert ("lost_events",) in shown
-    if "step_list" in summary:
+    if summary.get("step_list"):     # vLLM's: each step a bar as long as the step (one a group)
+        assert summary["step_group"] == 1
         assert {("step_list", i, "dur_ns") for i in range(len(summary["step_list"]))} <= shown
+        drawn = durations_shown(loaded, "step_list")
+        assert sorted(drawn) == list(range(len(summary["step_list"])))
+        for i, (ns, within) in drawn.items():
+            assert abs(ns - summary["step_list"][i]["dur_ns"]) <= within, (i, ns)
+    if summary.get("sched"):        # the llama.cpp recording's: each thread's row and bar
+        assert {("sched", "threads", i, k) for i in range(len(summary["sched"]["threads"]))
+                for k in ("on_cpu_ns", "preempted_ns", "runnable_ns", "sleeping_ns", "preemptions")} <= shown
+    if summary.get("counters"):
+        c = summary["counters"]
+        assert {("counters", "ops", i, "totals", n) for i in range(len(c["ops"])) for n in c["names"]} <= shown
+        assert {("counters", "phases", p, "totals", n) for p in c["phases"] for n in c["names"]} <= shown
     if summary.get("cuda"):
         kernels = list(summary["cuda"]["kernels"])[:15]
         assert kernels and {("cuda", "kernels", k, "launches") for k in kernels} <= shown
+
+
+def test_a_long_step_list_is_merged_into_groups(tmp_path, monkeypatch):
+    """The steps' timeline is bound as the decode calls' is: the stored vLLM recording's steps,
+    with the bound set to 2, are merged into groups of k = ceil(steps / 2), which hold every
+    step, its tokens and own time, and start and end where their first and last step do; the
+    page says so and draws each group's mean step."""
+    from profinfer.core import timeline_groups
+    from profinfer.exporters.json_summary import summary as summarise
+    from profinfer.exporters.trace_reader import read_trace
+    from profinfer.viewers import html
+    profile = read_trace(GOLDEN / "vllm.pftrace")
+    steps = sorted(profile.steps, key=lambda st: st.start_ns)
+    assert len(steps) >= 3                   # more than the bound: merged
+    monkeypatch.setattr(timeline_groups, "MAX_TIMELINE_POINTS", 2)
+    summary = summarise(profile)
+    k = -(-len(steps) // 2)
+    groups = summary["step_list"]
+    assert summary["step_group"] == k and len(groups) == -(-len(steps) // k) <= 2
+    for g, part in zip(groups, [steps[i:i + k] for i in range(0, len(steps), k)]):
+        assert g["steps"] == len(part) and g["tokens"] == sum(st.n_tokens for st in part)
+        assert g["start_ns"] == part[0].start_ns and g["end_ns"] == part[-1].end_ns
+        assert g["dur_ns"] == sum(st.end_ns - st.start_ns for st in part)
+        assert g["calls"] == sum(st.n_calls for st in part)
+        assert "query_lens" not in g
+    page = tmp_path / "page.html"
+    html.write_html(summary, page)
+    with chromium() as driver:
+        loaded = load(driver, page)
+        shown = check_page(summary, page, loaded)
+        text = driver.execute_script("return document.body.innerText")
+    assert {("step_list", i, "dur_ns") for i in range(len(groups))} <= shown
+    assert f"mean of each group of {k} engine steps" in text
+    for i, (ns, within) in durations_shown(loaded, "step_list").items():
+        assert abs(ns - groups[i]["dur_ns"] / groups[i]["steps"]) <= within, (i, ns, groups[i])
+
+
+@pytest.fixture(scope="module")
+def moe_run(llama_build, moe_model, llama_env, tmp_path_factory):
+    """The tiny MoE model (8 experts, 2 used a token, 4 layers) with the sched level and two
+    software counters (this VM has no hardware PMU)."""
+    tmp = tmp_path_factory.mktemp("html-moe")
+    trace = tmp / "moe.pftrace"
+    r = with_llama_log(lambda: run_profinfer(
+        ["record", "--quiet", "--levels", "token,graph,op,sched", "--counters", "task-clock,page-faults",
+         "-o", str(trace), "--", *completion_cmd(llama_build, moe_model, n=12)], env=llama_env, tmp_path=tmp))
+    assert r.rc == 0, r.stderr[-2000:]
+    return trace, llama_perf(r.stderr)
+
+
+def test_moe_sched_and_counters_of_a_real_run(moe_run, llama_build, tmp_path):
+    """The MoE, scheduling and counters sections of a real run: drawn, every number the
+    summary's; the decode heatmap's cells, read off the page, add up per layer to llama.cpp's
+    own count of generated tokens times the experts a token uses (the prefill's to its prompt
+    tokens', the last layer routing only the token whose logits are asked for); the counters
+    are those asked for; the sched table names the program's main thread (its comm)."""
+    trace, perf = moe_run
+    summary, page = report(trace, tmp_path)
+    with chromium() as driver:
+        loaded = load(driver, page)
+        shown = check_page(summary, page, loaded)
+        headers = driver.execute_script("return [...document.querySelectorAll('h2')].map(h => h.textContent)")
+        text = driver.execute_script("return document.body.innerText")
+    assert {"Mixture of experts: expert selections per layer", "Perf counters",
+            "Scheduling: on and off the CPU"} <= set(headers)
+    m = summary["moe"]
+    assert (m["n_experts"], m["n_used"], m["layers"]) == (8, 2, [0, 1, 2, 3])
+    cells = {}
+    for mk in loaded["marked"]:
+        path = json.loads(mk["key"])
+        if path[:2] == ["moe", "by_phase"] and mk["tag"] == "text":
+            cells.setdefault(path[2], {}).setdefault(path[3], []).append(int(mk["text"].replace(",", "")))
+    per_layer = {ph: [sum(rows[i]) for i in sorted(rows)] for ph, rows in cells.items()}
+    assert per_layer["decode"] == [perf["eval"][1] * 2] * 4
+    assert per_layer["prefill"] == [perf["prompt eval"][1] * 2] * 3 + [2]
+    assert {("moe", "counts", i, e) for i in range(4) for e in range(8)} <= shown
+    c = summary["counters"]
+    assert c["names"] == ["task-clock", "page-faults"]
+    assert {("counters", "ops", i, "totals", n) for i in range(len(c["ops"])) for n in c["names"]} <= shown
+    sched = summary["sched"]
+    assert {("sched", "threads", i, "on_cpu_ns") for i in range(len(sched["threads"]))} <= shown
+    comm = Path(completion_cmd(llama_build, Path("m.gguf"))[0]).name[:15]    # the kernel's comm: 15 bytes
+    assert any(t["name"] == comm for t in sched["threads"]), sched["threads"]
+    assert comm in text
 
 
 def test_cache_roofs_and_a_verdicts_roof_are_drawn(tmp_path):

@@ -7,20 +7,26 @@ that of the engine that holds the profile), then each plugin's sections in their
 (core.sections).
 "decode_call_list" is the decode-call timeline (the HTML report's): per llama_decode-like call
 {start_ns, end_ns, dur_ns, calls, tokens, phase}, in start order. It holds at most
-MAX_TIMELINE_POINTS entries: a run of more calls is merged into consecutive groups of
-k = ceil(calls / MAX_TIMELINE_POINTS) calls each (start of the first, end of the last, dur_ns the
-sum of the calls' own durations, tokens summed, phase the calls' common phase or "mixed"), and
-"decode_call_group" says k (1: one entry per call).
+MAX_TIMELINE_POINTS entries (core/timeline_groups.py): a run of more calls is merged into
+consecutive groups of k = ceil(calls / MAX_TIMELINE_POINTS) calls each (start of the first, end
+of the last, dur_ns the sum of the calls' own durations, tokens summed, phase the calls' common
+phase or "mixed"), and "decode_call_group" says k (1: one entry per call).
+"step_list" (an engine's steps, vLLM's main view) is the step timeline: per step {pid, tid,
+start_ns, end_ns, dur_ns, steps (1), tokens, query_lens, phase, prefill_seqs, decode_seqs, calls
+(its native op calls)}, in start order, bound alike: more than MAX_TIMELINE_POINTS steps are
+merged into consecutive groups of k steps each (start of the first, end of the last, dur_ns the
+steps' own durations summed, steps k (the last group fewer), tokens, calls, prefill_seqs and
+decode_seqs summed, phase common or "mixed"; without pid, tid and query_lens), and
+"step_group" says k.
 Ops counted in BPF per op type and phase (no timeline asked; meta "op_level": "counted"):
 the ops' percentiles, barrier times and per-thread op times are null.
 """
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-from profinfer.core import recorded_calibration, sections, selfcost
+from profinfer.core import recorded_calibration, sections, selfcost, timeline_groups
 from profinfer.core.model import Profile, TokenCall
 from profinfer.core.sections import SummarySection, View
 from profinfer.core.stats import OpStats, compute
@@ -40,22 +46,19 @@ def _op_row(o: OpStats) -> dict:
             "p50_ns": _float(o.p50_ns), "p99_ns": _float(o.p99_ns), "share": float(o.share)}
 
 
-# The decode-call timeline's bound (see the module's docstring): a page draws this many bars.
-MAX_TIMELINE_POINTS = 2000
+# The timelines' bound (see the module's docstring): a page draws this many bars.
+MAX_TIMELINE_POINTS = timeline_groups.MAX_TIMELINE_POINTS
 
 
 def _call_group(calls: list[TokenCall]) -> dict:
-    phases = {c.phase for c in calls}
     return {"start_ns": calls[0].start_ns, "end_ns": calls[-1].end_ns,
             "dur_ns": sum(c.dur_ns for c in calls), "calls": len(calls),
-            "tokens": sum(c.n_tokens for c in calls), "phase": phases.pop() if len(phases) == 1 else "mixed"}
+            "tokens": sum(c.n_tokens for c in calls), "phase": timeline_groups.merged_phase(c.phase for c in calls)}
 
 
 def decode_call_timeline(profile: Profile) -> dict:
-    calls = sorted(profile.tokens, key=lambda c: (c.start_ns, c.tid))
-    k = max(1, math.ceil(len(calls) / MAX_TIMELINE_POINTS))
-    return {"decode_call_group": k,
-            "decode_call_list": [_call_group(calls[i:i + k]) for i in range(0, len(calls), k)]}
+    k, grouped = timeline_groups.groups(sorted(profile.tokens, key=lambda c: (c.start_ns, c.tid)))
+    return {"decode_call_group": k, "decode_call_list": [_call_group(g) for g in grouped]}
 
 
 def summary(profile: Profile) -> dict:

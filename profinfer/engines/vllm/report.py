@@ -3,11 +3,13 @@ ops, their shapes, steps, the roofline of the ops its pack models, the server's 
 beside profinfer's. It stands for any pack whose ops are calls (its collector records them)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rich.console import Console
 from rich.table import Table
 
-from profinfer.core import loghist, packs, recorded_calibration
-from profinfer.core.model import Profile
+from profinfer.core import loghist, packs, recorded_calibration, timeline_groups
+from profinfer.core.model import Profile, Step
 from profinfer.core.sections import ReportSection, SeriesSection, SummarySection, View, roofline_keys
 from profinfer.core.tables import ms, op_table, print_cost, print_lost, roofline_origin, roofline_table, us
 from profinfer.engines.vllm import callstats, comparable, cost
@@ -34,6 +36,24 @@ def _shape_args(args) -> dict:
             for name, dtype, shape in args}
 
 
+def _step_entry(steps: Sequence[Step]) -> dict:
+    """One step's entry of the step timeline, or a group's (exporters/json_summary.py)."""
+    first, one = steps[0], len(steps) == 1
+    return {**({"pid": first.pid, "tid": first.tid} if one else {}),
+            "start_ns": first.start_ns, "end_ns": steps[-1].end_ns, "dur_ns": sum(s.dur_ns for s in steps),
+            "steps": len(steps), "tokens": sum(s.n_tokens for s in steps),
+            **({"query_lens": list(first.query_lens)} if one else {}),
+            "phase": timeline_groups.merged_phase(s.phase for s in steps),
+            "prefill_seqs": sum(s.prefill_seqs for s in steps), "decode_seqs": sum(s.decode_seqs for s in steps),
+            "calls": sum(s.n_calls for s in steps)}
+
+
+def step_timeline(steps: list[Step]) -> dict:
+    """The summary's step_list, bound as its decode_call_list is; step_group says by how much."""
+    k, grouped = timeline_groups.groups(sorted(steps, key=lambda s: (s.start_ns, s.tid)))
+    return {"step_group": k, "step_list": [_step_entry(g) for g in grouped]}
+
+
 def _main_keys(profile: Profile) -> dict:
     """The same top-level keys as the neutral view's, with steps where it has decode calls."""
     st = call_stats(profile)
@@ -57,10 +77,7 @@ def _main_keys(profile: Profile) -> dict:
                  "p50_ns": o.p50_ns, "p99_ns": o.p99_ns, "share": o.share} for o in st.ops],
         "op_shapes": [{"op": s.op, "count": s.count, "total_ns": s.total_ns, "args": _shape_args(s.args)}
                       for s in st.shapes],
-        "step_list": [{"pid": s.pid, "tid": s.tid, "start_ns": s.start_ns, "dur_ns": s.dur_ns,
-                       "tokens": s.n_tokens, "query_lens": list(s.query_lens), "phase": s.phase,
-                       "prefill_seqs": s.prefill_seqs, "decode_seqs": s.decode_seqs, "calls": s.n_calls}
-                      for s in st.steps],
+        **step_timeline(st.steps),
         "phases": {name: {"steps": ph.steps, "tokens": ph.tokens, "time_ns": ph.time_ns, "op_ns": ph.op_ns}
                    for name, ph in st.phases.items()},
         "server_metrics": [{"what": r.what, "server": r.server, "ours": r.ours, "unit": r.unit}

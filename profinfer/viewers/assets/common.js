@@ -2,7 +2,9 @@
 // helpers, scales and axes. The page's script is this file and its kind's (report.js,
 // diff.js) inside one function (viewers/html.py joins them).
 // Every number shown that is one of the data's carries data-key (its path in the data, a JSON
-// array) and data-value (the data's value), so that a test can hold the page to it.
+// array) and data-value (the data's value), so that a test can hold the page to it; where its
+// text is in another unit than the data's (seconds shown as a time), data-scale says what the
+// data's value is multiplied by to be in the text's (1e9: the text reads in ns, as times do).
   const S = JSON.parse(document.getElementById("summary").textContent);
   const page = document.getElementById("page");
   const LABELS = JSON.parse(document.getElementById("labels").textContent);
@@ -56,9 +58,10 @@
     e.dataset.value = JSON.stringify(value === undefined ? null : value);
     return e;
   }
-  function mark(e, path, value) {
+  function mark(e, path, value, scale) {
     e.setAttribute("data-key", JSON.stringify(path));
     e.setAttribute("data-value", JSON.stringify(value === undefined ? null : value));
+    if (scale !== undefined) e.setAttribute("data-scale", String(scale));
     return e;
   }
   function section(title, note) {

@@ -1,4 +1,5 @@
 // The report page (kind "report"): a recording's JSON summary drawn (profinfer report --html).
+// LABELS.flight_families names a flight capture's families of counts (viewers/flight.py).
   const PHASE_COLOR = { prefill: "var(--prefill)", decode: "var(--decode)", mixed: "var(--mixed)", other: "var(--other)" };
   const phaseColor = (p) => PHASE_COLOR[p] || PHASE_COLOR.other;
   const PHASE_ORDER = ["prefill", "decode", "mixed", "other"];
@@ -45,11 +46,13 @@
     const calls = S.decode_call_list || S.step_list;
     if (!Array.isArray(calls) || !calls.length) return;
     const what = S.decode_call_list ? "decode call" : "engine step";
-    const grouped = (S.decode_call_group || 1) > 1;
+    // how many calls (steps) an entry merges: the summary groups a long run's
+    const group = (S.decode_call_list ? S.decode_call_group : S.step_group) || 1;
+    const merged = (c) => (S.decode_call_list ? c.calls : c.steps) || 1;
     const s = section(`Timeline: ${what}s, TTFT and TPOT`,
       `Top: each sequence from its request to its last token, the part before its first token (TTFT) in orange. ` +
       `Middle: each ${what} as a bar as long as it ran. Bottom: its duration` +
-      (grouped ? ` (mean of each group of ${S.decode_call_group} calls: the summary merges calls beyond 2,000)` : "") +
+      (group > 1 ? ` (mean of each group of ${count(group)} ${what}s: the summary merges ${what}s beyond 2,000)` : "") +
       `; the dashed line is the TPOT.`);
     legend(s, [["prefill", phaseColor("prefill")], ["decode", phaseColor("decode")], ["mixed", phaseColor("mixed")]]);
     const seqs = (S.sequence_latency || []).slice(0, 24);
@@ -62,7 +65,7 @@
     const svg = svgBox(s, W, H, "timeline");
     const x = linear(0, (t1 - t0) / unit, box.l, box.r);
     const X = (ns) => x((ns - t0) / unit);
-    const per = (c) => c.dur_ns / (c.calls || 1);
+    const per = (c) => c.dur_ns / merged(c);
     const shown = calls.filter((c) => c.phase !== "prefill" || !S.decode_call_list);
     const ymax = Math.max(...shown.map(per), S.tpot_ns || 0, 1) * 1.12 / 1e6;
     const y = linear(0, ymax, box.b, box.t);
@@ -93,7 +96,8 @@
       const end = c.end_ns ?? c.start_ns + c.dur_ns;
       tip(sv("rect", { x: X(c.start_ns), y: stripT, width: barWidth(X(end) - X(c.start_ns)), height: stripH,
         fill: phaseColor(c.phase), class: "call" }, svg),
-      `${what} ${i}: ${c.phase}, ${count(c.tokens)} tokens, ${time(c.dur_ns)}`);
+      (merged(c) > 1 ? `${what}s ${count(i * group)}–${count(i * group + merged(c) - 1)}` : `${what} ${count(i * group)}`) +
+      `: ${c.phase}, ${count(c.tokens)} tokens, ${time(c.dur_ns)}`);
     });
     // durations
     calls.forEach((c, i) => {
@@ -372,6 +376,297 @@
     p.appendChild(document.createTextNode("."));
   }
 
+  // A figure in its quantity's unit (the flight recorder's: seconds, tokens/s, tokens), marked:
+  // seconds shown as a time (data-scale 1e9: the text reads in ns).
+  function inUnit(parent, tag, path, v, unit) {
+    if (unit === "s") return mark(el(tag, {}, parent, time(isNum(v) ? v * 1e9 : v)), path, v, 1e9);
+    if (unit === "tokens/s") return num(parent, tag, path, v, rate(v, "tok/s"));
+    const e = num(parent, tag, path, v, sig3(v));
+    if (unit) parent.appendChild(document.createTextNode(" " + unit));
+    return e;
+  }
+  const text = (parent, t) => parent.appendChild(document.createTextNode(t));
+
+  // A flight recorder's capture: what fired it, the trigger's series around the moment, and
+  // what changed against the baseline before the incident.
+  function flight() {
+    const F = S.flight;
+    if (!F || !F.fired) return;
+    const f = F.fired, unit = f.unit || "s", P = ["flight", "fired"];
+    const s = section("Flight recorder: why this capture was made",
+      "The daemon's trigger fired on the process's own series; the capture that followed is the rest of this page.");
+    const p = el("p", {}, s);
+    el("b", {}, p, String(f.trigger ?? "a trigger"));
+    text(p, ` fired: ${f.stat ?? ""} `);
+    inUnit(p, "span", [...P, "value"], f.value, unit);
+    text(p, ` ${f.below ? "<" : ">"} limit `);
+    inUnit(p, "span", [...P, "limit"], f.limit, unit);
+    if (isNum(f.baseline)) { text(p, ", baseline "); inUnit(p, "span", [...P, "baseline"], f.baseline, unit); }
+    text(p, "; captured ");
+    mark(el("span", {}, p, time(isNum(F.record_for_s) ? F.record_for_s * 1e9 : null)), ["flight", "record_for_s"], F.record_for_s, 1e9);
+    text(p, ` at ${(F.levels || []).join(", ") || "–"}.`);
+    for (const [level, why] of Object.entries(F.left_out || {})) el("p", { class: "warn" }, s, `left out: ${level} (${why})`);
+    flightChart(s, f, unit);
+    flightChanges(s, F);
+  }
+
+  function flightChart(s, f, unit) {
+    const pts = [];
+    (f.series || []).forEach((q, j) => pts.push([q, ["flight", "fired", "series", j, "value"]]));
+    (f.series_after || []).forEach((q, j) => {
+      if (!pts.length || q.t > pts[pts.length - 1][0].t) pts.push([q, ["flight", "fired", "series_after", j, "value"]]);
+    });
+    const shown = pts.filter(([q]) => isNum(q.t) && isNum(q.value));
+    if (!shown.length) return;
+    const at = isNum(f.fired_monotonic_s) ? f.fired_monotonic_s : shown[shown.length - 1][0].t;
+    const k = unit === "s" ? 1e3 : 1, ylab = unit === "s" ? "ms" : unit;   // seconds drawn in ms
+    el("h3", {}, s, `${f.quantity ?? ""} ${f.stat ?? ""} per second around the firing`);
+    const W = 1100, H = 240, box = { l: 78, r: W - 130, t: 14, b: H - 44 };
+    const svg = svgBox(s, W, H, "the trigger's series");
+    const xs = shown.map(([q]) => q.t - at);
+    const x0 = Math.min(...xs, 0), x1 = Math.max(...xs, 0);
+    const ymax = Math.max(...shown.map(([q]) => q.value), isNum(f.limit) ? f.limit : 0, isNum(f.baseline) ? f.baseline : 0) * k * 1.15 || 1;
+    const x = linear(x0, x1, box.l, box.r), y = linear(0, ymax, box.b, box.t);
+    axes(svg, box, x, y, linTicks(x0, x1, 10), linTicks(0, ymax, 5), "seconds from the firing", `${f.stat ?? ""} (${ylab})`);
+    sv("line", { x1: x(0), x2: x(0), y1: box.t, y2: box.b, stroke: "var(--slower)", "stroke-width": 1.5 }, svg);
+    sv("text", { x: x(0) + 4, y: box.t + 10, class: "title" }, svg, "fired");
+    const level = (v, path, label, dash) => {
+      if (!isNum(v)) return;
+      sv("line", { x1: box.l, x2: box.r, y1: y(v * k), y2: y(v * k), stroke: "var(--ink)", "stroke-dasharray": dash, "stroke-width": 1.2 }, svg);
+      const t = sv("text", { x: box.r + 6, y: y(v * k) + 4 }, svg, label + " ");
+      const shownValue = unit === "s" ? time(v * 1e9) : sig3(v);
+      mark(sv("tspan", {}, t, shownValue), path, v, unit === "s" ? 1e9 : undefined);
+    };
+    level(f.limit, ["flight", "fired", "limit"], "limit", "6 4");
+    level(f.baseline, ["flight", "fired", "baseline"], "baseline", "2 3");
+    sv("polyline", { points: shown.map(([q]) => `${x(q.t - at)},${y(q.value * k)}`).join(" "), fill: "none",
+      stroke: "var(--decode)", "stroke-width": 1.8 }, svg);
+    for (const [q, path] of shown) {
+      mark(tip(sv("circle", { cx: x(q.t - at), cy: y(q.value * k), r: 3, fill: "var(--decode)", class: "flight-point" }, svg),
+        `${(q.t - at).toFixed(0)} s: ${unit === "s" ? time(q.value * 1e9) : sig3(q.value)} over ${count(q.samples)} samples`), path, q.value);
+    }
+  }
+
+  const VERDICT_CLASS = (v) => (/^outside/.test(v) ? "verdict-slower" : (v === "new" || v === "gone") ? "verdict-uncertain" : "");
+
+  function flightChanges(s, F) {
+    const rows = F.changes || [];
+    if (!F.baseline || !F.incident) {
+      el("p", { class: "note" }, s, "No comparison with a baseline: the daemon had not counted this process long enough before the incident.");
+      return;
+    }
+    el("h3", {}, s, "What changed: the incident against the baseline before it");
+    const p = el("p", { class: "note" }, s, "The daemon's own counts: the incident's ");
+    mark(el("span", {}, p, time(F.incident.seconds * 1e9)), ["flight", "incident", "seconds"], F.incident.seconds, 1e9);
+    text(p, " before its capture against the baseline's ");
+    mark(el("span", {}, p, time(F.baseline.seconds * 1e9)), ["flight", "baseline", "seconds"], F.baseline.seconds, 1e9);
+    text(p, " (");
+    num(p, "span", ["flight", "baseline", "intervals"], F.baseline.intervals, count(F.baseline.intervals));
+    text(p, " intervals; under a baseline's figure, their lowest..highest). Outside: beyond that range.");
+    if (!rows.length) return;
+    const tb = table(s, ["what", "item", "share: baseline", "incident", "time a call: baseline", "incident",
+      "a second: baseline", "incident", "verdict"]);
+    const figure = (tr, r, i, side, key, fmt, scale) => {
+      const td = el("td", {}, tr), f = r[side];
+      if (!f || f[key] === null || f[key] === undefined || (key === "s_per_call" && !f[key])) { td.textContent = "–"; return; }
+      const path = ["flight", "changes", i, side];
+      const put = (parent, k, v) => mark(el("span", {}, parent, fmt(scale ? v * scale : v)), [...path, ...k], v, scale);
+      put(td, [key], f[key]);
+      const span = f[key + "_range"];
+      if (Array.isArray(span)) {      // the baseline's range, under its figure
+        const m = el("div", { class: "range" }, td, "");
+        put(m, [key + "_range", 0], span[0]);
+        text(m, "..");
+        put(m, [key + "_range", 1], span[1]);
+      }
+    };
+    rows.forEach((r, i) => {
+      const tr = el("tr", {}, tb);
+      el("td", {}, tr, (LABELS.flight_families || {})[r.family] || r.family);
+      el("td", { class: "name", title: String(r.item) }, tr, String(r.item));
+      for (const side of ["baseline", "incident"]) figure(tr, r, i, side, "share", pct);
+      for (const side of ["baseline", "incident"]) figure(tr, r, i, side, "s_per_call", time, 1e9);
+      for (const side of ["baseline", "incident"]) figure(tr, r, i, side, "per_s", (v) => (isNum(v) ? fixed(v, 1) : "–"));
+      el("span", { class: "badge " + VERDICT_CLASS(r.verdict) }, el("td", { class: "wrap" }, tr), r.verdict);
+    });
+  }
+
+  // Perf counters per op type and per phase (scaled for multiplexing; counted ops only).
+  function counters() {
+    const C = S.counters;
+    if (!C || !Array.isArray(C.names)) return;
+    const names = C.names;
+    const s = section("Perf counters",
+      `Per op type and per phase, the counters read at each op's start and end (${names.join(", ") || "none"}), ` +
+      "summed over the ops counted (scaled where the kernel multiplexed them), and what they give.");
+    const dropped = Object.entries(C.dropped_ops || {}).filter(([, n]) => n);
+    if (dropped.length) {
+      const p = el("p", { class: "warn" }, s, "Ops not counted: ");
+      dropped.forEach(([why, n], j) => {
+        if (j) text(p, ", ");
+        num(p, "span", ["counters", "dropped_ops", why], n, count(n));
+        text(p, ` ${why}`);
+      });
+    }
+    for (const note of C.notes || []) el("p", { class: "warn" }, s, note);
+    const metrics = [...new Set([...(C.ops || []), ...Object.values(C.phases || {})].flatMap((r) => Object.keys(r.derived || {})))];
+    const rowCells = (tr, r, path) => {
+      num(tr, "td", [...path, "counted"], r.counted, count(r.counted));
+      num(tr, "td", [...path, "dur_ns"], r.dur_ns, time(r.dur_ns));
+      for (const n of names) num(tr, "td", [...path, "totals", n], (r.totals || {})[n], count((r.totals || {})[n]));
+      for (const m of metrics) {
+        const v = (r.derived || {})[m];
+        if (v === undefined) el("td", {}, tr, "–");
+        else num(tr, "td", [...path, "derived", m], v, isNum(v) ? fixed(v, 2) : "–");
+      }
+    };
+    const cols = ["counted", "time", ...names, ...metrics];
+    if ((C.ops || []).length) {
+      el("h3", {}, s, "Per op type");
+      const tb = table(s, ["op", ...cols]);
+      C.ops.forEach((r, i) => { const tr = el("tr", {}, tb); el("td", { class: "name" }, tr, r.op); rowCells(tr, r, ["counters", "ops", i]); });
+    }
+    const phases = Object.entries(C.phases || {}).sort((a, b) => byPhase(a[0], b[0]));
+    if (phases.length) {
+      el("h3", {}, s, "Per phase");
+      const tb = table(s, ["phase", ...cols]);
+      for (const [ph, r] of phases) { const tr = el("tr", {}, tb); el("td", {}, tr, ph); rowCells(tr, r, ["counters", "phases", ph]); }
+    }
+    const perTok = Object.entries(C.per_token || {});
+    if (perTok.length) {
+      el("h3", {}, s, "Per token");
+      const tb = table(s, ["phase", ...names]);
+      for (const [ph, vals] of perTok) {
+        const tr = el("tr", {}, tb);
+        el("td", {}, tr, ph);
+        for (const n of names) num(tr, "td", ["counters", "per_token", ph, n], vals[n], sig3(vals[n]));
+      }
+    }
+  }
+
+  // Each target thread's time on and off the CPU, from its context switches and wakeups.
+  const SCHED_PARTS = [["on CPU", "var(--accent)"], ["preempted", "var(--slower)"],
+    ["waiting for a CPU after a wakeup", "var(--uncertain)"], ["sleeping", "var(--other)"]];
+  function sched() {
+    const D = S.sched;
+    if (!D || !Array.isArray(D.threads)) return;
+    const s = section("Scheduling: on and off the CPU",
+      "Each thread of the target from its first context switch or wakeup on: on a CPU, preempted (taken off while " +
+      "runnable, and who ran instead), waiting for a CPU after a wakeup, and sleeping; runnable is the two waits together.");
+    const p = el("p", {}, s);
+    num(p, "span", ["sched", "switches"], D.switches, count(D.switches));
+    text(p, " context switches, ");
+    num(p, "span", ["sched", "wakeups"], D.wakeups, count(D.wakeups));
+    text(p, " wakeups.");
+    const th = D.threads.map((t, i) => [t, i]);
+    const total = (t) => t.on_cpu_ns + t.runnable_ns + t.sleeping_ns;
+    const drawn = th.filter(([t]) => total(t) > 0);
+    if (drawn.length) {
+      legend(s, SCHED_PARTS);
+      const lane = 22, W = 1100, box = { l: 200, r: W - 20, t: 6, b: 6 + drawn.length * (lane + 6) };
+      const svg = svgBox(s, W, box.b + 40, "scheduling per thread");
+      const tmax = Math.max(...drawn.map(([t]) => total(t)));
+      const x = linear(0, tmax / 1e6, box.l, box.r);
+      axes(svg, box, x, () => 0, linTicks(0, tmax / 1e6, 10), [], "time (ms)", "");
+      drawn.forEach(([t, i], row) => {
+        const ty = box.t + row * (lane + 6);
+        sv("text", { x: box.l - 6, y: ty + lane - 7, "text-anchor": "end" }, svg, `${t.tid}${t.name ? " " + t.name : ""}`);
+        const parts = [[t.on_cpu_ns, "on_cpu_ns"], [t.preempted_ns, "preempted_ns"], [t.runnable_ns - t.preempted_ns, null],
+          [t.sleeping_ns, "sleeping_ns"]];
+        let at = 0;
+        parts.forEach(([ns, key], j) => {
+          if (!(ns > 0)) return;
+          const r = tip(sv("rect", { x: x(at / 1e6), y: ty, width: Math.max(0.5, x((at + ns) / 1e6) - x(at / 1e6)), height: lane,
+            fill: SCHED_PARTS[j][1], class: "sched" }, svg), `${t.tid}: ${SCHED_PARTS[j][0]} ${time(ns)}`);
+          if (key) mark(r, ["sched", "threads", i, key], ns);
+          at += ns;
+        });
+      });
+    }
+    const tb = table(s, ["thread", "on CPU", "preempted", "preemptions", "runnable", "sleeping", "preempted by (top 3)"]);
+    th.forEach(([t, i]) => {
+      const tr = el("tr", {}, tb), P = ["sched", "threads", i];
+      el("td", {}, tr, `${t.tid}${t.name ? " " + t.name : ""}`);
+      num(tr, "td", [...P, "on_cpu_ns"], t.on_cpu_ns, time(t.on_cpu_ns));
+      num(tr, "td", [...P, "preempted_ns"], t.preempted_ns, time(t.preempted_ns));
+      num(tr, "td", [...P, "preemptions"], t.preemptions, count(t.preemptions));
+      num(tr, "td", [...P, "runnable_ns"], t.runnable_ns, time(t.runnable_ns));
+      num(tr, "td", [...P, "sleeping_ns"], t.sleeping_ns, time(t.sleeping_ns));
+      const by = el("td", { class: "wrap" }, tr);
+      (t.preempted_by || []).slice(0, 3).forEach((b, j) => {
+        if (j) text(by, ", ");
+        text(by, `${b.comm} `);
+        num(by, "span", [...P, "preempted_by", j, "ns"], b.ns, time(b.ns));
+      });
+      if (!(t.preempted_by || []).length) by.textContent = "–";
+    });
+    if (Array.isArray(D.ops) && D.ops.length) {
+      el("h3", {}, s, "Ops while their thread was not running");
+      const ot = table(s, ["op", "runs", "op time", "preempted", "runnable", "sleeping"]);
+      D.ops.forEach((o, i) => {
+        const tr = el("tr", {}, ot), P = ["sched", "ops", i];
+        el("td", { class: "name" }, tr, o.op);
+        num(tr, "td", [...P, "count"], o.count, count(o.count));
+        num(tr, "td", [...P, "op_ns"], o.op_ns, time(o.op_ns));
+        num(tr, "td", [...P, "preempted_ns"], o.preempted_ns, time(o.preempted_ns));
+        num(tr, "td", [...P, "runnable_ns"], o.runnable_ns, time(o.runnable_ns));
+        num(tr, "td", [...P, "sleeping_ns"], o.sleeping_ns, time(o.sleeping_ns));
+      });
+    }
+  }
+
+  // Mixture-of-experts routing: how often each layer chose each expert, as heatmaps.
+  function moe() {
+    const M = S.moe;
+    if (!M || !Array.isArray(M.counts) || !M.counts.length) return;
+    const s = section("Mixture of experts: expert selections per layer",
+      "How many times each MoE layer's router chose each expert (each routed token picks several), " +
+      "over the run and per phase; darker is more.");
+    const p = el("p", {}, s);
+    num(p, "span", ["moe", "activations"], M.activations, count(M.activations));
+    text(p, " selections: ");
+    num(p, "span", ["moe", "n_used"], M.n_used, count(M.n_used));
+    text(p, " of ");
+    num(p, "span", ["moe", "n_experts"], M.n_experts, count(M.n_experts));
+    text(p, ` experts a token in each of ${count((M.layers || []).length)} layers; routed tokens `);
+    Object.entries(M.routed_tokens || {}).forEach(([ph, n], j) => {
+      if (j) text(p, ", ");
+      text(p, `${ph} `);
+      num(p, "span", ["moe", "routed_tokens", ph], n, count(n));
+    });
+    text(p, ".");
+    const maps = [["all phases", M.counts, ["moe", "counts"]],
+      ...Object.entries(M.by_phase || {}).sort((a, b) => byPhase(a[0], b[0])).map(([ph, c]) => [ph, c, ["moe", "by_phase", ph]])];
+    const row = el("div", { class: "row" }, s);
+    for (const [name, counts, path] of maps) {
+      const div = el("div", {}, row);
+      el("h3", {}, div, name);
+      heatmap(div, counts, path, M.layers || []);
+    }
+  }
+
+  function heatmap(parent, counts, path, layers) {
+    const nE = Math.max(...counts.map((r) => r.length));
+    const W = 520, box = { l: 54, t: 18 }, cw = Math.max(4, Math.min(48, (W - box.l - 8) / nE)), ch = Math.max(8, Math.min(24, cw));
+    const H = box.t + counts.length * ch + 22;
+    const svg = svgBox(parent, W, H, "expert selections per layer");
+    const peak = Math.max(1, ...counts.flat());
+    const labelled = cw >= 26, every = Math.ceil(nE / Math.floor((W - box.l) / 28));
+    for (let e = 0; e < nE; e += every) sv("text", { x: box.l + (e + 0.5) * cw, y: box.t - 5, "text-anchor": "middle", class: "muted" }, svg, `e${e}`);
+    counts.forEach((r, i) => {
+      const y = box.t + i * ch;
+      sv("text", { x: box.l - 6, y: y + ch / 2 + 4, "text-anchor": "end", class: "muted" }, svg, `layer ${layers[i] ?? i}`);
+      r.forEach((v, e) => {
+        const cell = tip(sv("rect", { x: box.l + e * cw, y, width: cw - 1, height: ch - 1, fill: "var(--decode)",
+          "fill-opacity": 0.06 + 0.94 * (v / peak), class: "expert" }, svg), `layer ${layers[i] ?? i}, expert ${e}: ${count(v)}`);
+        mark(cell, [...path, i, e], v);
+        if (labelled) mark(sv("text", { x: box.l + (e + 0.5) * cw, y: y + ch / 2 + 4, "text-anchor": "middle", "font-size": 10,
+          style: v / peak > 0.55 ? "fill:#fff" : "" }, svg, count(v)), [...path, i, e], v);
+      });
+    });
+    sv("text", { x: box.l, y: H - 4, class: "muted" }, svg, "expert");
+  }
+
   function footer() {
     const f = el("footer", {}, page);
     el("div", {}, f, "Drawn from profinfer's JSON summary (profinfer report TRACE --json), embedded in this page; it makes no request.");
@@ -386,12 +681,16 @@
 
   page.textContent = "";
   header();
+  flight();
   timeline();
   opBreakdown();
+  counters();
   roofline();
   layers();
+  moe();
   cuda();
   threads();
+  sched();
   profilerCost();
   footer();
   document.body.dataset.rendered = "1";
