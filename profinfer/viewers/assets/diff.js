@@ -116,6 +116,7 @@
     const W = 1100, lane = 18, nameW = 300, box = { l: nameW + 10, r: W - 175, t: 8, b: 8 + lane * rows.length };
     const H = box.b + 40;
     const svg = svgBox(s, W, H, "forest plot");
+    svg.dataset.domain = JSON.stringify([lo, hi]);     // the ratios it spans: beyond, a point sits at its end
     const x = logScale(lo, hi, box.l, box.r);
     const X = (change) => x(Math.min(hi, Math.max(lo, 1 + change)));
     // ticks at least 44 px apart, the nearest to zero first
