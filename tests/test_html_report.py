@@ -118,6 +118,15 @@ def check_page(summary: dict, page: Path, loaded: dict) -> set[tuple]:
     return paths
 
 
+
+def shown_page(summary: dict, page: Path, script: str | None = None) -> tuple[dict, set[tuple], str, object]:
+    """The page loaded in Chromium (load) and checked (check_page): what loading it gave, the
+    paths of the numbers it shows, its text, and what `script` returned (None without one)."""
+    with chromium() as driver:
+        loaded = load(driver, page)
+        return (loaded, check_page(summary, page, loaded), driver.execute_script("return document.body.innerText"),
+                driver.execute_script(script) if script else None)
+
 def report(trace: Path, tmp_path: Path) -> tuple[dict, Path]:
     page, js = tmp_path / "page.html", tmp_path / "s.json"
     p = subprocess.run([*PROFINFER, "report", str(trace), "--html", str(page), "--json", str(js)],
@@ -242,10 +251,7 @@ def test_a_long_step_list_is_merged_into_groups(tmp_path, monkeypatch):
         assert "query_lens" not in g
     page = tmp_path / "page.html"
     html.write_html(summary, page)
-    with chromium() as driver:
-        loaded = load(driver, page)
-        shown = check_page(summary, page, loaded)
-        text = driver.execute_script("return document.body.innerText")
+    loaded, shown, text, _ = shown_page(summary, page)
     assert {("step_list", i, "dur_ns") for i in range(len(groups))} <= shown
     assert f"mean of each group of {k} engine steps" in text
     for i, (ns, within) in durations_shown(loaded, "step_list").items():
@@ -273,11 +279,7 @@ def test_moe_sched_and_counters_of_a_real_run(moe_run, llama_build, tmp_path):
     are those asked for; the sched table names the program's main thread (its comm)."""
     trace, perf = moe_run
     summary, page = report(trace, tmp_path)
-    with chromium() as driver:
-        loaded = load(driver, page)
-        shown = check_page(summary, page, loaded)
-        headers = driver.execute_script("return [...document.querySelectorAll('h2')].map(h => h.textContent)")
-        text = driver.execute_script("return document.body.innerText")
+    loaded, shown, text, headers = shown_page(summary, page, "return [...document.querySelectorAll('h2')].map(h => h.textContent)")
     assert {"Mixture of experts: expert selections per layer", "Perf counters",
             "Scheduling: on and off the CPU"} <= set(headers)
     m = summary["moe"]
@@ -312,10 +314,7 @@ def test_cache_roofs_and_a_verdicts_roof_are_drawn(tmp_path):
     summary["roofline"]["verdicts"][0].update(roof="L2", roof_gbps=roofs["peak_gbps"] * 6, notes="fits in L2")
     page = tmp_path / "page.html"
     html.write_html(summary, page)
-    with chromium() as driver:
-        loaded = load(driver, page)
-        shown = check_page(summary, page, loaded)
-        text = driver.execute_script("return document.body.innerText")
+    _, shown, text, _ = shown_page(summary, page)
     assert {("roofline", "roofs", "caches", 0, "gbps"), ("roofline", "roofs", "caches", 1, "gbps")} <= shown
     assert "fits in L2" in text and "L1" in text
 

@@ -15,7 +15,7 @@ import urllib.request
 
 from conftest import llama_server
 from daemon_helpers import Daemon, _get
-from test_html_report import check_page, chromium, load, report
+from test_html_report import report, shown_page
 
 TRIGGER = "batch_p50 > 1.5 for 2s"
 RECORD_S = 2
@@ -79,10 +79,7 @@ def test_a_flight_capture_page_shows_what_fired_and_what_changed(tmp_path, llama
     # the capture's levels: those asked for and the process's own then (graph, where the governor kept it)
     assert f["record_for_s"] == RECORD_S and "token" in f["levels"]
     assert f["baseline"] and f["incident"] and f["changes"], f
-    with chromium() as driver:
-        loaded = load(driver, page)
-        shown = check_page(summary, page, loaded)
-        text = driver.execute_script("return document.body.innerText")
+    _, shown, text, _ = shown_page(summary, page)
     assert TRIGGER in text and "What changed" in text and f"at {', '.join(f['levels'])}." in text
     assert {("flight", "fired", "value"), ("flight", "fired", "limit"), ("flight", "record_for_s"),
             ("flight", "baseline", "seconds"), ("flight", "incident", "seconds")} <= shown
