@@ -527,7 +527,7 @@ def test_a_plugins_own_record_type_is_written_and_read_back(tmp_path, monkeypatc
 def test_decode_call_timeline_is_bounded_and_keeps_the_totals():
     """Up to MAX_TIMELINE_POINTS calls: one entry each; more: consecutive groups of k calls,
     which keep the calls' count, tokens and own time, and start and end where their calls do."""
-    from profinfer.exporters.json_summary import MAX_TIMELINE_POINTS
+    from profinfer.core.timeline_groups import MAX_TIMELINE_POINTS
     small = synth(n_tokens=5, n_nodes=2)
     s = summary(small)
     assert s["decode_call_group"] == 1

@@ -257,11 +257,10 @@ class Governor:
         share, has, shares = w.share, set(w.levels), dict(w.known_shares)
         # not judged yet at the levels it has now (just changed): what they cost when it last had them
         now = share if share is not None else sum(v for lv, v in shares.items() if lv in has or lv == "daemon")
-        known = {**shares, **(priced or {})}
-        extra = self._capture_levels(w, levels, priced)
+        extra = self._capture_levels(shares, levels, priced)
         total = now + sum(extra.values())
         said = ", ".join(f"{lv} {v:.2%}" for lv, v in extra.items()) or "no level measured on it yet"
-        unknown = sorted(set(levels) - set(known))
+        unknown = sorted(set(levels) - set(extra))
         why = (f"PID {w.identity.pid} costs {now:.2%} now; a capture at {','.join(sorted(levels))} adds "
                f"about {total - now:.2%} ({said}, as measured on it here"
                + (f"; {', '.join(sorted(priced))} estimated" if priced else "")
@@ -270,16 +269,16 @@ class Governor:
         return total <= self.budget, why
 
     @staticmethod
-    def _capture_levels(w: Watch, levels: set[str], priced: dict[str, float] | None) -> dict[str, float]:
-        """What each of a capture's levels cost the process when it last had them, or as
-        priced (a level known by neither is left out)."""
-        known = {**dict(w.known_shares), **(priced or {})}
+    def _capture_levels(shares: dict[str, float], levels: set[str], priced: dict[str, float] | None) -> dict[str, float]:
+        """What each of a capture's levels cost the process when it last had them (shares), or
+        as priced (a level known by neither is left out)."""
+        known = {**shares, **(priced or {})}
         return {lv: known[lv] for lv in sorted(levels) if lv in known}
 
     def capture_price(self, w: Watch, levels: set[str], priced: dict[str, float] | None = None) -> float:
         """What a capture at `levels` adds to the process's cost, as capture_fits prices it:
         counted against the budget while it runs (_judge)."""
-        return sum(self._capture_levels(w, levels, priced).values())
+        return sum(self._capture_levels(dict(w.known_shares), levels, priced).values())
 
     def capture_prices(self, w: Watch, levels: set[str]) -> tuple[dict[str, float], dict[str, str]]:
         """For an unattended capture: the levels the daemon never measured on the process,
@@ -321,10 +320,10 @@ class Governor:
         # a capture's probes cost the process beside the daemon's (an idle process's, nothing):
         # the daemon's own levels make room for it
         capture = self.capture_cost(w.identity.pid)
-        total = share + (capture or 0.0) * (not w.idle)
-        if total > self.budget:
+        charged = capture if capture and not w.idle else 0.0
+        if share + charged > self.budget:
             w.calm_since = None
-            why = f"costs {share:.1%}" + (f" and its capture {capture:.1%}" if total > share else "")
+            why = f"costs {share:.1%}" + (f" and its capture {charged:.1%}" if charged else "")
             if lower is not None and self.relevel(w, w.levels - {lower}, f"{why} > budget {self.budget:.1%}"):
                 if w.stepped_up:          # the level it went back up to did not fit
                     w.step_up_wait_s = min(w.step_up_wait_s * 2, MAX_STEP_UP_WAIT_S)

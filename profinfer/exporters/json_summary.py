@@ -46,10 +46,6 @@ def _op_row(o: OpStats) -> dict:
             "p50_ns": _float(o.p50_ns), "p99_ns": _float(o.p99_ns), "share": float(o.share)}
 
 
-# The timelines' bound (see the module's docstring): a page draws this many bars.
-MAX_TIMELINE_POINTS = timeline_groups.MAX_TIMELINE_POINTS
-
-
 def _call_group(calls: list[TokenCall]) -> dict:
     return {"start_ns": calls[0].start_ns, "end_ns": calls[-1].end_ns,
             "dur_ns": sum(c.dur_ns for c in calls), "calls": len(calls),
