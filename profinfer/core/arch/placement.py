@@ -133,3 +133,15 @@ def next_emulated(code: bytes, after: int) -> int | None:
         if _ends_block(insn):
             return None
     return None
+
+
+def first_emulated(code: bytes, start: int) -> int | None:
+    """The offset of the first instruction from `start` on that the kernel emulates, where
+    every run through `start` reaches it (no branch, call or return before it: a relative
+    one is itself emulated and is the answer); None where there is none."""
+    for insn in _md.disasm(code[start:], start):
+        if _is_emulated(insn):
+            return insn.address
+        if _ends_block(insn):
+            return None
+    return None

@@ -27,7 +27,7 @@ from profinfer.engines.vllm.server_metrics import MetricsWindow
 from profinfer.engines.vllm.totals import CallTotals, CountedCalls
 from profinfer.levels.sched import probe as schedprobe
 
-ENTRY_PROGRAM, RETURN_PROGRAM = "vop_enter", "vop_return"
+ENTRY_PROGRAM, RETURN_PROGRAM, END_PROGRAM = "vop_enter", "vop_return", "vop_end"
 # the programs' tallies, by their index (bpf/vllm.bpf.c PV_TALLY_*)
 TALLIES = ("too_deep", "other_processes", "unsent", "typed")
 # the in-target trap is measured on this many of the ops called most (insitu.py)
@@ -59,6 +59,7 @@ class OpPlan:
     trap_sites: dict[int, tuple[str, tuple[int, int] | None, int]] = field(default_factory=dict)
     traps: insitu.TrapSampler | None = None      # measuring a trap in the target, once calls come
     trap_ops: list[int] = field(default_factory=list)   # the ops it is measured on
+    return_probes: int = 0      # calls ended by a return probe, not a wrapper's end probe
 
 
 class Inbox:
@@ -81,7 +82,7 @@ class Inbox:
 
 class VllmCollector(Collector):
     HEADER = "vllm.h"
-    MULTI_PROGRAMS = (ENTRY_PROGRAM, RETURN_PROGRAM)
+    MULTI_PROGRAMS = (ENTRY_PROGRAM, RETURN_PROGRAM, END_PROGRAM)
 
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
@@ -216,7 +217,7 @@ class VllmCollector(Collector):
         self.obj.set_max_entries("op_hists", max(1, len(self.ops)))
 
     def _programs(self) -> set[str]:
-        return {ENTRY_PROGRAM, RETURN_PROGRAM}
+        return {ENTRY_PROGRAM, RETURN_PROGRAM, END_PROGRAM}
 
     def _before_probes(self) -> None:
         if "sched" in self.levels:       # the whole tree's threads, as the op programs
@@ -294,7 +295,9 @@ class VllmCollector(Collector):
         pid = -1                            # on the files; BPF runs for the followed tgids only
         for elf in elfs:
             path = paths.get(elf.path, elf.path)
-            offsets, cookies = self._wrapper_probes(elf)
+            offsets, cookies, ends = self._wrapper_probes(elf)
+            # where a call has no end probe, a return probe shares its entry's place
+            returned = [(o, c) for o, c, e in zip(offsets, cookies, ends) if e is None]
             found = self.plan.wrappers.get(elf.path)
             file_id = elf.file_id if path == elf.path else None     # a copy: as it was read
             for i, op in enumerate(self.ops):
@@ -313,12 +316,19 @@ class VllmCollector(Collector):
                 self.plan.placements[op.name] = place
                 offsets.append(sym.file_offset + place.offset)
                 cookies.append(i)
+                returned.append((offsets[-1], i))
                 self._note_trap_site(i, path, file_id, sym, code, place.offset)
             if not cookies:
                 continue
-            # the returns first: a call entered between the two has no open span to close
-            self._attach_uprobes(RETURN_PROGRAM, path, offsets, cookies, pid, retprobe=True,
-                                 file_id=file_id)
+            # the ends first: a call entered between the two has no open span to close
+            ended = [(e, c) for c, e in zip(cookies, ends) if e is not None]
+            if ended:
+                self._attach_uprobes(END_PROGRAM, path, [e for e, _ in ended], [c for _, c in ended],
+                                     pid, file_id=file_id)
+            if returned:
+                self._attach_uprobes(RETURN_PROGRAM, path, [o for o, _ in returned],
+                                     [c for _, c in returned], pid, retprobe=True, file_id=file_id)
+                self.plan.return_probes += len(returned)
             self._attach_uprobes(ENTRY_PROGRAM, path, offsets, cookies, pid, file_id=file_id)
             self.n_probes += 2 * len(cookies)
             self.probed_files.add(discovery.file_key(path))
@@ -331,15 +341,17 @@ class VllmCollector(Collector):
         if at is not None and op not in self.plan.trap_sites:
             self.plan.trap_sites[op] = (path, file_id, sym.file_offset + at)
 
-    def _wrapper_probes(self, elf) -> tuple[list[int], list[int]]:
-        """The file offsets and cookies of the kernel wrappers probed for the library's ops."""
+    def _wrapper_probes(self, elf) -> tuple[list[int], list[int], list[int | None]]:
+        """The file offsets and cookies of the kernel wrappers probed for the library's ops,
+        and the file offset of each one's end probe (None: a return probe instead)."""
         found = self.plan.wrappers.get(elf.path)
         if found is None:
-            return [], []
+            return [], [], []
         lib = self.elfs.index(elf)
         return ([w.symbol.file_offset + w.place.offset for w in found.wrappers],
                 [wrappers.cookie(w.at, lib, found.fn_offset, w.symbol.vaddr + w.place.offset)
-                 for w in found.wrappers])
+                 for w in found.wrappers],
+                [None if w.ends_at is None else w.symbol.file_offset + w.ends_at for w in found.wrappers])
 
     def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]:
         """More copies of the probed libraries (a followed process mapping other files);
@@ -555,15 +567,21 @@ class VllmCollector(Collector):
         """The kernel's count of our programs' runs and run time, and the probe hits behind
         them by what each costs (selfcost): each call's entry trap, emulated or
         single-stepped where its probe sits (a wrapper's: emulated), and its return, whose
-        probe shares the entry's place (one trap); and the wrapper hits that sent nothing
-        (`unsent`: calls of other functions of a probed signature), the same."""
+        probe shares the entry's place (one trap), or, through a wrapper with an end probe,
+        that probe's emulated trap; and the wrapper hits that sent nothing (`unsent`: calls of
+        other functions of a probed signature), the same."""
         if not stats:
             return {}
         out = program_costs(stats)
+        ended = set().union(*(w.ended_after_call for w in self.plan.wrappers.values()))
         for name, n in per_op.items():
             place = self.plan.placements.get(name)       # None: seen through a wrapper
-            add_hits(out, n, place.emulated if place else True, returns=True)
-        add_hits(out, unsent, True, returns=True)
+            if place is None and name in ended:
+                add_hits(out, n, True, return_trap_emulated=True)
+            else:
+                add_hits(out, n, place.emulated if place else True, returns=True)
+        every_end = all(w.ends_at is not None for p in self.plan.wrappers.values() for w in p.wrappers)
+        add_hits(out, unsent, True, returns=not every_end, return_trap_emulated=True if every_end else None)
         add_hits(out, stats.get(insitu.PROGRAM, (0, 0))[1], True)    # the trap measure's own
         return out
 
@@ -575,6 +593,9 @@ class VllmCollector(Collector):
                      # what the wrappers saw (the probes, stepped or not: the base's meta)
                      "probes_at_wrappers": str(sum(2 * len(w.wrappers) for w in self.plan.wrappers.values())),
                      "wrapper_hits_unsent": str(tallies.get("unsent", 0)),
+                     # calls ended by a return probe: where an op throws, the unwinder meets
+                     # the kernel's return address and the target aborts (wrappers.py)
+                     "return_probes": str(self.plan.return_probes),
                      "ops_typed_calls": str(tallies.get("typed", 0)),
                      # ops a typed C++ caller would reach through a wrapper left unprobed
                      # (no emulated place where its arguments are intact): such calls are

@@ -15,8 +15,15 @@ function pointer:
 Many op functions begin with GCC's stack-realigning prologue, whose first instruction the
 kernel single-steps (~15 µs a hit); the wrappers mostly begin with `push %rbp`, which it
 emulates (~0.5 µs). A probe on a wrapper reads the function pointer and names the op from it
-(bpf/vllm.h), and its return probe shares the entry's place. A call's time then includes the
-wrapper's unpacking of the arguments and its cleanup after the op returns.
+(bpf/vllm.h). The call ends at the first instruction the kernel emulates after the
+wrapper's call of the op returns: a second emulated trap, where a return probe (uretprobe)
+would cost its return trampoline, several times more in an engine (bench/results.md). A
+call's time then includes the wrapper's unpacking of the arguments, not its cleanup after.
+A return probe also makes the target abort when the op throws: C++'s unwinder cannot step
+through the return address the kernel put in its place (tests/vllm/test_vllm_probe_places.py).
+Where no emulated instruction follows the op's call, a typed wrapper is not probed (its typed
+callers' calls are then not seen; Python's come through a boxed one), and a boxed one keeps
+a return probe at its entry's place.
 
 The wrappers are weak exported symbols, registered through the library's GOT: the copy
 probed is the library's own unless a library earlier in the process's global scope exports
@@ -31,7 +38,7 @@ from dataclasses import dataclass
 import cxxfilt
 
 from profinfer.core.arch import placement
-from profinfer.core.arch.callsites import indirect_call_slot
+from profinfer.core.arch.callsites import after_call_to, after_indirect_call, indirect_call_slot, plt_stubs
 from profinfer.core.symbols import ElfInfo, Symbol
 from profinfer.engines.vllm import ops as native
 
@@ -50,7 +57,9 @@ class Wrapper:
     at: int                    # AT_BOXED, AT_UNBOXED or AT_UNBOXED_SRET
     symbol: Symbol
     params: str                # the function type's parameter list, as a demangled op has it
-    place: placement.Placement  # the entry and return probes' place (emulated)
+    place: placement.Placement  # the entry probe's place (emulated)
+    ends_at: int | None         # the call's end: an emulated instruction after the op's call
+                                # (bytes from the function's start); None: a return probe at place
 
 
 @dataclass
@@ -60,6 +69,7 @@ class WrapperPlan:
     wrappers: list[Wrapper]
     fn_offset: int
     covered: set[str]          # the ops every Python call of which a probed boxed wrapper sees
+    ended_after_call: set[str]  # of those, the ops whose boxed wrapper's calls end after the op's call
     typed_unprobed: list[str]  # ops whose typed C++ callers' wrapper has no emulated place
 
 
@@ -101,6 +111,20 @@ def _place(elf: ElfInfo, at: int, sym: Symbol) -> placement.Placement | None:
     return place if place.emulated else None
 
 
+def _end(elf: ElfInfo, sym: Symbol, typed: Symbol | None) -> int | None:
+    """Where a call through the wrapper ends: the first emulated instruction every return
+    from its call of the op runs, that call being its first indirect one, or (a boxed
+    wrapper that has none) its call of the typed wrapper of its signature, `typed`, direct
+    or through the PLT (the wrappers are exported). None: the op is tail-called, or no
+    emulated instruction follows."""
+    code = elf.code_bytes(sym, min(sym.size, CODE_BYTES))
+    after = after_indirect_call(code)
+    if after is None and typed is not None:
+        stubs = {a for a, name in plt_stubs(elf.path, elf.file_id).items() if name == typed.name}
+        after = after_call_to(code, {a - sym.vaddr for a in stubs | {typed.vaddr}})
+    return None if after is None else placement.first_emulated(code, after)
+
+
 def plan(elf: ElfInfo, ops: list[native.NativeOp]) -> WrapperPlan | None:
     """The wrappers to probe for `ops` of one library; None where the library has none whose
     functor layout its code shows (the ops are then probed on their own functions)."""
@@ -117,7 +141,8 @@ def plan(elf: ElfInfo, ops: list[native.NativeOp]) -> WrapperPlan | None:
     offsets.discard(None)
     if len(offsets) != 1:
         return None
-    wrappers, covered, typed_unprobed = [], set(), []
+    typed = {params: sym for at, sym, params in found if at != AT_BOXED}
+    wrappers, covered, ended, typed_unprobed = [], set(), set(), []
     for at, sym, params in found:
         place = _place(elf, at, sym)
         names = [op.name for op in by_params[params]]
@@ -125,10 +150,16 @@ def plan(elf: ElfInfo, ops: list[native.NativeOp]) -> WrapperPlan | None:
             if at != AT_BOXED:
                 typed_unprobed.extend(names)
             continue
-        wrappers.append(Wrapper(at, sym, params, place))
+        end = _end(elf, sym, typed.get(params) if at == AT_BOXED else None)
+        if end is None and at != AT_BOXED:     # a return probe there: see the module's doc
+            typed_unprobed.extend(names)
+            continue
+        wrappers.append(Wrapper(at, sym, params, place, end))
         if at == AT_BOXED:
             covered.update(names)
-    return WrapperPlan(wrappers, offsets.pop(), covered, sorted(set(typed_unprobed) & covered))
+            if end is not None:
+                ended.update(names)
+    return WrapperPlan(wrappers, offsets.pop(), covered, ended, sorted(set(typed_unprobed) & covered))
 
 
 def cookie(at: int, library: int, fn_offset: int, vaddr: int) -> int:

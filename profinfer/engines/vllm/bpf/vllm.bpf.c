@@ -461,6 +461,7 @@ int vop_enter(struct pt_regs *ctx)
     }
     struct pv_op_event *ev = &th->ev[depth & (PV_MAX_DEPTH - 1)];
     th->sp[depth & (PV_MAX_DEPTH - 1)] = sp;     /* the return address's slot */
+    th->site[depth & (PV_MAX_DEPTH - 1)] = at == PV_AT_FUNCTION ? 0 : cookie & PV_SITE_MASK;
     /* a boxed wrapper that calls the typed one of the same signature: the call is the outer's */
     if (spec && at != PV_AT_FUNCTION && depth && th->ev[(depth - 1) & (PV_MAX_DEPTH - 1)].op == op)
         spec = 0;
@@ -521,33 +522,11 @@ int vop_enter(struct pt_regs *ctx)
     return 0;
 }
 
-SEC("uretprobe")
-int vop_return(struct pt_regs *ctx)
+/* The thread's open call at `depth` (its innermost) ends at `now`: counted or sent. */
+static __always_inline int end_call(struct pt_regs *ctx, struct pv_thread *th, u32 depth, u64 now)
 {
-    u64 now = bpf_ktime_get_ns();
-    u32 tid = current_tid();
-    struct pv_thread *th = bpf_map_lookup_elem(&threads, &tid);
-    if (!th || !th->depth)
-        return 0;
-    if (th->depth > PV_MAX_DEPTH) {     /* one too deep to have been kept */
-        th->depth--;
-        return 0;
-    }
-    /* The call returning is the open one whose return address sat just below this stack
-     * pointer. Deeper ones never returned here (an exception unwound them; or they entered
-     * between the entry probes' attach and the return probes'): dropped. None: this call
-     * began before the probes were attached. */
-    u64 sp = PT_REGS_SP(ctx);
-    u32 depth = th->depth;
-#pragma unroll
-    for (u32 k = 0; k < PV_MAX_DEPTH; k++) {
-        if (depth && th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] + 8 < sp)
-            depth--;
-    }
     th->depth = depth;
-    if (!depth || th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] + 8 != sp)
-        return 0;
-    th->depth = --depth;
+    u32 tid = current_tid();
     struct pv_op_event *ev = &th->ev[depth & (PV_MAX_DEPTH - 1)];
     if (ev->op == PV_OP_NONE)   /* nothing was opened: nothing to send or reopen */
         return 0;
@@ -601,4 +580,63 @@ int vop_return(struct pt_regs *ctx)
         span->op_start_ns = open ? outer->start_ns : 0;
     }
     return 0;
+}
+
+SEC("uretprobe")
+int vop_return(struct pt_regs *ctx)
+{
+    u64 now = bpf_ktime_get_ns();
+    u32 tid = current_tid();
+    struct pv_thread *th = bpf_map_lookup_elem(&threads, &tid);
+    if (!th || !th->depth)
+        return 0;
+    if (th->depth > PV_MAX_DEPTH) {     /* one too deep to have been kept */
+        th->depth--;
+        return 0;
+    }
+    /* The call returning is the open one whose return address sat just below this stack
+     * pointer. Deeper ones never returned here (an exception unwound them; or they entered
+     * between the entry probes' attach and the return probes'): dropped. None: this call
+     * began before the probes were attached. */
+    u64 sp = PT_REGS_SP(ctx);
+    u32 depth = th->depth;
+#pragma unroll
+    for (u32 k = 0; k < PV_MAX_DEPTH; k++) {
+        if (depth && th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] + 8 < sp)
+            depth--;
+    }
+    th->depth = depth;
+    if (!depth || th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] + 8 != sp)
+        return 0;
+    return end_call(ctx, th, depth - 1, now);
+}
+
+/* A wrapper's end probe: the first instruction the kernel emulates after its call of the op
+ * returned (wrappers.py), one emulated trap where the return trampoline costs several. The
+ * wrapper's frame lies below its entry's stack pointer; open calls entered at or below this
+ * stack pointer never returned here (an exception unwound them): dropped. The call ending is
+ * the one the same wrapper opened (same cookie), else none (it began before the probes). */
+SEC("uprobe")
+int vop_end(struct pt_regs *ctx)
+{
+    u64 now = bpf_ktime_get_ns();
+    u32 tid = current_tid();
+    struct pv_thread *th = bpf_map_lookup_elem(&threads, &tid);
+    if (!th || !th->depth)
+        return 0;
+    if (th->depth > PV_MAX_DEPTH) {     /* one too deep to have been kept */
+        th->depth--;
+        return 0;
+    }
+    u64 sp = PT_REGS_SP(ctx);
+    u32 depth = th->depth;
+#pragma unroll
+    for (u32 k = 0; k < PV_MAX_DEPTH; k++) {
+        if (depth && th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] <= sp)
+            depth--;
+    }
+    th->depth = depth;
+    if (!depth || th->site[(depth - 1) & (PV_MAX_DEPTH - 1)] != (bpf_get_attach_cookie(ctx) & PV_SITE_MASK))
+        return 0;
+    return end_call(ctx, th, depth - 1, now);
 }

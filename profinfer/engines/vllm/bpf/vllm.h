@@ -64,6 +64,7 @@
 #define PV_AT_UNBOXED 2
 #define PV_AT_UNBOXED_SRET 3
 #define PV_OP_NONE 0xffffffff  /* a wrapper's call of a function that is no probed op */
+#define PV_SITE_MASK ((1ULL << 56) - 1)   /* a wrapper probe's cookie less its kind */
 
 /* An IValue (c10::IValue): a payload word (a Tensor's: its TensorImpl*), then a tag. */
 struct pv_ivalue {
@@ -135,6 +136,8 @@ struct pv_thread {
     u32 sampled;              /* its calls of ops sent one in n (pv_op_spec.send) */
     u32 pad;
     u64 sp[PV_MAX_DEPTH];
+    u64 site[PV_MAX_DEPTH];   /* the wrapper each open call entered (its cookie less the
+                               * place's kind: file and address), 0 on an op's own function */
     u64 step;                 /* the step its step_* count (open_spans' number) */
     u64 step_end_ns;          /* the latest end of a call begun in that step */
     u64 step_calls;           /* calls begun in that step that returned */
