@@ -582,61 +582,54 @@ static __always_inline int end_call(struct pt_regs *ctx, struct pv_thread *th, u
     return 0;
 }
 
+/* The thread's open calls once those entered below `bound` are dropped (they never ended
+ * here: an exception unwound them, or they entered before the probe ending them was
+ * attached); NULL where none is left, or where the call ending is one too deep to have been
+ * kept. */
+static __always_inline struct pv_thread *open_calls_from(u64 bound)
+{
+    u32 tid = current_tid();
+    struct pv_thread *th = bpf_map_lookup_elem(&threads, &tid);
+    if (!th || !th->depth)
+        return 0;
+    if (th->depth > PV_MAX_DEPTH) {
+        th->depth--;
+        return 0;
+    }
+    u32 depth = th->depth;
+#pragma unroll
+    for (u32 k = 0; k < PV_MAX_DEPTH; k++) {
+        if (depth && th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] < bound)
+            depth--;
+    }
+    th->depth = depth;
+    return depth ? th : 0;
+}
+
+/* A return probe: the call returning is the open one whose return address sat just below
+ * this stack pointer; none where it began before the probes were attached. */
 SEC("uretprobe")
 int vop_return(struct pt_regs *ctx)
 {
     u64 now = bpf_ktime_get_ns();
-    u32 tid = current_tid();
-    struct pv_thread *th = bpf_map_lookup_elem(&threads, &tid);
-    if (!th || !th->depth)
-        return 0;
-    if (th->depth > PV_MAX_DEPTH) {     /* one too deep to have been kept */
-        th->depth--;
-        return 0;
-    }
-    /* The call returning is the open one whose return address sat just below this stack
-     * pointer. Deeper ones never returned here (an exception unwound them; or they entered
-     * between the entry probes' attach and the return probes'): dropped. None: this call
-     * began before the probes were attached. */
     u64 sp = PT_REGS_SP(ctx);
-    u32 depth = th->depth;
-#pragma unroll
-    for (u32 k = 0; k < PV_MAX_DEPTH; k++) {
-        if (depth && th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] + 8 < sp)
-            depth--;
-    }
-    th->depth = depth;
-    if (!depth || th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] + 8 != sp)
+    struct pv_thread *th = open_calls_from(sp - 8);
+    if (!th || th->sp[(th->depth - 1) & (PV_MAX_DEPTH - 1)] + 8 != sp)
         return 0;
-    return end_call(ctx, th, depth - 1, now);
+    return end_call(ctx, th, th->depth - 1, now);
 }
 
 /* A wrapper's end probe: the first instruction the kernel emulates after its call of the op
- * returned (wrappers.py), one emulated trap where the return trampoline costs several. The
- * wrapper's frame lies below its entry's stack pointer; open calls entered at or below this
- * stack pointer never returned here (an exception unwound them): dropped. The call ending is
- * the one the same wrapper opened (same cookie), else none (it began before the probes). */
+ * returned (wrappers.py): one emulated trap, and nothing put on the stack where C++'s
+ * unwinder would meet it. The wrapper's frame lies below its entry's stack pointer, so open
+ * calls entered at or below this one never ended; the call ending is the one the same
+ * wrapper opened (its cookie), else none (it began before the probes). */
 SEC("uprobe")
 int vop_end(struct pt_regs *ctx)
 {
     u64 now = bpf_ktime_get_ns();
-    u32 tid = current_tid();
-    struct pv_thread *th = bpf_map_lookup_elem(&threads, &tid);
-    if (!th || !th->depth)
+    struct pv_thread *th = open_calls_from(PT_REGS_SP(ctx) + 1);
+    if (!th || th->site[(th->depth - 1) & (PV_MAX_DEPTH - 1)] != (bpf_get_attach_cookie(ctx) & PV_SITE_MASK))
         return 0;
-    if (th->depth > PV_MAX_DEPTH) {     /* one too deep to have been kept */
-        th->depth--;
-        return 0;
-    }
-    u64 sp = PT_REGS_SP(ctx);
-    u32 depth = th->depth;
-#pragma unroll
-    for (u32 k = 0; k < PV_MAX_DEPTH; k++) {
-        if (depth && th->sp[(depth - 1) & (PV_MAX_DEPTH - 1)] <= sp)
-            depth--;
-    }
-    th->depth = depth;
-    if (!depth || th->site[(depth - 1) & (PV_MAX_DEPTH - 1)] != (bpf_get_attach_cookie(ctx) & PV_SITE_MASK))
-        return 0;
-    return end_call(ctx, th, depth - 1, now);
+    return end_call(ctx, th, th->depth - 1, now);
 }
