@@ -14,6 +14,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import cxxfilt
 from elftools.elf.elffile import ELFFile
 
 from conftest import attached_run, open_fds
@@ -36,8 +37,9 @@ for _ in range(%d):
 for _ in range(%d):         # float64: the op's own type dispatch throws, inside the op
     try:
         torch.ops._C.rotary_embedding(positions, query.double(), key.double(), 64, cos_sin.double(), True)
-    except RuntimeError:
-        pass
+    except RuntimeError as e:
+        if "'Double'" not in str(e):
+            sys.exit(f"threw, but not in the op's dispatch: {e}")
     else:
         sys.exit("a float64 rotary_embedding did not throw")
 for _ in range(%d):
@@ -159,22 +161,33 @@ def _objdump(path: Path, vaddr: int, size: int) -> list[tuple[int, str]]:
     return [(int(m[1], 16) - vaddr, m[2].strip()) for m in re.finditer(r"^\s*([0-9a-f]+):\s+(.*)$", dis, re.M)]
 
 
-def _indirect_calls(path: Path, vaddr: int, size: int) -> list[str]:
-    return [text for _, text in _objdump(path, vaddr, size) if re.match(r"call\s+\*", text)]
+_OP_CALL = re.compile(r"call\s+\*(0x10)?\(?%(\w+)\)?$")            # call *0x10(%r12), call *%r10
+_HELPER_CALL = re.compile(r"call\s+[0-9a-f]+ <(\S+)>$")
 
 
-def _check_end(path: Path, vaddr: int, end: int) -> None:
-    """objdump's reading of a wrapper from its start to its end probe: the call before the
-    end is its first indirect one or a call through the PLT (of the typed wrapper), and
-    nothing between them jumps, calls or returns; the kernel emulates the end."""
-    insns = _objdump(path, vaddr, end + 16)
-    before = [i for i, (off, _) in enumerate(insns) if off < end]
-    calls = [i for i in before if re.match(r"(call|jmp)\s+\*|call\s+[0-9a-f]+ <.*@plt>", insns[i][1])]
-    assert calls and insns[calls[-1]][1].startswith("call"), insns
-    between = [text for off, text in insns[calls[-1] + 1:] if off < end]
+def _check_end(path: Path, sym, end: int, params: str) -> None:
+    """objdump's reading of a wrapper: the last call before its end probe calls the op, that
+    is, through the word 16 bytes into an object (`call *0x10(%r)`, or `call *%r` loaded by
+    `mov 0x10(...),%r`), or the typed wrapper of its signature (`params`; maybe through the
+    PLT) or torch's helper that unpacks the IValues and calls the op; nothing between that call and the end branches, calls or returns, no jump of
+    the whole wrapper lands there, and the kernel emulates the end."""
+    insns = _objdump(path, sym.vaddr, sym.size)
+    i = max(k for k, (off, text) in enumerate(insns) if off < end and text.startswith("call"))
+    text = insns[i][1]
+    op_call, helper = _OP_CALL.match(text), _HELPER_CALL.match(text)
+    if op_call and not op_call[1]:           # through a register: what last wrote it
+        loads = [t for _, t in insns[:i] if re.search(rf",%{op_call[2]}$", t)]
+        assert loads and re.match(rf"mov\s+0x10\(%\w+\),%{op_call[2]}$", loads[-1]), (text, loads[-1:])
+    elif not op_call:                        # a typed wrapper, or the unpacking helper, of its signature
+        callee = cxxfilt.demangle(helper[1].removesuffix("@plt")) if helper else ""
+        assert re.search(r"(^| )c10::impl::(wrap_kernel_functor_unboxed_|call_functor_with_args_from_stack_)<", callee) \
+            and f"(*)({params})" in callee, (text, callee[:200])
+    after = insns[i + 1][0]
+    between = [t for off, t in insns[i + 1:] if off < end]
     assert not [t for t in between if re.match(r"(j|call|ret)", t)], between
-    at = next(text for off, text in insns if off == end)
-    assert _EMULATED.match(at), at
+    targets = {int(m[1], 16) - sym.vaddr for _, t in insns for m in [re.match(r"j\w+\s+([0-9a-f]+) <", t)] if m}
+    assert not [t for t in targets if after <= t <= end], (text, end)
+    assert _EMULATED.match(next(t for off, t in insns if off == end))
 
 
 def test_wrappers_found_where_the_library_has_them(vllm_python):
@@ -195,15 +208,12 @@ def test_wrappers_found_where_the_library_has_them(vllm_python):
     assert plan.covered == {op.name for op in ops}
     boxed = {w.symbol.name for w in plan.wrappers if w.at == wrappers.AT_BOXED}
     assert 0 < len(boxed) <= _runtime_functor_wrappers(cpu)
-    # calls end at an end probe, not a return probe (an exception through one aborts the
-    # target): objdump shows each after the wrapper's call of the op, with nothing between
-    # that could branch away; a boxed wrapper without one makes no indirect call at all
-    assert len(plan.ended_after_call) > len(plan.covered) / 2
+    # every call ends at an end probe, not a return probe (an exception through one aborts
+    # the target), where objdump shows the op's call just returned
+    assert plan.ended_after_call == plan.covered
     for w in plan.wrappers:
-        if w.ends_at is not None:
-            _check_end(cpu, w.symbol.vaddr, w.ends_at)
-        else:
-            assert w.at == wrappers.AT_BOXED and not _indirect_calls(cpu, w.symbol.vaddr, w.symbol.size)
+        assert w.ends_at is not None, w.symbol.name
+        _check_end(cpu, w.symbol, w.ends_at, w.params)
     root = vllm_workload.ensure_gpu_release_libraries() / "vllm"
     for lib in ("_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so"):
         assert _runtime_functor_wrappers(root / lib) == 0

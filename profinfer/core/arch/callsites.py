@@ -130,24 +130,52 @@ def _reg64(insn, reg: int) -> str:
     return name
 
 
-def after_indirect_call(code: bytes) -> int | None:
-    """The offset of the instruction the function's first indirect call returns to (the
-    same first indirect transfer indirect_call_slot reads), or, where the entry block ends
-    without one, its only indirect call's; None where that transfer is a tail jump, or
-    there is no one such call."""
-    indirect, entry_block = [], True
+def _indirect(insn) -> bool:
+    ops = insn.operands
+    return insn.id in (X.X86_INS_CALL, X.X86_INS_JMP) and bool(ops) and ops[0].type != X.X86_OP_IMM
+
+
+def call_through_slot(code: bytes, arg: int, slot: int, whole: bool) -> int | None:
+    """The offset of the instruction that the function's call through the code pointer at
+    `slot` in the object its integer argument `arg` points to returns to:
+    - its first indirect transfer, where indirect_call_slot reads that slot there (a tail
+      jump: None);
+    - else, where `code` is the whole function (`whole`), its only indirect transfer, a call
+      through `slot` bytes into some object (`call *slot(%r)`, or `call *%r` where the last
+      write of %r before it is `mov slot(%x),%r`).
+    None otherwise: the call is not one these show."""
+    insns = list(_md.disasm(code, 0))
+    indirect = [i for i in insns if _indirect(i)]
+    if not indirect:
+        return None
+    if indirect_call_slot(code, arg) == slot:
+        first = indirect[0]
+        return first.address + first.size if first.id == X.X86_INS_CALL else None
+    if not whole or len(indirect) != 1 or indirect[0].id != X.X86_INS_CALL:
+        return None
+    call = indirect[0]
+    op = call.operands[0]
+    if op.type == X.X86_OP_MEM:
+        ok = bool(op.mem.base) and not op.mem.index and op.mem.disp == slot
+    else:
+        reg = _reg64(call, op.reg)
+        writes = [i for i in insns if i.address < call.address
+                  and reg in {_reg64(i, r) for r in i.regs_access()[1]}]
+        last = writes[-1] if writes else None
+        ok = (last is not None and last.id == X.X86_INS_MOV and len(last.operands) == 2
+              and last.operands[1].type == X.X86_OP_MEM and last.operands[1].mem.disp == slot
+              and bool(last.operands[1].mem.base) and not last.operands[1].mem.index)
+    return call.address + call.size if ok else None
+
+
+def jumped_into(code: bytes, lo: int, hi: int) -> bool:
+    """Whether a relative jump anywhere in `code` lands in [lo, hi] (offsets from its start):
+    code there is then reached by another path too."""
     for insn in _md.disasm(code, 0):
-        ops = insn.operands
-        if insn.id in (X.X86_INS_CALL, X.X86_INS_JMP) and ops and ops[0].type != X.X86_OP_IMM:
-            if entry_block and insn.id == X.X86_INS_JMP:
-                return None
-            if entry_block:
-                return insn.address + insn.size
-            indirect.append(insn)
-        elif insn.id == X.X86_INS_RET or (insn.id == X.X86_INS_JMP and ops):
-            entry_block = False
-    calls = [i for i in indirect if i.id == X.X86_INS_CALL]
-    return calls[0].address + calls[0].size if len(indirect) == 1 and calls else None
+        if (capstone.CS_GRP_JUMP in insn.groups and insn.operands
+                and insn.operands[0].type == X.X86_OP_IMM and lo <= insn.operands[0].imm <= hi):
+            return True
+    return False
 
 
 def after_call_to(code: bytes, targets: set[int]) -> int | None:

@@ -29,7 +29,7 @@ from profinfer.levels.sched import probe as schedprobe
 
 ENTRY_PROGRAM, RETURN_PROGRAM, END_PROGRAM = "vop_enter", "vop_return", "vop_end"
 # the programs' tallies, by their index (bpf/vllm.bpf.c PV_TALLY_*)
-TALLIES = ("too_deep", "other_processes", "unsent", "typed")
+TALLIES = ("too_deep", "other_processes", "unsent", "typed", "unsent_returned")
 # the in-target trap is measured on this many of the ops called most (insitu.py)
 TRAP_OPS = 3
 # calls counted, not sent: how often the counts are looked at for the ops called most, and
@@ -59,7 +59,7 @@ class OpPlan:
     trap_sites: dict[int, tuple[str, tuple[int, int] | None, int]] = field(default_factory=dict)
     traps: insitu.TrapSampler | None = None      # measuring a trap in the target, once calls come
     trap_ops: list[int] = field(default_factory=list)   # the ops it is measured on
-    return_probes: int = 0      # calls ended by a return probe, not a wrapper's end probe
+    return_probes: int = 0      # places whose calls end at a return probe, not an end probe
 
 
 class Inbox:
@@ -461,7 +461,7 @@ class VllmCollector(Collector):
         if not self._counting_costs():
             return {}
         return self._cost(self.obj.program_stats(), self._calls_by_op(),
-                          self._read_tallies([("unsent", TALLIES.index("unsent"))])["unsent"])
+                          self._read_tallies((name, TALLIES.index(name)) for name in ("unsent", "unsent_returned")))
 
     def _calls_by_op(self) -> dict[str, int]:
         """Calls so far by op name: sent and counted."""
@@ -514,7 +514,7 @@ class VllmCollector(Collector):
             step_ends = {**self.records.step_ends, **self._step_ends_now()}
         self.detach()
         calls = self.records.calls()
-        self.bpf_stats = self._cost(stats, calls_by_op, tallies["unsent"])
+        self.bpf_stats = self._cost(stats, calls_by_op, tallies)
         trap_meta = self._trap_in_situ(stats)
         prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
@@ -563,13 +563,13 @@ class VllmCollector(Collector):
         return out
 
     def _cost(self, stats: dict[str, tuple[int, int]], per_op: dict[str, int],
-              unsent: int) -> dict[str, int]:
+              tallies: dict[str, int]) -> dict[str, int]:
         """The kernel's count of our programs' runs and run time, and the probe hits behind
         them by what each costs (selfcost): each call's entry trap, emulated or
         single-stepped where its probe sits (a wrapper's: emulated), and its return, whose
         probe shares the entry's place (one trap), or, through a wrapper with an end probe,
         that probe's emulated trap; and the wrapper hits that sent nothing (`unsent`: calls of
-        other functions of a probed signature), the same."""
+        other functions of a probed signature, in `tallies`), by how each ended."""
         if not stats:
             return {}
         out = program_costs(stats)
@@ -580,8 +580,9 @@ class VllmCollector(Collector):
                 add_hits(out, n, True, return_trap_emulated=True)
             else:
                 add_hits(out, n, place.emulated if place else True, returns=True)
-        every_end = all(w.ends_at is not None for p in self.plan.wrappers.values() for w in p.wrappers)
-        add_hits(out, unsent, True, returns=not every_end, return_trap_emulated=True if every_end else None)
+        returned = tallies.get("unsent_returned", 0)
+        add_hits(out, max(0, tallies.get("unsent", 0) - returned), True, return_trap_emulated=True)
+        add_hits(out, returned, True, returns=True)
         add_hits(out, stats.get(insitu.PROGRAM, (0, 0))[1], True)    # the trap measure's own
         return out
 
@@ -593,8 +594,9 @@ class VllmCollector(Collector):
                      # what the wrappers saw (the probes, stepped or not: the base's meta)
                      "probes_at_wrappers": str(sum(2 * len(w.wrappers) for w in self.plan.wrappers.values())),
                      "wrapper_hits_unsent": str(tallies.get("unsent", 0)),
-                     # calls ended by a return probe: where an op throws, the unwinder meets
-                     # the kernel's return address and the target aborts (wrappers.py)
+                     # places whose calls end at a return probe: where an op there throws,
+                     # the unwinder meets the kernel's return address and the target aborts
+                     # (wrappers.py)
                      "return_probes": str(self.plan.return_probes),
                      "ops_typed_calls": str(tallies.get("typed", 0)),
                      # ops a typed C++ caller would reach through a wrapper left unprobed

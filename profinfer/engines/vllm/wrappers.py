@@ -16,11 +16,11 @@ Many op functions begin with GCC's stack-realigning prologue, whose first instru
 kernel single-steps (~15 µs a hit); the wrappers mostly begin with `push %rbp`, which it
 emulates (~0.5 µs). A probe on a wrapper reads the function pointer and names the op from it
 (bpf/vllm.h). The call ends at the first instruction the kernel emulates after the
-wrapper's call of the op returns: a second emulated trap, where a return probe (uretprobe)
-would cost its return trampoline, several times more in an engine (bench/results.md). A
-call's time then includes the wrapper's unpacking of the arguments, not its cleanup after.
-A return probe also makes the target abort when the op throws: C++'s unwinder cannot step
-through the return address the kernel put in its place (tests/vllm/test_vllm_probe_places.py).
+wrapper's call of the op returns (an end probe), not at a return probe: where the op
+throws, C++'s unwinder cannot step through the return address a return probe puts on the
+stack, and the target aborts (tests/vllm/test_vllm_probe_places.py). The end probe is kept
+for that, not for speed: in an engine the two cost the same (bench/results.md). A call's
+time then includes the wrapper's unpacking of the arguments, not its cleanup after.
 Where no emulated instruction follows the op's call, a typed wrapper is not probed (its typed
 callers' calls are then not seen; Python's come through a boxed one), and a boxed one keeps
 a return probe at its entry's place.
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import cxxfilt
 
 from profinfer.core.arch import placement
-from profinfer.core.arch.callsites import after_call_to, after_indirect_call, indirect_call_slot, plt_stubs
+from profinfer.core.arch.callsites import after_call_to, call_through_slot, indirect_call_slot, jumped_into, plt_stubs
 from profinfer.core.symbols import ElfInfo, Symbol
 from profinfer.engines.vllm import ops as native
 
@@ -111,18 +111,27 @@ def _place(elf: ElfInfo, at: int, sym: Symbol) -> placement.Placement | None:
     return place if place.emulated else None
 
 
-def _end(elf: ElfInfo, sym: Symbol, typed: Symbol | None) -> int | None:
+_STACK_CALLER = "call_functor_with_args_from_stack_"   # a boxed wrapper's unpacking, which calls the op
+
+
+def _end(elf: ElfInfo, sym: Symbol, at: int, fn_offset: int, typed: Symbol | None) -> int | None:
     """Where a call through the wrapper ends: the first emulated instruction every return
-    from its call of the op runs, that call being its first indirect one, or (a boxed
-    wrapper that has none) its call of the typed wrapper of its signature, `typed`, direct
-    or through the PLT (the wrappers are exported). None: the op is tail-called, or no
-    emulated instruction follows."""
+    from its call of the op runs. That call is its call through the functor's function
+    pointer (callsites.call_through_slot), or a boxed wrapper's call, direct or through the
+    PLT (the wrappers are exported), of the typed wrapper of its signature (`typed`) or of
+    torch's helper that unpacks the IValues and calls the op. None: the op is tail-called,
+    that call is not found, or no emulated instruction follows it on its path alone (a jump
+    landing between would end calls that never called the op)."""
     code = elf.code_bytes(sym, min(sym.size, CODE_BYTES))
-    after = after_indirect_call(code)
-    if after is None and typed is not None:
-        stubs = {a for a, name in plt_stubs(elf.path, elf.file_id).items() if name == typed.name}
-        after = after_call_to(code, {a - sym.vaddr for a in stubs | {typed.vaddr}})
-    return None if after is None else placement.first_emulated(code, after)
+    after = call_through_slot(code, 2 if at == AT_UNBOXED_SRET else 1, fn_offset, sym.size <= CODE_BYTES)
+    if after is None and at == AT_BOXED:
+        helpers = {s.vaddr for name, s in elf.symbols.items() if _STACK_CALLER in name}
+        if typed is not None:
+            helpers.add(typed.vaddr)
+            helpers |= {a for a, name in plt_stubs(elf.path, elf.file_id).items() if name == typed.name}
+        after = after_call_to(code, {a - sym.vaddr for a in helpers})
+    end = None if after is None else placement.first_emulated(code, after)
+    return None if end is None or jumped_into(elf.code_bytes(sym, sym.size), after, end) else end
 
 
 def plan(elf: ElfInfo, ops: list[native.NativeOp]) -> WrapperPlan | None:
@@ -141,6 +150,7 @@ def plan(elf: ElfInfo, ops: list[native.NativeOp]) -> WrapperPlan | None:
     offsets.discard(None)
     if len(offsets) != 1:
         return None
+    fn_offset = offsets.pop()
     typed = {params: sym for at, sym, params in found if at != AT_BOXED}
     wrappers, covered, ended, typed_unprobed = [], set(), set(), []
     for at, sym, params in found:
@@ -150,7 +160,7 @@ def plan(elf: ElfInfo, ops: list[native.NativeOp]) -> WrapperPlan | None:
             if at != AT_BOXED:
                 typed_unprobed.extend(names)
             continue
-        end = _end(elf, sym, typed.get(params) if at == AT_BOXED else None)
+        end = _end(elf, sym, at, fn_offset, typed.get(params) if at == AT_BOXED else None)
         if end is None and at != AT_BOXED:     # a return probe there: see the module's doc
             typed_unprobed.extend(names)
             continue
@@ -159,7 +169,7 @@ def plan(elf: ElfInfo, ops: list[native.NativeOp]) -> WrapperPlan | None:
             covered.update(names)
             if end is not None:
                 ended.update(names)
-    return WrapperPlan(wrappers, offsets.pop(), covered, ended, sorted(set(typed_unprobed) & covered))
+    return WrapperPlan(wrappers, fn_offset, covered, ended, sorted(set(typed_unprobed) & covered))
 
 
 def cookie(at: int, library: int, fn_offset: int, vaddr: int) -> int:

@@ -57,9 +57,10 @@ struct {
 #define PV_TALLY_OTHER 1
 #define PV_TALLY_OTHER_FN 2
 #define PV_TALLY_TYPED 3
+#define PV_TALLY_UNSENT_RETURNED 4     /* of the wrapper hits not sent, those ended by a return probe */
 struct {
     __uint(type, BPF_MAP_TYPE_ARRAY);
-    __uint(max_entries, 4);
+    __uint(max_entries, 5);
     __type(key, u32);
     __type(value, u64);
 } tallies SEC(".maps");
@@ -446,6 +447,10 @@ int vop_enter(struct pt_regs *ctx)
      * returned (see vop_return) */
     u64 sp = PT_REGS_SP(ctx);
     u32 open = th->depth;
+    /* calls opened beyond the deepest kept one are known by their count alone: where the
+     * deepest kept one never returned, neither did they */
+    if (open > PV_MAX_DEPTH && th->sp[PV_MAX_DEPTH - 1] <= sp)
+        open = PV_MAX_DEPTH;
     if (open <= PV_MAX_DEPTH) {
 #pragma unroll
         for (u32 k = 0; k < PV_MAX_DEPTH; k++) {
@@ -522,14 +527,19 @@ int vop_enter(struct pt_regs *ctx)
     return 0;
 }
 
-/* The thread's open call at `depth` (its innermost) ends at `now`: counted or sent. */
-static __always_inline int end_call(struct pt_regs *ctx, struct pv_thread *th, u32 depth, u64 now)
+/* The thread's open call at `depth` (its innermost) ends at `now` (by a return probe:
+ * returned): counted or sent. */
+static __always_inline int end_call(struct pt_regs *ctx, struct pv_thread *th, u32 depth, u64 now,
+                                    int returned)
 {
     th->depth = depth;
     u32 tid = current_tid();
     struct pv_op_event *ev = &th->ev[depth & (PV_MAX_DEPTH - 1)];
-    if (ev->op == PV_OP_NONE)   /* nothing was opened: nothing to send or reopen */
+    if (ev->op == PV_OP_NONE) { /* nothing was opened: nothing to send or reopen */
+        if (returned)
+            tally(PV_TALLY_UNSENT_RETURNED);
         return 0;
+    }
     ev->end_ns = now;
     if (ev->step && ev->step == th->step) {     /* the step's end, as its calls return */
         th->step_calls++;
@@ -592,9 +602,12 @@ static __always_inline struct pv_thread *open_calls_from(u64 bound)
     struct pv_thread *th = bpf_map_lookup_elem(&threads, &tid);
     if (!th || !th->depth)
         return 0;
-    if (th->depth > PV_MAX_DEPTH) {
-        th->depth--;
-        return 0;
+    if (th->depth > PV_MAX_DEPTH) {     /* beyond the deepest kept call: see vop_enter */
+        if (th->sp[PV_MAX_DEPTH - 1] >= bound) {
+            th->depth--;                /* one too deep to have been kept ends */
+            return 0;
+        }
+        th->depth = PV_MAX_DEPTH;
     }
     u32 depth = th->depth;
 #pragma unroll
@@ -616,7 +629,7 @@ int vop_return(struct pt_regs *ctx)
     struct pv_thread *th = open_calls_from(sp - 8);
     if (!th || th->sp[(th->depth - 1) & (PV_MAX_DEPTH - 1)] + 8 != sp)
         return 0;
-    return end_call(ctx, th, th->depth - 1, now);
+    return end_call(ctx, th, th->depth - 1, now, 1);
 }
 
 /* A wrapper's end probe: the first instruction the kernel emulates after its call of the op
@@ -631,5 +644,5 @@ int vop_end(struct pt_regs *ctx)
     struct pv_thread *th = open_calls_from(PT_REGS_SP(ctx) + 1);
     if (!th || th->site[(th->depth - 1) & (PV_MAX_DEPTH - 1)] != (bpf_get_attach_cookie(ctx) & PV_SITE_MASK))
         return 0;
-    return end_call(ctx, th, th->depth - 1, now);
+    return end_call(ctx, th, th->depth - 1, now, 0);
 }
