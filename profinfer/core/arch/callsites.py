@@ -135,23 +135,23 @@ def _indirect(insn) -> bool:
     return insn.id in (X.X86_INS_CALL, X.X86_INS_JMP) and bool(ops) and ops[0].type != X.X86_OP_IMM
 
 
-def call_through_slot(code: bytes, arg: int, slot: int, whole: bool) -> int | None:
+def call_through_slot(code: bytes, first_reads_slot: bool, slot: int, whole: bool) -> int | None:
     """The offset of the instruction that the function's call through the code pointer at
-    `slot` in the object its integer argument `arg` points to returns to:
-    - its first indirect transfer, where indirect_call_slot reads that slot there (a tail
-      jump: None);
+    `slot` into an object returns to:
+    - its first indirect transfer, where that reads the slot (`first_reads_slot`: what
+      indirect_call_slot found of it; a tail jump: None);
     - else, where `code` is the whole function (`whole`), its only indirect transfer, a call
       through `slot` bytes into some object (`call *slot(%r)`, or `call *%r` where the last
       write of %r before it is `mov slot(%x),%r`).
     None otherwise: the call is not one these show."""
+    if first_reads_slot:
+        first = next((i for i in _md.disasm(code, 0) if _indirect(i)), None)
+        return first.address + first.size if first is not None and first.id == X.X86_INS_CALL else None
+    if not whole:
+        return None
     insns = list(_md.disasm(code, 0))
     indirect = [i for i in insns if _indirect(i)]
-    if not indirect:
-        return None
-    if indirect_call_slot(code, arg) == slot:
-        first = indirect[0]
-        return first.address + first.size if first.id == X.X86_INS_CALL else None
-    if not whole or len(indirect) != 1 or indirect[0].id != X.X86_INS_CALL:
+    if len(indirect) != 1 or indirect[0].id != X.X86_INS_CALL:
         return None
     call = indirect[0]
     op = call.operands[0]

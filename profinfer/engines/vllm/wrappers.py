@@ -114,21 +114,17 @@ def _place(elf: ElfInfo, at: int, sym: Symbol) -> placement.Placement | None:
 _STACK_CALLER = "call_functor_with_args_from_stack_"   # a boxed wrapper's unpacking, which calls the op
 
 
-def _end(elf: ElfInfo, sym: Symbol, at: int, fn_offset: int, typed: Symbol | None) -> int | None:
+def _end(elf: ElfInfo, sym: Symbol, slot: int | None, fn_offset: int, helpers: set[int]) -> int | None:
     """Where a call through the wrapper ends: the first emulated instruction every return
     from its call of the op runs. That call is its call through the functor's function
-    pointer (callsites.call_through_slot), or a boxed wrapper's call, direct or through the
-    PLT (the wrappers are exported), of the typed wrapper of its signature (`typed`) or of
-    torch's helper that unpacks the IValues and calls the op. None: the op is tail-called,
-    that call is not found, or no emulated instruction follows it on its path alone (a jump
-    landing between would end calls that never called the op)."""
+    pointer (callsites.call_through_slot; `slot`: the one its first indirect transfer reads),
+    or its call of one of `helpers` (addresses: a boxed wrapper's typed wrapper, direct or
+    through the PLT, and torch's helper that unpacks the IValues and calls the op). None:
+    the op is tail-called, that call is not found, or no emulated instruction follows it on
+    its path alone (a jump landing between would end calls that never called the op)."""
     code = elf.code_bytes(sym, min(sym.size, CODE_BYTES))
-    after = call_through_slot(code, 2 if at == AT_UNBOXED_SRET else 1, fn_offset, sym.size <= CODE_BYTES)
-    if after is None and at == AT_BOXED:
-        helpers = {s.vaddr for name, s in elf.symbols.items() if _STACK_CALLER in name}
-        if typed is not None:
-            helpers.add(typed.vaddr)
-            helpers |= {a for a, name in plt_stubs(elf.path, elf.file_id).items() if name == typed.name}
+    after = call_through_slot(code, slot == fn_offset, fn_offset, sym.size <= CODE_BYTES)
+    if after is None and helpers:
         after = after_call_to(code, {a - sym.vaddr for a in helpers})
     end = None if after is None else placement.first_emulated(code, after)
     return None if end is None or jumped_into(elf.code_bytes(sym, sym.size), after, end) else end
@@ -145,13 +141,23 @@ def plan(elf: ElfInfo, ops: list[native.NativeOp]) -> WrapperPlan | None:
     found = [c for c in _candidates(elf) if c[2] in by_params]
     # the function pointer's offset in the functor, read from each wrapper's first indirect
     # call; one template lays out every functor: any disagreement and none is trusted
-    offsets = {indirect_call_slot(elf.code_bytes(sym, min(sym.size, CODE_BYTES)),
-                                  2 if at == AT_UNBOXED_SRET else 1) for at, sym, _ in found}
-    offsets.discard(None)
+    slots = {sym.name: indirect_call_slot(elf.code_bytes(sym, min(sym.size, CODE_BYTES)),
+                                          2 if at == AT_UNBOXED_SRET else 1) for at, sym, _ in found}
+    offsets = set(slots.values()) - {None}
     if len(offsets) != 1:
         return None
     fn_offset = offsets.pop()
     typed = {params: sym for at, sym, params in found if at != AT_BOXED}
+    stubs = plt_stubs(elf.path, elf.file_id)
+    stack_callers = {s.vaddr for name, s in elf.symbols.items() if _STACK_CALLER in name}
+
+    def helpers(at: int, params: str) -> set[int]:
+        """What a boxed wrapper may call the op through (see _end)."""
+        if at != AT_BOXED:
+            return set()
+        t = typed.get(params)
+        return stack_callers | ({t.vaddr} | {a for a, n in stubs.items() if n == t.name} if t else set())
+
     wrappers, covered, ended, typed_unprobed = [], set(), set(), []
     for at, sym, params in found:
         place = _place(elf, at, sym)
@@ -160,7 +166,7 @@ def plan(elf: ElfInfo, ops: list[native.NativeOp]) -> WrapperPlan | None:
             if at != AT_BOXED:
                 typed_unprobed.extend(names)
             continue
-        end = _end(elf, sym, at, fn_offset, typed.get(params) if at == AT_BOXED else None)
+        end = _end(elf, sym, slots[sym.name], fn_offset, helpers(at, params))
         if end is None and at != AT_BOXED:     # a return probe there: see the module's doc
             typed_unprobed.extend(names)
             continue
