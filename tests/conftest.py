@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -41,7 +43,23 @@ def big_model() -> Path:
 
 @pytest.fixture(scope="session")
 def llama_env(llama_build) -> dict[str, str]:
-    return {**os.environ, **workload.llama_env(llama_build)}
+    return llama_run_env(llama_build)
+
+
+def llama_run_env(build: Path, **extra: str) -> dict[str, str]:
+    """The environment llama.cpp's tools run in here: its build's libraries, and its log
+    drained at exit (llama_log_drain)."""
+    return {**os.environ, **workload.llama_env(build), "LD_PRELOAD": llama_log_drain(), **extra}
+
+
+@functools.lru_cache(maxsize=None)
+def llama_log_drain() -> str:
+    """helpers/llama_log_drain.c, built: preloaded, it makes llama.cpp's tools write their
+    whole log before they exit, their perf summary with it."""
+    out = Path(tempfile.mkdtemp(prefix="profinfer-tests-")) / "llama_log_drain.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(out),
+                    str(Path(__file__).parent / "helpers" / "llama_log_drain.c")], check=True)
+    return str(out)
 
 
 def completion_cmd(build: Path, model: Path, n: int = 24, threads: int = 2, prompt: str = PROMPT,
@@ -79,22 +97,21 @@ def llama_perf(text: str) -> dict[str, tuple[float, int]]:
     return {m.group(1): (float(m.group(2)), int(m.group(3))) for m in _PERF.finditer(text)}
 
 
-def with_llama_log(run, tries: int = 4):
-    """Call run() until llama.cpp's own perf lines made it into its output.
+def with_llama_log(run):
+    """run(), checked to have printed llama.cpp's own perf summary (the outside truth).
 
     llama-completion logs through an asynchronous logger that it never flushes at exit
-    (upstream issue 22142): under CPU load its last lines are lost, with or without a
-    profiler (measured: 13 of 20 plain runs beside two busy processes). Such a run says
-    nothing about profinfer, so it is repeated; the assertions then use a complete run.
+    (upstream issue 22142): under CPU load its last lines were lost (measured: 8 of 12 plain
+    runs beside two busy processes). The environment llama_run_env gives preloads a drain of
+    that log at exit (0 of 12 lost, same load), so a run without the summary is a defect.
     """
-    for _ in range(tries):
-        result = run()
-        if getattr(result, "rc", getattr(result, "returncode", 0)) != 0:
-            return result  # a real failure: let the test's own assertion report it
-        text = result.stderr if isinstance(result.stderr, str) else result.stderr.decode()
-        if {"prompt eval", "eval"} <= llama_perf(text).keys():
-            return result
-    raise AssertionError(f"llama.cpp's perf lines missing in {tries} runs")
+    result = run()
+    if getattr(result, "rc", getattr(result, "returncode", 0)) != 0:
+        return result  # a real failure: let the test's own assertion report it
+    text = result.stderr if isinstance(result.stderr, str) else result.stderr.decode()
+    assert {"prompt eval", "eval"} <= llama_perf(text).keys(), \
+        f"llama.cpp's perf lines missing (was its log drain preloaded?):\n{text[-2000:]}"
+    return result
 
 
 _BPF_KINDS = ("prog", "map", "link")
@@ -350,7 +367,26 @@ def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float) ->
         except OSError:
             pass
         time.sleep(0.2)
-    raise AssertionError(f"{what} did not start in {timeout:g} s")
+    raise AssertionError(f"{what} did not start in {timeout:g} s; its processes now:\n"
+                         + "\n".join(process_states(proc.pid)))
+
+
+def process_states(pid: int) -> list[str]:
+    """'PID name: State' of a process and every process in its session (a process left
+    stopped shows 'T (stopped)')."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+            if int(entry) != pid and os.getsid(int(entry)) != pid:
+                continue
+        except OSError:
+            continue
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        out.append(f"{entry} {fields.get('Name', '?')}: {fields.get('State', '?')}")
+    return out
 
 
 @contextlib.contextmanager

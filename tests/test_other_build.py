@@ -2,13 +2,12 @@
 code changes: structures come from the known-layout table, validated on live data."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 
 import pytest
 
-from conftest import completion_cmd, llama_perf, run_profinfer, with_llama_log
+from conftest import completion_cmd, llama_perf, llama_run_env, run_profinfer, with_llama_log
 from profinfer.engines.llamacpp import ggml, workload
 from profinfer.core.symbols import load_elf
 
@@ -21,7 +20,7 @@ def release_build():
 def test_release_build_of_other_version(release_build, tiny_model, tmp_path):
     libs = list((release_build / "bin").glob("libggml-base.so*"))
     assert libs and all(load_elf(str(p)).dwarf_path is None for p in libs), "must be a build without DWARF"
-    env = {**os.environ, **workload.llama_env(release_build)}
+    env = llama_run_env(release_build)
     r = with_llama_log(lambda: run_profinfer(
         ["record", "--quiet", "--", *completion_cmd(release_build, tiny_model, n=16)],
         env=env, tmp_path=tmp_path))
@@ -47,7 +46,7 @@ def test_fully_stripped_libraries(release_build, tiny_model, tmp_path):
     for lib in copy.glob("lib*.so.*.*"):
         subprocess.run(["strip", "--strip-all", str(lib)], check=True)
         assert not load_elf(str(lib)).has_symtab
-    env = {**os.environ, "LD_LIBRARY_PATH": str(copy)}
+    env = llama_run_env(release_build, LD_LIBRARY_PATH=str(copy))
     cmd = completion_cmd(release_build, tiny_model, n=16)
     cmd[0] = str(copy / "llama-completion")
     r = with_llama_log(lambda: run_profinfer(["record", "--quiet", "--", *cmd], env=env, tmp_path=tmp_path))
@@ -88,7 +87,7 @@ def test_table_layout_with_wrong_edges_is_refused(llama_build, tiny_model, dwarf
     """A layout whose op, type, ne and name offsets are right (every op decodes as a sane node)
     but whose src, view_src or data offset is wrong is refused, naming what is wrong. (Run on
     the DWARF build, whose true offsets are known; --tensor-layout makes it skip DWARF.)"""
-    env = {**os.environ, **workload.llama_env(llama_build)}
+    env = llama_run_env(llama_build)
     cmd = completion_cmd(llama_build, tiny_model, n=8)
     wrong = _layout_spec(dwarf_layout, **moved)
     r = run_profinfer(["record", "--quiet", "--tensor-layout", wrong, "--", *cmd],
@@ -102,7 +101,7 @@ def test_table_layout_with_wrong_edges_is_refused(llama_build, tiny_model, dwarf
 
 def test_table_layout_from_offsets_is_accepted(llama_build, tiny_model, dwarf_layout, tmp_path):
     """The offsets this build's DWARF gives, passed as a table layout, pass every check."""
-    env = {**os.environ, **workload.llama_env(llama_build)}
+    env = llama_run_env(llama_build)
     cmd = completion_cmd(llama_build, tiny_model, n=8)
     right = _layout_spec(dwarf_layout)
     r = with_llama_log(lambda: run_profinfer(["record", "--quiet", "--tensor-layout", right, "--", *cmd],

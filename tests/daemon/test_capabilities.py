@@ -131,9 +131,9 @@ def places(tmp_path_factory, llama_build, tiny_model, llama_env):
 @pytest.fixture(scope="module")
 def truth(llama_build, tiny_model, llama_env) -> dict[str, int]:
     """What llama.cpp reports of the generation every target makes (one model, prompt and
-    seed, greedy: the same tokens), from a run of its own: its asynchronous logger loses its
-    last lines under load (conftest.with_llama_log), so four at once often lack them. Each
-    target's own report, where it has one, must say the same."""
+    seed, greedy: the same tokens), from a run of its own: the copies in a user's directory and
+    a container run without the drain of llama.cpp's log (conftest.llama_log_drain), whose
+    last lines are then often lost under load. Each target's own report, where it has one, must say the same."""
     r = with_llama_log(lambda: subprocess.run(completion_cmd(llama_build, tiny_model, n=TOKENS), env=llama_env,
                                               capture_output=True, text=True, timeout=120))
     perf = llama_perf(r.stderr)

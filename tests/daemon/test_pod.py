@@ -11,6 +11,7 @@ agent's stays in the kernel."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -142,6 +143,37 @@ def _no_workload_left():
     kill_started()
 
 
+@pytest.fixture(autouse=True)
+def _pod_lives(request):
+    """The agent is still running after each test; else what ended it (exit code, the
+    kernel's OOM kill) and its last words, from the test that saw it go."""
+    yield
+    if "pod" in request.fixturenames:
+        pod = request.getfixturevalue("pod")
+        state = _state(pod)
+        assert state.get("Status") == "running", f"the agent's container ended: {_explain(pod)}"
+
+
+def _state(pod) -> dict:
+    done = _podman("inspect", pod["ctr"], "--format", "{{json .State}}", check=False)
+    return json.loads(done.stdout) if done.returncode == 0 and done.stdout.strip() else {}
+
+
+def _explain(pod) -> str:
+    state = _state(pod)
+    said = {k: state.get(k) for k in ("Status", "ExitCode", "OOMKilled", "Error", "FinishedAt")}
+    return f"{said}\n{_logs(pod)[-4000:]}"
+
+
+@contextlib.contextmanager
+def _with_agent_state(pod):
+    """An assertion in the block gets the agent's state and log appended."""
+    try:
+        yield
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n--- the agent: {_explain(pod)}") from e
+
+
 def _logs(pod) -> str:
     return _podman("logs", pod["ctr"], check=False).stderr
 
@@ -256,7 +288,7 @@ def _vllm_steps(port: int) -> int:
 
 
 def test_vllm_server_steps_counted_as_its_metrics_count_them(pod, vllm_python, vllm_model):
-    with vllm_server(vllm_python, vllm_model) as (_, port):
+    with _with_agent_state(pod), vllm_server(vllm_python, vllm_model) as (_, port):
         def ours(text: str) -> tuple[int, int]:
             """(vLLM processes watched, the steps the daemon counted in them)."""
             pids = {int(m) for m in re.findall(r'profinfer_process_info\{[^}]*engine="vLLM"[^}]*pid="(\d+)"', text)}
