@@ -199,13 +199,16 @@ static __always_inline void read_values(struct pv_op_event *ev, u64 impl, u16 dt
  * tensor) into ev->values, free until the arguments are read. */
 #define PV_IVALUES_READ (sizeof(((struct pv_op_event *)0)->values) / sizeof(struct pv_ivalue))
 
+/* What the walk changes lives in maps (ev->n_tensors, th->values_impl), never here on the
+ * stack: a counter on the stack is a new value to the verifier at each pass of bpf_loop's
+ * callback, which Linux 6.7+ verifies until its states repeat (with it here, vop_enter took
+ * 27,000 verifier states, ~250 MiB of kernel memory charged to the loader's cgroup). */
 struct arg_walk {
     struct pt_regs *ctx;
     struct pv_op_spec *spec;
     struct pv_op_event *ev;
-    u32 n;                    /* tensors read */
+    struct pv_thread *th;
     u32 boxed;                /* the arguments are IValues (a boxed wrapper's), not SysV slots */
-    u64 values_impl;          /* the TensorImpl whose values are read */
     u64 ivalues_end;          /* a boxed call's: its stack's end (0: unreadable) */
     u32 ivalues_read;         /* its last IValues, read at once into ev->values (free until
                                * the walk ends) */
@@ -254,19 +257,20 @@ static __always_inline u64 slot_impl(struct pt_regs *ctx, u8 kind, u32 slot)
 /* One C++ parameter (bpf_loop's callback: one verification whatever the count). */
 static long read_arg(u32 i, struct arg_walk *a)
 {
-    if (i >= PV_MAX_ARGS || i >= a->spec->n_args || a->n >= PV_MAX_TENSORS)
+    u32 n = a->ev->n_tensors;
+    if (i >= PV_MAX_ARGS || i >= a->spec->n_args || n >= PV_MAX_TENSORS)
         return 1;
     u8 kind = a->spec->kind[i];
     if (kind == PV_ARG_SKIP)
         return 0;
     u64 impl = !a->boxed ? slot_impl(a->ctx, kind, a->spec->slot[i])
                : a->ivalues_end ? ivalue_impl(a, i) : 0;
-    struct pv_tensor *t = &a->ev->t[a->n & (PV_MAX_TENSORS - 1)];
+    struct pv_tensor *t = &a->ev->t[n & (PV_MAX_TENSORS - 1)];
     t->arg = i;
     read_tensor(t, impl);
     if (i == a->spec->values_of)
-        a->values_impl = impl;
-    a->n++;
+        a->th->values_impl = impl;
+    a->ev->n_tensors = n + 1;
     return 0;
 }
 
@@ -487,17 +491,17 @@ int vop_enter(struct pt_regs *ctx)
     ev->step = 0;
     ev->prev_step = 0;
     ev->send = spec->send == 1 || (spec->send > 1 && th->sampled++ % spec->send == 0);
-    struct arg_walk a = {.ctx = ctx, .spec = spec, .ev = ev};
+    struct arg_walk a = {.ctx = ctx, .spec = spec, .ev = ev, .th = th};
     if (at == PV_AT_BOXED) {    /* std::vector<IValue>*: its end pointer is its second word */
         a.boxed = 1;
         a.ivalues_end = read_u64(PT_REGS_PARM4(ctx) + 8);
         if (a.ivalues_end)
             read_ivalues(&a);
     }
+    ev->n_tensors = 0;
+    th->values_impl = 0;
     bpf_loop(PV_MAX_ARGS, read_arg, &a, 0);
-    u32 n = a.n;
-    u64 values_impl = a.values_impl;
-    ev->n_tensors = n;
+    u64 values_impl = th->values_impl;
     if (values_impl) {
         u16 dtype = 0;
         bpf_probe_read_user(&dtype, sizeof(dtype), (void *)(values_impl + cfg.ti_off_dtype));

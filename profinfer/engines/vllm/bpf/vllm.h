@@ -141,6 +141,8 @@ struct pv_thread {
     u64 step;                 /* the step its step_* count (open_spans' number) */
     u64 step_end_ns;          /* the latest end of a call begun in that step */
     u64 step_calls;           /* calls begun in that step that returned */
+    u64 values_impl;          /* vop_enter's walk of the arguments: the TensorImpl whose
+                               * values it reads */
     struct pv_op_event ev[PV_MAX_DEPTH];
 };
 
