@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from profinfer.core import recorded
+from profinfer.daemon import discover
 from profinfer.engines.llamacpp import workload
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
@@ -125,19 +126,24 @@ def _bpftool(*args: str) -> list[dict]:
     return json.loads(out or "[]") or []
 
 
-def _node_map() -> tuple[str, int] | None:
-    """The node's map of processes records follow (profinfer.core.recorded): pinned, it
-    outlives every run by design, whichever run made it."""
-    shown = _bpftool("map", "show", "pinned", f"{recorded.PIN_DIR}/{recorded.MAP_NAME}")
-    return ("map", shown["id"]) if isinstance(shown, dict) and "id" in shown else None
+def _node_maps() -> set[tuple[str, int]]:
+    """The node's pinned maps (the processes records follow: profinfer.core.recorded; the
+    processes discovery holds: profinfer.daemon.discover): they outlive every run by design,
+    whichever run made them."""
+    out = set()
+    for name in (recorded.MAP_NAME, discover.HELD_MAP):
+        shown = _bpftool("map", "show", "pinned", f"{recorded.PIN_DIR}/{name}")
+        if isinstance(shown, dict) and "id" in shown:
+            out.add(("map", shown["id"]))
+    return out
 
 
 def bpf_snapshot() -> dict[tuple[str, int], str]:
-    """Every BPF program, map and link loaded now, system-wide, but the node's pinned map:
+    """Every BPF program, map and link loaded now, system-wide, but the node's pinned maps:
     {(kind, id): name}."""
-    node = _node_map()
+    node = _node_maps()
     return {(kind, o["id"]): o.get("name") or o.get("type", "")
-            for kind in _BPF_KINDS for o in _bpftool(kind, "show") if (kind, o["id"]) != node}
+            for kind in _BPF_KINDS for o in _bpftool(kind, "show") if (kind, o["id"]) not in node}
 
 
 def _fds(pid: int) -> list[tuple[str, str]]:

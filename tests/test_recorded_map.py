@@ -8,14 +8,14 @@ import stat
 
 import pytest
 
-from profinfer.core import libbpf, recorded
+from profinfer.core import libbpf, pinned, recorded
 
-pytestmark = pytest.mark.skipif(not recorded.bpffs_mounted(), reason="no bpffs at /sys/fs/bpf")
+pytestmark = pytest.mark.skipif(not pinned.bpffs_mounted(), reason="no bpffs at /sys/fs/bpf")
 
 
 @pytest.fixture
 def pin_dir():
-    path = f"{recorded.BPFFS}/profinfer-test-{os.getpid()}"
+    path = f"{pinned.BPFFS}/profinfer-test-{os.getpid()}"
     yield path
     for name in os.listdir(path) if os.path.isdir(path) else []:
         os.unlink(f"{path}/{name}")

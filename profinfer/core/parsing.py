@@ -218,6 +218,13 @@ def run(key, module: str, function: str, *args):
 def serve(fd: int, memory_bytes: int, modules: list[str]) -> None:
     """The worker: readings in, results out, until the daemon closes its end."""
     conn = Connection(fd)
+    # the first the kernel kills when the daemon's memory runs out: a reading fails and the
+    # worker is started again, where the daemon's death would leave held processes stopped
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
     import numpy  # noqa: F401  (what the readings import, before the limit is set)
     import elftools.elf.elffile  # noqa: F401
     import capstone  # noqa: F401

@@ -927,14 +927,18 @@ class Agent:
             **({"flight_recorder": self.recorder.status()} if self.recorder is not None else {}),
         }
 
-    def close(self) -> None:
-        parsing.stop()
+    def release_held(self) -> None:
+        """Discovery closed: nothing is held from then on, and every held process continued."""
         if self.discovery is not None:
             try:
-                self.discovery.close()        # every held process continued
+                self.discovery.close()
             except Exception as e:
                 self._error(f"closing discovery: {type(e).__name__}: {e}")
             self.discovery = None
+
+    def close(self) -> None:
+        self.release_held()
+        parsing.stop()
         with self.lock:
             watches = list(self.watches.values())
             self.watches.clear()

@@ -12,20 +12,24 @@ uses (at the daemon's start, each scan's new process, each new executable). The 
 process to use a loader not seen yet (a container of a new image) is found by the scan.
 
 A process stopped here is always continued: after it has been looked at, whatever that
-found, and when the daemon stops (except if it is killed with SIGKILL in those milliseconds).
+found, and when the daemon stops. Each held process is also in a map pinned in bpffs
+(pinned.PIN_DIR/held), entered by BPF as it stops the process and deleted as user space
+continues it: a daemon killed while it held one (SIGKILL, the kernel's OOM kill) leaves it
+there, and any daemon on the node, the one restarted in its place first, continues it.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from profinfer.core import bpfobj, kernel, layout, libbpf, recorded
+from profinfer.core import bpfobj, kernel, layout, libbpf, pinned, procfs, recorded
 from profinfer.core.errors import ProfinferError
 from profinfer.core.follow import LoaderHooks
 from profinfer.core.packs import Pack
@@ -38,6 +42,10 @@ MAX_PREFIXES = 16
 # A held process is continued after this long whatever the agent is doing (its look then
 # comes late, as a scan's would): no tenant's process waits on a busy or stuck agent.
 HOLD_MAX_S = 2.0
+# A held process still in the node's map after this long: its daemon died holding it (a live
+# one continues it after HOLD_MAX_S at most, its watchdog waking each HOLD_MAX_S / 4)
+ORPHAN_S = 3 * HOLD_MAX_S
+HELD_MAP = "held"
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,27 @@ def name_prefixes(packs: list[Pack]) -> list[str]:
             if prefix and prefix not in out:
                 out.append(prefix)
     return out
+
+
+def open_held(warn) -> int | None:
+    """The node's map of held processes (pinned.open_shared)."""
+    consts, dt = layout.parse(header="transport.h")
+    shape = (libbpf.BPF_MAP_TYPE_LRU_HASH, 4, dt["pi_held"].itemsize, consts["PI_MAX_RECORDED"])
+    return pinned.open_shared(HELD_MAP, shape, warn, "a process held by a daemon that dies stays stopped")
+
+
+def main() -> int:
+    """Make the node's pinned maps (the processes records follow, the processes discovery
+    holds), or find them made: a service manager's privileged step before a sandboxed daemon,
+    which opens them but cannot pin them where /sys/fs/bpf is read-only to it (systemd's
+    ProtectKernelTunables). Says why not, and exits 0 all the same."""
+    said: list[str] = []
+    for fd in (recorded.open_shared(said.append), open_held(said.append)):
+        if fd is not None:
+            os.close(fd)
+    for line in said:
+        print(f"profinfer: {line}", file=sys.stderr)
+    return 0
 
 
 _INIT_PID_NS = 0xEFFFFFFC
@@ -99,8 +128,9 @@ class NodeDiscovery:
             raise ProfinferError(f"the packs' library names do not fit discovery's table: {prefixes}")
         self.obj = libbpf.BpfObject(bpfobj.object_path("discover.bpf.c", "ring"))
         recorded_fd = recorded.open_shared(log)
-        if recorded_fd is None and not recorded.bpffs_mounted():
-            log(f"no bpffs at {recorded.BPFFS}: a process that a `record` on this node follows "
+        held_fd = open_held(log)
+        if recorded_fd is None and not pinned.bpffs_mounted():
+            log(f"no bpffs at {pinned.BPFFS}: a process that a `record` on this node follows "
                 "may be held by discovery too, and then run before the record's probes are on")
         try:
             config = np.zeros(1, dt["pi_core_config"])
@@ -108,6 +138,8 @@ class NodeDiscovery:
             self.obj.set_rodata(config.tobytes())
             if recorded_fd is not None:
                 self.obj.reuse_map(recorded.MAP_NAME, recorded_fd)
+            if held_fd is not None:
+                self.obj.reuse_map(HELD_MAP, held_fd)
             self.obj.set_max_entries("events", RING_PAGES * 4096)
             self.obj.load(set(PROGRAMS) | {LOADER_PROGRAM})
             fd = self.obj.map_fd("name_prefixes")
@@ -124,8 +156,9 @@ class NodeDiscovery:
             self.obj.close()
             raise
         finally:
-            if recorded_fd is not None:     # the object holds its own descriptor
-                os.close(recorded_fd)
+            for fd in (recorded_fd, held_fd):      # the object holds its own descriptor
+                if fd is not None:
+                    os.close(fd)
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._continue_late, name="discovery-watchdog", daemon=True)
         self._watchdog.start()
@@ -183,6 +216,8 @@ class NodeDiscovery:
             self._continue(pid)
 
     def _continue(self, pid: int) -> None:
+        # out of the node's map first: a stop after this one (not ours) is never taken for ours
+        libbpf.map_delete(self.obj.map_fd(HELD_MAP), pid.to_bytes(4, "little"))
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
@@ -190,17 +225,50 @@ class NodeDiscovery:
         except OSError as e:            # never the loop's end: said, and the others go on
             self.log(f"PID {pid}: cannot continue it after discovery held it: {e.strerror}")
 
+    def _continue_orphans(self) -> list[int]:
+        """Continue the processes held longer than ORPHAN_S (their daemon died holding them,
+        or this one has not read their records yet); entries of processes gone, or running,
+        dropped. The PIDs continued."""
+        fd, now, out = self.obj.map_fd(HELD_MAP), time.monotonic_ns(), []
+        for key, value in list(libbpf.map_items(fd, 4, 16)):
+            since, start = int.from_bytes(value[:8], "little"), int.from_bytes(value[8:], "little")
+            if now - since < ORPHAN_S * 1e9:
+                continue
+            pid = int.from_bytes(key, "little")
+            fields = procfs.stat_fields(pid)
+            same = fields is not None and recorded.start_time(pid) == start
+            libbpf.map_delete(fd, key)
+            if same and fields[0] == "T":
+                with self._lock:
+                    self.held.pop(pid, None)
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                    out.append(pid)
+                except OSError:
+                    pass
+        return out
+
     def _continue_late(self) -> None:
         while not self._stop.wait(HOLD_MAX_S / 4):
+            try:
+                for pid in self._continue_orphans():
+                    self.log(f"PID {pid}: held {ORPHAN_S:g} s or more, its holder gone: continued "
+                             "(it is looked at late)")
+            except Exception:           # the watchdog outlives whatever went wrong here
+                pass
             now = time.monotonic()
             with self._lock:
                 late = [pid for pid, since in self.held.items() if now - since > HOLD_MAX_S]
                 for pid in late:
                     del self.held[pid]
-            for pid in late:
-                self.log(f"PID {pid}: held {HOLD_MAX_S:g} s by discovery while the agent was busy: "
-                         "continued (it is looked at late)")
+            for pid in late:            # continued before it is said (a log may block)
                 self._continue(pid)
+            for pid in late:
+                try:
+                    self.log(f"PID {pid}: held {HOLD_MAX_S:g} s by discovery while the agent was busy: "
+                             "continued (it is looked at late)")
+                except Exception:       # the watchdog outlives a log that fails
+                    pass
 
     def close(self) -> None:
         """Detach (no process is stopped from then on), read what was told meanwhile, then
@@ -210,7 +278,7 @@ class NodeDiscovery:
         self.obj.detach()
         try:
             self.events()
-        except ProfinferError:
+        except Exception:           # whatever it was, the held processes are continued below
             pass
         self._stop.set()
         self._watchdog.join()
@@ -220,3 +288,7 @@ class NodeDiscovery:
             self._continue(pid)
         obj, self.obj = self.obj, None
         obj.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

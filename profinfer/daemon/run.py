@@ -107,9 +107,18 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
                 f"(the last {agent.recorder.store.keep}, {agent.recorder.store.max_bytes:,} bytes at most)")
         log(f"listening on {'https' if tls else 'http'}://{host}:{port} (metrics, {labels} labels; control endpoints need the token"
             + ("" if token else f" in {token_file}") + f"); levels {','.join(sorted(agent.levels))}")
+        said: set[str] = set()
         while not stop.is_set():
-            agent.poll(0.2)
+            try:
+                agent.poll(0.2)
+            except Exception as e:      # a fault of one turn: counted, said once, and the node stays watched
+                agent.loop_errors += 1
+                what = f"{type(e).__name__}: {e}"
+                if what not in said and len(said) < 100:
+                    said.add(what)
+                    log(f"error in the agent's loop (the loop goes on): {what}")
     finally:
+        agent.release_held()        # first: no process stays stopped on a slow close below
         server.close()
         agent.close()
         if agent.metrics.otlp is not None:

@@ -6,13 +6,15 @@ the programs start and run straight through."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import llama_perf
+from conftest import completion_cmd, llama_perf
 from daemon_helpers import _STARTED, Daemon, _get, cuda_log_counts, discovering_daemon, kill_started, series
 from profinfer.levels.cuda import workload as cuda_workload
 
@@ -127,3 +129,54 @@ def test_unrelated_processes_are_never_stopped(daemon, tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == 5
+
+
+def _state(pid: int) -> str:
+    """/proc/PID/stat's state letter ('T': stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _until_state(pid: int, want: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _state(pid) == want:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_process_held_by_a_killed_daemon_is_continued_by_the_next(tmp_path, llama_build, tiny_model,
+                                                                      llama_env):
+    """A daemon killed (SIGKILL: as the kernel's OOM killer does) while it holds a process
+    cannot continue it. The next daemon on the node does, from the node's pinned map of held
+    processes; a process somebody else stopped stays stopped."""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = discovering_daemon(tmp_path / "first")
+    theirs = subprocess.Popen(["sleep", "120"])
+    _STARTED.append(theirs)
+    os.kill(theirs.pid, signal.SIGSTOP)
+    second = None
+    try:
+        os.kill(first.proc.pid, signal.SIGSTOP)     # its BPF holds; it continues nothing
+        proc = subprocess.Popen(completion_cmd(llama_build, tiny_model, n=8), env=llama_env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _STARTED.append(proc)
+        assert _until_state(proc.pid, "T", 30), "not held at its loader"
+        first.proc.kill()
+        first.proc.wait()
+        time.sleep(2)
+        assert _state(proc.pid) == "T"      # nothing else continues it
+        second = discovering_daemon(tmp_path / "second")
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
+        assert f"PID {proc.pid}: held" in second.text(), second.text()
+        assert _state(theirs.pid) == "T", "a stop that was not discovery's was ended"
+    finally:
+        if first.proc.poll() is None:
+            first.proc.kill()
+            first.proc.wait()
+        first.log.close()
+        if second is not None:
+            second.stop()

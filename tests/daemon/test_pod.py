@@ -151,7 +151,26 @@ def _pod_lives(request):
     if "pod" in request.fixturenames:
         pod = request.getfixturevalue("pod")
         state = _state(pod)
+        if not state:
+            return              # the test removed it (test_nothing_left_in_the_kernel_after_the_pod)
         assert state.get("Status") == "running", f"the agent's container ended: {_explain(pod)}"
+        assert _oom_kills(state["Pid"]) == 0, \
+            f"the kernel killed a process of the agent's container for memory: {_explain(pod)}"
+
+
+def _oom_kills(pid: int) -> int:
+    """The kernel's count of OOM kills in a process's memory cgroup (v1 or v2)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            text = Path(f"/sys/fs/cgroup/memory{path}/memory.oom_control").read_text()
+            break
+        if controllers == "" and Path(f"/sys/fs/cgroup{path}/memory.events").exists():
+            text = Path(f"/sys/fs/cgroup{path}/memory.events").read_text()
+            break
+    else:
+        raise AssertionError(f"no memory cgroup found for PID {pid}")
+    return int(re.search(r"^oom_kill (\d+)", text, re.M).group(1))
 
 
 def _state(pod) -> dict:

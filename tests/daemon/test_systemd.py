@@ -178,10 +178,12 @@ def test_the_unit_runs_in_its_sandbox(unit):
     # ProtectKernelLogs: the kernel's log mounted over (inaccessible); ProtectHostname: a UTS
     # namespace of its own
     assert "/proc/kmsg" in mounts and "/dev/kmsg" in mounts
-    # the node's map of processes a `record` follows, pinned by the privileged ExecStartPre
-    # (profinfer.core.recorded) where the daemon's sandbox keeps /sys/fs/bpf read-only
+    # the node's maps (the processes a `record` follows, those discovery holds), pinned by the
+    # privileged ExecStartPre (profinfer.daemon.discover) where the daemon's sandbox keeps
+    # /sys/fs/bpf read-only
     assert "ro" in mounts["/sys/fs/bpf"]
-    assert _exec("stat", "-c", "%a %u %U", "/sys/fs/bpf/profinfer/recorded").stdout.split() == ["600", "0", "root"]
+    for pin in ("recorded", "held"):
+        assert _exec("stat", "-c", "%a %u %U", f"/sys/fs/bpf/profinfer/{pin}").stdout.split() == ["600", "0", "root"]
     assert _exec("readlink", f"/proc/{pid}/ns/uts").stdout != _exec("readlink", "/proc/1/ns/uts").stdout
     ours = _exec("stat", "-c", "%d:%i", "/tmp").stdout
     its = _exec("stat", "-L", "-c", "%d:%i", f"/proc/{pid}/root/tmp").stdout

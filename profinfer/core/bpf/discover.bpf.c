@@ -83,6 +83,15 @@ struct {
     __type(value, u64);
 } candidates SEC(".maps");
 
+/* The processes held now, by this daemon or another: pinned by user space, so that they
+ * outlive a daemon killed while holding one. */
+struct {
+    __uint(type, BPF_MAP_TYPE_LRU_HASH);
+    __uint(max_entries, PI_MAX_RECORDED);
+    __type(key, u32);
+    __type(value, struct pi_held);
+} held SEC(".maps");
+
 /* Each probed site of a loader's hook (a `call _dl_debug_state`; its attach cookie indexes
  * this): the site's vaddr (so the loader's load address is ip - site) and _r_debug's. */
 struct pi_hook_site {
@@ -168,7 +177,16 @@ static __always_inline long hold_and_tell(void *ctx, u32 tgid, u32 what)
 {
     if (!may_stop(tgid))
         return tell(ctx, tgid, PI_DISCOVER_SEEN, 0);
-    return PI_STOP_AND_TELL(tell(ctx, tgid, what, 0));
+    /* entered before the stop: user space, which deletes it as it continues the process,
+     * always comes after */
+    struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+    struct pi_held h = {.since_ns = bpf_ktime_get_ns(),
+                        .start_ticks = BPF_CORE_READ(task, group_leader, start_boottime) / PI_NS_PER_TICK};
+    bpf_map_update_elem(&held, &tgid, &h, BPF_ANY);
+    long err = PI_STOP_AND_TELL(tell(ctx, tgid, what, 0));
+    if (err)
+        bpf_map_delete_elem(&held, &tgid);
+    return err;
 }
 
 /* Make the current process a candidate; stopped and told when it was not one already. */

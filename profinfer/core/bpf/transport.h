@@ -75,6 +75,14 @@ struct pi_discover_event {
     struct pi_file_key file;  /* PI_DISCOVER_EXEC */
 };
 
+/* A process discovery holds, in the node's pinned map `held` (daemon/discover.py): since
+ * when (bpf_ktime_get_ns, CLOCK_MONOTONIC), and which process (its start time in clock ticks,
+ * /proc/PID/stat's): any daemon on the node continues one whose holder died holding it. */
+struct pi_held {
+    u64 since_ns;
+    u64 start_ticks;
+};
+
 
 /* What is open on a thread now, for a level that runs under any engine (the CUDA runtime's
  * calls are attributed to it): the engine's step (a llama_decode call, a vLLM step) and its
