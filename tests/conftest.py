@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from profinfer.core import recorded
-from profinfer.daemon import discover
+from profinfer.core import held, recorded
 from profinfer.engines.llamacpp import workload
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
@@ -128,10 +127,10 @@ def _bpftool(*args: str) -> list[dict]:
 
 def _node_maps() -> set[tuple[str, int]]:
     """The node's pinned maps (the processes records follow: profinfer.core.recorded; the
-    processes discovery holds: profinfer.daemon.discover): they outlive every run by design,
+    processes discovery holds: profinfer.core.held): they outlive every run by design,
     whichever run made them."""
     out = set()
-    for name in (recorded.MAP_NAME, discover.HELD_MAP):
+    for name in (recorded.MAP_NAME, held.MAP_NAME):
         shown = _bpftool("map", "show", "pinned", f"{recorded.PIN_DIR}/{name}")
         if isinstance(shown, dict) and "id" in shown:
             out.add(("map", shown["id"]))

@@ -86,3 +86,4 @@ def _create_and_pin(pin: str, name: str, shape: tuple[int, int, int, int]) -> in
         return None
     os.chmod(pin, 0o600)
     return fd
+

@@ -12,24 +12,23 @@ uses (at the daemon's start, each scan's new process, each new executable). The 
 process to use a loader not seen yet (a container of a new image) is found by the scan.
 
 A process stopped here is always continued: after it has been looked at, whatever that
-found, and when the daemon stops. Each held process is also in a map pinned in bpffs
-(pinned.PIN_DIR/held), entered by BPF as it stops the process and deleted as user space
-continues it: a daemon killed while it held one (SIGKILL, the kernel's OOM kill) leaves it
-there, and any daemon on the node, the one restarted in its place first, continues it.
+found, and when the daemon stops. Each held process is also in the node's map of
+held processes (core/held.py): a daemon killed while it held one (SIGKILL, the kernel's OOM
+kill) leaves it there, and any daemon on the node, the one restarted in its place first,
+continues it.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from profinfer.core import bpfobj, kernel, layout, libbpf, pinned, procfs, recorded
+from profinfer.core import bpfobj, held, kernel, layout, libbpf, pinned, procfs, recorded
 from profinfer.core.errors import ProfinferError
 from profinfer.core.follow import LoaderHooks
 from profinfer.core.packs import Pack
@@ -42,10 +41,9 @@ MAX_PREFIXES = 16
 # A held process is continued after this long whatever the agent is doing (its look then
 # comes late, as a scan's would): no tenant's process waits on a busy or stuck agent.
 HOLD_MAX_S = 2.0
-# A held process still in the node's map after this long: its daemon died holding it (a live
-# one continues it after HOLD_MAX_S at most, its watchdog waking each HOLD_MAX_S / 4)
+# One of this daemon's held processes still in the node's map after this long was never read
+# from the ring (its loop is behind): the watchdog continues it (it is looked at late)
 ORPHAN_S = 3 * HOLD_MAX_S
-HELD_MAP = "held"
 
 
 @dataclass(frozen=True)
@@ -70,25 +68,13 @@ def name_prefixes(packs: list[Pack]) -> list[str]:
     return out
 
 
-def open_held(warn) -> int | None:
-    """The node's map of held processes (pinned.open_shared)."""
-    consts, dt = layout.parse(header="transport.h")
-    shape = (libbpf.BPF_MAP_TYPE_LRU_HASH, 4, dt["pi_held"].itemsize, consts["PI_MAX_RECORDED"])
-    return pinned.open_shared(HELD_MAP, shape, warn, "a process held by a daemon that dies stays stopped")
+def _same(a, b) -> bool:
+    return int(a["tgid"]) == int(b["tgid"]) and int(a["start_ticks"]) == int(b["start_ticks"])
 
 
-def main() -> int:
-    """Make the node's pinned maps (the processes records follow, the processes discovery
-    holds), or find them made: a service manager's privileged step before a sandboxed daemon,
-    which opens them but cannot pin them where /sys/fs/bpf is read-only to it (systemd's
-    ProtectKernelTunables). Says why not, and exits 0 all the same."""
-    said: list[str] = []
-    for fd in (recorded.open_shared(said.append), open_held(said.append)):
-        if fd is not None:
-            os.close(fd)
-    for line in said:
-        print(f"profinfer: {line}", file=sys.stderr)
-    return 0
+def _alive(process) -> bool:
+    """The process (a pi_process_id) still runs: its PID is not free nor another's now."""
+    return recorded.start_time(int(process["tgid"])) == int(process["start_ticks"])
 
 
 _INIT_PID_NS = 0xEFFFFFFC
@@ -128,7 +114,7 @@ class NodeDiscovery:
             raise ProfinferError(f"the packs' library names do not fit discovery's table: {prefixes}")
         self.obj = libbpf.BpfObject(bpfobj.object_path("discover.bpf.c", "ring"))
         recorded_fd = recorded.open_shared(log)
-        held_fd = open_held(log)
+        held_fd = held.open_shared(log)
         if recorded_fd is None and not pinned.bpffs_mounted():
             log(f"no bpffs at {pinned.BPFFS}: a process that a `record` on this node follows "
                 "may be held by discovery too, and then run before the record's probes are on")
@@ -139,9 +125,13 @@ class NodeDiscovery:
             if recorded_fd is not None:
                 self.obj.reuse_map(recorded.MAP_NAME, recorded_fd)
             if held_fd is not None:
-                self.obj.reuse_map(HELD_MAP, held_fd)
+                self.obj.reuse_map(held.MAP_NAME, held_fd)
             self.obj.set_max_entries("events", RING_PAGES * 4096)
             self.obj.load(set(PROGRAMS) | {LOADER_PROGRAM})
+            self._held_dt = dt["pi_held"]
+            self._me = np.zeros(1, dt["pi_process_id"])[0]
+            self._me["tgid"], self._me["start_ticks"] = os.getpid(), recorded.start_time(os.getpid())
+            libbpf.map_update(self.obj.map_fd("holder"), (0).to_bytes(4, "little"), self._me.tobytes())
             fd = self.obj.map_fd("name_prefixes")
             for i, prefix in enumerate(prefixes):     # its bytes, then a mask of them
                 raw = prefix.encode()
@@ -211,13 +201,13 @@ class NodeDiscovery:
             libbpf.map_delete(self.obj.map_fd("candidates"), pid.to_bytes(4, "little"))
         self.loaders.forget(pid)        # it may exec another image before its next stop
         with self._lock:
-            held = self.held.pop(pid, None) is not None
-        if held:
+            was_held = self.held.pop(pid, None) is not None
+        if was_held:
             self._continue(pid)
 
     def _continue(self, pid: int) -> None:
         # out of the node's map first: a stop after this one (not ours) is never taken for ours
-        libbpf.map_delete(self.obj.map_fd(HELD_MAP), pid.to_bytes(4, "little"))
+        libbpf.map_delete(self.obj.map_fd(held.MAP_NAME), pid.to_bytes(4, "little"))
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
@@ -226,19 +216,25 @@ class NodeDiscovery:
             self.log(f"PID {pid}: cannot continue it after discovery held it: {e.strerror}")
 
     def _continue_orphans(self) -> list[int]:
-        """Continue the processes held longer than ORPHAN_S (their daemon died holding them,
-        or this one has not read their records yet); entries of processes gone, or running,
-        dropped. The PIDs continued."""
-        fd, now, out = self.obj.map_fd(HELD_MAP), time.monotonic_ns(), []
-        for key, value in list(libbpf.map_items(fd, 4, 16)):
-            since, start = int.from_bytes(value[:8], "little"), int.from_bytes(value[8:], "little")
-            if now - since < ORPHAN_S * 1e9:
+        """Continue the node's held processes whose holder is gone (a daemon killed while it
+        held them), and this daemon's own held longer than ORPHAN_S (their records unread);
+        never another live daemon's. An entry whose process is gone, another process now, or
+        running, is dropped. The PIDs continued."""
+        fd, now, out = self.obj.map_fd(held.MAP_NAME), time.monotonic_ns(), []
+        for key, value in list(libbpf.map_items(fd, 4, self._held_dt.itemsize)):
+            entry = np.frombuffer(value, self._held_dt, count=1)[0]
+            mine = _same(entry["holder"], self._me)
+            if mine and now - int(entry["since_ns"]) < ORPHAN_S * 1e9:
                 continue
-            pid = int.from_bytes(key, "little")
+            if not mine and _alive(entry["holder"]):
+                continue
+            if libbpf.map_lookup(fd, key, len(value)) != value:     # continued, or held anew, meanwhile
+                continue
+            pid = int(entry["process"]["tgid"])
             fields = procfs.stat_fields(pid)
-            same = fields is not None and recorded.start_time(pid) == start
+            stopped = fields is not None and fields[0] == "T" and _alive(entry["process"])
             libbpf.map_delete(fd, key)
-            if same and fields[0] == "T":
+            if stopped:
                 with self._lock:
                     self.held.pop(pid, None)
                 try:
@@ -249,13 +245,17 @@ class NodeDiscovery:
         return out
 
     def _continue_late(self) -> None:
+        said: set[str] = set()
         while not self._stop.wait(HOLD_MAX_S / 4):
             try:
                 for pid in self._continue_orphans():
-                    self.log(f"PID {pid}: held {ORPHAN_S:g} s or more, its holder gone: continued "
-                             "(it is looked at late)")
-            except Exception:           # the watchdog outlives whatever went wrong here
-                pass
+                    self.log(f"PID {pid}: held by a daemon gone, or unread here for {ORPHAN_S:g} s: "
+                             "continued (it is looked at late)")
+            except Exception as e:      # the watchdog outlives whatever went wrong here; said once
+                what = f"{type(e).__name__}: {e}"
+                if what not in said and len(said) < 20:
+                    said.add(what)
+                    self.log(f"discovery's watchdog: looking for orphaned held processes: {what}")
             now = time.monotonic()
             with self._lock:
                 late = [pid for pid, since in self.held.items() if now - since > HOLD_MAX_S]
@@ -283,12 +283,9 @@ class NodeDiscovery:
         self._stop.set()
         self._watchdog.join()
         with self._lock:
-            held, self.held = list(self.held), {}
-        for pid in held:
+            still_held, self.held = list(self.held), {}
+        for pid in still_held:
             self._continue(pid)
         obj, self.obj = self.obj, None
         obj.close()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,6 +15,11 @@ from profinfer.daemon.server import MAX_CONNECTIONS, is_loopback, make_server, p
 from profinfer.daemon.tls import server_context as tls_context
 from profinfer.daemon.tokens import load_token
 
+# A loop that fails every turn for this long ends the daemon (its exit says why, and a service
+# manager or the kubelet starts it again): /healthz would otherwise say healthy over a loop
+# that does nothing
+LOOP_FAILING_MAX_S = 60.0
+
 
 def log(msg: str) -> None:
     # one line each, whatever names a process chose (its comm, its paths) are in it
@@ -108,15 +113,21 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
         log(f"listening on {'https' if tls else 'http'}://{host}:{port} (metrics, {labels} labels; control endpoints need the token"
             + ("" if token else f" in {token_file}") + f"); levels {','.join(sorted(agent.levels))}")
         said: set[str] = set()
+        failing_since = None
         while not stop.is_set():
             try:
                 agent.poll(0.2)
+                failing_since = None
             except Exception as e:      # a fault of one turn: counted, said once, and the node stays watched
                 agent.loop_errors += 1
                 what = f"{type(e).__name__}: {e}"
                 if what not in said and len(said) < 100:
                     said.add(what)
                     log(f"error in the agent's loop (the loop goes on): {what}")
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > LOOP_FAILING_MAX_S:
+                    raise ProfinferError(f"the agent's loop failed every turn for {LOOP_FAILING_MAX_S:g} s: {what}")
+                stop.wait(0.2)          # a fault that repeats does not spin
     finally:
         agent.release_held()        # first: no process stays stopped on a slow close below
         server.close()

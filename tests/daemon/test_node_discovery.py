@@ -171,7 +171,7 @@ def test_a_process_held_by_a_killed_daemon_is_continued_by_the_next(tmp_path, ll
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-2000:]
         assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
-        assert f"PID {proc.pid}: held" in second.text(), second.text()
+        assert f"PID {proc.pid}: held by a daemon gone" in second.text(), second.text()
         assert _state(theirs.pid) == "T", "a stop that was not discovery's was ended"
     finally:
         if first.proc.poll() is None:

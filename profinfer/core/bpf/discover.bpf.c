@@ -84,13 +84,22 @@ struct {
 } candidates SEC(".maps");
 
 /* The processes held now, by this daemon or another: pinned by user space, so that they
- * outlive a daemon killed while holding one. */
+ * outlive a daemon killed while holding one. A hash, not an LRU: an entry evicted would be a
+ * process nobody continues. */
 struct {
-    __uint(type, BPF_MAP_TYPE_LRU_HASH);
+    __uint(type, BPF_MAP_TYPE_HASH);
     __uint(max_entries, PI_MAX_RECORDED);
     __type(key, u32);
     __type(value, struct pi_held);
 } held SEC(".maps");
+
+/* This daemon (written by user space before anything is attached). */
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, u32);
+    __type(value, struct pi_process_id);
+} holder SEC(".maps");
 
 /* Each probed site of a loader's hook (a `call _dl_debug_state`; its attach cookie indexes
  * this): the site's vaddr (so the loader's load address is ip - site) and _r_debug's. */
@@ -177,12 +186,18 @@ static __always_inline long hold_and_tell(void *ctx, u32 tgid, u32 what)
 {
     if (!may_stop(tgid))
         return tell(ctx, tgid, PI_DISCOVER_SEEN, 0);
-    /* entered before the stop: user space, which deletes it as it continues the process,
-     * always comes after */
+    /* entered before the stop (user space, which deletes it as it continues the process,
+     * always comes after); not stopped where it cannot be entered */
+    u32 zero = 0;
+    struct pi_process_id *me = bpf_map_lookup_elem(&holder, &zero);
+    if (!me)
+        return tell(ctx, tgid, PI_DISCOVER_SEEN, 0);
     struct task_struct *task = (struct task_struct *)bpf_get_current_task();
-    struct pi_held h = {.since_ns = bpf_ktime_get_ns(),
-                        .start_ticks = BPF_CORE_READ(task, group_leader, start_boottime) / PI_NS_PER_TICK};
-    bpf_map_update_elem(&held, &tgid, &h, BPF_ANY);
+    struct pi_held h = {.since_ns = bpf_ktime_get_ns(), .holder = *me};
+    h.process.tgid = tgid;
+    h.process.start_ticks = BPF_CORE_READ(task, group_leader, start_boottime) / PI_NS_PER_TICK;
+    if (bpf_map_update_elem(&held, &tgid, &h, BPF_ANY))
+        return tell(ctx, tgid, PI_DISCOVER_SEEN, 0);
     long err = PI_STOP_AND_TELL(tell(ctx, tgid, what, 0));
     if (err)
         bpf_map_delete_elem(&held, &tgid);

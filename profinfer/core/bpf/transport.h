@@ -75,12 +75,20 @@ struct pi_discover_event {
     struct pi_file_key file;  /* PI_DISCOVER_EXEC */
 };
 
-/* A process discovery holds, in the node's pinned map `held` (daemon/discover.py): since
- * when (bpf_ktime_get_ns, CLOCK_MONOTONIC), and which process (its start time in clock ticks,
- * /proc/PID/stat's): any daemon on the node continues one whose holder died holding it. */
+/* A process discovery holds, in the node's pinned map `held` (core/held.py): since when
+ * (bpf_ktime_get_ns, CLOCK_MONOTONIC), which process (its start time in clock ticks,
+ * /proc/PID/stat's) and which daemon holds it (the same): any daemon on the node continues
+ * one whose holder died holding it. */
+struct pi_process_id {
+    u32 tgid;
+    u32 pad;
+    u64 start_ticks;
+};
+
 struct pi_held {
     u64 since_ns;
-    u64 start_ticks;
+    struct pi_process_id process;
+    struct pi_process_id holder;
 };
 
 

@@ -1,0 +1,24 @@
+"""Make the node's pinned maps (core/recorded.py, core/held.py), or find them made: a service
+manager's privileged step before a sandboxed daemon, which opens them but cannot pin them
+where /sys/fs/bpf is read-only to it (systemd's ProtectKernelTunables). Says why not, and
+exits 0 all the same."""
+from __future__ import annotations
+
+import os
+import sys
+
+from profinfer.core import held, recorded
+
+
+def main() -> int:
+    said: list[str] = []
+    for fd in (recorded.open_shared(said.append), held.open_shared(said.append)):
+        if fd is not None:
+            os.close(fd)
+    for line in said:
+        print(f"profinfer: {line}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
