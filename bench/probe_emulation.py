@@ -45,19 +45,24 @@ CALLS, ROUNDS = 40_000, 3
 STEPPED_ABOVE_NS = 3000        # emulated ~500 ns, single-stepped ~15000: the gap is wide
 
 
-def build() -> str:
-    out = os.path.join(tempfile.mkdtemp(prefix="probe_emulation."), "probe_emulation")
-    subprocess.run(["gcc", "-O2", "-o", out, os.path.join(HERE, "probe_emulation.c")], check=True)
+def build(name: str = "probe_emulation") -> str:
+    """bench/NAME.c, compiled."""
+    out = os.path.join(tempfile.mkdtemp(prefix=f"{name}."), name)
+    subprocess.run(["gcc", "-O2", "-o", out, os.path.join(HERE, f"{name}.c")], check=True)
     return out
 
 
-def measure(binary: str, function: str, offset: int) -> float | None:
-    """ns a hit adds (median probed round minus median plain round); None: refused."""
-    proc = subprocess.Popen([binary, function, str(CALLS), str(2 * ROUNDS)], stdin=subprocess.PIPE,
+def alternate(binary: str, args: list[str], offset: int, rounds: int,
+              warmup: int = 0) -> tuple[list[float], list[float]] | None:
+    """ns per call of each plain and each probed round of `binary ARGS` (which prints one
+    line a round, after reading one), a uprobe at `offset` in it in alternate rounds, after
+    `warmup` pairs of rounds left out; None: the probe is refused."""
+    total = 2 * (rounds + warmup)
+    proc = subprocess.Popen([binary, *args, str(total)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     plain, probed = [], []
     try:
-        for r in range(2 * ROUNDS):
+        for r in range(total):
             fd = -1
             if r % 2:
                 attr, _buf = _uprobe_attr(binary.encode(), offset, False)
@@ -67,7 +72,9 @@ def measure(binary: str, function: str, offset: int) -> float | None:
             try:
                 proc.stdin.write("\n")
                 proc.stdin.flush()
-                (probed if r % 2 else plain).append(float(proc.stdout.readline()))
+                ns = float(proc.stdout.readline())
+                if r >= 2 * warmup:
+                    (probed if r % 2 else plain).append(ns)
             finally:
                 if fd >= 0:
                     os.close(fd)
@@ -75,7 +82,18 @@ def measure(binary: str, function: str, offset: int) -> float | None:
         proc.stdin.close()
         proc.kill()
         proc.wait()
-    return statistics.median(probed) - statistics.median(plain)
+    return plain, probed
+
+
+def measure(binary: str, function: str, offset: int) -> float | None:
+    """ns a hit adds (median probed round minus median plain round); None: refused."""
+    rounds = alternate(binary, [function, str(CALLS)], offset, ROUNDS)
+    return None if rounds is None else statistics.median(rounds[1]) - statistics.median(rounds[0])
+
+
+def write_json(path: str, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"kernel": platform.release(), "rows": rows}, f, indent=1)
 
 
 def main() -> int:
@@ -93,8 +111,7 @@ def main() -> int:
         rows.append({"function": fn, "instruction": insn, "ns": ns, "verdict": verdict})
         print(f"| `{insn}` | {'-' if ns is None else f'{ns / 1e3:.2f}'} | {verdict} |", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"kernel": platform.release(), "rows": rows}, f, indent=1)
+        write_json(args.json, rows)
     return 0
 
 
