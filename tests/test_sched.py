@@ -51,10 +51,12 @@ def test_competitor_preempts_the_target(llama_build, tiny_model, llama_env, tmp_
     assert main.preempted_ns > 0.2 * (main.on_cpu_ns + main.preempted_ns)
     assert max(main.preempted_by, key=main.preempted_by.get) == "pi-busy"
     # measured 9-15% of op time here (CFS hands the CPU over every few ms, mid-op or not)
-    assert op_preempted > 0.02 * op_ns
+    assert op_preempted > 0.05 * op_ns
 
 
 def test_no_competitor_little_preemption(llama_build, tiny_model, llama_env, tmp_path):
     prof, main, op_ns, op_preempted = attach_pinned(llama_build, tiny_model, llama_env, tmp_path)
     assert "pi-busy" not in main.preempted_by
-    assert op_preempted < 0.01 * op_ns           # measured ~0.03%
+    # measured ~0.03%; once 1.3% (one 24 ms stall on this shared VM, whoever took CPU 0):
+    # below 3%, still well apart from a competitor's 9-15%
+    assert op_preempted < 0.03 * op_ns
