@@ -79,6 +79,41 @@ def test_a_part_that_barely_moves_its_whole_is_within_noise():
     assert changes["decode ROPE"].low > 0.4 and changes["decode ROPE"].verdict == compare.WITHIN_NOISE
 
 
+def _run(speed: float, parts: dict[str, float], seed: int) -> list[Series]:
+    """One run: a token's time and its finest parts, every part `speed` times its time."""
+    out = [_series(_draw(speed * sum(parts.values()), seed=seed, sd=0.01), "decode time per token", "latency")]
+    for i, (name, ns) in enumerate(parts.items()):
+        out.append(Series("node", f"decode {name}", "ns per decode token",
+                          _draw(speed * ns, seed=seed * 100 + i, sd=0.01), finest=True))
+    return out
+
+
+PARTS = {"MUL_MAT Qcur": 100, "MUL_MAT Kcur": 50, "MUL_MAT ffn_up": 300, "MUL_MAT ffn_out": 300, "RMS_NORM norm": 40,
+         "ROPE Qcur": 30, "GET_ROWS inp": 1}
+
+
+def test_one_run_a_side_a_whole_run_slower_is_not_a_change():
+    """A process 60% slower in every part (a shared machine's run-to-run swing): one run a
+    side, nothing is significant, and the common change says how much the run moved."""
+    changes = compare.compare(_run(1.0, PARTS, 1), _run(1.6, PARTS, 2), 0.05)
+    assert not [c for c in changes if c.significant]
+    assert all(abs(c.common - 0.6) < 0.02 for c in changes), changes
+    pooled = compare.compare(compare.pool([_run(1.0, PARTS, 1), _run(1.02, PARTS, 3)]),
+                             compare.pool([_run(1.6, PARTS, 2), _run(1.62, PARTS, 4)]), 0.05)
+    assert all(c.common is None for c in pooled) and pooled[0].verdict == compare.SLOWER
+
+
+def test_one_run_a_side_parts_that_change_beyond_the_rest_are_flagged():
+    """The FFN twice as slow in a run 30% faster overall: the FFN is slower, the rest (30%
+    faster, as the whole run) is not flagged."""
+    wide = dict(PARTS, **{"MUL_MAT ffn_up": 600, "MUL_MAT ffn_out": 600})
+    changes = {c.name: c for c in compare.compare(_run(1.0, PARTS, 1), _run(0.7, wide, 2), 0.05)}
+    assert abs(changes["decode MUL_MAT Qcur"].common + 0.3) < 0.02
+    assert changes["decode MUL_MAT ffn_up"].verdict == compare.SLOWER
+    assert changes["decode time per token"].verdict == compare.SLOWER
+    assert not changes["decode MUL_MAT Qcur"].significant and not changes["decode ROPE Qcur"].significant
+
+
 def test_gates():
     assert parse_gate("5%") == Gate(0.05) and parse_gate("MUL_MAT=10%") == Gate(0.10, "MUL_MAT")
     assert parse_percent("0.05", "--noise") == 0.05

@@ -25,10 +25,23 @@ process can run 30% slower than another on a shared VM): the interval is widened
 Welch's t interval on the logarithms of the runs' statistics. Only an interval wholly beyond the floor
 is "slower" or "faster"; one inside it, or one that includes zero, is labelled as such.
 
+Where a side has one run, run-to-run noise is not measured, and on a shared machine a whole
+process runs up to 85% slower than another of the same command, every part of its work
+alike (bench/results.md). Such a shift is estimated from the runs themselves: the common
+change, the median change of the finest parts of the work (Series.finest: kinds of graph
+node, an engine's ops) that each hold at least COMMON_SHARE of their whole. A time that
+changed no more than the common change is not told from a slower process, so it must lie
+beyond the floor both from no change and from the common change to be "slower" or "faster".
+A change of most of the parts alike is then not called significant with one run a side:
+several runs a side measure the run-to-run noise and judge it.
+
 A part of a whole (an op's time per decode token, of the decode time per token: rows of one
-unit) is also judged by what it moves the whole by: a change of less than IMPACT times the
-floor of the whole (1% of the decode time per token at the default 5%) is within the
-noise of the whole, however large it is for the part. Small ops' times swing between runs of
+unit) is also judged by what it surely moves the whole by (its interval's bound nearest to
+no change): less than IMPACT times the floor of the whole (1% of the decode time per token
+at the default 5%) is within the noise of the whole, however large it is for the part. With
+one run a side the part must surely move its whole by the whole floor (IMPACT_ONE_RUN): a
+small op's time, or a thread's share of the barrier waits, moves by tens of percent from one
+run to the next on its own (bench/results.md), and one run a side does not pool it away. Small ops' times swing between runs of
 one process by tens of percent (bench/results.md) without moving a token's time.
 """
 from __future__ import annotations
@@ -43,6 +56,9 @@ MAX_POINTS = 1024
 MIN_SAMPLES = 8          # fewer on a side: shown, not judged (a bootstrap of fewer is too narrow)
 DRIFT_PARTS = 4          # a run's parts whose statistic gives its drift
 IMPACT = 0.2             # a part's change must move its whole by this share of the noise floor
+IMPACT_ONE_RUN = 1.0     # the same with one run a side: parts swing on their own more, unpooled
+COMMON_SHARE = 0.02      # parts smaller than this share of their whole swing on their own: left out
+COMMON_PARTS = 3         # fewer such parts: no common change
 SEED = 20261204
 STATISTICS = ("median", "mean")
 
@@ -67,6 +83,9 @@ class Series:
     events: int = 0          # the records behind the samples (op runs, calls), 0: the samples
     # pooled from several runs (pool): where each run's samples end in `samples`
     run_ends: tuple[int, ...] = ()
+    # one of the finest disjoint parts of its whole (its unit's latency row): what the common
+    # change of a run's speed is estimated from
+    finest: bool = False
 
     @property
     def key(self) -> tuple[str, str]:
@@ -95,6 +114,7 @@ class Change:
     high: float | None
     floor: float | None          # the noise floor it was judged against
     verdict: str
+    common: float | None = None  # one run a side: the parts' common change it was also judged against
 
     @property
     def significant(self) -> bool:
@@ -173,29 +193,30 @@ def run_interval(before: Series, after: Series, statistic: str, confidence: floa
 
 
 def judge(before: Series | None, after: Series | None, noise: float, confidence: float = 0.95,
-          statistic: str = "median", whole: float | None = None) -> Change:
+          statistic: str = "median", whole: float | None = None, common: float | None = None) -> Change:
     """The change from `before` to `after` (the same key; either may be missing); `whole`:
-    the statistic of what this quantity is a part of, where it is one."""
+    the statistic of what this quantity is a part of, where it is one; `common`: with one
+    run a side, the parts' common change, a second hypothesis the change must lie beyond."""
     s = before or after
     if (before is not None and after is not None and statistic == "median"
             and min(np.median(before.samples), np.median(after.samples)) <= 0 < max(before.samples.mean(), after.samples.mean())):
         statistic = "mean"          # the op is absent from most units: its median says nothing
     b_val = float(_stat(statistic, before.samples)) if before is not None and len(before.samples) else None
     a_val = float(_stat(statistic, after.samples)) if after is not None and len(after.samples) else None
-    common = dict(section=s.section, name=s.name, unit=s.unit, statistic=statistic, before=b_val, after=a_val,
+    shared = dict(section=s.section, name=s.name, unit=s.unit, statistic=statistic, before=b_val, after=a_val,
                   before_n=len(before.samples) if before is not None else 0,
                   after_n=len(after.samples) if after is not None else 0,
                   before_events=(before.events or len(before.samples)) if before is not None else 0,
                   after_events=(after.events or len(after.samples)) if after is not None else 0)
     if b_val is None or a_val is None:
-        return Change(**common, change=None, low=None, high=None, floor=None,
+        return Change(**shared, change=None, low=None, high=None, floor=None,
                       verdict=ONLY_AFTER if b_val is None else ONLY_BEFORE)
     if b_val <= 0:          # nothing to divide by: nothing before, something after
-        return Change(**common, change=None if a_val > 0 else 0.0, low=None, high=None, floor=None,
+        return Change(**shared, change=None if a_val > 0 else 0.0, low=None, high=None, floor=None,
                       verdict=ONLY_AFTER if a_val > 0 else NO_CHANGE)
     change = a_val / b_val - 1
     if min(len(before.samples), len(after.samples)) < MIN_SAMPLES:
-        return Change(**common, change=change, low=None, high=None, floor=None, verdict=FEW_SAMPLES)
+        return Change(**shared, change=change, low=None, high=None, floor=None, verdict=FEW_SAMPLES)
     rng = np.random.default_rng(SEED)
     b, a = block_resamples(before.samples, rng, statistic), block_resamples(after.samples, rng, statistic)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -208,9 +229,16 @@ def judge(before: Series | None, after: Series | None, noise: float, confidence:
         low, high = min(low, runs[0]), max(high, runs[1])
     floor = max(noise, _floor(before, statistic), _floor(after, statistic))
     verdict = _verdict(change, low, high, floor)
-    if verdict != NO_CHANGE and whole and abs(a_val - b_val) < IMPACT * noise * whole:
+    if common is not None and verdict in SIGNIFICANT:
+        beyond = _verdict((1 + change) / (1 + common) - 1, (1 + low) / (1 + common) - 1,
+                          (1 + high) / (1 + common) - 1, floor)
+        if beyond != verdict:
+            verdict = WITHIN_NOISE
+    surely = low if low > 0 else -high if high < 0 else 0.0
+    impact = IMPACT if common is None else IMPACT_ONE_RUN
+    if verdict != NO_CHANGE and whole and surely * b_val < impact * noise * whole:
         verdict = WITHIN_NOISE
-    return Change(**common, change=change, low=low, high=high, floor=floor, verdict=verdict)
+    return Change(**shared, change=change, low=low, high=high, floor=floor, verdict=verdict, common=common)
 
 
 def _verdict(change: float, low: float, high: float, floor: float) -> str:
@@ -240,7 +268,7 @@ def pool(runs: list[list[Series]]) -> list[Series]:
         parts = [s.samples if s is not None else np.zeros(0) for s in found]
         out.append(Series(model.section, model.name, model.unit, np.concatenate(parts),
                           sum((s.events or len(s.samples)) for s in found if s is not None),
-                          tuple(np.cumsum([len(p) for p in parts]).tolist())))
+                          tuple(np.cumsum([len(p) for p in parts]).tolist()), model.finest))
     return out
 
 
@@ -254,6 +282,24 @@ def compare(before: list[Series], after: list[Series], noise: float, confidence:
     wholes = {s.unit: max(float(_stat(statistic, s.samples)), float(_stat(statistic, a[k].samples)))
               for k, s in b.items() if s.section == "latency" and k in a
               and len(s.samples) and len(a[k].samples)}
+    one_run = not any(len(s.runs) > 1 for s in before) or not any(len(s.runs) > 1 for s in after)
+    shift = common_change(b, a, wholes, statistic) if one_run else None
     return [judge(b.get(k), a.get(k), noise, confidence, statistic,
-                  None if k[0] == "latency" else wholes.get((b.get(k) or a.get(k)).unit))
+                  None if k[0] == "latency" else wholes.get((b.get(k) or a.get(k)).unit),
+                  shift if (b.get(k) or a.get(k)).unit.startswith("ns ") else None)
             for k in keys]
+
+
+def common_change(before: dict, after: dict, wholes: dict[str, float], statistic: str) -> float | None:
+    """The median change of the finest parts on both sides with at least MIN_SAMPLES samples
+    and COMMON_SHARE of their whole on a side; None with fewer than COMMON_PARTS."""
+    changes = []
+    for k, s in before.items():
+        t = after.get(k)
+        whole = wholes.get(s.unit)
+        if not (s.finest and t is not None and whole) or min(len(s.samples), len(t.samples)) < MIN_SAMPLES:
+            continue
+        b, a = float(_stat(statistic, s.samples)), float(_stat(statistic, t.samples))
+        if b > 0 and a > 0 and max(a, b) >= COMMON_SHARE * whole:
+            changes.append(a / b - 1)
+    return float(np.median(changes)) if len(changes) >= COMMON_PARTS else None

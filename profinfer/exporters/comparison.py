@@ -28,7 +28,8 @@ from profinfer.exporters import json_summary
 
 SCHEMA = "profinfer.diff/1"
 METHOD = (f"ratio of the {{statistic}}s, moving-block bootstrap ({compare.RESAMPLES} resamples, blocks "
-          "of about sqrt(n) units, seeded)")
+          "of about sqrt(n) units, seeded); several runs a side: widened to Welch's t on the runs' log "
+          "statistics; one run a side: a time judged against the finest parts' common change too")
 NOISE = 0.05            # the default noise floor: bench/results.md, "diff: run-to-run noise"
 CONFIDENCE = 0.95
 # Facts of a recording's meta that say how it was made: listed where two runs differ.
@@ -207,11 +208,6 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
     spread of their means a floor: core.compare); IncomparableRuns where they cannot be
     compared."""
     inner = _one_side(before, "before") + _one_side(after, "after")
-    single = [side for side, runs in (("before", before), ("after", after)) if len(runs) == 1]
-    if single:
-        inner.append(f"one run {' and '.join(single)}: how much a whole process's speed varies from "
-                     "one run to the next is not measured (on a shared machine, by more than the "
-                     "floor); several runs a side (comma lists or directories) put it in each interval")
     why = _refusal(_identity(before[0]), _identity(after[0]))
     if why:
         raise IncomparableRuns(f"the runs cannot be compared: {why}")
@@ -219,6 +215,15 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
                  "after": [json_summary.summary(p) for p in after]}
     changes = compare.compare(compare.pool([_series(p) for p in before]),
                               compare.pool([_series(p) for p in after]), noise, confidence, statistic)
+    single = [side for side, runs in (("before", before), ("after", after)) if len(runs) == 1]
+    if single:
+        shift = next((c.common for c in changes if c.common is not None), None)
+        inner.append(f"one run {' and '.join(single)}: how much a whole process's speed varies from "
+                     "one run to the next is not measured (on a shared machine, by more than the floor)"
+                     + (f"; the finest parts' common change, {shift:+.1%}, is taken for it: a time must "
+                        "change beyond it too, and a part move its whole by the floor"
+                        if shift is not None else "")
+                     + "; several runs a side (comma lists or directories) measure it")
     differences = _differences(_setup(before[0]), _setup(after[0]))
     vb, va = _verdicts(summaries["before"][0]), _verdicts(summaries["after"][0])
     coverage = {side: _side_coverage([_coverage(p, s) for p, s in zip(profiles, summaries[side])])

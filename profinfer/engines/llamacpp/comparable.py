@@ -4,7 +4,8 @@ be compared (pure logic).
 Per graph compute, divided by the tokens of the decode call it ran in:
 - "<phase> layer N" (or "outside layers": embedding, output head): its nodes' time;
 - "<phase> <OP> <node>": one kind of node of every layer ("decode MUL_MAT ffn_up"), so a
-  change in the FFN's matmuls is told apart from one in attention's.
+  change in the FFN's matmuls is told apart from one in attention's: the finest parts of a
+  token's work, which a run's common change of speed is estimated from.
 A node's time is its longest thread's slice (engines/llamacpp/nodes.py), as the layer table's.
 
 Two runs are comparable when their models have the same structure: the same layers and the
@@ -64,7 +65,7 @@ def series(profile: Profile) -> list[Series]:
         samples = dict((gi, v) for gi, v, _ in vals)
         out.append(Series(section, name, unit,
                           np.array([samples.get(gi, 0.0) for gi in in_phase[name.split(" ", 1)[0]]]),
-                          sum(c for _, _, c in vals)))
+                          sum(c for _, _, c in vals), finest=section == "node"))
     # layers in their order, then the kinds of node by time, each phase together
     out.sort(key=lambda s: (s.section, s.name.split(" ", 1)[0], -float(s.samples.mean()) if s.section == "node" else 0))
     return out

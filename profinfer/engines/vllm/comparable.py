@@ -3,7 +3,8 @@
 - "<phase> time per token": each step's duration over its tokens;
 - "<phase> <op>": each native op's calls inside the step (on the step's thread, within its
   span; a nested call counts for its own op too), over the step's tokens, and its calls as
-  the series' events. An op that a mode does not call (compiled graphs fuse norms,
+  the series' events; the finest parts of a step's work, which a run's common change of speed is
+  estimated from. An op that a mode does not call (compiled graphs fuse norms,
   activations and rotary embeddings into kernels of their own) is a row of one run only.
 
 Two runs must share the model's attention structure (identity), as its attention op's
@@ -65,7 +66,8 @@ def series(profile: Profile) -> list[Series]:
         for k in np.argsort(-op_ns[mine].sum(axis=0), kind="stable"):
             n = int(op_calls[mine, k].sum())
             if n:
-                out.append(Series("op", f"{phase} {names[k]}", unit, op_ns[mine, k] / tokens[mine], n))
+                out.append(Series("op", f"{phase} {names[k]}", unit, op_ns[mine, k] / tokens[mine], n,
+                                  finest=True))
     return out
 
 
