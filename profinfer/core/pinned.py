@@ -6,6 +6,7 @@ trusted), and a pin of another shape (another version's) is replaced, its users 
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import stat
 from typing import Callable
@@ -15,6 +16,7 @@ from profinfer.core.errors import ProfinferError
 
 BPFFS = "/sys/fs/bpf"
 PIN_DIR = f"{BPFFS}/profinfer"
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def bpffs_mounted() -> bool:
@@ -23,6 +25,22 @@ def bpffs_mounted() -> bool:
             return any(line.split()[1:3] == [BPFFS, "bpf"] for line in f)
     except OSError:
         return False
+
+
+def mount_bpffs() -> str | None:
+    """bpffs mounted at BPFFS where nothing is (an empty folder), as systemd mounts it at boot
+    and bpftool at a pin (mode 0700): a host whose init did not (a minimal VM's) still shares
+    the node's maps. Why not, or None when it is there."""
+    if bpffs_mounted():
+        return None
+    try:
+        if os.listdir(BPFFS):
+            return f"{BPFFS} holds files but no bpffs"
+    except OSError as e:
+        return f"{BPFFS}: {e.strerror}"
+    if _libc.mount(b"bpf", BPFFS.encode(), b"bpf", 0, b"mode=0700") != 0:
+        return f"cannot mount bpffs at {BPFFS}: {os.strerror(ctypes.get_errno())}"
+    return None
 
 
 def _root_only(path: str, folder: bool) -> str | None:
@@ -37,9 +55,10 @@ def _root_only(path: str, folder: bool) -> str | None:
 def open_shared(name: str, shape: tuple[int, int, int, int], warn: Callable[[str], None],
                 without: str, pin_dir: str = PIN_DIR) -> int | None:
     """A descriptor of the node's map `name` of `shape` (kind, key size, value size, entries),
-    made and pinned if none is; None where it cannot be shared (no bpffs: silently; otherwise
-    said by `warn`, with `without`: what that costs). pin_dir: the tests' own."""
-    if not bpffs_mounted():
+    made and pinned if none is (bpffs mounted first where it is not: mount_bpffs); None where
+    it cannot be shared (no bpffs: silently, the caller says what that costs; otherwise said by
+    `warn`, with `without`: what that costs). pin_dir: the tests' own."""
+    if mount_bpffs() is not None:
         return None
     pin = f"{pin_dir}/{name}"
     try:

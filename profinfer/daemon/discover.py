@@ -116,8 +116,10 @@ class NodeDiscovery:
         recorded_fd = recorded.open_shared(log)
         held_fd = held.open_shared(log)
         if recorded_fd is None and not pinned.bpffs_mounted():
-            log(f"no bpffs at {pinned.BPFFS}: a process that a `record` on this node follows "
-                "may be held by discovery too, and then run before the record's probes are on")
+            log(f"no bpffs ({pinned.mount_bpffs()}): a process that a `record` on this node follows "
+                "may be held by discovery too, and then run before the record's probes are on; a "
+                "process held by this daemon when it is killed stays stopped until the process is "
+                "sent SIGCONT")
         try:
             config = np.zeros(1, dt["pi_core_config"])
             config["target_tgid"] = os.getpid()          # never itself
@@ -168,8 +170,8 @@ class NodeDiscovery:
             what = self._names.get(int(ev["what"]), "?")
             tgid = int(ev["tgid"])
             if what in ("candidate", "loaded"):
-                with self._lock:
-                    self.held.setdefault(tgid, time.monotonic())
+                with self._lock:    # held since BPF stopped it (bpf_ktime_get_ns: CLOCK_MONOTONIC)
+                    self.held.setdefault(tgid, int(ev["ts_ns"]) / 1e9)
             out.append(Discovered(tgid, what, ev["file"].tobytes() if what == "exec" else b""))
         return out
 
