@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -64,3 +66,18 @@ def test_a_folder_others_may_enter_is_not_trusted(pin_dir):
     said, warn = _warnings()
     assert recorded.open_shared(warn, pin_dir) is None
     assert len(said) == 1 and "not root's alone" in said[0], said
+
+
+def test_bpffs_is_mounted_where_the_host_has_none(tmp_path):
+    """In a mount namespace of its own where /sys/fs/bpf has no bpffs (a host whose init
+    mounts none, as this project's VM), opening the node's map mounts bpffs there, mode 0700
+    as systemd mounts it, and the map is pinned in it; the host's mounts are untouched."""
+    script = ("from profinfer.core import pinned, recorded; "
+              "print(recorded.open_shared(print) is not None, os.path.exists(pinned.PIN_DIR + '/recorded'))")
+    p = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c",
+         "while umount /sys/fs/bpf 2>/dev/null; do :; done; grep -c ' /sys/fs/bpf bpf ' /proc/self/mounts; "
+         f"{sys.executable} -c \"import os; {script}\"; grep ' /sys/fs/bpf bpf ' /proc/self/mounts | grep -c mode=700"],
+        capture_output=True, text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.stdout.split() == ["0", "True", "True", "1"], (p.stdout, p.stderr)
+    assert pinned.bpffs_mounted()
