@@ -8,7 +8,9 @@
  * "code-packed" and "code-spread" run LINES cache lines of code instead, one a line or one a
  * page (as many instruction TLB entries).
  *
- * usage: trap_aftermath spread|packed|code-packed|code-spread LINES CALLS ROUNDS -- one line (ns per call, thread
+ * "branches" makes LINES indirect calls instead, in a fixed order (below).
+ *
+ * usage: trap_aftermath spread|packed|code-packed|code-spread|branches LINES CALLS ROUNDS -- one line (ns per call, thread
  * CPU time) per round, each after reading a line on stdin. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +31,14 @@ __asm__(".text\n.p2align 12\n.globl ta_sled_packed\nta_sled_packed:\n"
         ".rept 1024\n.p2align 12\n lea 1(%rdi),%rdi\n jmp 1f\n.p2align 12\n1:\n.endr\n mov %rdi,%rax\n ret\n");
 extern char ta_sled_packed[], ta_sled_spread[];
 
+/* "branches": LINES indirect calls after each call, through 16 functions in a fixed pseudo-random
+ * order that the predictors learn within a round; a trap that clears them makes each cost a
+ * misprediction again. */
+#define FN(n) static __attribute__((noinline)) long ta_fn##n(long x) { __asm__ volatile(""); return x * (n + 3) + n; }
+FN(0) FN(1) FN(2) FN(3) FN(4) FN(5) FN(6) FN(7) FN(8) FN(9) FN(10) FN(11) FN(12) FN(13) FN(14) FN(15)
+static long (*const ta_fns[16])(long) = {ta_fn0, ta_fn1, ta_fn2, ta_fn3, ta_fn4, ta_fn5, ta_fn6, ta_fn7,
+                                          ta_fn8, ta_fn9, ta_fn10, ta_fn11, ta_fn12, ta_fn13, ta_fn14, ta_fn15};
+
 static double now_ns(void)
 {
     struct timespec ts;
@@ -41,6 +51,7 @@ int main(int argc, char **argv)
     if (argc != 5)
         return 2;
     int spread = strstr(argv[1], "spread") != NULL, code = strncmp(argv[1], "code", 4) == 0;
+    int branches = strcmp(argv[1], "branches") == 0;
     long lines = atol(argv[2]), calls = atol(argv[3]), rounds = atol(argv[4]);
     if (lines > SLED)
         return 2;
@@ -49,6 +60,11 @@ int main(int argc, char **argv)
     long stride = spread ? 4096 + 64 : 64;      /* spread: another page, and another set */
     volatile unsigned char *buf = malloc(lines * stride + 4096);
     memset((void *)buf, 1, lines * stride + 4096);
+    unsigned char *order = malloc(lines + 1);
+    for (long i = 0, seed = 12345; i < lines; i++) {
+        seed = seed * 6364136223846793005L + 1442695040888963407L;
+        order[i] = (seed >> 33) & 15;
+    }
     char line[16];
     long sink = 0;
     for (long r = 0; r < rounds; r++) {
@@ -57,7 +73,10 @@ int main(int argc, char **argv)
         double t0 = now_ns();
         for (long c = 0; c < calls; c++) {
             sink = ta_probed(sink);
-            if (code) {
+            if (branches) {
+                for (long i = 0; i < lines; i++)
+                    sink = ta_fns[order[i]](sink);
+            } else if (code) {
                 sink = sled(sink);
             } else {
                 for (long i = 0; i < lines; i++)

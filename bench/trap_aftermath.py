@@ -1,6 +1,7 @@
 """What a uprobe hit costs the work after it (bench/trap_aftermath.c): ns a hit adds per call,
 by how many cache lines the work reads (data) or runs (code) after each call, and whether
-those lines lie one per page (as many TLB entries) or packed in few pages. Alternating plain and probed rounds in one
+those lines lie one per page (as many TLB entries) or packed in few pages; or how many
+indirect calls it makes (branches: what the predictors learnt, if a trap clears them). Alternating plain and probed rounds in one
 process; the median of each.
 
     /work/main/.venv/bin/python bench/trap_aftermath.py [--rounds 8] [--json OUT]
@@ -47,7 +48,7 @@ def main() -> int:
     print(f"kernel {platform.release()}\n\n| lines read after each call | layout | plain ns per call | "
           "ns a hit adds |\n|---|---|---|---|")
     for lines in LINES:
-        for layout in (("packed",) if lines == 0 else ("packed", "spread", "code-packed", "code-spread")):
+        for layout in (("packed",) if lines == 0 else ("packed", "spread", "code-packed", "code-spread", "branches")):
             plain, extra = measure(binary, offset, layout, lines, args.rounds)
             rows.append({"lines": lines, "layout": layout, "plain_ns": plain, "hit_ns": extra})
             print(f"| {lines} | {layout} | {plain:.0f} | {extra:.0f} |", flush=True)
