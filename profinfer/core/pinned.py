@@ -7,6 +7,7 @@ trusted), and a pin of another shape (another version's) is replaced, its users 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import stat
 from typing import Callable
@@ -17,6 +18,8 @@ from profinfer.core.errors import ProfinferError
 BPFFS = "/sys/fs/bpf"
 PIN_DIR = f"{BPFFS}/profinfer"
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 
 
 def bpffs_mounted() -> bool:
@@ -27,20 +30,35 @@ def bpffs_mounted() -> bool:
         return False
 
 
-def mount_bpffs() -> str | None:
+def mount_bpffs() -> tuple[bool, str | None]:
     """bpffs mounted at BPFFS where nothing is (an empty folder), as systemd mounts it at boot
-    and bpftool at a pin (mode 0700): a host whose init did not (a minimal VM's) still shares
-    the node's maps. Why not, or None when it is there."""
+    and bpftool at a pin (mode 0700, nosuid, nodev, noexec): a host whose init did not (a
+    minimal VM's) still shares the node's maps. Only in PID 1's mount namespace, where the
+    mount is the one every process started from it sees: in a container's own (a pod's
+    hostPath) it would be the container's alone. The folder is locked around the look and the
+    mount, so that two processes starting at once make one mount, not one hiding the other.
+    (whether it was mounted now, why it is not there: None when it is)."""
     if bpffs_mounted():
-        return None
+        return False, None
     try:
-        if os.listdir(BPFFS):
-            return f"{BPFFS} holds files but no bpffs"
+        if os.stat("/proc/self/ns/mnt").st_ino != os.stat("/proc/1/ns/mnt").st_ino:
+            return False, f"no bpffs at {BPFFS}, and this process is not in PID 1's mount namespace"
+        fd = os.open(BPFFS, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
-        return f"{BPFFS}: {e.strerror}"
-    if _libc.mount(b"bpf", BPFFS.encode(), b"bpf", 0, b"mode=0700") != 0:
-        return f"cannot mount bpffs at {BPFFS}: {os.strerror(ctypes.get_errno())}"
-    return None
+        return False, f"no bpffs at {BPFFS}: {e.strerror}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if bpffs_mounted():
+            return False, None
+        if os.listdir(fd):
+            return False, f"{BPFFS} holds files but no bpffs"
+        if _libc.mount(b"bpf", BPFFS.encode(), b"bpf", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"mode=0700") != 0:
+            return False, f"no bpffs at {BPFFS}, and it cannot be mounted: {os.strerror(ctypes.get_errno())}"
+        return True, None
+    except OSError as e:
+        return False, f"no bpffs at {BPFFS}: {e.strerror}"
+    finally:
+        os.close(fd)
 
 
 def _root_only(path: str, folder: bool) -> str | None:
@@ -55,10 +73,13 @@ def _root_only(path: str, folder: bool) -> str | None:
 def open_shared(name: str, shape: tuple[int, int, int, int], warn: Callable[[str], None],
                 without: str, pin_dir: str = PIN_DIR) -> int | None:
     """A descriptor of the node's map `name` of `shape` (kind, key size, value size, entries),
-    made and pinned if none is (bpffs mounted first where it is not: mount_bpffs); None where
-    it cannot be shared (no bpffs: silently, the caller says what that costs; otherwise said by
-    `warn`, with `without`: what that costs). pin_dir: the tests' own."""
-    if mount_bpffs() is not None:
+    made and pinned if none is (bpffs mounted first where it is not, and said: mount_bpffs);
+    None where it cannot be shared (no bpffs: silently, the caller says what that costs;
+    otherwise said by `warn`, with `without`: what that costs). pin_dir: the tests' own."""
+    mounted, why = mount_bpffs()
+    if mounted:
+        warn(f"mounted bpffs at {BPFFS} (there was none): the node's maps are shared there")
+    if why is not None:
         return None
     pin = f"{pin_dir}/{name}"
     try:

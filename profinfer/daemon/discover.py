@@ -115,8 +115,9 @@ class NodeDiscovery:
         self.obj = libbpf.BpfObject(bpfobj.object_path("discover.bpf.c", "ring"))
         recorded_fd = recorded.open_shared(log)
         held_fd = held.open_shared(log)
-        if recorded_fd is None and not pinned.bpffs_mounted():
-            log(f"no bpffs ({pinned.mount_bpffs()}): a process that a `record` on this node follows "
+        no_bpffs = pinned.mount_bpffs()[1]
+        if no_bpffs is not None:
+            log(f"{no_bpffs}: a process that a `record` on this node follows "
                 "may be held by discovery too, and then run before the record's probes are on; a "
                 "process held by this daemon when it is killed stays stopped until the process is "
                 "sent SIGCONT")
