@@ -61,8 +61,9 @@ int main(int argc, char **argv)
     volatile unsigned char *buf = malloc(lines * stride + 4096);
     memset((void *)buf, 1, lines * stride + 4096);
     unsigned char *order = malloc(lines + 1);
-    for (long i = 0, seed = 12345; i < lines; i++) {
-        seed = seed * 6364136223846793005L + 1442695040888963407L;
+    unsigned long seed = 12345;
+    for (long i = 0; i < lines; i++) {
+        seed = seed * 6364136223846793005UL + 1442695040888963407UL;
         order[i] = (seed >> 33) & 15;
     }
     char line[16];

@@ -45,7 +45,7 @@ def main() -> int:
     binary = build("trap_aftermath")
     offset = load_elf(binary).symbols["ta_probed"].file_offset
     rows = []
-    print(f"kernel {platform.release()}\n\n| lines read after each call | layout | plain ns per call | "
+    print(f"kernel {platform.release()}\n\n| lines (branches: calls) after each call | layout | plain ns per call | "
           "ns a hit adds |\n|---|---|---|---|")
     for lines in LINES:
         for layout in (("packed",) if lines == 0 else ("packed", "spread", "code-packed", "code-spread", "branches")):
