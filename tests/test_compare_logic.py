@@ -114,6 +114,55 @@ def test_one_run_a_side_parts_that_change_beyond_the_rest_are_flagged():
     assert not changes["decode MUL_MAT Qcur"].significant and not changes["decode ROPE Qcur"].significant
 
 
+def test_one_run_a_side_a_part_must_move_its_whole_by_the_floor():
+    """An op of 6% of a token's time, 50% slower (the token 3% slower): with several runs a
+    side, slower; with one run a side (no common change here: two finest parts only), within
+    noise, since one op's time swings that much between runs on its own."""
+    parts = {"MUL_MAT Qcur": 500, "MUL_MAT ffn_up": 440}
+
+    def run(rope: float, seed: int) -> list[Series]:
+        out = _run(1.0, parts, seed)
+        whole = out[0]
+        return [Series(whole.section, whole.name, whole.unit, whole.samples + rope), *out[1:],
+                _series(_draw(rope, seed=seed + 50, sd=0.01), "decode ROPE")]
+
+    one = {c.name: c for c in compare.compare(run(60, 1), run(90, 2), 0.05)}
+    assert one["decode ROPE"].common is None and one["decode ROPE"].low > 0.4
+    assert one["decode ROPE"].verdict == compare.WITHIN_NOISE
+    pooled = {c.name: c for c in compare.compare(compare.pool([run(60, 1), run(60, 3)]),
+                                                 compare.pool([run(90, 2), run(90, 4)]), 0.05)}
+    assert pooled["decode ROPE"].verdict == compare.SLOWER
+
+
+def test_one_run_a_side_how_threads_shared_the_work_is_not_judged():
+    """A thread's barrier waits twice as long, 20% of the token: with several runs a side,
+    slower; with one run a side, within noise (one CPU slower than the other for a whole run
+    does that)."""
+    def run(wait: float, seed: int) -> list[Series]:
+        out = _run(1.0, PARTS, seed)
+        return [Series(out[0].section, out[0].name, out[0].unit, out[0].samples + wait), *out[1:],
+                Series("thread", "decode thread 1 barrier wait", "ns per decode token",
+                       _draw(wait, seed=seed + 50, sd=0.01), sharing=True)]
+
+    one = {c.name: c for c in compare.compare(run(200, 1), run(400, 2), 0.05)}
+    assert one["decode thread 1 barrier wait"].low > 0.9
+    assert one["decode thread 1 barrier wait"].verdict == compare.WITHIN_NOISE
+    pooled = {c.name: c for c in compare.compare(compare.pool([run(200, 1), run(200, 3)]),
+                                                 compare.pool([run(400, 2), run(400, 4)]), 0.05)}
+    assert pooled["decode thread 1 barrier wait"].verdict == compare.SLOWER
+
+
+def test_the_common_change_leaves_out_small_parts():
+    """Four parts of 0.5% of the token each, three times slower (1.5%), and three big ones unchanged:
+    the common change is the big parts' (the small ones, most of the parts, swing on their
+    own between runs)."""
+    big = {"MUL_MAT Qcur": 400, "MUL_MAT ffn_up": 300, "MUL_MAT ffn_out": 300}
+    small = {f"ADD n{i}": 5 for i in range(4)}
+    changes = compare.compare(_run(1.0, {**big, **small}, 1),
+                              _run(1.0, {**big, **{k: 3 * v for k, v in small.items()}}, 2), 0.05)
+    assert abs(changes[0].common) < 0.02, changes[0]
+
+
 def test_gates():
     assert parse_gate("5%") == Gate(0.05) and parse_gate("MUL_MAT=10%") == Gate(0.10, "MUL_MAT")
     assert parse_percent("0.05", "--noise") == 0.05

@@ -70,9 +70,11 @@ def series(profile: Profile) -> list[Series]:
     ttft = np.array([q.ttft_ns for q in seqs if q.ttft_ns is not None], np.float64)
     tpot = np.array([q.tpot_ns for q in seqs if q.tpot_ns is not None], np.float64)
     if len(ttft):
-        out.append(Series("latency", "TTFT", "ns per sequence", ttft))
+        out.append(Series("latency", "TTFT", "ns per sequence", ttft,
+                          speed_unit=PER_TOKEN.format(phase="prefill")))
     if len(tpot):
-        out.append(Series("latency", "TPOT", "ns per sequence", tpot))
+        out.append(Series("latency", "TPOT", "ns per sequence", tpot,
+                          speed_unit=PER_TOKEN.format(phase="decode")))
     if len(profile.ops) and len(calls_):
         out += _op_series(profile, starts, ends, tokens, phases)
     return out
@@ -102,11 +104,12 @@ def _op_series(profile: Profile, starts, ends, tokens, phases) -> list[Series]:
             runs = int(op_runs[mine, k].sum())
             if runs:
                 out.append(Series("op", f"{phase} {names[k]}", unit, op_ns[mine, k] / per, runs))
-        out.append(Series("thread", f"{phase} barrier wait", unit, wait[mine] / per))
+        out.append(Series("thread", f"{phase} barrier wait", unit, wait[mine] / per, sharing=True))
         for r in range(n_threads):
-            out.append(Series("thread", f"{phase} thread {r} op time", unit, thread_ns[mine, r] / per))
+            out.append(Series("thread", f"{phase} thread {r} op time", unit, thread_ns[mine, r] / per,
+                              sharing=True))
             out.append(Series("thread", f"{phase} thread {r} barrier wait", unit,
-                              thread_wait[mine, r] / per))
+                              thread_wait[mine, r] / per, sharing=True))
     return out
 
 

@@ -28,18 +28,28 @@ is "slower" or "faster"; one inside it, or one that includes zero, is labelled a
 Where a side has one run, run-to-run noise is not measured, and on a shared machine a whole
 process runs up to 85% slower than another of the same command, every part of its work
 alike (bench/results.md). Such a shift is estimated from the runs themselves: the common
-change, the median change of the finest parts of the work (Series.finest: kinds of graph
-node, an engine's ops) that each hold at least COMMON_SHARE of their whole. A time that
-changed no more than the common change is not told from a slower process, so it must lie
-beyond the floor both from no change and from the common change to be "slower" or "faster".
-A change of most of the parts alike is then not called significant with one run a side:
-several runs a side measure the run-to-run noise and judge it.
+change of each unit (a decode token, a prefill token), where its finest parts' changes agree
+(Series.finest: kinds of graph node, an engine's ops) that each hold at least COMMON_SHARE of
+their whole. A time of that unit (or moved by it: Series.speed_unit, TPOT by the decode
+token's) that changed no more than the common change is not told from a slower process, so it
+must lie beyond the floor both from no change and from the common change to be "slower" or
+"faster". A change of most of the parts alike is then not called significant with one run a
+side: several runs a side measure the run-to-run noise and judge it. And a quantity's drift
+counts twice in its floor: two runs that each move that much within themselves can lie twice
+that apart (flash attention, its weights' and cache's placement in memory set per process,
+took twice its usual share in 2 of 44 runs here, and moved by up to 39% within them). A unit with fewer than
+COMMON_PARTS such parts has no common change (a count never has one). How the threads shared the work
+(Series.sharing: a thread's op time, barrier waits) is not judged significant with one run a
+side at all: how the machine schedules the threads (one CPU of a VM slower than the other for
+a whole run) moves one thread's barrier waits by over 100%, and its op time by 10% beyond the
+common change, from one run to the next (bench/results.md).
 
 A part of a whole (an op's time per decode token, of the decode time per token: rows of one
 unit) is also judged by what it surely moves the whole by (its interval's bound nearest to
 no change): less than IMPACT times the floor of the whole (1% of the decode time per token
 at the default 5%) is within the noise of the whole, however large it is for the part. With
-one run a side the part must surely move its whole by the whole floor (IMPACT_ONE_RUN): a
+one run a side (common change or not) the part must surely move its whole by the whole floor
+(IMPACT_ONE_RUN): a
 small op's time, or a thread's share of the barrier waits, moves by tens of percent from one
 run to the next on its own (bench/results.md), and one run a side does not pool it away. Small ops' times swing between runs of
 one process by tens of percent (bench/results.md) without moving a token's time.
@@ -57,7 +67,7 @@ MIN_SAMPLES = 8          # fewer on a side: shown, not judged (a bootstrap of fe
 DRIFT_PARTS = 4          # a run's parts whose statistic gives its drift
 IMPACT = 0.2             # a part's change must move its whole by this share of the noise floor
 IMPACT_ONE_RUN = 1.0     # the same with one run a side: parts swing on their own more, unpooled
-COMMON_SHARE = 0.02      # parts smaller than this share of their whole swing on their own: left out
+COMMON_SHARE = 0.02      # parts under this share of their whole on both sides swing on their own: left out
 COMMON_PARTS = 3         # fewer such parts: no common change
 SEED = 20261204
 STATISTICS = ("median", "mean")
@@ -86,6 +96,12 @@ class Series:
     # one of the finest disjoint parts of its whole (its unit's latency row): what the common
     # change of a run's speed is estimated from
     finest: bool = False
+    # the unit whose finest parts' common change moves this time too (TPOT: the decode
+    # token's); "": its own
+    speed_unit: str = ""
+    # how the threads shared the work (a thread's op time, barrier waits): set by how the
+    # machine scheduled them, which one run keeps throughout and the next does not
+    sharing: bool = False
 
     @property
     def key(self) -> tuple[str, str]:
@@ -193,10 +209,12 @@ def run_interval(before: Series, after: Series, statistic: str, confidence: floa
 
 
 def judge(before: Series | None, after: Series | None, noise: float, confidence: float = 0.95,
-          statistic: str = "median", whole: float | None = None, common: float | None = None) -> Change:
+          statistic: str = "median", whole: float | None = None, common: float | None = None,
+          one_run: bool = False) -> Change:
     """The change from `before` to `after` (the same key; either may be missing); `whole`:
-    the statistic of what this quantity is a part of, where it is one; `common`: with one
-    run a side, the parts' common change, a second hypothesis the change must lie beyond."""
+    the statistic of what this quantity is a part of, where it is one; `one_run`: a side has
+    one run; `common`: then, the change of its unit's finest parts, a second hypothesis the
+    change must lie beyond (None: no such parts)."""
     s = before or after
     if (before is not None and after is not None and statistic == "median"
             and min(np.median(before.samples), np.median(after.samples)) <= 0 < max(before.samples.mean(), after.samples.mean())):
@@ -227,15 +245,18 @@ def judge(before: Series | None, after: Series | None, noise: float, confidence:
     runs = run_interval(before, after, statistic, confidence)
     if runs is not None:             # the wider of the two: within runs, between runs
         low, high = min(low, runs[0]), max(high, runs[1])
-    floor = max(noise, _floor(before, statistic), _floor(after, statistic))
+    drift = max(_floor(before, statistic), _floor(after, statistic))
+    floor = max(noise, (2 if one_run else 1) * drift)
     verdict = _verdict(change, low, high, floor)
     if common is not None and verdict in SIGNIFICANT:
         beyond = _verdict((1 + change) / (1 + common) - 1, (1 + low) / (1 + common) - 1,
                           (1 + high) / (1 + common) - 1, floor)
         if beyond != verdict:
-            verdict = WITHIN_NOISE
+            verdict = UNCERTAIN if beyond == UNCERTAIN else WITHIN_NOISE
+    if one_run and s.sharing and verdict in SIGNIFICANT:
+        verdict = WITHIN_NOISE
     surely = low if low > 0 else -high if high < 0 else 0.0
-    impact = IMPACT if common is None else IMPACT_ONE_RUN
+    impact = IMPACT_ONE_RUN if one_run else IMPACT
     if verdict != NO_CHANGE and whole and surely * b_val < impact * noise * whole:
         verdict = WITHIN_NOISE
     return Change(**shared, change=change, low=low, high=high, floor=floor, verdict=verdict, common=common)
@@ -268,7 +289,8 @@ def pool(runs: list[list[Series]]) -> list[Series]:
         parts = [s.samples if s is not None else np.zeros(0) for s in found]
         out.append(Series(model.section, model.name, model.unit, np.concatenate(parts),
                           sum((s.events or len(s.samples)) for s in found if s is not None),
-                          tuple(np.cumsum([len(p) for p in parts]).tolist()), model.finest))
+                          tuple(np.cumsum([len(p) for p in parts]).tolist()), model.finest, model.speed_unit,
+                          model.sharing))
     return out
 
 
@@ -283,17 +305,21 @@ def compare(before: list[Series], after: list[Series], noise: float, confidence:
               for k, s in b.items() if s.section == "latency" and k in a
               and len(s.samples) and len(a[k].samples)}
     one_run = not any(len(s.runs) > 1 for s in before) or not any(len(s.runs) > 1 for s in after)
-    shift = common_change(b, a, wholes, statistic) if one_run else None
-    return [judge(b.get(k), a.get(k), noise, confidence, statistic,
-                  None if k[0] == "latency" else wholes.get((b.get(k) or a.get(k)).unit),
-                  shift if (b.get(k) or a.get(k)).unit.startswith("ns ") else None)
-            for k in keys]
+    commons = common_changes(b, a, wholes, statistic) if one_run else {}
+    out = []
+    for k in keys:
+        s = b.get(k) or a.get(k)
+        out.append(judge(b.get(k), a.get(k), noise, confidence, statistic,
+                         None if k[0] == "latency" else wholes.get(s.unit),
+                         commons.get(s.speed_unit or s.unit), one_run))
+    return out
 
 
-def common_change(before: dict, after: dict, wholes: dict[str, float], statistic: str) -> float | None:
-    """The median change of the finest parts on both sides with at least MIN_SAMPLES samples
-    and COMMON_SHARE of their whole on a side; None with fewer than COMMON_PARTS."""
-    changes = []
+def common_changes(before: dict, after: dict, wholes: dict[str, float], statistic: str) -> dict[str, float]:
+    """Per unit, the common change (shorth) of its finest parts on both sides with at least
+    MIN_SAMPLES samples and COMMON_SHARE of their whole on a side; none for a unit of fewer
+    than COMMON_PARTS."""
+    changes: dict[str, list[float]] = {}
     for k, s in before.items():
         t = after.get(k)
         whole = wholes.get(s.unit)
@@ -301,5 +327,15 @@ def common_change(before: dict, after: dict, wholes: dict[str, float], statistic
             continue
         b, a = float(_stat(statistic, s.samples)), float(_stat(statistic, t.samples))
         if b > 0 and a > 0 and max(a, b) >= COMMON_SHARE * whole:
-            changes.append(a / b - 1)
-    return float(np.median(changes)) if len(changes) >= COMMON_PARTS else None
+            changes.setdefault(s.unit, []).append(a / b - 1)
+    return {unit: shorth(c) for unit, c in changes.items() if len(c) >= COMMON_PARTS}
+
+
+def shorth(changes: list[float]) -> float:
+    """Where most changes agree: the median of the shortest run of n // 2 + 1 sorted log
+    changes (Rousseeuw's shorth, which half of them changing otherwise cannot move, where
+    the plain median of 8 moves with 3)."""
+    x = np.sort(np.log1p(changes))
+    h = len(x) // 2 + 1
+    i = int(np.argmin(x[h - 1:] - x[:len(x) - h + 1]))
+    return float(np.expm1(np.median(x[i:i + h])))

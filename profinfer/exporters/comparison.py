@@ -26,7 +26,7 @@ from profinfer.core.model import Profile
 from profinfer.core.sections import SeriesSection, View
 from profinfer.exporters import json_summary
 
-SCHEMA = "profinfer.diff/1"
+SCHEMA = "profinfer.diff/2"
 METHOD = (f"ratio of the {{statistic}}s, moving-block bootstrap ({compare.RESAMPLES} resamples, blocks "
           "of about sqrt(n) units, seeded); several runs a side: widened to Welch's t on the runs' log "
           "statistics; one run a side: a time judged against the finest parts' common change too")
@@ -67,7 +67,12 @@ class Gate:
         return c.name == w or c.name.split(" ", 1)[-1] == w or c.name == f"{w} time per token"
 
     def fails(self, c: compare.Change) -> bool:
-        return self.matches(c) and c.verdict == compare.SLOWER and c.change is not None and c.change > self.limit
+        """A significant slowdown beyond the limit; with one run a side, beyond the limit on
+        top of the common change (the part of it a slower process does not explain)."""
+        if not (self.matches(c) and c.verdict == compare.SLOWER and c.change is not None):
+            return False
+        own = c.change if c.common is None else (1 + c.change) / (1 + c.common) - 1
+        return own > self.limit
 
     @property
     def label(self) -> str:
@@ -228,7 +233,7 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
     vb, va = _verdicts(summaries["before"][0]), _verdicts(summaries["after"][0])
     coverage = {side: _side_coverage([_coverage(p, s) for p, s in zip(profiles, summaries[side])])
                 for side, profiles in (("before", before), ("after", after))}
-    failed = [{"gate": g.label, "name": c.name, "change": c.change}
+    failed = [{"gate": g.label, "name": c.name, "change": c.change, "common": c.common}
               for g in gates for c in changes if g.fails(c)]
     return {
         "schema": SCHEMA,
