@@ -1,0 +1,108 @@
+"""What a uprobe hit costs in a process like an engine's, not only in a bare loop: the same
+emulated hit (bench/hit_in_process.c, a nop5) timed in a Python process that is bare, that
+has imported torch (its OpenMP pool started by a matmul) or vLLM's native library, that runs
+a sibling thread spinning or napping, or that keeps AVX2 / AVX-512 state live across the
+calls. Alternating plain and probed rounds in one process (a plain perf uprobe, no BPF), the
+calling thread's CPU time, medians.
+
+    /work/main/.venv/bin/python bench/hit_in_process.py [--python VLLM_VENV_PYTHON]
+
+Prints a markdown table. A price that does not move from the bare row means the engine's
+process itself (its threads, mappings, vector state) does not make a hit dearer.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from profinfer.core.perf_event_open import perf_event_open          # noqa: E402
+from profinfer.core.probecost import _uprobe_attr                    # noqa: E402
+from profinfer.core.symbols import load_elf                          # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CALLS, ROUNDS, WARMUP = 200_000, 14, 1
+CASES = ("bare", "torch", "vllm", "spinning sibling", "napping sibling", "avx2", "avx512")
+CHILD = r"""
+import ctypes, os, sys, time
+lib_path, case, calls, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if case in ("torch", "vllm"):
+    import torch
+    torch.set_num_threads(2)
+    a = torch.randn(256, 256)
+    (a @ a).sum()
+    if case == "vllm":
+        import vllm._C  # noqa: F401
+lib = ctypes.CDLL(lib_path)
+for name in ("hp_loop", "hp_loop_avx2", "hp_loop_avx512"):
+    getattr(lib, name).argtypes = [ctypes.c_long]
+if case.endswith("sibling"):
+    lib.hp_start(case.startswith("napping"))
+loop = {"avx2": lib.hp_loop_avx2, "avx512": lib.hp_loop_avx512}.get(case, lib.hp_loop)
+with open("/proc/self/status") as f:
+    threads = f.read().split("Threads:")[1].split()[0]
+with open("/proc/self/maps") as f:
+    print(threads, len(f.readlines()), flush=True)
+for _ in range(rounds):
+    sys.stdin.readline()
+    t0 = time.thread_time_ns()
+    loop(calls)
+    print((time.thread_time_ns() - t0) / calls, flush=True)
+"""
+
+
+def measure(python: str, lib: str, offset: int, case: str) -> tuple[str, str, float, float]:
+    """(threads, mappings, plain ns per call, ns a hit adds) of one case."""
+    total = 2 * (ROUNDS + WARMUP)
+    proc = subprocess.Popen([python, "-c", CHILD, lib, case, str(CALLS), str(total)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    threads, maps = proc.stdout.readline().split()
+    plain, probed = [], []
+    try:
+        for r in range(total):
+            fd = -1
+            if r % 2:
+                attr, _buf = _uprobe_attr(lib.encode(), offset, False)
+                fd = perf_event_open(attr, proc.pid, -1)
+                assert fd >= 0, "cannot open the uprobe"
+            try:
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+                ns = float(proc.stdout.readline())
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            if r >= 2 * WARMUP:
+                (probed if r % 2 else plain).append(ns)
+    finally:
+        proc.kill()
+        proc.wait()
+    return threads, maps, statistics.median(plain), statistics.median(probed) - statistics.median(plain)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--python", help="a Python with torch and vLLM (vLLM's venv); without it, "
+                    "the torch and vllm cases are left out")
+    args = ap.parse_args()
+    lib = os.path.join(tempfile.mkdtemp(prefix="hit_in_process."), "libhit.so")
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-pthread", "-o", lib,
+                    os.path.join(HERE, "hit_in_process.c")], check=True)
+    offset = load_elf(lib).symbols["hp_probed"].file_offset
+    print("| process | threads | mappings | plain ns per call | ns a hit adds |\n|---|---|---|---|---|")
+    for case in CASES:
+        needs_torch = case in ("torch", "vllm")
+        if needs_torch and not args.python:
+            continue
+        threads, maps, plain, hit = measure(args.python if needs_torch else sys.executable, lib, offset, case)
+        print(f"| {case} | {threads} | {maps} | {plain:.0f} | {hit:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
