@@ -18,31 +18,22 @@ long hp_loop(long n)
     return s;
 }
 
-__attribute__((target("avx2,fma"))) long hp_loop_avx2(long n)
-{
-    long (*volatile f)(long) = hp_probed, s = 0;
-    __m256 a = _mm256_set1_ps(1.0001f), b = _mm256_set1_ps(0.9999f);
-    for (long i = 0; i < n; i++) {
-        s = f(s);
-        a = _mm256_fmadd_ps(a, b, b);
+/* The loop with a vector register kept live across the calls (an FMA on it after each). */
+#define HP_VECTOR_LOOP(name, isa, vec, set1, fmadd, store, lanes)                           \
+    __attribute__((target(isa))) long name(long n)                                          \
+    {                                                                                       \
+        long (*volatile f)(long) = hp_probed, s = 0;                                        \
+        vec a = set1(1.0001f), b = set1(0.9999f);                                           \
+        for (long i = 0; i < n; i++) {                                                      \
+            s = f(s);                                                                       \
+            a = fmadd(a, b, b);                                                             \
+        }                                                                                   \
+        float out[lanes];                                                                   \
+        store(out, a);                                                                      \
+        return s + (long)out[0];                                                            \
     }
-    float out[8];
-    _mm256_storeu_ps(out, a);
-    return s + (long)out[0];
-}
-
-__attribute__((target("avx512f"))) long hp_loop_avx512(long n)
-{
-    long (*volatile f)(long) = hp_probed, s = 0;
-    __m512 a = _mm512_set1_ps(1.0001f), b = _mm512_set1_ps(0.9999f);
-    for (long i = 0; i < n; i++) {
-        s = f(s);
-        a = _mm512_fmadd_ps(a, b, b);
-    }
-    float out[16];
-    _mm512_storeu_ps(out, a);
-    return s + (long)out[0];
-}
+HP_VECTOR_LOOP(hp_loop_avx2, "avx2,fma", __m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_storeu_ps, 8)
+HP_VECTOR_LOOP(hp_loop_avx512, "avx512f", __m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps, 16)
 
 static volatile long hp_sink;
 

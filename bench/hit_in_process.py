@@ -21,8 +21,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from profinfer.core.perf_event_open import perf_event_open          # noqa: E402
-from profinfer.core.probecost import _uprobe_attr                    # noqa: E402
+from probe_emulation import alternate                                # noqa: E402
 from profinfer.core.symbols import load_elf                          # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,7 +29,7 @@ CALLS, ROUNDS, WARMUP = 200_000, 14, 1
 CASES = ("bare", "torch", "vllm", "spinning sibling", "napping sibling", "avx2", "avx512")
 CHILD = r"""
 import ctypes, os, sys, time
-lib_path, case, calls, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+lib_path, case, facts, calls, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 if case in ("torch", "vllm"):
     import torch
     torch.set_num_threads(2)
@@ -44,10 +43,8 @@ for name in ("hp_loop", "hp_loop_avx2", "hp_loop_avx512"):
 if case.endswith("sibling"):
     lib.hp_start(case.startswith("napping"))
 loop = {"avx2": lib.hp_loop_avx2, "avx512": lib.hp_loop_avx512}.get(case, lib.hp_loop)
-with open("/proc/self/status") as f:
-    threads = f.read().split("Threads:")[1].split()[0]
-with open("/proc/self/maps") as f:
-    print(threads, len(f.readlines()), flush=True)
+with open("/proc/self/status") as f, open("/proc/self/maps") as m, open(facts, "w") as out:
+    out.write(f"{f.read().split('Threads:')[1].split()[0]} {len(m.readlines())}")
 for _ in range(rounds):
     sys.stdin.readline()
     t0 = time.thread_time_ns()
@@ -58,30 +55,13 @@ for _ in range(rounds):
 
 def measure(python: str, lib: str, offset: int, case: str) -> tuple[str, str, float, float]:
     """(threads, mappings, plain ns per call, ns a hit adds) of one case."""
-    total = 2 * (ROUNDS + WARMUP)
-    proc = subprocess.Popen([python, "-c", CHILD, lib, case, str(CALLS), str(total)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    threads, maps = proc.stdout.readline().split()
-    plain, probed = [], []
-    try:
-        for r in range(total):
-            fd = -1
-            if r % 2:
-                attr, _buf = _uprobe_attr(lib.encode(), offset, False)
-                fd = perf_event_open(attr, proc.pid, -1)
-                assert fd >= 0, "cannot open the uprobe"
-            try:
-                proc.stdin.write("\n")
-                proc.stdin.flush()
-                ns = float(proc.stdout.readline())
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-            if r >= 2 * WARMUP:
-                (probed if r % 2 else plain).append(ns)
-    finally:
-        proc.kill()
-        proc.wait()
+    facts = os.path.join(os.path.dirname(lib), f"{case}.facts")
+    got = alternate(python, ["-c", CHILD, lib, case, facts, str(CALLS)], offset, ROUNDS, WARMUP,
+                    probed_file=lib)
+    assert got is not None, "cannot open the uprobe"
+    with open(facts) as f:
+        threads, maps = f.read().split()
+    plain, probed = got
     return threads, maps, statistics.median(plain), statistics.median(probed) - statistics.median(plain)
 
 

@@ -53,10 +53,11 @@ def build(name: str = "probe_emulation") -> str:
 
 
 def alternate(binary: str, args: list[str], offset: int, rounds: int,
-              warmup: int = 0) -> tuple[list[float], list[float]] | None:
+              warmup: int = 0, probed_file: str | None = None) -> tuple[list[float], list[float]] | None:
     """ns per call of each plain and each probed round of `binary ARGS` (which prints one
-    line a round, after reading one), a uprobe at `offset` in it in alternate rounds, after
-    `warmup` pairs of rounds left out; None: the probe is refused."""
+    line a round, after reading one), a uprobe at `offset` in it (or in `probed_file`, a
+    library it loads) in alternate rounds, after `warmup` pairs of rounds left out; None: the
+    probe is refused."""
     total = 2 * (rounds + warmup)
     proc = subprocess.Popen([binary, *args, str(total)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
@@ -65,7 +66,7 @@ def alternate(binary: str, args: list[str], offset: int, rounds: int,
         for r in range(total):
             fd = -1
             if r % 2:
-                attr, _buf = _uprobe_attr(binary.encode(), offset, False)
+                attr, _buf = _uprobe_attr((probed_file or binary).encode(), offset, False)
                 fd = perf_event_open(attr, proc.pid, -1)
                 if fd < 0:
                     return None
