@@ -44,6 +44,10 @@ HOLD_MAX_S = 2.0
 # One of this daemon's held processes still in the node's map after this long was never read
 # from the ring (its loop is behind): the watchdog continues it (it is looked at late)
 ORPHAN_S = 3 * HOLD_MAX_S
+# Another live daemon's held process still in the node's map after this long: that daemon
+# is frozen or deadlocked (its own watchdog would have continued it at HOLD_MAX_S), and any
+# daemon on the node continues it
+STUCK_S = 3 * ORPHAN_S
 
 
 @dataclass(frozen=True)
@@ -220,16 +224,16 @@ class NodeDiscovery:
 
     def _continue_orphans(self) -> list[int]:
         """Continue the node's held processes whose holder is gone (a daemon killed while it
-        held them), and this daemon's own held longer than ORPHAN_S (their records unread);
-        never another live daemon's. An entry whose process is gone, another process now, or
-        running, is dropped. The PIDs continued."""
+        held them), this daemon's own held longer than ORPHAN_S (their records unread), and
+        another live daemon's held longer than STUCK_S (it is stuck). An entry whose process
+        is gone, another process now, or running, is dropped. The PIDs continued."""
         fd, now, out = self.obj.map_fd(held.MAP_NAME), time.monotonic_ns(), []
         for key, value in list(libbpf.map_items(fd, 4, self._held_dt.itemsize)):
             entry = np.frombuffer(value, self._held_dt, count=1)[0]
             mine = _same(entry["holder"], self._me)
             if mine and now - int(entry["since_ns"]) < ORPHAN_S * 1e9:
                 continue
-            if not mine and _alive(entry["holder"]):
+            if not mine and now - int(entry["since_ns"]) < STUCK_S * 1e9 and _alive(entry["holder"]):
                 continue
             if libbpf.map_lookup(fd, key, len(value)) != value:     # continued, or held anew, meanwhile
                 continue
@@ -252,8 +256,8 @@ class NodeDiscovery:
         while not self._stop.wait(HOLD_MAX_S / 4):
             try:
                 for pid in self._continue_orphans():
-                    self.log(f"PID {pid}: held by a daemon gone, or unread here for {ORPHAN_S:g} s: "
-                             "continued (it is looked at late)")
+                    self.log(f"PID {pid}: held by a daemon gone or stuck ({STUCK_S:g} s), or unread here "
+                             f"for {ORPHAN_S:g} s: continued (it is looked at late)")
             except Exception as e:      # the watchdog outlives whatever went wrong here; said once
                 what = f"{type(e).__name__}: {e}"
                 if what not in said and len(said) < 20:

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import completion_cmd, llama_perf
 from daemon_helpers import _STARTED, Daemon, _get, cuda_log_counts, discovering_daemon, kill_started, series
+from profinfer.daemon.discover import ORPHAN_S, STUCK_S
 from profinfer.levels.cuda import workload as cuda_workload
 
 from test_daemon_cuda import PROGRAM as CUDA_PROGRAM
@@ -173,6 +174,40 @@ def test_a_process_held_by_a_killed_daemon_is_continued_by_the_next(tmp_path, ll
         assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
         assert f"PID {proc.pid}: held by a daemon gone" in second.text(), second.text()
         assert _state(theirs.pid) == "T", "a stop that was not discovery's was ended"
+    finally:
+        if first.proc.poll() is None:
+            first.proc.kill()
+            first.proc.wait()
+        first.log.close()
+        if second is not None:
+            second.stop()
+
+
+def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, llama_build, tiny_model,
+                                                                    llama_env):
+    """A daemon frozen (alive, its watchdog too) while it holds a process: another daemon on
+    the node leaves that process to it while it is young (a live daemon's own), and continues
+    it once it has been held STUCK_S; the process runs to its end."""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = discovering_daemon(tmp_path / "first")
+    second = None
+    try:
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        proc = subprocess.Popen(completion_cmd(llama_build, tiny_model, n=8), env=llama_env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _STARTED.append(proc)
+        assert _until_state(proc.pid, "T", 30), "not held at its loader"
+        held_at = time.monotonic()
+        second = discovering_daemon(tmp_path / "second")
+        time.sleep(max(0.0, held_at + ORPHAN_S + 1 - time.monotonic()))
+        assert _state(proc.pid) == "T", "another live daemon's young hold was ended"
+        _, err = proc.communicate(timeout=STUCK_S + 60)
+        waited = time.monotonic() - held_at
+        assert proc.returncode == 0, err[-2000:]
+        assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
+        assert STUCK_S - 1 <= waited, waited
+        assert f"PID {proc.pid}: held by a daemon gone or stuck" in second.text(), second.text()
     finally:
         if first.proc.poll() is None:
             first.proc.kill()
