@@ -5,6 +5,7 @@ llama.cpp's perf report, the CUDA program's log of every call. Nothing waits for
 the programs start and run straight through."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -146,41 +147,55 @@ def _until_state(pid: int, want: str, timeout: float) -> bool:
     return False
 
 
-def test_a_process_held_by_a_killed_daemon_is_continued_by_the_next(tmp_path, llama_build, tiny_model,
-                                                                      llama_env):
-    """A daemon killed (SIGKILL: as the kernel's OOM killer does) while it holds a process
-    cannot continue it. The next daemon on the node does, from the node's pinned map of held
-    processes; a process somebody else stopped stays stopped."""
+@contextlib.contextmanager
+def _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env):
+    """A discovering daemon frozen (SIGSTOP: its BPF holds, it continues nothing) and a
+    llama-completion held by it: (the daemon, the process, a function that starts a second
+    daemon); both daemons ended afterwards."""
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
     first = discovering_daemon(tmp_path / "first")
-    theirs = subprocess.Popen(["sleep", "120"])
-    _STARTED.append(theirs)
-    os.kill(theirs.pid, signal.SIGSTOP)
-    second = None
+    seconds: list[Daemon] = []
+
+    def start_second() -> Daemon:
+        seconds.append(discovering_daemon(tmp_path / "second"))
+        return seconds[-1]
+
     try:
-        os.kill(first.proc.pid, signal.SIGSTOP)     # its BPF holds; it continues nothing
+        os.kill(first.proc.pid, signal.SIGSTOP)
         proc = subprocess.Popen(completion_cmd(llama_build, tiny_model, n=8), env=llama_env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         _STARTED.append(proc)
         assert _until_state(proc.pid, "T", 30), "not held at its loader"
-        first.proc.kill()
-        first.proc.wait()
-        time.sleep(2)
-        assert _state(proc.pid) == "T"      # nothing else continues it
-        second = discovering_daemon(tmp_path / "second")
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err[-2000:]
-        assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
-        assert f"PID {proc.pid}: held by a daemon gone" in second.text(), second.text()
-        assert _state(theirs.pid) == "T", "a stop that was not discovery's was ended"
+        yield first, proc, start_second
     finally:
         if first.proc.poll() is None:
             first.proc.kill()
             first.proc.wait()
         first.log.close()
-        if second is not None:
+        for second in seconds:
             second.stop()
+
+
+def test_a_process_held_by_a_killed_daemon_is_continued_by_the_next(tmp_path, llama_build, tiny_model,
+                                                                      llama_env):
+    """A daemon killed (SIGKILL: as the kernel's OOM killer does) while it holds a process
+    cannot continue it. The next daemon on the node does, from the node's pinned map of held
+    processes; a process somebody else stopped stays stopped."""
+    theirs = subprocess.Popen(["sleep", "120"])
+    _STARTED.append(theirs)
+    os.kill(theirs.pid, signal.SIGSTOP)
+    with _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env) as (first, proc, start_second):
+        first.proc.kill()
+        first.proc.wait()
+        time.sleep(2)
+        assert _state(proc.pid) == "T"      # nothing else continues it
+        second = start_second()
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
+        assert f"PID {proc.pid}: held by a daemon gone" in second.text(), second.text()
+        assert _state(theirs.pid) == "T", "a stop that was not discovery's was ended"
 
 
 def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, llama_build, tiny_model,
@@ -188,18 +203,9 @@ def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, lla
     """A daemon frozen (alive, its watchdog too) while it holds a process: another daemon on
     the node leaves that process to it while it is young (a live daemon's own), and continues
     it once it has been held STUCK_S; the process runs to its end."""
-    (tmp_path / "first").mkdir()
-    (tmp_path / "second").mkdir()
-    first = discovering_daemon(tmp_path / "first")
-    second = None
-    try:
-        os.kill(first.proc.pid, signal.SIGSTOP)
-        proc = subprocess.Popen(completion_cmd(llama_build, tiny_model, n=8), env=llama_env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        _STARTED.append(proc)
-        assert _until_state(proc.pid, "T", 30), "not held at its loader"
+    with _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env) as (_, proc, start_second):
         held_at = time.monotonic()
-        second = discovering_daemon(tmp_path / "second")
+        second = start_second()
         time.sleep(max(0.0, held_at + ORPHAN_S + 1 - time.monotonic()))
         assert _state(proc.pid) == "T", "another live daemon's young hold was ended"
         _, err = proc.communicate(timeout=STUCK_S + 60)
@@ -208,10 +214,3 @@ def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, lla
         assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
         assert STUCK_S - 1 <= waited, waited
         assert f"PID {proc.pid}: held by a daemon gone or stuck" in second.text(), second.text()
-    finally:
-        if first.proc.poll() is None:
-            first.proc.kill()
-            first.proc.wait()
-        first.log.close()
-        if second is not None:
-            second.stop()
