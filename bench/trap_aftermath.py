@@ -1,8 +1,8 @@
 """What a uprobe hit costs the work after it (bench/trap_aftermath.c): ns a hit adds per call,
 by how many cache lines the work reads (data) or runs (code) after each call, and whether
 those lines lie one per page (as many TLB entries) or packed in few pages; or how many
-indirect calls it makes (branches: what the predictors learnt, if a trap clears them). Alternating plain and probed rounds in one
-process; the median of each.
+indirect calls it makes (branches: what the predictors learnt, if a trap clears them).
+Alternating plain and probed rounds in one process; the median of each.
 
     /work/main/.venv/bin/python bench/trap_aftermath.py [--rounds 8] [--json OUT]
 
@@ -24,6 +24,7 @@ from probe_emulation import alternate, build, write_json              # noqa: E4
 from profinfer.core.symbols import load_elf                          # noqa: E402
 
 LINES = (0, 16, 64, 256, 1024)
+LAYOUTS = ("packed", "spread", "code-packed", "code-spread", "branches")
 WORK_NS = 2_000_000         # each round's calls: ~this much plain CPU time
 
 
@@ -45,10 +46,10 @@ def main() -> int:
     binary = build("trap_aftermath")
     offset = load_elf(binary).symbols["ta_probed"].file_offset
     rows = []
-    print(f"kernel {platform.release()}\n\n| lines (branches: calls) after each call | layout | plain ns per call | "
-          "ns a hit adds |\n|---|---|---|---|")
+    print(f"kernel {platform.release()}\n\n| lines (branches: calls) after each call | layout | "
+          "plain ns per call | ns a hit adds |\n|---|---|---|---|")
     for lines in LINES:
-        for layout in (("packed",) if lines == 0 else ("packed", "spread", "code-packed", "code-spread", "branches")):
+        for layout in LAYOUTS[:1] if lines == 0 else LAYOUTS:
             plain, extra = measure(binary, offset, layout, lines, args.rounds)
             rows.append({"lines": lines, "layout": layout, "plain_ns": plain, "hit_ns": extra})
             print(f"| {lines} | {layout} | {plain:.0f} | {extra:.0f} |", flush=True)

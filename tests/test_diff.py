@@ -98,8 +98,8 @@ def test_the_same_command_again_shows_no_significant_change(base_runs):
     """Every pair of the 11 runs of one command and build (55 comparisons of one run a
     side), and ten of five runs against five others: at most one in ten may report a
     significant change at 95% (the issue's false-alarm bound), and each says nothing
-    differs. The pairs measure the rate one run a side better than ten would: at the ~3%
-    measured, ten comparisons would show two alarms in one test run of 30."""
+    differs. Every pair, not ten: one odd run (an op twice its usual time, its memory placed
+    so for the whole process) would make two of ten neighbouring pairs alarm at once."""
     pairs = list(itertools.combinations(base_runs, 2))
     single = _alarms(pairs)
     print(f"one run a side: false alarms in {len(single)} of {len(pairs)}: {single}")

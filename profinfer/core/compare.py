@@ -26,33 +26,27 @@ Welch's t interval on the logarithms of the runs' statistics. Only an interval w
 is "slower" or "faster"; one inside it, or one that includes zero, is labelled as such.
 
 Where a side has one run, run-to-run noise is not measured, and on a shared machine a whole
-process runs up to 85% slower than another of the same command, every part of its work
-alike (bench/results.md). Such a shift is estimated from the runs themselves: the common
-change of each unit (a decode token, a prefill token), where its finest parts' changes agree
-(Series.finest: kinds of graph node, an engine's ops) that each hold at least COMMON_SHARE of
-their whole. A time of that unit (or moved by it: Series.speed_unit, TPOT by the decode
-token's) that changed no more than the common change is not told from a slower process, so it
-must lie beyond the floor both from no change and from the common change to be "slower" or
-"faster". A change of most of the parts alike is then not called significant with one run a
-side: several runs a side measure the run-to-run noise and judge it. And a quantity's drift
-counts twice in its floor: two runs that each move that much within themselves can lie twice
-that apart (flash attention, its weights' and cache's placement in memory set per process,
-took twice its usual share in 2 of 44 runs here, and moved by up to 39% within them). A unit with fewer than
-COMMON_PARTS such parts has no common change (a count never has one). How the threads shared the work
-(Series.sharing: a thread's op time, barrier waits) is not judged significant with one run a
-side at all: how the machine schedules the threads (one CPU of a VM slower than the other for
-a whole run) moves one thread's barrier waits by over 100%, and its op time by 10% beyond the
-common change, from one run to the next (bench/results.md).
+process can run far slower than another of the same command, every part of its work alike
+(bench/results.md, "diff, one run a side"). So it is estimated from the runs themselves:
+- the common change of each unit (a decode token, a prefill token): where the changes of its
+  finest parts (Series.finest: kinds of graph node, an engine's ops) that hold at least
+  COMMON_SHARE of their whole agree, their shorth; none with fewer than COMMON_PARTS such
+  parts, and never for a count. A time of that unit (or moved by it: Series.speed_unit, TPOT
+  by the decode token's) must lie beyond the floor both from no change and from the common
+  change: a change of most parts alike is left to several runs a side to judge;
+- a quantity's drift counts twice in its floor: two runs that each move that much within
+  themselves can lie twice that apart;
+- how the threads shared the work (Series.sharing: a thread's op time, barrier waits) is not
+  judged significant: it follows how the machine scheduled the threads, which a run keeps
+  throughout and the next does not.
 
 A part of a whole (an op's time per decode token, of the decode time per token: rows of one
 unit) is also judged by what it surely moves the whole by (its interval's bound nearest to
 no change): less than IMPACT times the floor of the whole (1% of the decode time per token
-at the default 5%) is within the noise of the whole, however large it is for the part. With
-one run a side (common change or not) the part must surely move its whole by the whole floor
-(IMPACT_ONE_RUN): a
-small op's time, or a thread's share of the barrier waits, moves by tens of percent from one
-run to the next on its own (bench/results.md), and one run a side does not pool it away. Small ops' times swing between runs of
-one process by tens of percent (bench/results.md) without moving a token's time.
+at the default 5%) is within the noise of the whole, however large it is for the part; with
+one run a side, IMPACT_ONE_RUN times it, as nothing pools a part's own swings away. Small
+ops' times swing between runs of one process by tens of percent (bench/results.md) without
+moving a token's time.
 """
 from __future__ import annotations
 

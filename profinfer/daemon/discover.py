@@ -117,9 +117,9 @@ class NodeDiscovery:
         if len(prefixes) > MAX_PREFIXES or any(len(p.encode()) > NAME_MAX for p in prefixes):
             raise ProfinferError(f"the packs' library names do not fit discovery's table: {prefixes}")
         self.obj = libbpf.BpfObject(bpfobj.object_path("discover.bpf.c", "ring"))
+        _, no_bpffs = pinned.mount_bpffs()      # before the node's maps, which it holds
         recorded_fd = recorded.open_shared(log)
         held_fd = held.open_shared(log)
-        no_bpffs = pinned.mount_bpffs()[1]
         if no_bpffs is not None:
             log(f"{no_bpffs}: a process that a `record` on this node follows "
                 "may be held by discovery too, and then run before the record's probes are on; a "
