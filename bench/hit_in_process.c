@@ -1,9 +1,11 @@
 /* What a uprobe hit costs in a process like an engine's (bench/hit_in_process.py): hp_loop
  * calls hp_probed (its first instruction a nop5, which the kernel emulates) N times, plain or
  * with AVX2 / AVX-512 state live across the calls; hp_start adds a sibling thread that spins
- * or sleeps in short naps, as an OpenMP worker between parallel regions does. */
+ * or sleeps in short naps, as an OpenMP worker between parallel regions does, or maps and
+ * unmaps memory. */
 #include <immintrin.h>
 #include <pthread.h>
+#include <sys/mman.h>
 #include <time.h>
 
 __asm__(".text\n.globl hp_probed\n.type hp_probed,@function\nhp_probed:\n"
@@ -54,8 +56,24 @@ static void *nap(void *arg)
     return arg;
 }
 
-void hp_start(int napping)
+/* As an allocator does with blocks above its mmap threshold: map, touch, unmap, in a loop;
+ * each unmap takes the address space's lock for writing. */
+static void *churn(void *arg)
+{
+    for (;;) {
+        char *p = mmap(0, 1 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
+            continue;
+        p[0] = 1;
+        munmap(p, 1 << 20);
+        hp_sink++;
+    }
+    return arg;
+}
+
+/* sibling: 0 spins, 1 naps, 2 maps and unmaps memory */
+void hp_start(int sibling)
 {
     pthread_t t;
-    pthread_create(&t, 0, napping ? nap : spin, 0);
+    pthread_create(&t, 0, sibling == 2 ? churn : sibling == 1 ? nap : spin, 0);
 }

@@ -3,7 +3,9 @@
  * LINES cache lines, either one per 4 KiB page ("spread": LINES pages, LINES TLB entries) or
  * packed together ("packed": the same lines in LINES / 64 pages). bench/trap_aftermath.py
  * puts a uprobe on ta_probed in alternate rounds: a hit's price grows with what the work
- * must fetch again after the kernel ran (its TLB entries, its cache lines).
+ * must fetch again after the kernel ran (its TLB entries, its cache lines), and with what the
+ * kernel's own trap path must fetch again after the work (data past the caches: LINES is not
+ * bounded by the code sled for the data layouts).
  *
  * "code-packed" and "code-spread" run LINES cache lines of code instead, one a line or one a
  * page (as many instruction TLB entries).
@@ -53,10 +55,10 @@ int main(int argc, char **argv)
     int spread = strstr(argv[1], "spread") != NULL, code = strncmp(argv[1], "code", 4) == 0;
     int branches = strcmp(argv[1], "branches") == 0;
     long lines = atol(argv[2]), calls = atol(argv[3]), rounds = atol(argv[4]);
-    if (lines > SLED)
+    if (lines > SLED && (code || branches))
         return 2;
-    long (*sled)(long) = (long (*)(long))((spread ? ta_sled_spread : ta_sled_packed)
-                                          + (SLED - lines) * (spread ? 4096 : 64));
+    long (*sled)(long) = code ? (long (*)(long))((spread ? ta_sled_spread : ta_sled_packed)
+                                                 + (SLED - lines) * (spread ? 4096 : 64)) : 0;
     long stride = spread ? 4096 + 64 : 64;      /* spread: another page, and another set */
     volatile unsigned char *buf = malloc(lines * stride + 4096);
     memset((void *)buf, 1, lines * stride + 4096);
