@@ -71,11 +71,14 @@ def _root_only(path: str, folder: bool) -> str | None:
 
 
 def open_shared(name: str, shape: tuple[int, int, int, int], warn: Callable[[str], None],
-                without: str, pin_dir: str = PIN_DIR) -> int | None:
+                without: str, pin_dir: str = PIN_DIR,
+                replacing: Callable[[int], None] | None = None) -> int | None:
     """A descriptor of the node's map `name` of `shape` (kind, key size, value size, entries),
     made and pinned if none is (bpffs mounted first where it is not, and said: mount_bpffs);
     None where it cannot be shared (no bpffs: silently, the caller says what that costs;
-    otherwise said by `warn`, with `without`: what that costs). pin_dir: the tests' own."""
+    otherwise said by `warn`, with `without`: what that costs). pin_dir: the tests' own.
+    replacing: shown another version's map (its descriptor, closed after) before it is
+    replaced, to keep what it must (os.dup)."""
     mounted, why = mount_bpffs()
     if mounted:
         warn(f"mounted bpffs at {BPFFS} (there was none): the node's maps are shared there")
@@ -104,10 +107,14 @@ def open_shared(name: str, shape: tuple[int, int, int, int], warn: Callable[[str
             why = _root_only(pin, folder=False)
             if why is None and libbpf.map_shape(fd) == shape:
                 return fd
-            os.close(fd)
-            if why is None:         # another version's: ours replaces it (its users keep theirs)
-                warn(f"{pin} was made by another version of profinfer: replaced")
-                os.unlink(pin)
+            try:
+                if why is None:     # another version's: ours replaces it (its users keep theirs)
+                    warn(f"{pin} was made by another version of profinfer: replaced")
+                    if replacing is not None:
+                        replacing(fd)
+                    os.unlink(pin)
+            finally:
+                os.close(fd)
         else:
             why = f"{pin} keeps changing"
     except (OSError, ProfinferError) as e:

@@ -119,7 +119,9 @@ class NodeDiscovery:
         self.obj = libbpf.BpfObject(bpfobj.object_path("discover.bpf.c", "ring"))
         _, no_bpffs = pinned.mount_bpffs()      # before the node's maps, which it holds
         recorded_fd = recorded.open_shared(log)
-        held_fd = held.open_shared(log)
+        # another version's map of held processes, replaced: its orphans are continued too
+        self._replaced_held: list[int] = []
+        held_fd = held.open_shared(log, replaced=self._replaced_held)
         if no_bpffs is not None:
             log(f"{no_bpffs}: a process that a `record` on this node follows "
                 "may be held by discovery too, and then run before the record's probes are on; a "
@@ -151,6 +153,7 @@ class NodeDiscovery:
                 self.obj.attach(prog)
         except ProfinferError:
             self.obj.close()
+            self._close_replaced()
             raise
         finally:
             for fd in (recorded_fd, held_fd):      # the object holds its own descriptor
@@ -225,11 +228,24 @@ class NodeDiscovery:
     def _continue_orphans(self) -> list[int]:
         """Continue the node's held processes whose holder is gone (a daemon killed while it
         held them), this daemon's own held longer than ORPHAN_S (their records unread), and
-        another live daemon's held longer than STUCK_S (it is stuck). An entry whose process
-        is gone, another process now, or running, is dropped. The PIDs continued."""
-        fd, now, out = self.obj.map_fd(held.MAP_NAME), time.monotonic_ns(), []
-        for key, value in list(libbpf.map_items(fd, 4, self._held_dt.itemsize)):
-            entry = np.frombuffer(value, self._held_dt, count=1)[0]
+        another live daemon's held longer than STUCK_S (it is stuck), in the node's map and in
+        the other version's that it replaced (kept while this daemon runs: that version's
+        daemons still hold processes in it). An entry whose process is gone, another process
+        now, or running, is dropped. The PIDs continued."""
+        out = self._continue_orphans_in(self.obj.map_fd(held.MAP_NAME), self._held_dt.itemsize)
+        for fd in self._replaced_held:
+            out += self._continue_orphans_in(fd, held.readable(fd))
+        return out
+
+    def _close_replaced(self) -> None:
+        for fd in self._replaced_held:
+            os.close(fd)
+        self._replaced_held = []
+
+    def _continue_orphans_in(self, fd: int, value_size: int) -> list[int]:
+        now, out = time.monotonic_ns(), []
+        for key, value in list(libbpf.map_items(fd, 4, value_size)):
+            entry = np.frombuffer(value[:self._held_dt.itemsize], self._held_dt, count=1)[0]
             mine = _same(entry["holder"], self._me)
             if mine and now - int(entry["since_ns"]) < ORPHAN_S * 1e9:
                 continue
@@ -293,6 +309,7 @@ class NodeDiscovery:
             still_held, self.held = list(self.held), {}
         for pid in still_held:
             self._continue(pid)
+        self._close_replaced()
         obj, self.obj = self.obj, None
         obj.close()
 

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import completion_cmd, llama_perf
 from daemon_helpers import _STARTED, Daemon, _get, cuda_log_counts, discovering_daemon, kill_started, series
+from profinfer.core import held, libbpf, pinned
 from profinfer.daemon.discover import ORPHAN_S, STUCK_S
 from profinfer.levels.cuda import workload as cuda_workload
 
@@ -196,6 +197,41 @@ def test_a_process_held_by_a_killed_daemon_is_continued_by_the_next(tmp_path, ll
         assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
         assert f"PID {proc.pid}: held by a daemon gone" in second.text(), second.text()
         assert _state(theirs.pid) == "T", "a stop that was not discovery's was ended"
+
+
+def _pinned_as_another_versions() -> None:
+    """The node's map of held processes made again as another version would have it (a
+    longer entry, more of them), its entries kept, each with that version's extra bytes."""
+    pin = f"{pinned.PIN_DIR}/{held.MAP_NAME}"
+    fd = libbpf.pinned(pin)
+    kind, key, value, entries = libbpf.map_shape(fd)
+    other = libbpf.create_map(kind, held.MAP_NAME, key, value + 16, 2 * entries)
+    try:
+        for k, v in libbpf.map_items(fd, key, value):
+            libbpf.map_update(other, k, v + b"\x5a" * 16)
+        os.unlink(pin)
+        libbpf.pin(other, pin)
+        os.chmod(pin, 0o600)
+    finally:
+        os.close(fd)
+        os.close(other)
+
+
+def test_a_process_held_by_another_versions_killed_daemon_is_continued(tmp_path, llama_build, tiny_model,
+                                                                     llama_env):
+    """A daemon of another version (its map of held processes of another shape) killed while
+    it holds a process: the next daemon replaces that map with its own, and still continues
+    the process from the map it replaced."""
+    with _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env) as (first, proc, start_second):
+        first.proc.kill()
+        first.proc.wait()
+        _pinned_as_another_versions()
+        second = start_second()
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
+        assert "made by another version of profinfer: replaced" in second.text(), second.text()
+        assert f"PID {proc.pid}: held by a daemon gone" in second.text(), second.text()
 
 
 def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, llama_build, tiny_model,
