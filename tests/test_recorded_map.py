@@ -1,6 +1,6 @@
 """The node's map of recorded processes (profinfer.core.recorded), in a bpffs folder of this
 test's own: made root's alone, shared by whoever opens it next, a pin of another shape
-replaced, a folder others may enter not trusted."""
+replaced (the map of held processes kept aside), a folder others may enter not trusted."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from profinfer.core import libbpf, pinned, recorded
+from profinfer.core import held, libbpf, pinned, recorded
 
 
 
@@ -59,6 +59,28 @@ def test_a_pin_of_another_shape_is_replaced(pin_dir):
     assert libbpf.map_shape(fd)[1:3] == (4, 8)
     os.close(fd)
     os.close(old)
+
+
+def test_another_versions_map_of_held_processes_is_kept_aside(pin_dir):
+    """held's map of another shape is replaced and kept pinned aside, its entries readable by
+    pi_held's fields; one of an unreadable layout (an LRU map of shorter entries) is kept
+    aside too, and said to be unreadable (None)."""
+    os.mkdir(pin_dir, 0o700)
+    entry = held._shape()[2]
+    for kind, size in ((libbpf.BPF_MAP_TYPE_HASH, entry + 16), (libbpf.BPF_MAP_TYPE_LRU_HASH, 16)):
+        old = libbpf.create_map(kind, "held", 4, size, 64)
+        libbpf.pin(old, f"{pin_dir}/{held.MAP_NAME}")
+        said, warn = _warnings()
+        fd = held.open_shared(warn, pin_dir)
+        assert fd is not None and len(said) == 1 and "kept as" in said[0], said
+        assert libbpf.map_shape(fd)[2] == entry
+        kept = f"{pin_dir}/{held.MAP_NAME}{pinned.REPLACED}{libbpf.map_id(old)}"
+        assert kept in pinned.replaced_pins(held.MAP_NAME, pin_dir)
+        found = {pin: size for pin, _, size in held.replaced_maps(pin_dir)}
+        assert found[kept] == (size if kind == libbpf.BPF_MAP_TYPE_HASH else None), found
+        os.unlink(f"{pin_dir}/{held.MAP_NAME}")
+        os.close(fd)
+        os.close(old)
 
 
 def test_a_folder_others_may_enter_is_not_trusted(pin_dir):

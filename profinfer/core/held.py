@@ -6,14 +6,15 @@ before it continues it. A daemon killed while holding one (SIGKILL, the kernel's
 leaves the entry: any other daemon on the node, the one restarted in its place first, sees
 its holder gone and continues the process, when it is the same one and still stopped.
 
-Another version's map (another shape) is replaced by the first daemon of this version, which
-keeps reading it: pi_held's fields begin every version's entry, so its orphans are continued
-too.
+Another version's map (another shape) is replaced by this version's, made by its first daemon
+or `make_pins`, and stays pinned as held_replaced_ID: the daemons keep continuing its
+orphans, and unpin it once it is empty. Its entries are read by pi_held's fields, which every
+version since the map's own keeps first (an older map is not readable, and is said so).
 """
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Iterator
 
 from profinfer.core import layout, libbpf, pinned
 from profinfer.core.pinned import PIN_DIR
@@ -26,25 +27,35 @@ def _shape() -> tuple[int, int, int, int]:
     return libbpf.BPF_MAP_TYPE_HASH, 4, dt["pi_held"].itemsize, consts["PI_MAX_RECORDED"]
 
 
-def open_shared(warn: Callable[[str], None], pin_dir: str = PIN_DIR,
-                replaced: list[int] | None = None) -> int | None:
-    """A descriptor of the node's map, made and pinned if none is; None where it cannot be
-    shared (pinned.open_shared). replaced: where a descriptor of another version's map that
-    this one replaces is put, when its entries can be read (readable). pin_dir: the tests'
-    own."""
-    def keep(fd: int) -> None:
-        if replaced is not None and readable(fd) is not None:
-            replaced.append(os.dup(fd))
+def open_shared(warn: Callable[[str], None], pin_dir: str = PIN_DIR) -> int | None:
+    """A descriptor of the node's map, made and pinned if none is (another version's kept
+    pinned: replaced_maps); None where it cannot be shared (pinned.open_shared). pin_dir: the
+    tests' own."""
     return pinned.open_shared(MAP_NAME, _shape(), warn,
-                              "a process held by a daemon that dies stays stopped", pin_dir, keep)
+                              "a process held by a daemon that dies stays stopped", pin_dir,
+                              keep_replaced=True)
 
 
-def readable(fd: int) -> int | None:
-    """The value size of a map of held processes, this version's or another's, when its
+def replaced_maps(pin_dir: str = PIN_DIR) -> Iterator[tuple[str, int, int | None]]:
+    """Other versions' maps of held processes that this one replaced: (pin, descriptor, the
+    size of an entry, None when its entries cannot be read as pi_held); each descriptor is
+    closed once the next is asked for."""
+    for pin in pinned.replaced_pins(MAP_NAME, pin_dir):
+        try:
+            fd = libbpf.pinned(pin)
+        except OSError:         # unpinned meanwhile
+            continue
+        try:
+            yield pin, fd, entry_size(fd)
+        finally:
+            os.close(fd)
+
+
+def entry_size(fd: int) -> int | None:
+    """The size of an entry of a map of held processes, this version's or another's, where its
     entries can be read (keyed by tgid, each beginning with pi_held); else None."""
     found = libbpf.map_shape(fd)
     if found is None:
         return None
     kind, key, value, _ = found
-    ok = kind == libbpf.BPF_MAP_TYPE_HASH and key == 4 and value >= _shape()[2]
-    return value if ok else None
+    return value if kind == libbpf.BPF_MAP_TYPE_HASH and key == 4 and value >= _shape()[2] else None

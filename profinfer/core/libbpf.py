@@ -519,6 +519,15 @@ def map_shape(fd: int) -> tuple[int, int, int, int] | None:
     return kind, key, value, entries
 
 
+def map_id(fd: int) -> int | None:
+    """The kernel's id of a map (unique while it lives); None if fd is no map."""
+    info = ctypes.create_string_buffer(_MAP_INFO_SIZE)
+    size = ctypes.c_uint32(_MAP_INFO_SIZE)
+    if lib().bpf_obj_get_info_by_fd(fd, info, ctypes.byref(size)) or size.value < _MAP_INFO_SIZE:
+        return None
+    return struct.unpack_from("<2I", info.raw)[1]
+
+
 def map_lookup(fd: int, key: bytes, value_size: int) -> bytes | None:
     value = ctypes.create_string_buffer(value_size)
     if lib().bpf_map_lookup_elem(fd, key, value):

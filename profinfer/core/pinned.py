@@ -2,7 +2,8 @@
 the processes a daemon's discovery holds): made once, found by the others, outliving each.
 
 Only root can write them: their folder is root's, mode 0700 (a pin found otherwise is not
-trusted), and a pin of another shape (another version's) is replaced, its users keeping theirs.
+trusted), and a pin of another shape (another version's) is replaced, its users keeping theirs;
+where its entries still matter, it stays pinned under another name (REPLACED) until emptied.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ PIN_DIR = f"{BPFFS}/profinfer"
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+REPLACED = "_replaced_"        # NAME_replaced_MAP_ID: another version's map of NAME, kept (bpffs refuses dots)
 
 
 def bpffs_mounted() -> bool:
@@ -71,14 +73,13 @@ def _root_only(path: str, folder: bool) -> str | None:
 
 
 def open_shared(name: str, shape: tuple[int, int, int, int], warn: Callable[[str], None],
-                without: str, pin_dir: str = PIN_DIR,
-                replacing: Callable[[int], None] | None = None) -> int | None:
+                without: str, pin_dir: str = PIN_DIR, keep_replaced: bool = False) -> int | None:
     """A descriptor of the node's map `name` of `shape` (kind, key size, value size, entries),
     made and pinned if none is (bpffs mounted first where it is not, and said: mount_bpffs);
     None where it cannot be shared (no bpffs: silently, the caller says what that costs;
-    otherwise said by `warn`, with `without`: what that costs). pin_dir: the tests' own.
-    replacing: shown another version's map (its descriptor, closed after) before it is
-    replaced, to keep what it must (os.dup)."""
+    otherwise said by `warn`, with `without`: what that costs). keep_replaced: another
+    version's map stays pinned as NAME_replaced_ID (replaced_pins), not unpinned.
+    pin_dir: the tests' own."""
     mounted, why = mount_bpffs()
     if mounted:
         warn(f"mounted bpffs at {BPFFS} (there was none): the node's maps are shared there")
@@ -104,23 +105,42 @@ def open_shared(name: str, shape: tuple[int, int, int, int], warn: Callable[[str
                 if fd is None:
                     continue
                 return fd
-            why = _root_only(pin, folder=False)
-            if why is None and libbpf.map_shape(fd) == shape:
-                return fd
             try:
+                why = _root_only(pin, folder=False)
+                if why is None and libbpf.map_shape(fd) == shape:
+                    ours, fd = fd, -1       # returned open, not closed below
+                    return ours
                 if why is None:     # another version's: ours replaces it (its users keep theirs)
-                    warn(f"{pin} was made by another version of profinfer: replaced")
-                    if replacing is not None:
-                        replacing(fd)
-                    os.unlink(pin)
+                    kept = f"{pin}{REPLACED}{libbpf.map_id(fd)}"
+                    if keep_replaced:
+                        os.rename(pin, kept)
+                    else:
+                        os.unlink(pin)
+                    warn(f"{pin} was made by another version of profinfer: replaced"
+                         + (f" (kept as {kept} while it holds entries)" if keep_replaced else ""))
+            except FileNotFoundError:   # replaced by another meanwhile: looked at again
+                pass
             finally:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
         else:
             why = f"{pin} keeps changing"
     except (OSError, ProfinferError) as e:
         why = str(e)
     warn(f"{why}: not used; {without}")
     return None
+
+
+def replaced_pins(name: str, pin_dir: str = PIN_DIR) -> list[str]:
+    """The pins of other versions' maps of `name` kept (open_shared's keep_replaced), those
+    that may be trusted (root's alone, in a folder that is)."""
+    try:
+        if _root_only(pin_dir, folder=True) is not None:
+            return []
+        found = sorted(os.path.join(pin_dir, f) for f in os.listdir(pin_dir) if f.startswith(name + REPLACED))
+        return [p for p in found if _root_only(p, folder=False) is None]
+    except OSError:         # gone meanwhile: looked at on the next pass
+        return []
 
 
 def _create_and_pin(pin: str, name: str, shape: tuple[int, int, int, int]) -> int | None:

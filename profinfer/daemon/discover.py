@@ -19,6 +19,7 @@ continues it.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -112,6 +113,7 @@ class NodeDiscovery:
         self._records: list[bytes] = []
         self.log = log
         self.held: dict[int, float] = {}      # stopped here, not yet continued: since (monotonic)
+        self._unreadable: set[str] = set()     # other versions' maps said to be unreadable
         self._lock = threading.Lock()          # held: the watchdog continues what waits too long
         prefixes = name_prefixes(packs)
         if len(prefixes) > MAX_PREFIXES or any(len(p.encode()) > NAME_MAX for p in prefixes):
@@ -119,9 +121,7 @@ class NodeDiscovery:
         self.obj = libbpf.BpfObject(bpfobj.object_path("discover.bpf.c", "ring"))
         _, no_bpffs = pinned.mount_bpffs()      # before the node's maps, which it holds
         recorded_fd = recorded.open_shared(log)
-        # another version's map of held processes, replaced: its orphans are continued too
-        self._replaced_held: list[int] = []
-        held_fd = held.open_shared(log, replaced=self._replaced_held)
+        held_fd = held.open_shared(log)
         if no_bpffs is not None:
             log(f"{no_bpffs}: a process that a `record` on this node follows "
                 "may be held by discovery too, and then run before the record's probes are on; a "
@@ -153,7 +153,6 @@ class NodeDiscovery:
                 self.obj.attach(prog)
         except ProfinferError:
             self.obj.close()
-            self._close_replaced()
             raise
         finally:
             for fd in (recorded_fd, held_fd):      # the object holds its own descriptor
@@ -228,23 +227,27 @@ class NodeDiscovery:
     def _continue_orphans(self) -> list[int]:
         """Continue the node's held processes whose holder is gone (a daemon killed while it
         held them), this daemon's own held longer than ORPHAN_S (their records unread), and
-        another live daemon's held longer than STUCK_S (it is stuck), in the node's map and in
-        the other version's that it replaced (kept while this daemon runs: that version's
-        daemons still hold processes in it). An entry whose process is gone, another process
-        now, or running, is dropped. The PIDs continued."""
+        another live daemon's held longer than STUCK_S (it is stuck), from the node's map and
+        from other versions' that it replaced (held.replaced_maps: unpinned once empty, where
+        bpffs may be written here). An entry whose process is gone, another process now, or
+        running, is dropped. The PIDs continued."""
         out = self._continue_orphans_in(self.obj.map_fd(held.MAP_NAME), self._held_dt.itemsize)
-        for fd in self._replaced_held:
-            out += self._continue_orphans_in(fd, held.readable(fd))
+        for pin, fd, size in held.replaced_maps():
+            if size is None:
+                if pin not in self._unreadable:
+                    self._unreadable.add(pin)
+                    self.log(f"{pin}: another version's map of held processes, in a layout this "
+                             "version cannot read: the processes it holds are not continued here")
+                continue
+            out += self._continue_orphans_in(fd, size)
+            if next(iter(libbpf.map_items(fd, 4, size)), None) is None:
+                with contextlib.suppress(OSError):      # read-only here (systemd): left
+                    os.unlink(pin)
         return out
 
-    def _close_replaced(self) -> None:
-        for fd in self._replaced_held:
-            os.close(fd)
-        self._replaced_held = []
-
-    def _continue_orphans_in(self, fd: int, value_size: int) -> list[int]:
+    def _continue_orphans_in(self, fd: int, entry_size: int) -> list[int]:
         now, out = time.monotonic_ns(), []
-        for key, value in list(libbpf.map_items(fd, 4, value_size)):
+        for key, value in list(libbpf.map_items(fd, 4, entry_size)):
             entry = np.frombuffer(value[:self._held_dt.itemsize], self._held_dt, count=1)[0]
             mine = _same(entry["holder"], self._me)
             if mine and now - int(entry["since_ns"]) < ORPHAN_S * 1e9:
@@ -309,7 +312,6 @@ class NodeDiscovery:
             still_held, self.held = list(self.held), {}
         for pid in still_held:
             self._continue(pid)
-        self._close_replaced()
         obj, self.obj = self.obj, None
         obj.close()
 

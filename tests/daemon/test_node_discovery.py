@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -199,15 +200,18 @@ def test_a_process_held_by_a_killed_daemon_is_continued_by_the_next(tmp_path, ll
         assert _state(theirs.pid) == "T", "a stop that was not discovery's was ended"
 
 
-def _pinned_as_another_versions() -> None:
+def _pinned_as_another_versions(pid: int) -> None:
     """The node's map of held processes made again as another version would have it (a
-    longer entry, more of them), its entries kept, each with that version's extra bytes."""
+    longer entry, more of them), its entries kept, each with that version's extra bytes;
+    `pid` must be among them."""
     pin = f"{pinned.PIN_DIR}/{held.MAP_NAME}"
     fd = libbpf.pinned(pin)
     kind, key, value, entries = libbpf.map_shape(fd)
     other = libbpf.create_map(kind, held.MAP_NAME, key, value + 16, 2 * entries)
     try:
-        for k, v in libbpf.map_items(fd, key, value):
+        copied = dict(libbpf.map_items(fd, key, value))
+        assert pid.to_bytes(4, "little") in copied, "the process is not in the node's map"
+        for k, v in copied.items():
             libbpf.map_update(other, k, v + b"\x5a" * 16)
         os.unlink(pin)
         libbpf.pin(other, pin)
@@ -217,21 +221,30 @@ def _pinned_as_another_versions() -> None:
         os.close(other)
 
 
+@pytest.mark.parametrize("replaced_by", ["the daemon", "make_pins"])
 def test_a_process_held_by_another_versions_killed_daemon_is_continued(tmp_path, llama_build, tiny_model,
-                                                                     llama_env):
+                                                                     llama_env, replaced_by):
     """A daemon of another version (its map of held processes of another shape) killed while
-    it holds a process: the next daemon replaces that map with its own, and still continues
-    the process from the map it replaced."""
+    it holds a process: the next daemon, or the systemd unit's make_pins before it, replaces
+    that map with this version's and keeps it pinned aside; the daemon continues the process
+    from it, then unpins it, empty."""
     with _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env) as (first, proc, start_second):
         first.proc.kill()
         first.proc.wait()
-        _pinned_as_another_versions()
+        _pinned_as_another_versions(proc.pid)
+        if replaced_by == "make_pins":
+            made = subprocess.run([sys.executable, "-m", "profinfer.core.make_pins"], capture_output=True,
+                                  text=True, timeout=60)
+            assert made.returncode == 0 and "another version of profinfer: replaced" in made.stderr, made.stderr
         second = start_second()
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-2000:]
         assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
-        assert "made by another version of profinfer: replaced" in second.text(), second.text()
         assert f"PID {proc.pid}: held by a daemon gone" in second.text(), second.text()
+        deadline = time.monotonic() + 10
+        while pinned.replaced_pins(held.MAP_NAME) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not pinned.replaced_pins(held.MAP_NAME), "the emptied map is still pinned"
 
 
 def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, llama_build, tiny_model,

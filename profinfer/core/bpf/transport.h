@@ -85,8 +85,8 @@ struct pi_process_id {
     u64 start_ticks;
 };
 
-/* Every version keeps these fields first, in this order: a daemon reads another version's
- * map of held processes by them (held.py). */
+/* Every version from this one on keeps these fields first, in this order: a daemon reads
+ * another version's map of held processes by them (held.py). */
 struct pi_held {
     u64 since_ns;
     struct pi_process_id process;
