@@ -57,7 +57,7 @@ static void *nap(void *arg)
 }
 
 /* As an allocator does with blocks above its mmap threshold: map, touch, unmap, in a loop;
- * each unmap takes the address space's lock for writing. */
+ * each map and unmap takes the address space's lock for writing. */
 static void *churn(void *arg)
 {
     for (;;) {

@@ -3,9 +3,9 @@
  * LINES cache lines, either one per 4 KiB page ("spread": LINES pages, LINES TLB entries) or
  * packed together ("packed": the same lines in LINES / 64 pages). bench/trap_aftermath.py
  * puts a uprobe on ta_probed in alternate rounds: a hit's price grows with what the work
- * must fetch again after the kernel ran (its TLB entries, its cache lines), and with what the
- * kernel's own trap path must fetch again after the work (data past the caches: LINES is not
- * bounded by the code sled for the data layouts).
+ * must fetch again after the kernel ran (its TLB entries, its cache lines), or with what the
+ * kernel's own trap path must fetch again after the work (for the data layouts LINES is not
+ * bounded by the code sled: past L2).
  *
  * "code-packed" and "code-spread" run LINES cache lines of code instead, one a line or one a
  * page (as many instruction TLB entries).

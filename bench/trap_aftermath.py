@@ -25,9 +25,9 @@ from probe_emulation import alternate, build, write_json              # noqa: E4
 from profinfer.core.symbols import load_elf                          # noqa: E402
 
 LINES = (0, 16, 64, 256, 1024)
-# data read between calls past the caches (packed lines), 256 KiB to 4 MiB, as an engine reads
-# its weights and activations between two of its probes (larger: a call's own time varies by
-# more than a hit costs)
+# data read between calls (packed lines), 256 KiB to 4 MiB: past L2, as an engine reads its
+# weights and activations between two of its probes (larger: a call's own time varies by more
+# than a hit costs)
 WORKING_SETS = (4096, 16384, 65536)
 LAYOUTS = ("packed", "spread", "code-packed", "code-spread", "branches")
 WORK_NS = 2_000_000         # each round's calls: ~this much plain CPU time
