@@ -61,26 +61,54 @@ def test_a_pin_of_another_shape_is_replaced(pin_dir):
     os.close(old)
 
 
+def _pinned_held_map(pin_dir: str, kind: int, entry: int) -> int:
+    old = libbpf.create_map(kind, "held", 4, entry, 64)
+    libbpf.pin(old, f"{pin_dir}/{held.MAP_NAME}")
+    return old
+
+
 def test_another_versions_map_of_held_processes_is_kept_aside(pin_dir):
-    """held's map of another shape is replaced and kept pinned aside, its entries readable by
-    pi_held's fields; one of an unreadable layout (an LRU map of shorter entries) is kept
-    aside too, and said to be unreadable (None)."""
+    """held's map of another shape whose entries begin with pi_held is replaced and kept
+    pinned aside, readable; one of a layout that cannot be read (an LRU map of shorter
+    entries) is replaced and unpinned, as any other pin of another shape."""
     os.mkdir(pin_dir, 0o700)
     entry = held._shape()[2]
-    for kind, size in ((libbpf.BPF_MAP_TYPE_HASH, entry + 16), (libbpf.BPF_MAP_TYPE_LRU_HASH, 16)):
-        old = libbpf.create_map(kind, "held", 4, size, 64)
-        libbpf.pin(old, f"{pin_dir}/{held.MAP_NAME}")
-        said, warn = _warnings()
-        fd = held.open_shared(warn, pin_dir)
-        assert fd is not None and len(said) == 1 and "kept as" in said[0], said
-        assert libbpf.map_shape(fd)[2] == entry
-        kept = f"{pin_dir}/{held.MAP_NAME}{pinned.REPLACED}{libbpf.map_id(old)}"
-        assert kept in pinned.replaced_pins(held.MAP_NAME, pin_dir)
-        found = {pin: size for pin, _, size in held.replaced_maps(pin_dir)}
-        assert found[kept] == (size if kind == libbpf.BPF_MAP_TYPE_HASH else None), found
-        os.unlink(f"{pin_dir}/{held.MAP_NAME}")
-        os.close(fd)
-        os.close(old)
+    old = _pinned_held_map(pin_dir, libbpf.BPF_MAP_TYPE_HASH, entry + 16)
+    said, warn = _warnings()
+    fd = held.open_shared(warn, pin_dir)
+    kept = f"{pin_dir}/{held.MAP_NAME}{pinned.REPLACED}{libbpf.map_id(old)}"
+    assert fd is not None and said == [f"{pin_dir}/{held.MAP_NAME} was made by another version of "
+                                       f"profinfer: replaced, kept as {kept}"], said
+    assert libbpf.map_shape(fd)[2] == entry
+    assert pinned.replaced_pins(held.MAP_NAME, pin_dir) == [kept]
+    assert [size for _, size in held.replaced_maps(pin_dir)] == [entry + 16]
+    os.unlink(f"{pin_dir}/{held.MAP_NAME}")
+    os.close(fd)
+    os.unlink(kept)
+    os.close(old)
+
+    old = _pinned_held_map(pin_dir, libbpf.BPF_MAP_TYPE_LRU_HASH, 16)
+    said, warn = _warnings()
+    fd = held.open_shared(warn, pin_dir)
+    assert fd is not None and len(said) == 1 and "kept" not in said[0], said
+    assert pinned.replaced_pins(held.MAP_NAME, pin_dir) == []
+    os.close(fd)
+    os.close(old)
+
+
+def test_a_kept_map_is_unpinned_once_empty_and_old_enough(pin_dir):
+    os.mkdir(pin_dir, 0o700)
+    entry = held._shape()[2]
+    old = _pinned_held_map(pin_dir, libbpf.BPF_MAP_TYPE_HASH, entry + 16)
+    fd = held.open_shared(lambda _: None, pin_dir)
+    kept = pinned.replaced_pins(held.MAP_NAME, pin_dir)
+    libbpf.map_update(old, (1).to_bytes(4, "little"), b"\0" * (entry + 16))
+    assert held.unpin_spent(pin_dir, kept_s=0) == [], "a map with an entry was unpinned"
+    libbpf.map_delete(old, (1).to_bytes(4, "little"))
+    assert held.unpin_spent(pin_dir, kept_s=3600) == [], "a map kept for less than kept_s was unpinned"
+    assert held.unpin_spent(pin_dir, kept_s=0) == kept and not pinned.replaced_pins(held.MAP_NAME, pin_dir)
+    os.close(fd)
+    os.close(old)
 
 
 def test_a_folder_others_may_enter_is_not_trusted(pin_dir):

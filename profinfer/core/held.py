@@ -6,20 +6,23 @@ before it continues it. A daemon killed while holding one (SIGKILL, the kernel's
 leaves the entry: any other daemon on the node, the one restarted in its place first, sees
 its holder gone and continues the process, when it is the same one and still stopped.
 
-Another version's map (another shape) is replaced by this version's, made by its first daemon
-or `make_pins`, and stays pinned as held_replaced_ID: the daemons keep continuing its
-orphans, and unpin it once it is empty. Its entries are read by pi_held's fields, which every
-version since the map's own keeps first (an older map is not readable, and is said so).
+Another version's map (another shape), where it can be read, is replaced by this version's
+(made by its first daemon, or `make_pins`) and stays pinned as held_replaced_ID: the daemons
+continue its orphans too, reading each entry by pi_held's fields, which every version from
+this one on keeps first. It is unpinned once empty and KEPT_S old: an old daemon still
+running then and killed later while it holds a process leaves that process stopped.
 """
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Iterator
 
 from profinfer.core import layout, libbpf, pinned
 from profinfer.core.pinned import PIN_DIR
 
 MAP_NAME = "held"               # discover.bpf.c's map, pinned by that name
+KEPT_S = 600                    # another version's map is kept this long at least (see above)
 
 
 def _shape() -> tuple[int, int, int, int]:
@@ -33,22 +36,46 @@ def open_shared(warn: Callable[[str], None], pin_dir: str = PIN_DIR) -> int | No
     tests' own."""
     return pinned.open_shared(MAP_NAME, _shape(), warn,
                               "a process held by a daemon that dies stays stopped", pin_dir,
-                              keep_replaced=True)
+                              keep=lambda fd: entry_size(fd) is not None)
 
 
-def replaced_maps(pin_dir: str = PIN_DIR) -> Iterator[tuple[str, int, int | None]]:
-    """Other versions' maps of held processes that this one replaced: (pin, descriptor, the
-    size of an entry, None when its entries cannot be read as pi_held); each descriptor is
-    closed once the next is asked for."""
+def replaced_maps(pin_dir: str = PIN_DIR) -> Iterator[tuple[int, int]]:
+    """Other versions' maps of held processes that this one replaced and kept: (descriptor,
+    the size of an entry); each descriptor is closed once the next is asked for. One
+    unpinned meanwhile, or not readable, is passed over."""
     for pin in pinned.replaced_pins(MAP_NAME, pin_dir):
         try:
             fd = libbpf.pinned(pin)
-        except OSError:         # unpinned meanwhile
+        except OSError:
             continue
         try:
-            yield pin, fd, entry_size(fd)
+            size = entry_size(fd)
+            if size is not None:
+                yield fd, size
         finally:
             os.close(fd)
+
+
+def unpin_spent(pin_dir: str = PIN_DIR, kept_s: float = KEPT_S) -> list[str]:
+    """Unpin the kept maps that are empty and were kept at least `kept_s` (where bpffs may be
+    written here: under systemd, make_pins does it); the pins unpinned."""
+    out = []
+    for pin in pinned.replaced_pins(MAP_NAME, pin_dir):
+        try:
+            if time.time() - os.lstat(pin).st_ctime < kept_s:
+                continue
+            fd = libbpf.pinned(pin)
+            try:
+                size = entry_size(fd)
+                empty = size is None or next(iter(libbpf.map_items(fd, 4, size)), None) is None
+            finally:
+                os.close(fd)
+            if empty:
+                os.unlink(pin)
+                out.append(pin)
+        except OSError:         # gone meanwhile, or bpffs read-only here
+            continue
+    return out
 
 
 def entry_size(fd: int) -> int | None:

@@ -15,6 +15,8 @@ def main() -> int:
     for fd in (recorded.open_shared(said.append), held.open_shared(said.append)):
         if fd is not None:
             os.close(fd)
+    # the daemon cannot unpin another version's spent map where bpffs is read-only to it
+    said += [f"unpinned {pin}: another version's map of held processes, empty" for pin in held.unpin_spent()]
     for line in said:
         print(f"profinfer: {line}", file=sys.stderr)
     return 0

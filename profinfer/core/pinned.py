@@ -3,7 +3,7 @@ the processes a daemon's discovery holds): made once, found by the others, outli
 
 Only root can write them: their folder is root's, mode 0700 (a pin found otherwise is not
 trusted), and a pin of another shape (another version's) is replaced, its users keeping theirs;
-where its entries still matter, it stays pinned under another name (REPLACED) until emptied.
+where its entries still matter, it stays pinned under another name (REPLACED).
 """
 from __future__ import annotations
 
@@ -73,13 +73,15 @@ def _root_only(path: str, folder: bool) -> str | None:
 
 
 def open_shared(name: str, shape: tuple[int, int, int, int], warn: Callable[[str], None],
-                without: str, pin_dir: str = PIN_DIR, keep_replaced: bool = False) -> int | None:
+                without: str, pin_dir: str = PIN_DIR,
+                keep: Callable[[int], bool] | None = None) -> int | None:
     """A descriptor of the node's map `name` of `shape` (kind, key size, value size, entries),
     made and pinned if none is (bpffs mounted first where it is not, and said: mount_bpffs);
     None where it cannot be shared (no bpffs: silently, the caller says what that costs;
-    otherwise said by `warn`, with `without`: what that costs). keep_replaced: another
-    version's map stays pinned as NAME_replaced_ID (replaced_pins), not unpinned.
-    pin_dir: the tests' own."""
+    otherwise said by `warn`, with `without`: what that costs). keep: shown another
+    version's map, True where it stays pinned as NAME_replaced_ID (replaced_pins) rather
+    than unpinned. pin_dir: the tests' own. The folder is locked meanwhile: two replacers
+    at once would each replace the other's."""
     mounted, why = mount_bpffs()
     if mounted:
         warn(f"mounted bpffs at {BPFFS} (there was none): the node's maps are shared there")
@@ -93,9 +95,13 @@ def open_shared(name: str, shape: tuple[int, int, int, int], warn: Callable[[str
     except OSError as e:
         warn(f"cannot make {pin_dir} ({e.strerror}): {without}")
         return None
+    lock = -1
     try:
         why = _root_only(pin_dir, folder=True)
-        for _ in range(3):          # another record or daemon may pin it between our two calls
+        if why is None:
+            lock = os.open(pin_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        for _ in range(3):          # a profinfer before this one's lock may pin it between our two calls
             if why is not None:
                 break
             try:
@@ -111,13 +117,14 @@ def open_shared(name: str, shape: tuple[int, int, int, int], warn: Callable[[str
                     ours, fd = fd, -1       # returned open, not closed below
                     return ours
                 if why is None:     # another version's: ours replaces it (its users keep theirs)
-                    kept = f"{pin}{REPLACED}{libbpf.map_id(fd)}"
-                    if keep_replaced:
+                    map_id = libbpf.map_id(fd)
+                    kept = f"{pin}{REPLACED}{map_id}"
+                    if keep is not None and map_id is not None and not os.path.lexists(kept) and keep(fd):
                         os.rename(pin, kept)
+                        warn(f"{pin} was made by another version of profinfer: replaced, kept as {kept}")
                     else:
                         os.unlink(pin)
-                    warn(f"{pin} was made by another version of profinfer: replaced"
-                         + (f" (kept as {kept} while it holds entries)" if keep_replaced else ""))
+                        warn(f"{pin} was made by another version of profinfer: replaced")
             except FileNotFoundError:   # replaced by another meanwhile: looked at again
                 pass
             finally:
@@ -127,6 +134,9 @@ def open_shared(name: str, shape: tuple[int, int, int, int], warn: Callable[[str
             why = f"{pin} keeps changing"
     except (OSError, ProfinferError) as e:
         why = str(e)
+    finally:
+        if lock >= 0:
+            os.close(lock)
     warn(f"{why}: not used; {without}")
     return None
 
@@ -148,9 +158,12 @@ def _create_and_pin(pin: str, name: str, shape: tuple[int, int, int, int]) -> in
     fd = libbpf.create_map(kind, name, key, value, entries)   # reuse_fd takes its name
     try:
         libbpf.pin(fd, pin)
+        os.chmod(pin, 0o600)
     except FileExistsError:
         os.close(fd)
         return None
-    os.chmod(pin, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 

@@ -19,7 +19,6 @@ continues it.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
@@ -113,7 +112,6 @@ class NodeDiscovery:
         self._records: list[bytes] = []
         self.log = log
         self.held: dict[int, float] = {}      # stopped here, not yet continued: since (monotonic)
-        self._unreadable: set[str] = set()     # other versions' maps said to be unreadable
         self._lock = threading.Lock()          # held: the watchdog continues what waits too long
         prefixes = name_prefixes(packs)
         if len(prefixes) > MAX_PREFIXES or any(len(p.encode()) > NAME_MAX for p in prefixes):
@@ -228,21 +226,13 @@ class NodeDiscovery:
         """Continue the node's held processes whose holder is gone (a daemon killed while it
         held them), this daemon's own held longer than ORPHAN_S (their records unread), and
         another live daemon's held longer than STUCK_S (it is stuck), from the node's map and
-        from other versions' that it replaced (held.replaced_maps: unpinned once empty, where
-        bpffs may be written here). An entry whose process is gone, another process now, or
-        running, is dropped. The PIDs continued."""
+        from other versions' that it replaced (held.replaced_maps; unpinned when spent). An
+        entry whose process is gone, another process now, or running, is dropped. The PIDs
+        continued."""
         out = self._continue_orphans_in(self.obj.map_fd(held.MAP_NAME), self._held_dt.itemsize)
-        for pin, fd, size in held.replaced_maps():
-            if size is None:
-                if pin not in self._unreadable:
-                    self._unreadable.add(pin)
-                    self.log(f"{pin}: another version's map of held processes, in a layout this "
-                             "version cannot read: the processes it holds are not continued here")
-                continue
+        for fd, size in held.replaced_maps():
             out += self._continue_orphans_in(fd, size)
-            if next(iter(libbpf.map_items(fd, 4, size)), None) is None:
-                with contextlib.suppress(OSError):      # read-only here (systemd): left
-                    os.unlink(pin)
+        held.unpin_spent()
         return out
 
     def _continue_orphans_in(self, fd: int, entry_size: int) -> list[int]:

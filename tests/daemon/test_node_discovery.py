@@ -200,10 +200,10 @@ def test_a_process_held_by_a_killed_daemon_is_continued_by_the_next(tmp_path, ll
         assert _state(theirs.pid) == "T", "a stop that was not discovery's was ended"
 
 
-def _pinned_as_another_versions(pid: int) -> None:
+def _pinned_as_another_versions(pid: int) -> str:
     """The node's map of held processes made again as another version would have it (a
     longer entry, more of them), its entries kept, each with that version's extra bytes;
-    `pid` must be among them."""
+    `pid` must be among them. Where this version keeps it once it replaces it."""
     pin = f"{pinned.PIN_DIR}/{held.MAP_NAME}"
     fd = libbpf.pinned(pin)
     kind, key, value, entries = libbpf.map_shape(fd)
@@ -216,6 +216,7 @@ def _pinned_as_another_versions(pid: int) -> None:
         os.unlink(pin)
         libbpf.pin(other, pin)
         os.chmod(pin, 0o600)
+        return f"{pin}{pinned.REPLACED}{libbpf.map_id(other)}"
     finally:
         os.close(fd)
         os.close(other)
@@ -227,24 +228,25 @@ def test_a_process_held_by_another_versions_killed_daemon_is_continued(tmp_path,
     """A daemon of another version (its map of held processes of another shape) killed while
     it holds a process: the next daemon, or the systemd unit's make_pins before it, replaces
     that map with this version's and keeps it pinned aside; the daemon continues the process
-    from it, then unpins it, empty."""
+    from it."""
     with _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env) as (first, proc, start_second):
         first.proc.kill()
         first.proc.wait()
-        _pinned_as_another_versions(proc.pid)
-        if replaced_by == "make_pins":
-            made = subprocess.run([sys.executable, "-m", "profinfer.core.make_pins"], capture_output=True,
-                                  text=True, timeout=60)
-            assert made.returncode == 0 and "another version of profinfer: replaced" in made.stderr, made.stderr
-        second = start_second()
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err[-2000:]
-        assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
-        assert f"PID {proc.pid}: held by a daemon gone" in second.text(), second.text()
-        deadline = time.monotonic() + 10
-        while pinned.replaced_pins(held.MAP_NAME) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not pinned.replaced_pins(held.MAP_NAME), "the emptied map is still pinned"
+        kept = _pinned_as_another_versions(proc.pid)
+        try:
+            if replaced_by == "make_pins":
+                made = subprocess.run([sys.executable, "-m", "profinfer.core.make_pins"], capture_output=True,
+                                      text=True, timeout=60)
+                assert made.returncode == 0 and f"kept as {kept}" in made.stderr, made.stderr
+            second = start_second()
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-2000:]
+            assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
+            assert f"PID {proc.pid}: held by a daemon gone" in second.text(), second.text()
+            assert kept in pinned.replaced_pins(held.MAP_NAME), "the other version's map was not kept"
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(kept)
 
 
 def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, llama_build, tiny_model,
