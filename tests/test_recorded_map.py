@@ -90,7 +90,7 @@ def test_another_versions_map_of_held_processes_is_kept_aside(pin_dir):
     old = _pinned_held_map(pin_dir, libbpf.BPF_MAP_TYPE_LRU_HASH, 16)
     said, warn = _warnings()
     fd = held.open_shared(warn, pin_dir)
-    assert fd is not None and len(said) == 1 and "kept" not in said[0], said
+    assert fd is not None and len(said) == 1 and "cannot read" in said[0] and "kept" not in said[0], said
     assert pinned.replaced_pins(held.MAP_NAME, pin_dir) == []
     os.close(fd)
     os.close(old)
@@ -102,6 +102,7 @@ def test_a_kept_map_is_unpinned_once_empty_and_old_enough(pin_dir):
     old = _pinned_held_map(pin_dir, libbpf.BPF_MAP_TYPE_HASH, entry + 16)
     fd = held.open_shared(lambda _: None, pin_dir)
     kept = pinned.replaced_pins(held.MAP_NAME, pin_dir)
+    assert kept == [f"{pin_dir}/{held.MAP_NAME}{pinned.REPLACED}{libbpf.map_id(old)}"], kept
     libbpf.map_update(old, (1).to_bytes(4, "little"), b"\0" * (entry + 16))
     assert held.unpin_spent(pin_dir, kept_s=0) == [], "a map with an entry was unpinned"
     libbpf.map_delete(old, (1).to_bytes(4, "little"))
@@ -109,6 +110,25 @@ def test_a_kept_map_is_unpinned_once_empty_and_old_enough(pin_dir):
     assert held.unpin_spent(pin_dir, kept_s=0) == kept and not pinned.replaced_pins(held.MAP_NAME, pin_dir)
     os.close(fd)
     os.close(old)
+
+
+def test_a_folder_locked_too_long_is_not_waited_for(pin_dir, monkeypatch):
+    """Another profinfer stopped while it holds the pin folder's lock: the map is opened
+    after LOCK_WAIT_S all the same, and that is said."""
+    os.mkdir(pin_dir, 0o700)
+    monkeypatch.setattr(pinned, "LOCK_WAIT_S", 0.3)
+    holder = subprocess.Popen([sys.executable, "-c", f"import fcntl, os, sys, time\n"
+                               f"fd = os.open({pin_dir!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+                               "print('locked', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        said, warn = _warnings()
+        fd = recorded.open_shared(warn, pin_dir)
+        assert fd is not None and any("stayed locked" in line for line in said), said
+        os.close(fd)
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_folder_others_may_enter_is_not_trusted(pin_dir):

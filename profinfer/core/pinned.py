@@ -7,10 +7,12 @@ where its entries still matter, it stays pinned under another name (REPLACED).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
 import stat
+import time
 from typing import Callable
 
 from profinfer.core import libbpf
@@ -21,6 +23,7 @@ PIN_DIR = f"{BPFFS}/profinfer"
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+LOCK_WAIT_S = 10               # the pin folder's lock is held for a few calls: one held longer is stuck
 REPLACED = "_replaced_"        # NAME_replaced_MAP_ID: another version's map of NAME, kept (bpffs refuses dots)
 
 
@@ -95,54 +98,86 @@ def open_shared(name: str, shape: tuple[int, int, int, int], warn: Callable[[str
     except OSError as e:
         warn(f"cannot make {pin_dir} ({e.strerror}): {without}")
         return None
-    lock = -1
+    said: list[str] = []            # told once the folder is unlocked (a log may block)
     try:
         why = _root_only(pin_dir, folder=True)
+        fd = None
         if why is None:
-            lock = os.open(pin_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        for _ in range(3):          # a profinfer before this one's lock may pin it between our two calls
-            if why is not None:
-                break
-            try:
-                fd = libbpf.pinned(pin)
-            except FileNotFoundError:
-                fd = _create_and_pin(pin, name, shape)
-                if fd is None:
-                    continue
-                return fd
-            try:
-                why = _root_only(pin, folder=False)
-                if why is None and libbpf.map_shape(fd) == shape:
-                    ours, fd = fd, -1       # returned open, not closed below
-                    return ours
-                if why is None:     # another version's: ours replaces it (its users keep theirs)
-                    map_id = libbpf.map_id(fd)
-                    kept = f"{pin}{REPLACED}{map_id}"
-                    if keep is not None and map_id is not None and not os.path.lexists(kept) and keep(fd):
-                        os.rename(pin, kept)
-                        warn(f"{pin} was made by another version of profinfer: replaced, kept as {kept}")
-                    else:
-                        os.unlink(pin)
-                        warn(f"{pin} was made by another version of profinfer: replaced")
-            except FileNotFoundError:   # replaced by another meanwhile: looked at again
-                pass
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-        else:
-            why = f"{pin} keeps changing"
+            with _folder_locked(pin_dir, said):
+                fd, why = _find_or_make(pin, name, shape, keep, said)
     except (OSError, ProfinferError) as e:
-        why = str(e)
+        fd, why = None, str(e)
+    for line in said:
+        warn(line)
+    if fd is None:
+        warn(f"{why}: not used; {without}")
+    return fd
+
+
+@contextlib.contextmanager
+def _folder_locked(pin_dir: str, said: list[str]):
+    """The pin folder locked against other profinfers' replacing (two replacers at once
+    would each replace the other's); where one holds it past LOCK_WAIT_S (stopped
+    meanwhile), not waited for any longer: said, and done unlocked."""
+    fd = os.open(pin_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    said.append(f"{pin_dir} stayed locked by another profinfer for {LOCK_WAIT_S:g} s: "
+                                "its maps opened without the lock")
+                    break
+                time.sleep(0.05)
+        yield
     finally:
-        if lock >= 0:
-            os.close(lock)
-    warn(f"{why}: not used; {without}")
-    return None
+        os.close(fd)
+
+
+def _find_or_make(pin: str, name: str, shape: tuple[int, int, int, int],
+                  keep: Callable[[int], bool] | None, said: list[str]) -> tuple[int | None, str | None]:
+    """(a descriptor of the map pinned at `pin`, made and pinned if none is, another shape's
+    replaced; None) or (None, why not)."""
+    for _ in range(3):          # a profinfer that took no lock may pin it between our two calls
+        try:
+            fd = libbpf.pinned(pin)
+        except FileNotFoundError:
+            fd = _create_and_pin(pin, name, shape)
+            if fd is None:
+                continue
+            return fd, None
+        try:
+            why = _root_only(pin, folder=False)
+            if why is not None:
+                return None, why
+            if libbpf.map_shape(fd) == shape:
+                ours, fd = fd, -1       # returned open, not closed below
+                return ours, None
+            # another version's: ours replaces it (its users keep theirs)
+            map_id = libbpf.map_id(fd)
+            kept = f"{pin}{REPLACED}{map_id}"
+            wanted = keep is not None and keep(fd)
+            if wanted and map_id is not None and not os.path.lexists(kept):
+                os.rename(pin, kept)
+                said.append(f"{pin} was made by another version of profinfer: replaced, kept as {kept}")
+            else:
+                os.unlink(pin)
+                said.append(f"{pin} was made by another version of profinfer: replaced"
+                            + (" (in a layout this version cannot read: what it holds is not looked "
+                               "after here)" if keep is not None and not wanted else ""))
+        except FileNotFoundError:   # replaced by another meanwhile: looked at again
+            pass
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    return None, f"{pin} keeps changing"
 
 
 def replaced_pins(name: str, pin_dir: str = PIN_DIR) -> list[str]:
-    """The pins of other versions' maps of `name` kept (open_shared's keep_replaced), those
+    """The pins of other versions' maps of `name` kept (open_shared's `keep`), those
     that may be trusted (root's alone, in a folder that is)."""
     try:
         if _root_only(pin_dir, folder=True) is not None:
