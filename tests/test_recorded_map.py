@@ -81,7 +81,7 @@ def test_another_versions_map_of_held_processes_is_kept_aside(pin_dir):
                                        f"profinfer: replaced, kept as {kept}"], said
     assert libbpf.map_shape(fd)[2] == entry
     assert pinned.replaced_pins(held.MAP_NAME, pin_dir) == [kept]
-    assert [size for _, size in held.replaced_maps(pin_dir)] == [entry + 16]
+    assert [(pin, size) for pin, _, size in held.replaced_maps(pin_dir)] == [(kept, entry + 16)]
     os.unlink(f"{pin_dir}/{held.MAP_NAME}")
     os.close(fd)
     os.unlink(kept)

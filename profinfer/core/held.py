@@ -39,10 +39,10 @@ def open_shared(warn: Callable[[str], None], pin_dir: str = PIN_DIR) -> int | No
                               keep=lambda fd: entry_size(fd) is not None)
 
 
-def replaced_maps(pin_dir: str = PIN_DIR) -> Iterator[tuple[int, int]]:
-    """Other versions' maps of held processes that this one replaced and kept: (descriptor,
-    the size of an entry); each descriptor is closed once the next is asked for. One
-    unpinned meanwhile, or not readable, is passed over."""
+def replaced_maps(pin_dir: str = PIN_DIR) -> Iterator[tuple[str, int, int]]:
+    """Other versions' maps of held processes that this one replaced and kept: (pin,
+    descriptor, the size of an entry); each descriptor is closed once the next is asked for.
+    One unpinned meanwhile, or not readable, is passed over."""
     for pin in pinned.replaced_pins(MAP_NAME, pin_dir):
         try:
             fd = libbpf.pinned(pin)
@@ -51,31 +51,26 @@ def replaced_maps(pin_dir: str = PIN_DIR) -> Iterator[tuple[int, int]]:
         try:
             size = entry_size(fd)
             if size is not None:
-                yield fd, size
+                yield pin, fd, size
         finally:
             os.close(fd)
 
 
+def unpin_if_spent(pin: str, fd: int, size: int, kept_s: float = KEPT_S) -> bool:
+    """Unpin a kept map (replaced_maps) that is empty and was kept at least `kept_s`, where
+    bpffs may be written here (under systemd, make_pins does it); whether it was."""
+    try:
+        if time.time() - os.lstat(pin).st_ctime < kept_s or next(iter(libbpf.map_items(fd, 4, size)), None):
+            return False
+        os.unlink(pin)
+        return True
+    except OSError:             # gone meanwhile, or bpffs read-only here
+        return False
+
+
 def unpin_spent(pin_dir: str = PIN_DIR, kept_s: float = KEPT_S) -> list[str]:
-    """Unpin the kept maps that are empty and were kept at least `kept_s` (where bpffs may be
-    written here: under systemd, make_pins does it); the pins unpinned."""
-    out = []
-    for pin in pinned.replaced_pins(MAP_NAME, pin_dir):
-        try:
-            if time.time() - os.lstat(pin).st_ctime < kept_s:
-                continue
-            fd = libbpf.pinned(pin)
-            try:
-                size = entry_size(fd)
-                empty = size is None or next(iter(libbpf.map_items(fd, 4, size)), None) is None
-            finally:
-                os.close(fd)
-            if empty:
-                os.unlink(pin)
-                out.append(pin)
-        except OSError:         # gone meanwhile, or bpffs read-only here
-            continue
-    return out
+    """Unpin the kept maps that are spent (unpin_if_spent); the pins unpinned."""
+    return [pin for pin, fd, size in replaced_maps(pin_dir) if unpin_if_spent(pin, fd, size, kept_s)]
 
 
 def entry_size(fd: int) -> int | None:

@@ -509,23 +509,26 @@ def pinned(path: str) -> int:
 _MAP_INFO_SIZE = 24
 
 
-def map_shape(fd: int) -> tuple[int, int, int, int] | None:
-    """(type, key size, value size, max entries) of a map; None if fd is no map."""
+def _map_info(fd: int) -> tuple[int, ...] | None:
+    """bpf_map_info's first fields (type, id, key size, value size, max entries, flags);
+    None if fd is no map."""
     info = ctypes.create_string_buffer(_MAP_INFO_SIZE)
     size = ctypes.c_uint32(_MAP_INFO_SIZE)
     if lib().bpf_obj_get_info_by_fd(fd, info, ctypes.byref(size)) or size.value < _MAP_INFO_SIZE:
         return None
-    kind, _id, key, value, entries, _flags = struct.unpack_from("<6I", info.raw)
-    return kind, key, value, entries
+    return struct.unpack_from("<6I", info.raw)
+
+
+def map_shape(fd: int) -> tuple[int, int, int, int] | None:
+    """(type, key size, value size, max entries) of a map; None if fd is no map."""
+    info = _map_info(fd)
+    return None if info is None else (info[0], *info[2:5])
 
 
 def map_id(fd: int) -> int | None:
     """The kernel's id of a map (unique while it lives); None if fd is no map."""
-    info = ctypes.create_string_buffer(_MAP_INFO_SIZE)
-    size = ctypes.c_uint32(_MAP_INFO_SIZE)
-    if lib().bpf_obj_get_info_by_fd(fd, info, ctypes.byref(size)) or size.value < _MAP_INFO_SIZE:
-        return None
-    return struct.unpack_from("<2I", info.raw)[1]
+    info = _map_info(fd)
+    return None if info is None else info[1]
 
 
 def map_lookup(fd: int, key: bytes, value_size: int) -> bytes | None:

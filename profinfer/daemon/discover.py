@@ -230,9 +230,9 @@ class NodeDiscovery:
         entry whose process is gone, another process now, or running, is dropped. The PIDs
         continued."""
         out = self._continue_orphans_in(self.obj.map_fd(held.MAP_NAME), self._held_dt.itemsize)
-        for fd, size in held.replaced_maps():
+        for pin, fd, size in held.replaced_maps():
             out += self._continue_orphans_in(fd, size)
-        held.unpin_spent()
+            held.unpin_if_spent(pin, fd, size)
         return out
 
     def _continue_orphans_in(self, fd: int, entry_size: int) -> list[int]:
