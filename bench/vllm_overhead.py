@@ -33,13 +33,23 @@ def main() -> int:
     ap.add_argument("--mode", default="eager", choices=["eager", "compiled"])
     ap.add_argument("--out", default=str(Path(__file__).with_name("vllm_overhead.jsonl")))
     ap.add_argument("--summary", help="write the medians (JSON) here too")
+    ap.add_argument("--price-windows", type=int, default=0,
+                    help="first price a hit in this engine (profinfer calibrate --pid, this many "
+                    "windows of 1.5 s with its probes): the attaches' accounting then uses it")
     args = ap.parse_args()
     seconds = (2 * args.pairs + 2) * (args.window + 8) + 60   # an attach and its report take seconds too
+    seconds += 3 * args.price_windows * 1.5 + 30
     target, batches = timed_target.start([str(workload.ensure_vllm()), str(WORKLOAD),
                                           str(workload.ensure_model()), args.mode, str(seconds)], "BATCH")
     windows = []       # (probed, start_ns, end_ns, summary or None)
     tmp = Path(tempfile.mkdtemp())
     try:
+        if args.price_windows:
+            priced = subprocess.run([*PROFINFER, "calibrate", "--pid", str(target.pid), "--windows",
+                                     str(args.price_windows), "--window", "1.5"], capture_output=True, text=True)
+            if priced.returncode:
+                raise SystemExit(f"profinfer calibrate --pid failed: {priced.stderr.strip()[-2000:]}")
+            print(priced.stdout.strip())
         for i in range(2 * args.pairs + 1):
             probed = i % 2 == 1
             t0 = time.monotonic_ns()

@@ -349,7 +349,14 @@ def _add_plugin_commands() -> None:
 @click.option("--attempts", type=click.IntRange(min=2), default=4, show_default=True,
               help="Runs to try (two must pass their check) before giving up on a busy or "
               "noisy machine.")
-def calibrate_cmd(threads, force, attempts):
+@click.option("-p", "--pid", type=int, help="Instead: what a probe hit costs this running engine, "
+              "measured in it (its op level's sites, timed by its steps) and cached for its build: "
+              "the profiler-cost line and the daemon's budget then price its hits at that.")
+@click.option("--windows", type=click.IntRange(min=3), default=20, show_default=True,
+              help="With --pid: windows with the probes (as many without).")
+@click.option("--window", "window_s", type=click.FloatRange(min=0.2), default=1.5, show_default=True,
+              help="With --pid: seconds a window.")
+def calibrate_cmd(threads, force, attempts, pid, windows, window_s):
     """Measure this machine's roofs (DRAM and each cache level's read bandwidth, f32 FMA peak) for roofline verdicts,
     and what a uprobe hit costs here (for the profiler-cost line).
 
@@ -357,6 +364,13 @@ def calibrate_cmd(threads, force, attempts):
     repeated, and not cached if it never passes: then the exit status is 75 (try again later)."""
     from profinfer.core import calibrate, kernel, probecost
     from profinfer.core.loadcheck import UnreliableMeasurement
+    if pid is not None:
+        from profinfer.core import enginetrap
+        kernel.require_root()
+        loop = probecost.cached()
+        p = enginetrap.calibrate(pid, windows, window_s, note=_note)
+        click.echo(enginetrap.describe(p, loop["emulated_ns"] if loop else None))
+        return
     failed: list[UnreliableMeasurement] = []
     try:
         r = calibrate.calibrate(threads, force, attempts, note=_note)

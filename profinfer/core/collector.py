@@ -157,6 +157,10 @@ class Collector:
     PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS = 64, 16     # perf buffers (kernels before 5.12)
     n_decode_tokens = 0          # tokens decoded so far, for a collector that sees them
     elfs: tuple = ()             # the files its probes are on (an engine's sets its own list)
+    # `profinfer calibrate --pid` (enginetrap.py): the level whose hits are priced in the
+    # engine, and the floor level whose steps time it meanwhile (None: not this engine's)
+    PRICED_LEVEL: str | None = None
+    FLOOR_LEVEL: str | None = None
 
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
@@ -458,6 +462,16 @@ class Collector:
     def _cost_meta(cost: dict[str, int], prefix: str = "cost:") -> dict[str, str]:
         """The programs' cost (program_costs, with the hits) as metadata."""
         return {f"{prefix}{k}": str(v) for k, v in cost.items()}
+
+    def pricing_sites(self) -> list[tuple[str, tuple[int, int] | None, list[int]]]:
+        """Where PRICED_LEVEL's probes trap, by file: (path, file id, file offsets), less
+        the floor level's own; made with both levels, never attached (enginetrap.py)."""
+        raise ProfinferError(f"{self.pack.engine}: its probes' price cannot be measured in the engine "
+                             "(its plugin has no steps to time it by)")
+
+    def priced_builds(self) -> list[str]:
+        """The build ids of the files pricing_sites() are in."""
+        return []
 
     # ---- detach ----
 

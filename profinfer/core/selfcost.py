@@ -37,6 +37,9 @@ class SelfCost:
     thread_cpu_ns: dict[int, int] | None = None
     hit_shares: dict[int, float] | None = None
     thread_waited_ns: dict[int, int] | None = None    # each thread's wait for a CPU meanwhile
+    # where trap_in_situ_ns was measured (the recording's meta trap_priced: the engine's own
+    # steps, enginetrap.py); None: in the recording itself
+    trap_priced: str | None = None
 
     def _bearers(self) -> dict[int, tuple[float, int]] | None:
         """{tid: (its share of the hits, its CPU ns)} of the threads that took the hits, when
@@ -222,7 +225,7 @@ def _compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCos
                     trap_in_situ_ns(profile, num("cost:barrier_ns_per_run") or 0, cols),
                     critical, threads or 1, graph_share(profile),
                     threads_cpu_ns(meta.get("threads_cpu_s", "")), hit_shares(profile, cols),
-                    threads_cpu_ns(meta.get("threads_waited_s", "")))
+                    threads_cpu_ns(meta.get("threads_waited_s", "")), meta.get("trap_priced"))
 
 
 def threads_cpu_ns(text: str) -> dict[int, int] | None:

@@ -94,7 +94,8 @@ def cost_line(c: selfcost.SelfCost) -> str:
     slowdown = c.slowdown
     stated = "" if slowdown is None else (
         f"; time added {slowdown:.2%}"
-        + ("" if c.trap_in_situ_ns is None else f" (traps at {c.trap_in_situ_ns / 1e3:.2f} µs, as the recording shows them")
+        + ("" if c.trap_in_situ_ns is None else f" (traps at {c.trap_in_situ_ns / 1e3:.2f} µs, "
+           + (c.trap_priced or "as the recording shows them"))
         + ("" if c.trap_in_situ_ns is None else
            (f", collector x{c.collector_factor:.2f} in the threads' time)" if c.collector_critical
             else ")")))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import psutil
 
-from profinfer.core import discovery, insitu, libbpf, procfs
+from profinfer.core import discovery, enginetrap, insitu, libbpf, procfs
 from profinfer.core.arch import placement
 from profinfer.core.collector import Collector, add_hits, ops_recorded_because, program_costs
 from profinfer.core.errors import ProfinferError
@@ -83,6 +83,7 @@ class Inbox:
 class VllmCollector(Collector):
     HEADER = "vllm.h"
     MULTI_PROGRAMS = (ENTRY_PROGRAM, RETURN_PROGRAM, END_PROGRAM)
+    PRICED_LEVEL, FLOOR_LEVEL = "op", "step"
 
     def __init__(self, pid: int, levels: set[str], pack: Pack, lib_paths: list[tuple[str, str]],
                  root: str = "/", tensor_layout: str | None = None, ringbuf_pages: int = 1024,
@@ -108,6 +109,7 @@ class VllmCollector(Collector):
         self._metrics_url: str | None = None      # vLLM's server's /metrics, found before the probes
         self.processes: set[int] = set()    # attach: the tree's processes followed
         self._tree_fd = -1
+        self.engine_price: enginetrap.EnginePrice | None = None
 
     @property
     def ops(self) -> list[native.NativeOp]:
@@ -163,6 +165,8 @@ class VllmCollector(Collector):
             names = [a.name for a in op.schema.args] if op else []
             if arg in names and op.kinds[names.index(arg)] != native.SKIP:
                 plan.cost_values[name] = names.index(arg)
+        # a hit's price measured in an engine of this build (profinfer calibrate --pid)
+        self.engine_price = enginetrap.cached(self.priced_builds()) if "op" in self.levels else None
         if "sched" in self.levels:
             schedprobe.require_btf()
         if self.counter_request:
@@ -292,7 +296,21 @@ class VllmCollector(Collector):
         return spec
 
     def _attach_ops(self, elfs, paths: dict[str, str]) -> None:
-        pid = -1                            # on the files; BPF runs for the followed tgids only
+        for program, path, file_id, offsets, cookies, retprobe in self._op_sites(elfs, paths):
+            if retprobe:
+                self._attach_uprobes(program, path, offsets, cookies, -1, retprobe=True, file_id=file_id)
+                self.plan.return_probes += len(offsets)
+            else:
+                self._attach_uprobes(program, path, offsets, cookies, -1, file_id=file_id)
+            if program == ENTRY_PROGRAM:
+                self.n_probes += 2 * len(cookies)
+                self.probed_files.add(discovery.file_key(path))
+
+    def _op_sites(self, elfs, paths: dict[str, str]) -> list[tuple]:
+        """Where the op level's probes go in each library, in the order they are attached:
+        (program, path, file_id, file offsets, cookies, return probe). The probes run for
+        the followed tgids only (BPF's filter), on the files."""
+        out = []
         for elf in elfs:
             path = paths.get(elf.path, elf.path)
             offsets, cookies, ends = self._wrapper_probes(elf)
@@ -323,15 +341,28 @@ class VllmCollector(Collector):
             # the ends first: a call entered between the two has no open span to close
             ended = [(e, c) for c, e in zip(cookies, ends) if e is not None]
             if ended:
-                self._attach_uprobes(END_PROGRAM, path, [e for e, _ in ended], [c for _, c in ended],
-                                     pid, file_id=file_id)
+                out.append((END_PROGRAM, path, file_id, [e for e, _ in ended], [c for _, c in ended], False))
             if returned:
-                self._attach_uprobes(RETURN_PROGRAM, path, [o for o, _ in returned],
-                                     [c for _, c in returned], pid, retprobe=True, file_id=file_id)
-                self.plan.return_probes += len(returned)
-            self._attach_uprobes(ENTRY_PROGRAM, path, offsets, cookies, pid, file_id=file_id)
-            self.n_probes += 2 * len(cookies)
-            self.probed_files.add(discovery.file_key(path))
+                out.append((RETURN_PROGRAM, path, file_id, [o for o, _ in returned],
+                            [c for _, c in returned], True))
+            out.append((ENTRY_PROGRAM, path, file_id, offsets, cookies, False))
+        return out
+
+    def pricing_sites(self) -> list[tuple[str, tuple[int, int] | None, list[int]]]:
+        """Every place the op level traps (enginetrap.py): its entry, end and return probes'
+        (a return probe's trap is priced at its entry's place: the same instruction), by
+        file, less the step level's (a probe beside one of those shares its trap)."""
+        self._prepare()
+        floor = VllmCollector(self.pid, {self.FLOOR_LEVEL}, self.pack, self.lib_paths, root=self.root)
+        floor._prepare()
+        taken = {(path, o) for _, path, _, offsets, _, _ in floor._op_sites(floor.elfs, {}) for o in offsets}
+        by_file: dict[tuple, set[int]] = {}
+        for _, path, file_id, offsets, _, _ in self._op_sites(self.elfs, {}):
+            by_file.setdefault((path, file_id), set()).update(o for o in offsets if (path, o) not in taken)
+        return [(path, file_id, sorted(offsets)) for (path, file_id), offsets in by_file.items() if offsets]
+
+    def priced_builds(self) -> list[str]:
+        return [e.build_id for e in self.elfs if e.build_id]
 
     def _note_trap_site(self, op: int, path: str, file_id, sym, code: bytes, after: int) -> None:
         """Where in the op's own function, past `after` (its probe's place, or its first
@@ -396,6 +427,8 @@ class VllmCollector(Collector):
         the process that makes them; a failure to is said, and the calibration's cost used.
         Where calls are counted, those of the ops it is measured on are sent meanwhile."""
         plan = self.plan
+        if self.engine_price is not None:      # priced in the engine's steps: no trap beside
+            return
         if plan.traps is not None:
             plan.traps.tick()
             if self.counted.sending and (plan.traps.done or plan.traps.error):
@@ -460,8 +493,11 @@ class VllmCollector(Collector):
         """What the probes cost so far (see _cost), while collecting (a daemon's governor)."""
         if not self._counting_costs():
             return {}
-        return self._cost(self.obj.program_stats(), self._calls_by_op(),
-                          self._read_tallies((name, TALLIES.index(name)) for name in ("unsent", "unsent_returned")))
+        out = self._cost(self.obj.program_stats(), self._calls_by_op(),
+                         self._read_tallies((name, TALLIES.index(name)) for name in ("unsent", "unsent_returned")))
+        if self.engine_price is not None:         # the governor prices the hits as the engine pays them
+            out["trap_in_situ_ns"] = int(self.engine_price.trap_ns)
+        return out
 
     def _calls_by_op(self) -> dict[str, int]:
         """Calls so far by op name: sent and counted."""
@@ -550,6 +586,9 @@ class VllmCollector(Collector):
     def _trap_in_situ(self, stats: dict[str, tuple[int, int]]) -> dict[str, str]:
         """One emulated trap as the calls paid it (insitu.py), less the bare program's run:
         the accounting prices the emulated hits at it (selfcost)."""
+        if self.engine_price is not None:
+            return {"trap_in_situ_ns": f"{self.engine_price.trap_ns:.0f}",
+                    "trap_priced": enginetrap.provenance(self.engine_price)}
         traps = self.plan.traps
         if traps is None:
             return {}

@@ -1,0 +1,224 @@
+"""A probe hit's price as a running engine pays it, from the engine's own steps
+(`profinfer calibrate --pid`).
+
+In a loop, and inside the calls the collector times (insitu.py), a trap costs what the
+kernel's warm path costs. An engine pays more: the trap after its work between two probed
+calls comes back to a path its work has evicted (bench/results.md, "Why the engine pays more
+than a loop for a trap"), and a probe placed beside the op level's own traps only shows the
+warm price. So the price is measured the one way that sees it all: a probe that does
+nothing (bpf/bare.bpf.c) at every site of the level priced, for alternate windows, while the
+engine's floor level times its steps; the steps' period with the probes against without,
+over the probes' hits a step, less the bare program's run, is one hit as the engine pays it.
+
+Steps are compared by their kind (tokens scheduled) against the windows without, each
+window's median by kind; the windows' spread gives the figure's standard error. Cached by
+the build id of the probed files ($PROFINFER_CACHE/engine_traps.json): the accounting of a
+later recording or daemon on the same build prices its emulated hits there, and says where
+the price was measured.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from profinfer.core import buildcache, insitu, kernel
+from profinfer.core.errors import ProfinferError
+from profinfer.core.model import Step
+
+EDGE_NS = insitu.EDGE_NS       # steps this close to an attach or detach are left out
+MIN_STEPS = 20                 # of one window, to stand for it
+MIN_WINDOWS = 3                # with the probes, and without
+TICK_S = 0.02
+
+
+@dataclass(frozen=True)
+class EnginePrice:
+    trap_ns: float             # one hit, as the engine paid it (the bare program's run left out)
+    se_ns: float               # its standard error, from the windows' spread
+    windows: int               # with the probes (as many without)
+    steps: int                 # steps compared, in both kinds of window
+    hits_per_step: float
+    step_ns: float             # a step's period without the probes (the median window's)
+    pid: int
+    command: str
+    measured_at: str
+    files: list[str]
+
+
+def price(steps: list[Step], on: list[tuple[int, int]], off: list[tuple[int, int]],
+          bare_runs: int, bare_ns: int) -> tuple[float, float, int, float, float]:
+    """(ns a hit, its standard error, steps compared, hits a step, a step's ns) from the
+    engine's steps and the windows with (`on`) and without (`off`) the bare probes (pure
+    logic). A step's period runs from its start to the next step's on the same thread."""
+    periods: list[tuple[int, int, int]] = []       # (start, period, kind)
+    by_tid: dict[int, list[Step]] = {}
+    for s in steps:
+        by_tid.setdefault(s.tid, []).append(s)
+    for mine in by_tid.values():
+        mine.sort(key=lambda s: s.start_ns)
+        periods += [(a.start_ns, b.start_ns - a.start_ns, a.n_tokens) for a, b in zip(mine, mine[1:])]
+    if not periods:
+        raise ProfinferError("the engine made no steps meanwhile: price its traps while it serves")
+    start = np.array([p[0] for p in periods], np.int64)
+    period = np.array([p[1] for p in periods], np.int64)
+    kind = np.array([p[2] for p in periods], np.int64)
+
+    def window_of(windows: list[tuple[int, int]]) -> np.ndarray:
+        """The window each period lies wholly in, away from its edges (-1: none)."""
+        out = np.full(len(start), -1)
+        for i, (a, b) in enumerate(windows):
+            out[(start >= a + EDGE_NS) & (start + period <= b - EDGE_NS)] = i
+        return out
+
+    w_on, w_off = window_of(on), window_of(off)
+    base = {k: float(np.median(period[(w_off >= 0) & (kind == k)]))
+            for k in np.unique(kind[w_off >= 0])}
+    known = np.isin(kind, list(base))
+    ratio = np.array([period[i] / base[kind[i]] if known[i] else np.nan for i in range(len(period))])
+
+    def per_window(w: np.ndarray, n: int) -> list[float]:
+        return [float(np.median(ratio[(w == i) & known])) for i in range(n)
+                if np.count_nonzero((w == i) & known) >= MIN_STEPS]
+
+    r_on, r_off = per_window(w_on, len(on)), per_window(w_off, len(off))
+    if len(r_on) < MIN_WINDOWS or len(r_off) < MIN_WINDOWS:
+        raise ProfinferError(f"too few busy windows ({len(r_on)} with the probes, {len(r_off)} without, "
+                             f"each of {MIN_STEPS} steps at least; {MIN_WINDOWS} of each needed): "
+                             "price the traps while the engine serves steadily")
+    in_on = np.zeros(len(start), bool)
+    for a, b in on:
+        in_on |= (start >= a) & (start < b)
+    steps_on = int(np.count_nonzero(in_on))
+    if not bare_runs or not steps_on:
+        raise ProfinferError("the probes were never hit: the engine made no calls at the sites priced")
+    hits_per_step = bare_runs / steps_on
+    step_ns = float(np.median(period[(w_off >= 0) & known]))
+    slower = statistics.fmean(r_on) - statistics.fmean(r_off)
+    se = (statistics.variance(r_on) / len(r_on) + statistics.variance(r_off) / len(r_off)) ** 0.5
+    per_hit = step_ns / hits_per_step
+    compared = int(np.count_nonzero((w_on >= 0) & known) + np.count_nonzero((w_off >= 0) & known))
+    return slower * per_hit - bare_ns / bare_runs, se * per_hit, compared, hits_per_step, step_ns
+
+
+def measure(pid: int, sites: list[tuple[str, tuple[int, int] | None, list[int]]],
+            steps_of: "callable", windows: int, window_s: float) -> tuple:
+    """Bare probes at `sites` of process `pid` in `windows` alternate windows of `window_s`
+    while `steps_of(seconds)` profiles the engine's steps for that long (returns them);
+    then price() of what they saw. The probes are gone when this returns."""
+    sampler = insitu.TrapSampler(sites, pid, kernel.event_buffer_kind("auto"), windows=windows,
+                                 window_s=window_s)
+    stop = threading.Event()
+
+    def ticking() -> None:
+        while not stop.is_set() and not sampler.done and not sampler.error:
+            sampler.tick()
+            time.sleep(TICK_S)
+
+    ticker = threading.Thread(target=ticking, name="bare probes", daemon=True)
+    try:
+        ticker.start()
+        steps = steps_of(2 * windows * window_s + 2 * window_s)
+    finally:
+        stop.set()
+        ticker.join()
+        runs, ns = sampler.cost()
+        on, off, error = list(sampler.on), list(sampler.off), sampler.error
+        if sampler.links:                 # stopped early: what is still attached, detached
+            sampler.obj.detach_links(sampler.links)
+        sampler.close()
+    if error:
+        raise ProfinferError(f"the bare probes could not be placed: {error}")
+    return price(steps, on, off, runs, ns)
+
+
+def calibrate(pid: int, windows: int, window_s: float, note=lambda m: None) -> EnginePrice:
+    """Price the engine's traps in process `pid` (or the descendant that runs it), cache the
+    price for its builds and return it."""
+    from profinfer.core.packfinder import engine_process
+    from profinfer.core.packs import load_pack, pack_names
+    from profinfer.core.session import profile_process
+
+    packs = [p for p in map(load_pack, pack_names()) if not p.level]
+    pack, engine_pid, files = engine_process(packs, pid)
+    cls = pack.collector_class()
+    if cls.PRICED_LEVEL is None:
+        raise ProfinferError(f"{pack.engine}: its probes' price cannot be measured in the engine "
+                             "(its plugin has no steps to time it by)")
+    plan = cls(engine_pid, {cls.PRICED_LEVEL, cls.FLOOR_LEVEL}, pack, files, root=f"/proc/{engine_pid}/root")
+    sites = plan.pricing_sites()
+    if not sites:
+        raise ProfinferError(f"PID {engine_pid}: no {cls.PRICED_LEVEL}-level probe sites to price")
+    n = sum(len(offsets) for _, _, offsets in sites)
+    note(f"PID {engine_pid} ({pack.engine}): {n} {cls.PRICED_LEVEL}-level sites, a probe that does nothing "
+         f"on them in {windows} of {2 * windows} windows of {window_s:g} s, its steps timed at the "
+         f"{cls.FLOOR_LEVEL} level")
+
+    def steps_of(seconds: float) -> list[Step]:
+        return profile_process(engine_pid, {cls.FLOOR_LEVEL}, duration=seconds, timeline=False).steps
+
+    found = measure(engine_pid, sites, steps_of, windows, window_s)
+    trap_ns, se_ns, steps, hits_per_step, step_ns = found
+    try:
+        with open(f"/proc/{engine_pid}/cmdline", "rb") as f:
+            command = f.read(4096).replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        command = ""
+    result = EnginePrice(trap_ns, se_ns, windows, steps, hits_per_step, step_ns, engine_pid, command,
+                         time.strftime("%Y-%m-%dT%H:%M:%S%z"), sorted({os.path.basename(p) for p, _, _ in sites}))
+    save(result, plan.priced_builds())
+    return result
+
+
+def describe(p: EnginePrice, loop_ns: float | None) -> str:
+    loop = "" if loop_ns is None else f"; in a loop, {loop_ns / 1e3:.2f} µs"
+    return (f"a probe hit as PID {p.pid}'s engine pays it: {p.trap_ns / 1e3:.2f} µs ± {p.se_ns / 1e3:.2f} "
+            f"({p.hits_per_step:.0f} hits a step of {p.step_ns / 1e6:.2f} ms, {p.steps} steps in "
+            f"{2 * p.windows} windows{loop}); cached for {', '.join(p.files)}")
+
+
+def _cache_path() -> str:
+    return str(buildcache.cache_dir() / "engine_traps.json")
+
+
+def _read() -> dict:
+    """The cache, if nobody but root or this user could have written it (else {})."""
+    try:
+        got = buildcache.load_trusted_json(_cache_path())
+    except OSError:
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def save(p: EnginePrice, build_ids: list[str]) -> None:
+    """Cache `p` for each of these builds (the probed files'), replacing an older price."""
+    cached = _read()
+    for b in build_ids:
+        cached[b] = asdict(p)
+    path = _cache_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(cached, f, indent=1)
+    os.replace(tmp, path)
+
+
+def cached(build_ids: list[str]) -> EnginePrice | None:
+    """The price measured on one of these builds, the latest; None where none was."""
+    found = []
+    for entry in (v for k, v in _read().items() if k in build_ids):
+        try:
+            found.append(EnginePrice(**entry))
+        except TypeError:                # another version's entry
+            continue
+    return max(found, key=lambda p: p.measured_at, default=None)
+
+
+def provenance(p: EnginePrice) -> str:
+    return (f"as PID {p.pid}'s engine paid it ({p.measured_at}, {p.windows} windows: "
+            f"±{p.se_ns / 1e3:.2f} µs)")
