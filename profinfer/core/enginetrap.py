@@ -11,7 +11,8 @@ engine's floor level times its steps; the steps' period with the probes against 
 over the probes' hits a step, less the bare program's run, is one hit as the engine pays it.
 
 Steps are compared by their kind (tokens scheduled) against the windows without, each
-window's median by kind; the windows' spread gives the figure's standard error. Cached by
+window's median by kind, each window with the probes against the two without beside it; the
+pairs' spread gives the figure's standard error. Cached by
 the build id of the probed files ($PROFINFER_CACHE/engine_traps.json): the accounting of a
 later recording or daemon on the same build prices its emulated hits there, and says where
 the price was measured.
@@ -27,8 +28,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from profinfer.core import buildcache, insitu, kernel
+from profinfer.core import buildcache, insitu, kernel, libbpf
 from profinfer.core.errors import ProfinferError
+from profinfer.core.loadcheck import UnreliableMeasurement
 from profinfer.core.model import Step
 
 EDGE_NS = insitu.EDGE_NS       # steps this close to an attach or detach are left out
@@ -82,14 +84,21 @@ def price(steps: list[Step], on: list[tuple[int, int]], off: list[tuple[int, int
     known = np.isin(kind, list(base))
     ratio = np.array([period[i] / base[kind[i]] if known[i] else np.nan for i in range(len(period))])
 
-    def per_window(w: np.ndarray, n: int) -> list[float]:
-        return [float(np.median(ratio[(w == i) & known])) for i in range(n)
-                if np.count_nonzero((w == i) & known) >= MIN_STEPS]
+    def per_window(w: np.ndarray, n: int) -> list[float | None]:
+        return [float(np.median(ratio[(w == i) & known]))
+                if np.count_nonzero((w == i) & known) >= MIN_STEPS else None for i in range(n)]
 
+    # each window with the probes against the windows without on either side (off[i] came
+    # just before on[i], off[i + 1] just after): the machine's slow drifts cancel
     r_on, r_off = per_window(w_on, len(on)), per_window(w_off, len(off))
-    if len(r_on) < MIN_WINDOWS or len(r_off) < MIN_WINDOWS:
-        raise ProfinferError(f"too few busy windows ({len(r_on)} with the probes, {len(r_off)} without, "
-                             f"each of {MIN_STEPS} steps at least; {MIN_WINDOWS} of each needed): "
+    paired = []
+    for i, r in enumerate(r_on):
+        around = [x for x in r_off[i:i + 2] if x is not None]
+        if r is not None and around:
+            paired.append(r - statistics.fmean(around))
+    if len(paired) < MIN_WINDOWS:
+        raise ProfinferError(f"too few busy windows ({len(paired)} with the probes beside one without, "
+                             f"each of {MIN_STEPS} steps at least; {MIN_WINDOWS} needed): "
                              "price the traps while the engine serves steadily")
     in_on = np.zeros(len(start), bool)
     for a, b in on:
@@ -98,43 +107,65 @@ def price(steps: list[Step], on: list[tuple[int, int]], off: list[tuple[int, int
     if not bare_runs or not steps_on:
         raise ProfinferError("the probes were never hit: the engine made no calls at the sites priced")
     hits_per_step = bare_runs / steps_on
-    step_ns = float(np.median(period[(w_off >= 0) & known]))
-    slower = statistics.fmean(r_on) - statistics.fmean(r_off)
-    se = (statistics.variance(r_on) / len(r_on) + statistics.variance(r_off) / len(r_off)) ** 0.5
+    step_ns = float(np.mean(period[(w_off >= 0) & known]))     # hits_per_step is a mean too
+    # the median pair, robust to a window the machine stalled in; its standard error as a
+    # normal sample's median's
+    slower = statistics.median(paired)
+    se = 1.2533 * statistics.stdev(paired) / len(paired) ** 0.5
     per_hit = step_ns / hits_per_step
     compared = int(np.count_nonzero((w_on >= 0) & known) + np.count_nonzero((w_off >= 0) & known))
     return slower * per_hit - bare_ns / bare_runs, se * per_hit, compared, hits_per_step, step_ns
 
 
 def measure(pid: int, sites: list[tuple[str, tuple[int, int] | None, list[int]]],
-            steps_of: "callable", windows: int, window_s: float) -> tuple:
+            record_steps, windows: int, window_s: float) -> tuple:
     """Bare probes at `sites` of process `pid` in `windows` alternate windows of `window_s`
-    while `steps_of(seconds)` profiles the engine's steps for that long (returns them);
-    then price() of what they saw. The probes are gone when this returns."""
-    sampler = insitu.TrapSampler(sites, pid, kernel.event_buffer_kind("auto"), windows=windows,
-                                 window_s=window_s)
-    stop = threading.Event()
+    (the first begun once the steps are recorded), while `record_steps(seconds,
+    on_attached)` records the engine's steps for that long (returns them); then price() of
+    what they saw. The probes are gone when this returns."""
+    stats_fd = libbpf.enable_run_time_stats()     # the bare program's runs are its hits
+    if stats_fd < 0:
+        raise ProfinferError("the kernel does not count BPF programs' runs here (Linux 5.8+, "
+                             "CAP_SYS_ADMIN or sysctl kernel.bpf_stats_enabled=1): no hits to price by")
+    stop, started = threading.Event(), {}
 
-    def ticking() -> None:
+    def ticking(sampler: insitu.TrapSampler) -> None:
         while not stop.is_set() and not sampler.done and not sampler.error:
-            sampler.tick()
+            try:
+                sampler.tick()
+            except Exception as e:            # said by the caller, with the probes detached
+                sampler.error = str(e) or type(e).__name__
             time.sleep(TICK_S)
 
-    ticker = threading.Thread(target=ticking, name="bare probes", daemon=True)
+    def begin() -> None:
+        sampler = insitu.TrapSampler(sites, pid, kernel.event_buffer_kind("auto"), windows=windows,
+                                     window_s=window_s)
+        started["sampler"] = sampler
+        started["ticker"] = threading.Thread(target=ticking, args=(sampler,), name="bare probes", daemon=True)
+        started["ticker"].start()
+
+    sampler = None
     try:
-        ticker.start()
-        steps = steps_of(2 * windows * window_s + 2 * window_s)
+        steps = record_steps(2 * windows * window_s + window_s, begin)
     finally:
         stop.set()
-        ticker.join()
-        runs, ns = sampler.cost()
-        on, off, error = list(sampler.on), list(sampler.off), sampler.error
-        if sampler.links:                 # stopped early: what is still attached, detached
-            sampler.obj.detach_links(sampler.links)
-        sampler.close()
-    if error:
-        raise ProfinferError(f"the bare probes could not be placed: {error}")
-    return price(steps, on, off, runs, ns)
+        if "ticker" in started:
+            started["ticker"].join()
+        sampler = started.get("sampler")
+        if sampler is not None:
+            runs, ns = sampler.cost()
+            if sampler.links:             # stopped early: what is still attached, detached
+                sampler.obj.detach_links(sampler.links)
+                sampler.links = []
+            sampler.close()
+        os.close(stats_fd)
+    if sampler is None:
+        raise ProfinferError("the engine's steps were never recorded: nothing priced")
+    if sampler.error:
+        raise ProfinferError(f"the bare probes could not be placed: {sampler.error}")
+    if len(sampler.on) < windows:
+        raise ProfinferError(f"stopped after {len(sampler.on)} of {windows} windows with the probes: nothing cached")
+    return price(steps, sampler.on, sampler.off, runs, ns)
 
 
 def calibrate(pid: int, windows: int, window_s: float, note=lambda m: None) -> EnginePrice:
@@ -159,11 +190,16 @@ def calibrate(pid: int, windows: int, window_s: float, note=lambda m: None) -> E
          f"on them in {windows} of {2 * windows} windows of {window_s:g} s, its steps timed at the "
          f"{cls.FLOOR_LEVEL} level")
 
-    def steps_of(seconds: float) -> list[Step]:
-        return profile_process(engine_pid, {cls.FLOOR_LEVEL}, duration=seconds, timeline=False).steps
+    def record_steps(seconds: float, on_attached) -> list[Step]:
+        prof = profile_process(engine_pid, {cls.FLOOR_LEVEL}, duration=seconds, timeline=False,
+                               on_attached=on_attached)
+        return [s for s in prof.steps if s.pid == engine_pid]     # the probes' process's steps
 
-    found = measure(engine_pid, sites, steps_of, windows, window_s)
-    trap_ns, se_ns, steps, hits_per_step, step_ns = found
+    trap_ns, se_ns, steps, hits_per_step, step_ns = measure(engine_pid, sites, record_steps, windows, window_s)
+    if not trap_ns > 2 * se_ns:
+        raise UnreliableMeasurement(f"not cached: a hit priced at {trap_ns / 1e3:.2f} µs ± {se_ns / 1e3:.2f} does not "
+                             "stand out of the windows' noise (twice its standard error): run it again under "
+                             "a steady load, with more --windows")
     try:
         with open(f"/proc/{engine_pid}/cmdline", "rb") as f:
             command = f.read(4096).replace(b"\0", b" ").decode(errors="replace").strip()
@@ -201,11 +237,14 @@ def save(p: EnginePrice, build_ids: list[str]) -> None:
     for b in build_ids:
         cached[b] = asdict(p)
     path = _cache_path()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(cached, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(cached, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ProfinferError(f"the price could not be cached in {path}: {e.strerror}") from None
 
 
 def cached(build_ids: list[str]) -> EnginePrice | None:
@@ -213,9 +252,11 @@ def cached(build_ids: list[str]) -> EnginePrice | None:
     found = []
     for entry in (v for k, v in _read().items() if k in build_ids):
         try:
-            found.append(EnginePrice(**entry))
+            p = EnginePrice(**entry)
         except TypeError:                # another version's entry
             continue
+        if isinstance(p.trap_ns, (int, float)) and p.trap_ns > 0 and isinstance(p.measured_at, str):
+            found.append(p)
     return max(found, key=lambda p: p.measured_at, default=None)
 
 

@@ -60,6 +60,7 @@ class OpPlan:
     traps: insitu.TrapSampler | None = None      # measuring a trap in the target, once calls come
     trap_ops: list[int] = field(default_factory=list)   # the ops it is measured on
     return_probes: int = 0      # places whose calls end at a return probe, not an end probe
+    stepped_sites: set[tuple[str, int]] = field(default_factory=set)   # (path, file offset)
 
 
 class Inbox:
@@ -332,6 +333,8 @@ class VllmCollector(Collector):
                 # not moved: the return address is still on top)
                 place = placement.choose(code, (1, 2, 3, 4, 5, 6))
                 self.plan.placements[op.name] = place
+                if not place.emulated:
+                    self.plan.stepped_sites.add((path, sym.file_offset + place.offset))
                 offsets.append(sym.file_offset + place.offset)
                 cookies.append(i)
                 returned.append((offsets[-1], i))
@@ -351,13 +354,16 @@ class VllmCollector(Collector):
     def pricing_sites(self) -> list[tuple[str, tuple[int, int] | None, list[int]]]:
         """Every place the op level traps (enginetrap.py): its entry, end and return probes'
         (a return probe's trap is priced at its entry's place: the same instruction), by
-        file, less the step level's (a probe beside one of those shares its trap)."""
+        file, less the step level's (a probe beside one of those shares its trap) and those
+        the kernel single-steps (the price is an emulated hit's)."""
         self._prepare()
         floor = VllmCollector(self.pid, {self.FLOOR_LEVEL}, self.pack, self.lib_paths, root=self.root)
         floor._prepare()
         taken = {(path, o) for _, path, _, offsets, _, _ in floor._op_sites(floor.elfs, {}) for o in offsets}
+        found = self._op_sites(self.elfs, {})
+        taken |= self.plan.stepped_sites
         by_file: dict[tuple, set[int]] = {}
-        for _, path, file_id, offsets, _, _ in self._op_sites(self.elfs, {}):
+        for _, path, file_id, offsets, _, _ in found:
             by_file.setdefault((path, file_id), set()).update(o for o in offsets if (path, o) not in taken)
         return [(path, file_id, sorted(offsets)) for (path, file_id), offsets in by_file.items() if offsets]
 
@@ -495,8 +501,8 @@ class VllmCollector(Collector):
             return {}
         out = self._cost(self.obj.program_stats(), self._calls_by_op(),
                          self._read_tallies((name, TALLIES.index(name)) for name in ("unsent", "unsent_returned")))
-        if self.engine_price is not None:         # the governor prices the hits as the engine pays them
-            out["trap_in_situ_ns"] = int(self.engine_price.trap_ns)
+        if out and self.engine_price is not None:       # the governor prices the hits as the engine pays them
+            out["trap_in_situ_ns"] = round(self.engine_price.trap_ns)
         return out
 
     def _calls_by_op(self) -> dict[str, int]:
