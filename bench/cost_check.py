@@ -16,7 +16,7 @@ stated (profiler_cost: probes in the target plus the collector's CPU).
 `--all` checks every engine and level the accounting must hold for, each the way its cost
 shows in time, and says whether stated / timed falls within ACCEPT: llama.cpp's op level
 (above), vLLM eager and compiled (bench/vllm_overhead.py: one engine process's batches in
-alternating windows) and a CUDA program's launches (bench/cuda_overhead.py: the program's
+alternating windows, its hits priced first in that engine by `profinfer calibrate --pid`) and a CUDA program's launches (bench/cuda_overhead.py: the program's
 own time per call, runs alternating unprobed and probed).
 
     .venv/bin/python bench/cost_check.py --all
@@ -185,8 +185,10 @@ def check_all(pairs: int, window_s: float, tmp: Path) -> list[tuple[str, float, 
         out.append(("llama.cpp op level, tiny (time per decode call)", llama["summary"]["timed"],
                     llama["summary"]["stated"]))
     for mode in ("eager", "compiled"):
-        v = _bench("vllm_overhead.py", ["--mode", mode, "--pairs", str(pairs), "--window", "5"], tmp)
-        out.append((f"vLLM op level, {mode} (batch time; steps/s {v['steps_per_s_unprobed']:.0f} -> "
+        # its hits priced first in the same engine (profinfer calibrate --pid), as a user does
+        v = _bench("vllm_overhead.py", ["--mode", mode, "--pairs", str(pairs), "--window", "5",
+                                        "--price-windows", "20"], tmp)
+        out.append((f"vLLM op level, {mode}, hits priced in the engine (batch time; steps/s {v['steps_per_s_unprobed']:.0f} -> "
                     f"{v['steps_per_s_probed']:.0f})", v["timed"], v["stated"]))
     c = _bench("cuda_overhead.py", ["--what", "launch"], tmp)["launch"]
     out.append(("cuda level, cudaLaunchKernel (ns per call, aggregated)", c["aggregated_added_ns"],

@@ -6,7 +6,10 @@ attaches in alternating windows; each probed window's batches are set against th
 windows' on either side (drifts of a shared machine cancel), and against what that attach's
 own accounting stated (profiler_cost: probes in the target plus the collector's CPU).
 
-    .venv/bin/python bench/vllm_overhead.py --pairs 8 --window 6 [--mode eager|compiled]
+    .venv/bin/python bench/vllm_overhead.py --pairs 8 --window 6 [--mode eager|compiled] [--price-windows 20]
+
+--price-windows N first prices a hit in this engine (`profinfer calibrate --pid`, N windows
+with its probes): every attach after it states its cost at that price.
 """
 from __future__ import annotations
 

@@ -364,6 +364,12 @@ def calibrate_cmd(threads, force, attempts, pid, windows, window_s):
     repeated, and not cached if it never passes: then the exit status is 75 (try again later)."""
     from profinfer.core import calibrate, kernel, probecost
     from profinfer.core.loadcheck import UnreliableMeasurement
+    given = {name for name in ("threads", "force", "attempts", "windows", "window_s")
+             if click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
+    wrong = given & ({"threads", "force", "attempts"} if pid is not None else {"windows", "window_s"})
+    if wrong:
+        options = ", ".join("--" + ("window" if w == "window_s" else w) for w in sorted(wrong))
+        raise click.UsageError(f"{options}: " + ("not with --pid" if pid is not None else "only with --pid"))
     if pid is not None:
         from profinfer.core import enginetrap
         kernel.require_root()

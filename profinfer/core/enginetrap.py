@@ -119,34 +119,38 @@ def price(steps: list[Step], on: list[tuple[int, int]], off: list[tuple[int, int
 
 def measure(pid: int, sites: list[tuple[str, tuple[int, int] | None, list[int]]],
             record_steps, windows: int, window_s: float) -> tuple:
-    """Bare probes at `sites` of process `pid` in `windows` alternate windows of `window_s`
-    (the first begun once the steps are recorded), while `record_steps(seconds,
-    on_attached)` records the engine's steps for that long (returns them); then price() of
-    what they saw. The probes are gone when this returns."""
+    """Bare probes at `sites` of process `pid` in `windows` alternate windows of `window_s`,
+    while `record_steps(seconds, on_attached)` records the engine's steps (returns them):
+    the windows begin at on_attached(stop), which is given what ends the recording once they
+    are done (`seconds` is a backstop). Then price() of what they saw. The probes are gone
+    when this returns."""
     stats_fd = libbpf.enable_run_time_stats()     # the bare program's runs are its hits
     if stats_fd < 0:
         raise ProfinferError("the kernel does not count BPF programs' runs here (Linux 5.8+, "
                              "CAP_SYS_ADMIN or sysctl kernel.bpf_stats_enabled=1): no hits to price by")
     stop, started = threading.Event(), {}
 
-    def ticking(sampler: insitu.TrapSampler) -> None:
+    def ticking(sampler: insitu.TrapSampler, end_recording) -> None:
         while not stop.is_set() and not sampler.done and not sampler.error:
             try:
                 sampler.tick()
             except Exception as e:            # said by the caller, with the probes detached
                 sampler.error = str(e) or type(e).__name__
             time.sleep(TICK_S)
+        end_recording()
 
-    def begin() -> None:
+    def begin(end_recording) -> None:
         sampler = insitu.TrapSampler(sites, pid, kernel.event_buffer_kind("auto"), windows=windows,
                                      window_s=window_s)
         started["sampler"] = sampler
-        started["ticker"] = threading.Thread(target=ticking, args=(sampler,), name="bare probes", daemon=True)
+        started["ticker"] = threading.Thread(target=ticking, args=(sampler, end_recording),
+                                             name="bare probes", daemon=True)
         started["ticker"].start()
 
     sampler = None
     try:
-        steps = record_steps(2 * windows * window_s + window_s, begin)
+        # each window also takes its probes' placing or removal, and a tick's lateness
+        steps = record_steps(2 * windows * (window_s + 0.5) + 30, begin)
     finally:
         stop.set()
         if "ticker" in started:
@@ -173,7 +177,7 @@ def calibrate(pid: int, windows: int, window_s: float, note=lambda m: None) -> E
     price for its builds and return it."""
     from profinfer.core.packfinder import engine_process
     from profinfer.core.packs import load_pack, pack_names
-    from profinfer.core.session import profile_process
+    from profinfer.core.session import Session, SessionOptions
 
     packs = [p for p in map(load_pack, pack_names()) if not p.level]
     pack, engine_pid, files = engine_process(packs, pid)
@@ -190,9 +194,10 @@ def calibrate(pid: int, windows: int, window_s: float, note=lambda m: None) -> E
          f"on them in {windows} of {2 * windows} windows of {window_s:g} s, its steps timed at the "
          f"{cls.FLOOR_LEVEL} level")
 
-    def record_steps(seconds: float, on_attached) -> list[Step]:
-        prof = profile_process(engine_pid, {cls.FLOOR_LEVEL}, duration=seconds, timeline=False,
-                               on_attached=on_attached)
+    def record_steps(seconds: float, begin) -> list[Step]:
+        session = Session(engine_pid, SessionOptions({cls.FLOOR_LEVEL}, seconds, timeline=False))
+        session.on_attached = lambda: begin(lambda: session.stop_reason.append("windows done"))
+        prof = session.run()
         return [s for s in prof.steps if s.pid == engine_pid]     # the probes' process's steps
 
     trap_ns, se_ns, steps, hits_per_step, step_ns = measure(engine_pid, sites, record_steps, windows, window_s)
