@@ -140,6 +140,15 @@ def load_trusted_json(path: Path | str, missing=None):
             return missing
 
 
+def load_trusted_dict(path: Path | str) -> dict:
+    """The JSON object in the cached file `path` (load_trusted_json), else {}."""
+    try:
+        found = load_trusted_json(path)
+    except OSError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def private_dir() -> Path:
     """A directory of this process's own, gone when it exits: for what a cache that cannot be
     written or trusted would have held (in the first trusted temporary directory)."""

@@ -184,11 +184,7 @@ def describe(r: dict) -> str:
 
 def _load() -> dict:
     """The cache, if nobody but root or this user could have written it (else {})."""
-    try:
-        found = buildcache.load_trusted_json(_cache_path())
-    except OSError:
-        return {}
-    return found if isinstance(found, dict) else {}
+    return buildcache.load_trusted_dict(_cache_path())
 
 
 def _checked(cache: dict) -> dict:

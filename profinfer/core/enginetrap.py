@@ -229,11 +229,7 @@ def _cache_path() -> str:
 
 def _read() -> dict:
     """The cache, if nobody but root or this user could have written it (else {})."""
-    try:
-        got = buildcache.load_trusted_json(_cache_path())
-    except OSError:
-        return {}
-    return got if isinstance(got, dict) else {}
+    return buildcache.load_trusted_dict(_cache_path())
 
 
 def save(p: EnginePrice, build_ids: list[str]) -> None:

@@ -23,7 +23,7 @@ from conftest import run_profinfer
 
 WORKLOAD = Path(__file__).parents[2] / "bench" / "vllm_workload.py"
 STARTUP_S = 300
-WINDOWS = 8             # with the probes (as many without), of 1.5 s: ~25 s
+WINDOWS = 16            # with the probes (as many without), of 1.5 s: ~50 s
 UNRELIABLE = 75         # calibrate's exit status for a measurement not cached
 
 
