@@ -371,11 +371,11 @@ def calibrate_cmd(threads, force, attempts, pid, windows, window_s):
         options = ", ".join("--" + ("window" if w == "window_s" else w) for w in sorted(wrong))
         raise click.UsageError(f"{options}: " + ("not with --pid" if pid is not None else "only with --pid"))
     if pid is not None:
-        from profinfer.core import enginetrap
+        from profinfer.core import engineprice, enginetrap
         kernel.require_root()
         loop = probecost.cached()
         p = enginetrap.calibrate(pid, windows, window_s, note=_note)
-        click.echo(enginetrap.describe(p, loop["emulated_ns"] if loop else None))
+        click.echo(engineprice.describe(p, loop["emulated_ns"] if loop else None))
         return
     failed: list[UnreliableMeasurement] = []
     try:

@@ -11,24 +11,20 @@ engine's floor level times its steps; the steps' period with the probes against 
 over the probes' hits a step, less the bare program's run, is one hit as the engine pays it.
 
 Steps are compared by their kind (tokens scheduled) against the windows without, each
-window's median by kind, each window with the probes against the two without beside it; the
-pairs' spread gives the figure's standard error. Cached by
-the build id of the probed files ($PROFINFER_CACHE/engine_traps.json): the accounting of a
-later recording or daemon on the same build prices its emulated hits there, and says where
-the price was measured.
+window's median by kind, each window with the probes against those without beside it; the
+pairs' spread gives the figure's standard error. The price is cached (engineprice.py).
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from profinfer.core import buildcache, insitu, kernel, libbpf
+from profinfer.core import insitu, kernel, libbpf
+from profinfer.core.engineprice import EnginePrice, save
 from profinfer.core.errors import ProfinferError
 from profinfer.core.loadcheck import UnreliableMeasurement
 from profinfer.core.model import Step
@@ -37,20 +33,6 @@ EDGE_NS = insitu.EDGE_NS       # steps this close to an attach or detach are lef
 MIN_STEPS = 20                 # of one window, to stand for it
 MIN_WINDOWS = 3                # with the probes, and without
 TICK_S = 0.02
-
-
-@dataclass(frozen=True)
-class EnginePrice:
-    trap_ns: float             # one hit, as the engine paid it (the bare program's run left out)
-    se_ns: float               # its standard error, from the windows' spread
-    windows: int               # with the probes (as many without)
-    steps: int                 # steps compared, in both kinds of window
-    hits_per_step: float
-    step_ns: float             # a step's period without the probes (the median window's)
-    pid: int
-    command: str
-    measured_at: str
-    files: list[str]
 
 
 def price(steps: list[Step], on: list[tuple[int, int]], off: list[tuple[int, int]],
@@ -88,8 +70,8 @@ def price(steps: list[Step], on: list[tuple[int, int]], off: list[tuple[int, int
         return [float(np.median(ratio[(w == i) & known]))
                 if np.count_nonzero((w == i) & known) >= MIN_STEPS else None for i in range(n)]
 
-    # each window with the probes against the windows without on either side (off[i] came
-    # just before on[i], off[i + 1] just after): the machine's slow drifts cancel
+    # each window with the probes against the windows without beside it (off[i] came just
+    # before on[i], off[i + 1] just after; the last has one): the machine's slow drifts cancel
     r_on, r_off = per_window(w_on, len(on)), per_window(w_off, len(off))
     paired = []
     for i, r in enumerate(r_on):
@@ -97,12 +79,17 @@ def price(steps: list[Step], on: list[tuple[int, int]], off: list[tuple[int, int
         if r is not None and around:
             paired.append(r - statistics.fmean(around))
     if len(paired) < MIN_WINDOWS:
-        raise ProfinferError(f"too few busy windows ({len(paired)} with the probes beside one without, "
+        raise UnreliableMeasurement(f"too few busy windows ({len(paired)} with the probes beside one without, "
                              f"each of {MIN_STEPS} steps at least; {MIN_WINDOWS} needed): "
                              "price the traps while the engine serves steadily")
+    # the hits counted include those while the probes were being placed and removed: the
+    # steps they fell in are counted from the placing's start (the window before's end) to
+    # the removal's end (the window after's start)
     in_on = np.zeros(len(start), bool)
-    for a, b in on:
-        in_on |= (start >= a) & (start < b)
+    for i, (a, b) in enumerate(on):
+        lo = off[i][1] if i < len(off) else a
+        hi = off[i + 1][0] if i + 1 < len(off) else b
+        in_on |= (start >= lo) & (start < hi)
     steps_on = int(np.count_nonzero(in_on))
     if not bare_runs or not steps_on:
         raise ProfinferError("the probes were never hit: the engine made no calls at the sites priced")
@@ -152,23 +139,27 @@ def measure(pid: int, sites: list[tuple[str, tuple[int, int] | None, list[int]]]
         # each window also takes its probes' placing or removal, and a tick's lateness
         steps = record_steps(2 * windows * (window_s + 0.5) + 30, begin)
     finally:
-        stop.set()
-        if "ticker" in started:
-            started["ticker"].join()
-        sampler = started.get("sampler")
-        if sampler is not None:
-            runs, ns = sampler.cost()
-            if sampler.links:             # stopped early: what is still attached, detached
-                sampler.obj.detach_links(sampler.links)
-                sampler.links = []
-            sampler.close()
-        os.close(stats_fd)
+        try:
+            stop.set()
+            if "ticker" in started:
+                started["ticker"].join()
+            sampler = started.get("sampler")
+            if sampler is not None:
+                try:
+                    runs, ns = sampler.cost()
+                    if sampler.links:     # stopped early: what is still attached, detached
+                        sampler.obj.detach_links(sampler.links)
+                        sampler.links = []
+                finally:
+                    sampler.close()
+        finally:
+            os.close(stats_fd)
     if sampler is None:
         raise ProfinferError("the engine's steps were never recorded: nothing priced")
     if sampler.error:
-        raise ProfinferError(f"the bare probes could not be placed: {sampler.error}")
+        raise ProfinferError(f"the bare probes failed: {sampler.error}")
     if len(sampler.on) < windows:
-        raise ProfinferError(f"stopped after {len(sampler.on)} of {windows} windows with the probes: nothing cached")
+        raise UnreliableMeasurement(f"stopped after {len(sampler.on)} of {windows} windows with the probes: nothing cached")
     return price(steps, sampler.on, sampler.off, runs, ns)
 
 
@@ -211,56 +202,6 @@ def calibrate(pid: int, windows: int, window_s: float, note=lambda m: None) -> E
     except OSError:
         command = ""
     result = EnginePrice(trap_ns, se_ns, windows, steps, hits_per_step, step_ns, engine_pid, command,
-                         time.strftime("%Y-%m-%dT%H:%M:%S%z"), sorted({os.path.basename(p) for p, _, _ in sites}))
+                         time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), sorted({os.path.basename(p) for p, _, _ in sites}))
     save(result, plan.priced_builds())
     return result
-
-
-def describe(p: EnginePrice, loop_ns: float | None) -> str:
-    loop = "" if loop_ns is None else f"; in a loop, {loop_ns / 1e3:.2f} µs"
-    return (f"a probe hit as PID {p.pid}'s engine pays it: {p.trap_ns / 1e3:.2f} µs ± {p.se_ns / 1e3:.2f} "
-            f"({p.hits_per_step:.0f} hits a step of {p.step_ns / 1e6:.2f} ms, {p.steps} steps in "
-            f"{2 * p.windows} windows{loop}); cached for {', '.join(p.files)}")
-
-
-def _cache_path() -> str:
-    return str(buildcache.cache_dir() / "engine_traps.json")
-
-
-def _read() -> dict:
-    """The cache, if nobody but root or this user could have written it (else {})."""
-    return buildcache.load_trusted_dict(_cache_path())
-
-
-def save(p: EnginePrice, build_ids: list[str]) -> None:
-    """Cache `p` for each of these builds (the probed files'), replacing an older price."""
-    cached = _read()
-    for b in build_ids:
-        cached[b] = asdict(p)
-    path = _cache_path()
-    tmp = f"{path}.{os.getpid()}"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(cached, f, indent=1)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise ProfinferError(f"the price could not be cached in {path}: {e.strerror}") from None
-
-
-def cached(build_ids: list[str]) -> EnginePrice | None:
-    """The price measured on one of these builds, the latest; None where none was."""
-    found = []
-    for entry in (v for k, v in _read().items() if k in build_ids):
-        try:
-            p = EnginePrice(**entry)
-        except TypeError:                # another version's entry
-            continue
-        if isinstance(p.trap_ns, (int, float)) and p.trap_ns > 0 and isinstance(p.measured_at, str):
-            found.append(p)
-    return max(found, key=lambda p: p.measured_at, default=None)
-
-
-def provenance(p: EnginePrice) -> str:
-    return (f"as PID {p.pid}'s engine paid it ({p.measured_at}, {p.windows} windows: "
-            f"±{p.se_ns / 1e3:.2f} µs)")

@@ -109,8 +109,9 @@ def _profiler_cost(profile: Profile) -> dict:
         "hit_costs_ns": c.hit_costs_ns, "hit_costs": trap.as_json(), "trap_ns": _int(c.trap_ns),
         "collector_cpu_ns": c.collector_cpu_ns, "target_cpu_ns": c.target_cpu_ns,
         "in_target_share": c.in_target_share, "collector_share": c.collector_share,
-        "trap_in_situ_ns": _int(c.trap_in_situ_ns), "trap_priced": c.trap_priced,
-        "collector_on_critical_path": c.collector_critical,
+        "trap_in_situ_ns": _int(c.trap_in_situ_ns), "collector_on_critical_path": c.collector_critical,
+        # where the emulated hits' price was measured, when not in the recording itself
+        **({"trap_priced": c.trap_priced} if c.trap_priced else {}),
         "collector_factor": c.collector_factor,
         "slowdown": c.slowdown,
         # where the recording knows the threads that took the hits, each was charged its share

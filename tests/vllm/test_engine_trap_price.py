@@ -75,18 +75,21 @@ def test_a_hit_priced_in_the_engine_is_cached_for_its_build_and_stated(engine, t
     library = _c_library(engine.pid)
 
     # no engine in the process (nor under it): one line, no traceback
-    with subprocess.Popen(["sleep", "60"]) as idle:
-        bad = run_profinfer(["calibrate", "--pid", str(idle.pid), "--windows", "3"], env=env)
+    idle = subprocess.Popen(["sleep", "600"])
+    try:
+        bad = run_profinfer(["calibrate", "--pid", str(idle.pid), "--windows", "3"], env=env, timeout=120)
+    finally:
         idle.kill()
+        idle.wait()
     assert bad.rc != 0 and "Traceback" not in bad.stderr, bad.stderr
     assert bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("profinfer: error: "), bad.stderr
 
     run = run_profinfer(["calibrate", "--pid", str(engine.pid), "--windows", str(WINDOWS), "--window", "1.5"],
                         env=env)
     assert bpf_watch.leftovers({engine.pid}) == []
-    if run.rc == UNRELIABLE and "does not stand out of the windows' noise" in run.stderr:
-        assert not (cache / "engine_traps.json").exists()    # refused: nothing cached
-        pytest.skip(run.stderr.strip())                      # this VM's stalls
+    if run.rc == UNRELIABLE:            # refused for this VM's noise or stalls: nothing cached
+        assert not (cache / "engine_traps.json").exists()
+        pytest.skip(run.stderr.strip())
     assert run.rc == 0, run.stderr
     assert f"a probe hit as PID {engine.pid}'s engine pays it: " in run.stdout, run.stdout
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import psutil
 
-from profinfer.core import discovery, enginetrap, insitu, libbpf, procfs
+from profinfer.core import discovery, engineprice, insitu, libbpf, procfs
 from profinfer.core.arch import placement
 from profinfer.core.collector import Collector, add_hits, ops_recorded_because, program_costs
 from profinfer.core.errors import ProfinferError
@@ -110,7 +110,7 @@ class VllmCollector(Collector):
         self._metrics_url: str | None = None      # vLLM's server's /metrics, found before the probes
         self.processes: set[int] = set()    # attach: the tree's processes followed
         self._tree_fd = -1
-        self.engine_price: enginetrap.EnginePrice | None = None
+        self.engine_price: engineprice.EnginePrice | None = None
 
     @property
     def ops(self) -> list[native.NativeOp]:
@@ -167,7 +167,7 @@ class VllmCollector(Collector):
             if arg in names and op.kinds[names.index(arg)] != native.SKIP:
                 plan.cost_values[name] = names.index(arg)
         # a hit's price measured in an engine of this build (profinfer calibrate --pid)
-        self.engine_price = enginetrap.cached(self.priced_builds()) if "op" in self.levels else None
+        self.engine_price = engineprice.cached(self.priced_builds()) if "op" in self.levels else None
         if "sched" in self.levels:
             schedprobe.require_btf()
         if self.counter_request:
@@ -594,7 +594,7 @@ class VllmCollector(Collector):
         the accounting prices the emulated hits at it (selfcost)."""
         if self.engine_price is not None:
             return {"trap_in_situ_ns": f"{self.engine_price.trap_ns:.0f}",
-                    "trap_priced": enginetrap.provenance(self.engine_price)}
+                    "trap_priced": engineprice.provenance(self.engine_price)}
         traps = self.plan.traps
         if traps is None:
             return {}
