@@ -61,6 +61,8 @@ class OpPlan:
     trap_ops: list[int] = field(default_factory=list)   # the ops it is measured on
     return_probes: int = 0      # places whose calls end at a return probe, not an end probe
     stepped_sites: set[tuple[str, int]] = field(default_factory=set)   # (path, file offset)
+    # a hit's price measured in an engine of this build (profinfer calibrate --pid)
+    engine_price: engineprice.EnginePrice | None = None
 
 
 class Inbox:
@@ -110,7 +112,6 @@ class VllmCollector(Collector):
         self._metrics_url: str | None = None      # vLLM's server's /metrics, found before the probes
         self.processes: set[int] = set()    # attach: the tree's processes followed
         self._tree_fd = -1
-        self.engine_price: engineprice.EnginePrice | None = None
 
     @property
     def ops(self) -> list[native.NativeOp]:
@@ -166,8 +167,7 @@ class VllmCollector(Collector):
             names = [a.name for a in op.schema.args] if op else []
             if arg in names and op.kinds[names.index(arg)] != native.SKIP:
                 plan.cost_values[name] = names.index(arg)
-        # a hit's price measured in an engine of this build (profinfer calibrate --pid)
-        self.engine_price = engineprice.cached(self.priced_builds()) if "op" in self.levels else None
+        plan.engine_price = engineprice.cached(self.priced_builds()) if "op" in self.levels else None
         if "sched" in self.levels:
             schedprobe.require_btf()
         if self.counter_request:
@@ -433,7 +433,7 @@ class VllmCollector(Collector):
         the process that makes them; a failure to is said, and the calibration's cost used.
         Where calls are counted, those of the ops it is measured on are sent meanwhile."""
         plan = self.plan
-        if self.engine_price is not None:      # priced in the engine's steps: no trap beside
+        if self.plan.engine_price is not None:      # priced in the engine's steps: no trap beside
             return
         if plan.traps is not None:
             plan.traps.tick()
@@ -501,8 +501,8 @@ class VllmCollector(Collector):
             return {}
         out = self._cost(self.obj.program_stats(), self._calls_by_op(),
                          self._read_tallies((name, TALLIES.index(name)) for name in ("unsent", "unsent_returned")))
-        if out and self.engine_price is not None:       # the governor prices the hits as the engine pays them
-            out["trap_in_situ_ns"] = round(self.engine_price.trap_ns)
+        if out and self.plan.engine_price is not None:       # the governor prices the hits as the engine pays them
+            out["trap_in_situ_ns"] = round(self.plan.engine_price.trap_ns)
         return out
 
     def _calls_by_op(self) -> dict[str, int]:
@@ -592,9 +592,9 @@ class VllmCollector(Collector):
     def _trap_in_situ(self, stats: dict[str, tuple[int, int]]) -> dict[str, str]:
         """One emulated trap as the calls paid it (insitu.py), less the bare program's run:
         the accounting prices the emulated hits at it (selfcost)."""
-        if self.engine_price is not None:
-            return {"trap_in_situ_ns": f"{self.engine_price.trap_ns:.0f}",
-                    "trap_priced": engineprice.provenance(self.engine_price)}
+        if self.plan.engine_price is not None:
+            return {"trap_in_situ_ns": f"{self.plan.engine_price.trap_ns:.0f}",
+                    "trap_priced": engineprice.provenance(self.plan.engine_price)}
         traps = self.plan.traps
         if traps is None:
             return {}
