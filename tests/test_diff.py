@@ -147,7 +147,7 @@ def test_a_twice_wider_ffn_doubles_its_matmuls_and_nothing_else(llama_build, lla
 def _one_run_a_side(base: list[Path], wide: list[Path]) -> None:
     """One run against one: the parts' common change is the two processes' difference in
     speed (the FFN's other parts are unchanged: the models' shapes), so the FFN matmuls'
-    change beyond it lies within the FLOP ratio's bounds; attention and norms are never
+    change beyond it lies within the FLOP ratio's bounds, as far as its interval tells; attention and norms are never
     flagged; where the common change is above -30% (x1.8 beyond it is still beyond the 5%
     floor from no change) and the run's own drift left the floor under 25%, its FFN matmuls
     are flagged."""
@@ -161,7 +161,11 @@ def _one_run_a_side(base: list[Path], wide: list[Path]) -> None:
             beyond = (1 + row["change"]) / (1 + row["common"])
             print(f"one run a side, {kind}: x{1 + row['change']:.2f}, common {row['common']:+.0%}, "
                   f"beyond it x{beyond:.2f}: {row['verdict']}")
-            assert 1.3 <= beyond <= 2.2, row
+            # twice the FLOPs and weight bytes, with fixed costs of its own: x1.3 to x2 beyond the
+            # common change, as far as the row's interval can tell (a neighbour's memory traffic
+            # slows the wider matmuls' cache misses more than the rest: its floor widens by it)
+            low, high = (1 + row["low"]) / (1 + row["common"]), (1 + row["high"]) / (1 + row["common"])
+            assert low <= 2 * (1 + row["floor"]) and high >= 1.3 / (1 + row["floor"]), (low, high, row)
             # what it surely moves the token's time by must reach the whole's noise floor
             # (compare.py: a part of a whole, one run a side); a run faster in all its parts
             # shrinks that

@@ -465,9 +465,9 @@ class Collector:
 
     def pricing_sites(self) -> list[tuple[str, tuple[int, int] | None, list[int]]]:
         """Where PRICED_LEVEL's probes trap, by file: (path, file id, file offsets), less
-        the floor level's own; made with both levels, never attached (enginetrap.py)."""
-        raise ProfinferError(f"{self.pack.engine}: its probes' price cannot be measured in the engine "
-                             "(its plugin has no steps to time it by)")
+        the floor level's own; made with both levels, never attached (enginetrap.py). A
+        collector that names a PRICED_LEVEL has it."""
+        raise NotImplementedError(f"{type(self).__name__} names a PRICED_LEVEL but lists no sites to price")
 
     def priced_builds(self) -> list[str]:
         """The build ids of the files pricing_sites() are in."""

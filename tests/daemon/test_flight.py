@@ -138,6 +138,7 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
                 got = _get(d.url + f"/captures/{caps[0]['id']}", d.token) if caps else None
                 refused = _get(d.url + "/captures", None)[0]
                 metrics = _get(d.url + "/metrics")[1]
+                slow_until = time.monotonic()
         finally:
             for h in hogs:
                 h.kill()
@@ -191,8 +192,10 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
     assert "s_per_call" in graph["verdict"] and graph["per_call_ratio"] > 1.3, graph
     assert graph["incident"]["s_per_call"] > graph["baseline"]["s_per_call_range"][1]
     before = [ms for t, ms in load.tpots if t <= started]
-    # the server's own: completions that ended in the slowdown, before the capture's probes
-    during = [ms for t, ms in load.tpots if started + 1 <= t <= fired["fired_monotonic_s"] + 1]
+    # the server's own: completions that ended while the competitors ran (the capture's sched
+    # level adds nothing to a token: it counts switches; a stall of this VM can leave none
+    # ending within the hold time alone)
+    during = [ms for t, ms in load.tpots if started + 1 <= t <= slow_until]
     assert during and statistics.median(during) / statistics.median(before) > 1.3, (before, during)
     # and as its client saw it, token by token (what the steady test holds a capture to)
     assert load.saw(fired) >= 0.8, fired
@@ -259,7 +262,12 @@ def test_five_minutes_of_steady_load_make_no_capture(tmp_path, llama_build, tiny
     for i, text in enumerate(STEADY_TRIGGERS):
         assert len(armed[text]) == len(judged), (text, [p[i] for p in judged])
     assert rss[1] - rss[0] < 8 << 20, rss
-    assert printed.returncode == 0 and f"{STEADY_TRIGGERS[0]}: now " in printed.stdout, printed
+    # each trigger's state: its statistic against its limit, or, where it fired, its firing
+    # until it re-arms
+    for text in STEADY_TRIGGERS:
+        states = ("now ", "fired ") if any(c["fired"]["trigger"] == text for c in caps) else ("now ",)
+        assert any(f"{text}: {state}" in printed.stdout for state in states), (text, printed)
+    assert printed.returncode == 0, printed
 
 
 def daemon_rss(d: Daemon) -> int:
