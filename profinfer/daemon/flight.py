@@ -330,8 +330,9 @@ class Triggers:
                 state.clear_since = now
             cleared = state.clear_since is not None and now - state.clear_since >= trigger.hold_s \
                 and now - state.fired_at >= self.cooldown_s
-            # held as long as a baseline reaches back: the process's new normal, the next baseline
-            shifted = trigger.factor is not None and now - state.fired_at >= self.baseline_s
+            # held, never clear, as long as a baseline reaches back: the process's new normal,
+            # the next baseline (a re-arm as the cooldown ends is no shift, whatever their lengths)
+            shifted = not cleared and trigger.factor is not None and now - state.fired_at >= self.baseline_s
             if cleared or shifted:
                 state.fired_at = state.clear_since = state.pending_since = None
                 # the next baseline's samples begin here: the incident and its capture are

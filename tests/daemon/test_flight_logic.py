@@ -61,6 +61,32 @@ def test_a_rate_that_falls_fires_once_and_rearms():
     assert len(fired) == 2 and fired[1].baseline == 100.0
 
 
+def test_a_rearm_as_the_cooldown_ends_keeps_the_baseline():
+    """A cooldown as long as the baseline's window (the steady-load test's 60 s each): a short
+    slowdown that cleared re-arms the trigger with the baseline from before it, armed at once
+    (its limit stated) and firing at the next fall; only a condition that held for a whole
+    baseline's window is a new normal."""
+    fired = []
+    tr = Triggers([parse_trigger("tps_p50 < 0.5x baseline for 2s")], lambda key, f: fired.append(f),
+                  cooldown_s=40.0, baseline_s=40.0)
+    def run(lo: int, hi: int, rate: float) -> None:
+        for tenth in range(lo * 10, hi * 10):
+            now = tenth / 10
+            tr.observe((1, 1), "tps", now, [rate, rate])
+            tr.judge(now)
+    run(0, 60, 100.0)
+    run(60, 70, 30.0)
+    assert len(fired) == 1
+    run(70, 120, 100.0)             # clear from ~75 s, cooled down 40 s after the firing
+    state = tr.state_dicts((1, 1), 120.0)[0]
+    assert state["fired_s_ago"] is None and state["limit"] == 50.0, state
+    run(120, 130, 30.0)
+    assert len(fired) == 2 and fired[1].baseline == 100.0
+    run(130, 200, 30.0)             # held for a whole baseline's window: the new normal
+    state = tr.state_dicts((1, 1), 200.0)[0]
+    assert state["fired_s_ago"] is None and len(fired) == 2, (state, fired)
+
+
 def test_baseline_figures_and_the_ranges_of_its_intervals():
     """Cumulative op counts sampled at 0, 5, 10, 15 s: MUL_MAT 100 calls of 1 ms each
     interval, ADD 100 calls of 0.25, 0.5, 0.25 ms: MUL_MAT's share 0.8, 2/3, 0.8."""
