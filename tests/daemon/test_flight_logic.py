@@ -2,6 +2,7 @@
 ranges, and the report's verdicts, on hand-computed numbers."""
 from __future__ import annotations
 
+import functools
 import subprocess
 from pathlib import Path
 
@@ -34,6 +35,15 @@ def test_trigger_grammar():
             parse_trigger(bad)
 
 
+def _feed(tr: Triggers, lo: int, hi: int, rate: float) -> None:
+    """From second `lo` to `hi`, two tokens/s samples of `rate` a tenth of a second, judged
+    as they come."""
+    for tenth in range(lo * 10, hi * 10):
+        now = tenth / 10
+        tr.observe((1, 1), "tps", now, [rate, rate])
+        tr.judge(now)
+
+
 def test_a_rate_that_falls_fires_once_and_rearms():
     """`tps_p50 < 0.5x baseline for 2s`: 60 s of 100 tokens/s (20 samples a second), then 10 s
     at 30: it fires once, 2 s after the window's median falls under 50; back at 100, it re-arms
@@ -41,11 +51,7 @@ def test_a_rate_that_falls_fires_once_and_rearms():
     fired = []
     tr = Triggers([parse_trigger("tps_p50 < 0.5x baseline for 2s")], lambda key, f: fired.append(f),
                   cooldown_s=5.0, baseline_s=40.0)
-    def run(lo: int, hi: int, rate: float) -> None:
-        for tenth in range(lo * 10, hi * 10):
-            now = tenth / 10
-            tr.observe((1, 1), "tps", now, [rate, rate])
-            tr.judge(now)
+    run = functools.partial(_feed, tr)
     run(0, 60, 100.0)
     assert fired == []
     run(60, 70, 30.0)
@@ -69,11 +75,7 @@ def test_a_rearm_as_the_cooldown_ends_keeps_the_baseline():
     fired = []
     tr = Triggers([parse_trigger("tps_p50 < 0.5x baseline for 2s")], lambda key, f: fired.append(f),
                   cooldown_s=40.0, baseline_s=40.0)
-    def run(lo: int, hi: int, rate: float) -> None:
-        for tenth in range(lo * 10, hi * 10):
-            now = tenth / 10
-            tr.observe((1, 1), "tps", now, [rate, rate])
-            tr.judge(now)
+    run = functools.partial(_feed, tr)
     run(0, 60, 100.0)
     run(60, 70, 30.0)
     assert len(fired) == 1
