@@ -2,7 +2,8 @@
 decode throughput, batch sizes, CUDA sync times: QUANTITIES), such as `tpot_p99 > 3x
 baseline for 5s`, `ttft_p99 > 2s` or `tps_p10 < 0.5x baseline`, that, held for their time,
 fire once per incident. A trigger fires again only after its condition has been clear for its hold
-time and a cooldown has passed since it fired.
+time and a cooldown has passed since it fired; a baseline-relative one whose condition still
+holds once its baseline's window and the cooldown have passed takes that as the new normal.
 
 A condition's statistic is taken over the last WINDOW_S of samples, or over the newest
 WINDOW_MAX_SAMPLES where there are more (a busy server's window would otherwise hold so many
@@ -330,9 +331,11 @@ class Triggers:
                 state.clear_since = now
             cleared = state.clear_since is not None and now - state.clear_since >= trigger.hold_s \
                 and now - state.fired_at >= self.cooldown_s
-            # held, never clear, as long as a baseline reaches back: the process's new normal,
-            # the next baseline (a re-arm as the cooldown ends is no shift, whatever their lengths)
-            shifted = not cleared and trigger.factor is not None and now - state.fired_at >= self.baseline_s
+            # still holding once a baseline's window and the cooldown have both passed: the
+            # process's new normal, the next baseline (a trigger clear by then re-arms as usual,
+            # its baseline kept)
+            shifted = trigger.factor is not None and state.clear_since is None \
+                and now - state.fired_at >= max(self.baseline_s, self.cooldown_s)
             if cleared or shifted:
                 state.fired_at = state.clear_since = state.pending_since = None
                 # the next baseline's samples begin here: the incident and its capture are

@@ -67,26 +67,32 @@ def test_a_rate_that_falls_fires_once_and_rearms():
     assert len(fired) == 2 and fired[1].baseline == 100.0
 
 
-def test_a_rearm_as_the_cooldown_ends_keeps_the_baseline():
-    """A cooldown as long as the baseline's window (the steady-load test's 60 s each): a short
-    slowdown that cleared re-arms the trigger with the baseline from before it, armed at once
-    (its limit stated) and firing at the next fall; only a condition that held for a whole
-    baseline's window is a new normal."""
+@pytest.mark.parametrize("cooldown_s", [40.0, 60.0])
+def test_a_rearm_as_the_cooldown_ends_keeps_the_baseline(cooldown_s):
+    """A cooldown as long as the baseline's window (the steady-load test's 60 s each), or
+    longer: a short slowdown that cleared re-arms the trigger as its cooldown ends, with the
+    baseline from before it, armed at once (its limit stated) and firing at the next fall;
+    only a condition that still holds once the baseline's window and the cooldown have passed
+    is a new normal, its baseline taken afresh."""
     fired = []
     tr = Triggers([parse_trigger("tps_p50 < 0.5x baseline for 2s")], lambda key, f: fired.append(f),
-                  cooldown_s=40.0, baseline_s=40.0)
+                  cooldown_s=cooldown_s, baseline_s=40.0)
     run = functools.partial(_feed, tr)
     run(0, 60, 100.0)
     run(60, 70, 30.0)
-    assert len(fired) == 1
-    run(70, 120, 100.0)             # clear from ~75 s, cooled down 40 s after the firing
-    state = tr.state_dicts((1, 1), 120.0)[0]
+    assert len(fired) == 1 and fired[0].at < 70
+    rearmed = int(fired[0].at + cooldown_s) + 1     # clear since ~75 s, cooled down
+    run(70, rearmed - 3, 100.0)
+    assert tr.state_dicts((1, 1), rearmed - 3)[0]["fired_s_ago"] is not None     # cooling down
+    run(rearmed - 3, rearmed, 100.0)
+    state = tr.state_dicts((1, 1), rearmed)[0]
     assert state["fired_s_ago"] is None and state["limit"] == 50.0, state
-    run(120, 130, 30.0)
+    run(rearmed, rearmed + 10, 30.0)
     assert len(fired) == 2 and fired[1].baseline == 100.0
-    run(130, 200, 30.0)             # held for a whole baseline's window: the new normal
-    state = tr.state_dicts((1, 1), 200.0)[0]
+    run(rearmed + 10, rearmed + 110, 30.0)  # held past the baseline's window and the cooldown
+    state = tr.state_dicts((1, 1), rearmed + 110)[0]
     assert state["fired_s_ago"] is None and len(fired) == 2, (state, fired)
+    assert state["baseline"] == 30.0 and state["limit"] == 15.0, state
 
 
 def test_baseline_figures_and_the_ranges_of_its_intervals():
