@@ -81,7 +81,8 @@ def main() -> int:
         # the probed batches: those inside the attach's own recording (not its attach/detach)
         cost = summary.get("profiler_cost") or {}
         steps = summary["step_list"]
-        rec_lo, rec_hi = steps[0]["start_ns"], steps[-1]["start_ns"] + steps[-1]["dur_ns"]
+        # an entry may be a group of steps (the summary's step_group): its end is its last step's
+        rec_lo, rec_hi = steps[0]["start_ns"], steps[-1]["end_ns"]
         mine = batch_times(rec_lo, rec_hi)
         around = batch_times(windows[k - 1][1], windows[k - 1][2]) + batch_times(windows[k + 1][1], windows[k + 1][2])
         if not mine or not around:
@@ -91,7 +92,7 @@ def main() -> int:
                      "timed": timed, "stated": cost.get("slowdown"),
                      "in_target": cost.get("in_target_share"), "collector": cost.get("collector_share"),
                      "steps_per_s_probed": summary["steps_per_s"],
-                     "steps_per_batch": len(steps) / max(1, len(mine)),
+                     "steps_per_batch": sum(e["steps"] for e in steps) / max(1, len(mine)),
                      "probe_hits": cost.get("probe_hits"), "lost": summary["lost_events"],
                      "batch_ms_unprobed": statistics.median(around) / 1e6,
                      "batch_ms_probed": statistics.median(mine) / 1e6})
