@@ -19,6 +19,7 @@ import pytest
 from conftest import completion_cmd, run_profinfer
 from profinfer.core import bpfobj, calibrate, loadcheck
 from profinfer.core.loadcheck import UnreliableMeasurement
+from profinfer.core.roofline import ROOF_SPREAD
 
 THREADS = 2
 SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -129,14 +130,14 @@ def test_tiny_decode_matmul_is_judged_against_the_cache(measured, llama_build, t
     assert roofs["caches"] == [{"level": c["level"], "gbps": c["gbps"], "bytes": c["bytes"]}
                                for c in entry["caches"]]
     dec = next(v for v in roofline["verdicts"] if v["scope"] == "decode MUL_MAT")
-    assert dec["roof_share"] <= 1.0, dec
     assert dec["roof_share"] == pytest.approx(dec["gbps"] / dec["roof_gbps"])
-    if dec["gbps"] > roofs["peak_gbps"]:
+    if dec["gbps"] > roofs["peak_gbps"] * (1 + ROOF_SPREAD):
         assert dec["roof"] in {c["level"] for c in roofs["caches"]}, dec
         assert dec["notes"] == [f"above the DRAM roof: cache-resident ({dec['roof']})"], dec
-        assert dec["roof_gbps"] >= dec["gbps"]
-    else:
-        assert (dec["roof"], dec["roof_gbps"], dec["notes"]) == ("DRAM", roofs["peak_gbps"], []), dec
+        assert dec["roof_gbps"] >= dec["gbps"] and dec["roof_share"] <= 1.0
+    else:       # at or under DRAM's roof, as far as its measurement tells
+        assert (dec["roof"], dec["roof_gbps"]) == ("DRAM", roofs["peak_gbps"]), dec
+        assert dec["roof_share"] <= 1 + ROOF_SPREAD and len(dec["notes"]) == (dec["gbps"] > roofs["peak_gbps"])
 
     rep = run_profinfer(["report", str(tmp_path / "t.pftrace")],
                         env={**llama_env, "PROFINFER_CACHE": str(cache)}, json_summary=False)
