@@ -75,9 +75,9 @@ def test_hierarchical_verdicts():
     assert v.roof_share == pytest.approx(100 / 150) and v.notes == ["above the DRAM roof: cache-resident (L3)"]
     v = at(160.0)                                  # past L3: L2
     assert (v.roof, v.roof_share) == ("L2", pytest.approx(0.8))
-    v = at(26.0)                                   # past DRAM within its measurement's spread: at it
+    v = at(26.0)                                   # past DRAM within its margin: at it
     assert (v.roof, v.bound, v.roof_share) == ("DRAM", "memory", pytest.approx(1.04))
-    assert v.notes == ["at the DRAM roof: past it by 4%, within its measurement's 10%"]
+    assert v.notes == ["at the DRAM roof: past it by 4.0%, within 10% of the read benchmark"]
     v = at(35.0)                                   # past DRAM but far under L3: not bandwidth-bound
     assert (v.roof, v.bound) == ("L3", "neither") and "cache-resident (L3)" in v.notes[0]
     v = at(400.0)                                  # beats even L1: the only share above 100%

@@ -32,12 +32,12 @@ from pathlib import Path
 from profinfer.core import buildcache, loadcheck, nativebuild
 from profinfer.core.errors import ProfinferError
 from profinfer.core.loadcheck import UnreliableMeasurement
-from profinfer.core.roofline import ROOF_SPREAD, CacheRoof, Roofs
+from profinfer.core.roofline import CacheRoof, Roofs
 
 ATTEMPTS = 4            # runs, of which two must pass
 MIN_CPU_SHARE = 0.9     # a repetition whose threads ran less than this of its time was disturbed
 MIN_STABLE_REPS = 3
-SPREAD_LIMIT = ROOF_SPREAD   # the best MIN_STABLE_REPS undisturbed repetitions agree within it
+SPREAD_LIMIT = 0.10     # the best MIN_STABLE_REPS undisturbed repetitions agree within 10%
 FIGURES = ("read_gbps", "triad_gbps", "fma_gflops")
 ROOFS = ("read_gbps", "fma_gflops")      # the figures verdicts use, and the check judges
 # A level's working set per thread: this share of what one thread has of it, so that the
