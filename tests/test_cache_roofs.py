@@ -19,7 +19,6 @@ import pytest
 from conftest import completion_cmd, run_profinfer
 from profinfer.core import bpfobj, calibrate, loadcheck
 from profinfer.core.loadcheck import UnreliableMeasurement
-from profinfer.core.roofline import DRAM_MARGIN
 
 THREADS = 2
 SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -114,8 +113,8 @@ def test_tiny_decode_matmul_is_judged_against_the_cache(measured, llama_build, t
     """The tiny model's weights (all its tensors, from the GGUF file: 6.8 MB) fit in this
     machine's last cache level (sysfs), so each decoded token reads them from cache, and
     decode MUL_MAT can pass the DRAM roof. Its verdict must then say so and be shown against
-    a cache roof at or above its GB/s (share at most 100%); at or below DRAM's roof, or within
-    its margin past it, it stays DRAM's (share at most 110%)."""
+    a cache roof that holds the weights (at or above its GB/s: share at most 100%, or said
+    plainly); at or below DRAM's roof it stays DRAM's."""
     cache, entry = measured
     weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(tiny_model).tensors)
     last_size, _ = sysfs_data_caches()[max(sysfs_data_caches())]
@@ -132,13 +131,18 @@ def test_tiny_decode_matmul_is_judged_against_the_cache(measured, llama_build, t
                                for c in entry["caches"]]
     dec = next(v for v in roofline["verdicts"] if v["scope"] == "decode MUL_MAT")
     assert dec["roof_share"] == pytest.approx(dec["gbps"] / dec["roof_gbps"])
-    if dec["gbps"] > roofs["peak_gbps"] * (1 + DRAM_MARGIN):
-        assert dec["roof"] in {c["level"] for c in roofs["caches"]}, dec
-        assert dec["notes"] == [f"above the DRAM roof: cache-resident ({dec['roof']})"], dec
-        assert dec["roof_gbps"] >= dec["gbps"] and dec["roof_share"] <= 1.0
-    else:       # at or under DRAM's roof, as far as its measurement tells
-        assert (dec["roof"], dec["roof_gbps"]) == ("DRAM", roofs["peak_gbps"]), dec
-        assert dec["roof_share"] <= 1 + DRAM_MARGIN and len(dec["notes"]) == (dec["gbps"] > roofs["peak_gbps"])
+    if dec["gbps"] > roofs["peak_gbps"]:
+        # the levels whose capacity, for the two threads as sysfs says it is shared, holds the
+        # weights: the roof is one of them, however little past DRAM's it runs
+        holds = {level for level, (size, cpus) in sysfs_data_caches().items()
+                 if size * max(1, THREADS // cpus) >= weights}
+        assert dec["roof"] in holds, (dec, holds)
+        if dec["roof_gbps"] >= dec["gbps"]:
+            assert dec["notes"] == [f"above the DRAM roof: cache-resident ({dec['roof']})"], dec
+        else:       # faster than every roof that can hold it: said plainly
+            assert "above every measured roof that could hold its data" in dec["notes"][0], dec
+    else:
+        assert (dec["roof"], dec["roof_gbps"], dec["notes"]) == ("DRAM", roofs["peak_gbps"], []), dec
 
     rep = run_profinfer(["report", str(tmp_path / "t.pftrace")],
                         env={**llama_env, "PROFINFER_CACHE": str(cache)}, json_summary=False)

@@ -33,13 +33,15 @@ def calibration_cache(path, read_gbps, fma_gflops, emulated_ns, threads=2, cache
     return path
 
 
-def decode_profile() -> Profile:
+def decode_profile(graphs: int = 1) -> Profile:
+    """`graphs` decode calls of one 1 ms matmul of the same weights, on two threads."""
     mm = dict(srcs=(0xA, 0xB), src_views=(0, 0), src_ne=((2048, 8192, 1, 1), (2048, 1, 1, 1)),
               src_dtypes=("f16", "f32"))
-    ops = [OpSlice(tid, tid, 0, 1_000_000, 1_000_000, "MUL_MAT", "x-0", (8192, 1, 1, 1), "f32", 0xC, **mm)
-           for tid in (1, 2)]
-    return Profile(pid=1, graphs=[GraphCall(1, 0, 2_000_000, "CPU", 1)], ops=ops,
-                   tokens=[TokenCall(1, 0, 2_000_000, 1, False)],
+    at = [2_000_000 * g for g in range(graphs)]
+    ops = [OpSlice(tid, tid, t, t + 1_000_000, t + 1_000_000, "MUL_MAT", "x-0", (8192, 1, 1, 1), "f32", 0xC, **mm)
+           for t in at for tid in (1, 2)]
+    return Profile(pid=1, graphs=[GraphCall(1, t, t + 2_000_000, "CPU", 1) for t in at], ops=ops,
+                   tokens=[TokenCall(1, t, t + 2_000_000, 1, False) for t in at],
                    meta={"cost:bpf_ns": "1000", "cost:bpf_runs": "10", "cost:hits_emulated": "10",
                          "target_cpu_s": "1.0"})
 
@@ -74,18 +76,19 @@ def test_cache_roofs_round_trip(tmp_path, monkeypatch):
     """The cache roofs go into the trace and judge it there; a calibration without them judges
     with DRAM's roof alone and says the caches were not measured."""
     caches = [{"level": "L2", "gbps": 60.0, "bytes": 2 << 20, "working_set_bytes": 1 << 19},
-              {"level": "L3", "gbps": 40.0, "bytes": 32 << 20, "working_set_bytes": 8 << 20}]
+              {"level": "L3", "gbps": 40.0, "bytes": 64 << 20, "working_set_bytes": 16 << 20}]
     recorder = calibration_cache(tmp_path / "recorder", 11.0, 110.0, 1000.0, caches=caches)
     reader = calibration_cache(tmp_path / "reader", 33.0, 330.0, 3000.0)
     monkeypatch.setenv("PROFINFER_CACHE", str(recorder))
-    p = decode_profile()            # 33.6 MB of F16 weights in 1 ms: 33.6 GB/s
+    # 33.6 MB of F16 weights in 1 ms: 33.6 GB/s; read again each call, which L3 holds
+    p = decode_profile(graphs=3)
     recorded_calibration.stamp(p)
     write_perfetto(p, tmp_path / "t.pftrace")
 
     monkeypatch.setenv("PROFINFER_CACHE", str(reader))
     roofline = summary(read_trace(tmp_path / "t.pftrace"))["roofline"]
     assert roofline["roofs"]["caches"] == [{"level": "L2", "gbps": 60.0, "bytes": 2 << 20},
-                                           {"level": "L3", "gbps": 40.0, "bytes": 32 << 20}]
+                                           {"level": "L3", "gbps": 40.0, "bytes": 64 << 20}]
     (v,) = roofline["verdicts"]
     assert (v["roof"], v["roof_gbps"], v["bound"]) == ("L3", 40.0, "memory")
     assert v["roof_share"] == pytest.approx(v["gbps"] / 40.0) and v["roof_share"] <= 1

@@ -2,6 +2,8 @@
 (issue 3, acceptance 2): batch-1 decode MUL_MAT is memory-bound, a 512-token prefill's is not."""
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 
 from conftest import completion_cmd, run_profinfer, with_llama_log
@@ -9,8 +11,8 @@ from profinfer.core import calibrate, loadcheck
 from profinfer.core.loadcheck import UnreliableMeasurement
 from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
 from profinfer.engines.llamacpp.nodes import node_runs
-from profinfer.core.roofline import CacheRoof, Cost, Roofs, judge_costs
-from profinfer.engines.llamacpp.cost import judge, nbytes, node_cost
+from profinfer.core.roofline import CacheRoof, Cost, Roofs, SourceReuse, judge_costs
+from profinfer.engines.llamacpp.cost import judge, nbytes, node_cost, reuse_by_run, reuse_of
 
 
 def run(op, ne, srcs, dtype="f32", dur=1000):
@@ -88,6 +90,66 @@ def test_hierarchical_verdicts():
     assert v.roof_share == pytest.approx(0.5)
 
 
+def test_residency_from_where_the_sources_were_touched():
+    """Where the engine says how long ago an op's sources were touched, that decides which
+    roof can bound it, not its speed: data touched longer ago than every cache holds is read
+    from DRAM however far past that roof it runs; data that fits a cache is judged against it
+    even past the DRAM margin, and never against a smaller cache it does not fit."""
+    caches = (CacheRoof("L1", 300.0, 64 << 10), CacheRoof("L2", 200.0, 2 << 20), CacheRoof("L3", 150.0, 32 << 20))
+    roofs = Roofs(peak_gflops=200.0, peak_gbps=25.0, caches=caches)
+
+    def at(gbps, distances, sizes):
+        reuse = SourceReuse(np.array(distances, float), np.array(sizes, float))
+        return judge_costs("d", [(Cost(gbps * 1e6, gbps * 1e6), 1_000_000, None)], roofs, reuse=reuse)
+
+    weights = ([3e9, np.inf, 5e3], [30e6, 30e6, 8e3])      # read a graph (3 GB) before; cold
+    v = at(40.0, *weights)                 # 60% past DRAM: still DRAM's, and said why
+    assert (v.roof, v.roof_gbps, v.bound) == ("DRAM", 25.0, "memory") and v.roof_share == pytest.approx(1.6)
+    assert v.notes == ["at the DRAM roof: past it by 60.0%, yet 100% of the bytes it reads were touched "
+                       "more than L3's 32 MiB before: no cache measured holds them"]
+    small = ([6e6, 6e6, 1e3], [1e6, 1e6, 1e3])             # a 6 MB model: L3 holds it, L2 does not
+    v = at(40.0, *small)
+    assert (v.roof, v.bound, v.notes) == ("L3", "neither", ["above the DRAM roof: cache-resident (L3)"])
+    v = at(26.0, *small)                   # within DRAM's margin: fits L3, so L3's (no margin rule)
+    assert v.roof == "L3"
+    v = at(180.0, *small)                  # faster than L3, yet L2 cannot hold it: not L2's
+    assert v.roof == "L3" and v.roof_share == pytest.approx(1.2)
+    assert "above every measured roof that could hold its data" in v.notes[0]
+    v = at(20.0, *weights)                 # under DRAM's roof: DRAM's, no note
+    assert (v.roof, v.notes) == ("DRAM", [])
+
+
+def test_reuse_distances_follow_tensors_across_graphs():
+    """A weight read in every graph is touched again after what every other node of the graph
+    moved; an activation, after what moved since the node that wrote it (read through a view:
+    its root); each after its own bytes too."""
+    w, a, b, view = 0x100, 0x200, 0x300, 0x400
+    wne, ane = (64, 64, 1, 1), (64, 1, 1, 1)
+    graphs = [GraphCall(1, 0, 100, "CPU", 1), GraphCall(1, 200, 300, "CPU", 1)]
+    ops = []
+    for g0 in (0, 200):
+        # b = W x a (a 64x64 f32 weight: 16 KiB), then a = b + b read through a view of b
+        ops.append(OpSlice(1, 0, g0 + 10, g0 + 20, g0 + 20, "MUL_MAT", "mm", ane, "f32", tensor=b,
+                           srcs=(w, a, 0), src_views=(0, 0, 0), src_ne=(wne, ane), src_dtypes=("f32", "f32")))
+        ops.append(OpSlice(1, 0, g0 + 30, g0 + 40, g0 + 40, "ADD", "add", ane, "f32", tensor=a,
+                           srcs=(view, view, 0), src_views=(b, b, 0), src_ne=(ane, ane), src_dtypes=("f32", "f32")))
+    runs, _ = node_runs(Profile(pid=1, graphs=graphs, ops=ops, tokens=[TokenCall(1, 0, 400, 1, False)]))
+    reads = reuse_by_run(runs)
+    mm = reuse_of(rd for r, rd in zip(runs, reads) if r.op == "MUL_MAT")
+    add = reuse_of(rd for r, rd in zip(runs, reads) if r.op == "ADD")
+    mm_bytes = 64 * 64 * 4 + 64 * 4 + 64 * 4        # weight, a, b: as the cost model moves them
+    add_bytes = 3 * 64 * 4
+    w_bytes, a_bytes = 64 * 64 * 4, 64 * 4
+    # first graph: W and a never seen; second: W last read before the first ADD's moves, a
+    # written by that ADD just before (each plus its own bytes: re-read in order)
+    assert mm.distances.tolist() == [np.inf, np.inf, add_bytes + w_bytes, a_bytes]
+    assert mm.bytes.tolist() == [w_bytes, a_bytes] * 2
+    # b, read twice through its view, was written by the matmul just before
+    assert add.distances.tolist() == [a_bytes] * 4
+    assert mm.share_within(add_bytes + w_bytes) == 0.5
+    assert mm.share_within(add_bytes + w_bytes - 1) == pytest.approx(0.5 * a_bytes / (w_bytes + a_bytes))
+
+
 def test_above_dram_without_cache_roofs():
     """Roofs cached before the caches were measured: DRAM's roof, and the verdict says why its
     share passes 100%."""
@@ -139,6 +201,12 @@ def test_decode_matmul_memory_bound_prefill_not(llama_build, big_model, llama_en
     v = {x["scope"]: x for x in s["roofline"]["verdicts"]}
     dec, pre = v["decode MUL_MAT"], v["prefill MUL_MAT"]
     assert dec["bound"] == "memory", dec
+    # its weights (the GGUF's tensors) are larger than any cache: read from DRAM, whatever its
+    # GB/s against the read benchmark's roof, and said so when past it
+    weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(big_model).tensors)
+    assert all(weights > c["bytes"] for c in s["roofline"]["roofs"]["caches"])
+    assert dec["roof"] == "DRAM", dec
+    assert not dec["notes"] or dec["notes"][0].startswith("at the DRAM roof: past it by"), dec
     assert pre["bound"] != "memory" and pre["intensity"] > s["roofline"]["roofs"]["ridge"], pre
 
 

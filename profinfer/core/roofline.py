@@ -15,23 +15,35 @@ a lower bound and a memory-bound verdict is conservative.
 
 The roofline is hierarchical: an op whose data stays in a cache reads it faster than DRAM
 can deliver, so its achieved GB/s can pass the DRAM roof. Such an op is judged against the
-roof that bounds it: the lowest measured cache roof at or above its GB/s (usually the
-outermost level that can deliver it, L3 before L2 before L1), with its share of that roof
-and a note "above the DRAM roof: cache-resident (L3)". An op within DRAM_MARGIN past the
-DRAM roof is judged against it, its share above 100% and a note saying it is within the
-margin; otherwise a share above 100% is shown only when the op beats every roof
-measured, and the note says so.
+roof that bounds it: the lowest cache roof at or above its GB/s among the caches that can
+hold its data (usually the outermost level that can deliver it, L3 before L2 before L1),
+with its share of that roof and a note "above the DRAM roof: cache-resident (L3)". A share
+above 100% is shown only when the op beats every roof that could hold its data, and the
+note says so.
+
+Which caches can hold an op's data: where the engine knows which tensors each op reads
+(SourceReuse), those whose capacity holds at least RESIDENT_SHARE of the bytes it reads
+within their reuse distance; an op past the DRAM roof, however far, whose sources were
+touched longer ago than the largest cache holds (a model's weights, read once a token) is
+judged against DRAM, with a note. Where it does not, every cache, and an op within
+DRAM_MARGIN past the DRAM roof is judged against it, with a note saying so.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 MIN_ROOF_SHARE = 0.4
 # The DRAM roof is one benchmark's read pattern: an engine's streaming reads may pass it a
 # little (a 1.5B model's 3 GB of weights, that no cache holds, read at 101.5% of this host's
-# read roof, where its triad reached 122%). An op up to this far past it is at that roof.
+# read roof, where its triad reached 122%). Where an op's sources are not known, one up to
+# this far past it is at that roof.
 DRAM_MARGIN = 0.10
+# A cache serves an op when at least this share of the bytes it reads were touched within the
+# cache's capacity before.
+RESIDENT_SHARE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +61,20 @@ class CacheRoof:
     level: str               # "L1", "L2", "L3"
     gbps: float              # read bandwidth of a working set held in this level, all threads
     bytes: int               # the level's capacity the measuring threads had between them
+
+
+@dataclass(frozen=True, slots=True)
+class SourceReuse:
+    """The bytes a scope's op runs read, each with its reuse distance: the bytes every op moved
+    since that tensor was last touched (inf: not touched before). Moves are counted as the cost
+    model gives them, not as distinct bytes, so distances are upper bounds and residency is
+    never overstated."""
+    distances: np.ndarray    # float64
+    bytes: np.ndarray        # float64
+
+    def share_within(self, capacity: float) -> float:
+        total = float(self.bytes.sum())
+        return float(self.bytes[self.distances <= capacity].sum()) / total if total else 0.0
 
 
 @dataclass(slots=True)
@@ -89,10 +115,11 @@ LINE_BYTES = 64
 CostedRun = tuple[Cost | None, int, tuple | None] | tuple[Cost | None, int, None, int]
 
 
-def judge_costs(scope: str, items: Iterable[CostedRun], roofs: Roofs, llc_miss_index: int | None = None
-                ) -> Verdict | None:
+def judge_costs(scope: str, items: Iterable[CostedRun], roofs: Roofs, llc_miss_index: int | None = None,
+                reuse: SourceReuse | None = None) -> Verdict | None:
     """One verdict for a set of op runs (e.g. decode MUL_MAT): totals, then the roof.
-    `llc_miss_index`: position of LLC-load-misses in the runs' counters, for the cross-check."""
+    `llc_miss_index`: position of LLC-load-misses in the runs' counters, for the cross-check;
+    `reuse`: where the runs' sources were last touched, when the engine knows."""
     flops = bytes_ = 0.0
     time_ns = 0
     counted = 0
@@ -113,7 +140,7 @@ def judge_costs(scope: str, items: Iterable[CostedRun], roofs: Roofs, llc_miss_i
     intensity = flops / bytes_ if bytes_ else float("inf")
     notes: list[str] = []
     if intensity < roofs.ridge:
-        side, (roof, roof_gbps) = "memory", memory_roof(gbps, roofs, notes)
+        side, (roof, roof_gbps) = "memory", memory_roof(gbps, roofs, notes, reuse)
         share = gbps / roof_gbps
     else:
         side, roof, roof_gbps, share = "compute", "compute", None, gflops / roofs.peak_gflops
@@ -123,29 +150,44 @@ def judge_costs(scope: str, items: Iterable[CostedRun], roofs: Roofs, llc_miss_i
                    roof, roof_gbps, measured, notes)
 
 
-def memory_roof(gbps: float, roofs: Roofs, notes: list[str]) -> tuple[str, float]:
+def memory_roof(gbps: float, roofs: Roofs, notes: list[str], reuse: SourceReuse | None = None
+                ) -> tuple[str, float]:
     """The bandwidth roof that bounds an op reading at `gbps` (its name and GB/s): DRAM's
-    when it is at or below it, or within DRAM_MARGIN past it; else the lowest cache roof at or
-    above it; else (above every roof measured) the highest. Appends to `notes` why, when not
-    DRAM's or past it."""
+    when it is at or below it; past it, a cache's where `reuse` says the data could stay in
+    one (the lowest cache roof at or above its GB/s among those), DRAM's where `reuse` says no
+    cache measured holds it; without `reuse`, DRAM's within DRAM_MARGIN past it, else the
+    lowest cache roof at or above it; else (above every roof measured) the highest. Appends to
+    `notes` why, when not DRAM's or past it."""
     if gbps <= roofs.peak_gbps:
         return "DRAM", roofs.peak_gbps
-    if gbps <= roofs.peak_gbps * (1 + DRAM_MARGIN):
-        notes.append(f"at the DRAM roof: past it by {gbps / roofs.peak_gbps - 1:.1%}, within "
-                     f"{DRAM_MARGIN:.0%} of the read benchmark")
-        return "DRAM", roofs.peak_gbps
+    past = gbps / roofs.peak_gbps - 1
     if not roofs.caches:
         notes.append("above the DRAM roof: its data stays in cache, but the cache roofs were not "
                      "measured (`profinfer calibrate --force` measures them)")
         return "DRAM", roofs.peak_gbps
-    above = [c for c in roofs.caches if c.gbps >= gbps]
+    if reuse is None:
+        if past <= DRAM_MARGIN:
+            notes.append(f"at the DRAM roof: past it by {past:.1%}, within "
+                         f"{DRAM_MARGIN:.0%} of the read benchmark")
+            return "DRAM", roofs.peak_gbps
+        held = list(roofs.caches)
+    else:
+        held = [c for c in roofs.caches if reuse.share_within(c.bytes) >= RESIDENT_SHARE]
+        if not held:
+            largest = max(roofs.caches, key=lambda c: c.bytes)
+            notes.append(f"at the DRAM roof: past it by {past:.1%}, yet "
+                         f"{1 - reuse.share_within(largest.bytes):.0%} of the bytes it reads were "
+                         f"touched more than {largest.level}'s {largest.bytes / 2**20:g} MiB before: "
+                         f"no cache measured holds them")
+            return "DRAM", roofs.peak_gbps
+    above = [c for c in held if c.gbps >= gbps]
     if above:
         c = min(above, key=lambda c: c.gbps)
         notes.append(f"above the DRAM roof: cache-resident ({c.level})")
         return c.level, c.gbps
-    c = max(roofs.caches, key=lambda c: c.gbps)
-    notes.append(f"above every measured roof, {c.level}'s {c.gbps:,.1f} GB/s included: the cost "
-                 f"model's bytes or the roofs are wrong")
+    c = max(held, key=lambda c: c.gbps)
+    notes.append(f"above every measured roof that could hold its data, {c.level}'s {c.gbps:,.1f} GB/s "
+                 f"included: the cost model's bytes or the roofs are wrong")
     return c.level, c.gbps
 
 
@@ -154,10 +196,13 @@ def llc_miss_index(counter_names: list[str]) -> int | None:
     return counter_names.index("LLC-load-misses") if "LLC-load-misses" in counter_names else None
 
 
-def judge_groups(groups: dict[str, list[CostedRun]], roofs: Roofs, counter_names: list[str]
-                 ) -> list[Verdict]:
-    """A verdict per scope ("decode MUL_MAT": phase and op), largest time first."""
+def judge_groups(groups: dict[str, list[CostedRun]], roofs: Roofs, counter_names: list[str],
+                 reuse: dict[str, SourceReuse] | None = None) -> list[Verdict]:
+    """A verdict per scope ("decode MUL_MAT": phase and op), largest time first; `reuse`: the
+    scopes' sources' reuse distances, where the engine knows them."""
     llc = llc_miss_index(counter_names)
-    out = [v for scope, items in groups.items() if (v := judge_costs(scope, items, roofs, llc)) is not None]
+    reuse = reuse or {}
+    out = [v for scope, items in groups.items()
+           if (v := judge_costs(scope, items, roofs, llc, reuse.get(scope))) is not None]
     out.sort(key=lambda v: -v.time_ns)
     return out

@@ -3,9 +3,11 @@ shapes and types (pure logic), and the verdicts per (phase, op) it gives (core.r
 from __future__ import annotations
 
 from functools import lru_cache
-from math import prod
+from math import inf, prod
 
-from profinfer.core.roofline import Cost, Roofs, Verdict, judge_costs, judge_groups
+import numpy as np
+
+from profinfer.core.roofline import Cost, Roofs, SourceReuse, Verdict, judge_costs, judge_groups
 from profinfer.engines.llamacpp.nodes import NodeRun, node_runs, phase_of
 
 # ggml block formats: (elements per block, bytes per block); from ggml's type traits.
@@ -80,18 +82,79 @@ def _cost(op: str, ne: tuple, dtype: str, src_ne: tuple, src_dtypes: tuple) -> C
     return Cost(float(flops), sum(nbytes(ne, t) for ne, t in srcs) + out_bytes)
 
 
-def judge(scope: str, runs: list[NodeRun], roofs: Roofs, llc_miss_index: int | None = None
-          ) -> Verdict | None:
+def judge(scope: str, runs: list[NodeRun], roofs: Roofs, llc_miss_index: int | None = None,
+          reuse: SourceReuse | None = None) -> Verdict | None:
     """One verdict for a set of node runs (e.g. decode MUL_MAT): totals, then the roof.
-    `llc_miss_index`: position of LLC-load-misses in the runs' counters, for the cross-check."""
+    `llc_miss_index`: position of LLC-load-misses in the runs' counters, for the cross-check;
+    `reuse`: their sources' reuse distances (reuse_of)."""
     return judge_costs(scope, ((node_cost(r), r.dur_ns, r.counters) for r in runs), roofs,
-                       llc_miss_index)
+                       llc_miss_index, reuse)
 
 
 def verdicts(profile, roofs: Roofs) -> list[Verdict]:
     """Verdicts per (phase, op type), largest time first. Scope is "decode MUL_MAT" etc."""
     runs, _ = node_runs(profile)
     groups: dict[str, list] = {}
-    for r, phase in zip(runs, phase_of(runs, profile.tokens)):
-        groups.setdefault(f"{phase} {r.op}", []).append((node_cost(r), r.dur_ns, r.counters))
-    return judge_groups(groups, roofs, profile.counter_names)
+    reads: dict[str, list] = {}
+    for r, phase, read in zip(runs, phase_of(runs, profile.tokens), reuse_by_run(runs)):
+        scope = f"{phase} {r.op}"
+        groups.setdefault(scope, []).append((node_cost(r), r.dur_ns, r.counters))
+        reads.setdefault(scope, []).append(read)
+    return judge_groups(groups, roofs, profile.counter_names,
+                        {scope: reuse for scope, rs in reads.items() if (reuse := reuse_of(rs))})
+
+
+def _reads(desc) -> tuple[tuple[tuple[int, float], ...], float]:
+    """A node's sources as (the tensor whose data they are: a view's root, bytes read), and
+    the bytes the node moves in all (its cost's, else its sources' and its result's)."""
+    base = desc.op.split("+", 1)[0]
+    reads = []
+    for i, (src, root, ne, dtype) in enumerate(zip(desc.srcs, desc.src_views, desc.src_ne, desc.src_dtypes)):
+        if root or src:
+            # GET_ROWS reads only the rows it gathers from its table
+            reads.append((root or src, nbytes(desc.ne, dtype) if base == "GET_ROWS" and i == 0
+                          else nbytes(ne, dtype)))
+    cost = _cost(desc.op, desc.ne, desc.dtype, desc.src_ne, desc.src_dtypes)
+    moved = cost.bytes if cost else sum(b for _, b in reads) + nbytes(desc.ne, desc.dtype)
+    return tuple(reads), moved
+
+
+# One node run's sources: their reuse distances and the bytes read from each.
+RunReads = tuple[list[float], list[float]]
+
+
+def reuse_by_run(runs: list[NodeRun]) -> list[RunReads]:
+    """Per node run (runs in start order, across graph computes), the bytes it reads from each
+    source and that source's reuse distance: the bytes every node moved since the tensor's
+    data was last read or written, and the bytes read of it (inf: not before). A model's
+    weights were last read a token's graph before; an activation, as the node that wrote it
+    ended."""
+    moved = 0.0
+    last: dict[int, float] = {}
+    by_desc: dict[int, tuple] = {}
+    out = []
+    for r in runs:
+        desc = r.desc
+        known = by_desc.get(id(desc))
+        if known is None:
+            known = by_desc[id(desc)] = _reads(desc)
+        reads, node_moved = known
+        # re-read in order, each byte was last touched what moved since, and the rest of the
+        # tensor, before
+        out.append(([inf if (seen := last.get(t)) is None else moved - seen + nb for t, nb in reads],
+                    [nb for _, nb in reads]))
+        moved += node_moved
+        for tensor, _ in reads:
+            last[tensor] = moved
+        if desc.tensor:
+            last[desc.tensor] = moved
+    return out
+
+
+def reuse_of(reads) -> SourceReuse | None:
+    """The reuse distances of a set of runs' sources (reuse_by_run's), None without any."""
+    reads = list(reads)
+    dist = [d for ds, _ in reads for d in ds]
+    if not dist:
+        return None
+    return SourceReuse(np.array(dist, np.float64), np.array([b for _, bs in reads for b in bs], np.float64))
