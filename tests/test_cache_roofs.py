@@ -19,6 +19,9 @@ import pytest
 from conftest import completion_cmd, run_profinfer
 from profinfer.core import bpfobj, calibrate, loadcheck
 from profinfer.core.loadcheck import UnreliableMeasurement
+from profinfer.core.roofline import CacheRoof, Roofs
+from profinfer.engines.llamacpp.cost import verdicts
+from profinfer.exporters.trace_reader import read_trace
 
 THREADS = 2
 SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -143,6 +146,20 @@ def test_tiny_decode_matmul_is_judged_against_the_cache(measured, llama_build, t
             assert "above every measured roof that could hold its data" in dec["notes"][0], dec
     else:
         assert (dec["roof"], dec["roof_gbps"], dec["notes"]) == ("DRAM", roofs["peak_gbps"], []), dec
+    # and however far past DRAM's roof it runs: the same run against roofs that put DRAM's at
+    # half its GB/s and every cache's far above it is judged against a cache that holds the
+    # weights twice over (a token also reads its KV cache and activations), never one smaller
+    # than them
+    sysfs = {level: size * max(1, THREADS // cpus) for level, (size, cpus) in sysfs_data_caches().items()}
+    holds, too_small = ({lvl for lvl, b in sysfs.items() if b >= 2 * weights},
+                        {lvl for lvl, b in sysfs.items() if b < weights})
+    assert holds, sysfs
+    cache_roofs = tuple(CacheRoof(c["level"], 10 * dec["gbps"] * (len(roofs["caches"]) - i), c["bytes"])
+                        for i, c in enumerate(roofs["caches"]))
+    low = Roofs(peak_gflops=roofs["peak_gflops"], peak_gbps=dec["gbps"] / 2, caches=cache_roofs)
+    (far,) = [v for v in verdicts(read_trace(tmp_path / "t.pftrace"), low) if v.scope == "decode MUL_MAT"]
+    assert far.roof in holds and far.roof not in too_small, (far, sysfs, weights)
+    assert far.notes == [f"above the DRAM roof: cache-resident ({far.roof})"], far
 
     rep = run_profinfer(["report", str(tmp_path / "t.pftrace")],
                         env={**llama_env, "PROFINFER_CACHE": str(cache)}, json_summary=False)

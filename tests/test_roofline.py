@@ -12,7 +12,8 @@ from profinfer.core.loadcheck import UnreliableMeasurement
 from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
 from profinfer.engines.llamacpp.nodes import node_runs
 from profinfer.core.roofline import CacheRoof, Cost, Roofs, SourceReuse, judge_costs
-from profinfer.engines.llamacpp.cost import judge, nbytes, node_cost, reuse_by_run, reuse_of
+from profinfer.engines.llamacpp.cost import judge, nbytes, node_cost, reuse_by_run, reuse_of, verdicts
+from profinfer.exporters.trace_reader import read_trace
 
 
 def run(op, ne, srcs, dtype="f32", dur=1000):
@@ -102,11 +103,11 @@ def test_residency_from_where_the_sources_were_touched():
         reuse = SourceReuse(np.array(distances, float), np.array(sizes, float))
         return judge_costs("d", [(Cost(gbps * 1e6, gbps * 1e6), 1_000_000, None)], roofs, reuse=reuse)
 
-    weights = ([3e9, np.inf, 5e3], [30e6, 30e6, 8e3])      # read a graph (3 GB) before; cold
+    weights = ([3e9, 3.1e9, 5e3], [30e6, 30e6, 8e3])       # read a graph (3 GB) before
     v = at(40.0, *weights)                 # 60% past DRAM: still DRAM's, and said why
     assert (v.roof, v.roof_gbps, v.bound) == ("DRAM", 25.0, "memory") and v.roof_share == pytest.approx(1.6)
-    assert v.notes == ["at the DRAM roof: past it by 60.0%, yet 100% of the bytes it reads were touched "
-                       "more than L3's 32 MiB before: no cache measured holds them"]
+    assert v.notes == ["at the DRAM roof: past it by 60.0%, yet 100% of the bytes it reads were last "
+                       "touched more than L3's 32 MiB before: no cache measured holds them"]
     small = ([6e6, 6e6, 1e3], [1e6, 1e6, 1e3])             # a 6 MB model: L3 holds it, L2 does not
     v = at(40.0, *small)
     assert (v.roof, v.bound, v.notes) == ("L3", "neither", ["above the DRAM roof: cache-resident (L3)"])
@@ -135,19 +136,49 @@ def test_reuse_distances_follow_tensors_across_graphs():
                            srcs=(view, view, 0), src_views=(b, b, 0), src_ne=(ane, ane), src_dtypes=("f32", "f32")))
     runs, _ = node_runs(Profile(pid=1, graphs=graphs, ops=ops, tokens=[TokenCall(1, 0, 400, 1, False)]))
     reads = reuse_by_run(runs)
-    mm = reuse_of(rd for r, rd in zip(runs, reads) if r.op == "MUL_MAT")
-    add = reuse_of(rd for r, rd in zip(runs, reads) if r.op == "ADD")
-    mm_bytes = 64 * 64 * 4 + 64 * 4 + 64 * 4        # weight, a, b: as the cost model moves them
-    add_bytes = 3 * 64 * 4
     w_bytes, a_bytes = 64 * 64 * 4, 64 * 4
-    # first graph: W and a never seen; second: W last read before the first ADD's moves, a
-    # written by that ADD just before (each plus its own bytes: re-read in order)
-    assert mm.distances.tolist() == [np.inf, np.inf, add_bytes + w_bytes, a_bytes]
-    assert mm.bytes.tolist() == [w_bytes, a_bytes] * 2
-    # b, read twice through its view, was written by the matmul just before
-    assert add.distances.tolist() == [a_bytes] * 4
-    assert mm.share_within(add_bytes + w_bytes) == 0.5
-    assert mm.share_within(add_bytes + w_bytes - 1) == pytest.approx(0.5 * a_bytes / (w_bytes + a_bytes))
+    add_bytes = 3 * a_bytes                              # b twice, a written: the cost model's moves
+    # first graph: W and a never touched before (inf); second: W last read before the first
+    # ADD's moves, a written by that ADD just before; each plus its own bytes (read in order)
+    assert [r[0] for r in reads] == [[np.inf, np.inf], [a_bytes, a_bytes],
+                                             [add_bytes + w_bytes, a_bytes], [a_bytes, a_bytes]]
+    mm = reuse_of((r, rd) for r, rd in zip(runs, reads) if r.op == "MUL_MAT")
+    # a verdict's distances: the sources touched before (the second graph's)
+    assert mm.distances.tolist() == [add_bytes + w_bytes, a_bytes]
+    assert mm.bytes.tolist() == [w_bytes, a_bytes]
+    assert mm.share_within(add_bytes + w_bytes) == 1.0
+    assert mm.share_within(add_bytes + w_bytes - 1) == pytest.approx(a_bytes / (w_bytes + a_bytes))
+    # a recording that begins with its node: where its data was is not known
+    assert reuse_of([(runs[0], reads[0])]) is None
+
+
+def test_reuse_of_fused_results_third_sources_and_experts():
+    """A fused node's result is its second op's tensor; a third source (FLASH_ATTN_EXT's V,
+    whose shape is not read) is touched though not counted; MUL_MAT_ID reads the experts it
+    uses, as its cost says."""
+    x, g, f, wq, q, k, v, kv, vv, out, ex, ids, y = range(0x10, 0x1D)
+    row = (64, 1, 1, 1)
+    f32 = ("f32", "f32")
+    ops = [OpSlice(1, 0, 10, 20, 20, "RMS_NORM+MUL", "norm", row, "f32", tensor=0x30, fused_tensor=f,
+                   srcs=(x, g), src_views=(0, 0), src_ne=(row, row), src_dtypes=f32),
+           OpSlice(1, 0, 30, 40, 40, "MUL_MAT", "q", row, "f32", tensor=q,
+                   srcs=(wq, f), src_views=(0, 0), src_ne=((64, 64, 1, 1), row), src_dtypes=f32),
+           OpSlice(1, 0, 50, 60, 60, "FLASH_ATTN_EXT", "fa", row, "f32", tensor=out,
+                   srcs=(q, kv, vv), src_views=(0, k, v), src_ne=(row, (64, 4, 1, 1)), src_dtypes=f32),
+           OpSlice(1, 0, 70, 80, 80, "CPY", "v copy", (64, 4, 1, 1), "f32", tensor=y,
+                   srcs=(vv,), src_views=(v,), src_ne=((64, 4, 1, 1),), src_dtypes=("f32",)),
+           OpSlice(1, 0, 90, 100, 100, "MUL_MAT_ID", "experts", (64, 2, 1, 1), "f32", tensor=0x40,
+                   srcs=(ex, out, ids), src_views=(0, 0, 0), src_ne=((64, 64, 8, 1), row), src_dtypes=f32)]
+    runs, _ = node_runs(Profile(pid=1, graphs=[GraphCall(1, 0, 200, "CPU", 1)], ops=ops,
+                                tokens=[TokenCall(1, 0, 200, 1, False)]))
+    reads = dict(zip((r.name for r in runs), reuse_by_run(runs)))
+    assert reads["q"][0][1] == 64 * 4                         # the norm's fused MUL wrote it
+    assert reads["v copy"] == ([64 * 4 * 4], [64 * 4 * 4])    # V: read by the attention just before
+    fa_cost = node_cost(next(r for r in runs if r.name == "fa"))
+    assert reads["fa"][1] == [64 * 4, 64 * 4 * 4] and fa_cost.bytes == 64 * 4 + 2 * 64 * 4 * 4 + 64 * 4
+    experts = next(r for r in runs if r.name == "experts")
+    assert reads["experts"][1] == [2 * 64 * 64 * 4, 64 * 4]  # 2 of its 8 experts, and its input
+    assert node_cost(experts).bytes == sum(reads["experts"][1]) + 64 * 2 * 4
 
 
 def test_above_dram_without_cache_roofs():
@@ -204,9 +235,17 @@ def test_decode_matmul_memory_bound_prefill_not(llama_build, big_model, llama_en
     # its weights (the GGUF's tensors) are larger than any cache: read from DRAM, whatever its
     # GB/s against the read benchmark's roof, and said so when past it
     weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(big_model).tensors)
-    assert all(weights > c["bytes"] for c in s["roofline"]["roofs"]["caches"])
+    caches = s["roofline"]["roofs"]["caches"]
+    assert caches and all(weights > c["bytes"] for c in caches)
     assert dec["roof"] == "DRAM", dec
     assert not dec["notes"] or dec["notes"][0].startswith("at the DRAM roof: past it by"), dec
+    # and however far past DRAM's roof it ran: the same run against roofs that put DRAM's at
+    # half its GB/s and every cache's far above it
+    cache_roofs = tuple(CacheRoof(c["level"], 10 * dec["gbps"] * (3 - i), c["bytes"]) for i, c in enumerate(caches))
+    low = Roofs(peak_gflops=roofs.peak_gflops, peak_gbps=dec["gbps"] / 2, caches=cache_roofs)
+    (far,) = [x for x in verdicts(read_trace(tmp_path / "t.pftrace"), low) if x.scope == "decode MUL_MAT"]
+    assert (far.roof, far.roof_share) == ("DRAM", pytest.approx(2.0)), far
+    assert far.notes[0].startswith("at the DRAM roof: past it by 100.0%, yet "), far
     assert pre["bound"] != "memory" and pre["intensity"] > s["roofline"]["roofs"]["ridge"], pre
 
 

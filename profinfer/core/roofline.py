@@ -22,11 +22,11 @@ above 100% is shown only when the op beats every roof that could hold its data, 
 note says so.
 
 Which caches can hold an op's data: where the engine knows which tensors each op reads
-(SourceReuse), those whose capacity holds at least RESIDENT_SHARE of the bytes it reads
-within their reuse distance; an op past the DRAM roof, however far, whose sources were
-touched longer ago than the largest cache holds (a model's weights, read once a token) is
-judged against DRAM, with a note. Where it does not, every cache, and an op within
-DRAM_MARGIN past the DRAM roof is judged against it, with a note saying so.
+and when they were last touched (SourceReuse), each cache where at least RESIDENT_SHARE of
+the bytes it reads have a reuse distance within the cache's capacity; an op past the DRAM
+roof, however far, whose data no cache holds (a model's weights, read once a token) is
+judged against DRAM, with a note. Where the engine does not know, every cache, and an op
+within DRAM_MARGIN past the DRAM roof is judged against it, with a note saying so.
 """
 from __future__ import annotations
 
@@ -65,10 +65,9 @@ class CacheRoof:
 
 @dataclass(frozen=True, slots=True)
 class SourceReuse:
-    """The bytes a scope's op runs read, each with its reuse distance: the bytes every op moved
-    since that tensor was last touched (inf: not touched before). Moves are counted as the cost
-    model gives them, not as distinct bytes, so distances are upper bounds and residency is
-    never overstated."""
+    """The bytes a scope's op runs read from sources touched before, each with its reuse
+    distance: about the bytes that passed through the caches since. The engine's estimate
+    (e.g. from its cost model's moves): an approximation, not a bound."""
     distances: np.ndarray    # float64
     bytes: np.ndarray        # float64
 
@@ -177,8 +176,8 @@ def memory_roof(gbps: float, roofs: Roofs, notes: list[str], reuse: SourceReuse 
             largest = max(roofs.caches, key=lambda c: c.bytes)
             notes.append(f"at the DRAM roof: past it by {past:.1%}, yet "
                          f"{1 - reuse.share_within(largest.bytes):.0%} of the bytes it reads were "
-                         f"touched more than {largest.level}'s {largest.bytes / 2**20:g} MiB before: "
-                         f"no cache measured holds them")
+                         f"last touched more than {largest.level}'s {largest.bytes / 2**20:g} MiB "
+                         f"before: no cache measured holds them")
             return "DRAM", roofs.peak_gbps
     above = [c for c in held if c.gbps >= gbps]
     if above:

@@ -2,6 +2,7 @@
 shapes and types (pure logic), and the verdicts per (phase, op) it gives (core.roofline)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 from math import inf, prod
 
@@ -40,6 +41,26 @@ def node_cost(n: NodeRun) -> Cost | None:
 
 
 @lru_cache(maxsize=1 << 16)      # a run repeats the same few hundred shapes many times
+def source_reads(op: str, ne: tuple, dtype: str, src_ne: tuple, src_dtypes: tuple) -> tuple[float, ...]:
+    """The bytes a node reads from each source whose shape is known (the first two), at
+    least once: what the cost model counts (V, FLASH_ATTN_EXT's third source, is read like K)."""
+    base = op.split("+", 1)[0]
+    srcs = list(zip(src_ne, src_dtypes))
+    if base == "MUL_MAT_ID" and len(srcs) >= 2:
+        # experts [K, M, n_expert]; dst [M, n_used, n_tokens]: each used expert's weights once
+        (a_ne, a_t), (b_ne, b_t) = srcs[0], srcs[1]
+        k, m, n_expert = a_ne[0], a_ne[1], max(a_ne[2], 1)
+        experts_read = min(n_expert, max(ne[1], 1) * max(ne[2], 1))
+        return experts_read * nbytes((k, m), a_t), nbytes(b_ne, b_t)
+    if base == "GET_ROWS":
+        # only the rows it gathers from its table (its ids are not counted)
+        return (nbytes(ne, srcs[0][1]),) if srcs else ()
+    if base in ("SET_ROWS", "CPY", "CONT", "DUP"):
+        return (nbytes(*srcs[0]),) if srcs else ()
+    return tuple(nbytes(s_ne, t) for s_ne, t in srcs)
+
+
+@lru_cache(maxsize=1 << 16)
 def _cost(op: str, ne: tuple, dtype: str, src_ne: tuple, src_dtypes: tuple) -> Cost | None:
     base = op.split("+", 1)[0]
     out = prod(max(int(x), 1) for x in ne)
@@ -47,39 +68,27 @@ def _cost(op: str, ne: tuple, dtype: str, src_ne: tuple, src_dtypes: tuple) -> C
     srcs = list(zip(src_ne, src_dtypes))
     if base in ("MUL_MAT", "MUL_MAT_ID", "FLASH_ATTN_EXT") and len(srcs) < 2:
         return None
-    if base == "MUL_MAT":
-        (a_ne, a_t), (b_ne, b_t) = srcs[0], srcs[1]
-        k = a_ne[0]
-        return Cost(2.0 * k * out, nbytes(a_ne, a_t) + nbytes(b_ne, b_t) + out_bytes)
-    if base == "MUL_MAT_ID":
-        # experts [K, M, n_expert]; dst [M, n_used, n_tokens]: each used expert's weights once
-        (a_ne, a_t), (b_ne, b_t) = srcs[0], srcs[1]
-        k, m, n_expert = a_ne[0], a_ne[1], max(a_ne[2], 1)
-        routed = max(ne[1], 1) * max(ne[2], 1)
-        experts_read = min(n_expert, routed)
-        return Cost(2.0 * k * out, experts_read * nbytes((k, m), a_t) + nbytes(b_ne, b_t) + out_bytes)
+    read = sum(source_reads(op, ne, dtype, src_ne, src_dtypes))
+    if base in ("MUL_MAT", "MUL_MAT_ID"):
+        return Cost(2.0 * srcs[0][0][0] * out, read + out_bytes)
     if base == "FLASH_ATTN_EXT":
         # q [D, n_q, H]; k [D, n_kv, H_kv]; v like k: QK^T and PV, 2 FLOPs per multiply-add
         (q_ne, q_t), (k_ne, k_t) = srcs[0], srcs[1]
         d, n_q, heads = q_ne[0], q_ne[1], max(q_ne[2], 1) * max(q_ne[3], 1)
         n_kv = k_ne[1]
-        return Cost(4.0 * d * n_q * n_kv * heads,
-                    nbytes(q_ne, q_t) + 2 * nbytes(k_ne, k_t) + out_bytes)
+        return Cost(4.0 * d * n_q * n_kv * heads, read + nbytes(k_ne, k_t) + out_bytes)
     if base == "GET_ROWS":
-        # reads only the selected rows of src0
-        row_type = srcs[0][1] if srcs else dtype
-        return Cost(0.0, nbytes(ne, row_type) + out_bytes)
+        return Cost(0.0, (read if srcs else nbytes(ne, dtype)) + out_bytes)
     if base in ("SET_ROWS", "CPY", "CONT", "DUP"):
         # writes as many elements as src0 has (dst of SET_ROWS is the whole cache)
         if not srcs:
             return Cost(0.0, 2 * out_bytes)
-        s_ne, src_t = srcs[0]
-        written = prod(max(int(x), 1) for x in s_ne) * nbytes((1,), dtype)
-        return Cost(0.0, nbytes(s_ne, src_t) + written)
+        written = prod(max(int(x), 1) for x in srcs[0][0]) * nbytes((1,), dtype)
+        return Cost(0.0, read + written)
     flops = _ELEMENTWISE_FLOPS.get(base, 1) * out
     if "+" in op:
         flops += out          # the fused second op (MUL, ADD): one more per element
-    return Cost(float(flops), sum(nbytes(ne, t) for ne, t in srcs) + out_bytes)
+    return Cost(float(flops), read + out_bytes)
 
 
 def judge(scope: str, runs: list[NodeRun], roofs: Roofs, llc_miss_index: int | None = None,
@@ -96,39 +105,39 @@ def verdicts(profile, roofs: Roofs) -> list[Verdict]:
     runs, _ = node_runs(profile)
     groups: dict[str, list] = {}
     reads: dict[str, list] = {}
-    for r, phase, read in zip(runs, phase_of(runs, profile.tokens), reuse_by_run(runs)):
+    for r, phase, read in zip(runs, phase_of(runs, profile.tokens), run_reads(profile)):
         scope = f"{phase} {r.op}"
         groups.setdefault(scope, []).append((node_cost(r), r.dur_ns, r.counters))
-        reads.setdefault(scope, []).append(read)
+        reads.setdefault(scope, []).append((r, read))
     return judge_groups(groups, roofs, profile.counter_names,
                         {scope: reuse for scope, rs in reads.items() if (reuse := reuse_of(rs))})
 
 
-def _reads(desc) -> tuple[tuple[tuple[int, float], ...], float]:
-    """A node's sources as (the tensor whose data they are: a view's root, bytes read), and
-    the bytes the node moves in all (its cost's, else its sources' and its result's)."""
-    base = desc.op.split("+", 1)[0]
-    reads = []
-    for i, (src, root, ne, dtype) in enumerate(zip(desc.srcs, desc.src_views, desc.src_ne, desc.src_dtypes)):
-        if root or src:
-            # GET_ROWS reads only the rows it gathers from its table
-            reads.append((root or src, nbytes(desc.ne, dtype) if base == "GET_ROWS" and i == 0
-                          else nbytes(ne, dtype)))
-    cost = _cost(desc.op, desc.ne, desc.dtype, desc.src_ne, desc.src_dtypes)
-    moved = cost.bytes if cost else sum(b for _, b in reads) + nbytes(desc.ne, desc.dtype)
-    return tuple(reads), moved
-
-
-# One node run's sources: their reuse distances and the bytes read from each.
+# One node run's sources: the reuse distance of each whose bytes are known (inf: its data not
+# touched before in the recording), and those bytes.
 RunReads = tuple[list[float], list[float]]
 
 
+def _reads(desc) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...], float]:
+    """A node's sources' data (a view's root, else the source), the bytes read of the first
+    ones (source_reads), the tensors it writes (itself; a fused node, its second op's too),
+    and the bytes it moves in all (its cost's, else its sources' and its result's)."""
+    views = tuple(desc.src_views) + (0,) * (len(desc.srcs) - len(desc.src_views))
+    data = tuple(root or src for src, root in zip(desc.srcs, views) if root or src)
+    nbs = source_reads(desc.op, desc.ne, desc.dtype, desc.src_ne, desc.src_dtypes) \
+        if all(root or src for src, root in zip(desc.srcs[:len(desc.src_ne)], views)) else ()
+    cost = _cost(desc.op, desc.ne, desc.dtype, desc.src_ne, desc.src_dtypes)
+    moved = cost.bytes if cost else sum(nbs) + nbytes(desc.ne, desc.dtype)
+    written = tuple(t for t in (desc.tensor, desc.fused_tensor) if t)
+    return data, nbs, written, moved
+
+
 def reuse_by_run(runs: list[NodeRun]) -> list[RunReads]:
-    """Per node run (runs in start order, across graph computes), the bytes it reads from each
-    source and that source's reuse distance: the bytes every node moved since the tensor's
-    data was last read or written, and the bytes read of it (inf: not before). A model's
-    weights were last read a token's graph before; an activation, as the node that wrote it
-    ended."""
+    """Per node run (runs in start order, across graph computes), each source's reuse
+    distance: the bytes every node moved (as the cost model counts them) since its data was
+    last read or written, and the bytes read of it (read in order, its first byte was last
+    touched that long before); with the bytes read of it. A model's weights were last read a
+    token's graph before; an activation, as the node that wrote it ended."""
     moved = 0.0
     last: dict[int, float] = {}
     by_desc: dict[int, tuple] = {}
@@ -138,23 +147,37 @@ def reuse_by_run(runs: list[NodeRun]) -> list[RunReads]:
         known = by_desc.get(id(desc))
         if known is None:
             known = by_desc[id(desc)] = _reads(desc)
-        reads, node_moved = known
-        # re-read in order, each byte was last touched what moved since, and the rest of the
-        # tensor, before
-        out.append(([inf if (seen := last.get(t)) is None else moved - seen + nb for t, nb in reads],
-                    [nb for _, nb in reads]))
+        data, nbs, written, node_moved = known
+        out.append(([inf if (seen := last.get(t)) is None else moved - seen + nb for t, nb in zip(data, nbs)],
+                    list(nbs)))
         moved += node_moved
-        for tensor, _ in reads:
-            last[tensor] = moved
-        if desc.tensor:
-            last[desc.tensor] = moved
+        for t in data + written:
+            last[t] = moved
     return out
 
 
-def reuse_of(reads) -> SourceReuse | None:
-    """The reuse distances of a set of runs' sources (reuse_by_run's), None without any."""
-    reads = list(reads)
-    dist = [d for ds, _ in reads for d in ds]
-    if not dist:
-        return None
-    return SourceReuse(np.array(dist, np.float64), np.array([b for _, bs in reads for b in bs], np.float64))
+def run_reads(profile) -> list[RunReads]:
+    """reuse_by_run of the profile's node runs (node_runs' order), computed once a profile."""
+    runs, _ = node_runs(profile)
+    cached = profile.__dict__.get("_run_reads")
+    if cached is not None and cached[0] is runs:
+        return cached[1]
+    reads = reuse_by_run(runs)
+    profile.__dict__["_run_reads"] = (runs, reads)
+    return reads
+
+
+def reuse_of(run_reads_: Iterable[tuple[NodeRun, RunReads]]) -> SourceReuse | None:
+    """The reuse distances of the sources of the runs a verdict counts (with a cost and a
+    duration), where their data was touched before in the recording; None without any (a
+    recording that began with the node: where its data was is not known)."""
+    dist: list[float] = []
+    size: list[float] = []
+    for run, (ds, nbs) in run_reads_:
+        if run.dur_ns <= 0 or node_cost(run) is None:
+            continue
+        for d, nb in zip(ds, nbs):
+            if d != inf:
+                dist.append(d)
+                size.append(nb)
+    return SourceReuse(np.array(dist, np.float64), np.array(size, np.float64)) if dist else None

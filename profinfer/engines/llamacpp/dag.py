@@ -27,7 +27,7 @@ from profinfer.core.errors import ProfinferError
 from profinfer.core.model import Profile
 from profinfer.engines.llamacpp.nodes import NodeRun, node_runs, phase_of
 from profinfer.core.roofline import Roofs
-from profinfer.engines.llamacpp.cost import judge, reuse_by_run, reuse_of
+from profinfer.engines.llamacpp.cost import judge, reuse_of, run_reads
 from profinfer.core.stats import graph_arrivals
 
 _LAYER = re.compile(r"^(.*)-(\d+)$")
@@ -161,9 +161,9 @@ def build(profile: Profile, phase: str = "decode", collapse: bool = True,
     edges = {(keys[a], keys[b]) for a, b in first.edges if keys[a] != keys[b]}
     if roofs is not None:
         runs, _ = node_runs(profile)
-        read_at = {id(r): read for r, read in zip(runs, reuse_by_run(runs))}
+        read_at = {id(r): read for r, read in zip(runs, run_reads(profile))}
         for dn in nodes:
-            v = judge(dn.key, dn.runs, roofs, reuse=reuse_of(read_at[id(r)] for r in dn.runs))
+            v = judge(dn.key, dn.runs, roofs, reuse=reuse_of((r, read_at[id(r)]) for r in dn.runs))
             if v is not None:      # the roof named where it is a cache's, not DRAM's or compute's
                 of = f" of {v.roof}" if v.roof_gbps is not None and v.roof != "DRAM" else ""
                 dn.verdict = f"{v.bound}-bound {100 * v.roof_share:.0f}%{of}" if v.bound != "neither" \
