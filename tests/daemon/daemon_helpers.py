@@ -120,10 +120,11 @@ def kill_started() -> None:
 class Workload:
     """llama-completion waiting for its prompt on a FIFO."""
 
-    def __init__(self, llama_build, model, llama_env, tmp_path: Path, n: int = 24):
+    def __init__(self, llama_build, model, llama_env, tmp_path: Path, n: int = 24,
+                 extra: tuple[str, ...] = ()):
         self.fifo = tmp_path / f"prompt-{time.monotonic_ns()}"
         os.mkfifo(self.fifo)
-        cmd = completion_cmd(llama_build, model, n=n)
+        cmd = completion_cmd(llama_build, model, n=n, extra=extra)
         i = cmd.index("-p")
         cmd[i:i + 2] = ["-f", str(self.fifo)]
         self.proc = subprocess.Popen(cmd, env=llama_env, stdout=subprocess.DEVNULL,

@@ -7,6 +7,7 @@ daemon has found it: then every decode call is seen, and the counts can be exact
 from __future__ import annotations
 
 import json
+from collections import Counter
 import subprocess
 import threading
 import time
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import completion_cmd, llama_perf, llama_server, run_profinfer
+from conftest import completion_cmd, llama_perf, llama_server
+from test_op_counted import as_printed, printed_compositions
 from daemon_helpers import _STARTED, PROFINFER, Daemon, OtlpReceiver, Workload, _free_port, _get, kill_started
 
 @pytest.fixture(autouse=True)
@@ -313,19 +315,21 @@ def test_a_capture_counts_against_the_budget(tmp_path, llama_build, tiny_model, 
 
 
 @pytest.mark.parametrize("design", ["one-probe", "two-probe"])
-def test_op_totals_counted_in_bpf_equal_the_op_level(design, tmp_path, llama_build, tiny_model, llama_env,
-                                                     monkeypatch):
-    """The daemon's op level counts ops by type in BPF (no op events): the same counts, fused
-    pairs included, as the op level's events give for the same generation (`record --levels
-    op -o`, every node recorded, whose ops the tests check against the engine's own graph),
-    in either op design."""
+def test_op_totals_counted_in_bpf_are_llama_cpps_nodes(design, tmp_path, llama_build, tiny_model, llama_env,
+                                                       monkeypatch):
+    """The daemon's op level counts ops by type in BPF (no op events): llama.cpp's own count,
+    in either op design. With GGML_SCHED_DEBUG=2 it prints each graph's computed nodes, and
+    each thread runs each computed node once a compute: a type's count is its computed nodes
+    in the graph x the decode calls (its prompt's one and its eval runs) x the threads, a
+    fused pair ("RMS_NORM+MUL") counted as its two nodes."""
     monkeypatch.setenv("PROFINFER_OP_DESIGN", design)
     d = Daemon(tmp_path, ("--levels", "token,op", "--budget", "1.0"))
     try:
-        w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=16)
+        w = Workload(llama_build, tiny_model, {**llama_env, "GGML_SCHED_DEBUG": "2"}, tmp_path, n=16,
+                     extra=("-v",))
         assert d.watched(w.proc.pid)["levels"] == ["op", "token"]
         w.go()
-        w.finish()
+        log = w.finish()
         deadline, got = time.monotonic() + 15, {}
         while time.monotonic() < deadline:
             if not any(p["pid"] == w.proc.pid for p in json.loads(_get(d.url + "/status")[1])["processes"]):
@@ -336,12 +340,15 @@ def test_op_totals_counted_in_bpf_equal_the_op_level(design, tmp_path, llama_bui
                 got[line.split('op="', 1)[1].split('"', 1)[0]] = int(float(line.rsplit(" ", 1)[1]))
     finally:
         d.stop()
-    r = run_profinfer(["record", "--levels", "op", "--quiet", "-o", str(tmp_path / "t.pftrace"), "--",
-                       *completion_cmd(llama_build, tiny_model, n=16)],
-                      env={**llama_env, "PROFINFER_OP_DESIGN": design}, tmp_path=tmp_path)
-    assert r.rc == 0, r.stderr
-    want = {o["op"]: o["count"] for o in r.summary["ops"]}
-    assert got == want and "MUL_MAT" in got
+    printed = printed_compositions(log)
+    assert printed and all(g == printed[0] for g in printed), printed
+    graph = Counter({("*GLU" if op.endswith("GLU") else op): n for op, n in printed[0].items()})
+    perf = llama_perf(log)
+    assert perf["prompt eval"][1] < 2048          # one prompt batch (llama-completion's -b 2048)
+    calls = 1 + perf["eval"][1]
+    assert "MUL_MAT" in got and any("+" in op for op in got), got
+    assert as_printed([{"op": op, "count": n} for op, n in got.items()]) == \
+        Counter({op: n * calls * 2 for op, n in graph.items()}), (got, graph, calls)
 
 
 def test_a_process_that_went_keeps_no_sequences(daemon, llama_build, tiny_model, llama_env):
