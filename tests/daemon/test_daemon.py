@@ -273,13 +273,14 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
         kill_started()
         if d is not None:
             d.stop()
-    # the windows resolve the budget where their noise (the standard error of the median
-    # ratio, measured) is under TIMED_NOISE_MAX: the cost must then be under the budget within
-    # 3 of it. Noisier (other work on the machine), 4% cannot be told: said, not asserted
+    # the cost must be under the budget within 3 standard errors of the windows' median ratio
+    # (measured), however noisy; where they are noisier than TIMED_NOISE_MAX (other work on the
+    # machine) that does not resolve 4%: said, as a skip
     from governed import TIMED_NOISE_MAX
-    if se >= TIMED_NOISE_MAX:
-        pytest.skip(f"{timed}: too noisy to resolve the 4% budget (bench/daemon_governor.py measures it)")
     assert cost <= 0.04 + 3 * se, timed
+    if se >= TIMED_NOISE_MAX:
+        pytest.skip(f"{timed}: within the budget only as far as windows this noisy tell: 4% not resolved "
+                    "(bench/daemon_governor.py measures it)")
 
 
 

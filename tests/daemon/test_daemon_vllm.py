@@ -180,9 +180,9 @@ def test_governor_keeps_vllms_budget_against_time(vllm_python, vllm_model, tmp_p
         if d is not None:
             d.stop()
         kill_started()
+    assert cost <= 0.04 + 3 * se, timed       # however noisy (see the llama.cpp test)
     if se >= TIMED_NOISE_MAX:
-        pytest.skip(f"{timed}: too noisy to resolve the 4% budget")
-    assert cost <= 0.04 + 3 * se, timed
+        pytest.skip(f"{timed}: within the budget only as far as windows this noisy tell: 4% not resolved")
 
 
 # vLLM's batches vary more from one window to the next than llama-server's tokens: more pairs

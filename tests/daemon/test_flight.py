@@ -485,6 +485,6 @@ def test_a_triggered_capture_costs_within_the_budget(tmp_path, llama_build, tiny
     assert stated <= 0.04, said
     if outlasted:
         pytest.skip(f"{said}: the windows outlasted the capture (a slow machine): not timed")
+    assert cost <= 0.04 + 3 * se, said        # however noisy
     if se >= TIMED_NOISE_MAX:
-        pytest.skip(f"{said}: too noisy to resolve the 4% budget")
-    assert cost <= 0.04 + 3 * se, said
+        pytest.skip(f"{said}: within the budget only as far as windows this noisy tell: 4% not resolved")
