@@ -8,12 +8,12 @@ import os
 from collections import Counter
 
 from conftest import completion_cmd, run_profinfer
-from profinfer.engines.llamacpp.probeplan import OP_PROGRAMS
 
 
-def _op_hits(summary: dict) -> int:
-    """Probe hits of the op level: its programs' runs, as the kernel counted them."""
-    return sum(int(summary["meta"].get(f"cost:runs:{p}", 0)) for p in OP_PROGRAMS)
+def _probe_hits(summary: dict) -> int:
+    """Every probe's hits, whatever its program, as the kernel counted their runs: the op
+    level's and the few a decode call of the token and graph levels adds."""
+    return sum(summary["profiler_cost"]["probe_hits"].values())
 
 
 def _steal_ns() -> int:
@@ -44,10 +44,13 @@ def test_one_probe_per_node_times_the_same_nodes(llama_build, tiny_model, llama_
     assert any("+" in o["op"] for o in one["ops"])
     assert one["meta"]["walk_lost"] == "0" and one["meta"]["walk_mismatch"] == "0"
     assert one["lost_events"] == 0
-    # traps per node and thread: ~1 (and one per graph loop and fused op), against 2
+    # traps per node and thread: ~1 (and one per graph loop and fused op, and the token and
+    # graph levels' few a call), against 2
     slices = sum(o["count"] for o in one["ops"])
-    assert _op_hits(two) / slices >= 1.95
-    assert _op_hits(one) / slices <= 1.25
+    print(f"probe hits per node and thread: one-probe {_probe_hits(one) / slices:.3f}, "
+          f"two-probe {_probe_hits(two) / slices:.3f}")
+    assert _probe_hits(two) / slices >= 1.95
+    assert _probe_hits(one) / slices <= 1.3
     # a thread's wait at each barrier is still measured, and ops and waits cover the graphs
     # (strictly on the 1.5B model: test_tracing) but for the time the thread could not run:
     # runnable and waiting for a CPU (the sched level's count) or its CPU taken by the
