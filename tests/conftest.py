@@ -411,6 +411,13 @@ def llama_server(build: Path, model: Path, env: dict, slots: int, ctx_per_slot: 
         proc.wait()
 
 
+def vllm_steps(port: int) -> int:
+    """The steps a vLLM server ran, from its own /metrics (its iteration histogram's count)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(int(float(l.rsplit(" ", 1)[1])) for l in text.splitlines()
+               if l.startswith("vllm:iteration_tokens_total_count"))
+
+
 @contextlib.contextmanager
 def vllm_server(vllm_python: Path, vllm_model: Path):
     """vLLM's OpenAI server (its own session, so that its children go with it), healthy:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import bpf_snapshot, free_port, llama_server, vllm_server
+from conftest import bpf_snapshot, free_port, llama_server, vllm_server, vllm_steps
 from daemon_helpers import _STARTED, Workload, _get, cuda_log_counts, kill_started, series
 from profinfer.levels.cuda import workload as cuda_workload
 
@@ -300,12 +300,6 @@ def test_llama_server_tokens_counted_exactly(pod, llama_build, tiny_model, llama
         assert sum(series(text, "profinfer_events_lost_total", proc.pid, None).values()) == 0
 
 
-def _vllm_steps(port: int) -> int:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return sum(int(float(l.rsplit(" ", 1)[1])) for l in text.splitlines()
-               if l.startswith("vllm:iteration_tokens_total_count"))
-
-
 def test_vllm_server_steps_counted_as_its_metrics_count_them(pod, vllm_python, vllm_model):
     with _with_agent_state(pod), vllm_server(vllm_python, vllm_model) as (_, port):
         def ours(text: str) -> tuple[int, int]:
@@ -318,14 +312,14 @@ def test_vllm_server_steps_counted_as_its_metrics_count_them(pod, vllm_python, v
         # run in the engine process
         text = _until(pod, lambda t: ours(t)[0] >= 2, timeout=60)
         assert ours(text)[0] >= 2, _logs(pod)
-        steps_before, ours_before = _vllm_steps(port), ours(text)[1]
+        steps_before, ours_before = vllm_steps(port), ours(text)[1]
         body = json.dumps({"model": "m", "prompt": "the cache of the attention", "max_tokens": 8,
                            "temperature": 0, "ignore_eos": True}).encode()
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda _: urllib.request.urlopen(urllib.request.Request(
                 f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}),
                 timeout=120).read(), range(4)))
-        steps = _vllm_steps(port) - steps_before
+        steps = vllm_steps(port) - steps_before
         assert steps > 0
         text = _until(pod, lambda t: ours(t)[1] - ours_before == steps)
         assert ours(text)[1] - ours_before == steps, _logs(pod)

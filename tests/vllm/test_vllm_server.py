@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from conftest import start_profinfer, vllm_server
+from conftest import start_profinfer, vllm_server, vllm_steps
 
 PROMPTS = ["hello world model token", "the cache of the attention", "query key value",
            "a thread of the server engine", "graph node shape tensor", "the request and the step"]
@@ -42,6 +42,7 @@ def server(vllm_python, vllm_model):
 def test_attach_to_the_api_server_records_its_worker(server, tmp_path):
     proc, port = server
     unprofiled = _burst(port)
+    steps_before = vllm_steps(port)
     summary_path = tmp_path / "summary.json"
     prof = start_profinfer(["attach", "--pid", str(proc.pid), "--json", str(summary_path), "--quiet"])
     try:
@@ -50,7 +51,9 @@ def test_attach_to_the_api_server_records_its_worker(server, tmp_path):
         prof.send_signal(signal.SIGINT)
         _, err = prof.communicate(timeout=120)
     assert prof.returncode == 0, prof.early_stderr + err
+    steps = vllm_steps(port) - steps_before           # the server's own count, scraped here
     summary = json.loads(summary_path.read_text())
+    assert len(summary["step_list"]) == steps, (len(summary["step_list"]), steps)
 
     texts = lambda rs: [r["choices"][0]["text"] for r in rs]   # noqa: E731
     assert texts(profiled) == texts(unprofiled)               # greedy: profiling changes nothing
@@ -68,8 +71,8 @@ def test_attach_to_the_api_server_records_its_worker(server, tmp_path):
     assert generated == MAX_TOKENS * len(PROMPTS)
     assert summary["tokens"] == {"prefill": prompt_tokens, "decode": generated - len(PROMPTS)}
     assert sum(s["tokens"] for s in summary["step_list"]) == prompt_tokens + generated - len(PROMPTS)
-    # the server's own /metrics over the same stretch (scraped at attach and at the end):
-    # the same steps and prompt tokens
+    # the server's /metrics as profinfer scraped them at attach and at the end: the same
+    # steps and prompt tokens
     server = {r["what"]: r for r in summary["server_metrics"]}
     assert server["steps"]["server"] == server["steps"]["ours"] == len(summary["step_list"])
     assert server["prompt tokens"]["server"] == server["prompt tokens"]["ours"] == prompt_tokens
