@@ -5,6 +5,7 @@ Every failure the user can act on ends as one line on stderr and a non-zero exit
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 import signal
@@ -13,18 +14,29 @@ import time
 
 import click
 
-from profinfer.daemon.tokens import TOKEN_ENV
+from profinfer.daemon.tokens import TOKEN_ENV, TOKEN_MAX_BYTES
 from profinfer.core.errors import ProfinferError
 from profinfer.core.model import Profile
 from profinfer.core.packs import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
+from profinfer.core.session import MIN_DURATION_S
 
-def _levels(value: str) -> set[str]:
+class FiniteRange(click.FloatRange):
+    """A FloatRange that also refuses nan and the infinities (nan passes every bound)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+def _levels(value: str, option: str = "--levels") -> set[str]:
     levels = {v.strip() for v in value.split(",") if v.strip()}
     known = LEVELS + ("step",) + KERNEL_LEVELS + RUNTIME_LEVELS
     bad = levels - set(known)
     if bad or not levels:
         raise click.BadParameter(f"unknown level(s) {', '.join(sorted(bad)) or '(none)'}; "
-                                 f"choose from {','.join(known)}")
+                                 f"choose from {','.join(known)}", param_hint=option)
     return levels
 
 
@@ -68,7 +80,7 @@ def probe_options(f):
     f = click.option("--pack", "packs", multiple=True, type=click.Path(dir_okay=False),
                      help="A probe pack file (TOML, as an engine's pack.toml), tried before the bundled "
                      "ones: an engine or a program's own functions as ops.")(f)
-    f = click.option("--duration", type=click.FloatRange(min=0.01),
+    f = click.option("--duration", type=FiniteRange(min=MIN_DURATION_S),
                      help="Stop after this many seconds (default: until Ctrl-C or target exit).")(f)
     f = click.option("--tensor-layout", help="Skip DWARF and decode ggml_tensor with this known layout, "
                      "or these offsets (type=0,ne=16,op=80,src=152,view_src=232,data=248,name=256); "
@@ -225,7 +237,10 @@ def report(trace, json_path, html_path):
 def _trace_paths(arg: str) -> list[str]:
     """A side of diff: a trace, a comma-separated list of traces, or a directory of them."""
     if os.path.isdir(arg):
-        found = sorted(os.path.join(arg, f) for f in os.listdir(arg) if f.endswith(".pftrace"))
+        try:
+            found = sorted(os.path.join(arg, f) for f in os.listdir(arg) if f.endswith(".pftrace"))
+        except OSError as e:
+            raise ProfinferError(f"cannot list {arg}: {e.strerror}") from None
         if not found:
             raise ProfinferError(f"{arg}: a directory without .pftrace files")
         return found
@@ -242,7 +257,7 @@ def _trace_paths(arg: str) -> list[str]:
 @click.option("--noise", default="5%", show_default=True, metavar="PCT",
               help="The run-to-run noise floor: a change whose interval reaches inside it is "
               "not called significant.")
-@click.option("--confidence", type=click.FloatRange(0.5, 0.999), default=0.95, show_default=True)
+@click.option("--confidence", type=FiniteRange(0.5, 0.999), default=0.95, show_default=True)
 @click.option("--statistic", type=click.Choice(["median", "mean"]), default="median", show_default=True,
               help="What is compared of each quantity's samples: the median (a stall in a few "
               "calls moves it little) or the mean (tails included).")
@@ -256,7 +271,17 @@ def diff(before, after, gates, noise, confidence, statistic, json_path, html_pat
     what changed and with what confidence. BEFORE and AFTER are each a trace, traces joined
     by commas, or a directory of them: several runs a side are pooled, and the spread of
     their means is a noise floor. Exit 1 when a --fail-above gate fails, 2 when the runs
-    cannot be compared."""
+    cannot be compared (bad input included: a gate never fails for want of a run)."""
+    try:
+        _diff(before, after, gates, noise, confidence, statistic, json_path, html_path, show_all)
+    except ProfinferError as e:
+        from profinfer.exporters.comparison import IncomparableRuns
+        if e.exit_code == 1:
+            raise IncomparableRuns(str(e)) from None
+        raise
+
+
+def _diff(before, after, gates, noise, confidence, statistic, json_path, html_path, show_all):
     from profinfer import outputs
     from profinfer.exporters import comparison
     from profinfer.viewers import difftable
@@ -285,14 +310,20 @@ def _write_diff_html(result: dict, path: str) -> None:
     html.write_html(result, path, kind="diff", labels={"sections": difftable.SECTION_TITLES})
 
 
+def _check_output(option: str, path: str) -> None:
+    """ProfinferError unless `path` can be written (outputs.check_writable)."""
+    from profinfer import outputs
+    outputs.check_writable([outputs.Output(option, path, "output", "", None)])
+
+
 def _load_trace(trace: str) -> Profile:
     from profinfer.exporters.trace_reader import TraceFormatError, read_trace
-    if not os.path.exists(trace):
-        raise ProfinferError(f"no such file: {trace}")
     try:
         return read_trace(trace)
     except TraceFormatError as e:
         raise ProfinferError(str(e)) from None
+    except OSError as e:        # missing, a loop of links, not a regular file (a FIFO, a device)
+        raise ProfinferError(f"cannot read {trace}: {e.strerror}") from None
 
 
 def _add_demo(group: click.Group, demos: list) -> None:
@@ -335,7 +366,8 @@ def _add_plugin_commands() -> None:
     found = demos()
     if found:
         _add_demo(cli, found)
-    services = Services(load_trace=_load_trace, console=report_console, warn=_warn, note=_note)
+    services = Services(load_trace=_load_trace, console=report_console, warn=_warn, note=_note,
+                        check_output=_check_output)
     for module in commands_modules():
         add = getattr(module, "add_commands", None)
         if add is not None:
@@ -354,7 +386,7 @@ def _add_plugin_commands() -> None:
               "the profiler-cost line and the daemon's budget then price its hits at that.")
 @click.option("--windows", type=click.IntRange(min=3), default=20, show_default=True,
               help="With --pid: windows with the probes (as many without).")
-@click.option("--window", "window_s", type=click.FloatRange(min=0.2), default=1.5, show_default=True,
+@click.option("--window", "window_s", type=FiniteRange(min=0.2), default=1.5, show_default=True,
               help="With --pid: seconds a window.")
 def calibrate_cmd(threads, force, attempts, pid, windows, window_s):
     """Measure this machine's roofs (DRAM and each cache level's read bandwidth, f32 FMA peak) for roofline verdicts,
@@ -412,7 +444,7 @@ DEFAULT_URL = "http://127.0.0.1:9464"
 @cli.command()
 @click.option("--listen", default="127.0.0.1:9464", show_default=True, help="HOST:PORT of the HTTP endpoint.")
 @click.option("--allow-remote", is_flag=True, help="Allow a --listen address other than loopback.")
-@click.option("--budget", type=click.FloatRange(0.0001, 1.0), default=0.04, show_default=True,
+@click.option("--budget", type=FiniteRange(0.0001, 1.0), default=0.04, show_default=True,
               help="Share of the watched processes' CPU time profiling may cost.")
 @click.option("--levels", default="token,graph,cuda", show_default=True, help="Always-on levels: token and graph (probes shared per build), op under the budget (per process), cuda where a process maps a CUDA runtime.")
 @click.option("--token", envvar=TOKEN_ENV, help="Bearer token for the control endpoints; "
@@ -425,7 +457,7 @@ DEFAULT_URL = "http://127.0.0.1:9464"
               help="The certificate's PEM private key (default: in --tls-cert's file).")
 @click.option("--otlp", metavar="ENDPOINT", help="Also send the metrics by OTLP/HTTP to this collector "
               "(e.g. http://127.0.0.1:4318).")
-@click.option("--otlp-interval", type=click.FloatRange(0.1, 3600), default=10.0, show_default=True,
+@click.option("--otlp-interval", type=FiniteRange(0.1, 3600), default=10.0, show_default=True,
               help="Seconds between OTLP exports.")
 @click.option("--max-processes", type=click.IntRange(1, 100000), default=64, show_default=True,
               help="Most processes watched at once (and exited ones' series kept); more are counted "
@@ -485,7 +517,7 @@ def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tl
                         labels=labels, allow_hosts=allow_hosts, max_connections=max_connections,
                         flight=dict(triggers=list(triggers), record_for=record_for, keep=keep,
                                     captures_dir=captures_dir, max_bytes=captures_max_bytes,
-                                    levels=_levels(capture_levels), cooldown=trigger_cooldown,
+                                    levels=_levels(capture_levels, "--capture-levels"), cooldown=trigger_cooldown,
                                     baseline=trigger_baseline)
                         if triggers else None))
 
@@ -495,18 +527,27 @@ def _client_token(token_file: str, required: bool) -> str | None:
     there and it is not required: loopback's /status needs none)."""
     token = os.environ.get(TOKEN_ENV, "").strip()
     if token:
-        return token
+        return _checked_token(token, TOKEN_ENV)
+    from profinfer.core import procfs
     try:
-        with open(token_file) as f:
-            token = f.read().strip()
+        token = procfs.read_regular(token_file, TOKEN_MAX_BYTES).decode().strip()
     except OSError as e:
         if required or e.errno not in (errno.ENOENT, errno.EACCES):
             raise ProfinferError(f"cannot read the token file {token_file}: {e.strerror} "
                                  f"(or give the token in {TOKEN_ENV})") from None
         return None
+    except UnicodeDecodeError:
+        raise ProfinferError(f"the token file {token_file} is not text") from None
     if not token and required:
         raise ProfinferError(f"the token file {token_file} is empty")
-    return token or None
+    return _checked_token(token, f"the token file {token_file}") if token else None
+
+
+def _checked_token(token: str, where: str) -> str:
+    """A token that fits one HTTP header line (printable ASCII), else ProfinferError."""
+    if not token.isascii() or not token.isprintable():
+        raise ProfinferError(f"{where} holds characters a token cannot have (one line of printable ASCII)")
+    return token
 
 
 def _daemon_request(method: str, url: str, token: str | None = None, timeout: float = 30,
@@ -535,8 +576,11 @@ def _daemon_request(method: str, url: str, token: str | None = None, timeout: fl
                              "(daemon --tls-cert/--tls-key, here --cacert), an SSH tunnel to 127.0.0.1, "
                              "or --insecure-http on a network you trust")
     if parts.scheme == "https":
-        conn = http.client.HTTPSConnection(host, port, timeout=timeout,
-                                           context=ssl.create_default_context(cafile=cacert))
+        try:
+            context = ssl.create_default_context(cafile=cacert)
+        except (ssl.SSLError, OSError) as e:
+            raise ProfinferError(f"--cacert {cacert}: not a PEM CA certificate ({getattr(e, 'reason', None) or e})") from None
+        conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=context)
     else:
         conn = http.client.HTTPConnection(host, port, timeout=timeout)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -547,7 +591,7 @@ def _daemon_request(method: str, url: str, token: str | None = None, timeout: fl
     except ssl.SSLCertVerificationError as e:
         raise ProfinferError(f"{url}: the daemon's certificate is not trusted ({e.verify_message}): "
                              "give its CA with --cacert") from None
-    except (OSError, http.client.HTTPException) as e:
+    except (OSError, http.client.HTTPException, ValueError) as e:   # ValueError: a port out of range
         raise ProfinferError(f"no daemon at {url}: {e or type(e).__name__}") from None
     finally:
         conn.close()
@@ -560,7 +604,8 @@ def _daemon_request(method: str, url: str, token: str | None = None, timeout: fl
             text = json.loads(text).get("error", text)
         except (ValueError, AttributeError):
             pass
-        raise ProfinferError(f"the daemon answered {r.status}: {str(text).strip()}")
+        text = " ".join(str(text).split())      # one line, whatever answered
+        raise ProfinferError(f"the daemon answered {r.status}: {text[:300]}")
     return body
 
 
@@ -591,11 +636,20 @@ def status(url, token_file, cacert, insecure_http, as_json):
     # loopback's /status needs no token: never hand it to whatever listens there (a user's
     # listener on the port while the daemon restarts)
     token = _client_token(token_file, required=False) if remote else None
-    data = json.loads(_daemon_request("GET", url.rstrip("/") + "/status", token, cacert=cacert,
-                                      insecure_http=insecure_http))
-    if as_json:
-        click.echo(json.dumps(data, indent=1))
-        return
+    body = _daemon_request("GET", url.rstrip("/") + "/status", token, cacert=cacert, insecure_http=insecure_http)
+    try:
+        data = json.loads(body)
+        if as_json:
+            click.echo(json.dumps(data, indent=1))
+            return
+        _print_status(data)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ProfinferError(f"{url} did not answer as a profinfer daemon does (its /status: "
+                             f"{body[:80]!r})") from None
+
+
+def _print_status(data: dict) -> None:
+    """The daemon's /status, as `status` prints it."""
     click.echo(f"daemon PID {data['pid']}, levels {','.join(data['levels'])}, budget {data['budget']:.1%}, "
                f"GPU metrics {data['gpu']}, attach errors {data['attach_errors']}")
     for p in data["processes"]:
@@ -636,7 +690,7 @@ def _trigger_state(t: dict) -> str:
 
 @cli.command()
 @click.option("-p", "--pid", type=int, required=True)
-@click.option("--seconds", type=click.FloatRange(0.01, 300), default=10, show_default=True)
+@click.option("--seconds", type=FiniteRange(MIN_DURATION_S, 300), default=10, show_default=True)
 @click.option("--levels", default="token,graph,op", show_default=True)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
 @click.option("--force", is_flag=True, help="Capture even where it takes the process over the daemon's "
@@ -646,13 +700,17 @@ def capture(pid, seconds, levels, output, force, url, token_file, cacert, insecu
     """Ask the daemon for a Perfetto trace of one process. The token goes to whatever listens
     at --url: on loopback, make sure that is the daemon."""
     from urllib.parse import urlencode
+    _check_output("-o", output)
     token = _client_token(token_file, required=True)
     data = _daemon_request("POST", url.rstrip("/") + "/capture?" + urlencode(
         {"pid": pid, "seconds": seconds, "levels": levels, **({"force": 1} if force else {})}), token,
         timeout=seconds + 120,
         cacert=cacert, insecure_http=insecure_http)
-    with open(output, "wb") as f:
-        f.write(data)
+    try:
+        with open(output, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        raise ProfinferError(f"cannot write -o {output}: {e.strerror}") from None
     _note(f"wrote {output} ({len(data):,} bytes)")
 
 

@@ -328,5 +328,5 @@ def test_bad_input_is_one_line(tmp_path):
     for p in (missing, unwritable):
         assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert "Traceback" not in p.stderr
-    assert "no such file" in missing.stderr and "--html" in unwritable.stderr
+    assert "No such file" in missing.stderr and "--html" in unwritable.stderr
     assert not (tmp_path / "p.html").exists()

@@ -36,6 +36,8 @@ class Services:
     console: Callable[[], object]            # the rich Console reports print to
     warn: Callable[[str], None]              # "profinfer: warning: ..." on stderr
     note: Callable[[str], None]              # "profinfer: ..." on stderr
+    check_output: Callable[[str, str], None]  # (option, path): one line of error and exit unless
+                                              # it can be written (before any work)
 
 
 def commands_modules() -> list[ModuleType]:

@@ -9,7 +9,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 
-from profinfer.core import discovery, registry
+from profinfer.core import discovery, procfs, registry
 from profinfer.core.arch import placement
 from profinfer.core.arch.callsites import call_sites
 from profinfer.core.errors import ProfinferError
@@ -18,6 +18,7 @@ from profinfer.core.symbols import ElfInfo, Symbol, load_elf
 LEVELS = ("token", "graph", "op")           # probed in the engine (the default set)
 KERNEL_LEVELS = ("sched",)                  # kernel tracepoints, filtered to the target: opt-in
 RUNTIME_LEVELS = ("cuda",)                  # a runtime's calls under any engine: opt-in
+PACK_MAX_BYTES = 1 << 20                    # a probe pack is a page or two of TOML
 
 
 @dataclass
@@ -78,9 +79,11 @@ def load_pack(name: str) -> Pack:
     """A bundled pack by name, or a pack file (a path ending in .toml)."""
     if name.endswith(".toml"):
         try:
-            text = open(name).read()
+            text = procfs.read_regular(name, PACK_MAX_BYTES).decode()
         except OSError as e:
             raise ProfinferError(f"cannot read probe pack {name}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ProfinferError(f"probe pack {name}: not TOML (not UTF-8 text)") from None
         name = os.path.basename(name).removesuffix(".toml")
     else:
         plugin = registry.plugin(name)
@@ -94,13 +97,22 @@ def load_pack(name: str) -> Pack:
     missing = [k for k in ("engine", "bpf", "libraries", "decoder") if k not in raw]
     if missing:
         raise ProfinferError(f"probe pack {name}: no {', '.join(missing)}")
+    wrong = [k for k in ("engine", "bpf", "decoder") if not isinstance(raw[k], str)]
+    if wrong or not isinstance(raw["libraries"], list) or not all(isinstance(x, str) for x in raw["libraries"]):
+        raise ProfinferError(f"probe pack {name}: {', '.join(wrong) or 'libraries'} must be "
+                             f"{'text' if wrong else 'a list of texts'}")
     probes = []
     for p in raw.get("probe", ()):
-        probes.append(ProbeSpec(
-            level=p["level"], function=p.get("function"), pattern=p.get("pattern"),
-            entry=p.get("entry"), ret=p.get("return"), args=tuple(p.get("args", ())),
-            required=p.get("required", False), group=p.get("group"), callers=p.get("callers"),
-            numbered=p.get("numbered", False), table=p))
+        if not isinstance(p, dict) or not isinstance(p.get("level"), str):
+            raise ProfinferError(f"probe pack {name}: each [[probe]] is a table with a level")
+        try:
+            probes.append(ProbeSpec(
+                level=p["level"], function=p.get("function"), pattern=p.get("pattern"),
+                entry=p.get("entry"), ret=p.get("return"), args=tuple(p.get("args", ())),
+                required=p.get("required", False), group=p.get("group"), callers=p.get("callers"),
+                numbered=p.get("numbered", False), table=p))
+        except TypeError:
+            raise ProfinferError(f"probe pack {name}: a [[probe]]'s args must be a list") from None
     return Pack(name, raw["engine"], raw["bpf"], raw["libraries"], raw.get("marker", ""),
                 raw["decoder"], probes, raw)
 

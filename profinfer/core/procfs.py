@@ -134,6 +134,16 @@ def open_binary(path: str):
         raise
 
 
+def read_regular(path: str, limit: int | None = None) -> bytes:
+    """The bytes of the regular file `path` names (open_file: a FIFO, a device or a directory
+    is refused, never waited on or read without end); OSError, or EFBIG past `limit` bytes."""
+    with open_binary(path) as f:
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit:,} bytes", path)
+    return data
+
+
 def stat_file(path: str, nofollow: bool = False) -> os.stat_result:
     """fstat of what open_file opens (the file we would read, not a path resolved again)."""
     fd = open_file(path, nofollow)

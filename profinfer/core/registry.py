@@ -97,7 +97,7 @@ def _load(spec: str) -> Plugin:
     module, _, attr = spec.partition(":")
     try:
         found = getattr(importlib.import_module(module), attr or "PLUGIN")
-    except (ImportError, AttributeError) as e:
+    except (ImportError, AttributeError, ValueError, TypeError) as e:   # the last two: "", ".relative"
         raise ProfinferError(f"plugin {spec}: cannot load it ({e})") from None
     if not isinstance(found, Plugin):
         raise ProfinferError(f"plugin {spec}: {attr or 'PLUGIN'} is not a profinfer Plugin")

@@ -20,6 +20,7 @@ tenant's): their symbols and DWARF are read in a worker process with a deadline
 from __future__ import annotations
 
 import functools
+import math
 import os
 import resource
 import select
@@ -47,7 +48,22 @@ from profinfer.daemon.shared import SharedProbes, SharedRuntime, group_key
 from profinfer.daemon.watch import Watch, exit_fd, process_stat, step_call
 
 SCAN_S = 1.0
-SERIES_TTL_S = float(os.environ.get("PROFINFER_SERIES_TTL_S", "300"))   # a last scrape sees them
+def _env_seconds(name: str, default: float) -> float:
+    """A number of seconds (0 or more) from the environment, else `default`; ProfinferError
+    for anything else."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ProfinferError(f"{name}={text}: give a number of seconds, 0 or more")
+    return value
+
+
+SERIES_TTL_S = _env_seconds("PROFINFER_SERIES_TTL_S", 300)   # a last scrape sees them
 MODEL_RECHECK_S = 10.0   # a watched process with no model file found yet is looked at again
 RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0    # a failed attach is tried again, backing off
 DEFAULT_LEVELS = ("token", "graph", "cuda")

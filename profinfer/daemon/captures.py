@@ -62,10 +62,12 @@ def temp_root() -> str:
 
 
 def max_trace_bytes() -> int:
+    """PROFINFER_MAX_TRACE_BYTES where it is a positive number under MAX_TRACE_BYTES, else that."""
     try:
-        return min(MAX_TRACE_BYTES, int(os.environ.get("PROFINFER_MAX_TRACE_BYTES", MAX_TRACE_BYTES)))
+        asked = int(os.environ.get("PROFINFER_MAX_TRACE_BYTES", MAX_TRACE_BYTES))
     except ValueError:
         return MAX_TRACE_BYTES
+    return min(MAX_TRACE_BYTES, asked) if asked > 0 else MAX_TRACE_BYTES
 
 
 def _signal_name(number: int) -> str:
@@ -154,8 +156,8 @@ class Captures:
             seconds = float(query.get("seconds", ["10"])[0])
         except (KeyError, ValueError, IndexError):
             raise BadRequest(400, "pid (an integer) and seconds (a number) are required") from None
-        if not 0 < seconds <= MAX_CAPTURE_S:
-            raise BadRequest(400, f"seconds must be in (0, {MAX_CAPTURE_S}]")
+        if not MIN_DURATION_S <= seconds <= MAX_CAPTURE_S:      # nan too
+            raise BadRequest(400, f"seconds must be in [{MIN_DURATION_S}, {MAX_CAPTURE_S}]")
         levels = {v.strip() for v in query.get("levels", ["token,graph,op"])[0].split(",") if v.strip()}
         bad = levels - CAPTURE_LEVELS
         if bad or not levels:

@@ -94,7 +94,7 @@ def in_unit(value: float | None, unit: str) -> str:
 def parse_duration(text: str, what: str) -> float:
     """`10s`, `500ms`, `2m` or bare seconds, above 0."""
     m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$", text)
-    if m is None or float(m[1]) <= 0:
+    if m is None or not 0 < float(m[1]) < math.inf:       # 400 digits make an infinity
         raise ProfinferError(f"{what} {text!r}: expected a duration above 0 (e.g. 10s, 500ms, 2m)")
     return float(m[1]) * {"ms": 1e-3, "s": 1.0, "m": 60.0}[m[2] or "s"]
 

@@ -9,6 +9,7 @@ import stat
 from profinfer.core.errors import ProfinferError
 
 TOKEN_ENV = "PROFINFER_TOKEN"
+TOKEN_MAX_BYTES = 4096           # a token is one short line: a file past this is not one
 
 
 def load_token(token: str | None, token_file: str, warn=lambda msg: None) -> str:

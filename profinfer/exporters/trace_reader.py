@@ -13,6 +13,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, TrackEvent
 
+from profinfer.core import procfs
 from profinfer.core.model import Profile
 from profinfer.core.timeline import Timeline, TraceFormatError
 from profinfer.exporters.perfetto import (
@@ -136,6 +137,8 @@ class _Reader:
                 table = seq.tables[kind]
                 for entry in getattr(pkt.interned_data, field):
                     value = entry.str.decode() if kind == "str" else entry.name
+                    if not isinstance(value, str):      # a name that is not UTF-8
+                        raise TraceFormatError(f"an interned {kind} that is not UTF-8 text: {value[:40]!r}")
                     if table.setdefault(entry.iid, value) != value:   # redefined: cached decodes are stale
                         table[entry.iid] = value
                         seq.decoded.clear()
@@ -255,8 +258,9 @@ class _Reader:
 
 
 def read_trace(path: str | Path) -> Profile:
-    """Load a profinfer Perfetto trace. OSError for an unreadable path, TraceFormatError for bad content."""
-    data = Path(path).read_bytes()
+    """Load a profinfer Perfetto trace. OSError for an unreadable path or one that is not a
+    regular file, TraceFormatError for bad content."""
+    data = procfs.read_regular(str(path))
     if not data:
         raise TraceFormatError(f"{path}: empty file")
     reader = _Reader()
@@ -278,7 +282,7 @@ def read_named_tracks(path: str | Path) -> dict[tuple[int, str], list]:
     reader = _Reader()
     reader.collect_named = True
     try:
-        reader.read(Path(path).read_bytes())
+        reader.read(procfs.read_regular(str(path)))
     except (DecodeError, KeyError, IndexError, ValueError, TypeError, AttributeError, OverflowError) as e:
         raise TraceFormatError(f"{path}: not a valid profinfer trace ({type(e).__name__}: {e})") from None
     return reader.named_tracks

@@ -37,6 +37,8 @@ def add_commands(group: click.Group, services: Services) -> None:
         """The computation graph (DAG) of a saved trace, with time shares and verdicts."""
         from profinfer.core import recorded_calibration
         from profinfer.engines.llamacpp import dag as dagmod, dagview
+        if output:
+            services.check_output("-o", output)
         profile = services.load_trace(trace)
         roofs = recorded_calibration.roofs(profile)
         dag = dagmod.build(profile, phase, collapse=not no_collapse, roofs=roofs.value)

@@ -241,8 +241,11 @@ def to_dot(dag: Dag) -> str:
 def write(dag: Dag, path: str) -> None:
     text = to_dot(dag)
     if path.endswith(".dot") or path.endswith(".gv"):
-        with open(path, "w") as f:
-            f.write(text)
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise ProfinferError(f"cannot write {path}: {e.strerror}") from None
         return
     fmt = path.rsplit(".", 1)[-1].lower()
     if fmt not in ("svg", "png", "pdf"):
