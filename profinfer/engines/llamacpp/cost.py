@@ -73,7 +73,7 @@ def _cost(op: str, ne: tuple, dtype: str, src_ne: tuple, src_dtypes: tuple) -> C
         return Cost(2.0 * srcs[0][0][0] * out, read + out_bytes)
     if base == "FLASH_ATTN_EXT":
         # q [D, n_q, H]; k [D, n_kv, H_kv]; v like k: QK^T and PV, 2 FLOPs per multiply-add
-        (q_ne, q_t), (k_ne, k_t) = srcs[0], srcs[1]
+        (q_ne, _), (k_ne, k_t) = srcs[0], srcs[1]
         d, n_q, heads = q_ne[0], q_ne[1], max(q_ne[2], 1) * max(q_ne[3], 1)
         n_kv = k_ne[1]
         return Cost(4.0 * d * n_q * n_kv * heads, read + nbytes(k_ne, k_t) + out_bytes)
