@@ -95,12 +95,10 @@ def test_churn_keeps_the_daemon_flat(tmp_path, llama_build, tiny_model, llama_en
     # stay: the second half of the run grows by less than one wave's first-time cost
     rss = [f["rss_kb"] for f in footprints]
     assert rss[-1] - rss[WAVES // 2] < 8 * 1024, rss
-    checked = 0
     for pid, perf in finished.items():
         assert pid in counted, pid
-        if "eval" in perf:           # the line made it out of llama.cpp's async logger
-            assert counted[pid] == perf["eval"][1], (pid, counted[pid], perf)
-            checked += 1
-    assert checked >= len(finished) // 2, (checked, len(finished))
+        # llama.cpp's own count (its log drain is preloaded: a missing line is a defect)
+        assert "eval" in perf, (pid, "llama.cpp's perf lines missing")
+        assert counted[pid] == perf["eval"][1], (pid, counted[pid], perf)
     left = bpf_watch.leftovers(set())
     assert not left, left
