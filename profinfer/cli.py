@@ -15,7 +15,7 @@ import time
 import click
 
 from profinfer.daemon.tokens import TOKEN_ENV, TOKEN_MAX_BYTES
-from profinfer.core.errors import ProfinferError
+from profinfer.core.errors import OutputFailed, ProfinferError
 from profinfer.core.model import Profile
 from profinfer.core.packs import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
 from profinfer.core.session import MIN_DURATION_S
@@ -271,38 +271,40 @@ def diff(before, after, gates, noise, confidence, statistic, json_path, html_pat
     what changed and with what confidence. BEFORE and AFTER are each a trace, traces joined
     by commas, or a directory of them: several runs a side are pooled, and the spread of
     their means is a noise floor. Exit 1 when a --fail-above gate fails, 2 when the runs
-    cannot be compared (bad input included: a gate never fails for want of a run)."""
-    try:
-        _diff(before, after, gates, noise, confidence, statistic, json_path, html_path, show_all)
-    except ProfinferError as e:
-        from profinfer.exporters.comparison import IncomparableRuns
-        if e.exit_code == 1:
-            raise IncomparableRuns(str(e)) from None
-        raise
-
-
-def _diff(before, after, gates, noise, confidence, statistic, json_path, html_path, show_all):
-    from profinfer import outputs
+    cannot be compared (bad input included: a gate never fails for want of a run), 74 when
+    an output cannot be written."""
     from profinfer.exporters import comparison
     from profinfer.viewers import difftable
     from profinfer.viewers.terminal import report_console
-    rules = tuple(comparison.parse_gate(g) for g in gates)
-    floor = comparison.parse_percent(noise, "--noise")
-    outputs.check_writable([outputs.Output(option, path, "comparison", suffix, None) for option, path, suffix in
-                            (("--json", json_path, ".json"), ("--html", html_path, ".html")) if path])
-    sides = (_trace_paths(before), _trace_paths(after))
-    result = comparison.compare_profiles([_load_trace(p) for p in sides[0]],
-                                         [_load_trace(p) for p in sides[1]], floor, confidence, rules, sides,
-                                         statistic)
+    try:
+        result = _compared(before, after, gates, noise, confidence, statistic, json_path, html_path)
+    except ProfinferError as e:
+        if e.exit_code == 1:
+            raise comparison.IncomparableRuns(str(e)) from None
+        raise
     for path, write in ((json_path, comparison.write_json), (html_path, _write_diff_html)):
         if path:
             try:
                 write(result, path)
             except OSError as e:
-                raise ProfinferError(f"cannot write {path}: {e.strerror}") from None
+                raise OutputFailed(f"cannot write {path}: {e.strerror}") from None
     difftable.render(result, report_console(), show_all)
     if result["failed"]:
         sys.exit(1)
+
+
+def _compared(before, after, gates, noise, confidence, statistic, json_path, html_path) -> dict:
+    """diff's comparison, its options and outputs checked first; ProfinferError for bad input."""
+    from profinfer import outputs
+    from profinfer.exporters import comparison
+    rules = tuple(comparison.parse_gate(g) for g in gates)
+    floor = comparison.parse_percent(noise, "--noise")
+    outputs.check_writable([outputs.Output(option, path, "comparison", suffix, None) for option, path, suffix in
+                            (("--json", json_path, ".json"), ("--html", html_path, ".html")) if path])
+    sides = (_trace_paths(before), _trace_paths(after))
+    return comparison.compare_profiles([_load_trace(p) for p in sides[0]],
+                                       [_load_trace(p) for p in sides[1]], floor, confidence, rules, sides,
+                                       statistic)
 
 
 def _write_diff_html(result: dict, path: str) -> None:
@@ -578,8 +580,10 @@ def _daemon_request(method: str, url: str, token: str | None = None, timeout: fl
     if parts.scheme == "https":
         try:
             context = ssl.create_default_context(cafile=cacert)
-        except (ssl.SSLError, OSError) as e:
-            raise ProfinferError(f"--cacert {cacert}: not a PEM CA certificate ({getattr(e, 'reason', None) or e})") from None
+        except ssl.SSLError as e:
+            raise ProfinferError(f"--cacert {cacert}: not a PEM CA certificate ({e.reason or e})") from None
+        except OSError as e:
+            raise ProfinferError(f"cannot read --cacert {cacert}: {e.strerror}") from None
         conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=context)
     else:
         conn = http.client.HTTPConnection(host, port, timeout=timeout)

@@ -3,6 +3,7 @@ at the end: one that still fails (disk full, directory removed meanwhile) is sav
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ def requested(output: str | None, json_path: str | None, html_path: str | None =
     return outs
 
 
+_FIFOS_KEPT_OPEN: list[int] = []
+
+
 def check_writable(outs: list[Output]) -> None:
     """Raise ProfinferError unless every output can be opened for writing (created and removed
     again if it did not exist), so that a bad path is found before anything is profiled."""
@@ -64,7 +68,12 @@ def check_writable(outs: list[Output]) -> None:
             fd = os.open(out.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666)
         except OSError as e:
             raise ProfinferError(f"cannot write {out.option} {out.path}: {e.strerror}") from None
-        os.close(fd)
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            # closed now, the FIFO's last writer would end its reader's input before the
+            # real write: kept open until this process exits
+            _FIFOS_KEPT_OPEN.append(fd)
+        else:
+            os.close(fd)
         if not existed:
             os.unlink(out.path)
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import select
 import subprocess
+import threading
 import sys
 from pathlib import Path
 
@@ -28,6 +30,11 @@ def one_line_error(p: subprocess.CompletedProcess, child_output: bool = False) -
 
 def run(args, timeout=120, **kw):
     return subprocess.run([*PROFINFER, *args], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def without_token() -> dict:
+    """This environment without PROFINFER_TOKEN: a token file is read only where it is unset."""
+    return {k: v for k, v in os.environ.items() if k != "PROFINFER_TOKEN"}
 
 
 def test_nonexistent_pid():
@@ -100,9 +107,23 @@ def test_inputs_that_are_not_regular_files_are_refused_at_once(trace, fifo, tmp_
                        (["record", "--pack", str(pack), "--", "true"], 1),
                        (["capture", "-p", "1", "-o", str(tmp_path / "c"), "--token-file", str(fifo)], 1),
                        (["capture", "-p", "1", "-o", str(tmp_path / "c"), "--token-file", "/dev/zero"], 1)):
-        p = run(args, timeout=30)
+        p = run(args, timeout=30, env=without_token())
         assert p.returncode == code, (args, p.stderr)
         assert "not a regular file" in one_line_error(p), args
+
+
+def test_a_fifo_with_a_reader_gets_the_whole_output(trace, tmp_path):
+    """Checked writable first, a FIFO whose reader is waiting still gets the graph whole: the
+    check's descriptor stays open, or its close would end the reader's input first."""
+    fifo = tmp_path / "g.dot"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()))
+    reader.start()
+    p = run(["graph", str(trace), "-o", str(fifo)], timeout=60)
+    reader.join(timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert got and got[0].startswith("digraph") and got[0].rstrip().endswith("}"), got
 
 
 def test_outputs_that_cannot_be_written_are_refused_before_any_work(trace, fifo, tmp_path):
@@ -144,7 +165,7 @@ def test_tokens_that_cannot_be_sent(tmp_path):
     token.write_bytes(b"\xff\xfe")
     token.chmod(0o600)
     assert "is not text" in one_line_error(run(["capture", "-p", "1", "-o", str(tmp_path / "c"),
-                                                "--token-file", str(token)]))
+                                                "--token-file", str(token)], env=without_token()))
     p = run(["capture", "-p", "1", "-o", str(tmp_path / "c")], env={**os.environ, "PROFINFER_TOKEN": "a\nb"})
     assert "PROFINFER_TOKEN holds characters a token cannot have" in one_line_error(p)
 
@@ -153,9 +174,11 @@ def test_what_answers_at_the_url_but_is_no_daemon(tmp_path):
     """A listener that is not the daemon (a user's, while it restarts): an HTML error page, or
     JSON of another shape; each is one line."""
     (tmp_path / "status").write_text('{"pid": 1}')
-    server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0"], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    server = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", "0"],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
+        ready = select.select([server.stdout], [], [], 30)[0]
+        assert ready, "http.server did not say its port"
         port = int(server.stdout.readline().split(" port ")[1].split()[0])
         url = f"http://127.0.0.1:{port}"
         assert "did not answer as a profinfer daemon does" in one_line_error(run(["status", "--url", url]))
@@ -169,9 +192,16 @@ def test_what_answers_at_the_url_but_is_no_daemon(tmp_path):
                                                              "--cacert", str(pem)]))
 
 
-@pytest.mark.parametrize("text, says", [("engine='x'\nbpf='y'\nlibraries=3\ndecoder='z'\n", "libraries must be"),
-                                        ("engine='x'\nbpf='y'\nlibraries=['a']\ndecoder='z'\n[[probe]]\nfunction='f'\n",
-                                         "each [[probe]] is a table with a level")])
+_PACK = "engine='x'\nbpf='y'\nlibraries=['a']\ndecoder='z'\n"
+
+
+@pytest.mark.parametrize("text, says", [
+    ("engine='x'\nbpf='y'\nlibraries=3\ndecoder='z'\n", "libraries must be"),
+    (_PACK + "[[probe]]\nfunction='f'\n", "each [[probe]] is a table with a level"),
+    (_PACK + "[[probe]]\nlevel='op'\n", "names a function or a pattern"),
+    (_PACK + "[[probe]]\nlevel='op'\nfunction='f'\npattern='g'\n", "names a function or a pattern"),
+    (_PACK + "[[probe]]\nlevel='op'\npattern='('\n", "is no regular expression"),
+    (_PACK + "[[probe]]\nlevel='op'\nfunction='f'\nargs='abc'\n", "args are a list")])
 def test_probe_packs_of_the_wrong_shape(tmp_path, text, says):
     pack = tmp_path / "p.toml"
     pack.write_text(text)

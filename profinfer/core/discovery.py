@@ -53,8 +53,9 @@ def mapped_files(pid: int) -> list[MappedFile]:
     except FileNotFoundError:
         raise ProfinferError(f"no process with PID {pid}") from None
     except PermissionError:
-        why = ("the kernel does not let us trace it: another user namespace's, or a stricter "
-               "kernel.yama.ptrace_scope" if os.geteuid() == 0 else "run as root")
+        why = ("the kernel refuses it to root here: the process is another user namespace's, this "
+               "one lacks CAP_SYS_PTRACE (root in a container), or a security module (AppArmor, "
+               "SELinux) denies it" if os.geteuid() == 0 else "run as root")
         raise ProfinferError(f"cannot read /proc/{pid}/maps: permission denied; {why}") from None
     seen: dict[str, MappedFile] = {}
     for m in procfs.parse_maps(text):

@@ -9,3 +9,7 @@ class ProfinferError(Exception):
 
 class NotRootError(ProfinferError):
     exit_code = 77  # EX_NOPERM
+
+
+class OutputFailed(ProfinferError):
+    exit_code = 74  # EX_IOERR: distinct from a verdict a command's exit code gives (diff's gate)

@@ -103,18 +103,32 @@ def load_pack(name: str) -> Pack:
                              f"{'text' if wrong else 'a list of texts'}")
     probes = []
     for p in raw.get("probe", ()):
-        if not isinstance(p, dict) or not isinstance(p.get("level"), str):
-            raise ProfinferError(f"probe pack {name}: each [[probe]] is a table with a level")
-        try:
-            probes.append(ProbeSpec(
-                level=p["level"], function=p.get("function"), pattern=p.get("pattern"),
-                entry=p.get("entry"), ret=p.get("return"), args=tuple(p.get("args", ())),
-                required=p.get("required", False), group=p.get("group"), callers=p.get("callers"),
-                numbered=p.get("numbered", False), table=p))
-        except TypeError:
-            raise ProfinferError(f"probe pack {name}: a [[probe]]'s args must be a list") from None
+        _check_probe(name, p)
+        probes.append(ProbeSpec(
+            level=p["level"], function=p.get("function"), pattern=p.get("pattern"),
+            entry=p.get("entry"), ret=p.get("return"), args=tuple(p.get("args", ())),
+            required=p.get("required", False), group=p.get("group"), callers=p.get("callers"),
+            numbered=p.get("numbered", False), table=p))
     return Pack(name, raw["engine"], raw["bpf"], raw["libraries"], raw.get("marker", ""),
                 raw["decoder"], probes, raw)
+
+
+def _check_probe(pack: str, p) -> None:
+    """ProfinferError unless a [[probe]] table has a level, a function or a pattern (a regular
+    expression) and no other, and its args as a list."""
+    if not isinstance(p, dict) or not isinstance(p.get("level"), str):
+        raise ProfinferError(f"probe pack {pack}: each [[probe]] is a table with a level")
+    named = [k for k in ("function", "pattern") if k in p]
+    if len(named) != 1 or not isinstance(p[named[0]], str):
+        raise ProfinferError(f"probe pack {pack}: each [[probe]] names a function or a pattern, one of "
+                             f"them, as text")
+    if named == ["pattern"]:
+        try:
+            re.compile(p["pattern"])
+        except re.error as e:
+            raise ProfinferError(f"probe pack {pack}: pattern {p['pattern']!r} is no regular expression ({e})") from None
+    if not isinstance(p.get("args", []), list):
+        raise ProfinferError(f"probe pack {pack}: a [[probe]]'s args are a list")
 
 
 @dataclass

@@ -59,7 +59,7 @@ def _env_seconds(name: str, default: float) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < 0:
-        raise ProfinferError(f"{name}={text}: give a number of seconds, 0 or more")
+        raise ProfinferError(f"{name}={text!r}: give a number of seconds, 0 or more")
     return value
 
 
