@@ -272,12 +272,18 @@ def diff(before, after, gates, noise, confidence, statistic, json_path, html_pat
     by commas, or a directory of them: several runs a side are pooled, and the spread of
     their means is a noise floor. Exit 1 when a --fail-above gate fails, 2 when the runs
     cannot be compared (bad input included: a gate never fails for want of a run), 74 when
-    an output cannot be written."""
+    --json or --html cannot be written."""
+    from profinfer import outputs
     from profinfer.exporters import comparison
     from profinfer.viewers import difftable
     from profinfer.viewers.terminal import report_console
     try:
-        result = _compared(before, after, gates, noise, confidence, statistic, json_path, html_path)
+        outputs.check_writable([outputs.Output(option, path, "comparison", suffix, None) for option, path, suffix
+                                in (("--json", json_path, ".json"), ("--html", html_path, ".html")) if path])
+    except ProfinferError as e:
+        raise OutputFailed(str(e)) from None
+    try:
+        result = _compared(before, after, gates, noise, confidence, statistic)
     except ProfinferError as e:
         if e.exit_code == 1:
             raise comparison.IncomparableRuns(str(e)) from None
@@ -293,14 +299,11 @@ def diff(before, after, gates, noise, confidence, statistic, json_path, html_pat
         sys.exit(1)
 
 
-def _compared(before, after, gates, noise, confidence, statistic, json_path, html_path) -> dict:
-    """diff's comparison, its options and outputs checked first; ProfinferError for bad input."""
-    from profinfer import outputs
+def _compared(before, after, gates, noise, confidence, statistic) -> dict:
+    """diff's comparison, its options checked first; ProfinferError for bad input."""
     from profinfer.exporters import comparison
     rules = tuple(comparison.parse_gate(g) for g in gates)
     floor = comparison.parse_percent(noise, "--noise")
-    outputs.check_writable([outputs.Output(option, path, "comparison", suffix, None) for option, path, suffix in
-                            (("--json", json_path, ".json"), ("--html", html_path, ".html")) if path])
     sides = (_trace_paths(before), _trace_paths(after))
     return comparison.compare_profiles([_load_trace(p) for p in sides[0]],
                                        [_load_trace(p) for p in sides[1]], floor, confidence, rules, sides,

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import select
 import subprocess
-import threading
 import sys
 from pathlib import Path
 
@@ -114,16 +113,20 @@ def test_inputs_that_are_not_regular_files_are_refused_at_once(trace, fifo, tmp_
 
 def test_a_fifo_with_a_reader_gets_the_whole_output(trace, tmp_path):
     """Checked writable first, a FIFO whose reader is waiting still gets the graph whole: the
-    check's descriptor stays open, or its close would end the reader's input first."""
+    check's descriptor stays open, or its close would end the reader's input first (the
+    graph, a few hundred bytes, fits the pipe's buffer: read once the command ended)."""
     fifo = tmp_path / "g.dot"
     os.mkfifo(fifo)
-    got = []
-    reader = threading.Thread(target=lambda: got.append(open(fifo).read()))
-    reader.start()
-    p = run(["graph", str(trace), "-o", str(fifo)], timeout=60)
-    reader.join(timeout=30)
-    assert p.returncode == 0, p.stderr
-    assert got and got[0].startswith("digraph") and got[0].rstrip().endswith("}"), got
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        p = run(["graph", str(trace), "-o", str(fifo)], timeout=60)
+        assert p.returncode == 0, p.stderr
+        got = b""
+        while chunk := os.read(reader, 65536):
+            got += chunk
+    finally:
+        os.close(reader)
+    assert got.startswith(b"digraph") and got.rstrip().endswith(b"}"), got
 
 
 def test_outputs_that_cannot_be_written_are_refused_before_any_work(trace, fifo, tmp_path):
@@ -139,6 +142,13 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_work(trace, fifo,
                                   ["daemon", "--budget", "nan"], ["daemon", "--otlp-interval", "nan"]])
 def test_numbers_that_are_not_finite_are_refused(args):
     assert "is not a finite number" in one_line_error(run(args))
+
+
+def test_diff_says_74_for_an_output_it_cannot_write(trace, tmp_path):
+    p = run(["diff", "--json", "/dev/full", str(trace), str(trace)])       # opens, then ENOSPC
+    assert "cannot write /dev/full" in one_line_error(p) and p.returncode == 74, p.stderr
+    p = run(["diff", "--html", str(tmp_path / "no" / "d.html"), str(trace), str(trace)])
+    assert "cannot write --html" in one_line_error(p) and p.returncode == 74, p.stderr
 
 
 def test_diff_says_2_for_bad_input_never_a_failed_gate(trace, tmp_path):
@@ -201,7 +211,11 @@ _PACK = "engine='x'\nbpf='y'\nlibraries=['a']\ndecoder='z'\n"
     (_PACK + "[[probe]]\nlevel='op'\n", "names a function or a pattern"),
     (_PACK + "[[probe]]\nlevel='op'\nfunction='f'\npattern='g'\n", "names a function or a pattern"),
     (_PACK + "[[probe]]\nlevel='op'\npattern='('\n", "is no regular expression"),
-    (_PACK + "[[probe]]\nlevel='op'\nfunction='f'\nargs='abc'\n", "args are a list")])
+    (_PACK + "[[probe]]\nlevel='op'\nfunction=''\n", "names a function or a pattern"),
+    (_PACK + "[[probe]]\nlevel='op'\npattern='g'\ncallers='h'\n", "callers (a pattern, as text) go with a function"),
+    (_PACK + "[[probe]]\nlevel='op'\nfunction='f'\ncallers='('\n", "is no regular expression"),
+    (_PACK + "[[probe]]\nlevel='op'\nfunction='f'\nargs='abc'\n", "args are a list"),
+    (_PACK + "[[probe]]\nlevel='op'\nfunction='f'\nargs=[7]\n", "argument numbers, 1 to 6")])
 def test_probe_packs_of_the_wrong_shape(tmp_path, text, says):
     pack = tmp_path / "p.toml"
     pack.write_text(text)

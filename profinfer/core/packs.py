@@ -114,21 +114,26 @@ def load_pack(name: str) -> Pack:
 
 
 def _check_probe(pack: str, p) -> None:
-    """ProfinferError unless a [[probe]] table has a level, a function or a pattern (a regular
-    expression) and no other, and its args as a list."""
+    """ProfinferError unless a [[probe]] table has a level; a function or a pattern (a regular
+    expression), one of them, not empty; callers (a regular expression) only with a function;
+    and its args as a list of argument numbers, 1 to 6 (those passed in registers)."""
     if not isinstance(p, dict) or not isinstance(p.get("level"), str):
         raise ProfinferError(f"probe pack {pack}: each [[probe]] is a table with a level")
     named = [k for k in ("function", "pattern") if k in p]
-    if len(named) != 1 or not isinstance(p[named[0]], str):
+    if len(named) != 1 or not isinstance(p[named[0]], str) or not p[named[0]]:
         raise ProfinferError(f"probe pack {pack}: each [[probe]] names a function or a pattern, one of "
                              f"them, as text")
-    if named == ["pattern"]:
+    if "callers" in p and (named != ["function"] or not isinstance(p["callers"], str)):
+        raise ProfinferError(f"probe pack {pack}: callers (a pattern, as text) go with a function")
+    for key in ("pattern", "callers"):
         try:
-            re.compile(p["pattern"])
+            if key in p:
+                re.compile(p[key])
         except re.error as e:
-            raise ProfinferError(f"probe pack {pack}: pattern {p['pattern']!r} is no regular expression ({e})") from None
-    if not isinstance(p.get("args", []), list):
-        raise ProfinferError(f"probe pack {pack}: a [[probe]]'s args are a list")
+            raise ProfinferError(f"probe pack {pack}: {key} {p[key]!r} is no regular expression ({e})") from None
+    args = p.get("args", [])
+    if not isinstance(args, list) or not all(type(a) is int and 1 <= a <= 6 for a in args):
+        raise ProfinferError(f"probe pack {pack}: a [[probe]]'s args are a list of argument numbers, 1 to 6")
 
 
 @dataclass

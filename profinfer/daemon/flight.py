@@ -95,7 +95,7 @@ def parse_duration(text: str, what: str) -> float:
     """`10s`, `500ms`, `2m` or bare seconds, above 0."""
     m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$", text)
     seconds = float(m[1]) * {"ms": 1e-3, "s": 1.0, "m": 60.0}[m[2] or "s"] if m else math.nan
-    if not 0 < seconds < math.inf:       # 300 digits make an infinity
+    if not 0 < seconds < math.inf:       # 309 digits make an infinity
         raise ProfinferError(f"{what} {text!r}: expected a duration above 0 (e.g. 10s, 500ms, 2m)")
     return seconds
 
