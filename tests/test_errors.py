@@ -231,7 +231,7 @@ def test_environment_values_that_name_nothing(trace, env):
 
 def test_a_daemon_setting_in_the_environment_that_is_no_number():
     p = run(["daemon"], env={**os.environ, "PROFINFER_SERIES_TTL_S": "abc"})
-    assert "PROFINFER_SERIES_TTL_S=abc" in one_line_error(p)
+    assert "PROFINFER_SERIES_TTL_S='abc'" in one_line_error(p)
 
 
 @pytest.mark.parametrize("args", [["attach", "--pid", "1", "--bogus"], ["attach"],
