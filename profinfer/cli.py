@@ -17,8 +17,7 @@ import click
 from profinfer.daemon.tokens import TOKEN_ENV, TOKEN_MAX_BYTES
 from profinfer.core.errors import OutputFailed, ProfinferError
 from profinfer.core.model import Profile
-from profinfer.core.packs import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
-from profinfer.core.session import MIN_DURATION_S
+from profinfer.core.packs import KERNEL_LEVELS, LEVELS, MIN_DURATION_S, RUNTIME_LEVELS
 
 class FiniteRange(click.FloatRange):
     """A FloatRange that also refuses nan and the infinities (nan passes every bound)."""

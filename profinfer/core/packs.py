@@ -19,6 +19,7 @@ LEVELS = ("token", "graph", "op")           # probed in the engine (the default 
 KERNEL_LEVELS = ("sched",)                  # kernel tracepoints, filtered to the target: opt-in
 RUNTIME_LEVELS = ("cuda",)                  # a runtime's calls under any engine: opt-in
 PACK_MAX_BYTES = 1 << 20                    # a probe pack is a page or two of TOML
+MIN_DURATION_S = 0.01                       # the shortest --duration; a capture asks for no less
 
 
 @dataclass

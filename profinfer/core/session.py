@@ -205,9 +205,6 @@ class StatusLine:
             sys.stderr.write("\n")
 
 
-
-MIN_DURATION_S = 0.01          # the shortest --duration: a capture asks for no less
-
 @dataclass(frozen=True)
 class SessionOptions:
     """What to probe and for how long (profile_process's arguments, less the target's)."""

@@ -19,8 +19,7 @@ from collections.abc import Callable, Iterator
 
 import psutil
 
-from profinfer.core.packs import KERNEL_LEVELS, LEVELS, RUNTIME_LEVELS
-from profinfer.core.session import MIN_DURATION_S
+from profinfer.core.packs import KERNEL_LEVELS, LEVELS, MIN_DURATION_S, RUNTIME_LEVELS
 from profinfer.daemon.tokens import TOKEN_ENV
 
 MAX_CAPTURE_S = 300
