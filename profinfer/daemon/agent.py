@@ -47,7 +47,7 @@ from profinfer.daemon.seen import SeenProcesses
 from profinfer.daemon.shared import SharedProbes, SharedRuntime, group_key
 from profinfer.daemon.watch import Watch, exit_fd, process_stat, step_call
 
-SCAN_S = 1.0
+
 def _env_seconds(name: str, default: float) -> float:
     """A number of seconds (0 or more) from the environment, else `default`; ProfinferError
     for anything else."""
@@ -63,6 +63,7 @@ def _env_seconds(name: str, default: float) -> float:
     return value
 
 
+SCAN_S = 1.0
 SERIES_TTL_S = _env_seconds("PROFINFER_SERIES_TTL_S", 300)   # a last scrape sees them
 MODEL_RECHECK_S = 10.0   # a watched process with no model file found yet is looked at again
 RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0    # a failed attach is tried again, backing off

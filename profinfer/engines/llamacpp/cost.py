@@ -134,10 +134,10 @@ def _reads(desc) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...], f
 
 def reuse_by_run(runs: list[NodeRun]) -> list[RunReads]:
     """Per node run (runs in start order, across graph computes), each source's reuse
-    distance: the bytes every node moved (as the cost model counts them) since its data was
-    last read or written, and the bytes read of it (read in order, its first byte was last
-    touched that long before); with the bytes read of it. A model's weights were last read a
-    token's graph before; an activation, as the node that wrote it ended."""
+    distance and the bytes read of it. The distance is the bytes every node moved (as the
+    cost model counts them) since its data was last read or written, plus those bytes: read
+    in order, its first byte was last touched that long before. A model's weights were last
+    read a token's graph before; an activation, as the node that wrote it ended."""
     moved = 0.0
     last: dict[int, float] = {}
     by_desc: dict[int, tuple] = {}
