@@ -19,9 +19,7 @@ import pytest
 from conftest import completion_cmd, run_profinfer
 from profinfer.core import bpfobj, calibrate, loadcheck
 from profinfer.core.loadcheck import UnreliableMeasurement
-from profinfer.core.roofline import CacheRoof, Roofs
-from profinfer.engines.llamacpp.cost import verdicts
-from profinfer.exporters.trace_reader import read_trace
+from test_roofline import decode_matmul_past_dram
 
 THREADS = 2
 SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -154,10 +152,7 @@ def test_tiny_decode_matmul_is_judged_against_the_cache(measured, llama_build, t
     holds, too_small = ({lvl for lvl, b in sysfs.items() if b >= 2 * weights},
                         {lvl for lvl, b in sysfs.items() if b < weights})
     assert holds, sysfs
-    cache_roofs = tuple(CacheRoof(c["level"], 10 * dec["gbps"] * (len(roofs["caches"]) - i), c["bytes"])
-                        for i, c in enumerate(roofs["caches"]))
-    low = Roofs(peak_gflops=roofs["peak_gflops"], peak_gbps=dec["gbps"] / 2, caches=cache_roofs)
-    (far,) = [v for v in verdicts(read_trace(tmp_path / "t.pftrace"), low) if v.scope == "decode MUL_MAT"]
+    far = decode_matmul_past_dram(tmp_path / "t.pftrace", dec, roofs["caches"], roofs["peak_gflops"])
     assert far.roof in holds and far.roof not in too_small, (far, sysfs, weights)
     assert far.notes == [f"above the DRAM roof: cache-resident ({far.roof})"], far
 

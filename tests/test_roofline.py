@@ -212,6 +212,17 @@ def roofs():
     return calibrate.cached_roofs(2)
 
 
+def decode_matmul_past_dram(trace, dec: dict, caches: list[dict], peak_gflops: float):
+    """The trace's decode MUL_MAT judged again against roofs that put DRAM's at half its GB/s
+    (`dec`: its verdict in the summary) and every cache's (their capacities as `caches` say)
+    far above it, slower the larger: where its data is read from is then all that decides."""
+    cache_roofs = tuple(CacheRoof(c["level"], 10 * dec["gbps"] * (len(caches) - i), c["bytes"])
+                        for i, c in enumerate(caches))
+    low = Roofs(peak_gflops=peak_gflops, peak_gbps=dec["gbps"] / 2, caches=cache_roofs)
+    (far,) = [v for v in verdicts(read_trace(trace), low) if v.scope == "decode MUL_MAT"]
+    return far
+
+
 def test_calibrated_roofs_are_physical(roofs):
     assert 1 < roofs.peak_gbps < 2000 and 1 < roofs.peak_gflops < 100_000
 
@@ -241,9 +252,7 @@ def test_decode_matmul_memory_bound_prefill_not(llama_build, big_model, llama_en
     assert not dec["notes"] or dec["notes"][0].startswith("at the DRAM roof: past it by"), dec
     # and however far past DRAM's roof it ran: the same run against roofs that put DRAM's at
     # half its GB/s and every cache's far above it
-    cache_roofs = tuple(CacheRoof(c["level"], 10 * dec["gbps"] * (3 - i), c["bytes"]) for i, c in enumerate(caches))
-    low = Roofs(peak_gflops=roofs.peak_gflops, peak_gbps=dec["gbps"] / 2, caches=cache_roofs)
-    (far,) = [x for x in verdicts(read_trace(tmp_path / "t.pftrace"), low) if x.scope == "decode MUL_MAT"]
+    far = decode_matmul_past_dram(tmp_path / "t.pftrace", dec, caches, roofs.peak_gflops)
     assert (far.roof, far.roof_share) == ("DRAM", pytest.approx(2.0)), far
     assert far.notes[0].startswith("at the DRAM roof: past it by 100.0%, yet "), far
     assert pre["bound"] != "memory" and pre["intensity"] > s["roofline"]["roofs"]["ridge"], pre
