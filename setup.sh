@@ -8,9 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 # sysbench: the outside reader the cache-roof tests compare calibrate with; chromium and its
-# driver: the HTML report is tested in a real (headless) browser.
+# driver: the HTML report is tested in a real (headless) browser; openssl: the daemon's TLS is
+# tested with a certificate made here; iproute2: a dummy address where a machine has loopback alone.
 need=(libbpf1 libbpf-dev clang lld bpftool graphviz python3-venv python3-pip cmake ninja-build gcc g++ prometheus
-      sysbench chromium chromium-driver)
+      sysbench chromium chromium-driver openssl iproute2)
 missing=()
 for p in "${need[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -1,10 +1,12 @@
 """Shared fixtures: the real workload (llama.cpp + GGUF models) and a way to run profinfer."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
 import os
+import queue
 import re
 import signal
 import socket
@@ -23,6 +25,42 @@ from profinfer.core import held, recorded
 from profinfer.engines.llamacpp import workload
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
+TESTS = Path(__file__).parent
+# test modules share their helpers by module name across folders (daemon_helpers, governed,
+# a module's own checks): every folder that holds tests is importable, whichever runs alone
+for _folder in sorted({p.parent for p in TESTS.rglob("test_*.py")} | {TESTS / "daemon"}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
+# The tiers (README): the default runs every test but `soak` and `gpu`, which are chosen by
+# name (`pytest -m soak`, `pytest -m gpu`). Each marker is given by the folder a test is in,
+# or by the fixtures it uses, never typed on a test one at a time.
+MARKERS = {
+    "soak": "long or timed runs (minutes of load, A/B cost windows): their figures go to bench/results.md",
+    "gpu": "needs a CUDA GPU: run on a lent GPU machine (tests/gpu/)",
+    "root": "loads BPF or attaches probes: needs root (CAP_BPF, CAP_PERFMON) and kernel BTF",
+    "workload": "runs a real engine or runtime (llama.cpp, vLLM, a CUDA program)",
+}
+FOLDER_MARKERS = {"soak": ("soak", "root", "workload"), "gpu": ("gpu", "root", "workload")}
+WORKLOAD_FIXTURES = {"llama_build", "vllm_python", "libcuda", "cudart12", "llama_env"}
+ROOT_FOLDERS = {"daemon", "engines", "levels", "soak", "gpu", "cuda", "vllm"}
+
+
+def pytest_configure(config):
+    for name, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folders = Path(item.fspath).relative_to(TESTS).parts[:-1]
+        marks = {m for folder in folders for m in FOLDER_MARKERS.get(folder, ())}
+        if ROOT_FOLDERS & set(folders):
+            marks.add("root")
+        if WORKLOAD_FIXTURES & set(getattr(item, "fixturenames", ())):
+            marks |= {"workload", "root"}
+        for m in sorted(marks):
+            item.add_marker(m)
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
 
 
@@ -335,24 +373,121 @@ def attached_run(target: subprocess.Popen, args: list[str], go: Path, on_attache
     return prof.early_stderr + err
 
 
-def start_vllm_truth(vllm_python: Path, vllm_model: Path, mode: str, go: Path,
-                     truth_path: Path, seconds: float = 0.0) -> subprocess.Popen:
-    """tests/vllm/offline_truth.py started and past its warm-up (READY), its output drained;
-    it generates for `seconds` at least."""
-    script = Path(__file__).parent / "vllm" / "offline_truth.py"
-    target = subprocess.Popen([str(vllm_python), str(script), str(vllm_model), mode, str(go), str(truth_path),
-                               str(seconds)],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    seen = []
-    for line in target.stdout:              # vLLM logs to stdout too
-        seen.append(line)
-        if line.strip() == "READY":
-            break
-    if not seen or seen[-1].strip() != "READY":
-        target.kill()
-        raise AssertionError("".join(seen[-20:]))
-    threading.Thread(target=target.stdout.read, daemon=True).start()
-    return target
+class VllmEngine:
+    """tests/vllm/offline_truth.py: a vLLM engine of one mode, past its warm-up, that makes a
+    generation and records its truth each time it is asked (over its stdin). One serves the
+    whole session: each user attaches, asks, and detaches, leaving nothing attached (checked
+    by each), so that attaching again to a process profinfer has left is tested too."""
+
+    def __init__(self, vllm_python: Path, vllm_model: Path, mode: str):
+        script = TESTS / "vllm" / "offline_truth.py"
+        self.mode = mode
+        self.proc = subprocess.Popen([str(vllm_python), str(script), str(vllm_model), mode],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, start_new_session=True)
+        self._lines: queue.Queue = queue.Queue()
+        self._asked: Path | None = None
+        threading.Thread(target=self._read, daemon=True).start()     # vLLM logs to stdout too
+        self._wait_for("READY", 300)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+        self._lines.put(None)
+
+    def _wait_for(self, word: str, timeout: float) -> None:
+        seen, deadline = [], time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"vLLM ({self.mode}) did not say {word} in {timeout:g} s:\n"
+                                     + "\n".join(seen[-20:])) from None
+            if line is None:
+                raise AssertionError(f"vLLM ({self.mode}) exited ({self.proc.wait()}):\n" + "\n".join(seen[-20:]))
+            if line == word:
+                return
+            seen.append(line)
+
+    def start(self, truth_path: Path, seconds: float = 0.0) -> None:
+        """A generation begun (its prompts once, or again and again for `seconds`)."""
+        assert self._asked is None, "one generation at a time"
+        self._asked = truth_path
+        self.proc.stdin.write(json.dumps({"truth": str(truth_path), "seconds": seconds}) + "\n")
+        self.proc.stdin.flush()
+
+    def finish(self, timeout: float = 300) -> dict:
+        """The generation's truth, once it is done."""
+        self._wait_for("DONE", timeout)
+        truth_path, self._asked = self._asked, None
+        return json.loads(truth_path.read_text())
+
+    def generate(self, truth_path: Path, seconds: float = 0.0) -> dict:
+        self.start(truth_path, seconds)
+        return self.finish()
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_python, vllm_model):
+    """vllm_engine(mode): the session's one engine of that mode (VllmEngine), started at first use."""
+    engines: dict[str, VllmEngine] = {}
+
+    def get(mode: str) -> VllmEngine:
+        if mode not in engines or engines[mode].proc.poll() is not None:
+            engines[mode] = VllmEngine(vllm_python, vllm_model, mode)
+        return engines[mode]
+    yield get
+    for engine in engines.values():
+        engine.close()
+
+
+def attached_generation(engine: VllmEngine, args: list[str], truth_path: Path, seconds: float = 0.0,
+                        bpf_watch: "BpfWatch | None" = None) -> tuple[dict, str]:
+    """profinfer (`args`) attached to the session's engine over one generation, then stopped as
+    a user stops it (SIGINT): (the generation's truth, profinfer's stderr). With bpf_watch,
+    nothing of it is left attached in the engine or the kernel."""
+    prof = start_profinfer(args)
+    try:
+        truth = engine.generate(truth_path, seconds)
+    finally:
+        prof.send_signal(signal.SIGINT)
+        _, err = prof.communicate(timeout=120)
+    assert prof.returncode == 0, prof.early_stderr + err
+    if bpf_watch is not None:
+        left = bpf_watch.leftovers({engine.pid})
+        assert not left, left
+    return truth, prof.early_stderr + err
+
+
+DUMMY_LINK, DUMMY_ADDRESS = "pi-test0", "198.51.100.7"      # TEST-NET-2: routed nowhere
+
+
+@functools.lru_cache(maxsize=None)
+def off_loopback_address() -> str:
+    """An IPv4 address of this machine on an interface that is up, other than loopback (a
+    peer that is not loopback). A machine with loopback alone gets one, on a dummy link made
+    for the session (root's `ip`), removed at exit: the tests that need one always run."""
+    out = json.loads(subprocess.run(["ip", "-j", "-4", "addr", "show", "up", "scope", "global"],
+                                    capture_output=True, text=True, check=True).stdout)
+    found = next((a["local"] for i in out if "LOWER_UP" in i.get("flags", []) for a in i["addr_info"]), None)
+    if found is not None:
+        return found
+    for cmd in (["link", "add", DUMMY_LINK, "type", "dummy"], ["addr", "add", f"{DUMMY_ADDRESS}/32", "dev", DUMMY_LINK],
+                ["link", "set", DUMMY_LINK, "up"]):
+        subprocess.run(["ip", *cmd], check=True, capture_output=True)
+    atexit.register(subprocess.run, ["ip", "link", "del", DUMMY_LINK], capture_output=True)
+    return DUMMY_ADDRESS
 
 
 def free_port() -> int:

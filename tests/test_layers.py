@@ -1,7 +1,10 @@
-"""Per-layer breakdown and decode time against context length (issue 3)."""
+"""Per-layer breakdown and decode time against context length: the layers the model file
+declares, the decode calls and prompt tokens llama.cpp counts itself."""
 from __future__ import annotations
 
-from conftest import completion_cmd, run_profinfer, with_llama_log
+from gguf import GGUFReader
+
+from conftest import completion_cmd, llama_perf, run_profinfer, with_llama_log
 from profinfer.engines.llamacpp.dag import node_layers
 from profinfer.engines.llamacpp.nodes import NodeRun
 from profinfer.core.opcolumns import NodeDesc
@@ -29,12 +32,18 @@ def test_layers_and_context_staircase(llama_build, tiny_model, llama_env, tmp_pa
          *completion_cmd(llama_build, tiny_model, n=48, prompt=prompt)],
         env=llama_env, tmp_path=tmp_path))
     assert r.rc == 0, r.stderr[-2000:]
-    s = r.summary
-    layers = {(row["layer"], row["phase"]) for row in s["layers"]}
-    assert {(l, "decode") for l in range(4)} <= layers          # the tiny model has 4 layers
+    s, perf = r.summary, llama_perf(r.stderr)
+    decoded = {row["layer"] for row in s["layers"] if row["phase"] == "decode" and row["layer"] is not None}
+    assert decoded == set(range(block_count(tiny_model)))
     ctx = s["decode_by_context"]
     assert [c["kv_len"] for c in ctx] == [256, 512]
-    assert sum(c["calls"] for c in ctx) == s["tokens"]["decode"]
+    assert sum(c["calls"] for c in ctx) == perf["eval"][1]
     # the context reaches 256 after 256 - prompt tokens decodes: those read a 256-long KV
-    assert ctx[0]["calls"] == 256 - s["tokens"]["prefill"]
+    assert ctx[0]["calls"] == 256 - perf["prompt eval"][1]
     assert all(c["mean_attention_ns"] > 0 for c in ctx)
+
+
+def block_count(model) -> int:
+    """The model's layers, as its GGUF file declares them (ARCH.block_count)."""
+    field = next(f for name, f in GGUFReader(model).fields.items() if name.endswith(".block_count"))
+    return int(field.parts[field.data[0]][0])

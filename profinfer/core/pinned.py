@@ -38,16 +38,17 @@ def bpffs_mounted() -> bool:
 def mount_bpffs() -> tuple[bool, str | None]:
     """bpffs mounted at BPFFS where nothing is (an empty folder), as systemd mounts it at boot
     and bpftool at a pin (mode 0700, nosuid, nodev, noexec): a host whose init did not (a
-    minimal VM's) still shares the node's maps. Only in PID 1's mount namespace, where the
-    mount is the one every process started from it sees: in a container's own (a pod's
-    hostPath) it would be the container's alone. The folder is locked around the look and the
+    minimal VM's) still shares the node's maps. Only in the host's mount namespace, where the
+    mount is the one every process started from it sees (_not_the_hosts_mounts): in a
+    container's own (a pod's hostPath) it would be the container's alone. The folder is locked around the look and the
     mount, so that two processes starting at once make one mount, not one hiding the other.
     (whether it was mounted now, why it is not there: None when it is)."""
     if bpffs_mounted():
         return False, None
+    why = _not_the_hosts_mounts()
+    if why is not None:
+        return False, f"no bpffs at {BPFFS}, and {why}"
     try:
-        if os.stat("/proc/self/ns/mnt").st_ino != os.stat("/proc/1/ns/mnt").st_ino:
-            return False, f"no bpffs at {BPFFS}, and this process is not in PID 1's mount namespace"
         fd = os.open(BPFFS, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
         return False, f"no bpffs at {BPFFS}: {e.strerror}"
@@ -64,6 +65,48 @@ def mount_bpffs() -> tuple[bool, str | None]:
         return False, f"no bpffs at {BPFFS}: {e.strerror}"
     finally:
         os.close(fd)
+
+
+PF_KTHREAD = 0x00200000         # /proc/PID/stat's flags: a kernel thread
+
+
+def _mount_ns(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino
+    except OSError:
+        return None
+
+
+def _is_kthreadd(pid: int) -> bool:
+    """PID `pid` of the /proc here is the kernel's thread creator (a kernel thread, parent 0):
+    so this /proc is the host's PID namespace's."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat_line = f.read(4096)
+    except OSError:
+        return False
+    name_end = stat_line.rfind(")")
+    fields = stat_line[name_end + 2:].split()
+    return (stat_line[stat_line.find("(") + 1:name_end] == "kthreadd" and len(fields) > 6
+            and fields[1] == "0" and int(fields[6]) & PF_KTHREAD != 0)
+
+
+def _not_the_hosts_mounts() -> str | None:
+    """Why this process's mount namespace may not be the host's (None: it is), where a bpffs
+    mounted is every process's, not a container's alone. Judged against PID 1's namespace; where
+    that cannot be read (a VM's init that is not dumpable, or holds capabilities we lack), against
+    kthreadd's: a kernel thread always runs in the host's first mount namespace."""
+    mine = _mount_ns(os.getpid())
+    if mine is None:
+        return "this process's mount namespace cannot be read"
+    init = _mount_ns(1)
+    if init is not None:
+        return None if init == mine else "this process is not in PID 1's mount namespace"
+    if _is_kthreadd(2):
+        kernel_ns = _mount_ns(2)
+        if kernel_ns is not None:
+            return None if kernel_ns == mine else "this process is not in the host's mount namespace"
+    return "neither PID 1's nor a kernel thread's mount namespace can be read here (another PID namespace?)"
 
 
 def _root_only(path: str, folder: bool) -> str | None:

@@ -20,7 +20,6 @@ tenant's): their symbols and DWARF are read in a worker process with a deadline
 from __future__ import annotations
 
 import functools
-import math
 import os
 import resource
 import select
@@ -39,7 +38,8 @@ from profinfer.core.packfinder import engine_files, find_engine, find_packs
 from profinfer.daemon import discover
 from profinfer.daemon.discover import NodeDiscovery
 from profinfer.core.stats import SequenceTracker
-from profinfer.daemon.governor import STEP_UP_S, Governor, level_rank
+from profinfer.core.config import SERIES_TTL_S, STEP_UP_S
+from profinfer.daemon.governor import Governor, level_rank
 from profinfer.daemon.identity import Identity, identify, model_file
 from profinfer.daemon.metrics import Metrics
 from profinfer.daemon.plugins import capabilities, process_caches
@@ -48,23 +48,7 @@ from profinfer.daemon.shared import SharedProbes, SharedRuntime, group_key
 from profinfer.daemon.watch import Watch, exit_fd, process_stat, step_call
 
 
-def _env_seconds(name: str, default: float) -> float:
-    """A number of seconds (0 or more) from the environment, else `default`; ProfinferError
-    for anything else."""
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise ProfinferError(f"{name}={text!r}: give a number of seconds, 0 or more")
-    return value
-
-
 SCAN_S = 1.0
-SERIES_TTL_S = _env_seconds("PROFINFER_SERIES_TTL_S", 300)   # a last scrape sees them
 MODEL_RECHECK_S = 10.0   # a watched process with no model file found yet is looked at again
 RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0    # a failed attach is tried again, backing off
 DEFAULT_LEVELS = ("token", "graph", "cuda")
@@ -939,7 +923,8 @@ class Agent:
             "caches": {**{k: v for m in process_caches() for k, v in m.cache_sizes().items()},
                        "process_series": len(self.metrics.processes),
                        "sequences": sum(len(w.tracker.current) for w in watches + list(self.exited))},
-            "discovery": ({"loaders_hooked": len(discovery.loaders), "held": discovery.held_now()}
+            "discovery": ({"loaders_hooked": len(discovery.loaders), "holds": discovery.holds,
+                           "held": discovery.held_now()}
                           if discovery is not None else {"off": self.discovery_off}),
             **({"flight_recorder": self.recorder.status()} if self.recorder is not None else {}),
         }

@@ -14,7 +14,9 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-SAMPLE_S = 5.0
+from profinfer.core.config import BASELINE_SAMPLE_S
+
+SAMPLE_S = BASELINE_SAMPLE_S
 MIN_INTERVALS = 3             # fewer, and a baseline has no variation to judge by
 QUIET_FRACTION = 0.25         # an interval under this of the median rate is not in the ranges
 MIN_GAP_S = 1.0               # a sample asked for this soon after the last is not taken

@@ -120,11 +120,15 @@ class NodeDiscovery:
         _, no_bpffs = pinned.mount_bpffs()      # before the node's maps, which it holds
         recorded_fd = recorded.open_shared(log)
         held_fd = held.open_shared(log)
-        if no_bpffs is not None:
-            log(f"{no_bpffs}: a process that a `record` on this node follows "
-                "may be held by discovery too, and then run before the record's probes are on; a "
-                "process held by this daemon when it is killed stays stopped until the process is "
-                "sent SIGCONT")
+        # A hold is safe only where its hand-off is shared: the record's followers say which
+        # processes they hold (else both would stop one, and either continue it early), and the
+        # held map outlives this daemon (else one killed or stopped while it holds leaves the
+        # process stopped). Without both, nothing is held: each process is looked at once told.
+        self.holds = recorded_fd is not None and held_fd is not None
+        if not self.holds:
+            log(f"{no_bpffs or 'the node maps of held and recorded processes cannot be shared'}: "
+                "discovery holds no process (each is probed once it is seen, so an engine's first "
+                "calls may run before its probes are on)")
         try:
             config = np.zeros(1, dt["pi_core_config"])
             config["target_tgid"] = os.getpid()          # never itself
@@ -138,7 +142,8 @@ class NodeDiscovery:
             self._held_dt = dt["pi_held"]
             self._me = np.zeros(1, dt["pi_process_id"])[0]
             self._me["tgid"], self._me["start_ticks"] = os.getpid(), recorded.start_time(os.getpid())
-            libbpf.map_update(self.obj.map_fd("holder"), (0).to_bytes(4, "little"), self._me.tobytes())
+            if self.holds:          # no holder: BPF tells what it finds, never stops it
+                libbpf.map_update(self.obj.map_fd("holder"), (0).to_bytes(4, "little"), self._me.tobytes())
             fd = self.obj.map_fd("name_prefixes")
             for i, prefix in enumerate(prefixes):     # its bytes, then a mask of them
                 raw = prefix.encode()

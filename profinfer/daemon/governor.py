@@ -8,7 +8,7 @@ place (selfcost.added_ns: kernel-counted BPF time + probe hits x trap costs), pl
 of the CPU of the daemon's thread that watches; over its own CPU time. Over the budget, the
 dearest level it has goes (STEP_DOWN_ORDER: op, the cuda level's per-call detail, graph);
 the token or step level is the floor, its own cost reported. A level comes back, the last
-taken first, after STEP_UP_S with room (under half the budget, or the process idle) and no
+taken first, after config.STEP_UP_S with room (under half the budget, or the process idle) and no
 capture of it running, waiting twice as long each time a step up went over again. A running
 capture's price (capture_price) counts against the budget beside the process's own cost.
 
@@ -36,7 +36,6 @@ FLOOR_LEVELS = ("token", "step")
 # is charged against those threads' time, not the whole process's (vLLM's OpenMP pool spins);
 # the op level too where the engine's plugin says its ops are called there (ops_on_callers)
 CALLER_LEVELS = ("token", "step", "graph")
-STEP_UP_S = 20.0
 LEVEL_RANK = {"op": 3, "graph": 2, "token": 1, "step": 1}
 TRAP_KEYS = ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")
 MIN_CPU_TO_JUDGE_NS = 50_000_000

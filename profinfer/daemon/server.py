@@ -29,6 +29,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from profinfer.core.config import STALL_S
 from profinfer.core.errors import ProfinferError
 from profinfer.daemon.captures import MAX_CAPTURES, BadRequest, Captures
 from profinfer.daemon.httpserve import BoundedHTTPServer, Lane, Request, Response
@@ -125,7 +126,7 @@ def make_server(agent, host: str, port: int, token: str, note, allow_hosts: tupl
             got[7:].strip().encode("utf-8", "surrogateescape"), secret)
 
     def healthz() -> Response:
-        stale = time.monotonic() - agent.last_loop > 30
+        stale = time.monotonic() - agent.last_loop > STALL_S
         return Response(503 if stale else 200, b"stalled\n" if stale else b"ok\n")
 
     def capture(req: Request) -> Response:

@@ -27,6 +27,7 @@ import pytest
 
 from profinfer.daemon.discover import HOLD_MAX_S
 
+from conftest import off_loopback_address
 from daemon_helpers import _STARTED, PROFINFER, Daemon, _get, kill_started
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -258,18 +259,8 @@ def test_an_unwritable_temp_dir_is_named_in_one_line(tmp_path, llama_build, llam
         d.stop()
 
 
-def _off_loopback_address() -> str:
-    """An IPv4 address of this machine other than loopback (a peer that is not loopback)."""
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family == socket.AF_INET and not a.address.startswith("127."):
-                return a.address
-    pytest.skip("this machine has no IPv4 address beyond loopback")
-
-
 def _self_signed(tmp_path: Path, address: str) -> tuple[Path, Path]:
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl command to make a certificate")
+    assert shutil.which("openssl"), "openssl is installed by setup.sh"
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
                     "-out", str(cert), "-days", "1", "-subj", "/CN=profinfer-test",
@@ -314,7 +305,7 @@ def test_token_from_the_environment_and_a_warning_for_the_command_line(tmp_path)
 def test_status_and_capture_over_tls(tmp_path, llama_build, llama_env):
     """A daemon serving HTTPS beyond loopback: status and capture with the CA given work
     (the token sent); without it, one line says the certificate is not trusted."""
-    address = _off_loopback_address()
+    address = off_loopback_address()
     cert, key = _self_signed(tmp_path, address)
     d = Daemon(tmp_path, listen=address, url=f"https://{address}",
                extra=("--allow-remote", "--tls-cert", str(cert), "--tls-key", str(key)))
@@ -340,7 +331,7 @@ def test_status_and_capture_over_tls(tmp_path, llama_build, llama_env):
 def test_no_token_in_clear_beyond_loopback(tmp_path):
     """status and capture to a plain http:// URL beyond loopback refuse in one line, and the
     listener there receives nothing: no connection, no token."""
-    address = _off_loopback_address()
+    address = off_loopback_address()
     listener = socket.socket()
     listener.bind((address, 0))
     listener.listen(8)

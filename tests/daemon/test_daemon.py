@@ -36,15 +36,15 @@ def daemon(tmp_path):
 
 
 def _generate_watched(d: Daemon, llama_build, model, llama_env, tmp_path: Path) -> tuple[int, dict]:
-    """A generation the daemon found before it began: (its pid, llama.cpp's own counts)."""
-    for _ in range(4):      # llama.cpp's async logger can lose its last lines
-        w = Workload(llama_build, model, llama_env, tmp_path, n=32)
-        assert d.watched(w.proc.pid)["engine"] == "llama.cpp"
-        w.go()
-        perf = llama_perf(w.finish())
-        if {"prompt eval", "eval"} <= perf.keys():
-            return w.proc.pid, perf
-    raise AssertionError("llama.cpp's perf lines missing in 4 runs")
+    """A generation the daemon found before it began: (its pid, llama.cpp's own counts; its
+    log drain is preloaded, so a missing line is a defect)."""
+    w = Workload(llama_build, model, llama_env, tmp_path, n=32)
+    assert d.watched(w.proc.pid)["engine"] == "llama.cpp"
+    w.go()
+    err = w.finish()
+    perf = llama_perf(err)
+    assert {"prompt eval", "eval"} <= perf.keys(), f"llama.cpp's perf lines missing:\n{err[-2000:]}"
+    return w.proc.pid, perf
 
 
 def _prometheus(tmp_path: Path, target: str) -> tuple[subprocess.Popen, str]:
@@ -198,92 +198,6 @@ def test_otlp_carries_the_same_counts_under_genai_names(tmp_path, llama_build, t
         receiver.close()
 
 
-def _levels_now(d: Daemon, pid: int) -> list[str]:
-    return d.watched(pid)["levels"]
-
-
-def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_model, llama_env):
-    """The tiny model under `--levels token,graph,op --budget 0.04` (its op level costs more:
-    its ops take microseconds). Loaded, the op level goes within 10 s; settled, the levels kept
-    are what the governor's stated cost allows, and the governed server's decode rate, against
-    an identical unwatched server's in alternating windows (governed.py), is at most 4% lower
-    than their ratio before the daemon started, where the windows resolve it; its op-level
-    counts up to the step down are kept; idle, the last level taken comes back after its wait."""
-    from governed import alternate, cost_against_before, loaded_until_settled, server_window, twin_servers, window
-    d = None
-    try:
-        a, b, url_a, url_b, n = twin_servers(llama_build, tiny_model, llama_env, tmp_path, _STARTED)
-        # before the daemon: what A/B is with nothing watching
-        before = alternate(server_window(url_a), server_window(url_b), 8, n)
-        d = Daemon(tmp_path, ("--levels", "token,graph,op", "--budget", "0.04"))
-        assert sorted(d.watched(a.pid)["levels"]) == ["graph", "op", "token"], d.text()
-        status = json.loads(_get(d.url + "/status")[1])
-        assert b.pid not in {p["pid"] for p in status["processes"]}, status
-        assert status["trap_costs_source"].startswith(("cached calibration", "measured at start")), status
-
-        # loaded (generating without a pause, in a thread): the op level goes within 10 s
-        stepped, info = loaded_until_settled(d, a.pid, url_a, f"PID {a.pid}: levels graph,op,token -> graph,token (")
-        assert stepped is not None and stepped <= 10, (stepped, d.text())
-        assert "op" not in info["levels"] and "budget 4.0%" in d.text()
-        # the levels it keeps are what its last judgment allowed: under the budget, or the floor
-        settled = info["levels"]
-        assert info["cost_share"] is not None and (info["cost_share"] <= 0.04 or settled == ["token"]), info
-        assert info["cost_by_level"]["token"] > 0, info         # the floor's own cost, stated
-
-        rates = alternate(server_window(url_a), server_window(url_b), 8, n)
-        cost, se = cost_against_before(before, rates)
-        timed = (f"timed cost {cost:+.1%} +- {se:.1%} in 8 pairs of {n} tokens at {settled} "
-                 f"(A, B before the daemon: {before}; governed: {rates})")
-        print(timed)
-
-        text = _get(d.url + "/metrics")[1].decode()
-        assert any(l.startswith("profinfer_op_calls_total{") and f'pid="{a.pid}"' in l and 'op="MUL_MAT"' in l
-                   for l in text.splitlines())
-        assert any(l.startswith("profinfer_overhead_ratio_by_level{") and f'pid="{a.pid}"' in l
-                   and 'level="token"' in l for l in text.splitlines())
-
-        # idle: the last level taken comes back after its wait (if the governor gave every
-        # level back meanwhile, loaded until one goes again)
-        if _levels_now(d, a.pid) == ["graph", "op", "token"]:
-            count, deadline = d.text().count(f"PID {a.pid}: levels"), time.monotonic() + 30
-            while time.monotonic() < deadline and d.text().count(f"PID {a.pid}: levels") == count:
-                window(url_a, 100)
-        # from its levels once idle: the judgment of the window where the load ended may
-        # still step one down (a few ms of CPU against the daemon's own share)
-        mine, quiet_end = f"PID {a.pid}: levels", time.monotonic() + 20
-        last, changed = d.text().count(mine), time.monotonic()
-        while time.monotonic() < quiet_end and time.monotonic() - changed < 4:
-            time.sleep(0.5)
-            if d.text().count(mine) != last:
-                last, changed = d.text().count(mine), time.monotonic()
-        before = _levels_now(d, a.pid)
-        assert before != ["graph", "op", "token"], d.text()
-        wait = d.watched(a.pid)["step_up_wait_s"] + 3 * 2.0 + 2 * 2.0 + 5
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and _levels_now(d, a.pid) == before:
-            time.sleep(0.5)
-        after = _levels_now(d, a.pid)
-        assert len(after) == len(before) + 1 and set(before) < set(after), (before, after, wait, d.text())
-        said = f"PID {a.pid}: levels {','.join(before)} -> {','.join(after)} (idle)"
-        deadline = time.monotonic() + 5        # logged once its levels have changed
-        while time.monotonic() < deadline and said not in d.text():
-            time.sleep(0.2)
-        assert said in d.text(), d.text()
-    finally:
-        kill_started()
-        if d is not None:
-            d.stop()
-    # the cost must be under the budget within 3 standard errors of the windows' median ratio
-    # (measured), however noisy; where they are noisier than TIMED_NOISE_MAX (other work on the
-    # machine) that does not resolve 4%: said, as a skip
-    from governed import TIMED_NOISE_MAX
-    assert cost <= 0.04 + 3 * se, timed
-    if se >= TIMED_NOISE_MAX:
-        pytest.skip(f"{timed}: within the budget only as far as windows this noisy tell: 4% not resolved "
-                    "(bench/daemon_governor.py measures it)")
-
-
-
 def test_a_capture_counts_against_the_budget(tmp_path, llama_build, tiny_model, llama_env):
     """The tiny model generating, its op level stepped down (it cost more than the budget, here
     0.02%: whatever the machine's load does to the stated cost, its op level costs more): a
@@ -384,26 +298,25 @@ def test_moving_between_shared_objects_loses_no_decode_call(tmp_path, llama_buil
     from profinfer.daemon.agent import Agent
     agent = Agent({"token", "graph"}, 1.0, discover_processes=False)
     try:
-        for _ in range(4):      # llama.cpp's async logger can lose its last lines
-            w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=1500)
-            deadline = time.monotonic() + 30
-            while w.proc.pid not in agent.watches and time.monotonic() < deadline:
-                agent.poll(0.1)
-            watch = agent.watches[w.proc.pid]
-            assert watch.levels == {"token", "graph"}
-            w.go()
-            moves = [({"token"}, 40), ({"token", "graph"}, 400)]
-            while w.proc.poll() is None:
-                agent.poll(0.05)
-                decoded = agent.metrics.processes[w.proc.pid].tokens.get("decode", 0)
-                if moves and decoded >= moves[0][1] and agent._relevel(watch, moves[0][0], "test"):
-                    moves.pop(0)        # (refused while it still leaves the last object: tried again)
-            for _ in range(10):
-                agent.poll(0.05)
-            assert not moves and watch.levels == {"token", "graph"}
-            perf = llama_perf(w.proc.stderr.read())
-            if {"prompt eval", "eval"} <= perf.keys():
-                break
+        w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=1500)
+        deadline = time.monotonic() + 30
+        while w.proc.pid not in agent.watches and time.monotonic() < deadline:
+            agent.poll(0.1)
+        watch = agent.watches[w.proc.pid]
+        assert watch.levels == {"token", "graph"}
+        w.go()
+        moves = [({"token"}, 40), ({"token", "graph"}, 400)]
+        while w.proc.poll() is None:
+            agent.poll(0.05)
+            decoded = agent.metrics.processes[w.proc.pid].tokens.get("decode", 0)
+            if moves and decoded >= moves[0][1] and agent._relevel(watch, moves[0][0], "test"):
+                moves.pop(0)        # (refused while it still leaves the last object: tried again)
+        for _ in range(10):
+            agent.poll(0.05)
+        assert not moves and watch.levels == {"token", "graph"}
+        err = w.proc.stderr.read()
+        perf = llama_perf(err)      # its log drain is preloaded: a missing line is a defect
+        assert {"prompt eval", "eval"} <= perf.keys(), f"llama.cpp's perf lines missing:\n{err[-2000:]}"
         got = agent.metrics.processes[w.proc.pid].tokens
         assert got == {"prefill": perf["prompt eval"][1], "decode": perf["eval"][1]}, (got, perf)
         assert agent.metrics.processes[w.proc.pid].graphs, "graph counts kept across the moves"

@@ -15,7 +15,6 @@ import os
 import re
 import select
 import socket
-import subprocess
 import threading
 import time
 import urllib.request
@@ -25,7 +24,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from conftest import Target, endless_cmd, llama_server
+from conftest import Target, endless_cmd, llama_server, off_loopback_address
 from daemon_helpers import MANIFEST, Daemon, _get, kill_started, series
 
 DEADLINE_S = 10          # the daemon's request deadline (server.REQUEST_DEADLINE_S): what it promises
@@ -254,19 +253,10 @@ def test_a_host_that_is_not_the_daemons_is_refused(tmp_path):
         d.stop()
 
 
-def _non_loopback_address() -> str | None:
-    """An IPv4 address of this machine's, on an interface that is up, other than loopback."""
-    out = json.loads(subprocess.run(["ip", "-j", "-4", "addr", "show", "up", "scope", "global"],
-                                    capture_output=True, text=True, check=True).stdout)
-    return next((a["local"] for i in out if "LOWER_UP" in i.get("flags", []) for a in i["addr_info"]), None)
-
-
 def test_status_is_decided_by_the_peer_not_the_address_listened_on(tmp_path):
     """Listening on every address: a client on loopback reads /status without the token,
     one from this machine's other address (its peer address not loopback) needs it."""
-    address = _non_loopback_address()
-    if address is None:
-        pytest.skip("this machine has no address other than loopback")
+    address = off_loopback_address()
     d = Daemon(tmp_path, extra=("--allow-remote",), listen="0.0.0.0")
     try:
         assert _get(d.url + "/status")[0] == 200
@@ -386,8 +376,17 @@ def _manifest_memory_limit() -> int:
     return int(m.group(1)) * {"Ki": 1, "Mi": 1024, "Gi": 1024 ** 2}[m.group(2)]     # KiB
 
 
+SLOWLORIS_S = 25     # past two request deadlines: every slow client closed once at least
+
+
 def test_llama_server_counted_exactly_under_slowloris_and_a_metrics_flood(daemon, llama_build, tiny_model, llama_env):
-    """Two minutes of 100 slow clients (a byte every 3 s each, reopened as they are closed)
+    """SLOWLORIS_S of 100 slow clients (tests/soak: two minutes) while a llama-server answers
+    requests (counted_under_slowloris)."""
+    counted_under_slowloris(daemon, llama_build, tiny_model, llama_env, SLOWLORIS_S)
+
+
+def counted_under_slowloris(daemon, llama_build, tiny_model, llama_env, seconds: float) -> None:
+    """`seconds` of 100 slow clients (a byte every 3 s each, reopened as they are closed)
     and two threads asking /metrics back to back, all from loopback, while a llama-server
     answers requests: its tokens counted as its own per-request timings count them, /healthz
     (from another loopback address: the kubelet's probe) 200 throughout, the daemon's memory
@@ -409,7 +408,7 @@ def test_llama_server_counted_exactly_under_slowloris_and_a_metrics_flood(daemon
         # the attack and the flood from 127.0.0.1, the probe from another loopback address:
         # the attacker's own connections are what it loses over its peer's share
         health = HealthPoller(daemon.url, every_s=1.0, source="127.0.0.2")
-        rss, threads, replies, end = [], [], [], time.monotonic() + 120
+        rss, threads, replies, end = [], [], [], time.monotonic() + seconds
         try:
             def client(k: int) -> None:
                 i = k

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from daemon_helpers import Daemon, _get, kill_started
-from test_control import SECRET, _cli, _off_loopback_address, _one_error_line, _self_signed, _target
+from conftest import off_loopback_address
+from test_control import SECRET, _cli, _one_error_line, _self_signed, _target
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +41,7 @@ def _closed(s: socket.socket) -> bool:
 def test_one_peer_filling_the_cap_does_not_close_another_peers_request(tmp_path):
     """The probe's connection (another peer address), its request under way, survives a
     client on loopback opening four times the cap: that client loses its own connections."""
-    address = _off_loopback_address()
+    address = off_loopback_address()
     d = Daemon(tmp_path, extra=("--allow-remote", "--max-connections", "16"), listen="0.0.0.0")
     try:
         probe = socket.create_connection((address, d.port), timeout=10)
@@ -157,7 +158,7 @@ def test_a_redirect_is_not_followed(tmp_path):
     """A daemon URL that redirects elsewhere (plain HTTP off loopback): one line, and the
     other end gets nothing, so the token never crosses in clear. A URL with a user part
     (which host is it?) is refused in one line, before any connection."""
-    far = Listener(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", host=_off_loopback_address())
+    far = Listener(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", host=off_loopback_address())
     near = Listener(f"HTTP/1.1 302 Found\r\nLocation: {far.url}/capture\r\nContent-Length: 0\r\n\r\n".encode())
     try:
         line = _one_error_line(_cli(["capture", "-p", "1", "--seconds", "1", "-o", str(tmp_path / "x"),

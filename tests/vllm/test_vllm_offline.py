@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROFINFER, attached_run, start_vllm_truth
+from conftest import PROFINFER, BpfWatch, attached_generation
 from profinfer.engines.vllm import comparable as vllm_comparable
 from profinfer.exporters.trace_reader import read_trace
 
@@ -45,27 +45,32 @@ def _truth_key(call: dict) -> tuple:
     return _key(call["op"], args)
 
 
-def run_offline(vllm_python, vllm_model, mode: str, tmp_path: Path,
-                extra: tuple[str, ...] = (), timeline: bool = True) -> tuple[dict, dict, str]:
-    """timeline: with -o (each call sent); without, the op level counts calls in BPF."""
-    go, truth_path, summary_path = tmp_path / "go", tmp_path / "truth.json", tmp_path / "summary.json"
-    target = start_vllm_truth(vllm_python, vllm_model, mode, go, truth_path)
+def run_offline(engine, tmp_path: Path, extra: tuple[str, ...] = (), timeline: bool = True,
+                bpf_watch=None) -> tuple[dict, dict, str]:
+    """One generation of the session's engine (conftest.vllm_engine) with profinfer attached:
+    (its truth, profinfer's summary, its stderr). timeline: with -o (each call sent); without,
+    the op level counts calls in BPF."""
+    truth_path, summary_path = tmp_path / "truth.json", tmp_path / "summary.json"
     out = ["-o", str(tmp_path / "trace.pftrace")] if timeline else []
-    err = attached_run(target, ["attach", "--pid", str(target.pid), "--json", str(summary_path),
-                                *out, "--quiet", *extra], go)
-    return json.loads(truth_path.read_text()), json.loads(summary_path.read_text()), err
+    truth, err = attached_generation(engine, ["attach", "--pid", str(engine.pid), "--json", str(summary_path),
+                                              *out, "--quiet", *extra], truth_path, bpf_watch=bpf_watch)
+    return truth, json.loads(summary_path.read_text()), err
 
 
 @pytest.fixture(scope="module")
-def recorded(vllm_python, vllm_model, tmp_path_factory):
+def recorded(vllm_engine, tmp_path_factory):
     """recorded(mode): the mode's run with a timeline (its directory, truth and summary),
-    made once for the tests that read it (a vLLM start costs about a minute)."""
+    made once for the tests that read it."""
     runs: dict[str, tuple[Path, dict, dict]] = {}
 
     def get(mode: str) -> tuple[Path, dict, dict]:
         if mode not in runs:
             where = tmp_path_factory.mktemp(f"vllm-{mode}")
-            truth, summary, _ = run_offline(vllm_python, vllm_model, mode, where)
+            watch = BpfWatch()
+            try:
+                truth, summary, _ = run_offline(vllm_engine(mode), where, bpf_watch=watch)
+            finally:
+                watch.stop()
             runs[mode] = (where, truth, summary)
         return runs[mode]
     return get
@@ -74,8 +79,8 @@ def recorded(vllm_python, vllm_model, tmp_path_factory):
 @pytest.mark.parametrize("mode, timeline", [("eager", True), ("compiled", True),
                                             ("eager", False), ("compiled", False)],
                          ids=["eager", "compiled", "eager-counted", "compiled-counted"])
-def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, recorded, mode, timeline,
-                                                    tmp_path):
+def test_ops_and_steps_equal_the_process_own_record(vllm_engine, vllm_model, recorded, mode, timeline, tmp_path,
+                                                    bpf_watch):
     """With a timeline every call is sent; without, BPF counts them by op, shapes, thread and
     phase, and sends only the step ops' and attention's (whose values it reads): the same
     figures either way."""
@@ -83,7 +88,7 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, rec
         where, truth, summary = recorded(mode)
     else:
         where = tmp_path
-        truth, summary, _ = run_offline(vllm_python, vllm_model, mode, tmp_path, timeline=False)
+        truth, summary, _ = run_offline(vllm_engine(mode), tmp_path, timeline=False, bpf_watch=bpf_watch)
     assert summary["lost_events"] == 0
     assert summary["meta"]["engine"] == "vLLM"
     assert summary["meta"].get("op_level") == (None if timeline else "counted")
@@ -126,12 +131,15 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_python, vllm_model, rec
     assert sum(v["nodes"] for v in linear) == len(mm)
     # attention: each new token against its sequence's whole context (4 FLOPs a head, key
     # dimension and context token), the contexts from the scheduler's own steps: the
-    # prefill's prompts, then each decode step one token longer
+    # prefill's prompts, then each decode step one token longer; heads, head size and layers
+    # from the model's own config
     prompts = truth["steps"][0]
-    heads, dim = 4, 48
+    config = json.loads((vllm_model / "config.json").read_text())
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    dim = config.get("head_dim") or config["hidden_size"] // heads
     contexts = sum(p * p for p in prompts) + sum(p + k for k in range(1, 12) for p in prompts)
     attention = [v for scope, v in verdicts.items() if scope.endswith(" cpu_attention_with_kv_cache")]
-    assert sum(v["flops"] for v in attention) == 4 * 4 * heads * dim * contexts    # 4 layers
+    assert sum(v["flops"] for v in attention) == layers * 4 * heads * dim * contexts
     if not timeline:
         return
     # the Perfetto trace holds the same: `report` of it gives the same summary
@@ -181,11 +189,11 @@ def test_diff_eager_against_compiled_shows_the_ops_compilation_removes(recorded,
         assert vllm_comparable.identity(read_trace(where / "trace.pftrace")) == want
 
 
-def test_counters_per_native_op(vllm_python, vllm_model, tmp_path):
+def test_counters_per_native_op(vllm_engine, tmp_path, bpf_watch):
     """Software perf counters read around every call (per CPU: a call whose thread moved is
     not counted): task-clock over a call is the call's own time on its CPU."""
-    truth, summary, _ = run_offline(vllm_python, vllm_model, "eager", tmp_path,
-                                    ("--counters", "task-clock,context-switches"))
+    truth, summary, _ = run_offline(vllm_engine("eager"), tmp_path, ("--counters", "task-clock,context-switches"),
+                                    bpf_watch=bpf_watch)
     ctr = summary["counters"]
     assert ctr["names"] == ["task-clock", "context-switches"]
     counted = sum(r["counted"] for r in ctr["ops"])
@@ -197,11 +205,11 @@ def test_counters_per_native_op(vllm_python, vllm_model, tmp_path):
     assert set(ctr["phases"]) == {"prefill", "decode"}
 
 
-def test_sched_level_on_native_ops(vllm_python, vllm_model, tmp_path):
+def test_sched_level_on_native_ops(vllm_engine, tmp_path, bpf_watch):
     """The sched level watches the engine's threads: the calling thread's time on a CPU over
     the generation, from its context switches, is the kernel's own count of it."""
     from profinfer.levels.sched import stats as schedstats
-    truth, summary, _ = run_offline(vllm_python, vllm_model, "eager", tmp_path, ("--levels", "op,sched"))
+    truth, summary, _ = run_offline(vllm_engine("eager"), tmp_path, ("--levels", "op,sched"), bpf_watch=bpf_watch)
     assert summary["sched"]["switches"] > 0 and summary["lost_events"] == 0
     assert {o["op"] for o in summary["sched"]["ops"]} >= {linear_op(truth)[0], "cpu_attention_with_kv_cache"}
     profile = read_trace(tmp_path / "trace.pftrace")

@@ -39,7 +39,7 @@ def server(vllm_python, vllm_model):
         yield found
 
 
-def test_attach_to_the_api_server_records_its_worker(server, tmp_path):
+def test_attach_to_the_api_server_records_its_worker(server, vllm_model, tmp_path):
     proc, port = server
     unprofiled = _burst(port)
     steps_before = vllm_steps(port)
@@ -63,7 +63,9 @@ def test_attach_to_the_api_server_records_its_worker(server, tmp_path):
     children = {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
     assert op_pids and op_pids <= children and proc.pid not in op_pids
     ops = {o["op"]: o["count"] for o in summary["ops"]}
-    assert ops["cpu_attention_with_kv_cache"] == 4 * len(summary["step_list"])   # 4 layers
+    # one attention call a layer in each of the server's own steps (the model's config)
+    layers = json.loads((vllm_model / "config.json").read_text())["num_hidden_layers"]
+    assert ops["cpu_attention_with_kv_cache"] == layers * steps
     # the steps' tokens are the server's own counts: every prompt token in a prefill, and one
     # decode token per generated token after the first (which the prefill step samples)
     prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in profiled)

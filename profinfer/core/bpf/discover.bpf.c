@@ -190,7 +190,7 @@ static __always_inline long hold_and_tell(void *ctx, u32 tgid, u32 what)
      * always comes after); not stopped where it cannot be entered */
     u32 zero = 0;
     struct pi_process_id *me = bpf_map_lookup_elem(&holder, &zero);
-    if (!me)
+    if (!me || !me->tgid)       /* no holder written: the hand-off is not shared, hold nothing */
         return tell(ctx, tgid, PI_DISCOVER_SEEN, 0);
     struct task_struct *task = (struct task_struct *)bpf_get_current_task();
     struct pi_held h = {.since_ns = bpf_ktime_get_ns(), .holder = *me};

@@ -1,0 +1,34 @@
+"""Settings read from the environment (PROFINFER_*), each read here once, with its default:
+docs/configuration.md lists them. The waits are for tests and operators that cannot wait the
+defaults out; a bad value is refused in one line (ProfinferError), never taken as the default."""
+from __future__ import annotations
+
+import math
+import os
+
+from profinfer.core.errors import ProfinferError
+
+
+def env_seconds(name: str, default: float, minimum: float = 0.0) -> float:
+    """A number of seconds (`minimum` or more) from the environment, else `default`."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < minimum:
+        raise ProfinferError(f"{name}={text!r}: give a number of seconds, {minimum:g} or more")
+    return value
+
+
+# A watched process's series are kept this long after it exits: a last scrape sees them.
+SERIES_TTL_S = env_seconds("PROFINFER_SERIES_TTL_S", 300)
+# The daemon's loop not seen this long: /healthz answers 503 (a liveness probe restarts it).
+STALL_S = env_seconds("PROFINFER_STALL_S", 30, minimum=1)
+# A level taken away by the governor comes back after this long with room (doubling each time
+# a step up went over again).
+STEP_UP_S = env_seconds("PROFINFER_STEP_UP_S", 20, minimum=1)
+# The flight recorder's baseline sample period.
+BASELINE_SAMPLE_S = env_seconds("PROFINFER_BASELINE_SAMPLE_S", 5, minimum=1)
