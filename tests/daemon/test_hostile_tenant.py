@@ -197,6 +197,11 @@ def memory_cgroup(request):
             time.sleep(0.1)
 
 
+# the daemon's loop not seen this long: /healthz answers 503 (PROFINFER_STALL_S; 30 s by
+# default, shorter here so that a test waits past it in seconds)
+STALL_S = 8
+
+
 @pytest.fixture
 def tenant_bin(tmp_path) -> Path:
     out = tmp_path / "hostile_tenant"
@@ -208,7 +213,8 @@ class Watched:
     """The daemon, in the memory cgroup, with /healthz polled every 0.5 s until stop()."""
 
     def __init__(self, tmp_path: Path, cgroup: Path):
-        self.daemon = Daemon(tmp_path, prefix=("sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"))
+        self.daemon = Daemon(tmp_path, prefix=("sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"),
+                             env={**os.environ, "PROFINFER_STALL_S": str(STALL_S)})
         self.statuses: list[int] = []
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, daemon=True)
@@ -356,7 +362,7 @@ def test_a_fifo_where_a_mapped_library_was_is_not_waited_on(tmp_path, tenant_bin
     try:
         tenant = _start_tenant(root, "/opt/lib/libcudart.so.12", "fifo", "/opt/lib/libkernels.so")
         watched = Watched(tmp_path, memory_cgroup)
-        time.sleep(35)
+        time.sleep(STALL_S + 5)      # past the time after which a stalled loop answers 503
         watched.stop_polling()
         watched.assert_alive_and_healthy()
         watched.daemon.watched(tenant.pid, timeout=5)     # at the cuda level, as any other
@@ -371,7 +377,7 @@ def test_a_fifo_where_a_mapped_library_was_is_not_waited_on(tmp_path, tenant_bin
 def test_a_padded_loader_does_not_stall_the_loop(tmp_path, tenant_bin, memory_cgroup):
     """A tenant whose program names (PT_INTERP) a copy of glibc's loader padded to 4 MiB,
     .text's section header pointing at undecodable bytes (read inline, old: ~4 min on the
-    loop): /healthz stays 200 past the 30 s after which a stalled loop answers 503."""
+    loop): /healthz stays 200 past the STALL_S after which a stalled loop answers 503."""
     from test_parsing_bounds import _padded_loader      # tests/: on the path, as conftest
     root = tmp_path / "tenant"
     exe = tmp_path / "padded_tenant"
@@ -383,7 +389,7 @@ def test_a_padded_loader_does_not_stall_the_loop(tmp_path, tenant_bin, memory_cg
     try:
         tenant = _start_tenant(root, "/bin/tenant")
         watched = Watched(tmp_path, memory_cgroup)
-        time.sleep(35)
+        time.sleep(STALL_S + 5)      # past the time after which a stalled loop answers 503
         watched.stop_polling()
         watched.assert_alive_and_healthy()
     finally:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import completion_cmd, llama_perf
-from daemon_helpers import _STARTED, Daemon, _get, cuda_log_counts, discovering_daemon, kill_started, series
+from daemon_helpers import _STARTED, Daemon, Workload, _get, cuda_log_counts, discovering_daemon, kill_started, series
 from profinfer.core import held, libbpf, pinned
 from profinfer.daemon.discover import ORPHAN_S, STUCK_S
 from profinfer.levels.cuda import workload as cuda_workload
@@ -271,3 +271,42 @@ def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, lla
         assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
         assert STUCK_S - 1 <= waited, waited
         assert f"PID {proc.pid}: held by a daemon gone or stuck" in second.text(), second.text()
+
+
+def test_where_the_hand_off_cannot_be_shared_nothing_is_held(tmp_path, llama_build, tiny_model, llama_env):
+    """A daemon in a mount namespace of its own with no bpffs there (as a pod without the
+    host's /sys/fs/bpf): it may not mount one (it would be its own alone), so a process it held
+    could outlive it stopped, or be continued while a `record` holds it. It holds nothing and
+    says so once; a process gated on its prompt is found and counted as llama.cpp counts
+    itself, and a short run it meets is never stopped."""
+    d = Daemon(tmp_path, prefix=("unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                 f'umount {pinned.BPFFS} 2>/dev/null; exec "$@"', "sh"))
+    try:
+        status = json.loads(_get(d.url + "/status")[1])
+        assert status["discovery"]["holds"] is False, status["discovery"]
+        assert d.text().count("discovery holds no process") == 1, d.text()
+        w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=16)
+        d.watched(w.proc.pid, timeout=30)
+        w.go()
+        err = w.finish()
+        perf = llama_perf(err)
+        assert {"prompt eval", "eval"} <= perf.keys(), err[-2000:]
+        deadline, got = time.monotonic() + 10, {}
+        want = {"prefill": perf["prompt eval"][1], "decode": perf["eval"][1]}
+        while time.monotonic() < deadline and got != want:
+            got = series(_get(d.url + "/metrics")[1].decode(), "profinfer_tokens_total", w.proc.pid, "phase")
+            time.sleep(0.2)
+        assert got == want, d.text()
+        short = subprocess.Popen([str(llama_build / "bin" / "llama-simple"), "-m", str(tiny_model), "-n", "8",
+                                  "Once upon a time"], env=llama_env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+        _STARTED.append(short)
+        states = set()
+        while short.poll() is None:
+            with contextlib.suppress(OSError, IndexError):
+                states.add(_state(short.pid))
+            time.sleep(0.01)
+        assert short.returncode == 0 and "T" not in states, states
+        assert json.loads(_get(d.url + "/status")[1])["discovery"]["held"] == []
+    finally:
+        d.stop()

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import bpf_snapshot, free_port, llama_server, vllm_server, vllm_steps
+from conftest import bpf_holders, bpf_snapshot, free_port, llama_server, vllm_server, vllm_steps
 from daemon_helpers import _STARTED, Workload, _get, cuda_log_counts, kill_started, series
 from profinfer.levels.cuda import workload as cuda_workload
 
@@ -115,7 +115,6 @@ def pod(tmp_path_factory):
     host_port = free_port()
     args, container = podman_run_args(_template(), tmp, host_port)
     assert container["image"] == image.stdout.strip()
-    before = bpf_snapshot()
     ctr = f"{POD}-{container['name']}"
     _podman("run", "--detach", *args)
     try:
@@ -132,9 +131,24 @@ def pod(tmp_path_factory):
             time.sleep(0.5)
         else:
             raise AssertionError("the pod's /healthz did not answer:\n" + _podman("logs", ctr, check=False).stderr)
-        yield {"url": url, "ctr": ctr, "container": container, "bpf_before": before}
+        pod = {"url": url, "ctr": ctr, "container": container}
+        yield pod
+        made = _pods_bpf(pod)
+        assert made, "the pod held no BPF object"
     finally:
         _podman("rm", "-f", "-t", "10", ctr, check=False)
+    # the pod removed, every BPF program, map and link it held is gone (checked here, after
+    # every test of the module whatever their order, against what its own processes held)
+    deadline = time.monotonic() + 10
+    while (left := made & bpf_snapshot().keys()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left in the kernel after the pod: {left}"
+
+
+def _pods_bpf(pod) -> set[tuple[str, int]]:
+    """The BPF objects the pod's processes hold now (its container's, by its cgroup)."""
+    pids = {int(p) for p in _podman("top", pod["ctr"], "hpid", check=False).stdout.split()[1:] if p.isdigit()}
+    return {key for key, holders in bpf_holders().items() if holders & pids}
 
 
 @pytest.fixture(autouse=True)
@@ -150,8 +164,6 @@ def _pod_lives(request):
     yield
     if "pod" in request.fixturenames:
         pod = request.getfixturevalue("pod")
-        if pod.get("removed"):
-            return              # test_nothing_left_in_the_kernel_after_the_pod
         state = _state(pod)
         assert state.get("Status") == "running", f"the agent's container ended: {_explain(pod)}"
         assert _oom_kills(state["Pid"]) == 0, \
@@ -347,11 +359,3 @@ def test_cuda_program_calls_counted_as_it_logs_them(pod, tmp_path):
     assert got(text) == (dict(kernels), dict(copied)), _logs(pod)
     assert series(text, "profinfer_cuda_graph_launches_total", proc.pid, None) == {"": graphs}
     assert sum(series(text, "profinfer_events_lost_total", proc.pid, None).values()) == 0
-
-
-def test_nothing_left_in_the_kernel_after_the_pod(pod):
-    """Run last in this module: the pod removed, every BPF program and link it made is gone."""
-    _podman("rm", "-f", "-t", "10", pod["ctr"])
-    pod["removed"] = True
-    left = {k: v for k, v in bpf_snapshot().items() if k not in pod["bpf_before"]}
-    assert not left, f"left in the kernel: {left}"
