@@ -1,4 +1,4 @@
-"""Thread arrival (issue 10, point 3). A worker that reaches a graph compute late (preempted,
+"""Thread arrival. A worker that reaches a graph compute late (preempted,
 slow to wake) delays its first node's end; charged to that node, it gave GET_ROWS `embd` 35% of
 decode time in the DAG and roofline views on a loaded machine while the operator table gave
 GET_ROWS 0.4%. Arrival is its own item per graph and per thread; node time is the node's longest

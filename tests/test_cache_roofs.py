@@ -1,4 +1,4 @@
-"""The cache roofs (issue 25): `calibrate` measures each data cache level's read bandwidth,
+"""The cache roofs: `calibrate` measures each data cache level's read bandwidth,
 checked against an outside reader (sysbench), and the tiny model's decode MUL_MAT, whose
 weights fit in cache, is judged against the cache roof that bounds it instead of being shown
 above 100% of DRAM's.

@@ -1,4 +1,4 @@
-"""The collectors' shape (issue 22): the attach sequence exists once, in the base class every
+"""The collectors' shape: the attach sequence exists once, in the base class every
 collector derives from; no collector carries more than ~25 instance attributes (its own and
 its bases' together: an instance holds both), no other class there more than ~25 of its own,
 and no function there is longer than ~80 lines. Read from the source, so a collector that

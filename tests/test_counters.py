@@ -1,4 +1,4 @@
-"""Per-op perf counters (issue 3, acceptance 1 and 6) on the real workload, plus the pure parts:
+"""Per-op perf counters on the real workload, plus the pure parts:
 perf event names and derived metrics."""
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _hardware_pmu() -> bool:
 
 
 def test_task_clock_agrees_with_op_durations(llama_build, tiny_model, llama_env, tmp_path):
-    """Acceptance 1: summed task-clock deltas equal the traced op time within 5%, no op has a
+    """Summed task-clock deltas equal the traced op time within 5%, no op has a
     negative or absurd delta, and ops dropped for migrating are counted, not summed."""
     trace = tmp_path / "run.pftrace"
     r = with_llama_log(lambda: run_profinfer(
@@ -79,7 +79,7 @@ def test_task_clock_agrees_with_op_durations(llama_build, tiny_model, llama_env,
 
 
 def test_no_pmu_degrades_with_one_notice(llama_build, tiny_model, llama_env, tmp_path):
-    """Acceptance 6: hardware counters where a PMU exists; here, one notice and software ones."""
+    """Hardware counters where a PMU exists; here, one notice and software ones."""
     r = with_llama_log(lambda: run_profinfer(
         ["record", "--quiet", "--counters", "cycles,instructions,task-clock", "--",
          *completion_cmd(llama_build, tiny_model, n=8)], env=llama_env, tmp_path=tmp_path))

@@ -1,4 +1,4 @@
-"""The DAG view (issue 3, acceptance 3), checked against ggml's own account of the graph:
+"""The DAG view, checked against ggml's own account of the graph:
 with GGML_SCHED_DEBUG=2 llama.cpp prints every node it schedules, whether it is computed,
 and its sources by name. The decode graph rebuilt from a trace must have exactly its computed
 nodes (a fused pair is one node), and an edge for every source that is a computed node."""

@@ -1,4 +1,4 @@
-"""The diff page (`profinfer diff BEFORE AFTER --html PAGE`, issue 25), loaded in Debian's
+"""The diff page (`profinfer diff BEFORE AFTER --html PAGE`), loaded in Debian's
 headless Chromium as the report page is (tests/test_html_report.py): no console error, no
 request, every number it marks equal to the comparison written by `--json` in the same run
 (to the digits shown), every compared quantity a table row with its verdict, and each

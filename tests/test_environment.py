@@ -1,4 +1,4 @@
-"""Acceptance 6: profiling works without headers for the running kernel and without tracefs.
+"""Profiling works without headers for the running kernel and without tracefs.
 
 The BPF object is compiled ahead of time, so attaching needs neither kernel headers (of any
 release) nor a compiler, and the uprobe levels need no kernel BTF either. All of that is hidden in a private mount namespace, so the test

@@ -1,4 +1,4 @@
-"""Acceptance 5: bad input ends with one clear line and a non-zero exit, never a traceback."""
+"""Bad input ends with one clear line and a non-zero exit, never a traceback."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""The HTML report (`profinfer report TRACE --html PAGE`, issue 25), loaded in Debian's headless
+"""The HTML report (`profinfer report TRACE --html PAGE`), loaded in Debian's headless
 Chromium (by Selenium, through Debian's chromedriver): the page raises no console error, asks
 for nothing over the network, and every number of the summary it shows (marked data-key, the
 path into the summary) is the JSON summary's, as written by `--json` next to it: its value

@@ -1,4 +1,4 @@
-"""Acceptance 4 and the attach path: profile a process mid-generation, stop in every way,
+"""The attach path: profile a process mid-generation, stop in every way,
 and leave nothing behind (no BPF program, map or link, no perf event), with the target still
 running."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""MoE expert statistics (issue 3, acceptance 4) on a random-weight MoE model: 8 experts per
+"""MoE expert statistics on a random-weight MoE model: 8 experts per
 layer, 2 used per token, 4 layers; the routing itself against llama.cpp's own printout."""
 from __future__ import annotations
 

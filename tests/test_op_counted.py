@@ -1,4 +1,4 @@
-"""The op level counted in BPF per op type and phase (issue 23): what `record` and `attach` do
+"""The op level counted in BPF per op type and phase: what `record` and `attach` do
 without a timeline (-o). No op event is sent; the counts must be llama.cpp's own: with
 GGML_SCHED_DEBUG=2 it prints every graph it schedules and which nodes it computes, and every
 thread of its CPU backend runs every computed node once per compute. So each phase's count of

@@ -1,4 +1,4 @@
-"""The op level's cost (issue 10): one probe per node and thread where the build's DWARF
+"""The op level's cost: one probe per node and thread where the build's DWARF
 describes ggml's graph loop, with the same nodes as the two-probe design (node start and
 barrier), which stays where the one-probe design cannot work (counters, builds without
 DWARF: test_other_build)."""

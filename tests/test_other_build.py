@@ -1,4 +1,4 @@
-"""Acceptance 8: another llama.cpp version, built as plain Release (no DWARF), works without
+"""Another llama.cpp version, built as plain Release (no DWARF), works without
 code changes: structures come from the known-layout table, validated on live data."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a tenant's file can make a reading cost the daemon (issue 21): a dynamic loader whose
+"""What a tenant's file can make a reading cost the daemon: a dynamic loader whose
 .text a section header points at undecodable padding is read in one linear pass, in the
 worker, and the loop is never held on it; a reading's result is bounded on its way back; a
 symbol name without its NUL is dropped; many slow readings make the loop wait no more than

@@ -1,5 +1,5 @@
 """Every probe profinfer attaches to a bundled workload sits on an instruction the kernel
-emulates, and the recording says how many do not (issue 23: "doctor reports stepped probes:
+emulates, and the recording says how many do not ("doctor reports stepped probes:
 0 on every bundled workload").
 
 Read from outside profinfer: the probes attached are the kernel's (the uprobe links the

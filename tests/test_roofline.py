@@ -1,5 +1,5 @@
-"""Roofline: cost model and verdicts (pure), then the physics on the real 1.5B model
-(issue 3, acceptance 2): batch-1 decode MUL_MAT is memory-bound, a 512-token prefill's is not."""
+"""Roofline: cost model and verdicts (pure), then the physics
+on the real 1.5B model: batch-1 decode MUL_MAT is memory-bound, a 512-token prefill's is not."""
 from __future__ import annotations
 
 import gguf
@@ -228,7 +228,7 @@ def test_calibrated_roofs_are_physical(roofs):
 
 
 def test_decode_matmul_memory_bound_prefill_not(llama_build, big_model, llama_env, tmp_path, roofs):
-    """Acceptance 2 on the 1.5B F16 model: 2 threads, a prompt of at least 512 tokens, 8 decodes."""
+    """On the 1.5B F16 model: 2 threads, a prompt of at least 512 tokens, 8 decodes."""
     words = "the and of to in is that it for on with as was at by this from".split()
     prompt = " ".join(words[i % len(words)] for i in range(560))   # one token a word in our vocab
     r = with_llama_log(lambda: run_profinfer(

@@ -1,4 +1,4 @@
-"""Scheduler level (issue 3, acceptance 5): a busy process pinned to the target's CPU shows up
+"""Scheduler level: a busy process pinned to the target's CPU shows up
 as preempted time on the right thread and its ops, named; without it there is next to none."""
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from conftest import PROFINFER, PROMPT, completion_cmd, llama_perf, run_profinfe
 @pytest.mark.parametrize("buffer", ["ring", "perf"])
 def test_counts_and_times_match_llama_perf(llama_build, tiny_model, llama_env, tmp_path, buffer,
                                           bpf_watch):
-    """Acceptance 1: llama_decode calls, prefill/decode tokens exact; phase times within 5%.
+    """llama_decode calls, prefill/decode tokens exact; phase times within 5%.
     Both transports: the ring buffer, and the perf buffers used on kernels before 5.12; every
     kind of record goes through each (sched events and op counters too)."""
     trace = tmp_path / "run.pftrace"
@@ -44,7 +44,7 @@ def test_counts_and_times_match_llama_perf(llama_build, tiny_model, llama_env, t
 
 
 def test_ops_cover_graph_time_on_big_model(llama_build, big_model, llama_env, tmp_path):
-    """Acceptance 2: per compute thread, op + barrier time covers >= 95% of graph time,
+    """Per compute thread, op + barrier time covers >= 95% of graph time,
     and MUL_MAT dominates as it must for a 1.5B F16 model."""
     # per thread: every node recorded (-o; without a timeline ops are counted per type)
     r = run_profinfer(["record", "-o", str(tmp_path / "t.pftrace"), "--",
@@ -72,7 +72,7 @@ def test_ops_cover_graph_time_on_big_model(llama_build, big_model, llama_env, tm
 
 
 def test_generated_text_is_byte_identical(llama_build, tiny_model, llama_env, tmp_path):
-    """Acceptance 3: profiling does not change what the engine computes, over text it
+    """Profiling does not change what the engine computes, over text it
     generated (EOS ignored, so every asked token is generated)."""
     n = 32
     cmd = completion_cmd(llama_build, tiny_model, n=n, extra=("--ignore-eos",))

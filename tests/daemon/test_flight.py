@@ -202,7 +202,7 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
     assert printed.returncode == 0 and "Flight recorder" in printed.stdout and "^ fired" in printed.stdout, printed
 
 
-# what an operator would set (the issue's own example among them). Not the real slowdown's
+# what an operator would set (the docs' own example among them). Not the real slowdown's
 # 1.8x for 3 s: on this VM a steady server's TPOT p99 runs at 2x its baseline for seconds at a
 # time, and fired it twice in 5 minutes (bench/results.md)
 STEADY_TRIGGERS = ("tpot_p99 > 3x baseline for 5s", "call_p99 > 3x baseline for 5s",

@@ -1,4 +1,4 @@
-"""The HTML report of a real flight recorder's capture (issue 25): what fired, the trigger's
+"""The HTML report of a real flight recorder's capture: what fired, the trigger's
 series around the moment and the changes against the baseline, each number the summary's.
 
 The incident is made without competing for the CPU (which this VM's noise would make

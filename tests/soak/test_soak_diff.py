@@ -20,7 +20,7 @@ def base_runs(llama_build, llama_env, models, tmp_path_factory):
 def test_the_same_command_again_shows_no_significant_change(base_runs):
     """Every pair of the 11 runs of one command and build (55 comparisons of one run a
     side), and ten of five runs against five others: at most one in ten may report a
-    significant change at 95% (the issue's false-alarm bound), and each says nothing
+    significant change at 95% (the false-alarm bound diff's docs state), and each says nothing
     differs. Every pair, not ten: one odd run (an op twice its usual time, its memory placed
     so for the whole process) would make two of ten neighbouring pairs alarm at once."""
     pairs = list(itertools.combinations(base_runs, 2))
