@@ -51,9 +51,13 @@ fi
 .venv/bin/python -m profinfer.levels.cuda.workload >/dev/null
 # The daemon's image, for the test that runs the DaemonSet's pod: built with Debian's podman
 # and no registry (deploy/build-image.sh installs podman, buildah, runc and debootstrap when
-# missing; cached by content). Not inside a container, where podman would be nested.
-if [ ! -e /run/.containerenv ] && [ ! -e /.dockerenv ]; then
+# missing; cached by content). Not inside a container, where podman would be nested: judged by
+# the PID namespace (the host's has a fixed inode, PROC_PID_INIT_INO), not by /.dockerenv, which
+# a VM made from a container's image keeps.
+if [ "$(readlink /proc/self/ns/pid)" = "pid:[4026531836]" ]; then
     deploy/build-image.sh >/dev/null
+else
+    echo "setup: in a container (its own PID namespace): the daemon's image is not built" >&2
 fi
 # This machine's roofs (memory bandwidth, f32 FMA peak) for the roofline verdicts, and what a
 # probe hit costs; cached when the measurement passes its check. A busy machine (exit 75)
