@@ -5,7 +5,8 @@ triton and numpy but no network, no clang and maybe no libbpf.
 
 OUTDIR gets (at most 60 MiB; the device runner carries 64 MiB of ignored files):
     wheels/    profinfer's wheel and its dependencies' (and pytest's), for CPython 3.12 on
-               manylinux x86-64, less what the image has (numpy)
+               manylinux x86-64, less what the image has (numpy); scipy (35 MB) is the big
+               one, kept: the cuda level's summary imports it (core.compare)
     bpf/       the prebuilt BPF objects of exactly that profinfer (PROFINFER_BPF_PREBUILT)
     lib/       Debian 12's libbpf.so.1 and libelf.so.1, used where the image has no libbpf
     tests/gpu/ the tests and their programs; pytest.ini (the `gpu` marker)
@@ -91,6 +92,8 @@ def main(argv: list[str]) -> int:
         if w.name.split("-")[0].lower().replace("_", "-") in IMAGE_HAS:
             w.unlink()
             notes.append(f"left out {w.name}: the image has it")
+        elif not (w.name.endswith("-none-any.whl") or "manylinux" in w.name):
+            raise SystemExit(f"bundle: {w.name} is neither pure Python nor manylinux")
     (out / "lib").mkdir()
     for lib in SYSTEM_LIBS:
         shutil.copyfile(os.path.realpath(lib), out / "lib" / os.path.basename(lib))
@@ -100,7 +103,7 @@ def main(argv: list[str]) -> int:
     shutil.copytree(HERE, tests, ignore=shutil.ignore_patterns("__pycache__", "bundle.py", "run_gpu_tier.sh"))
     shutil.copy2(HERE / "run_gpu_tier.sh", out / "run_gpu_tier.sh")
     (out / "pytest.ini").write_text(PYTEST_INI)
-    files = sorted(p for p in out.rglob("*") if p.is_file())
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "MANIFEST.txt")
     size = sum(p.stat().st_size for p in files)
     manifest = [f"profinfer gpu tier bundle: {size / (1 << 20):.1f} MiB, {len(files) + 1} files",
                 f"BPF objects: {' '.join(objects)}", *notes, "",

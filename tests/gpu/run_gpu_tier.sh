@@ -20,7 +20,7 @@ fi
 PREFIX=$(mktemp -d "${TMPDIR:-/tmp}/profinfer-gpu.XXXXXX") || exit 2
 LOG=$PREFIX/log
 done_=()
-fail() { echo "gpu tier: failed at $1 (log: $LOG)"; exit 1; }
+fail() { echo "gpu tier: failed at $1: $(tail -n 1 "$LOG" 2>/dev/null) (log: $LOG)"; exit 1; }
 
 # 1. Install: profinfer, and each dependency the image lacks or has older than the bundle's
 # (an image package that is as new stays: torch's own dependencies are not shadowed).
@@ -111,7 +111,7 @@ fi
 
 # 6. The tests, in the bundle's copy of tests/gpu, at most 8 minutes
 cd "$BUNDLE" || exit 2
-timeout -k 10 480 "$PY" -m pytest -c pytest.ini -p no:cacheprovider -m gpu -rs tests/gpu
+timeout -k 10 480 "$PY" -m pytest -c pytest.ini -p no:cacheprovider -m gpu -v -rs tests/gpu
 rc=$?
 if [ $rc -eq 124 ]; then
     echo "gpu tier: pytest ran past 8 minutes"

@@ -106,111 +106,6 @@ def _diff(want: Counter, got: Counter) -> str:
     return f"CUPTI only: {dict(want - got)}; profinfer only: {dict(got - want)}"
 
 
-# ---- eager mode ----
-
-def test_eager_launches_equal_cupti_kernels(record):
-    cuda, truth, _ = record("eager")
-    want = sum(truth["cupti"]["kernels"].values())
-    assert want >= 4 * truth["iterations"]      # add, relu, mul, sum each time
-    assert cuda["launches"] == want
-    assert cuda["captured_launches"] == 0 and cuda["graph_launches"] == 0
-
-
-def test_eager_kernels_by_family_equal_cupti(record):
-    cuda, truth, _ = record("eager")
-    want, got = _by(_family, truth["cupti"]["kernels"]), _launched(cuda, _family)
-    assert got == want, _diff(want, got)
-
-
-def test_eager_kernels_named_as_cupti_names_them(record):
-    cuda, truth, _ = record("eager")
-    unnamed = [k for k in cuda["kernels"] if k.startswith(("kernel@", "CUfunction@"))]
-    assert not unnamed, f"kernels profinfer could not name: {unnamed}"
-    want, got = _by(_norm, truth["cupti"]["kernels"]), _launched(cuda)
-    assert got == want, _diff(want, got)
-
-
-def test_matmul_launches_equal_cupti_kernels(record):
-    """cuBLAS's GEMMs beside torch's own kernels: launched from cuBLAS's libraries."""
-    cuda, truth, _ = record("eager", "--matmul")
-    want, got = _by(_family, truth["cupti"]["kernels"]), _launched(cuda, _family)
-    assert cuda["launches"] == sum(want.values()), _diff(want, got)     # every launch seen...
-    assert got == want, _diff(want, got)                                # ...and named
-
-
-# ---- CUDA graphs ----
-
-def test_graph_launches_equal_replays(record):
-    cuda, truth, _ = record("graphs")
-    assert truth["graph_launch_calls"] == truth["replays"], "CUPTI's cudaGraphLaunch calls are not the replays"
-    assert cuda["graph_launches"] == truth["replays"]
-    assert list(cuda["graph_launches_by_exec"].values()) == [truth["replays"]]
-
-
-def test_graph_capture_holds_one_eager_call(record):
-    cuda, truth, _ = record("graphs")
-    want, got = _by(_family, truth["one_call"]), _launched(cuda, _family, "captured")
-    assert got == want, _diff(want, got)
-    assert cuda["captured_launches"] == sum(truth["one_call"].values())
-    assert cuda["launches"] == truth["eager_launches"]
-
-
-# ---- Triton (driver API launches) ----
-
-def _triton_needs_a_compiler() -> None:
-    # Triton builds its launcher with the host's C compiler the first time
-    if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
-        pytest.skip("Triton needs a C compiler (cc, gcc or clang) to build its launcher: none here")
-
-
-def test_triton_launches_counted(record):
-    _triton_needs_a_compiler()
-    cuda, truth, _ = record("triton_add")
-    assert truth["cupti_launches"] == truth["calls"]
-    driver = sum(v["calls"] for api, v in cuda["calls"].items() if api.startswith("cuLaunch"))
-    assert driver == truth["calls"], f"driver-API launches {driver}, the program made {truth['calls']}: {cuda['calls']}"
-
-
-def test_triton_kernel_named(record):
-    _triton_needs_a_compiler()
-    cuda, truth, _ = record("triton_add")
-    named = {k: v["launches"] for k, v in cuda["kernels"].items() if "pi_add_kernel" in k}
-    assert sum(named.values()) == truth["calls"], f"named {named}; every kernel: {list(cuda['kernels'])}"
-    configs = [c for k in named for c in cuda["kernels"][k]["configs"]]
-    assert any(f"grid ({truth['grid'][0]}, 1, 1)" in c for c in configs), configs
-
-
-# ---- copies ----
-
-def test_copy_bytes_equal_tensor_sizes(record):
-    cuda, truth, _ = record("copies")
-    copies = {k: v for k, v in cuda["copies"].items() if k != "memset"}
-    got = {k: {"calls": v["calls"], "bytes": v["bytes"]} for k, v in copies.items()}
-    assert got == truth["copies"], f"profinfer {got}; the program {truth['copies']}"
-    assert truth["cupti"]["copies"] == truth["copies"], "CUPTI's copies are not the program's"
-
-
-# ---- device memory ----
-
-def test_device_memory_equals_torch_allocator(record):
-    """Each segment of torch's caching allocator is one cudaMalloc: the cuda level's live
-    device memory is torch's reserved memory (which holds memory_allocated's tensors)."""
-    from profinfer.exporters.trace_reader import read_trace
-    cuda, truth, out = record("memory", trace=True)
-    m = cuda["memory"]
-    assert m["failed"] == 0
-    assert m["device_peak_bytes"] == truth["max_memory_reserved"]
-    assert m["device_live_bytes_at_end"] == truth["memory_reserved"]
-    assert truth["memory_allocated"] <= m["device_live_bytes_at_end"]
-    calls = [c for c in read_trace(out / "t.pftrace").cuda_calls
-             if c.what == "memory" and c.copy_kind == "device" and c.ret == 0]
-    mallocs = [c for c in calls if c.api.startswith("cudaMalloc")]
-    frees = [c for c in calls if c.api.startswith("cudaFree") and c.ptr]   # cudaFree(0) frees nothing
-    assert len(mallocs) == truth["segments_allocated"]
-    assert sum(c.bytes for c in mallocs) == truth["reserved_bytes_allocated"]
-    assert len(frees) == truth["segments_freed"]
-
-
 # ---- NVML (the daemon's sampler) against nvidia-smi ----
 
 def _smi(*args: str) -> list[list[str]]:
@@ -271,3 +166,110 @@ def test_nvml_sample_equals_nvidia_smi():
         assert abs(b / MiB - smi_procs[k]) <= 2, (k, b, smi_procs[k])
     if nvml_procs:        # in a container without the host's PID namespace both may list none
         assert max(nvml_procs.values()) >= 1024 * MiB
+
+
+# ---- eager mode ----
+
+def test_eager_launches_equal_cupti_kernels(record):
+    cuda, truth, _ = record("eager")
+    want = sum(truth["cupti"]["kernels"].values())
+    assert want >= 4 * truth["iterations"]      # add, relu, mul, sum each time
+    assert cuda["launches"] == want
+    assert cuda["captured_launches"] == 0 and cuda["graph_launches"] == 0
+
+
+def test_eager_kernels_by_family_equal_cupti(record):
+    cuda, truth, _ = record("eager")
+    want, got = _by(_family, truth["cupti"]["kernels"]), _launched(cuda, _family)
+    assert got == want, _diff(want, got)
+
+
+def test_eager_kernels_named_as_cupti_names_them(record):
+    cuda, truth, _ = record("eager")
+    unnamed = [k for k in cuda["kernels"] if k.startswith(("kernel@", "CUfunction@"))]
+    assert not unnamed, f"kernels profinfer could not name: {unnamed}"
+    want, got = _by(_norm, truth["cupti"]["kernels"]), _launched(cuda)
+    assert got == want, _diff(want, got)
+
+
+# ---- CUDA graphs ----
+
+def test_graph_launches_equal_replays(record):
+    cuda, truth, _ = record("graphs")
+    assert truth["graph_launch_calls"] == truth["replays"], "CUPTI's cudaGraphLaunch calls are not the replays"
+    assert cuda["graph_launches"] == truth["replays"]
+    assert list(cuda["graph_launches_by_exec"].values()) == [truth["replays"]]
+
+
+def test_graph_capture_holds_one_eager_call(record):
+    cuda, truth, _ = record("graphs")
+    want, got = _by(_family, truth["one_call"]), _launched(cuda, _family, "captured")
+    assert cuda["captured_launches"] == sum(truth["one_call"].values()), _diff(want, got)
+    assert cuda["launches"] == truth["eager_launches"]
+    assert got == want, _diff(want, got)
+
+
+# ---- Triton (driver API launches) ----
+
+def _triton_needs_a_compiler() -> None:
+    # Triton builds its launcher with the host's C compiler the first time
+    if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+        pytest.skip("Triton needs a C compiler (cc, gcc or clang) to build its launcher: none here")
+
+
+def test_triton_launches_counted(record):
+    _triton_needs_a_compiler()
+    cuda, truth, _ = record("triton_add")
+    assert truth["cupti_launches"] == truth["calls"]
+    driver = sum(v["calls"] for api, v in cuda["calls"].items() if api.startswith("cuLaunch"))
+    assert driver == truth["calls"], f"driver-API launches {driver}, the program made {truth['calls']}: {cuda['calls']}"
+
+
+def test_triton_kernel_named(record):
+    _triton_needs_a_compiler()
+    cuda, truth, _ = record("triton_add")
+    named = {k: v["launches"] for k, v in cuda["kernels"].items() if "pi_add_kernel" in k}
+    assert sum(named.values()) == truth["calls"], f"named {named}; every kernel: {list(cuda['kernels'])}"
+    configs = [c for k in named for c in cuda["kernels"][k]["configs"]]
+    assert any(f"grid ({truth['grid'][0]}, 1, 1)" in c for c in configs), configs
+
+
+# ---- copies ----
+
+def test_copy_bytes_equal_tensor_sizes(record):
+    cuda, truth, _ = record("copies")
+    copies = {k: v for k, v in cuda["copies"].items() if k != "memset"}
+    got = {k: {"calls": v["calls"], "bytes": v["bytes"]} for k, v in copies.items()}
+    assert got == truth["copies"], f"profinfer {got}; the program {truth['copies']}"
+    assert truth["cupti"]["copies"] == truth["copies"], "CUPTI's copies are not the program's"
+
+
+# ---- device memory ----
+
+def test_device_memory_equals_torch_allocator(record):
+    """Each segment of torch's caching allocator is one cudaMalloc: the cuda level's live
+    device memory is torch's reserved memory (which holds memory_allocated's tensors)."""
+    from profinfer.exporters.trace_reader import read_trace
+    cuda, truth, out = record("memory", trace=True)
+    m = cuda["memory"]
+    assert m["failed"] == 0
+    assert m["device_peak_bytes"] == truth["max_memory_reserved"]
+    assert m["device_live_bytes_at_end"] == truth["memory_reserved"]
+    assert truth["memory_allocated"] <= m["device_live_bytes_at_end"]
+    calls = [c for c in read_trace(out / "t.pftrace").cuda_calls
+             if c.what == "memory" and c.copy_kind == "device" and c.ret == 0]
+    mallocs = [c for c in calls if c.api.startswith("cudaMalloc")]
+    frees = [c for c in calls if c.api.startswith("cudaFree") and c.ptr]   # cudaFree(0) frees nothing
+    assert len(mallocs) == truth["segments_allocated"]
+    assert sum(c.bytes for c in mallocs) == truth["reserved_bytes_allocated"]
+    assert len(frees) == truth["segments_freed"]
+
+
+# ---- cuBLAS (last: the likeliest to find something, and the least needed by the rest) ----
+
+def test_matmul_launches_equal_cupti_kernels(record):
+    """cuBLAS's GEMMs beside torch's own kernels: launched from cuBLAS's libraries."""
+    cuda, truth, _ = record("eager", "--matmul")
+    want, got = _by(_family, truth["cupti"]["kernels"]), _launched(cuda, _family)
+    assert cuda["launches"] == sum(want.values()), _diff(want, got)     # every launch seen...
+    assert got == want, _diff(want, got)                                # ...and named
