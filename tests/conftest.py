@@ -26,6 +26,7 @@ from profinfer.engines.llamacpp import workload
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
 TESTS = Path(__file__).parent
+REPO = TESTS.parent
 # test modules share their helpers by module name across folders (daemon_helpers, governed,
 # a module's own checks): every folder that holds tests is importable, whichever runs alone
 for _folder in sorted({p.parent for p in TESTS.rglob("test_*.py")} | {TESTS / "daemon"}):
@@ -43,7 +44,7 @@ MARKERS = {
 }
 FOLDER_MARKERS = {"soak": ("soak", "root", "workload"), "gpu": ("gpu", "root", "workload")}
 WORKLOAD_FIXTURES = {"llama_build", "vllm_python", "libcuda", "cudart12", "llama_env"}
-ROOT_FOLDERS = {"daemon", "engines", "levels", "soak", "gpu", "cuda", "vllm"}
+ROOT_FOLDERS = {"daemon", "engines", "levels", "soak", "gpu"}
 
 
 def pytest_configure(config):
@@ -374,13 +375,13 @@ def attached_run(target: subprocess.Popen, args: list[str], go: Path, on_attache
 
 
 class VllmEngine:
-    """tests/vllm/offline_truth.py: a vLLM engine of one mode, past its warm-up, that makes a
+    """tests/engines/vllm/offline_truth.py: a vLLM engine of one mode, past its warm-up, that makes a
     generation and records its truth each time it is asked (over its stdin). One serves the
     whole session: each user attaches, asks, and detaches, leaving nothing attached (checked
     by each), so that attaching again to a process profinfer has left is tested too."""
 
     def __init__(self, vllm_python: Path, vllm_model: Path, mode: str):
-        script = TESTS / "vllm" / "offline_truth.py"
+        script = TESTS / "engines" / "vllm" / "offline_truth.py"
         self.mode = mode
         self.proc = subprocess.Popen([str(vllm_python), str(script), str(vllm_model), mode],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

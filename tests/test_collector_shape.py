@@ -15,9 +15,7 @@ from pathlib import Path
 import pytest
 
 from profinfer.core.collector import Collector
-from profinfer.engines.llamacpp.collector import Collector as LlamaCollector
-from profinfer.engines.vllm.collector import VllmCollector
-from profinfer.levels.cuda.collector import CudaCollector
+from profinfer.core.packs import load_pack, pack_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))     # the toy engine, kept in tests/
 from toyengine.collector import ToyCollector  # noqa: E402
@@ -31,7 +29,9 @@ MODULES = ["core/collector.py", "core/transport.py",
 # the session and the daemon's agent, held to the same bounds
 DRIVERS = ["core/session.py", "core/packfinder.py", "core/cputime.py",
            "daemon/agent.py", "daemon/governor.py", "daemon/watch.py", "daemon/seen.py"]
-COLLECTORS = [Collector, LlamaCollector, VllmCollector, CudaCollector, ToyCollector]
+# the base, each bundled plug-in's collector as its pack names it (llama.cpp's, vLLM's, the
+# cuda level's: found through the registry, as the session finds them), and the toy engine's
+COLLECTORS = [Collector, *(load_pack(name).collector_class() for name in pack_names()), ToyCollector]
 MAX_ATTRIBUTES, MAX_LINES = 25, 80
 
 
@@ -85,7 +85,9 @@ def test_a_collector_carries_few_attributes(cls):
 
 
 def test_the_attach_sequence_exists_once():
-    for cls in (LlamaCollector, VllmCollector, CudaCollector):
+    bundled = COLLECTORS[1:-1]
+    assert len(bundled) >= 3, bundled          # llama.cpp's, vLLM's, the cuda level's at least
+    for cls in bundled:
         assert issubclass(cls, Collector)
         # a subclass may do more after it (vLLM's server metrics window), never the sequence
         if "attach" in cls.__dict__:

@@ -8,7 +8,10 @@ imports inside functions included):
 - a level imports only the core and itself;
 - no arrow runs back up: the core, the engines and the levels never import the application
   (exporters, viewers, daemon, cli, outputs, doctor);
-- no import cycles among modules.
+- no import cycles among modules;
+- the tests mirror the code: each folder of tests is a folder of profinfer/ (or a tier:
+  soak, gpu), and an engine's internals are imported only by the tests in its own folder
+  (tests/engines/<name>/), its bundled workload excepted.
 
 Each rule has a negative case: a small package tree written to tmp_path with one breach of
 that rule, which the checker must report, and a clean tree, which it must not."""
@@ -278,3 +281,74 @@ def test_an_outside_engine_is_an_engine(tmp_path):
                                                   "from pkg.viewers import table\n")
     found = breaches(import_graph([tmp_path / "pkg", tmp_path / "toy"]), project="pkg")
     assert len(found) == 1 and "toy imports pkg.viewers.table" in found[0], found
+
+
+# ---- the tests mirror the code ----
+
+TESTS = ROOT / "tests"
+TIERS = ("soak", "gpu")          # tests/<tier>/: chosen by name (conftest.py's markers)
+TEST_HELPERS = ("helpers", "golden", "toyengine")     # folders of the tests' own, no test modules mirrored
+
+
+def folders_off_the_code(root: Path = ROOT) -> list[str]:
+    """Each folder of test modules under tests/ that mirrors no folder of profinfer/ (and is
+    no tier): where a test of that part of the code would be looked for, it is not."""
+    tests = root / "tests"
+    out = []
+    for path in sorted(tests.rglob("test_*.py")):
+        folder = path.parent.relative_to(tests)
+        if folder.parts and folder.parts[0] in TIERS + TEST_HELPERS:
+            continue
+        if not (root / "profinfer" / folder).is_dir():
+            out.append(f"{path.relative_to(root)}: tests/{folder} mirrors no profinfer/{folder}")
+    return out
+
+
+def engine_internals_outside(root: Path = ROOT) -> list[str]:
+    """Every import of an engine's modules by a test outside tests/engines/<that engine>/,
+    but of its bundled workload (the session's fixtures build it): a test of an engine's
+    internals belongs with that engine's tests."""
+    tests, out = root / "tests", []
+    for path in sorted(tests.rglob("*.py")):
+        rel = path.relative_to(tests).parts
+        owner = rel[1] if len(rel) > 2 and rel[0] == "engines" else None
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[:2] == ["profinfer", "engines"] and len(parts) > 2 and parts[2] != owner \
+                        and parts[3:4] != ["workload"]:
+                    out.append(f"tests/{'/'.join(rel)}:{node.lineno}: imports {name} "
+                               f"(an engine's internals are tested in tests/engines/{parts[2]}/)")
+    return out
+
+
+def test_the_tests_mirror_the_code():
+    assert not folders_off_the_code(), folders_off_the_code()
+    found = engine_internals_outside()
+    assert not found, "\n".join(found)
+
+
+def test_the_test_layout_checks_catch(tmp_path):
+    """Negative cases: a test folder with no code folder, and a test of one engine's
+    internals kept outside that engine's test folder, are each reported; a workload import
+    and an engine's test in its own folder are not."""
+    (tmp_path / "profinfer" / "engines" / "alpha").mkdir(parents=True)
+    (tmp_path / "profinfer" / "core").mkdir()
+    for rel, text in {"tests/core/test_a.py": "from profinfer.engines.alpha import workload\n",
+                      "tests/engines/alpha/test_b.py": "from profinfer.engines.alpha.collector import C\n",
+                      "tests/soak/test_c.py": "",
+                      "tests/reports/test_d.py": "",
+                      "tests/daemon2/test_e.py": "import profinfer.engines.alpha.stats\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert folders_off_the_code(tmp_path) == [
+        "tests/daemon2/test_e.py: tests/daemon2 mirrors no profinfer/daemon2",
+        "tests/reports/test_d.py: tests/reports mirrors no profinfer/reports"]
+    found = engine_internals_outside(tmp_path)
+    assert len(found) == 1 and found[0].startswith("tests/daemon2/test_e.py:1: imports profinfer.engines.alpha.stats"), found

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 import tomllib
 from collections import Counter
@@ -22,7 +21,6 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS / "daemon"))      # the daemon's test helpers
 
 from conftest import run_profinfer  # noqa: E402
 from daemon_helpers import _STARTED, Daemon, _get, kill_started, series  # noqa: E402

@@ -14,8 +14,9 @@ import pytest
 
 from daemon_helpers import _STARTED, Daemon, _get, cuda_log_counts, kill_started, series
 from profinfer.levels.cuda import workload
+from conftest import TESTS
 
-PROGRAM = Path(__file__).resolve().parents[1] / "cuda" / "programs" / "cuda_calls.cu"
+PROGRAM = TESTS / "levels" / "cuda" / "programs" / "cuda_calls.cu"
 
 
 @pytest.fixture(autouse=True)

@@ -14,13 +14,12 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
 
-from conftest import PROFINFER, llama_server
+from conftest import PROFINFER, TESTS, llama_server
 from daemon_helpers import Daemon, OtlpReceiver, _get
 
 HOLD_S = 3
@@ -260,7 +259,7 @@ def made(d: Daemon) -> int:
                    if line.startswith("profinfer_captures_total{")))
 
 
-BURST = Path(__file__).resolve().parents[1] / "vllm" / "steady_burst.py"
+BURST = TESTS / "engines" / "vllm" / "steady_burst.py"
 
 
 def _step_p90(truth: dict, lo: float, hi: float) -> float:
@@ -272,7 +271,7 @@ def _step_p90(truth: dict, lo: float, hi: float) -> float:
 
 
 def test_a_vllm_burst_of_long_prompts_fires_and_shows_the_phase_change(tmp_path, vllm_python, vllm_model):
-    """A vLLM engine decoding steadily (tests/vllm/steady_burst.py), watched at its step level
+    """A vLLM engine decoding steadily (tests/engines/vllm/steady_burst.py), watched at its step level
     with a trigger on its step time (a decode step ~2 ms here, a mixed one ~4.5: 1.8x its
     baseline's p90, held 3 s: a second of a loaded machine's stall does not fire it); then
     long prompts arrive for 15 s, and its steps mix prefill with the decodes (the engine's own

@@ -18,7 +18,7 @@ emulates (~0.5 µs). A probe on a wrapper reads the function pointer and names t
 (bpf/vllm.h). The call ends at the first instruction the kernel emulates after the
 wrapper's call of the op returns (an end probe), not at a return probe: where the op
 throws, C++'s unwinder cannot step through the return address a return probe puts on the
-stack, and the target aborts (tests/vllm/test_vllm_probe_places.py). The end probe is kept
+stack, and the target aborts (tests/engines/vllm/test_vllm_probe_places.py). The end probe is kept
 for that, not for speed: in an engine the two cost the same (bench/results.md). A call's
 time then includes the wrapper's unpacking of the arguments, not its cleanup after.
 Where no emulated instruction follows the op's call, a typed wrapper is not probed (its typed

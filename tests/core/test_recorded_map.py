@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from profinfer.core import held, libbpf, pinned, recorded
+from conftest import REPO
 
 
 
@@ -154,7 +155,7 @@ def _without_bpffs(unshare: list[str]) -> list[str]:
         [*unshare, "sh", "-c",
          "while umount /sys/fs/bpf 2>/dev/null; do :; done; grep -c ' /sys/fs/bpf bpf ' /proc/self/mounts; "
          f"{sys.executable} -c \"import os; {script}\"; grep ' /sys/fs/bpf bpf ' /proc/self/mounts | grep -c mode=700"],
-        capture_output=True, text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        capture_output=True, text=True, timeout=60, cwd=REPO)
     return p.stdout.splitlines() + [p.stderr]
 
 

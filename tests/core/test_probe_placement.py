@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Target, endless_cmd, open_fds, start_profinfer
+from conftest import TESTS, Target, endless_cmd, open_fds, start_profinfer
 
 from profinfer.levels.cuda import workload as cuda_workload
 
-PROGRAMS = Path(__file__).parent / "cuda" / "programs"
-OPS_PACK = Path(__file__).parent / "cuda" / "ops_pack.toml"
+PROGRAMS = TESTS / "levels" / "cuda" / "programs"
+OPS_PACK = TESTS / "levels" / "cuda" / "ops_pack.toml"
 
 # ---- the kernel's view: the uprobe links a process holds ----
 
@@ -247,8 +247,6 @@ def test_daemon_probes_are_emulated(llama_build, tiny_model, llama_env, tmp_path
     a llama.cpp process and a CUDA program; its /status says none of theirs is single-stepped.
     (The daemon watches every engine process on the machine: only the files these two map,
     and the groups they are in, are looked at.)"""
-    import sys
-    sys.path.insert(0, str(Path(__file__).parent / "daemon"))
     from daemon_helpers import _STARTED, Daemon, Workload, _get, kill_started
 
     program = cuda_workload.build_program(PROGRAMS / "cuda_calls.cu", "shared")

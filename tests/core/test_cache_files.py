@@ -22,7 +22,7 @@ from profinfer.core import dwarf
 from test_dwarf_cache import MEMBERS, _build
 
 NOBODY = 65534
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _writable_dir(cache: Path, sub: str) -> tuple[str, str]:

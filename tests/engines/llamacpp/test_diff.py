@@ -24,9 +24,9 @@ import jsonschema
 import pytest
 
 from profinfer.engines.llamacpp import workload
-from conftest import PROFINFER, completion_cmd, llama_server, start_profinfer
+from conftest import PROFINFER, REPO, completion_cmd, llama_server, start_profinfer
 
-SCHEMA = Path(__file__).resolve().parents[1] / "profinfer" / "exporters" / "diff.schema.json"
+SCHEMA = REPO / "profinfer" / "exporters" / "diff.schema.json"
 # A model where the FFN's matmuls are most of a token's work, small enough to make in a second.
 BASE = dataclasses.replace(workload.MODELS["tiny"], n_embd=512, n_ff=1536, n_head=8, n_head_kv=4, seed=7)
 WIDE = dataclasses.replace(BASE, n_ff=2 * BASE.n_ff)

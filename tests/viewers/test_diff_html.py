@@ -1,5 +1,5 @@
 """The diff page (`profinfer diff BEFORE AFTER --html PAGE`), loaded in Debian's
-headless Chromium as the report page is (tests/test_html_report.py): no console error, no
+headless Chromium as the report page is (tests/viewers/test_html_report.py): no console error, no
 request, every number it marks equal to the comparison written by `--json` in the same run
 (to the digits shown), every compared quantity a table row with its verdict, and each
 section's forest plot placing its points on one log-ratio axis in the order of their changes,

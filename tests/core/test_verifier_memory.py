@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from profinfer.core import bpfobj, libbpf, registry
+from conftest import REPO
 
 # what one program's verification may take beyond what its load keeps (its maps, its code)
 TRANSIENT_MAX = 32 << 20
@@ -76,7 +77,7 @@ def test_each_program_verifies_in_bounded_kernel_memory():
             done = subprocess.run([sys.executable, "-c", LOADER, str(cgroup), peak_file, now_file,
                                    bpfobj.object_path(source, "ring"), program],
                                   capture_output=True, text=True, timeout=300,
-                                  cwd=Path(__file__).resolve().parents[1])
+                                  cwd=REPO)
             assert done.returncode == 0, f"{source} {program}: {done.stderr[-2000:]}"
             charged = json.loads(done.stdout)
         finally:

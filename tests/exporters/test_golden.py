@@ -5,7 +5,7 @@ reorganised into core, engines and levels. Reading each back and exporting it ag
 give the same bytes: the operator report, the JSON summary, the Perfetto trace itself, the
 Chrome JSON and (llama.cpp) the graph.
 
-`python tests/test_golden.py` writes the expected files again; run it only for a change
+`python tests/exporters/test_golden.py` writes the expected files again; run it only for a change
 of output that is meant, and say so in the commit.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 RECORDINGS = ("llamacpp", "vllm", "cuda_calls", "cuda_ops")
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
 

@@ -28,7 +28,7 @@ from conftest import PROFINFER, completion_cmd, llama_perf, run_profinfer, with_
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 # What a shown number's unit multiplies it by to give the summary's unit.
 UNITS = {"ns": 1, "µs": 1e3, "ms": 1e6, "s": 1e9, "%": 0.01, "MiB": 1 << 20,
