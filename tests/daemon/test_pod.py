@@ -21,6 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -146,8 +147,10 @@ def pod(tmp_path_factory):
 
 
 def _pods_bpf(pod) -> set[tuple[str, int]]:
-    """The BPF objects the pod's processes hold now (its container's, by its cgroup)."""
-    pids = {int(p) for p in _podman("top", pod["ctr"], "hpid", check=False).stdout.split()[1:] if p.isdigit()}
+    """The BPF objects the pod's processes hold now: its container's first process's and its
+    descendants' (the pod shares the host's PID namespace, where `podman top` names none)."""
+    first = psutil.Process(_state(pod)["Pid"])
+    pids = {first.pid} | {c.pid for c in first.children(recursive=True)}
     return {key for key, holders in bpf_holders().items() if holders & pids}
 
 
