@@ -111,9 +111,9 @@ def test_features_are_the_plugins_declared_ones(tmp_path):
     assert capabilities(load_pack("llamacpp")) == {"tokens_by_process", "graph_totals", "op_totals"}
     assert capabilities(load_pack("vllm")) == {"steps_by_process", "op_totals", "ops_on_callers"}
     assert capabilities(load_pack("cuda")) == frozenset()
-    assert capabilities(load_pack(os.path.join(TESTS, "cuda", "ops_pack.toml"))) == {"steps_by_process", "op_totals", "ops_on_callers"}
+    assert capabilities(load_pack(os.path.join(TESTS, "levels", "cuda", "ops_pack.toml"))) == {"steps_by_process", "op_totals", "ops_on_callers"}
     alien = tmp_path / "alien.toml"
-    alien.write_text(open(os.path.join(TESTS, "cuda", "ops_pack.toml")).read().replace(
+    alien.write_text(open(os.path.join(TESTS, "levels", "cuda", "ops_pack.toml")).read().replace(
         "profinfer.engines.vllm.collector", "profinfer.engines.vllmx.collector"))
     assert capabilities(load_pack(str(alien))) == frozenset()
 
