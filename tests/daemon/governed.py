@@ -143,6 +143,38 @@ def loaded_until_settled(d, pid: int, url: str, said: str) -> tuple[float | None
         loader.join()
 
 
+def a_level_comes_back_idle(d, pid: int, url: str, every_level: list[str]) -> None:
+    """The last level the governor took from the llama-server at url comes back once it is
+    idle, after its wait (if every level was given back meanwhile, it is loaded until one goes
+    again), and the log says "(idle)"."""
+    mine = f"PID {pid}: levels"
+    if d.watched(pid)["levels"] == every_level:
+        count, deadline = d.text().count(mine), time.monotonic() + 30
+        while time.monotonic() < deadline and d.text().count(mine) == count:
+            window(url, 100)
+    # from its levels once idle: the judgment of the window where the load ended may still
+    # step one down (a few ms of CPU against the daemon's own share)
+    quiet_end = time.monotonic() + 20
+    last, changed = d.text().count(mine), time.monotonic()
+    while time.monotonic() < quiet_end and time.monotonic() - changed < 4:
+        time.sleep(0.5)
+        if d.text().count(mine) != last:
+            last, changed = d.text().count(mine), time.monotonic()
+    before = d.watched(pid)["levels"]
+    assert before != every_level, d.text()
+    wait = d.watched(pid)["step_up_wait_s"] + 3 * 2.0 + 2 * 2.0 + 5     # its wait, judgments, a scan
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and d.watched(pid)["levels"] == before:
+        time.sleep(0.5)
+    after = d.watched(pid)["levels"]
+    assert len(after) == len(before) + 1 and set(before) < set(after), (before, after, wait, d.text())
+    said = f"{mine} {','.join(before)} -> {','.join(after)} (idle)"
+    deadline = time.monotonic() + 5        # logged once its levels have changed
+    while time.monotonic() < deadline and said not in d.text():
+        time.sleep(0.2)
+    assert said in d.text(), d.text()
+
+
 def server_window(url: str) -> Callable[[int], float]:
     return lambda n: window(url, n)
 

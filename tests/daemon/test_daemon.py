@@ -208,7 +208,7 @@ def test_governor_steps_the_op_level_down_loaded_and_back_idle(tmp_path, llama_b
     settled, the levels kept are what its stated cost allows (under the budget, or the
     floor, whose own cost is stated); idle, the last level taken comes back after its wait,
     and the log says why. (Whether the budget holds against time is the soak tier's.)"""
-    from governed import loaded_until_settled, start_server, wait_healthy, window
+    from governed import a_level_comes_back_idle, loaded_until_settled, start_server, wait_healthy
     from daemon_helpers import _free_port
     port = _free_port()
     server = start_server(llama_build / "bin", tiny_model, llama_env, port)
@@ -226,41 +226,12 @@ def test_governor_steps_the_op_level_down_loaded_and_back_idle(tmp_path, llama_b
         assert "op" not in settled and "budget 4.0%" in d.text()
         assert info["cost_share"] is not None and (info["cost_share"] <= 0.04 or settled == ["token"]), info
         assert info["cost_by_level"]["token"] > 0, info         # the floor's own cost, stated
-        # idle: the last level taken comes back after its wait (if the governor gave every
-        # level back meanwhile, loaded until one goes again)
-        mine = f"PID {server.pid}: levels"
-        if _levels_now(d, server.pid) == ["graph", "op", "token"]:
-            count, deadline = d.text().count(mine), time.monotonic() + 30
-            while time.monotonic() < deadline and d.text().count(mine) == count:
-                window(url, 100)
-        quiet_end = time.monotonic() + 20      # the judgment of the load's last window may still step one down
-        last, changed = d.text().count(mine), time.monotonic()
-        while time.monotonic() < quiet_end and time.monotonic() - changed < 4:
-            time.sleep(0.5)
-            if d.text().count(mine) != last:
-                last, changed = d.text().count(mine), time.monotonic()
-        before = _levels_now(d, server.pid)
-        assert before != ["graph", "op", "token"], d.text()
-        waited = d.watched(server.pid)["step_up_wait_s"]
-        assert STEP_UP_S <= waited, waited
-        deadline = time.monotonic() + waited + 3 * 2.0 + 2 * 2.0 + 5
-        while time.monotonic() < deadline and _levels_now(d, server.pid) == before:
-            time.sleep(0.5)
-        after = _levels_now(d, server.pid)
-        assert len(after) == len(before) + 1 and set(before) < set(after), (before, after, d.text())
-        said = f"{mine} {','.join(before)} -> {','.join(after)} (idle)"
-        deadline = time.monotonic() + 5        # logged once its levels have changed
-        while time.monotonic() < deadline and said not in d.text():
-            time.sleep(0.2)
-        assert said in d.text(), d.text()
+        assert STEP_UP_S <= d.watched(server.pid)["step_up_wait_s"]
+        a_level_comes_back_idle(d, server.pid, url, ["graph", "op", "token"])
     finally:
         kill_started()
         if d is not None:
             d.stop()
-
-
-def _levels_now(d: Daemon, pid: int) -> list[str]:
-    return d.watched(pid)["levels"]
 
 
 def test_a_capture_counts_against_the_budget(tmp_path, llama_build, tiny_model, llama_env):

@@ -20,7 +20,8 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
     an identical unwatched server's in alternating windows (governed.py), is at most 4% lower
     than their ratio before the daemon started, where the windows resolve it; its op-level
     counts up to the step down are kept; idle, the last level taken comes back after its wait."""
-    from governed import alternate, cost_against_before, loaded_until_settled, server_window, twin_servers, window
+    from governed import (a_level_comes_back_idle, alternate, cost_against_before, loaded_until_settled,
+                          server_window, twin_servers)
     d = None
     try:
         a, b, url_a, url_b, n = twin_servers(llama_build, tiny_model, llama_env, tmp_path, _STARTED)
@@ -53,33 +54,7 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
         assert any(l.startswith("profinfer_overhead_ratio_by_level{") and f'pid="{a.pid}"' in l
                    and 'level="token"' in l for l in text.splitlines())
 
-        # idle: the last level taken comes back after its wait (if the governor gave every
-        # level back meanwhile, loaded until one goes again)
-        if _levels_now(d, a.pid) == ["graph", "op", "token"]:
-            count, deadline = d.text().count(f"PID {a.pid}: levels"), time.monotonic() + 30
-            while time.monotonic() < deadline and d.text().count(f"PID {a.pid}: levels") == count:
-                window(url_a, 100)
-        # from its levels once idle: the judgment of the window where the load ended may
-        # still step one down (a few ms of CPU against the daemon's own share)
-        mine, quiet_end = f"PID {a.pid}: levels", time.monotonic() + 20
-        last, changed = d.text().count(mine), time.monotonic()
-        while time.monotonic() < quiet_end and time.monotonic() - changed < 4:
-            time.sleep(0.5)
-            if d.text().count(mine) != last:
-                last, changed = d.text().count(mine), time.monotonic()
-        before = _levels_now(d, a.pid)
-        assert before != ["graph", "op", "token"], d.text()
-        wait = d.watched(a.pid)["step_up_wait_s"] + 3 * 2.0 + 2 * 2.0 + 5
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and _levels_now(d, a.pid) == before:
-            time.sleep(0.5)
-        after = _levels_now(d, a.pid)
-        assert len(after) == len(before) + 1 and set(before) < set(after), (before, after, wait, d.text())
-        said = f"PID {a.pid}: levels {','.join(before)} -> {','.join(after)} (idle)"
-        deadline = time.monotonic() + 5        # logged once its levels have changed
-        while time.monotonic() < deadline and said not in d.text():
-            time.sleep(0.2)
-        assert said in d.text(), d.text()
+        a_level_comes_back_idle(d, a.pid, url_a, ["graph", "op", "token"])
     finally:
         kill_started()
         if d is not None:
@@ -92,10 +67,6 @@ def test_governor_keeps_the_budget_against_time(tmp_path, llama_build, tiny_mode
     if se >= TIMED_NOISE_MAX:
         pytest.skip(f"{timed}: within the budget only as far as windows this noisy tell: 4% not resolved "
                     "(bench/daemon_governor.py measures it)")
-
-
-def _levels_now(d: Daemon, pid: int) -> list[str]:
-    return d.watched(pid)["levels"]
 
 
 def test_governor_keeps_vllms_budget_against_time(vllm_python, vllm_model, tmp_path):
