@@ -54,7 +54,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        folders = Path(item.fspath).relative_to(TESTS).parts[:-1]
+        path = Path(item.fspath).resolve()
+        folders = path.relative_to(TESTS.resolve()).parts[:-1] if path.is_relative_to(TESTS.resolve()) else ()
         marks = {m for folder in folders for m in FOLDER_MARKERS.get(folder, ())}
         if ROOT_FOLDERS & set(folders):
             marks.add("root")
@@ -377,7 +378,7 @@ def attached_run(target: subprocess.Popen, args: list[str], go: Path, on_attache
 class VllmEngine:
     """tests/engines/vllm/offline_truth.py: a vLLM engine of one mode, past its warm-up, that makes a
     generation and records its truth each time it is asked (over its stdin). One serves the
-    whole session: each user attaches, asks, and detaches, leaving nothing attached (checked
+    whole module: each user attaches, asks, and detaches, leaving nothing attached (checked
     by each), so that attaching again to a process profinfer has left is tested too."""
 
     def __init__(self, vllm_python: Path, vllm_model: Path, mode: str):
@@ -387,9 +388,13 @@ class VllmEngine:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, start_new_session=True)
         self._lines: queue.Queue = queue.Queue()
-        self._asked: Path | None = None
+        self.asked: Path | None = None
         threading.Thread(target=self._read, daemon=True).start()     # vLLM logs to stdout too
-        self._wait_for("READY", 300)
+        try:
+            self._wait_for("READY", 300)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def pid(self) -> int:
@@ -416,15 +421,15 @@ class VllmEngine:
 
     def start(self, truth_path: Path, seconds: float = 0.0) -> None:
         """A generation begun (its prompts once, or again and again for `seconds`)."""
-        assert self._asked is None, "one generation at a time"
-        self._asked = truth_path
+        assert self.asked is None, "one generation at a time"
+        self.asked = truth_path
         self.proc.stdin.write(json.dumps({"truth": str(truth_path), "seconds": seconds}) + "\n")
         self.proc.stdin.flush()
 
     def finish(self, timeout: float = 300) -> dict:
         """The generation's truth, once it is done."""
         self._wait_for("DONE", timeout)
-        truth_path, self._asked = self._asked, None
+        truth_path, self.asked = self.asked, None
         return json.loads(truth_path.read_text())
 
     def generate(self, truth_path: Path, seconds: float = 0.0) -> dict:
@@ -439,15 +444,21 @@ class VllmEngine:
         self.proc.wait()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_engine(vllm_python, vllm_model):
-    """vllm_engine(mode): the session's one engine of that mode (VllmEngine), started at first use."""
+    """vllm_engine(mode): the module's one engine of that mode (VllmEngine), started at first
+    use and ended with the module (a daemon of a later module would watch it too). One left
+    mid-generation by a failed test is replaced."""
     engines: dict[str, VllmEngine] = {}
 
     def get(mode: str) -> VllmEngine:
-        if mode not in engines or engines[mode].proc.poll() is not None:
-            engines[mode] = VllmEngine(vllm_python, vllm_model, mode)
-        return engines[mode]
+        engine = engines.get(mode)
+        if engine is not None and (engine.proc.poll() is not None or engine.asked is not None):
+            engine.close()
+            engine = None
+        if engine is None:
+            engines[mode] = engine = VllmEngine(vllm_python, vllm_model, mode)
+        return engine
     yield get
     for engine in engines.values():
         engine.close()
@@ -455,7 +466,7 @@ def vllm_engine(vllm_python, vllm_model):
 
 def attached_generation(engine: VllmEngine, args: list[str], truth_path: Path, seconds: float = 0.0,
                         bpf_watch: "BpfWatch | None" = None) -> tuple[dict, str]:
-    """profinfer (`args`) attached to the session's engine over one generation, then stopped as
+    """profinfer (`args`) attached to the module's engine over one generation, then stopped as
     a user stops it (SIGINT): (the generation's truth, profinfer's stderr). With bpf_watch,
     nothing of it is left attached in the engine or the kernel."""
     prof = start_profinfer(args)
@@ -463,7 +474,12 @@ def attached_generation(engine: VllmEngine, args: list[str], truth_path: Path, s
         truth = engine.generate(truth_path, seconds)
     finally:
         prof.send_signal(signal.SIGINT)
-        _, err = prof.communicate(timeout=120)
+        try:
+            _, err = prof.communicate(timeout=120)
+        except subprocess.TimeoutExpired:       # never left attached to the module's engine
+            prof.kill()
+            prof.wait()
+            raise
     assert prof.returncode == 0, prof.early_stderr + err
     if bpf_watch is not None:
         left = bpf_watch.leftovers({engine.pid})
@@ -484,6 +500,7 @@ def off_loopback_address() -> str:
     found = next((a["local"] for i in out if "LOWER_UP" in i.get("flags", []) for a in i["addr_info"]), None)
     if found is not None:
         return found
+    subprocess.run(["ip", "link", "del", DUMMY_LINK], capture_output=True)     # a killed run's
     for cmd in (["link", "add", DUMMY_LINK, "type", "dummy"], ["addr", "add", f"{DUMMY_ADDRESS}/32", "dev", DUMMY_LINK],
                 ["link", "set", DUMMY_LINK, "up"]):
         subprocess.run(["ip", *cmd], check=True, capture_output=True)

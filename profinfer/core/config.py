@@ -26,7 +26,8 @@ def env_seconds(name: str, default: float, minimum: float = 0.0) -> float:
 # A watched process's series are kept this long after it exits: a last scrape sees them.
 SERIES_TTL_S = env_seconds("PROFINFER_SERIES_TTL_S", 300)
 # The daemon's loop not seen this long: /healthz answers 503 (a liveness probe restarts it).
-STALL_S = env_seconds("PROFINFER_STALL_S", 30, minimum=1)
+# (At least 5 s: a loop turn can take a scan and a wait for the parse worker.)
+STALL_S = env_seconds("PROFINFER_STALL_S", 30, minimum=5)
 # A level taken away by the governor comes back after this long with room (doubling each time
 # a step up went over again).
 STEP_UP_S = env_seconds("PROFINFER_STEP_UP_S", 20, minimum=1)

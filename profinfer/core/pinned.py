@@ -70,7 +70,7 @@ def mount_bpffs() -> tuple[bool, str | None]:
 PF_KTHREAD = 0x00200000         # /proc/PID/stat's flags: a kernel thread
 
 
-def _mount_ns(pid: int) -> int | None:
+def _mount_ns(pid: int | str) -> int | None:
     try:
         return os.stat(f"/proc/{pid}/ns/mnt").st_ino
     except OSError:
@@ -91,12 +91,22 @@ def _is_kthreadd(pid: int) -> bool:
             and fields[1] == "0" and int(fields[6]) & PF_KTHREAD != 0)
 
 
+_INIT_PID_NS = "pid:[4026531836]"     # the host's PID namespace: a fixed inode (PROC_PID_INIT_INO)
+
+
 def _not_the_hosts_mounts() -> str | None:
     """Why this process's mount namespace may not be the host's (None: it is), where a bpffs
-    mounted is every process's, not a container's alone. Judged against PID 1's namespace; where
-    that cannot be read (a VM's init that is not dumpable, or holds capabilities we lack), against
-    kthreadd's: a kernel thread always runs in the host's first mount namespace."""
-    mine = _mount_ns(os.getpid())
+    mounted is every process's, not a container's alone. Only in the host's PID namespace (in
+    another, PID 1 is a container's init, whose mounts are the container's); there, judged
+    against PID 1's mount namespace, or where that cannot be read (a VM's init that is not
+    dumpable, or holds capabilities we lack), against kthreadd's: a kernel thread always runs
+    in the host's first mount namespace."""
+    try:
+        if os.readlink("/proc/self/ns/pid") != _INIT_PID_NS:
+            return "this process is not in the host's PID namespace"
+    except OSError:
+        return "this process's PID namespace cannot be read"
+    mine = _mount_ns("self")
     if mine is None:
         return "this process's mount namespace cannot be read"
     init = _mount_ns(1)

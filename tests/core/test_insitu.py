@@ -53,7 +53,8 @@ def test_the_bare_probe_costs_the_calls_it_is_in_one_trap(tmp_path):
     # one emulated trap, as this program pays it: of the order the calibration loop measures
     # (the loop keeps the kernel's path warm: the program's bursts and pauses do not)
     # (calibrate's cached figure, or, where setup's machine was too busy to cache one, a
-    # measurement now: never no comparison)
+    # measurement now: never no comparison. This one is a consistency check of two of
+    # profinfer's own measurements; the outside truth is the program's clock, above)
     calibrated = (probecost.cached() or probecost.measure())["emulated_ns"]
     print("trap in the program", ns, "ns over", n, "calls; runs", runs, "calibrated", calibrated)
     assert 100 < ns < 20_000, ns

@@ -1,4 +1,4 @@
-"""vLLM in the daemon: a real vLLM engine (CPU; the session's, conftest.vllm_engine) found by
+"""vLLM in the daemon: a real vLLM engine (CPU; the module's, conftest.vllm_engine) found by
 the daemon and watched at its step level (the op that begins each step, probed on torch's
 wrappers for it, shared per build), its steps and tokens counted as vLLM's own scheduler made
 them (each generation records its scheduler's outputs: tests/engines/vllm/offline_truth.py). The

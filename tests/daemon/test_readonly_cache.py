@@ -59,7 +59,8 @@ def _measured_at_start(d: Daemon) -> None:
     assert how.startswith("measured at start: ") and status["traps_calibrated"], status
     assert f"probe hits priced at {how}" in d.text()
     # against calibrate's cached figures, or, where setup's machine was too busy to cache
-    # them, a full measurement now: never no comparison
+    # them, a full measurement now: never no comparison (a consistency check of the daemon's
+    # quick measurement against calibrate's checked one, not an outside truth)
     got, calibrated = status["trap_costs_ns"], probecost.cached() or probecost.measure()
     assert 0 < got["emulated_ns"] < got["stepped_ns"], got
     for k in ("emulated_ns", "stepped_ns"):

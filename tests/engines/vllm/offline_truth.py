@@ -1,5 +1,5 @@
 """A vLLM offline engine that records its own truth, driven over stdin: one engine per mode
-serves every test of the session (tests/conftest.py's vllm_engine), profinfer attached to it
+serves every test of a module (tests/conftest.py's vllm_engine), profinfer attached to it
 and detached between generations.
 
     python offline_truth.py MODEL eager|compiled

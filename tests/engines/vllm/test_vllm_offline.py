@@ -47,7 +47,7 @@ def _truth_key(call: dict) -> tuple:
 
 def run_offline(engine, tmp_path: Path, extra: tuple[str, ...] = (), timeline: bool = True,
                 bpf_watch=None) -> tuple[dict, dict, str]:
-    """One generation of the session's engine (conftest.vllm_engine) with profinfer attached:
+    """One generation of the module's engine (conftest.vllm_engine) with profinfer attached:
     (its truth, profinfer's summary, its stderr). timeline: with -o (each call sent); without,
     the op level counts calls in BPF."""
     truth_path, summary_path = tmp_path / "truth.json", tmp_path / "summary.json"
