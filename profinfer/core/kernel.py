@@ -28,6 +28,18 @@ def uprobe_pmu() -> bool:
     return os.path.exists(UPROBE_PMU)
 
 
+# The host's (initial) PID namespace has a fixed inode number (PROC_PID_INIT_INO). NSpid cannot
+# tell: it starts at the namespace of the /proc mounted here (a container's own shows one entry).
+INIT_PID_NS = f"pid:[{0xEFFFFFFC}]"
+
+
+def in_host_pid_namespace() -> bool:
+    try:
+        return os.readlink("/proc/self/ns/pid") == INIT_PID_NS
+    except OSError:
+        return False
+
+
 def release_at_least(major: int, minor: int) -> bool:
     nums = re.match(r"(\d+)\.(\d+)", platform.release())
     return bool(nums) and (int(nums.group(1)), int(nums.group(2))) >= (major, minor)

@@ -15,7 +15,7 @@ import stat
 import time
 from typing import Callable
 
-from profinfer.core import libbpf
+from profinfer.core import kernel, libbpf, procfs
 from profinfer.core.errors import ProfinferError
 
 BPFFS = "/sys/fs/bpf"
@@ -40,8 +40,9 @@ def mount_bpffs() -> tuple[bool, str | None]:
     and bpftool at a pin (mode 0700, nosuid, nodev, noexec): a host whose init did not (a
     minimal VM's) still shares the node's maps. Only in the host's mount namespace, where the
     mount is the one every process started from it sees (_not_the_hosts_mounts): in a
-    container's own (a pod's hostPath) it would be the container's alone. The folder is locked around the look and the
-    mount, so that two processes starting at once make one mount, not one hiding the other.
+    container's own (a pod's hostPath) it would be the container's alone. The folder is
+    locked around the look and the mount, so that two processes starting at once make one
+    mount, not one hiding the other.
     (whether it was mounted now, why it is not there: None when it is)."""
     if bpffs_mounted():
         return False, None
@@ -78,20 +79,15 @@ def _mount_ns(pid: int | str) -> int | None:
 
 
 def _is_kthreadd(pid: int) -> bool:
-    """PID `pid` of the /proc here is the kernel's thread creator (a kernel thread, parent 0):
-    so this /proc is the host's PID namespace's."""
+    """PID `pid` of the /proc here is the kernel's thread creator (a kernel thread, parent 0)."""
+    fields = procfs.stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat_line = f.read(4096)
+        with open(f"/proc/{pid}/comm") as f:
+            name = f.read().strip()
     except OSError:
         return False
-    name_end = stat_line.rfind(")")
-    fields = stat_line[name_end + 2:].split()
-    return (stat_line[stat_line.find("(") + 1:name_end] == "kthreadd" and len(fields) > 6
-            and fields[1] == "0" and int(fields[6]) & PF_KTHREAD != 0)
-
-
-_INIT_PID_NS = "pid:[4026531836]"     # the host's PID namespace: a fixed inode (PROC_PID_INIT_INO)
+    return (name == "kthreadd" and fields is not None and len(fields) > 6 and fields[1] == "0"
+            and int(fields[6]) & PF_KTHREAD != 0)
 
 
 def _not_the_hosts_mounts() -> str | None:
@@ -101,11 +97,8 @@ def _not_the_hosts_mounts() -> str | None:
     against PID 1's mount namespace, or where that cannot be read (a VM's init that is not
     dumpable, or holds capabilities we lack), against kthreadd's: a kernel thread always runs
     in the host's first mount namespace."""
-    try:
-        if os.readlink("/proc/self/ns/pid") != _INIT_PID_NS:
-            return "this process is not in the host's PID namespace"
-    except OSError:
-        return "this process's PID namespace cannot be read"
+    if not kernel.in_host_pid_namespace():
+        return "this process is not in the host's PID namespace"
     mine = _mount_ns("self")
     if mine is None:
         return "this process's mount namespace cannot be read"

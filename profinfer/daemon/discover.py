@@ -81,9 +81,6 @@ def _alive(process) -> bool:
     return recorded.start_time(int(process["tgid"])) == int(process["start_ticks"])
 
 
-_INIT_PID_NS = 0xEFFFFFFC
-
-
 def available() -> str | None:
     """None where node-wide discovery can run here, else why not."""
     if not os.path.exists("/sys/kernel/btf/vmlinux"):
@@ -91,14 +88,8 @@ def available() -> str | None:
     if not kernel.release_at_least(5, 17):
         return "Linux before 5.17 (no bpf_loop)"
     # BPF names processes by their pids in the initial PID namespace, which we could not
-    # signal from another one. NSpid cannot tell: it starts at the namespace of the /proc
-    # mounted here (a container's own /proc shows one entry); the initial namespace's inode
-    # number is fixed (PROC_PID_INIT_INO).
-    try:
-        ns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        ns = ""
-    if ns != f"pid:[{_INIT_PID_NS}]":
+    # signal from another one
+    if not kernel.in_host_pid_namespace():
         return "not in the host's PID namespace (hostPID)"
     return None
 
@@ -123,7 +114,8 @@ class NodeDiscovery:
         # A hold is safe only where its hand-off is shared: the record's followers say which
         # processes they hold (else both would stop one, and either continue it early), and the
         # held map outlives this daemon (else one killed or stopped while it holds leaves the
-        # process stopped). Without both, nothing is held: each process is looked at once told.
+        # process stopped). Without both, nothing is held: each process is looked at as BPF
+        # tells of it.
         self.holds = recorded_fd is not None and held_fd is not None
         if not self.holds:
             log(f"{no_bpffs or 'the node maps of held and recorded processes cannot be shared'}: "

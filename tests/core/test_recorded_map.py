@@ -211,13 +211,5 @@ def test_bpffs_is_mounted_only_in_the_hosts_mount_namespace():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["False", "no bpffs at /sys/fs/bpf, and this process is not in "
-                                     f"{'PID 1' if _pid1_readable() else 'the host'}'s mount namespace"], r.stdout
+                                     f"{'PID 1' if pinned._mount_ns(1) is not None else 'the host'}'s mount namespace"], r.stdout
     assert pinned.bpffs_mounted()       # the host's is untouched
-
-
-def _pid1_readable() -> bool:
-    try:
-        os.stat("/proc/1/ns/mnt")
-        return True
-    except OSError:
-        return False
