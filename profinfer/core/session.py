@@ -253,6 +253,7 @@ class Session:
         self.follower: Follower | None = None
         self.coll: CollectorGroup | None = None
         self.open_spans_fd: int | None = None
+        self.exit_fd = -1                       # readable once the target exits: no wait past it
         self.stop_reason: list[str] = []
         self.line: StatusLine | None = None
         self.cpu: CpuShares | None = None
@@ -365,15 +366,16 @@ class Session:
     def _wait(self, wait_ms: int) -> None:
         """Drain the collectors (waiting up to wait_ms for their buffers), and attach to what
         the followed processes changed into."""
-        if self.follower is None:
+        if self.follower is None and self.exit_fd < 0:
             self.coll.poll(wait_ms)
             return
-        # a stopped process waits for the follower's records: wait on both buffers
-        fds = [self.follower.fileno()] + (self.coll.filenos() if self.coll else [])
-        select.select(fds, [], [], wait_ms / 1000)
-        for change in self.follower.changes():
-            if change.what in ("exec", "mapped"):
-                self._on_change(change)
+        # a stopped process waits for the follower's records: wait on both buffers, and the exit
+        fds = ([self.follower.fileno()] if self.follower else []) + (self.coll.filenos() if self.coll else [])
+        select.select(fds + ([self.exit_fd] if self.exit_fd >= 0 else []), [], [], wait_ms / 1000)
+        if self.follower is not None:
+            for change in self.follower.changes():
+                if change.what in ("exec", "mapped"):
+                    self._on_change(change)
         if self.coll is not None:
             self.coll.poll(0)
 
@@ -498,12 +500,19 @@ class Session:
             self.follower.close()
         if self.open_spans_fd is not None:
             os.close(self.open_spans_fd)
+        if self.exit_fd >= 0:
+            os.close(self.exit_fd)
+            self.exit_fd = -1
 
     def run(self) -> Profile:
         kernel.require_root()
         if self.child_status is None and not discovery.process_exists(self.pid):
             raise ProfinferError(f"no process with PID {self.pid}")
         self._load_packs()
+        try:
+            self.exit_fd = os.pidfd_open(self.pid)
+        except OSError:         # gone already (seen at the first turn), or a kernel before 5.3
+            self.exit_fd = -1
         self.open_spans_fd = shared_open_spans() if self.level_packs else None
         if not self.opts.follow:
             try:
