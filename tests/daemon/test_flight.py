@@ -23,6 +23,12 @@ from conftest import PROFINFER, TESTS, llama_server
 from daemon_helpers import Daemon, OtlpReceiver, _get
 
 HOLD_S = 3
+# the trigger's baseline window, and how long the load runs before the slowdown: the baseline
+# needs a quarter of its window of samples, from before the condition's own 10 s window, judged
+# every 5 s (flight.py); the capture's baseline, 3 intervals of the daemon's count samples
+BASELINE_S = 20
+BASELINE_LOAD_S = 22
+SAMPLED = {**os.environ, "PROFINFER_BASELINE_SAMPLE_S": "1"}
 
 FACTOR = 1.8
 RECORD_S = 4
@@ -115,13 +121,14 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
     receiver = OtlpReceiver()
     with llama_server(llama_build, tiny_model, llama_env, 2) as (server, url):
         d = Daemon(tmp_path, ("--levels", "token,graph", "--budget", "0.25", "--trigger", f"tpot_p99 > {FACTOR}x baseline for {HOLD_S}s",
-                              "--trigger-baseline", "40s", "--record-for", f"{RECORD_S}s", "--keep", "3",
-                              "--captures-dir", str(store), "--capture-levels", "sched", "--otlp", receiver.url))
+                              "--trigger-baseline", f"{BASELINE_S}s", "--record-for", f"{RECORD_S}s", "--keep", "3",
+                              "--captures-dir", str(store), "--capture-levels", "sched", "--otlp", receiver.url),
+                   env=SAMPLED)
         hogs = []
         try:
             d.watched(server.pid)
             with SteadyLoad(url) as load:
-                time.sleep(40)          # the baseline: steady load, a quarter of its window and more (5 s samples of its counts)
+                time.sleep(BASELINE_LOAD_S)     # the baseline: steady load
                 assert kept(d) == [], d.text()
                 cpus = sorted(os.sched_getaffinity(server.pid))
                 started = time.monotonic()
@@ -213,14 +220,14 @@ def daemon_rss(d: Daemon) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def test_five_incidents_keep_the_newest_three_under_the_byte_cap(tmp_path, llama_build, tiny_model, llama_env):
-    """Five real slowdowns, each cleared before the next: one capture each (the trigger re-arms
-    once its condition is clear for its hold time and its cooldown has passed), the newest 3
+def test_three_incidents_keep_the_newest_two_under_the_byte_cap(tmp_path, llama_build, tiny_model, llama_env):
+    """Three real slowdowns, each cleared before the next: one capture each (the trigger re-arms
+    once its condition is clear for its hold time and its cooldown has passed), the newest 2
     kept on disk and listed, under the byte cap; the daemon's memory stays flat."""
     store, cap_bytes = tmp_path / "captures", 1 << 20
     with llama_server(llama_build, tiny_model, llama_env, 2) as (server, url):
         d = Daemon(tmp_path, ("--levels", "token,graph", "--budget", "0.25", "--trigger", "tpot_p99 > 20ms for 1s",
-                              "--record-for", "2s", "--keep", "3", "--captures-max-bytes", str(cap_bytes),
+                              "--record-for", "2s", "--keep", "2", "--captures-max-bytes", str(cap_bytes),
                               "--trigger-cooldown", "1s", "--captures-dir", str(store), "--capture-levels", "token"))
         rss = []
         try:
@@ -228,7 +235,7 @@ def test_five_incidents_keep_the_newest_three_under_the_byte_cap(tmp_path, llama
             cpus = sorted(os.sched_getaffinity(server.pid))
             with SteadyLoad(url):
                 time.sleep(5)
-                for incident in range(5):
+                for incident in range(3):
                     hogs = [subprocess.Popen([sys.executable, "-c", HOG],
                                              preexec_fn=lambda c=c: os.sched_setaffinity(0, {c}))
                             for c in cpus for _ in range(2)]
@@ -242,15 +249,15 @@ def test_five_incidents_keep_the_newest_three_under_the_byte_cap(tmp_path, llama
                             h.wait()
                     assert made(d) == incident + 1, (incident, d.text())
                     time.sleep(6)          # clear for its hold time, cooled down
-                    if incident in (1, 4):
+                    if incident in (1, 2):
                         rss.append(daemon_rss(d))
             caps = kept(d)
             on_disk = sorted(p.name for p in store.iterdir())
         finally:
             d.stop()
-    assert len(caps) == 3 and sum(c["bytes"] for c in caps) <= cap_bytes, caps
+    assert len(caps) == 2 and sum(c["bytes"] for c in caps) <= cap_bytes, caps
     assert on_disk == sorted(f"{c['id']}{ext}" for c in caps for ext in (".json", ".pftrace")), on_disk
-    assert rss[1] - rss[0] < 8 << 20, rss       # three captures more, no more memory kept
+    assert rss[1] - rss[0] < 8 << 20, rss       # a capture more, one dropped: no more memory kept
 
 
 def made(d: Daemon) -> int:
@@ -292,10 +299,10 @@ def test_a_vllm_burst_of_long_prompts_fires_and_shows_the_phase_change(tmp_path,
         reader = threading.Thread(target=lambda: lines.extend(target.stdout), daemon=True)
         reader.start()
         d = Daemon(tmp_path, ("--levels", "token", "--budget", "0.25", "--trigger", "call_p90 > 1.8x baseline for 3s",
-                              "--trigger-baseline", "40s", "--record-for", "3s", "--keep", "3",
-                              "--captures-dir", str(store), "--capture-levels", "step"))
+                              "--trigger-baseline", f"{BASELINE_S}s", "--record-for", "3s", "--keep", "3",
+                              "--captures-dir", str(store), "--capture-levels", "step"), env=SAMPLED)
         assert d.watched(target.pid, timeout=60)["levels"] == ["step"], d.text()
-        time.sleep(40)                      # the baseline: steady decodes
+        time.sleep(BASELINE_LOAD_S)         # the baseline: steady decodes
         early = kept(d)
         if early:                           # fired before any burst: did the engine slow?
             target.stdin.write("STOP\n")
@@ -304,12 +311,12 @@ def test_a_vllm_burst_of_long_prompts_fires_and_shows_the_phase_change(tmp_path,
             reader.join(timeout=10)
             truth = json.loads(next(line for line in lines if line.startswith('{"steps"')))
             at = early[0]["fired"]["fired_monotonic_s"]
-            held, before = _step_p90(truth, at - 3, at), _step_p90(truth, at - 33, at - 3)
+            held, before = _step_p90(truth, at - 3, at), _step_p90(truth, at - 18, at - 3)
             # the engine's own steps slowed as the trigger says (the machine's doing, for
             # its hold): fired rightly, and its cooldown leaves no burst to test
             if held > 1.5 * before:
                 pytest.skip(f"the engine's own steps slowed before the burst (p90 {held * 1e3:.1f} ms over "
-                            f"the 3 s before the firing, {before * 1e3:.1f} ms the 30 s before): fired rightly")
+                            f"the 3 s before the firing, {before * 1e3:.1f} ms the 15 s before): fired rightly")
             assert early == [], (held, before, d.text())
         started = time.monotonic()
         target.stdin.write("BURST 15\n")
@@ -336,7 +343,7 @@ def test_a_vllm_burst_of_long_prompts_fires_and_shows_the_phase_change(tmp_path,
     def mixed_share(lo: float, hi: float) -> float:
         picked = [lens for t, lens in truth["steps"] if lo <= t <= hi]
         return sum(1 for lens in picked if any(q > 1 for q in lens) and any(q == 1 for q in lens)) / len(picked)
-    assert mixed_share(started - 30, started) < 0.1 and mixed_share(started + 1, fired["fired_monotonic_s"]) > 0.5
+    assert mixed_share(started - 15, started) < 0.1 and mixed_share(started + 1, fired["fired_monotonic_s"]) > 0.5
     trace = tmp_path / "burst.pftrace"
     trace.write_bytes(got[1])
     r = subprocess.run([*PROFINFER, "report", str(trace), "--json", str(tmp_path / "s.json")],

@@ -9,6 +9,7 @@ length and level are this test's own, and the page says them."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.request
@@ -20,8 +21,9 @@ from test_html_report import report, shown_page
 TRIGGER = "batch_p50 > 1.5 for 2s"
 RECORD_S = 2
 # the baseline ends 10 s before the incident; its ranges need 3 intervals between the daemon's
-# count samples, 5 s apart: 4 samples, whatever their phase (and the intervals alike in rate)
-BASELINE_LOAD_S = 32
+# count samples, taken each SAMPLE_S: 4 samples, whatever their phase (and the intervals alike in rate)
+SAMPLE_S = 1
+BASELINE_LOAD_S = 10 + 4 * SAMPLE_S + 2
 
 
 class Client(threading.Thread):
@@ -50,7 +52,8 @@ def test_a_flight_capture_page_shows_what_fired_and_what_changed(tmp_path, llama
     clients = []
     with llama_server(llama_build, tiny_model, llama_env, 2) as (server, url):
         d = Daemon(tmp_path, ("--levels", "token,graph", "--trigger", TRIGGER, "--record-for", f"{RECORD_S}s",
-                              "--keep", "1", "--captures-dir", str(tmp_path / "captures"), "--capture-levels", "token"))
+                              "--keep", "1", "--captures-dir", str(tmp_path / "captures"), "--capture-levels", "token"),
+                   env={**os.environ, "PROFINFER_BASELINE_SAMPLE_S": str(SAMPLE_S)})
         try:
             d.watched(server.pid)
             clients.append(Client(url))

@@ -334,7 +334,7 @@ def test_the_governor_charges_only_the_thread_that_watches(llama_build, tiny_mod
 
         run(4)
         assert pid in agent.watches
-        quiet = run(12)
+        quiet = run(8)        # a judgment each GOVERN_S (2 s): 3 or 4 a window
         stop, burned = threading.Event(), []
 
         def burn():
@@ -346,7 +346,7 @@ def test_the_governor_charges_only_the_thread_that_watches(llama_build, tiny_mod
         burner = threading.Thread(target=burn)
         burner.start()
         try:
-            loud = run(12)
+            loud = run(8)
         finally:
             stop.set()
             burner.join()

