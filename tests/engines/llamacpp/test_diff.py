@@ -96,8 +96,13 @@ def _alarms(pairs) -> list:
 def test_a_twice_wider_ffn_doubles_its_matmuls_and_nothing_else(llama_build, llama_env, models, base_runs,
                                                                  tmp_path):
     wide = [_record(llama_build, models["wide"], llama_env, tmp_path / f"wide{i}.pftrace") for i in range(SIDE)]
-    p, result = _diff(base_runs[:SIDE], wide, "--fail-above", "5%")
+    # the gate on the changed nodes: the default gate judges the phases' and ops' rows, whose
+    # intervals over 5 runs a side were as wide as -3%..+129% for decode MUL_MAT (+71%) in a
+    # random-order run, and passed this regression (the gate's reach over most of the work is
+    # its own issue)
+    p, result = _diff(base_runs[:SIDE], wide, *(a for kind in FFN for a in ("--fail-above", f"MUL_MAT {kind}=5%")))
     assert p.returncode == 1, p.stdout + p.stderr
+    assert {f["name"] for f in result["failed"]} <= {f"decode MUL_MAT {kind}" for kind in FFN}, result["failed"]
     jsonschema.validate(result, json.loads(SCHEMA.read_text()))
     rows = _rows(result)
     for kind in FFN:
