@@ -16,6 +16,11 @@ if [ ! -d "$BUNDLE/wheels" ]; then
     echo "gpu tier: $BUNDLE is no bundle (no wheels/): make one with python tests/gpu/bundle.py OUTDIR" >&2
     exit 2
 fi
+# the bundle's wheels are for the GPU image's CPython 3.12 (bundle.py): another Python cannot install them
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+    echo "gpu tier: $PY is not CPython 3.12, which the bundle's wheels are for: run with PYTHON=python3.12" >&2
+    exit 2
+fi
 # mktemp's 0700 folder: profinfer loads BPF objects only from a path nobody else can write
 PREFIX=$(mktemp -d "${TMPDIR:-/tmp}/profinfer-gpu.XXXXXX") || exit 2
 LOG=$PREFIX/log
