@@ -396,9 +396,7 @@ class BpfObject:
         closes = [lambda link=link: L.bpf_link__destroy(link) for link in self._links]
         closes += [lambda fd=fd: os.close(fd) for fd in self._link_fds]
         self._links, self._link_fds = [], []
-        if len(closes) < 2:
-            for close in closes:
-                close()
+        if not closes:
             return
         with concurrent.futures.ThreadPoolExecutor(min(len(closes), _DETACH_THREADS)) as pool:
             for done in [pool.submit(close) for close in closes]:

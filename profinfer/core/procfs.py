@@ -209,6 +209,30 @@ def stat_fields(pid: int | str) -> list[str] | None:
         return None
 
 
+def process_stat(pid: int) -> tuple[int, int] | None:
+    """(start time in clock ticks since boot: a pid's identity with its number; virtual
+    memory size: what a new mapping changes); None once it has exited (a zombie not yet
+    reaped included)."""
+    fields = stat_fields(pid)
+    if fields is None or len(fields) < 21 or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19]), int(fields[20])
+
+
+def exit_fd(pid: int, start: int) -> int:
+    """An fd that polls readable when the process (pid, start) exits; -1 where the kernel
+    has no pidfd (before 5.3: an exit is then seen when next looked for)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return -1
+    st = process_stat(pid)
+    if st is None or st[0] != start:      # another process by now
+        os.close(fd)
+        return -1
+    return fd
+
+
 def mapped_identities(pid: int) -> set[tuple[int, int]]:
     """(device, inode) of every file the process maps (as its maps show them)."""
     return {(m.dev, m.inode) for m in file_mappings(pid)}

@@ -509,10 +509,8 @@ class Session:
         if self.child_status is None and not discovery.process_exists(self.pid):
             raise ProfinferError(f"no process with PID {self.pid}")
         self._load_packs()
-        try:
-            self.exit_fd = os.pidfd_open(self.pid)
-        except OSError:         # gone already (seen at the first turn), or a kernel before 5.3
-            self.exit_fd = -1
+        st = procfs.process_stat(self.pid)      # None: gone already, seen at the first turn
+        self.exit_fd = procfs.exit_fd(self.pid, st[0]) if st else -1
         self.open_spans_fd = shared_open_spans() if self.level_packs else None
         if not self.opts.follow:
             try:

@@ -35,6 +35,7 @@ from profinfer.core.packs import Pack, load_pack, pack_names
 from profinfer.core.discovery import mapped_files
 from profinfer.core.follow import interpreter
 from profinfer.core.packfinder import engine_files, find_engine, find_packs
+from profinfer.core.procfs import exit_fd, process_stat
 from profinfer.daemon import discover
 from profinfer.daemon.discover import NodeDiscovery
 from profinfer.core.stats import SequenceTracker
@@ -45,7 +46,7 @@ from profinfer.daemon.metrics import Metrics
 from profinfer.daemon.plugins import capabilities, process_caches
 from profinfer.daemon.seen import SeenProcesses
 from profinfer.daemon.shared import SharedProbes, SharedRuntime, group_key
-from profinfer.daemon.watch import Watch, exit_fd, process_stat, step_call
+from profinfer.daemon.watch import Watch, step_call
 
 
 SCAN_S = 1.0

@@ -1,13 +1,10 @@
 """A watched process: what serves it (its build's shared probes, its own op level, the
-shared cuda level), what its probes cost it, and its identity; and the /proc/PID/stat reads
-that tell a process (pid, start time) from a later one with its pid."""
+shared cuda level), what its probes cost it, and its identity."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from profinfer.core.model import Step, TokenCall
-from profinfer.core.procfs import stat_fields
 from profinfer.core.packs import Pack
 from profinfer.core.stats import SequenceTracker
 from profinfer.daemon.identity import Identity
@@ -53,27 +50,3 @@ def step_call(step: Step) -> TokenCall:
     """An engine step as a forward call: its prompt tokens and decoding sequences' tokens."""
     return TokenCall(step.tid, step.start_ns, step.end_ns, step.n_tokens, prefill=step.prefill_seqs > 0,
                      decode_tokens=step.decode_seqs)
-
-
-def process_stat(pid: int) -> tuple[int, int] | None:
-    """(start time in clock ticks since boot: a pid's identity with its number; virtual
-    memory size: what a new mapping changes); None once it has exited (a zombie not yet
-    reaped included)."""
-    fields = stat_fields(pid)
-    if fields is None or len(fields) < 21 or fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19]), int(fields[20])
-
-
-def exit_fd(pid: int, start: int) -> int:
-    """An fd that polls readable when the process (pid, start) exits; -1 where the kernel
-    has no pidfd (before 5.3: exits are then seen at the next scan)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return -1
-    st = process_stat(pid)
-    if st is None or st[0] != start:      # another process by now
-        os.close(fd)
-        return -1
-    return fd

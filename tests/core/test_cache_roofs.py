@@ -32,12 +32,11 @@ def measured(tmp_path_factory) -> tuple[Path, dict]:
     """A cache directory with this machine's checked roofs for 2 threads, cache levels
     included, and that entry."""
     cache = tmp_path_factory.mktemp("roofs")
+    os.symlink(bpfobj.cache_dir(), cache / "bpf")       # recording under it reuses the BPF objects
     shared = calibrate.cached(THREADS)
     if shared is not None and shared["threads"] == THREADS and shared.get("caches") and shared.get("check"):
-        os.symlink(bpfobj.cache_dir(), cache / "bpf")
         shutil.copy(calibrate._cache_path(), cache / "roofs.json")
         return cache, shared
-    os.symlink(bpfobj.cache_dir(), cache / "bpf")       # recording under it reuses the BPF objects
     before = os.environ.get("PROFINFER_CACHE")
     os.environ["PROFINFER_CACHE"] = str(cache)
     try:
