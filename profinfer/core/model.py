@@ -5,7 +5,7 @@ Times are CLOCK_MONOTONIC nanoseconds (what bpf_ktime_get_ns returns).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -255,6 +255,18 @@ class Profile:
     records: dict[str, list] = field(default_factory=dict)
 
     _RECORD_LISTS = ("tokens", "graphs", "calls", "steps", "cuda_calls", "switches", "wakeups")
+
+    def derived(self, name: str, key, compute: Callable[[], object]):
+        """compute()'s value, computed once while `key` (compared by ==: the records it reads,
+        their counts) stays what it was: a summary and a report read the same views of one
+        profile, each costly on a long recording."""
+        memo = self.__dict__.setdefault("_derived", {})
+        cached = memo.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        value = compute()
+        memo[name] = (key, value)
+        return value
 
     def absorb(self, level: "Profile") -> None:
         """Add a level's profile of the same process to this one: its records, its lost

@@ -181,12 +181,7 @@ def compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost
     hit_costs_ns: probecost's measurement ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")."""
     key = (len(profile.ops), len(profile.graphs), tuple(sorted(profile.meta.items())),
            tuple(sorted((hit_costs_ns or {}).items())))
-    cached = profile.__dict__.get("_self_cost")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    result = _compute(profile, hit_costs_ns)
-    profile.__dict__["_self_cost"] = (key, result)
-    return result
+    return profile.derived("self_cost", key, lambda: _compute(profile, hit_costs_ns))
 
 
 def _compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCost | None:

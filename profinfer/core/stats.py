@@ -243,9 +243,10 @@ def graph_of_ops(graphs: list[GraphCall], starts: np.ndarray) -> np.ndarray:
 def arrivals(profile: Profile) -> list[Arrival]:
     """Each thread's arrival at each graph compute it ran ops in (zero-length ones included),
     by graph, then thread. Computed once per profile."""
-    cached = profile.__dict__.get("_arrivals")
-    if cached is not None and cached[0] == (len(profile.ops), len(profile.graphs)):
-        return cached[1]
+    return profile.derived("arrivals", (len(profile.ops), len(profile.graphs)), lambda: _arrivals(profile))
+
+
+def _arrivals(profile: Profile) -> list[Arrival]:
     cols = as_columns(profile.ops)
     gi = graph_of_ops(innermost_graphs(profile.graphs), cols.start)
     inside = gi >= 0
@@ -260,7 +261,6 @@ def arrivals(profile: Profile) -> list[Arrival]:
         graph_start = np.minimum.reduceat(start, np.flatnonzero(graph_first))[np.cumsum(graph_first) - 1]
         out = [Arrival(*row) for row in zip(g.tolist(), tid.tolist(), graph_start.tolist(),
                                             start.tolist())]
-    profile.__dict__["_arrivals"] = ((len(profile.ops), len(profile.graphs)), out)
     return out
 
 

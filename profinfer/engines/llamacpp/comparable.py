@@ -31,17 +31,8 @@ def _graph_tokens(profile: Profile, graphs: list[GraphDag]) -> np.ndarray:
     return np.where(i >= 0, tokens[np.maximum(i, 0)] if len(tokens) else 1.0, 1.0)
 
 
-def _graphs(profile: Profile) -> list[GraphDag]:
-    """graph_dags, once per profile: series, identity and shapes all read them."""
-    key = (len(profile.ops), len(profile.graphs))
-    cached = profile.__dict__.get("_comparable_graphs")
-    if cached is None or cached[0] != key:
-        cached = profile.__dict__["_comparable_graphs"] = (key, graph_dags(profile) if profile.ops else [])
-    return cached[1]
-
-
 def series(profile: Profile) -> list[Series]:
-    graphs = [g for g in _graphs(profile) if g.nodes and g.phase != "other"]
+    graphs = [g for g in graph_dags(profile) if g.nodes and g.phase != "other"]
     if not graphs:
         return []
     per = _graph_tokens(profile, graphs)
@@ -73,7 +64,7 @@ def series(profile: Profile) -> list[Series]:
 
 def identity(profile: Profile) -> dict[str, object]:
     """The model's structure as the graphs show it: layers, and the kinds of node."""
-    graphs = [g for g in _graphs(profile) if g.nodes]
+    graphs = [g for g in graph_dags(profile) if g.nodes]
     if not graphs:
         return {}
     layers = {l for g in graphs for l in node_layers(g.nodes) if l is not None}
@@ -87,7 +78,7 @@ def shapes(profile: Profile) -> dict[str, str]:
     out: dict[str, str] = {}
     if not profile.ops:
         return out
-    for g in _graphs(profile):
+    for g in graph_dags(profile):
         if g.phase != "decode":
             continue
         for n in g.nodes:

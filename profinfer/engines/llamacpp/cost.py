@@ -101,7 +101,13 @@ def judge(scope: str, runs: list[NodeRun], roofs: Roofs, llc_miss_index: int | N
 
 
 def verdicts(profile, roofs: Roofs) -> list[Verdict]:
-    """Verdicts per (phase, op type), largest time first. Scope is "decode MUL_MAT" etc."""
+    """Verdicts per (phase, op type), largest time first. Scope is "decode MUL_MAT" etc.;
+    computed once a profile and roofs (its summary and its report both show them)."""
+    return profile.derived("verdicts", (len(profile.ops), len(profile.graphs), len(profile.tokens), roofs),
+                           lambda: _verdicts(profile, roofs))
+
+
+def _verdicts(profile, roofs: Roofs) -> list[Verdict]:
     runs, _ = node_runs(profile)
     groups: dict[str, list] = {}
     reads: dict[str, list] = {}
@@ -159,12 +165,7 @@ def reuse_by_run(runs: list[NodeRun]) -> list[RunReads]:
 def run_reads(profile) -> list[RunReads]:
     """reuse_by_run of the profile's node runs (node_runs' order), computed once a profile."""
     runs, _ = node_runs(profile)
-    cached = profile.__dict__.get("_run_reads")
-    if cached is not None and cached[0] is runs:
-        return cached[1]
-    reads = reuse_by_run(runs)
-    profile.__dict__["_run_reads"] = (runs, reads)
-    return reads
+    return profile.derived("run_reads", (len(profile.ops), len(profile.graphs)), lambda: reuse_by_run(runs))
 
 
 def reuse_of(run_reads_: Iterable[tuple[NodeRun, RunReads]]) -> SourceReuse | None:

@@ -54,6 +54,13 @@ class GraphDag:
 
 
 def graph_dags(profile: Profile) -> list[GraphDag]:
+    """Each graph's nodes as a DAG, once a profile (its layers, its comparison's series and
+    identity all read them)."""
+    return profile.derived("graph_dags", (len(profile.ops), len(profile.graphs), len(profile.tokens)),
+                           lambda: _graph_dags(profile) if profile.ops else [])
+
+
+def _graph_dags(profile: Profile) -> list[GraphDag]:
     runs, graphs = node_runs(profile)
     phases = phase_of(runs, profile.tokens)
     skew = graph_arrivals(profile)

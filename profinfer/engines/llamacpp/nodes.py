@@ -48,12 +48,7 @@ for _field in NodeDesc._fields:
 def node_runs(profile: Profile) -> tuple[list[NodeRun], list]:
     """(node runs sorted by start, the innermost graphs they index); computed once per
     profile (the report's views all start from them)."""
-    cached = profile.__dict__.get("_node_runs")
-    if cached is not None and cached[0] == (len(profile.ops), len(profile.graphs)):
-        return cached[1]
-    result = _node_runs(profile)
-    profile.__dict__["_node_runs"] = ((len(profile.ops), len(profile.graphs)), result)
-    return result
+    return profile.derived("node_runs", (len(profile.ops), len(profile.graphs)), lambda: _node_runs(profile))
 
 
 def _node_runs(profile: Profile) -> tuple[list[NodeRun], list]:

@@ -24,11 +24,8 @@ def holds(profile: Profile) -> bool:
 
 def call_stats(profile: Profile) -> CallProfileStats:
     """callstats.compute, once per profile (the main view and the server table share it)."""
-    key = (len(profile.calls), len(profile.steps), len(profile.call_totals))
-    cached = profile.__dict__.get("_call_stats")
-    if cached is None or cached[0] != key:
-        cached = profile.__dict__["_call_stats"] = (key, callstats.compute(profile))
-    return cached[1]
+    return profile.derived("call_stats", (len(profile.calls), len(profile.steps), len(profile.call_totals)),
+                           lambda: callstats.compute(profile))
 
 
 def _shape_args(args) -> dict:

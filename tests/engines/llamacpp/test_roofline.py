@@ -274,5 +274,5 @@ def test_cross_check_with_llc_misses():
     assert v.scope == "decode MUL_MAT"
     assert v.measured_gbps == pytest.approx(150_000 * 64 / 1_000_000)   # lines × 64 B / node time
     p.counter_names = ["task-clock", "page-faults"]
-    p.__dict__.pop("_node_runs", None)
+    p.__dict__.pop("_derived", None)
     assert verdicts(p, Roofs(100.0, 10.0))[0].measured_gbps is None
