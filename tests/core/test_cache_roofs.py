@@ -69,7 +69,7 @@ def sysfs_data_caches() -> dict[str, tuple[int, int]]:
     return out
 
 
-SYSBENCH_S = 2      # each run reads for this long (a total size took minutes at a small block)
+SYSBENCH_S = 1      # each run reads for this long (a total size took minutes at a small block)
 
 
 def sysbench_read_gbps(block_bytes: int) -> float:

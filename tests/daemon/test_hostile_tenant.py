@@ -199,7 +199,7 @@ def memory_cgroup(request):
 
 # the daemon's loop not seen this long: /healthz answers 503 (PROFINFER_STALL_S; 30 s by
 # default, shorter here so that a test waits past it in seconds)
-STALL_S = 8
+STALL_S = 6
 
 
 @pytest.fixture
@@ -362,7 +362,7 @@ def test_a_fifo_where_a_mapped_library_was_is_not_waited_on(tmp_path, tenant_bin
     try:
         tenant = _start_tenant(root, "/opt/lib/libcudart.so.12", "fifo", "/opt/lib/libkernels.so")
         watched = Watched(tmp_path, memory_cgroup)
-        time.sleep(STALL_S + 5)      # past the time after which a stalled loop answers 503
+        time.sleep(STALL_S + 2)      # past the time after which a stalled loop answers 503 (polled each 0.5 s)
         watched.stop_polling()
         watched.assert_alive_and_healthy()
         watched.daemon.watched(tenant.pid, timeout=5)     # at the cuda level, as any other
@@ -389,7 +389,7 @@ def test_a_padded_loader_does_not_stall_the_loop(tmp_path, tenant_bin, memory_cg
     try:
         tenant = _start_tenant(root, "/bin/tenant")
         watched = Watched(tmp_path, memory_cgroup)
-        time.sleep(STALL_S + 5)      # past the time after which a stalled loop answers 503
+        time.sleep(STALL_S + 2)      # past the time after which a stalled loop answers 503 (polled each 0.5 s)
         watched.stop_polling()
         watched.assert_alive_and_healthy()
     finally:

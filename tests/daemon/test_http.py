@@ -376,7 +376,7 @@ def _manifest_memory_limit() -> int:
     return int(m.group(1)) * {"Ki": 1, "Mi": 1024, "Gi": 1024 ** 2}[m.group(2)]     # KiB
 
 
-SLOWLORIS_S = 25     # past two request deadlines: every slow client closed once at least
+SLOWLORIS_S = 14     # past a request deadline (10 s): every slow client closed once at least
 
 
 def test_llama_server_counted_exactly_under_slowloris_and_a_metrics_flood(daemon, llama_build, tiny_model, llama_env):
