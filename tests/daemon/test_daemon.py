@@ -201,7 +201,7 @@ def test_otlp_carries_the_same_counts_under_genai_names(tmp_path, llama_build, t
 
 # PROFINFER_STEP_UP_S: the governor's wait before a level comes back (20 s by default); past
 # the 4 s and 6 s quiet windows the helpers wait for the levels to settle in
-STEP_UP_S = 10
+STEP_UP_S = 7
 
 
 def test_governor_steps_the_op_level_down_loaded_and_back_idle(tmp_path, llama_build, tiny_model, llama_env):
