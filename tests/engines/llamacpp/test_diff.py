@@ -59,12 +59,20 @@ def _diff(a: Path | list[Path], b: Path | list[Path], *args: str) -> tuple[subpr
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
+def models(tmp_path_factory, llama_build, llama_env) -> dict[str, Path]:
+    """The two models, each on disk (fsync: no writeback of it while a run maps it) and run
+    once unrecorded: a model's first runs after it was written decoded up to 1.9x slower than
+    its later ones (seen: base 1507, 1480, 807, 831, 805 µs a token), which a side's interval
+    takes for run-to-run noise."""
     d = tmp_path_factory.mktemp("models")
     out = {}
     for name, spec in (("base", BASE), ("wide", WIDE)):
         out[name] = d / f"{name}.gguf"
         workload.write_model(f"diff-{name}", spec, out[name])
+        with open(out[name], "rb") as f:
+            os.fsync(f.fileno())
+        subprocess.run(completion_cmd(llama_build, out[name], n=TOKENS), env=llama_env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     return out
 
 
