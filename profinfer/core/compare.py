@@ -12,7 +12,10 @@ The interval is a moving-block bootstrap of that ratio: each run's samples are r
 contiguous blocks (about sqrt(n) long), so that slow drift within a run (a neighbour's load,
 the KV cache growing) widens the interval instead of passing for a change. The resampling is
 seeded: the same two traces always give the same answer. A series of more than MAX_POINTS
-samples is first reduced to MAX_POINTS means of consecutive samples (a block of its own).
+samples is resampled through an even sample of MAX_POINTS of them (every k-th: the same
+distribution, so its statistic estimates the one shown, the median a median, never a mean of
+groups), each resample's deviation from that sample's statistic scaled by sqrt(points/n) (a
+statistic of n samples varies so much less than one of MAX_POINTS) around the whole series'.
 
 A change is judged against a noise floor: the run-to-run noise the caller states (`diff
 --noise`), or, where larger, what the runs themselves show of it: the quantity's drift
@@ -134,26 +137,22 @@ def _stat(name: str, x: np.ndarray, axis=None):
     return np.median(x, axis=axis) if name == "median" else np.mean(x, axis=axis)
 
 
-def _points(samples: np.ndarray) -> np.ndarray:
-    """At most MAX_POINTS points: the means of consecutive equal runs of samples."""
-    n = len(samples)
-    if n <= MAX_POINTS:
-        return samples
-    edges = np.linspace(0, n, MAX_POINTS + 1).astype(np.int64)
-    sums = np.add.reduceat(samples, edges[:-1])
-    return sums / np.diff(edges)
-
-
 def block_resamples(samples: np.ndarray, rng: np.random.Generator, statistic: str,
                     resamples: int = RESAMPLES) -> np.ndarray:
-    """The statistic of `resamples` moving-block bootstrap resamples of `samples`."""
-    x = _points(np.asarray(samples, np.float64))
+    """The statistic of `resamples` moving-block bootstrap resamples of `samples` (over
+    MAX_POINTS of them: of an even sample of MAX_POINTS, rescaled to the whole's)."""
+    whole = np.asarray(samples, np.float64)
+    step = -(-len(whole) // MAX_POINTS)
+    x = whole[::step]
     n = len(x)
     block = max(1, min(n // 2 or 1, round(np.sqrt(n))))
     blocks = -(-n // block)
     starts = rng.integers(0, n - block + 1, size=(resamples, blocks))
     idx = (starts[:, :, None] + np.arange(block)).reshape(resamples, -1)[:, :n]
-    return _stat(statistic, x[idx], axis=1)
+    stats = _stat(statistic, x[idx], axis=1)
+    if step == 1:
+        return stats
+    return _stat(statistic, whole) + (stats - _stat(statistic, x)) * np.sqrt(n / len(whole))
 
 
 def _relative_range(values: list[float]) -> float:

@@ -80,9 +80,13 @@ class Gate:
 
 
 def parse_percent(text: str, what: str) -> float:
+    """A percentage written with its sign ("5%"): a bare number is refused, since "5" read as a
+    fraction is 500% and read as percent is what 0.05 would not be."""
     t = text.strip()
+    if not t.endswith("%"):
+        raise ProfinferError(f"{what}: {text!r} has no % sign (write 5% for five percent)")
     try:
-        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+        value = float(t[:-1]) / 100
     except ValueError:
         raise ProfinferError(f"{what}: {text!r} is not a percentage (like 5%)") from None
     if not 0 <= value < 100 or value != value:
@@ -233,6 +237,10 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
     vb, va = _verdicts(summaries["before"][0]), _verdicts(summaries["after"][0])
     coverage = {side: _side_coverage([_coverage(p, s) for p, s in zip(profiles, summaries[side])])
                 for side, profiles in (("before", before), ("after", after))}
+    unmatched = [g.what for g in gates if g.what is not None and not any(g.matches(c) for c in changes)]
+    if unmatched:
+        raise ProfinferError(f"--fail-above: {unmatched[0]!r} names no row of this comparison "
+                             f"(rows: {_row_examples(changes)})")
     failed = [{"gate": g.label, "name": c.name, "change": c.change, "common": c.common}
               for g in gates for c in changes if g.fails(c)]
     return {
@@ -252,6 +260,13 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
         "gates": [g.label for g in gates],
         "failed": failed,
     }
+
+
+def _row_examples(changes: list[compare.Change], shown: int = 6) -> str:
+    """Some of the rows a gate may name: the phases' times, then the ops'."""
+    names = [c.name for c in changes if c.section == "latency"] + [c.name for c in changes if c.section == "op"]
+    names = list(dict.fromkeys(names))
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def write_json(result: dict, path: str | Path) -> None:

@@ -193,13 +193,16 @@ def test_runs_of_models_of_another_structure_are_refused(llama_build, llama_env,
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--fail-above", "lots"], "not a percentage"),
+    (["--fail-above", "lots%"], "not a percentage"),
     (["--fail-above", "=5%"], "names nothing"),
     (["--noise", "-3%"], "out of range"),
+    (["--fail-above", "5"], "has no % sign"),           # 500% as a fraction, 5% as percent: neither guessed
+    (["--noise", "0.05"], "has no % sign"),
+    (["--fail-above", "mul_mat=5%"], "'mul_mat' names no row"),     # a typo passes no gate silently
 ])
 def test_bad_options_get_one_line(base_runs, args, says):
     p, _ = _diff(base_runs[0], base_runs[1], *args)
-    assert p.returncode != 0 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "Traceback" not in p.stderr
 
 
