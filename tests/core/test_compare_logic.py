@@ -8,7 +8,7 @@ import pytest
 from profinfer.core import compare
 from profinfer.core.compare import Series
 from profinfer.core.errors import ProfinferError
-from profinfer.exporters.comparison import Gate, parse_gate, parse_percent
+from profinfer.exporters.comparison import Gate, parse_gate
 
 
 def _series(samples, name="decode MUL_MAT", section="op", unit="ns per decode token") -> Series:
