@@ -2,7 +2,11 @@
 volume): the newest `keep`, under a total byte cap. Each is a Perfetto trace (ID.pftrace) and
 its record (ID.json: the process, the trigger and what it saw, the levels asked for and
 recorded, what the budget left out, the cost), each written whole under a temporary name,
-then renamed. Records are what /captures lists; a trace is read only by an ID it lists."""
+synced, then renamed (and the directory synced): a crash leaves a file whole or not there.
+The trace is written before its record, so a crash between them leaves a trace no record
+names: each start removes what is not a whole capture (a temporary file, a trace without its
+record, a record without its trace or unreadable). Records are what /captures lists; a trace
+is read only by an ID it lists."""
 from __future__ import annotations
 
 import json
@@ -40,21 +44,29 @@ class CaptureStore:
         self._prune()
 
     def _load(self) -> list[dict]:
-        out = []
-        for name in os.listdir(self.dir):
-            if name.endswith(".tmp"):        # a write a crash cut short
-                os.unlink(os.path.join(self.dir, name))
-                continue
+        """The whole captures kept; the rest of what a crash left removed."""
+        out, names = [], set(os.listdir(self.dir))
+        for name in sorted(names):
             cid, ext = os.path.splitext(name)
-            if ext != ".json" or not CAPTURE_ID.fullmatch(cid) or not os.path.exists(self._trace_path(cid)):
+            if ext != ".json" or not CAPTURE_ID.fullmatch(cid) or cid + ".pftrace" not in names:
                 continue
             try:
                 with open(os.path.join(self.dir, name)) as f:
                     record = json.load(f)
             except (OSError, ValueError):
                 continue
-            if record.get("id") == cid:
+            if isinstance(record, dict) and record.get("id") == cid:
                 out.append(record)
+        whole = {name for r in out for name in (r["id"] + ".json", r["id"] + ".pftrace")}
+        for name in names - whole:
+            # a write a crash cut short, a trace whose record was never written, a record
+            # without its trace; nothing else of ours is ever here (other names stay)
+            if name.endswith(".tmp") or os.path.splitext(name)[1] in (".json", ".pftrace") \
+                    and CAPTURE_ID.fullmatch(os.path.splitext(name)[0]):
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except FileNotFoundError:
+                    pass
         return sorted(out, key=lambda r: r.get("kept_at", 0))
 
     def _trace_path(self, cid: str) -> str:
@@ -66,7 +78,14 @@ class CaptureStore:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
+            dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)            # the rename itself on disk
+            finally:
+                os.close(dir_fd)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)

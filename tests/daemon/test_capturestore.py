@@ -1,0 +1,71 @@
+"""The flight recorder's store of kept captures after its process was killed mid-write: the
+next start lists the whole captures only, and leaves nothing else of a capture on disk (a
+trace whose record was never written, a temporary file cut short)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from profinfer.daemon.capturestore import CaptureStore
+
+# A process that keeps one whole capture, then is killed (SIGKILL, by itself) at the moment
+# named in argv[2] while it keeps a second: "between" (its trace renamed into place, its
+# record not yet written), "renaming" (the trace written whole under its temporary name, not
+# yet renamed).
+CHILD = """
+import os, signal, sys
+from profinfer.daemon import capturestore
+store = capturestore.CaptureStore(sys.argv[1], keep=5, max_bytes=1 << 20)
+store.add({"pid": 1, "fired": {"trigger": "first"}}, b"first trace")
+moment = sys.argv[2]
+write, replace = store._write, os.replace
+def killed_writing(path, data):
+    if moment == "between" and path.endswith(".json"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    write(path, data)
+def killed_renaming(src, dst):
+    if moment == "renaming" and dst.endswith(".pftrace"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    replace(src, dst)
+store._write = killed_writing
+capturestore.os.replace = killed_renaming
+store.add({"pid": 2, "fired": {"trigger": "second"}}, b"second trace")
+"""
+
+
+@pytest.mark.parametrize("moment", ["between", "renaming"])
+def test_a_crash_mid_write_leaves_nothing_the_next_start_keeps(tmp_path, moment):
+    store_dir = tmp_path / "captures"
+    child = subprocess.run([sys.executable, "-c", CHILD, str(store_dir), moment], capture_output=True,
+                           text=True, timeout=60)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    left = sorted(os.listdir(store_dir))
+    # what the crash left: the first capture whole, and the second's trace or its temporary file
+    assert len(left) == 3 and any(".pftrace." in n and n.endswith(".tmp") if moment == "renaming" else
+                                  n.endswith(".pftrace") and n[:-8] + ".json" not in left for n in left), left
+    store = CaptureStore(str(store_dir), keep=5, max_bytes=1 << 20)
+    kept = store.list()
+    assert [r["fired"]["trigger"] for r in kept] == ["first"], kept
+    cid = kept[0]["id"]
+    assert sorted(os.listdir(store_dir)) == [f"{cid}.json", f"{cid}.pftrace"]
+    assert store.trace(cid) == b"first trace"
+    assert json.loads((store_dir / f"{cid}.json").read_text())["id"] == cid
+
+
+def test_a_record_without_its_trace_or_unreadable_is_removed_and_other_files_stay(tmp_path):
+    store_dir = tmp_path / "captures"
+    store = CaptureStore(str(store_dir), keep=5, max_bytes=1 << 20)
+    whole = store.add({"pid": 1}, b"kept")["id"]
+    lone = store.add({"pid": 2}, b"its trace lost")["id"]
+    broken = store.add({"pid": 3}, b"its record cut")["id"]
+    os.unlink(store_dir / f"{lone}.pftrace")
+    (store_dir / f"{broken}.json").write_text('{"id": ')
+    (store_dir / "notes.txt").write_text("an operator's file")
+    again = CaptureStore(str(store_dir), keep=5, max_bytes=1 << 20)
+    assert [r["id"] for r in again.list()] == [whole]
+    assert sorted(os.listdir(store_dir)) == sorted([f"{whole}.json", f"{whole}.pftrace", "notes.txt"])
