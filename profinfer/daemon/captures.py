@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 import psutil
 
+from profinfer.core import procfs
 from profinfer.core.packs import KERNEL_LEVELS, LEVELS, MIN_DURATION_S, RUNTIME_LEVELS
 from profinfer.daemon.tokens import TOKEN_ENV
 
@@ -59,6 +62,42 @@ def temp_root() -> str:
     """Where captures write: $TMPDIR, else /tmp (read at each capture: never the daemon's
     current directory, tempfile's last resort)."""
     return os.environ.get("TMPDIR") or "/tmp"
+
+
+TEMP_PREFIX = "profinfer-capture-"
+
+
+def _temp_prefix() -> str:
+    """A capture's temporary directory names its daemon, (pid, start): a later start can tell
+    one a killed daemon left from one a live daemon still writes."""
+    me = procfs.process_stat(os.getpid())
+    return f"{TEMP_PREFIX}{os.getpid()}-{me[0] if me else 0}-"
+
+
+def remove_stale_temp(root: str, note) -> None:
+    """Remove the capture directories under root whose daemon is gone (killed mid-capture):
+    only directories of this user's (not a link, not a tenant's), named by a (pid, start)
+    that no live process has."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        parts = entry.name[len(TEMP_PREFIX):].split("-")
+        if not entry.name.startswith(TEMP_PREFIX) or len(parts) < 3 \
+                or not (parts[0].isdigit() and parts[1].isdigit()):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        owner = procfs.process_stat(int(parts[0]))
+        if owner is not None and owner[0] == int(parts[1]):
+            continue                    # its daemon lives: its capture may still be writing
+        shutil.rmtree(entry.path, ignore_errors=True)
+        note(f"removed {entry.path}: a capture's temporary directory its daemon (PID {parts[0]}) left")
 
 
 def max_trace_bytes() -> int:
@@ -118,6 +157,7 @@ class Captures:
         self.note = note
         self.running: dict[int, float] = {}      # PID: what its capture was priced at (the budget's)
         self.lock = threading.Lock()
+        remove_stale_temp(temp_root(), note)
 
     @contextlib.contextmanager
     def slot(self, query: dict[str, list[str]], who: str = "") -> Iterator[Callable[[], bytes]]:
@@ -187,7 +227,7 @@ class Captures:
     def _capture(self, pid: int, seconds: float, levels: set[str]) -> tuple[bytes, dict]:
         root = temp_root()
         try:
-            tmp = tempfile.TemporaryDirectory(prefix="profinfer-capture-", dir=root)
+            tmp = tempfile.TemporaryDirectory(prefix=_temp_prefix(), dir=root)
         except OSError as e:
             raise BadRequest(503, f"cannot make the capture's temporary directory in {root}: {e.strerror}; "
                                   "give the daemon a writable one (TMPDIR, systemd PrivateTmp=yes, "

@@ -69,3 +69,31 @@ def test_a_record_without_its_trace_or_unreadable_is_removed_and_other_files_sta
     again = CaptureStore(str(store_dir), keep=5, max_bytes=1 << 20)
     assert [r["id"] for r in again.list()] == [whole]
     assert sorted(os.listdir(store_dir)) == sorted([f"{whole}.json", f"{whole}.pftrace", "notes.txt"])
+
+
+def test_a_start_removes_the_capture_directories_a_killed_daemon_left(tmp_path):
+    """A real daemon's start, its TMPDIR holding capture directories: the one a dead daemon
+    (pid, start) left goes; a live daemon's, a tenant's (another owner) and a link stay."""
+    from daemon_helpers import Daemon
+    from profinfer.core import procfs
+    root = tmp_path / "tmp"
+    root.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = root / f"profinfer-capture-{dead.pid}-{procfs.process_stat(os.getpid())[0]}-abc123"
+    (left / "t.pftrace").parent.mkdir()
+    (left / "t.pftrace").write_bytes(b"half a trace")
+    live = root / f"profinfer-capture-{os.getpid()}-{procfs.process_stat(os.getpid())[0]}-def456"
+    live.mkdir()
+    tenants = root / f"profinfer-capture-{dead.pid}-1-0a0b0c"
+    tenants.mkdir()
+    os.chown(tenants, 65534, 65534)
+    link = root / f"profinfer-capture-{dead.pid}-2-0d0e0f"
+    link.symlink_to(live)
+    d = Daemon(tmp_path, env={**os.environ, "TMPDIR": str(root)})
+    try:
+        text = d.text()
+    finally:
+        d.stop()
+    assert sorted(p.name for p in root.iterdir()) == sorted([live.name, tenants.name, link.name])
+    assert f"removed {left}: a capture's temporary directory its daemon (PID {dead.pid}) left" in text, text
