@@ -77,15 +77,17 @@ def _temp_prefix() -> str:
 def remove_stale_temp(root: str, note) -> None:
     """Remove the capture directories under root whose daemon is gone (killed mid-capture):
     only directories of this user's (not a link, not a tenant's), named by a (pid, start)
-    that no live process has."""
+    that no live process has. (A daemon sharing root from another PID namespace would look
+    gone: the shipped unit and pod each have a temporary directory of their own.)"""
     try:
         entries = list(os.scandir(root))
     except OSError:
         return
     for entry in entries:
+        if not entry.name.startswith(TEMP_PREFIX):
+            continue
         parts = entry.name[len(TEMP_PREFIX):].split("-")
-        if not entry.name.startswith(TEMP_PREFIX) or len(parts) < 3 \
-                or not (parts[0].isdigit() and parts[1].isdigit()):
+        if len(parts) < 3 or not (parts[0].isdigit() and parts[1].isdigit()):
             continue
         try:
             st = entry.stat(follow_symlinks=False)
@@ -157,6 +159,7 @@ class Captures:
         self.note = note
         self.running: dict[int, float] = {}      # PID: what its capture was priced at (the budget's)
         self.lock = threading.Lock()
+        self.temp_prefix = _temp_prefix()           # this daemon's (pid, start), once
         remove_stale_temp(temp_root(), note)
 
     @contextlib.contextmanager
@@ -227,7 +230,7 @@ class Captures:
     def _capture(self, pid: int, seconds: float, levels: set[str]) -> tuple[bytes, dict]:
         root = temp_root()
         try:
-            tmp = tempfile.TemporaryDirectory(prefix=_temp_prefix(), dir=root)
+            tmp = tempfile.TemporaryDirectory(prefix=self.temp_prefix, dir=root)
         except OSError as e:
             raise BadRequest(503, f"cannot make the capture's temporary directory in {root}: {e.strerror}; "
                                   "give the daemon a writable one (TMPDIR, systemd PrivateTmp=yes, "

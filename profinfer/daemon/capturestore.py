@@ -61,8 +61,8 @@ class CaptureStore:
         for name in names - whole:
             # a write a crash cut short, a trace whose record was never written, a record
             # without its trace; nothing else of ours is ever here (other names stay)
-            if name.endswith(".tmp") or os.path.splitext(name)[1] in (".json", ".pftrace") \
-                    and CAPTURE_ID.fullmatch(os.path.splitext(name)[0]):
+            cid, ext = os.path.splitext(name)
+            if ext == ".tmp" or (ext in (".json", ".pftrace") and CAPTURE_ID.fullmatch(cid)):
                 try:
                     os.unlink(os.path.join(self.dir, name))
                 except FileNotFoundError:

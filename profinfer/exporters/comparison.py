@@ -224,6 +224,10 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
                  "after": [json_summary.summary(p) for p in after]}
     changes = compare.compare(compare.pool([_series(p) for p in before]),
                               compare.pool([_series(p) for p in after]), noise, confidence, statistic)
+    unmatched = [g.what for g in gates if g.what is not None and not any(g.matches(c) for c in changes)]
+    if unmatched:
+        raise ProfinferError(f"--fail-above: {unmatched[0]!r} names no row of this comparison "
+                             f"(rows: {_row_examples(changes)})")
     single = [side for side, runs in (("before", before), ("after", after)) if len(runs) == 1]
     if single:
         shift = next((c.common for c in changes if c.common is not None), None)
@@ -237,10 +241,6 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
     vb, va = _verdicts(summaries["before"][0]), _verdicts(summaries["after"][0])
     coverage = {side: _side_coverage([_coverage(p, s) for p, s in zip(profiles, summaries[side])])
                 for side, profiles in (("before", before), ("after", after))}
-    unmatched = [g.what for g in gates if g.what is not None and not any(g.matches(c) for c in changes)]
-    if unmatched:
-        raise ProfinferError(f"--fail-above: {unmatched[0]!r} names no row of this comparison "
-                             f"(rows: {_row_examples(changes)})")
     failed = [{"gate": g.label, "name": c.name, "change": c.change, "common": c.common}
               for g in gates for c in changes if g.fails(c)]
     return {
