@@ -63,6 +63,12 @@ def pytest_collection_modifyitems(config, items):
             marks |= {"workload", "root"}
         for m in sorted(marks):
             item.add_marker(m)
+    # the vLLM engines' users together, where the first of them was: one engine start each
+    users = [item for item in items if "vllm_engine" in getattr(item, "fixturenames", ())]
+    if users:
+        first, chosen = items.index(users[0]), set(users)
+        rest = [item for item in items if item not in chosen]
+        items[:] = rest[:first] + users + rest[first:]
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
 
 
@@ -378,8 +384,9 @@ def attached_run(target: subprocess.Popen, args: list[str], go: Path, on_attache
 class VllmEngine:
     """tests/engines/vllm/offline_truth.py: a vLLM engine of one mode, past its warm-up, that makes a
     generation and records its truth each time it is asked (over its stdin). One serves the
-    whole module: each user attaches, asks, and detaches, leaving nothing attached (checked
-    by each), so that attaching again to a process profinfer has left is tested too."""
+    tests that use it in a row: each user attaches, asks, and detaches, leaving nothing
+    attached (checked by each), so that attaching again to a process profinfer has left is
+    tested too."""
 
     def __init__(self, vllm_python: Path, vllm_model: Path, mode: str):
         script = TESTS / "engines" / "vllm" / "offline_truth.py"
@@ -419,12 +426,30 @@ class VllmEngine:
                 return
             seen.append(line)
 
+    def _ask(self, asked: dict) -> None:
+        self.proc.stdin.write(json.dumps(asked) + "\n")
+        self.proc.stdin.flush()
+
     def start(self, truth_path: Path, seconds: float = 0.0) -> None:
         """A generation begun (its prompts once, or again and again for `seconds`)."""
         assert self.asked is None, "one generation at a time"
         self.asked = truth_path
-        self.proc.stdin.write(json.dumps({"truth": str(truth_path), "seconds": seconds}) + "\n")
-        self.proc.stdin.flush()
+        self._ask({"truth": str(truth_path), "seconds": seconds})
+
+    def steady(self, truth_path: Path) -> None:
+        """Steady decode load begun (until finish(): its steps, each [CLOCK_MONOTONIC s, its
+        sequences' new tokens])."""
+        assert self.asked is None, "one generation at a time"
+        self.asked = truth_path
+        self._ask({"steady": str(truth_path)})
+
+    def burst(self, seconds: float) -> None:
+        """Under steady load: a long prompt before every step for `seconds`."""
+        self._ask({"burst": seconds})
+
+    def stop_steady(self, timeout: float = 300) -> dict:
+        self._ask({"stop": True})
+        return self.finish(timeout)
 
     def finish(self, timeout: float = 300) -> dict:
         """The generation's truth, once it is done."""
@@ -444,24 +469,35 @@ class VllmEngine:
         self.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def vllm_engine(vllm_python, vllm_model):
-    """vllm_engine(mode): the module's one engine of that mode (VllmEngine), started at first
-    use and ended with the module (a daemon of a later module would watch it too). One left
-    mid-generation by a failed test is replaced."""
-    engines: dict[str, VllmEngine] = {}
+_VLLM_ENGINES: dict[str, VllmEngine] = {}
 
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_python, vllm_model):
+    """vllm_engine(mode): the one engine of that mode (VllmEngine), started at first use and
+    kept while the tests that follow use it (pytest_collection_modifyitems puts them
+    together): it is closed before any other test runs, whose daemon would watch it too. One
+    left mid-generation by a failed test is replaced."""
     def get(mode: str) -> VllmEngine:
-        engine = engines.get(mode)
+        engine = _VLLM_ENGINES.get(mode)
         if engine is not None and (engine.proc.poll() is not None or engine.asked is not None):
             engine.close()
             engine = None
         if engine is None:
-            engines[mode] = engine = VllmEngine(vllm_python, vllm_model, mode)
+            _VLLM_ENGINES[mode] = engine = VllmEngine(vllm_python, vllm_model, mode)
         return engine
     yield get
-    for engine in engines.values():
-        engine.close()
+    close_vllm_engines()
+
+
+def close_vllm_engines() -> None:
+    while _VLLM_ENGINES:
+        _VLLM_ENGINES.popitem()[1].close()
+
+
+def pytest_runtest_setup(item):
+    if "vllm_engine" not in getattr(item, "fixturenames", ()):
+        close_vllm_engines()
 
 
 def attached_generation(engine: VllmEngine, args: list[str], truth_path: Path, seconds: float = 0.0,

@@ -31,5 +31,9 @@ STALL_S = env_seconds("PROFINFER_STALL_S", 30, minimum=5)
 # A level taken away by the governor comes back after this long with room (doubling each time
 # a step up went over again).
 STEP_UP_S = env_seconds("PROFINFER_STEP_UP_S", 20, minimum=1)
+# Another live daemon's process held at its loader this long: that daemon is frozen (its own
+# watchdog continues its holds after 6 s), and any daemon on the node continues it. (At least
+# 7 s: past that watchdog.)
+HOLD_STUCK_S = env_seconds("PROFINFER_HOLD_STUCK_S", 18, minimum=7)
 # The flight recorder's baseline sample period.
 BASELINE_SAMPLE_S = env_seconds("PROFINFER_BASELINE_SAMPLE_S", 5, minimum=1)

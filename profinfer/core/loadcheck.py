@@ -107,7 +107,7 @@ def settle(measure_once, attempts: int, higher_is_better: bool, note, label: str
     Interference that lasts a whole run (another guest on the host's cores) escapes a run's
     own check; the best of several runs that passed is the least disturbed. Returns (the best
     value of each figure over the runs that passed, [], how they agreed), or, when fewer than
-    two passed, (the best figures seen, problems, "")."""
+    two passed, (the best figures seen, problems, ""), as soon as two can no longer pass."""
     passed: list[dict] = []
     seen: list[dict] = []
     rejected: list[str] = []         # the last rejected run's problems
@@ -124,6 +124,8 @@ def settle(measure_once, attempts: int, higher_is_better: bool, note, label: str
         if problems:
             rejected = problems
             note(f"{label} run {attempt + 1}/{attempts} rejected: {'; '.join(problems)}")
+            if len(passed) + attempts - attempt - 1 < 2:     # two passing runs are out of reach
+                break
             continue
         passed.append(figures)
         if len(passed) >= 2 and apart() <= AGREE_LIMIT:
@@ -131,6 +133,6 @@ def settle(measure_once, attempts: int, higher_is_better: bool, note, label: str
     if len(passed) >= 2:
         return ({k: pick(p[k] for p in passed) for k in passed[0]}, [],
                 f"{len(passed)} runs passed, the best two within {apart():.0%}")
-    problems = [f"{len(passed)} of {len(seen)} runs passed, 2 needed; the last rejected: "
+    problems = [f"{len(passed)} of {len(seen)} runs passed, 2 needed (of {attempts} at most); the last rejected: "
                 f"{'; '.join(rejected)}"]
     return {k: pick(p[k] for p in seen) for k in seen[0]}, problems, ""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profinfer.core import bpfobj, held, kernel, layout, libbpf, pinned, procfs, recorded
+from profinfer.core import bpfobj, config, held, kernel, layout, libbpf, pinned, procfs, recorded
 from profinfer.core.errors import ProfinferError
 from profinfer.core.follow import LoaderHooks
 from profinfer.core.packs import Pack
@@ -45,9 +45,10 @@ HOLD_MAX_S = 2.0
 # from the ring (its loop is behind): the watchdog continues it (it is looked at late)
 ORPHAN_S = 3 * HOLD_MAX_S
 # Another live daemon's held process still in the node's map after this long: that daemon
-# is frozen or deadlocked (its own watchdog would have continued it at HOLD_MAX_S), and any
-# daemon on the node continues it
-STUCK_S = 3 * ORPHAN_S
+# is frozen or deadlocked (its own watchdog would have continued it at ORPHAN_S), and any
+# daemon on the node continues it (3 * ORPHAN_S unless set)
+STUCK_S = config.HOLD_STUCK_S
+assert STUCK_S > ORPHAN_S
 
 
 @dataclass(frozen=True)

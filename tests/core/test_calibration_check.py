@@ -74,8 +74,12 @@ def test_best_of_two_runs_that_passed(monkeypatch):
     assert figures == {"fma": 160.0} and not problems and "within 26%" in how
     figures, problems, _ = loadcheck.settle(runs(busy, fast, busy), 3, True, notes.append, "t")
     assert "1 of 3 runs passed, 2 needed" in problems[0] and "busy" in problems[0]
+    # two rejected of three: the third cannot make two pass, and is not run
+    figures, problems, _ = loadcheck.settle(runs(busy, busy), 3, True, notes.append, "t")
+    assert "0 of 2 runs passed, 2 needed (of 3 at most)" in problems[0]
     assert notes == ["t run 2/5 rejected: busy", "t run 3/3 rejected: busy",
-                     "t run 1/3 rejected: busy", "t run 3/3 rejected: busy"]
+                     "t run 1/3 rejected: busy", "t run 3/3 rejected: busy",
+                     "t run 1/3 rejected: busy", "t run 2/3 rejected: busy"]
     costs = ({"trap": 600.0, "noise": 1.0}, []), ({"trap": 580.0, "noise": 9.0}, [])
     assert loadcheck.settle(runs(*costs), 2, False, notes.append, "t", judged=("trap",))[:2] \
         == ({"trap": 580.0, "noise": 1.0}, [])
@@ -87,7 +91,8 @@ def test_busy_machine_caches_nothing(tmp_path):
     assert r.returncode == 75, r.stdout + r.stderr
     err = r.stderr
     assert "roofs not cached" in err and "probe costs not cached" in err, err
-    assert "the machine was busy" in err and "run 2/2 rejected" in err, err
+    # the first run rejected: two passing runs are out of reach, the second is not made
+    assert "the machine was busy" in err and "run 1/2 rejected" in err and "run 2/2" not in err, err
     assert not (tmp_path / "roofs.json").exists() and not (tmp_path / "probecost.json").exists()
 
 

@@ -274,10 +274,10 @@ class OtlpReceiver:
         self.server.shutdown()
 
 
-def discovering_daemon(tmp_path) -> Daemon:
+def discovering_daemon(tmp_path, env: dict | None = None) -> Daemon:
     """A daemon whose discovery runs from the kernel (it holds processes that map an
     engine): the tests of what it finds and holds would say nothing otherwise."""
-    d = Daemon(tmp_path)
+    d = Daemon(tmp_path, env=env)
     status = json.loads(_get(d.url + "/status")[1])
     assert "loaders_hooked" in status["discovery"], status["discovery"]
     return d

@@ -19,10 +19,14 @@ import pytest
 from conftest import completion_cmd, llama_perf
 from daemon_helpers import _STARTED, Daemon, Workload, _get, cuda_log_counts, discovering_daemon, kill_started, series
 from profinfer.core import held, libbpf, pinned
-from profinfer.daemon.discover import ORPHAN_S, STUCK_S
+from profinfer.daemon.discover import ORPHAN_S
 from profinfer.levels.cuda import workload as cuda_workload
 
 from test_daemon_cuda import PROGRAM as CUDA_PROGRAM
+
+# the second daemon's wait before it ends a frozen daemon's hold (PROFINFER_HOLD_STUCK_S; 18 s
+# by default): past the frozen one's own watchdog (ORPHAN_S) by 4 s, as the default by 12
+STUCK_S = ORPHAN_S + 4
 
 
 @pytest.fixture(autouse=True)
@@ -160,7 +164,7 @@ def _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env):
     seconds: list[Daemon] = []
 
     def start_second() -> Daemon:
-        seconds.append(discovering_daemon(tmp_path / "second"))
+        seconds.append(discovering_daemon(tmp_path / "second", env={**os.environ, "PROFINFER_HOLD_STUCK_S": str(STUCK_S)}))
         return seconds[-1]
 
     try:

@@ -1,24 +1,30 @@
 """A vLLM offline engine that records its own truth, driven over stdin: one engine per mode
-serves every test of a module (tests/conftest.py's vllm_engine), profinfer attached to it
+serves every test that asks for it (tests/conftest.py's vllm_engine), profinfer attached to it
 and detached between generations.
 
     python offline_truth.py MODEL eager|compiled
 
-It prints READY once past its warm-up; then, for each line {"truth": PATH, "seconds": S} on
-stdin, it generates the prompts once (S = 0), or again and again until S seconds have passed,
-writes that generation's truth to PATH and prints DONE. A generation of S seconds runs
-without torch.profiler (its teardown of so many calls would take minutes): its truth is the
-scheduler's steps, and no calls. A generation of the tiny model takes a fraction of a
-second, shorter than a daemon's judgment needs.
+It prints READY once past its warm-up; then it takes one JSON line at a time on stdin:
+- {"truth": PATH, "seconds": S}: it generates the prompts once (S = 0), or again and again
+  until S seconds have passed, writes that generation's truth to PATH and prints DONE. A
+  generation of S seconds runs without torch.profiler (its teardown of so many calls would
+  take minutes): its truth is the scheduler's steps, and no calls. A generation of the tiny
+  model takes a fraction of a second, shorter than a daemon's judgment needs.
+- {"steady": PATH}: steady decode load, step by step (LLMEngine.step): RUNNING requests with
+  short prompts and long outputs decode all the time (a new one takes a finished one's place),
+  until {"stop": true}, which writes the steps to PATH and prints DONE. Meanwhile
+  {"burst": S} adds a long prompt (one output token) before every step for S seconds, so that
+  the steps mix prefill with the decodes.
 
 Truth, from inside the process: torch.profiler's record of every `_C` op call (name, input
 shapes and dtypes, with the schema's argument names from torch's own op registry), the
-engine's scheduler outputs (tokens per request in each step), and the calling thread's time
-on a CPU (the kernel's schedstat), for that generation only.
+engine's scheduler outputs (tokens per request in each step, and when: CLOCK_MONOTONIC s), and
+the calling thread's time on a CPU (the kernel's schedstat), for that generation only.
 """
 import contextlib
 import json
 import os
+import queue
 import sys
 import threading
 import time
@@ -45,7 +51,7 @@ schedule = scheduler.schedule
 def recording_schedule(*a, **kw):
     out = schedule(*a, **kw)
     if out.total_num_scheduled_tokens:
-        steps.append(sorted(out.num_scheduled_tokens.values()))
+        steps.append([time.monotonic(), sorted(out.num_scheduled_tokens.values())])
     return out
 
 
@@ -79,15 +85,56 @@ def generation(truth_path: str, seconds: float) -> None:
                 args[arg.name] = None if not dtype else {"dtype": dtype, "shape": list(shape)}
         calls.append({"op": name, "args": args})
     with open(truth_path, "w") as f:
-        json.dump({"start_ns": t0, "end_ns": t1, "calls": calls, "steps": list(steps),
+        json.dump({"start_ns": t0, "end_ns": t1, "calls": calls, "steps": [lens for _, lens in steps],
                    "tid": threading.get_native_id(), "on_cpu_ns": cpu1 - cpu0,
                    "generated": [list(o.outputs[0].token_ids) for o in outputs]}, f)
 
 
+RUNNING = 4                                     # decoding all the time under steady load
+LONG_PROMPT = [10 + i % 90 for i in range(384)]
+decoding = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+
+def steady(truth_path: str, commands: queue.Queue) -> None:
+    engine = llm.llm_engine
+    steps.clear()
+    n, decoding_now, burst_until = 0, 0, 0.0
+    while True:
+        try:
+            asked = commands.get_nowait()
+        except queue.Empty:
+            asked = {}
+        if asked.get("stop"):
+            break
+        if "burst" in asked:
+            burst_until = time.monotonic() + float(asked["burst"])
+        while decoding_now < RUNNING:
+            n += 1
+            engine.add_request(f"d{n}", "a steady stream of tokens", decoding)
+            decoding_now += 1
+        if time.monotonic() < burst_until:
+            n += 1
+            engine.add_request(f"b{n}", {"prompt_token_ids": LONG_PROMPT}, one)
+        for out in engine.step():
+            # (the engine may add to the ids it was given)
+            if out.finished and out.request_id.startswith("d"):
+                decoding_now -= 1
+    with open(truth_path, "w") as f:
+        json.dump({"steps": list(steps)}, f)
+    while engine.has_unfinished_requests():     # the next generation starts from none
+        engine.step()
+
+
+commands: queue.Queue = queue.Queue()          # read all along: steady load polls it
+threading.Thread(target=lambda: [commands.put(json.loads(line)) for line in sys.stdin] + [commands.put(None)],
+                 daemon=True).start()
 print("READY", flush=True)
-for line in sys.stdin:
-    asked = json.loads(line)
-    generation(asked["truth"], float(asked.get("seconds", 0)))
+while (asked := commands.get()) is not None:
+    if "steady" in asked:
+        steady(asked["steady"], commands)
+    else:
+        generation(asked["truth"], float(asked.get("seconds", 0)))
     print("DONE", flush=True)
 # Gone at once at the end of its input: the interpreter's teardown frees the engine's layers,
 # and their oneDNN handlers' release is a native op call of its own (release_dnnl_matmul_handler,
