@@ -34,6 +34,10 @@ if [ "$have" != "$content" ]; then
         tls=(--volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/host-ca-certificates.crt:ro
              --volume "$conf:/etc/pip.conf:ro")
     fi
+    # the build stage tagged first: its layers (the compiler, the dependencies) are then no
+    # dangling images for the prune below, and the next build of a source change reuses them
+    podman build --pull=never --layers "${tls[@]}" --target build \
+        -t localhost/profinfer-build-stage:latest -f "$here/Containerfile" "$repo" >&2
     podman build --pull=never --layers "${tls[@]}" --label "profinfer.content=$content" \
         -t "$name" -f "$here/Containerfile" "$repo" >&2
     podman image prune -f >/dev/null 2>&1 || true     # the replaced image's layers

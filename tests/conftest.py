@@ -63,12 +63,20 @@ def pytest_collection_modifyitems(config, items):
             marks |= {"workload", "root"}
         for m in sorted(marks):
             item.add_marker(m)
-    # the vLLM engines' users together, where the first of them was: one engine start each
-    users = [item for item in items if "vllm_engine" in getattr(item, "fixturenames", ())]
-    if users:
-        first, chosen = items.index(users[0]), set(users)
-        rest = [item for item in items if item not in chosen]
-        items[:] = rest[:first] + users + rest[first:]
+    # each kept engine's users together, where the first of them was: one start each
+    for name in KEPT:
+        users = [item for item in items if name in getattr(item, "fixturenames", ())]
+        if users:
+            first, chosen = items.index(users[0]), set(users)
+            rest = [item for item in items if item not in chosen]
+            items[:] = rest[:first] + users + rest[first:]
+
+
+def pytest_runtest_setup(item):
+    used = set(getattr(item, "fixturenames", ()))
+    for name, close in KEPT.items():
+        if name not in used:
+            close()
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
 
 
@@ -475,9 +483,8 @@ _VLLM_ENGINES: dict[str, VllmEngine] = {}
 @pytest.fixture(scope="session")
 def vllm_engine(vllm_python, vllm_model):
     """vllm_engine(mode): the one engine of that mode (VllmEngine), started at first use and
-    kept while the tests that follow use it (pytest_collection_modifyitems puts them
-    together): it is closed before any other test runs, whose daemon would watch it too. One
-    left mid-generation by a failed test is replaced."""
+    kept while the tests that follow use it (KEPT). One left mid-generation by a failed test
+    is replaced."""
     def get(mode: str) -> VllmEngine:
         engine = _VLLM_ENGINES.get(mode)
         if engine is not None and (engine.proc.poll() is not None or engine.asked is not None):
@@ -493,11 +500,6 @@ def vllm_engine(vllm_python, vllm_model):
 def close_vllm_engines() -> None:
     while _VLLM_ENGINES:
         _VLLM_ENGINES.popitem()[1].close()
-
-
-def pytest_runtest_setup(item):
-    if "vllm_engine" not in getattr(item, "fixturenames", ()):
-        close_vllm_engines()
 
 
 def attached_generation(engine: VllmEngine, args: list[str], truth_path: Path, seconds: float = 0.0,
@@ -605,6 +607,36 @@ def vllm_steps(port: int) -> int:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return sum(int(float(l.rsplit(" ", 1)[1])) for l in text.splitlines()
                if l.startswith("vllm:iteration_tokens_total_count"))
+
+
+_VLLM_API = contextlib.ExitStack()
+_VLLM_API_FOUND: list[tuple[subprocess.Popen, int]] = []
+
+
+@pytest.fixture(scope="session")
+def vllm_api(vllm_python, vllm_model):
+    """vllm_api(): vLLM's OpenAI server (vllm_server), started at first use and kept while
+    the tests that follow use it (KEPT): (the API server's process, its port). One that
+    exited is replaced."""
+    def get() -> tuple[subprocess.Popen, int]:
+        if _VLLM_API_FOUND and _VLLM_API_FOUND[0][0].poll() is not None:
+            close_vllm_api()
+        if not _VLLM_API_FOUND:
+            _VLLM_API_FOUND.append(_VLLM_API.enter_context(vllm_server(vllm_python, vllm_model)))
+        return _VLLM_API_FOUND[0]
+    yield get
+    close_vllm_api()
+
+
+def close_vllm_api() -> None:
+    _VLLM_API_FOUND.clear()
+    _VLLM_API.close()
+
+
+# Engines kept across tests (their fixtures' names) and what closes them: each is closed
+# before any test that does not use it runs (its daemon would watch it too), and its users
+# are put together (pytest_collection_modifyitems). A user leaves nothing attached to it.
+KEPT = {"vllm_engine": close_vllm_engines, "vllm_api": close_vllm_api}
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import bpf_holders, bpf_snapshot, free_port, llama_server, vllm_server, vllm_steps
+from conftest import bpf_holders, bpf_snapshot, free_port, llama_server, vllm_steps
 from daemon_helpers import _STARTED, Workload, _get, cuda_log_counts, kill_started, series
 from profinfer.levels.cuda import workload as cuda_workload
 
@@ -315,8 +315,31 @@ def test_llama_server_tokens_counted_exactly(pod, llama_build, tiny_model, llama
         assert sum(series(text, "profinfer_events_lost_total", proc.pid, None).values()) == 0
 
 
-def test_vllm_server_steps_counted_as_its_metrics_count_them(pod, vllm_python, vllm_model):
-    with _with_agent_state(pod), vllm_server(vllm_python, vllm_model) as (_, port):
+def test_cuda_program_calls_counted_as_it_logs_them(pod, tmp_path):
+    program = cuda_workload.build_program(CUDA_PROGRAM, "shared")
+    log = tmp_path / "calls.jsonl"
+    proc = subprocess.Popen([str(program), "--log", str(log), "--repeat", "2",
+                             "--libcuda", str(cuda_workload.ensure_libcuda())],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _STARTED.append(proc)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    kernels, copied, graphs = cuda_log_counts(log)
+
+    def got(text):
+        return ({k: int(v) for k, v in series(text, "profinfer_cuda_kernel_launches_total", proc.pid, "kernel").items()},
+                {k: int(v) for k, v in series(text, "profinfer_cuda_copy_bytes_total", proc.pid, "kind").items()})
+
+    text = _until(pod, lambda t: got(t) == (dict(kernels), dict(copied)))
+    assert got(text) == (dict(kernels), dict(copied)), _logs(pod)
+    assert series(text, "profinfer_cuda_graph_launches_total", proc.pid, None) == {"": graphs}
+    assert sum(series(text, "profinfer_events_lost_total", proc.pid, None).values()) == 0
+
+
+# last in the module: the session's vLLM server (conftest.KEPT) is kept for the tests after it
+def test_vllm_server_steps_counted_as_its_metrics_count_them(pod, vllm_api):
+    _, port = vllm_api()
+    with _with_agent_state(pod):
         def ours(text: str) -> tuple[int, int]:
             """(vLLM processes watched, the steps the daemon counted in them)."""
             pids = {int(m) for m in re.findall(r'profinfer_process_info\{[^}]*engine="vLLM"[^}]*pid="(\d+)"', text)}
@@ -341,24 +364,3 @@ def test_vllm_server_steps_counted_as_its_metrics_count_them(pod, vllm_python, v
         assert "profinfer_events_lost_total{" not in text or all(
             float(l.rsplit(" ", 1)[1]) == 0 for l in text.splitlines()
             if l.startswith("profinfer_events_lost_total{") and 'engine="vLLM"' in l)
-
-
-def test_cuda_program_calls_counted_as_it_logs_them(pod, tmp_path):
-    program = cuda_workload.build_program(CUDA_PROGRAM, "shared")
-    log = tmp_path / "calls.jsonl"
-    proc = subprocess.Popen([str(program), "--log", str(log), "--repeat", "2",
-                             "--libcuda", str(cuda_workload.ensure_libcuda())],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _STARTED.append(proc)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    kernels, copied, graphs = cuda_log_counts(log)
-
-    def got(text):
-        return ({k: int(v) for k, v in series(text, "profinfer_cuda_kernel_launches_total", proc.pid, "kernel").items()},
-                {k: int(v) for k, v in series(text, "profinfer_cuda_copy_bytes_total", proc.pid, "kind").items()})
-
-    text = _until(pod, lambda t: got(t) == (dict(kernels), dict(copied)))
-    assert got(text) == (dict(kernels), dict(copied)), _logs(pod)
-    assert series(text, "profinfer_cuda_graph_launches_total", proc.pid, None) == {"": graphs}
-    assert sum(series(text, "profinfer_events_lost_total", proc.pid, None).values()) == 0

@@ -10,9 +10,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
-import pytest
 
-from conftest import start_profinfer, vllm_server, vllm_steps
+from conftest import start_profinfer, vllm_steps
 
 PROMPTS = ["hello world model token", "the cache of the attention", "query key value",
            "a thread of the server engine", "graph node shape tensor", "the request and the step"]
@@ -33,14 +32,8 @@ def _burst(port: int) -> list[dict]:
         return list(pool.map(lambda p: _post(port, p), PROMPTS))
 
 
-@pytest.fixture
-def server(vllm_python, vllm_model):
-    with vllm_server(vllm_python, vllm_model) as found:
-        yield found
-
-
-def test_attach_to_the_api_server_records_its_worker(server, vllm_model, tmp_path):
-    proc, port = server
+def test_attach_to_the_api_server_records_its_worker(vllm_api, vllm_model, tmp_path):
+    proc, port = vllm_api()         # the session's (conftest.KEPT): perhaps a daemon watched it before
     unprofiled = _burst(port)
     steps_before = vllm_steps(port)
     summary_path = tmp_path / "summary.json"
