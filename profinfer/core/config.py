@@ -35,5 +35,8 @@ STEP_UP_S = env_seconds("PROFINFER_STEP_UP_S", 20, minimum=1)
 # watchdog continues its holds after 6 s), and any daemon on the node continues it. (At least
 # 7 s: past that watchdog.)
 HOLD_STUCK_S = env_seconds("PROFINFER_HOLD_STUCK_S", 18, minimum=7)
+# An HTTP request's head and body must arrive whole within this (a byte every few seconds
+# gets nowhere): 408 and closed.
+REQUEST_DEADLINE_S = env_seconds("PROFINFER_REQUEST_DEADLINE_S", 10, minimum=1)
 # The flight recorder's baseline sample period.
 BASELINE_SAMPLE_S = env_seconds("PROFINFER_BASELINE_SAMPLE_S", 5, minimum=1)

@@ -29,12 +29,11 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from profinfer.core.config import STALL_S
+from profinfer.core.config import REQUEST_DEADLINE_S, STALL_S
 from profinfer.core.errors import ProfinferError
 from profinfer.daemon.captures import MAX_CAPTURES, BadRequest, Captures
 from profinfer.daemon.httpserve import BoundedHTTPServer, Lane, Request, Response
 
-REQUEST_DEADLINE_S = 10      # for a request's head and body, whole: a byte every 9 s gets nowhere
 SEND_DEADLINE_S = 30         # for an answer to be taken (plus a second per SEND_RATE bytes)
 MAX_CONNECTIONS = 256
 METRICS_MAX_AGE_S = 1.0      # a /metrics body serves every scrape within this: a flood costs one
