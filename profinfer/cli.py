@@ -269,9 +269,11 @@ def diff(before, after, gates, noise, confidence, statistic, json_path, html_pat
     """Compare two saved traces: per phase, op, layer, node, thread (and kernel, for cuda),
     what changed and with what confidence. BEFORE and AFTER are each a trace, traces joined
     by commas, or a directory of them: several runs a side are pooled, and the spread of
-    their means is a noise floor. Exit 1 when a --fail-above gate fails, 2 when the runs
-    cannot be compared (bad input included: a gate never fails for want of a run), 74 when
-    --json or --html cannot be written."""
+    their means is a noise floor. With --fail-above, exit 0 when every row it judges lies
+    wholly below its limit, 1 when one lies wholly above it, 3 when one's interval spans it
+    (inconclusive: more runs a side would tell); 2 when the runs cannot be compared (bad
+    input included: a gate never fails for want of a run), 74 when --json or --html cannot
+    be written."""
     from profinfer import outputs
     from profinfer.exporters import comparison
     from profinfer.viewers import difftable
@@ -294,8 +296,8 @@ def diff(before, after, gates, noise, confidence, statistic, json_path, html_pat
             except OSError as e:
                 raise OutputFailed(f"cannot write {path}: {e.strerror}") from None
     difftable.render(result, report_console(), show_all)
-    if result["failed"]:
-        sys.exit(1)
+    if result["gate"] is not None and result["gate"]["exit"]:
+        sys.exit(result["gate"]["exit"])
 
 
 def _compared(before, after, gates, noise, confidence, statistic) -> dict:

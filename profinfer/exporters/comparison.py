@@ -15,6 +15,7 @@ not taken for a change.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,11 +53,19 @@ class IncomparableRuns(ProfinferError):
     exit_code = 2
 
 
+# The gate's verdicts and their exit statuses (2 is bad input or runs that cannot be compared).
+PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+GATE_EXIT = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3}
+MAX_RUNS_SAID = 30      # an inconclusive row needing more runs a side than this says "more than"
+
+
 @dataclass(frozen=True)
 class Gate:
-    """`--fail-above [WHAT=]PCT`: fail on a significant slowdown beyond `limit` of `what` (a
-    row's name, an op, a phase: see matches), or without `what` of any phase's time per token
-    or any op."""
+    """`--fail-above [WHAT=]PCT`: a slowdown beyond `limit` of `what` (a row's name, an op, a
+    phase: see matches), or without `what` of any phase's time per token or any op. Each row
+    it names gets a verdict (judge): fail where its interval lies wholly above the limit (and
+    the change is beyond the noise floor), pass where it lies wholly below, inconclusive
+    where it spans the limit."""
     limit: float
     what: str | None = None
 
@@ -66,17 +75,62 @@ class Gate:
         w = self.what
         return c.name == w or c.name.split(" ", 1)[-1] == w or c.name == f"{w} time per token"
 
-    def fails(self, c: compare.Change) -> bool:
-        """A significant slowdown beyond the limit; with one run a side, beyond the limit on
-        top of the common change (the part of it a slower process does not explain)."""
-        if not (self.matches(c) and c.verdict == compare.SLOWER and c.change is not None):
-            return False
-        own = c.change if c.common is None else (1 + c.change) / (1 + c.common) - 1
-        return own > self.limit
+    def judge(self, c: compare.Change, runs: int) -> dict | None:
+        """This gate's verdict on row c, with why, and for an inconclusive one how many runs a
+        side would likely resolve it (None: more than MAX_RUNS_SAID, or not by more runs of
+        this kind); None where the gate does not judge the row. `runs`: the fewer runs of a
+        side. The default gate (no WHAT) judges the phases' time per token (the wall time a
+        user waits) by all three verdicts, and an op only by fail: an op's own interval
+        spanning the limit (a small op's swings) leaves it to the time per token."""
+        if not self.matches(c) or c.change is None or c.verdict == compare.ONLY_BEFORE:
+            return None
+        judged_fully = self.what is not None or c.section == "latency"
+        row = {"gate": self.label, "name": c.name, "change": c.change, "low": c.low, "high": c.high,
+               "common": c.common, "runs_needed": None}
+        if c.low is None:           # too few samples, or only in the after runs
+            if not judged_fully or c.change <= self.limit:
+                return {**row, "verdict": PASS, "why": "below the limit by its estimate"}
+            return {**row, "verdict": INCONCLUSIVE, "why": f"{c.verdict}: not judged by an interval"}
+        own = (lambda x: x) if c.common is None else (lambda x: (1 + x) / (1 + c.common) - 1)
+        if c.verdict == compare.SLOWER and own(c.low) > self.limit:
+            return {**row, "verdict": FAIL, "why": "its interval lies wholly above the limit" +
+                    ("" if c.common is None else f", beyond the parts' common change ({c.common:+.1%})")}
+        if c.high < self.limit or not judged_fully:
+            return {**row, "verdict": PASS, "why": "its interval lies wholly below the limit"}
+        if c.common is not None and own(c.high) < self.limit:
+            # most of the work moved alike: a slower build, or this process ran slower than
+            # the other (one run a side does not measure that)
+            return {**row, "verdict": INCONCLUSIVE, "runs_needed": 3,
+                    "why": f"the parts' common change ({c.common:+.1%}) covers it: one run a side cannot "
+                           "tell a slower build from a slower run"}
+        if c.low > self.limit:      # above the limit, but not beyond the noise floor
+            return {**row, "verdict": INCONCLUSIVE, "runs_needed": None,
+                    "why": f"above the limit, within the noise floor ({c.floor:.1%}): {c.verdict}"}
+        return {**row, "verdict": INCONCLUSIVE, "runs_needed": runs_to_resolve(c, self.limit, runs),
+                "why": "its interval spans the limit"}
 
     @property
     def label(self) -> str:
         return f"{self.what + '=' if self.what else ''}{self.limit * 100:g}%"
+
+
+def runs_to_resolve(c: compare.Change, limit: float, runs: int) -> int | None:
+    """Runs a side that would likely put the interval of c wholly on one side of `limit`: an
+    interval narrows as 1/sqrt(runs) (its estimate staying where it is); None beyond
+    MAX_RUNS_SAID, or where the estimate lies on the limit."""
+    half, gap = (c.high - c.low) / 2, abs(c.change - limit)
+    if gap <= 0:
+        return None
+    need = max(runs + 1, math.ceil(runs * (half / gap) ** 2))
+    return need if need <= MAX_RUNS_SAID else None
+
+
+def gate_verdict(rows: list[dict], gates: tuple[Gate, ...]) -> str | None:
+    """fail if a row failed, inconclusive if one was, else pass; None without gates."""
+    if not gates:
+        return None
+    verdicts = {r["verdict"] for r in rows}
+    return FAIL if FAIL in verdicts else INCONCLUSIVE if INCONCLUSIVE in verdicts else PASS
 
 
 def parse_percent(text: str, what: str) -> float:
@@ -241,8 +295,10 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
     vb, va = _verdicts(summaries["before"][0]), _verdicts(summaries["after"][0])
     coverage = {side: _side_coverage([_coverage(p, s) for p, s in zip(profiles, summaries[side])])
                 for side, profiles in (("before", before), ("after", after))}
-    failed = [{"gate": g.label, "name": c.name, "change": c.change, "common": c.common}
-              for g in gates for c in changes if g.fails(c)]
+    runs = min(len(before), len(after))
+    judged = [r for g in gates for c in changes if (r := g.judge(c, runs)) is not None]
+    verdict = gate_verdict(judged, gates)
+    failed = [{k: r[k] for k in ("gate", "name", "change", "common")} for r in judged if r["verdict"] == FAIL]
     return {
         "schema": SCHEMA,
         "runs": {side: {"traces": list(n), "engine": _engine(profiles[0]), **coverage[side]}
@@ -258,6 +314,9 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
                              for s in sorted(vb.keys() | va.keys()) if vb.get(s) != va.get(s)],
         "warnings": _warnings(coverage, inner),
         "gates": [g.label for g in gates],
+        "gate": None if verdict is None else {
+            "verdict": verdict, "exit": GATE_EXIT[verdict],
+            "rows": [r for r in judged if r["verdict"] != PASS], "passed": sum(r["verdict"] == PASS for r in judged)},
         "failed": failed,
     }
 

@@ -78,8 +78,19 @@ def render(result: dict, console: Console, show_all: bool = False) -> None:
     significant = sum(c["verdict"] in compare.SIGNIFICANT for c in result["changes"])
     console.print(f"{significant} significant change{'s' if significant != 1 else ''} "
                   f"of {len(result['changes'])} quantities")
-    for f in result["failed"]:
-        console.print(f"[bold red]FAIL {f['gate']}: {f['name']} {_pct(f['change'])}[/]")
+    gate = result["gate"]
+    if gate is None:
+        return
+    for r in gate["rows"]:
+        style = "bold red" if r["verdict"] == "fail" else "yellow"
+        interval = "" if r["low"] is None else f" ({_pct(r['low'])} .. {_pct(r['high'])})"
+        runs = "" if r["verdict"] != "inconclusive" else \
+            f"; {r['runs_needed']} runs a side would likely tell" if r["runs_needed"] else \
+            "; more runs a side may not tell"
+        console.print(f"[{style}]{r['verdict'].upper()} {r['gate']}: {r['name']} {_pct(r['change'])}{interval}: "
+                      f"{r['why']}{runs}[/]")
+    console.print(f"gate {', '.join(result['gates'])}: {gate['verdict'].upper()} (exit {gate['exit']}; "
+                  f"{gate['passed']} row{'s' if gate['passed'] != 1 else ''} wholly below the limit)")
 
 
 def _table(title: str, rows: list[dict]) -> Table:

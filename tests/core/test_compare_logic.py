@@ -8,7 +8,7 @@ import pytest
 from profinfer.core import compare
 from profinfer.core.compare import Series
 from profinfer.core.errors import ProfinferError
-from profinfer.exporters.comparison import Gate, parse_gate
+from profinfer.exporters.comparison import FAIL, INCONCLUSIVE, PASS, Gate, gate_verdict, parse_gate, runs_to_resolve
 
 
 def _series(samples, name="decode MUL_MAT", section="op", unit="ns per decode token") -> Series:
@@ -170,10 +170,53 @@ def test_gates():
             parse_gate(bad)
     slower = compare.Change("op", "decode MUL_MAT", "ns per decode token", "median", 1.0, 2.0, 100, 100,
                             100, 100, 1.0, 0.9, 1.1, 0.05, compare.SLOWER)
-    assert Gate(0.05).fails(slower) and Gate(0.05, "MUL_MAT").fails(slower)
-    assert not Gate(0.05, "ROPE").fails(slower) and not Gate(1.5).fails(slower)
+    assert Gate(0.05).judge(slower, 1)["verdict"] == Gate(0.05, "MUL_MAT").judge(slower, 1)["verdict"] == FAIL
+    assert Gate(0.05, "ROPE").judge(slower, 1) is None
+    assert Gate(1.5, "MUL_MAT").judge(slower, 1)["verdict"] == PASS            # +90..+110%: wholly below
+    assert Gate(1.0, "MUL_MAT").judge(slower, 1)["verdict"] == INCONCLUSIVE    # spans +100%
     assert Gate(0.05, "decode").matches(compare.Change(**{**slower.__dict__, "section": "latency",
                                                           "name": "decode time per token"}))
+
+
+def _gated(before: list[Series], after: list[Series], gate: Gate = Gate(0.05), runs: int = 1) -> tuple[str, list[dict]]:
+    rows = [r for c in compare.compare(before, after, 0.05) if (r := gate.judge(c, runs)) is not None]
+    return gate_verdict(rows, (gate,)), rows
+
+
+def test_one_run_a_side_a_broad_regression_is_never_a_pass():
+    """Every part 30% slower (all the matmuls and the rest: a slower build, or a process that
+    ran slower, which one run a side cannot tell apart): the gate does not pass it. Its time
+    per token is inconclusive, asking for runs a side; pooled over three runs a side, where
+    run-to-run noise is measured, it fails."""
+    verdict, rows = _gated(_run(1.0, PARTS, 1), _run(1.3, PARTS, 2))
+    token = next(r for r in rows if r["name"] == "decode time per token")
+    assert verdict == INCONCLUSIVE and token["verdict"] == INCONCLUSIVE and token["runs_needed"] == 3, token
+    assert abs(token["common"] - 0.3) < 0.02 and "common change" in token["why"]
+    pooled = _gated(compare.pool([_run(1.0, PARTS, s) for s in (1, 3, 5)]),
+                    compare.pool([_run(1.3, PARTS, s) for s in (2, 4, 6)]), runs=3)
+    assert pooled[0] == FAIL, pooled[1]
+
+
+def test_the_gate_passes_only_an_interval_wholly_below_its_limit():
+    """No change: pass. A 2% change with a tight interval under a 5% gate: pass. A change of
+    about the limit with an interval across it: inconclusive, with the runs a side that
+    would likely tell. A change whose interval lies wholly above: fail."""
+    assert _gated(_run(1.0, PARTS, 1), _run(1.0, PARTS, 2))[0] == PASS
+    token = lambda x: [_series(x, "decode time per token", "latency")]   # noqa: E731
+    assert _gated(token(_draw(100, sd=0.01)), token(_draw(102, seed=1, sd=0.01)))[0] == PASS
+    verdict, rows = _gated(token(_draw(100, n=40, sd=0.2)), token(_draw(106, n=40, seed=1, sd=0.2)))
+    assert verdict == INCONCLUSIVE and rows[0]["low"] < 0.05 < rows[0]["high"], rows
+    assert rows[0]["runs_needed"] is None or rows[0]["runs_needed"] > 1, rows
+    assert _gated(token(_draw(100, sd=0.01)), token(_draw(130, seed=1, sd=0.01)))[0] == FAIL
+
+
+def test_runs_to_resolve_narrow_the_interval_as_one_over_sqrt_runs():
+    c = compare.Change("latency", "decode time per token", "ns", "median", 1.0, 1.1, 100, 100, 100, 100,
+                       0.10, 0.0, 0.20, 0.05, compare.UNCERTAIN)
+    # half-width 10%, 5% from the limit: (10/5)^2 = 4 times the runs
+    assert runs_to_resolve(c, 0.05, 1) == 4 and runs_to_resolve(c, 0.05, 2) == 8
+    assert runs_to_resolve(c, 0.10, 1) is None          # on the limit: no number of runs tells
+    assert runs_to_resolve(c, 0.099, 1) is None         # more than 30
 
 
 def _op(samples) -> compare.Series:

@@ -38,8 +38,10 @@ def diff_page(before: str, after: str, tmp_path: Path, *args: str) -> tuple[dict
     p = subprocess.run([*PROFINFER, "diff", before, after, "--json", str(js), "--html", str(page), *args],
                        capture_output=True, text=True, timeout=300)
     result = json.loads(js.read_text())
-    # the exit status keeps its meaning: 1 exactly when a gate failed
-    assert p.returncode == (1 if result["failed"] else 0), p.stderr
+    # the exit status is the gate's verdict: 1 exactly when a row failed, 3 inconclusive, 0 passed
+    gate = result["gate"]
+    assert p.returncode == (gate["exit"] if gate else 0), p.stderr
+    assert gate is None or (gate["verdict"] == "fail") == bool(result["failed"]), gate
     return result, page
 
 

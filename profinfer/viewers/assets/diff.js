@@ -5,6 +5,7 @@
   const verdictColor = (v) => VERDICT_COLOR[v] || "var(--other)";
   const verdictClass = (v) => "verdict-" + (VERDICT_COLOR[v] ? v : "other");
   const SIDES = ["before", "after"];
+  const GATE_CLASS = { pass: "verdict-faster", fail: "verdict-slower", inconclusive: "verdict-uncertain" };
 
   // a change as a signed percentage; a row's values in its unit (times in ns, else a count)
   const signedPct = (x) => (isNum(x) ? (x > 0 ? "+" : "") + fixed(100 * x, 1) + " %" : "–");
@@ -30,8 +31,7 @@
     tile("slower", count(counts.slower || 0), counts.slower ? "verdict-slower" : "");
     tile("faster", count(counts.faster || 0), counts.faster ? "verdict-faster" : "");
     tile("uncertain", count(counts.uncertain || 0), counts.uncertain ? "verdict-uncertain" : "");
-    tile("gates", !S.gates.length ? "none" : S.failed.length ? `${S.failed.length} failed` : "passed",
-      S.failed.length ? "verdict-slower" : S.gates.length ? "verdict-faster" : "");
+    tile("gates", !S.gate ? "none" : S.gate.verdict, S.gate ? GATE_CLASS[S.gate.verdict] : "");
   }
 
   // Warnings first: a bad recording is not a change.
@@ -44,18 +44,22 @@
   }
 
   function gates() {
-    if (!S.gates.length) return;
-    const s = section("Gates", "The --fail-above rules: a gate fails on a row significantly slower by more than its percentage (exit status 1).");
+    if (!S.gate) return;
+    const s = section("Gates", "The --fail-above rules: fail where a row's interval lies wholly above its limit (exit status 1), inconclusive where it spans it (3), pass where every row lies wholly below (0).");
     const p = el("p", {}, s);
-    el("span", { class: "badge " + (S.failed.length ? "verdict-slower" : "verdict-faster") }, p, S.failed.length ? "FAILED" : "passed");
-    text(p, " " + S.gates.map((g) => "--fail-above " + g).join(", "));
-    if (!S.failed.length) return;
-    const tb = table(s, ["gate", "quantity", "change"]);
-    S.failed.forEach((f, i) => {
-      const tr = el("tr", { class: "failed" }, tb);
-      el("td", {}, tr, f.gate);
-      el("td", { class: "name" }, tr, f.name);
-      num(tr, "td", ["failed", i, "change"], f.change, signedPct(f.change));
+    el("span", { class: "badge " + GATE_CLASS[S.gate.verdict] }, p, S.gate.verdict.toUpperCase());
+    text(p, " " + S.gates.map((g) => "--fail-above " + g).join(", ") + ` (${S.gate.passed} rows wholly below the limit)`);
+    if (!S.gate.rows.length) return;
+    const tb = table(s, ["gate", "quantity", "change", "interval", "verdict", "why"]);
+    S.gate.rows.forEach((r, i) => {
+      const tr = el("tr", { class: r.verdict === "fail" ? "failed" : "" }, tb);
+      el("td", {}, tr, r.gate);
+      el("td", { class: "name" }, tr, r.name);
+      num(tr, "td", ["gate", "rows", i, "change"], r.change, signedPct(r.change));
+      el("td", { class: "num" }, tr, r.low === null ? "-" : `${signedPct(r.low)} .. ${signedPct(r.high)}`);
+      el("td", { class: GATE_CLASS[r.verdict] }, tr, r.verdict);
+      el("td", {}, tr, r.why + (r.verdict !== "inconclusive" ? "" : r.runs_needed
+        ? `; ${r.runs_needed} runs a side would likely tell` : "; more runs a side may not tell"));
     });
   }
 
