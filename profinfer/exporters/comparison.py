@@ -91,19 +91,23 @@ class Gate:
             if not judged_fully or c.change <= self.limit:
                 return {**row, "verdict": PASS, "why": "below the limit by its estimate"}
             return {**row, "verdict": INCONCLUSIVE, "why": f"{c.verdict}: not judged by an interval"}
-        own = (lambda x: x) if c.common is None else (lambda x: (1 + x) / (1 + c.common) - 1)
-        if c.verdict == compare.SLOWER and own(c.low) > self.limit:
+        # with one run a side, the interval beyond the parts' common change
+        low, high = (c.low, c.high) if c.common is None else \
+            ((1 + c.low) / (1 + c.common) - 1, (1 + c.high) / (1 + c.common) - 1)
+        if c.verdict == compare.SLOWER and low > self.limit:
             return {**row, "verdict": FAIL, "why": "its interval lies wholly above the limit" +
                     ("" if c.common is None else f", beyond the parts' common change ({c.common:+.1%})")}
-        if c.high < self.limit or not judged_fully:
+        if c.high < self.limit:
             return {**row, "verdict": PASS, "why": "its interval lies wholly below the limit"}
-        if c.common is not None and own(c.high) < self.limit:
+        if not judged_fully:
+            return {**row, "verdict": PASS, "why": "an op, judged by fail alone: its time per token judges the rest"}
+        if c.common is not None and high < self.limit:
             # most of the work moved alike: a slower build, or this process ran slower than
             # the other (one run a side does not measure that)
             return {**row, "verdict": INCONCLUSIVE, "runs_needed": 3,
                     "why": f"the parts' common change ({c.common:+.1%}) covers it: one run a side cannot "
                            "tell a slower build from a slower run"}
-        if c.low > self.limit:      # above the limit, but not beyond the noise floor
+        if low > self.limit:        # above the limit, but not beyond the noise floor
             return {**row, "verdict": INCONCLUSIVE, "runs_needed": None,
                     "why": f"above the limit, within the noise floor ({c.floor:.1%}): {c.verdict}"}
         return {**row, "verdict": INCONCLUSIVE, "runs_needed": runs_to_resolve(c, self.limit, runs),

@@ -90,7 +90,7 @@ def render(result: dict, console: Console, show_all: bool = False) -> None:
         console.print(f"[{style}]{r['verdict'].upper()} {r['gate']}: {r['name']} {_pct(r['change'])}{interval}: "
                       f"{r['why']}{runs}[/]")
     console.print(f"gate {', '.join(result['gates'])}: {gate['verdict'].upper()} (exit {gate['exit']}; "
-                  f"{gate['passed']} row{'s' if gate['passed'] != 1 else ''} wholly below the limit)")
+                  f"{gate['passed']} row{'s' if gate['passed'] != 1 else ''} passed)")
 
 
 def _table(title: str, rows: list[dict]) -> Table:

@@ -48,7 +48,7 @@
     const s = section("Gates", "The --fail-above rules: fail where a row's interval lies wholly above its limit (exit status 1), inconclusive where it spans it (3), pass where every row lies wholly below (0).");
     const p = el("p", {}, s);
     el("span", { class: "badge " + GATE_CLASS[S.gate.verdict] }, p, S.gate.verdict.toUpperCase());
-    text(p, " " + S.gates.map((g) => "--fail-above " + g).join(", ") + ` (${S.gate.passed} rows wholly below the limit)`);
+    text(p, " " + S.gates.map((g) => "--fail-above " + g).join(", ") + ` (${S.gate.passed} rows passed)`);
     if (!S.gate.rows.length) return;
     const tb = table(s, ["gate", "quantity", "change", "interval", "verdict", "why"]);
     S.gate.rows.forEach((r, i) => {
