@@ -2,8 +2,10 @@
 watched by the daemon with a TPOT trigger; midway, CPU-bound competitors take its CPUs. One
 capture is made, its firing within the hold time plus 2 s of the competitors' start, with a
 baseline from before them; the capture's sched view names them as what preempted the
-server's threads (five minutes of steady load: tests/soak); and the prompt's text is nowhere
-in the capture, its record, the metrics or the daemon's log."""
+server's threads (five minutes of steady load: tests/soak); the capture's HTML page shows what
+fired, the trigger's series around the moment and the changes against the baseline, each
+number the summary's; and the prompt's text is nowhere in the capture, its record, the
+metrics or the daemon's log."""
 from __future__ import annotations
 
 import http.client
@@ -21,6 +23,7 @@ import pytest
 
 from conftest import PROFINFER, llama_server
 from daemon_helpers import Daemon, OtlpReceiver, _get
+from test_html_report import report, shown_page
 
 HOLD_S = 3
 # the trigger's baseline window, and how long the load runs before the slowdown: the baseline
@@ -174,24 +177,22 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
     assert got[0] == 200 and got[1] == (store / f"{cap['id']}.pftrace").read_bytes()
     trace = tmp_path / "slow.pftrace"
     trace.write_bytes(got[1])
-    r = subprocess.run([*PROFINFER, "report", str(trace), "--json", str(tmp_path / "s.json")],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    summary, page = report(trace, tmp_path)
     # redaction: no level records token text
     marker = PROMPT_MARKER.encode()
     for what, data in (("trace", got[1]), ("record", (store / f"{cap['id']}.json").read_bytes()),
                        ("metrics", metrics), ("log", log.encode()),
                        ("otlp", b"".join(req.SerializeToString() for _, req in receiver.requests)),
-                       ("report", (tmp_path / "s.json").read_bytes())):
+                       ("report", (tmp_path / "s.json").read_bytes()), ("page", page.read_bytes())):
         assert marker not in data and marker.lower() not in data.lower(), what
-    sched = json.loads((tmp_path / "s.json").read_text())["sched"]
+    sched = summary["sched"]
     busiest = max(sched["threads"], key=lambda t: t["on_cpu_ns"])
     assert busiest["preempted_ns"] > 0 and busiest["preempted_by"][0]["comm"] == HOG_COMM, busiest
     # the trace alone: what fired it, and the incident up to the firing against the baseline
     # before it (the daemon's own counts, not the capture's): the server's graph computes took
     # longer a compute than in any of the baseline's intervals, as its own timings say its
     # tokens did
-    flight = json.loads((tmp_path / "s.json").read_text())["flight"]
+    flight = summary["flight"]
     assert flight["fired"]["trigger"] == cap["fired"]["trigger"] and flight["levels"] == cap["levels"]
     assert flight["baseline"]["until_monotonic_s"] <= started and flight["baseline"]["intervals"] >= 3, flight
     graph = next(r for r in flight["changes"] if r["family"] == "graph")
@@ -207,6 +208,30 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
     assert load.saw(fired) >= 0.8, fired
     printed = subprocess.run([*PROFINFER, "report", str(trace)], capture_output=True, text=True, timeout=120)
     assert printed.returncode == 0 and "Flight recorder" in printed.stdout and "^ fired" in printed.stdout, printed
+    assert list(summary)[0] == "flight" and flight["record_for_s"] == RECORD_S
+    assert flight["fired"]["limit"] == fired["limit"] and flight["fired"]["unit"] == "s"
+    check_flight_page(summary, page)
+
+
+def check_flight_page(summary: dict, page) -> None:
+    """The capture's page in Chromium: the trigger, what fired it (its value, limit and series),
+    the baseline's and the incident's lengths, and each change's row (its shares on the sides
+    that have the item, the baseline's range where it has one, its verdict), each number the
+    summary's."""
+    f = summary["flight"]
+    _, shown, text, _ = shown_page(summary, page)
+    assert f["fired"]["trigger"] in text and "What changed" in text and f"at {', '.join(f['levels'])}." in text
+    assert {("flight", "fired", "value"), ("flight", "fired", "limit"), ("flight", "record_for_s"),
+            ("flight", "baseline", "seconds"), ("flight", "incident", "seconds")} <= shown
+    assert {("flight", "fired", "series", j, "value") for j in range(len(f["fired"]["series"]))} <= shown
+    assert f["changes"], f
+    for i, r in enumerate(f["changes"]):
+        for side in ("baseline", "incident"):
+            if r[side]:
+                assert ("flight", "changes", i, side, "share") in shown
+        if (r["baseline"] or {}).get("share_range"):
+            assert {("flight", "changes", i, "baseline", "share_range", j) for j in (0, 1)} <= shown
+        assert r["verdict"] in text
 
 
 # what an operator would set (the docs' own example among them). Not the real slowdown's

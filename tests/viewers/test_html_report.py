@@ -9,7 +9,7 @@ A real run of the tiny llama.cpp model is drawn, a run of the tiny MoE model wit
 level and perf counters (its expert heatmaps against llama.cpp's own token counts), and the
 stored recordings of tests/golden/ (vLLM's steps, also merged into groups; the CUDA level's
 tables; llama.cpp's sched and counters). A flight recorder's capture is drawn in
-tests/daemon/test_flight_html.py. PROFINFER_SCREENSHOT=PATH keeps the tiny run's screenshot
+tests/daemon/test_flight.py (a real slowdown's). PROFINFER_SCREENSHOT=PATH keeps the tiny run's screenshot
 there (docs/report-example.png is one)."""
 from __future__ import annotations
 
