@@ -53,7 +53,7 @@ WHY = {
     "DAC_READ_SEARCH": ({"user", "late"}, r"not watched: .*Permission denied.*/proc/\d+/root/"),
     "CHECKPOINT_RESTORE": ({"upgraded"}, r"not watched: .*Operation not permitted: '/proc/\d+/map_files/"),
     # the late process, held by discovery, is never continued: it stays stopped
-    "KILL": ({"late"}, None),
+    "KILL": ({"late"}, r"PID (?P<pid>\d+): cannot continue it after discovery held it: Operation not permitted"),
 }
 TARGETS = ("host", "user", "upgraded", "container", "late")
 
@@ -149,14 +149,15 @@ class Target:
 
     stuck: str = ""          # why it never read its prompt (a held process never continued)
 
-    def go(self, deadline: float) -> None:
-        """The prompt, once it opens its FIFO (a process left stopped never does)."""
+    def go(self, deadline: float, given_up=lambda: False) -> None:
+        """The prompt, once it opens its FIFO (a process left stopped never does: waited for
+        until the deadline, or until given_up() says the daemon gave up continuing it)."""
         while True:
             try:
                 fd = os.open(self.fifo, os.O_WRONLY | os.O_NONBLOCK)
                 break
             except OSError:          # ENXIO: no reader yet
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or given_up():
                     state = re.search(r"State:\s*(.*)", Path(f"/proc/{self.proc.pid}/status").read_text())
                     self.stuck = state.group(1) if state else "?"
                     self.proc.kill()
@@ -287,10 +288,11 @@ class Run:
 
 
 def _run(caps, places, llama_build, tiny_model, llama_env, truth, tmp: Path,
-         broken: frozenset[str] = frozenset()) -> Run:
+         broken: frozenset[str] = frozenset(), said: str | None = None) -> Run:
     """Every target run through with `caps`; the waits for them to be watched and counted end
     once those that can be (all but `broken`) are: a target the daemon cannot reach is never
-    waited for (its absence is checked after, and the daemon's log says why)."""
+    waited for (its absence is checked after, and the daemon's log says why). A broken
+    target's prompt waits until the daemon's log says `said` of its PID, where it names one."""
     tmp.mkdir()
     targets = _start_targets(places, llama_build, tiny_model, llama_env, tmp)
     d = Daemon(tmp, prefix=tuple(with_caps(caps)))
@@ -307,8 +309,8 @@ def _run(caps, places, llama_build, tiny_model, llama_env, truth, tmp: Path,
             time.sleep(0.2)
         time.sleep(0.5)
         deadline = time.monotonic() + 8
-        for t in targets.values():
-            t.go(deadline)
+        for n, t in targets.items():
+            t.go(deadline, (lambda pid=t.proc.pid: _said_of(d.text(), said, pid)) if n in broken else lambda: False)
         for t in targets.values():
             t.finish()
         reported = {n: {"prefill": t.perf["prompt eval"][1], "decode": t.perf["eval"][1]}
@@ -326,6 +328,13 @@ def _run(caps, places, llama_build, tiny_model, llama_env, truth, tmp: Path,
         return Run(counted, want, d.text(), status, {n: t.stuck for n, t in targets.items() if t.stuck})
     finally:
         d.stop()
+
+
+def _said_of(log: str, said: str | None, pid: int) -> bool:
+    """The log says `said` of the PID (a pattern naming it as `pid`)."""
+    if said is None or "(?P<pid>" not in said:
+        return False
+    return any(int(m["pid"]) == pid for m in re.finditer(said, log))
 
 
 def _check_all_counted(run: Run, names) -> None:
@@ -348,7 +357,7 @@ def test_each_capability_dropped_breaks_what_it_is_for(dropped, places, llama_bu
     assert dropped in caps, f"{dropped} is no longer in the manifest: drop it from WHY"
     broken, said = WHY[dropped]
     run = _run([c for c in caps if c != dropped], places, llama_build, tiny_model, llama_env, truth,
-               tmp_path / dropped.lower(), frozenset(broken))
+               tmp_path / dropped.lower(), frozenset(broken), said)
     for n in TARGETS:
         if n in broken:
             assert not run.counted[n].get("decode"), f"{n} counted without {dropped}:\n{run.log}"
@@ -356,6 +365,9 @@ def test_each_capability_dropped_breaks_what_it_is_for(dropped, places, llama_bu
             assert run.counted[n] == run.want[n], f"{n} without {dropped}: {run.counted[n]} != {run.want[n]}\n{run.log}"
     if said:
         assert re.search(said, run.log), run.log
+    # a process left stopped is the one discovery held and could not continue, and it is
+    # stopped still when given up on
+    assert {n: s.split()[0] for n, s in run.stuck.items()} == ({"late": "T"} if dropped == "KILL" else {}), run.stuck
     print(f"without {dropped}:", run.counted, "\n", run.log)
 
 
