@@ -38,5 +38,8 @@ HOLD_STUCK_S = env_seconds("PROFINFER_HOLD_STUCK_S", 18, minimum=7)
 # An HTTP request's head and body must arrive whole within this (a byte every few seconds
 # gets nowhere): 408 and closed.
 REQUEST_DEADLINE_S = env_seconds("PROFINFER_REQUEST_DEADLINE_S", 10, minimum=1)
+# NVML not answering for this long (a GPU fallen off the bus, its driver waiting): GPU
+# metrics off until it answers again.
+NVML_STALL_S = env_seconds("PROFINFER_NVML_STALL_S", 5, minimum=1)
 # The flight recorder's baseline sample period.
 BASELINE_SAMPLE_S = env_seconds("PROFINFER_BASELINE_SAMPLE_S", 5, minimum=1)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from profinfer.core.config import NVML_STALL_S
 from profinfer.core.model import TokenCall
 from profinfer.daemon.identity import Identity, printable
 
@@ -634,9 +635,6 @@ def gpu_sample() -> tuple[str, list[dict], dict[str, str]]:
                     "power": None if power is None else power / 1000,
                     "processes": sorted(procs.items())})
     return state, out, problems
-
-
-NVML_STALL_S = 5.0       # NVML not answering for this long (a GPU fallen off the bus): off
 
 
 class GpuSampler:

@@ -23,6 +23,7 @@ from daemon_helpers import Daemon, _get
 
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
+NVML_STALL_S = 2        # PROFINFER_NVML_STALL_S: an NVML call blocked this long turns GPU metrics off
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,7 @@ def _fake_env(monkeypatch, libdir: Path, answers: Path) -> None:
     the system's library cache, so a real driver's library on a GPU machine is not used."""
     monkeypatch.setenv("LD_LIBRARY_PATH", f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}".rstrip(":"))
     monkeypatch.setenv("FAKE_NVML_CONFIG", str(answers))
+    monkeypatch.setenv("PROFINFER_NVML_STALL_S", str(NVML_STALL_S))
 
 
 def _metrics(d: Daemon) -> dict[tuple, float]:
@@ -179,19 +181,21 @@ def test_nvml_answers_are_the_metrics_and_failures_mid_run_keep_the_daemon(fake_
         _wait(d, lambda m: _gpu(m) == want, "GPU 1's UUID back")
 
         # an NVML call that blocks (the driver waiting on a GPU that stopped responding): GPU
-        # metrics off after NVML_STALL_S, said once; the agent's loop and /healthz carry on
+        # metrics off after the stall limit, said once; the agent's loop and /healthz carry on
         answers.write({**busy, "block.nvmlDeviceGetUtilizationRates": 1})
         blocked = time.monotonic()
         off = {("profinfer_gpu_metrics_enabled", ()): 0.0}
         while _gpu(m := _metrics(d)) != off:
             assert _get(d.url + "/healthz")[0] == 200 and time.monotonic() - blocked < 30, d.text()
             time.sleep(0.2)
+        # not before the limit (the sample under way may have begun a moment before the block)
+        assert time.monotonic() - blocked >= NVML_STALL_S - 0.5, d.text()
         assert ("profinfer_processes_watched", ()) in m
         answers.write(busy)
         _wait(d, lambda m: _gpu(m) == want, "GPU metrics back once NVML answers")
         said = _lines(d, "GPU metrics are off")
         assert len(said) == 1 and said[0].endswith(
-            "GPU metrics are off: NVML has not answered for 5 s (a call blocks); the daemon's other "
+            f"GPU metrics are off: NVML has not answered for {NVML_STALL_S} s (a call blocks); the daemon's other "
             "metrics are unaffected (back when the call returns)"), said
         assert len(_lines(d, "GPU metrics on: NVML answers")) == 2
 
