@@ -334,9 +334,9 @@ def test_the_governor_charges_only_the_thread_that_watches(llama_build, tiny_mod
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-        run(4)
+        run(3)
         assert pid in agent.watches
-        quiet = run(8)        # a judgment each GOVERN_S (2 s): 3 or 4 a window
+        quiet = run(6.5)      # a judgment each GOVERN_S (2 s): 3 or 4 a window
         stop, burned = threading.Event(), []
 
         def burn():
@@ -348,7 +348,7 @@ def test_the_governor_charges_only_the_thread_that_watches(llama_build, tiny_mod
         burner = threading.Thread(target=burn)
         burner.start()
         try:
-            loud = run(8)
+            loud = run(6.5)
         finally:
             stop.set()
             burner.join()
