@@ -483,7 +483,8 @@ DEFAULT_URL = "http://127.0.0.1:9464"
               help="Flight recorder: capture a process whose own series breaks CONDITION, e.g. "
               "'tpot_p99 > 3x baseline for 5s', 'ttft_p99 > 2s' or 'tps_p10 < 0.5x baseline' "
               "(quantities ttft, tpot, call, sync in s; tps in decode tokens/s; batch in tokens; "
-              "a percentile over the last 10 s; baseline: the same over the 5 minutes before). "
+              "a percentile over the last --trigger-window; baseline: the same over the "
+              "--trigger-baseline before it). "
               "Repeatable.")
 @click.option("--record-for", default="10s", show_default=True, help="How long a triggered capture records.")
 @click.option("--keep", type=click.IntRange(1, 10000), default=20, show_default=True,
@@ -497,10 +498,14 @@ DEFAULT_URL = "http://127.0.0.1:9464"
 @click.option("--trigger-cooldown", default="60s", show_default=True,
               help="After a capture, the least time before the same trigger fires again for the process.")
 @click.option("--trigger-baseline", default="5m", show_default=True,
-              help="The window a trigger's baseline is taken over (before its own 10 s window).")
+              help="The window a trigger's baseline is taken over (before its own window); a process "
+              "watched for less has none yet.")
+@click.option("--trigger-window", default="10s", show_default=True,
+              help="The window a trigger's percentile is taken over (widened where too few samples "
+              "could resolve it).")
 def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tls_key, otlp, otlp_interval,
            max_processes, labels, allow_hosts, max_connections, triggers, record_for, keep, captures_dir,
-           captures_max_bytes, capture_levels, trigger_cooldown, trigger_baseline):
+           captures_max_bytes, capture_levels, trigger_cooldown, trigger_baseline, trigger_window):
     """Run the node agent: watch every inference process, serve Prometheus metrics and traces.
 
     /status answers without a token only a client on loopback (its address, not the one
@@ -524,7 +529,7 @@ def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tl
                         flight=dict(triggers=list(triggers), record_for=record_for, keep=keep,
                                     captures_dir=captures_dir, max_bytes=captures_max_bytes,
                                     levels=_levels(capture_levels, "--capture-levels"), cooldown=trigger_cooldown,
-                                    baseline=trigger_baseline)
+                                    baseline=trigger_baseline, window=trigger_window)
                         if triggers else None))
 
 
@@ -687,10 +692,12 @@ def _trigger_state(t: dict) -> str:
     from profinfer.daemon.flight import in_unit
     if t["fired_s_ago"] is not None:
         return f"fired {t['fired_s_ago']:.0f} s ago, not re-armed yet"
+    window = f"over {t.get('window_samples', '?')} samples in {t.get('window_s') or 0:.0f} s"
+    baseline = f"; baseline {t['baseline_state']}" if t.get("baseline_state") else ""
     if t["value"] is None or t["limit"] is None:
-        why = ["too few samples in its window"] * (t["value"] is None) + ["no baseline yet"] * (t["limit"] is None)
-        return f"not armed ({', '.join(why)})"
-    said = f"now {in_unit(t['value'], t['unit'])}, limit {in_unit(t['limit'], t['unit'])}"
+        why = ["no samples in its window"] * (t["value"] is None) + ["no baseline"] * (t["limit"] is None)
+        return f"not armed ({', '.join(why)}){baseline}"
+    said = f"now {in_unit(t['value'], t['unit'])} {window}, limit {in_unit(t['limit'], t['unit'])}{baseline}"
     if t["holding_s"] is not None:
         return f"{said}; holding for {t['holding_s']:.1f} s"
     return said

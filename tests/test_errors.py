@@ -234,6 +234,14 @@ def test_a_daemon_setting_in_the_environment_that_is_no_number():
     assert "PROFINFER_SERIES_TTL_S='abc'" in one_line_error(p)
 
 
+@pytest.mark.parametrize("args,said", [
+    (["--trigger", "call_p99.9 > 1s"], "p99.6 or below"),
+    (["--trigger", "tpot_p99 > 3x baseline", "--trigger-window", "0s"], "--trigger-window '0s'"),
+    (["--trigger", "tpot_p99 > 3x baseline", "--trigger-baseline", "soon"], "--trigger-baseline 'soon'")])
+def test_flight_recorder_settings_that_cannot_be_met(args, said):
+    assert said in one_line_error(run(["daemon", *args]))
+
+
 @pytest.mark.parametrize("args", [["attach", "--pid", "1", "--bogus"], ["attach"],
                                   ["attach", "--pid", "1", "--levels", "token,frobs"],
                                   ["attach", "--pid", "1", "--counters", "cycles,frobs"],

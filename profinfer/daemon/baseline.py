@@ -70,11 +70,12 @@ class RollingTotals:
         self.sampled_at = now
         return True
 
-    def sample(self, key: tuple, now: float, totals: dict, levels: list[str]) -> None:
-        """The process's cumulative counts now, and the levels it had (what was counted)."""
+    def sample(self, key: tuple, now: float, totals: dict, levels: list[str], force: bool = False) -> None:
+        """The process's cumulative counts now, and the levels it had (what was counted); not
+        within MIN_GAP_S of the last unless forced (a firing's: its incident ends there)."""
         with self.lock:
             d = self.samples.setdefault(key, deque())
-            if d and now - d[-1][0] < MIN_GAP_S:      # (a firing's sample just after the periodic one)
+            if d and (now - d[-1][0] < MIN_GAP_S and not force or now <= d[-1][0]):
                 return
             d.append((now, totals, levels))
             while d and d[0][0] < now - self.horizon_s - SAMPLE_S:
@@ -83,6 +84,11 @@ class RollingTotals:
     def forget(self, key: tuple) -> None:
         with self.lock:
             self.samples.pop(key, None)
+
+    def last_at_or_before(self, key: tuple, t: float) -> float | None:
+        """When the newest sample at or before t was taken (None: none was)."""
+        with self.lock:
+            return max((sample[0] for sample in self.samples.get(key, ()) if sample[0] <= t), default=None)
 
     def between(self, key: tuple, lo: float, hi: float) -> dict | None:
         """The baseline of [lo, hi] (the samples within it): None with fewer than two."""

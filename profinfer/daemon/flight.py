@@ -5,14 +5,24 @@ fire once per incident. A trigger fires again only after its condition has been 
 time and a cooldown has passed since it fired; a baseline-relative one whose condition still
 holds once its baseline's window and the cooldown have passed takes that as the new normal.
 
-A condition's statistic is taken over the last WINDOW_S of samples, or over the newest
-WINDOW_MAX_SAMPLES where there are more (a busy server's window would otherwise hold so many
-fast samples that a slowdown took seconds to reach its p99); a baseline is the same
-statistic over the baseline window before that (5 minutes unless set), frozen from the
-moment the condition first holds (the incident's own samples never raise it). A window
-with fewer than MIN_WINDOW_SAMPLES samples, or a baseline with fewer than
-MIN_BASELINE_SAMPLES or covering less than a quarter of its window, judges nothing: a
-process warming up does not fire."""
+A condition's statistic is taken over the samples of the last window (10 s unless set), or
+over the newest WINDOW_MAX_SAMPLES where there are more (a busy server's window would
+otherwise hold so many fast samples that a slowdown took seconds to reach its p99). It holds
+only where the samples resolve it: the statistic is beyond the limit, and the share of
+samples beyond the limit is past the percentile's tail (1% for a p99 above, 10% for a p10
+below) at a one-sided CONFIDENCE (Clopper-Pearson), so that one slow token among many does
+not make a p99. A window with fewer samples than the percentile could ever be resolved by is
+widened back, up to WIDEST_WINDOWS windows (a TTFT at half a request a second). `for HOLD`
+is the time the condition held at every judgment, and the samples that came within the hold
+must resolve it by themselves: an outlier that keeps a small window's p99 up does not hold it.
+
+A baseline is the median of the same statistic over each window's length of the baseline
+window (5 minutes unless set) before the condition's window: a window's typical statistic.
+It is not taken while the process is young (its samples span less than
+the whole baseline window), and it is frozen from any excursion of the statistic over half
+the way to the limit, whose samples (from its window's start on) never enter a later
+baseline: a flap shorter than the hold, or a ramp, does not raise it. An excursion that
+lasts a baseline window without firing is the new normal."""
 from __future__ import annotations
 
 import math
@@ -23,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.special import betaincinv
 
 from profinfer.core.errors import ProfinferError
 
@@ -35,17 +46,21 @@ QUANTITIES = {"ttft": ("time to first token", "s"),
               "batch": ("tokens in a decode call or step (prompt and decode)", "tokens"),
               "sync": ("a CUDA synchronising call's time (the cuda level's mean over each of "
                        "the daemon's reads of its counts)", "s")}
-WINDOW_S = 10.0
+DEFAULT_WINDOW_S = 10.0
 DEFAULT_BASELINE_S = 300.0
-MIN_WINDOW_SAMPLES = 20
 WINDOW_MAX_SAMPLES = 500
+# a percentile whose tail holds fewer samples than this in a full window is refused (p99.9
+# of 500 samples would be their second largest)
+MIN_TAIL_SAMPLES = 2
+CONFIDENCE = 0.99
+WIDEST_WINDOWS = 6          # a window too sparse to resolve its percentile widens this far back
 MIN_BASELINE_SAMPLES = 100
 BIN_S = 1.0                 # samples are kept in bins of this long
 # A bin keeps its newest WINDOW_MAX_SAMPLES (a bound whatever the rate); a baseline reads an
 # even sample of at most BASELINE_BIN_SAMPLES of each (its percentile, cheaply, every few s)
 BASELINE_BIN_SAMPLES = 100
 EVALUATE_S = 0.5            # conditions judged at most this often
-BASELINE_EVERY_S = 5.0      # a baseline not frozen is recomputed at most this often
+BASELINE_EVERY_S = 5.0      # a baseline not frozen is recomputed at most this often (or each half window)
 SERIES_S = 120.0            # a firing carries its quantity's series this far back
 DEFAULT_COOLDOWN_S = 60.0
 
@@ -83,6 +98,34 @@ class Trigger:
     def beyond(self, value: float, limit: float) -> bool:
         return value < limit if self.below else value > limit
 
+    @property
+    def tail(self) -> float:
+        """The share of samples beyond the limit that puts the statistic beyond it: 1% for a
+        p99 above, 10% for a p10 below."""
+        return self.percentile / 100 if self.below else 1 - self.percentile / 100
+
+    @property
+    def fewest_samples(self) -> int:
+        """The fewest samples that can resolve the condition (every one of them beyond the
+        limit): its window is widened to hold them."""
+        return max(2, math.ceil(math.log(1 - CONFIDENCE) / math.log(self.tail) + 1e-9))
+
+
+def share_beyond_low(beyond: int, n: int) -> float:
+    """The one-sided lower bound, at CONFIDENCE, on the share of a quantity's samples beyond a
+    limit, from `beyond` of `n` (Clopper-Pearson)."""
+    return float(betaincinv(beyond, n - beyond + 1, 1 - CONFIDENCE)) if 0 < beyond <= n else 0.0
+
+
+def resolves(trigger: "Trigger", samples: np.ndarray, limit: float) -> bool:
+    """The samples resolve the condition: more than the percentile's tail of them lie beyond
+    the limit, at CONFIDENCE."""
+    n = len(samples)
+    if n == 0:
+        return False
+    beyond = int(np.count_nonzero(samples < limit if trigger.below else samples > limit))
+    return share_beyond_low(beyond, n) > trigger.tail
+
 
 def in_unit(value: float | None, unit: str) -> str:
     """A quantity's value as a person reads it: times in ms."""
@@ -113,6 +156,11 @@ def parse_trigger(text: str) -> Trigger:
     if not 0 < float(m["stat"]) < 100:
         raise ProfinferError(f"--trigger {text!r}: a percentile is between 0 and 100 (p50, p90, p99, p10)")
     value, below = float(m["value"]), m["op"] == "<"
+    tail = float(m["stat"]) / 100 if below else 1 - float(m["stat"]) / 100
+    if tail * WINDOW_MAX_SAMPLES < MIN_TAIL_SAMPLES:
+        most = 100 * (1 - MIN_TAIL_SAMPLES / WINDOW_MAX_SAMPLES)
+        raise ProfinferError(f"--trigger {text!r}: a window keeps {WINDOW_MAX_SAMPLES} samples at most, too few "
+                             f"to resolve {stat}; use " + (f"p{100 - most:g} or above" if below else f"p{most:g} or below"))
     unit = (m["unit"] or "").replace(" ", "")
     hold = float(m["hold"] or 0) * _UNITS[m["hold_unit"] or "s"]
     if not (math.isfinite(value) and math.isfinite(hold)):
@@ -150,17 +198,19 @@ class Bin:
 
 class Series:
     """One quantity's samples (seconds) of one process, in bins of BIN_S, as far back as a
-    baseline and its window reach (horizon_s)."""
+    baseline and its window reach (horizon_s); a bin older than `recent_s` (the widest a
+    window reaches) keeps an even sample of its values."""
 
-    def __init__(self, horizon_s: float):
+    def __init__(self, horizon_s: float, recent_s: float):
         self.horizon_s = horizon_s
+        self.recent_s = recent_s
         self.bins: deque[Bin] = deque()
 
     def add(self, now: float, values: list[float]) -> None:
         start = (now // BIN_S) * BIN_S
         if not self.bins or self.bins[-1].start != start:
             for old in reversed(self.bins):        # out of the window's reach: compacted
-                if old.start >= start - WINDOW_S - BIN_S:
+                if old.start >= start - self.recent_s - BIN_S:
                     continue
                 if not isinstance(old.values, deque):
                     break
@@ -171,25 +221,34 @@ class Series:
         self.bins[-1].values.extend(values)
         self.bins[-1].seen += len(values)
 
-    def between(self, lo: float, hi: float) -> tuple[np.ndarray, float]:
-        """An even sample of the samples of the bins that begin inside [lo, hi), and how far
-        back the first of them begins (s before hi)."""
-        inside = [b for b in self.bins if lo <= b.start < hi and b.seen]
+    def chunks(self, lo: float, hi: float, chunk_s: float,
+               left_out: list[tuple[float, float]] = ()) -> tuple[list[np.ndarray], float]:
+        """An even sample of the samples of the bins that begin inside [lo, hi) and meet none
+        of the spans left out, in chunks of chunk_s back from hi; and how far back the first
+        of those bins begins (s before hi)."""
+        inside = [b for b in self.bins if lo <= b.start < hi and b.seen
+                  and not any(a - BIN_S < b.start < z for a, z in left_out)]
         if not inside:
-            return np.zeros(0), 0.0
-        parts = [np.asarray(b.values)[::max(1, len(b.values) // BASELINE_BIN_SAMPLES)] for b in inside]
-        return np.concatenate(parts), hi - inside[0].start
+            return [], 0.0
+        chunks: dict[int, list] = {}
+        for b in inside:
+            chunks.setdefault(int((hi - b.start - 1e-9) // chunk_s), []).append(
+                np.asarray(b.values)[::max(1, len(b.values) // BASELINE_BIN_SAMPLES)])
+        return [np.concatenate(parts) for _, parts in sorted(chunks.items())], hi - inside[0].start
 
-    def newest(self, since: float) -> np.ndarray:
-        """The newest samples from `since` on, WINDOW_MAX_SAMPLES at most."""
-        parts, n = [], 0
+    def newest(self, since: float, at_least: int = 0, widest: float | None = None) -> tuple[np.ndarray, float]:
+        """The samples of the bins from `since` on, WINDOW_MAX_SAMPLES at most, the newest;
+        where they are fewer than `at_least`, bins from further back (from `widest` on) until
+        they are not. And where the oldest bin read begins."""
+        parts, n, oldest = [], 0, since
         for b in reversed(self.bins):
-            if b.start < since or n >= WINDOW_MAX_SAMPLES:
+            if n >= WINDOW_MAX_SAMPLES or b.start < since and (n >= at_least or widest is None or b.start < widest):
                 break
             if b.seen:
                 parts.append(list(b.values)[-(WINDOW_MAX_SAMPLES - n):])
                 n += len(parts[-1])
-        return np.concatenate([np.asarray(p) for p in parts]) if parts else np.zeros(0)
+            oldest = min(oldest, b.start)
+        return (np.concatenate([np.asarray(p) for p in parts]) if parts else np.zeros(0)), oldest
 
     def per_bin(self, lo: float, stat: float) -> list[tuple[float, float, int]]:
         """(bin start, the statistic, samples that came) of each bin from lo on (a firing's
@@ -208,13 +267,22 @@ class TriggerState:
     baseline_lo: float = float("-inf")     # the baseline's samples begin here (the one in use)
     fired_at: float | None = None          # it fired, and has not re-armed since
     clear_since: float | None = None       # after a firing, the condition is clear since
-    value: float | None = None             # the statistic at the last judgment (None: too few samples)
+    value: float | None = None             # the statistic at the last judgment (None: no samples)
     limit: float | None = None             # and the limit then (None: no baseline yet)
+    window: tuple[float, int] = (0.0, 0)   # the last judgment's window: how far back (s), samples
+    resolved: bool = False                 # the condition held over that window's samples
+    first_seen: float | None = None        # the first judgment with samples (how young it is)
+    excursion_since: float | None = None   # the statistic over half the way to the limit since
+    left_out: list[tuple[float, float]] = field(default_factory=list)   # excursions' spans: no baseline's
+    baseline_why: str = "none yet"         # why the baseline is what it is (status)
 
     def as_dict(self, trigger: Trigger, now: float) -> dict:
-        """What `profinfer status` shows of it: armed (a value and a limit), holding, fired."""
+        """What `profinfer status` shows of it: armed (a value and a limit), holding, fired;
+        the window it was judged over, and its baseline's state."""
         return {"trigger": trigger.text, "unit": trigger.unit, "value": self.value, "limit": self.limit,
                 "baseline": self.baseline if trigger.factor is not None else None,
+                "baseline_state": self.baseline_why if trigger.factor is not None else None,
+                "window_s": self.window[0], "window_samples": self.window[1], "resolved": self.resolved,
                 "holding_s": None if self.pending_since is None or self.fired_at is not None else now - self.pending_since,
                 "fired_s_ago": None if self.fired_at is None else now - self.fired_at}
 
@@ -234,13 +302,15 @@ class Firing:
     series: list[tuple[float, float, int]] = field(default_factory=list)
     baseline_from: float = float("-inf")    # the baseline's samples begin here (or a re-arm's)
     began: float | None = None              # the condition has held since (monotonic s)
+    window_s: float = DEFAULT_WINDOW_S      # the window judged (as far back as it was widened)
+    hold_samples: int = 0                   # the samples that came within the hold
 
     def as_dict(self) -> dict:
         return {"trigger": self.trigger.text, "reason": self.trigger.reason,
                 "quantity": self.trigger.quantity, "stat": self.trigger.stat, "unit": self.trigger.unit,
                 "below": self.trigger.below,
                 "value": self.value, "limit": self.limit, "baseline": self.baseline,
-                "hold_s": self.trigger.hold_s, "window_s": WINDOW_S,
+                "hold_s": self.trigger.hold_s, "window_s": self.window_s, "hold_samples": self.hold_samples,
                 "baseline_window_s": self.baseline_window_s, "baseline_until_monotonic_s": self.baseline_until,
                 "window_samples": self.window_samples, "fired_monotonic_s": self.at,
                 "series": [{"t": t, "value": v, "samples": n} for t, v, n in self.series]}
@@ -252,12 +322,14 @@ class Triggers:
 
     def __init__(self, triggers: list[Trigger], on_fire: Callable[[tuple, Firing], None],
                  cooldown_s: float = DEFAULT_COOLDOWN_S, baseline_s: float = DEFAULT_BASELINE_S,
-                 on_pending: Callable[[tuple], None] = lambda key: None):
+                 on_pending: Callable[[tuple], None] = lambda key: None, window_s: float = DEFAULT_WINDOW_S):
         self.triggers = triggers
         self.on_fire = on_fire
         self.on_pending = on_pending      # a condition began to hold for the process (key)
         self.cooldown_s = cooldown_s
         self.baseline_s = baseline_s
+        self.window_s = window_s
+        self.baseline_every_s = min(BASELINE_EVERY_S, window_s / 2)
         self.quantities = {t.quantity for t in triggers}
         self.lock = threading.Lock()
         self.series: dict[tuple, dict[str, Series]] = {}
@@ -269,7 +341,8 @@ class Triggers:
             return
         with self.lock:
             per = self.series.setdefault(key, {})
-            per.setdefault(quantity, Series(WINDOW_S + self.baseline_s)).add(now, values)
+            widest = WIDEST_WINDOWS * self.window_s
+            per.setdefault(quantity, Series(max(widest, self.window_s + self.baseline_s), widest)).add(now, values)
 
     def forget(self, key: tuple) -> None:
         with self.lock:
@@ -309,22 +382,18 @@ class Triggers:
             self.on_fire(key, f)
 
     def _judge_one(self, trigger: Trigger, state: TriggerState, s: Series, now: float) -> Firing | None:
-        window = s.newest(now - WINDOW_S)
-        stat = trigger.percentile
-        value = float(np.percentile(window, stat)) if len(window) >= MIN_WINDOW_SAMPLES else None
+        window, oldest = s.newest(now - self.window_s, trigger.fewest_samples, now - WIDEST_WINDOWS * self.window_s)
+        value = float(np.percentile(window, trigger.percentile)) if len(window) else None
+        state.window = (now - min(oldest, now - self.window_s), len(window))
+        if value is not None and state.first_seen is None:
+            state.first_seen = now
         limit = trigger.limit
         if trigger.factor is not None:
-            if state.pending_since is None and state.fired_at is None and now - state.baseline_at >= BASELINE_EVERY_S:
-                state.baseline_at = now
-                lo = max(now - WINDOW_S - self.baseline_s, state.baseline_from)
-                base, span = s.between(lo, now - WINDOW_S)
-                if len(base) >= MIN_BASELINE_SAMPLES and span >= self.baseline_s / 4:
-                    state.baseline, state.baseline_until = float(np.percentile(base, stat)), now - WINDOW_S
-                    state.baseline_lo = lo
-                # else the one before the last incident holds until a new one is whole (or none yet)
+            self._baseline(trigger, state, s, now, value, window)
             limit = trigger.factor * state.baseline if state.baseline is not None else None
         state.value, state.limit = value, limit
-        holds = value is not None and limit is not None and trigger.beyond(value, limit)
+        holds = state.resolved = value is not None and limit is not None and trigger.beyond(value, limit) \
+            and resolves(trigger, window, limit)
         if state.fired_at is not None:       # re-armed once clear for the hold time and cooled down
             if holds:
                 state.clear_since = None
@@ -343,8 +412,10 @@ class Triggers:
                 # not in it; until it is whole, the one before the incident holds (after a
                 # shift, none: the old normal is gone)
                 state.baseline_from, state.baseline_at = now, float("-inf")
+                state.excursion_since, state.left_out = None, []
                 if shifted:
                     state.baseline = None
+                    state.baseline_why = "taken afresh: the condition held past a baseline window (a new normal)"
             return None
         if not holds:
             state.pending_since = None
@@ -353,9 +424,62 @@ class Triggers:
             state.pending_since = now
         if now - state.pending_since < trigger.hold_s:
             return None
+        held = np.zeros(0)
+        if trigger.hold_s > 0:
+            # the samples that came within the hold resolve it by themselves (not a window's
+            # old outlier)
+            held, _ = s.newest(state.pending_since)
+            if not resolves(trigger, held, limit):
+                return None
         state.fired_at = now
         factored = trigger.factor is not None
         return Firing(trigger, now, value, limit, state.baseline if factored else None,
                       state.baseline_until if factored else None, self.baseline_s, len(window),
-                      s.per_bin(now - SERIES_S, stat), state.baseline_lo if factored else float("-inf"),
-                      state.pending_since)
+                      s.per_bin(now - SERIES_S, trigger.percentile), state.baseline_lo if factored else float("-inf"),
+                      state.pending_since, state.window[0], len(held))
+
+    def _baseline(self, trigger: Trigger, state: TriggerState, s: Series, now: float, value: float | None,
+                  window: np.ndarray) -> None:
+        """The trigger's baseline for the process, taken again at most each baseline_every_s
+        while the condition neither holds nor has fired: never while the process is young,
+        frozen from an excursion that the window resolves over half the way to the limit
+        (whose samples no later baseline holds), an excursion that lasts a baseline window being the new normal."""
+        if state.baseline is not None and value is not None and state.pending_since is None and state.fired_at is None:
+            midway = state.baseline * (1 + trigger.factor) / 2
+            if trigger.beyond(value, midway) and resolves(trigger, window, midway):
+                if state.excursion_since is None:
+                    state.excursion_since = now
+                elif now - state.excursion_since >= self.baseline_s:     # the new normal
+                    state.baseline_from, state.baseline = state.excursion_since, None
+                    state.excursion_since, state.left_out = None, []
+                    state.baseline_why = "taken afresh: an excursion lasted a baseline window (a new normal)"
+                    return
+            elif state.excursion_since is not None:
+                state.left_out.append((state.excursion_since - self.window_s, now))
+                state.excursion_since = None
+        state.left_out = [(a, z) for a, z in state.left_out if z > now - self.window_s - self.baseline_s]
+        if state.excursion_since is not None:
+            state.baseline_why = f"frozen: the statistic is over half the way to the limit (since {now - state.excursion_since:.0f} s)"
+            return
+        if state.pending_since is not None or state.fired_at is not None or now - state.baseline_at < self.baseline_every_s:
+            return
+        state.baseline_at = now
+        lo = max(now - self.window_s - self.baseline_s, state.baseline_from)
+        chunks, span = s.chunks(lo, now - self.window_s, self.window_s, state.left_out)
+        samples = sum(len(c) for c in chunks)
+        # a process's first baseline spans the whole window (a young process's load is not yet
+        # its normal); one taken again after an incident, a quarter of it
+        need = self.baseline_s if state.baseline_from == float("-inf") else self.baseline_s / 4
+        if samples >= MIN_BASELINE_SAMPLES and span >= need - BIN_S:     # (bins begin on whole seconds)
+            # the median of the statistic over each window's length of it: a window's typical
+            # statistic, as the condition's is a window's (a p99 over a whole baseline would be
+            # its few highest samples: a flap, a ramp's newest)
+            state.baseline = float(np.median([np.percentile(c, trigger.percentile) for c in chunks]))
+            state.baseline_until, state.baseline_lo = now - self.window_s, lo
+            state.baseline_why = f"{samples} samples over {span:.0f} s"
+        elif state.baseline is None:
+            seen = 0.0 if state.first_seen is None else now - state.first_seen
+            state.baseline_why = (f"young: samples over {min(span, seen):.0f} s of the {need:.0f} s needed "
+                                  f"(and the {self.window_s:g} s window after them)" if span < need - BIN_S
+                                  else f"too few samples ({samples} of {MIN_BASELINE_SAMPLES})")
+        # else the one before the last incident holds until a new one is whole

@@ -18,7 +18,7 @@ from profinfer.core.model import TokenCall
 from profinfer.daemon.baseline import MIN_GAP_S, RollingTotals
 from profinfer.daemon.captures import CAPTURE_LEVELS, Captures
 from profinfer.daemon.capturestore import CaptureStore
-from profinfer.daemon.flight import WINDOW_S, Firing, Trigger, Triggers, in_unit
+from profinfer.daemon.flight import Firing, Trigger, Triggers, in_unit
 from profinfer.daemon.identity import Identity
 from profinfer.exporters.perfetto import with_meta
 
@@ -28,18 +28,19 @@ DROPPABLE = ("sched", "op", "graph")
 
 class FlightRecorder:
     def __init__(self, agent, captures: Captures, store: CaptureStore, triggers: list[Trigger],
-                 record_for_s: float, levels: set[str], cooldown_s: float, baseline_s: float):
+                 record_for_s: float, levels: set[str], cooldown_s: float, baseline_s: float, window_s: float):
         self.agent = agent
         self.captures = captures
         self.store = store
         self.record_for_s = record_for_s
         self.levels = set(levels)
-        self.triggers = Triggers(triggers, self._fire, cooldown_s, baseline_s, self._pending)
+        self.triggers = Triggers(triggers, self._fire, cooldown_s, baseline_s, self._pending, window_s)
         self.baseline_s = baseline_s
+        self.window_s = window_s
         hold = max((t.hold_s for t in triggers), default=0.0)
         # a baseline held from before an earlier incident: the incident (under a baseline
         # window, or it shifted), the cooldown and a quarter window before a new one is whole
-        self.totals = RollingTotals(2 * baseline_s + cooldown_s + WINDOW_S + hold)
+        self.totals = RollingTotals(2 * baseline_s + cooldown_s + window_s + hold)
         self.failed = 0
         self.syncs_seen: dict[tuple, tuple[int, int]] = {}    # the cuda level's last (syncs, ns), by process
         self.lock = threading.Lock()
@@ -106,14 +107,17 @@ class FlightRecorder:
         """The process's own counts (taken now, before the capture adds its probes): over the
         baseline window before the incident (the trigger's: from its re-arm at the earliest;
         for an absolute limit, the window before the condition began to hold), and over the
-        incident from when the condition began to hold (a sample is taken then) to now."""
+        incident from when the condition began to hold (a sample is taken then) to now (a
+        sample taken now, however soon after; a hold under MIN_GAP_S reaches back to the
+        sample before that)."""
         key, now = (w.identity.pid, w.identity.start), time.monotonic()
         began = firing.began if firing.began is not None else firing.at - firing.trigger.hold_s
-        until = firing.baseline_until if firing.baseline_until is not None else began - WINDOW_S
+        until = firing.baseline_until if firing.baseline_until is not None else began - self.window_s
         try:
-            self._sample(w.identity, now)
+            self._sample(w.identity, now, force=True)
+            start = self.totals.last_at_or_before(key, min(began, now - MIN_GAP_S))
             return {"baseline": self.totals.between(key, max(until - self.baseline_s, firing.baseline_from), until),
-                    "incident": self.totals.between(key, began - MIN_GAP_S, now)}
+                    "incident": None if start is None else self.totals.between(key, start, now)}
         except Exception as e:          # the capture goes on without them
             self.agent.log(f"PID {w.identity.pid}: the flight recorder's counts: {type(e).__name__}: {e}")
             return {"baseline": None, "incident": None}
@@ -126,13 +130,13 @@ class FlightRecorder:
         if ident is not None:
             self._sample(ident, time.monotonic())
 
-    def _sample(self, ident: Identity, now: float) -> None:
+    def _sample(self, ident: Identity, now: float, force: bool = False) -> None:
         counts = self.agent.metrics.totals(ident)
         if counts is not None:
             with self.agent.lock:
                 w = self.agent.watches.get(ident.pid)
                 levels = sorted(w.levels) if w is not None else []
-            self.totals.sample((ident.pid, ident.start), now, counts, levels)
+            self.totals.sample((ident.pid, ident.start), now, counts, levels, force)
 
     @staticmethod
     def _own(w) -> set[str]:
@@ -209,6 +213,7 @@ class FlightRecorder:
             idents = [w.identity for w in self.agent.watches.values()]
         now = time.monotonic()
         return {"triggers": [t.text for t in self.triggers.triggers], "record_for_s": self.record_for_s,
+                "window_s": self.window_s, "baseline_window_s": self.baseline_s,
                 "processes": [{"pid": i.pid, "triggers": self.triggers.state_dicts((i.pid, i.start), now)} for i in idents],
                 "keep": self.store.keep, "max_bytes": self.store.max_bytes, "failed": self.failed,
                 "kept": [{k: r.get(k) for k in ("id", "pid", "started_at", "bytes", "levels")}

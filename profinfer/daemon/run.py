@@ -27,7 +27,7 @@ def log(msg: str) -> None:
 
 
 def flight_settings(triggers: list[str], record_for: str, keep: int, captures_dir: str, max_bytes: int,
-                    levels: set[str], cooldown: str, baseline: str) -> dict:
+                    levels: set[str], cooldown: str, baseline: str, window: str = "10s") -> dict:
     """The flight recorder's settings, checked (ProfinferError: one line) before anything starts."""
     from profinfer.daemon.captures import MAX_CAPTURE_S
     from profinfer.daemon.flight import parse_duration, parse_trigger
@@ -37,7 +37,8 @@ def flight_settings(triggers: list[str], record_for: str, keep: int, captures_di
     return {"triggers": [parse_trigger(t) for t in triggers], "record_for_s": seconds, "keep": keep,
             "captures_dir": captures_dir, "max_bytes": max_bytes, "levels": set(levels),
             "cooldown_s": parse_duration(cooldown, "--trigger-cooldown"),
-            "baseline_s": parse_duration(baseline, "--trigger-baseline")}
+            "baseline_s": parse_duration(baseline, "--trigger-baseline"),
+            "window_s": parse_duration(window, "--trigger-window")}
 
 
 def make_recorder(agent: Agent, captures: Captures, settings: dict):
@@ -45,7 +46,7 @@ def make_recorder(agent: Agent, captures: Captures, settings: dict):
     from profinfer.daemon.recorder import FlightRecorder
     store = CaptureStore(settings["captures_dir"], settings["keep"], settings["max_bytes"])
     return FlightRecorder(agent, captures, store, settings["triggers"], settings["record_for_s"],
-                          settings["levels"], settings["cooldown_s"], settings["baseline_s"])
+                          settings["levels"], settings["cooldown_s"], settings["baseline_s"], settings["window_s"])
 
 
 def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, token_file: str,

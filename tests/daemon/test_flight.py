@@ -26,12 +26,13 @@ from daemon_helpers import Daemon, OtlpReceiver, _get
 from test_html_report import report, shown_page
 
 HOLD_S = 3
-# the trigger's baseline window, and how long the load runs before the slowdown: the baseline
-# needs a quarter of its window of samples (3 s), from before the condition's own 10 s window,
-# judged every 5 s from the first sample (flight.py): whole at the judgment 15 s in, 2 s
-# before the slowdown; the capture's baseline, 3 intervals of the daemon's count samples
-BASELINE_S = 12
-BASELINE_LOAD_S = 17
+# the trigger's window and baseline window, and how long the load runs before the slowdown: a
+# first baseline spans its whole window (less a bin), before the condition's own window, taken
+# again each half window (flight.py): whole 12 s in, 3 s before the slowdown; the capture's
+# baseline, 3 intervals of the daemon's count samples and more
+WINDOW_S = 4
+BASELINE_S = 8
+BASELINE_LOAD_S = 15
 SAMPLED = {**os.environ, "PROFINFER_BASELINE_SAMPLE_S": "1"}
 
 FACTOR = 1.8
@@ -125,7 +126,8 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
     receiver = OtlpReceiver()
     with llama_server(llama_build, tiny_model, llama_env, 2) as (server, url):
         d = Daemon(tmp_path, ("--levels", "token,graph", "--budget", "0.25", "--trigger", f"tpot_p99 > {FACTOR}x baseline for {HOLD_S}s",
-                              "--trigger-baseline", f"{BASELINE_S}s", "--record-for", f"{RECORD_S}s", "--keep", "3",
+                              "--trigger-baseline", f"{BASELINE_S}s", "--trigger-window", f"{WINDOW_S}s",
+                              "--record-for", f"{RECORD_S}s", "--keep", "3",
                               "--captures-dir", str(store), "--capture-levels", "sched", "--otlp", receiver.url),
                    env=SAMPLED)
         hogs = []
@@ -314,7 +316,8 @@ def test_a_vllm_burst_of_long_prompts_fires_and_shows_the_phase_change(tmp_path,
     d = None
     try:
         d = Daemon(tmp_path, ("--levels", "token", "--budget", "0.25", "--trigger", "call_p90 > 1.8x baseline for 3s",
-                              "--trigger-baseline", f"{BASELINE_S}s", "--record-for", "3s", "--keep", "3",
+                              "--trigger-baseline", f"{BASELINE_S}s", "--trigger-window", f"{WINDOW_S}s",
+                              "--record-for", "3s", "--keep", "3",
                               "--captures-dir", str(store), "--capture-levels", "step"), env=SAMPLED)
         assert d.watched(target.pid, timeout=60)["levels"] == ["step"], d.text()
         target.steady(tmp_path / "steps.json")
