@@ -694,6 +694,8 @@ def _trigger_state(t: dict) -> str:
         return f"fired {t['fired_s_ago']:.0f} s ago, not re-armed yet"
     window = f"over {t.get('window_samples', '?')} samples in {t.get('window_s') or 0:.0f} s"
     baseline = f"; baseline {t['baseline_state']}" if t.get("baseline_state") else ""
+    if t.get("window_state"):
+        window += f" ({t['window_state']})"
     if t["value"] is None or t["limit"] is None:
         why = ["no samples in its window"] * (t["value"] is None) + ["no baseline"] * (t["limit"] is None)
         return f"not armed ({', '.join(why)}){baseline}"

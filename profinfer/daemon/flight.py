@@ -14,15 +14,18 @@ below) at a one-sided CONFIDENCE (Clopper-Pearson), so that one slow token among
 not make a p99. A window with fewer samples than the percentile could ever be resolved by is
 widened back, up to WIDEST_WINDOWS windows (a TTFT at half a request a second). `for HOLD`
 is the time the condition held at every judgment, and the samples that came within the hold
-must resolve it by themselves: an outlier that keeps a small window's p99 up does not hold it.
+must resolve it by themselves, in each of HOLD_SLICES slices in turn: an outlier that keeps a
+small window's p99 up, or a slowdown over the hold's first second, does not hold it.
 
 A baseline is the median of the same statistic over each window's length of the baseline
 window (5 minutes unless set) before the condition's window: a window's typical statistic.
 It is not taken while the process is young (its samples span less than
 the whole baseline window), and it is frozen from any excursion of the statistic over half
 the way to the limit, whose samples (from its window's start on) never enter a later
-baseline: a flap shorter than the hold, or a ramp, does not raise it. An excursion that
-lasts a baseline window without firing is the new normal."""
+baseline: a flap shorter than the hold, or a ramp that passes half the way within about half
+a baseline window, does not raise it (a slower ramp is followed: so a rolling baseline does).
+An excursion that lasts a baseline window without firing, or excursions that cover half of
+one, are the new normal."""
 from __future__ import annotations
 
 import math
@@ -54,6 +57,7 @@ WINDOW_MAX_SAMPLES = 500
 MIN_TAIL_SAMPLES = 2
 CONFIDENCE = 0.99
 WIDEST_WINDOWS = 6          # a window too sparse to resolve its percentile widens this far back
+HOLD_SLICES = 5             # a hold's samples, in this many slices in turn, each resolves the condition
 MIN_BASELINE_SAMPLES = 100
 BIN_S = 1.0                 # samples are kept in bins of this long
 # A bin keeps its newest WINDOW_MAX_SAMPLES (a bound whatever the rate); a baseline reads an
@@ -159,8 +163,9 @@ def parse_trigger(text: str) -> Trigger:
     tail = float(m["stat"]) / 100 if below else 1 - float(m["stat"]) / 100
     if tail * WINDOW_MAX_SAMPLES < MIN_TAIL_SAMPLES:
         most = 100 * (1 - MIN_TAIL_SAMPLES / WINDOW_MAX_SAMPLES)
-        raise ProfinferError(f"--trigger {text!r}: a window keeps {WINDOW_MAX_SAMPLES} samples at most, too few "
-                             f"to resolve {stat}; use " + (f"p{100 - most:g} or above" if below else f"p{most:g} or below"))
+        raise ProfinferError(f"--trigger {text!r}: a window keeps {WINDOW_MAX_SAMPLES} samples at most, and "
+                             f"{stat}'s tail would hold fewer than {MIN_TAIL_SAMPLES} of them; use "
+                             + (f"p{100 - most:g} or above" if below else f"p{most:g} or below"))
     unit = (m["unit"] or "").replace(" ", "")
     hold = float(m["hold"] or 0) * _UNITS[m["hold_unit"] or "s"]
     if not (math.isfinite(value) and math.isfinite(hold)):
@@ -221,6 +226,15 @@ class Series:
         self.bins[-1].values.extend(values)
         self.bins[-1].seen += len(values)
 
+    def since(self, t: float) -> np.ndarray:
+        """The samples from the bin that holds t on, oldest first: an even sample of each bin,
+        WINDOW_MAX_SAMPLES at most in all (a busy server's whole hold, not its newest moment)."""
+        inside = [b for b in self.bins if b.start > t - BIN_S and b.seen]
+        if not inside:
+            return np.zeros(0)
+        each = max(1, WINDOW_MAX_SAMPLES // len(inside))
+        return np.concatenate([np.asarray(b.values)[::max(1, -(-len(b.values) // each))] for b in inside])
+
     def chunks(self, lo: float, hi: float, chunk_s: float,
                left_out: list[tuple[float, float]] = ()) -> tuple[list[np.ndarray], float]:
         """An even sample of the samples of the bins that begin inside [lo, hi) and meet none
@@ -273,8 +287,9 @@ class TriggerState:
     resolved: bool = False                 # the condition held over that window's samples
     first_seen: float | None = None        # the first judgment with samples (how young it is)
     excursion_since: float | None = None   # the statistic over half the way to the limit since
-    left_out: list[tuple[float, float]] = field(default_factory=list)   # excursions' spans: no baseline's
+    left_out: list[tuple[float, float, int]] = field(default_factory=list)  # excursions' spans (from, to, how many)
     baseline_why: str = "none yet"         # why the baseline is what it is (status)
+    window_why: str = ""                   # a window too sparse to resolve the condition: why (status)
 
     def as_dict(self, trigger: Trigger, now: float) -> dict:
         """What `profinfer status` shows of it: armed (a value and a limit), holding, fired;
@@ -283,6 +298,7 @@ class TriggerState:
                 "baseline": self.baseline if trigger.factor is not None else None,
                 "baseline_state": self.baseline_why if trigger.factor is not None else None,
                 "window_s": self.window[0], "window_samples": self.window[1], "resolved": self.resolved,
+                "window_state": self.window_why or None,
                 "holding_s": None if self.pending_since is None or self.fired_at is not None else now - self.pending_since,
                 "fired_s_ago": None if self.fired_at is None else now - self.fired_at}
 
@@ -385,6 +401,9 @@ class Triggers:
         window, oldest = s.newest(now - self.window_s, trigger.fewest_samples, now - WIDEST_WINDOWS * self.window_s)
         value = float(np.percentile(window, trigger.percentile)) if len(window) else None
         state.window = (now - min(oldest, now - self.window_s), len(window))
+        state.window_why = "" if len(window) >= trigger.fewest_samples else (
+            f"too sparse: {len(window)} samples in {state.window[0]:.0f} s (widened as far as it goes), "
+            f"{trigger.fewest_samples} needed to resolve {trigger.stat}")
         if value is not None and state.first_seen is None:
             state.first_seen = now
         limit = trigger.limit
@@ -426,10 +445,11 @@ class Triggers:
             return None
         held = np.zeros(0)
         if trigger.hold_s > 0:
-            # the samples that came within the hold resolve it by themselves (not a window's
-            # old outlier)
-            held, _ = s.newest(state.pending_since)
-            if not resolves(trigger, held, limit):
+            # the samples that came within the hold resolve it by themselves, in each of its
+            # slices in turn (not a window's old outlier, nor a slowdown over its first second)
+            held = s.since(state.pending_since)
+            parts = max(1, min(HOLD_SLICES, len(held) // trigger.fewest_samples))
+            if not all(resolves(trigger, part, limit) for part in np.array_split(held, parts)):
                 return None
         state.fired_at = now
         factored = trigger.factor is not None
@@ -455,9 +475,19 @@ class Triggers:
                     state.baseline_why = "taken afresh: an excursion lasted a baseline window (a new normal)"
                     return
             elif state.excursion_since is not None:
-                state.left_out.append((state.excursion_since - self.window_s, now))
+                a, n = state.excursion_since - self.window_s, 1
+                if state.left_out and state.left_out[-1][1] >= a:     # overlapping the last: merged
+                    a, _, before = state.left_out.pop()
+                    n += before
+                state.left_out.append((a, now, n))
                 state.excursion_since = None
-        state.left_out = [(a, z) for a, z in state.left_out if z > now - self.window_s - self.baseline_s]
+        lo = now - self.window_s - self.baseline_s
+        state.left_out = [(a, z, n) for a, z, n in state.left_out if z > lo]
+        if sum(n for _, _, n in state.left_out) >= 2 and \
+                sum(min(z, now - self.window_s) - max(a, lo) for a, z, _ in state.left_out) >= self.baseline_s / 2:
+            # excursions that come and go over half its window: that is how the process runs now
+            state.left_out, state.baseline = [], None
+            state.baseline_why = "taken afresh: excursions covered half the baseline window (a new normal)"
         if state.excursion_since is not None:
             state.baseline_why = f"frozen: the statistic is over half the way to the limit (since {now - state.excursion_since:.0f} s)"
             return
@@ -465,7 +495,7 @@ class Triggers:
             return
         state.baseline_at = now
         lo = max(now - self.window_s - self.baseline_s, state.baseline_from)
-        chunks, span = s.chunks(lo, now - self.window_s, self.window_s, state.left_out)
+        chunks, span = s.chunks(lo, now - self.window_s, self.window_s, [(a, z) for a, z, _ in state.left_out])
         samples = sum(len(c) for c in chunks)
         # a process's first baseline spans the whole window (a young process's load is not yet
         # its normal); one taken again after an incident, a quarter of it
@@ -482,4 +512,6 @@ class Triggers:
             state.baseline_why = (f"young: samples over {min(span, seen):.0f} s of the {need:.0f} s needed "
                                   f"(and the {self.window_s:g} s window after them)" if span < need - BIN_S
                                   else f"too few samples ({samples} of {MIN_BASELINE_SAMPLES})")
-        # else the one before the last incident holds until a new one is whole
+        else:       # the one before (an incident, excursions) holds until a new one is whole
+            state.baseline_why = (f"held from {now - state.baseline_until:.0f} s ago: {samples} samples "
+                                  f"over {span:.0f} s outside incidents and excursions since")

@@ -112,7 +112,7 @@ class FlightRecorder:
         sample before that)."""
         key, now = (w.identity.pid, w.identity.start), time.monotonic()
         began = firing.began if firing.began is not None else firing.at - firing.trigger.hold_s
-        until = firing.baseline_until if firing.baseline_until is not None else began - self.window_s
+        until = firing.baseline_until if firing.baseline_until is not None else began - firing.window_s
         try:
             self._sample(w.identity, now, force=True)
             start = self.totals.last_at_or_before(key, min(began, now - MIN_GAP_S))

@@ -159,5 +159,6 @@ def test_a_sync_trigger_fires_on_the_programs_syncs(tmp_path):
     fired = caps[0]["fired"]
     syncs = next(line.split() for line in out.splitlines() if line.startswith("syncs "))
     own_mean_s = int(syncs[2]) / int(syncs[1]) / 1e9
-    assert (fired["reason"], fired["unit"], fired["window_samples"] >= 20) == ("sync_p50", "s", True), fired
+    # seven samples all beyond resolve a median at 99% (0.5 ** 7 < 0.01): no fewer fire it
+    assert (fired["reason"], fired["unit"], fired["window_samples"] >= 7) == ("sync_p50", "s", True), fired
     assert 0 < fired["value"] <= own_mean_s, (fired, own_mean_s)

@@ -62,15 +62,20 @@ def test_a_lone_outlier_does_not_fire_a_five_second_hold():
     assert 105.375 <= f.at <= 105.875 and f.hold_samples >= 36 and f.value > f.limit == pytest.approx(0.030)
 
 
-def test_a_slowdown_shorter_than_the_hold_over_a_sparse_window_does_not_fire():
-    """Two tokens a second; three slow ones (1.5 s), then normal again: the window's p99
-    stays past the limit while they are in it (10 s), but the samples that came within the
-    hold, from the condition's start on, are normal: it never holds 5 s."""
+@pytest.mark.parametrize("per_s", [2, 8, 10, 50])
+def test_a_slowdown_shorter_than_the_hold_does_not_fire(per_s):
+    """A 1.5 s slowdown, then normal again: the window's p99 stays past the limit while its
+    slow samples are in it (10 s), and they are past 1% of the hold's; but the hold's later
+    slices are normal: it never holds 5 s. A 5 s one does."""
     tr, fired = _judged("tpot_p99 > 3x baseline for 5s")
-    _feed(tr, "tpot", 0, 80, 2, 0.010)
-    _feed(tr, "tpot", 80, 81.5, 2, 0.050)
-    _feed(tr, "tpot", 81.5, 100, 2, 0.010)
+    _feed(tr, "tpot", 0, 80, per_s, 0.010)
+    _feed(tr, "tpot", 80, 81.5, per_s, 0.050)
+    _feed(tr, "tpot", 81.5, 100, per_s, 0.010)
     assert fired == []
+    _feed(tr, "tpot", 100, 107, per_s, 0.050)
+    # held from the judgment at which its slow samples resolve the window (the third of 21
+    # at two a second, a second in), for 5 s
+    assert len(fired) == 1 and 105 <= fired[0].at <= 106
 
 
 def test_a_ttft_trigger_fires_at_half_a_request_a_second():
@@ -100,9 +105,10 @@ def test_a_sparse_median_widens_its_window_and_status_says_so():
 
 def test_a_flap_shorter_than_the_hold_stays_out_of_the_baseline():
     """Ten tokens a second of 10 ms; a 2 s flap of 50 ms, past 3x for the 12 s it is in the
-    window, shorter than the 30 s hold: no firing. Its samples would have made a baseline's
-    p99 over its whole window 50 ms (2 s of 60 is past 1%), and a later slowdown to 40 ms
-    (4x) would not fire: the baseline stays 10 ms, and it fires."""
+    window, shorter than the 30 s hold: no firing. Its samples would have made a p99 over the
+    baseline's whole window 50 ms (2 s of 60 is past 1%), and a later slowdown to 40 ms (4x)
+    would not fire: the baseline (a typical window's p99, its excursion left out) stays
+    10 ms, and it fires."""
     tr, fired = _judged("tpot_p99 > 3x baseline for 30s")
     _feed(tr, "tpot", 0, 80, 10, 0.010)
     _feed(tr, "tpot", 80, 82, 10, 0.050)
@@ -111,6 +117,33 @@ def test_a_flap_shorter_than_the_hold_stays_out_of_the_baseline():
     assert tr.state_dicts(KEY, 120)[0]["baseline"] == pytest.approx(0.010)
     _feed(tr, "tpot", 120, 160, 10, 0.040)
     assert len(fired) == 1 and fired[0].baseline == pytest.approx(0.010)
+
+
+def test_an_excursion_under_the_limit_stays_out_of_the_baseline():
+    """35 s at 25 ms (2.5x: past half the way to 3x, under it): no firing, and most of the
+    baseline's windows would have been the excursion's, its median 25 ms, a later 40 ms
+    slowdown under 3x of it. Left out, the baseline stays 10 ms and the slowdown fires."""
+    tr, fired = _judged("tpot_p99 > 3x baseline for 5s")
+    _feed(tr, "tpot", 0, 80, 10, 0.010)
+    _feed(tr, "tpot", 80, 115, 10, 0.025)
+    _feed(tr, "tpot", 115, 125, 10, 0.010)
+    assert fired == [] and tr.state_dicts(KEY, 125)[0]["baseline"] == pytest.approx(0.010)
+    _feed(tr, "tpot", 125, 135, 10, 0.040)
+    assert len(fired) == 1 and fired[0].baseline == pytest.approx(0.010)
+
+
+def test_excursions_that_cover_half_the_baseline_window_are_the_new_normal():
+    """22 ms (past half the way to 3x) for 15 s of every 30 s: each excursion is shorter than
+    the baseline window, but together they are how the process runs now. The baseline is taken
+    afresh with them in it (status says so), not held at the old 10 ms forever."""
+    tr, fired = _judged("tpot_p99 > 3x baseline for 5s")
+    _feed(tr, "tpot", 0, 80, 10, 0.010)
+    for k in range(8):
+        _feed(tr, "tpot", 80 + 30 * k, 95 + 30 * k, 10, 0.022)
+        _feed(tr, "tpot", 95 + 30 * k, 110 + 30 * k, 10, 0.010)
+    said = tr.states[KEY][0].baseline_why
+    state = tr.state_dicts(KEY, 320)[0]
+    assert fired == [] and state["baseline"] > 0.015, (state, said)
 
 
 def test_a_slow_ramp_fires_against_the_baseline_from_before_it():
@@ -125,6 +158,15 @@ def test_a_slow_ramp_fires_against_the_baseline_from_before_it():
     assert f.baseline == pytest.approx(0.010, rel=0.05) and f.value > 0.030
     # past 3x at 30 ms: 50 s into the ramp, plus the hold
     assert 80 + 50 + 5 <= f.at <= 80 + 50 + 5 + 2
+
+
+def test_a_window_too_sparse_even_widened_says_so():
+    """`ttft_p50 > 2s` at a request each 12 s: six windows hold five or six, seven are needed
+    to resolve a median: it cannot fire, and the status says why rather than look armed."""
+    tr, fired = _judged("ttft_p50 > 2s")
+    _feed(tr, "ttft", 0, 120, 1 / 12, 3.0)
+    state = tr.state_dicts(KEY, 120)[0]
+    assert fired == [] and state["window_state"].startswith("too sparse") and "7 needed" in state["window_state"], state
 
 
 def test_a_young_process_has_no_baseline_and_status_says_so():
