@@ -1,7 +1,8 @@
 """`profinfer calibrate` checks its measurement: with the CPUs kept busy by other processes it
-caches nothing and says why (exit 75); on an idle machine it caches the roofs and probe costs
-with the check they passed. No timed assertion on absolute numbers: only what the check
-decided and what it left in the cache."""
+caches nothing and says why (exit 75). (On an idle machine it caches the roofs and probe costs
+with the check they passed: a whole calibration, timed, in tests/soak; setup.sh makes one on
+every fresh machine.) No timed assertion on absolute numbers: only what the check decided and
+what it left in the cache."""
 from __future__ import annotations
 
 import json
@@ -116,23 +117,3 @@ def test_unchecked_entries_are_ignored(tmp_path, monkeypatch):
     (tmp_path / "probecost.json").write_text(json.dumps(
         {probecost._key(): {"emulated_ns": 1.0, "stepped_ns": 2.0, "uretprobe_extra_ns": 3.0}}))
     assert calibrate.cached_roofs(2) is None and probecost.cached() is None
-
-
-def test_idle_machine_caches_checked_results(tmp_path):
-    if not loadcheck.wait_until_quiet(300):
-        pytest.skip("other processes kept the CPUs busy for 5 minutes: no idle machine to test on")
-    with loadcheck.LoadWindow() as w:      # the calibration is our child: not counted as others
-        # one thread: two on this 2-core VM share its cores with the VM's own work, and their
-        # repetitions are often rejected as preempted (bench/results.md)
-        r = calibrate_cli(tmp_path, "--threads", "1", "--attempts", "6")
-    if r.returncode == 75 and w.load.busy:
-        pytest.skip(f"the machine was not idle while calibrating ({w.load.describe()} on average)")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "checked:" in r.stdout
-    roofs = json.loads((tmp_path / "roofs.json").read_text())
-    entry = roofs[calibrate._key(1)]
-    assert "other processes used" in entry["check"] and entry["read_gbps"] > 0
-    costs = json.loads((tmp_path / "probecost.json").read_text())[probecost._key()]
-    assert "check" in costs and costs["stepped_ns"] > costs["emulated_ns"] > 0
-    again = calibrate_cli(tmp_path, "--threads", "1")      # cached: the same figures, no re-measure
-    assert again.returncode == 0 and json.loads((tmp_path / "roofs.json").read_text()) == roofs

@@ -24,7 +24,7 @@ def _no_workload_left():
     kill_started()
 
 
-WAVES, PER_WAVE = 4, 5
+WAVES, PER_WAVE = 3, 5
 
 
 def _footprint(pid: int) -> dict[str, int]:

@@ -255,14 +255,14 @@ def test_two_incidents_keep_the_newest_under_the_byte_cap(tmp_path, llama_build,
     store, cap_bytes = tmp_path / "captures", 1 << 20
     with llama_server(llama_build, tiny_model, llama_env, 2) as (server, url):
         d = Daemon(tmp_path, ("--levels", "token,graph", "--budget", "0.25", "--trigger", "tpot_p99 > 20ms for 1s",
-                              "--record-for", "2s", "--keep", "1", "--captures-max-bytes", str(cap_bytes),
+                              "--trigger-window", "2s", "--record-for", "2s", "--keep", "1", "--captures-max-bytes", str(cap_bytes),
                               "--trigger-cooldown", "1s", "--captures-dir", str(store), "--capture-levels", "token"))
         rss, made_at = [], []
         try:
             d.watched(server.pid)
             cpus = sorted(os.sched_getaffinity(server.pid))
             with SteadyLoad(url):
-                time.sleep(5)
+                time.sleep(3)
                 for incident in range(2):
                     hogs = [subprocess.Popen([sys.executable, "-c", HOG],
                                              preexec_fn=lambda c=c: os.sched_setaffinity(0, {c}))
@@ -277,7 +277,7 @@ def test_two_incidents_keep_the_newest_under_the_byte_cap(tmp_path, llama_build,
                             h.wait()
                     assert made(d) == incident + 1, (incident, d.text())
                     made_at.append(kept(d)[-1]["id"])
-                    time.sleep(6)          # clear for its hold time, cooled down
+                    time.sleep(4)          # clear (its 2 s window) for its hold time, cooled down
                     rss.append(daemon_rss(d))
             caps = kept(d)
             on_disk = sorted(p.name for p in store.iterdir())
