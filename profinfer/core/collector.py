@@ -185,6 +185,9 @@ class Collector:
         self.n_events = 0
         self.decoding = False               # the target's work has begun (costs count from here)
         self.info = ProcessInfo()
+        # the engine's own account of the recording (a server's metrics), asked for the report
+        # beside ours; a daemon, which makes no report, asks nothing of the target
+        self.outside_account = True
 
     # ---- the settings and the attachment, by their names ----
 

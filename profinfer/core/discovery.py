@@ -49,7 +49,7 @@ def thread_names(pid: int) -> dict[int, str]:
 def mapped_files(pid: int) -> list[MappedFile]:
     """Executable file mappings of `pid`, one entry per file."""
     try:
-        text = procfs.read_maps(pid)
+        mappings = procfs.read_maps(pid)
     except FileNotFoundError:
         raise ProfinferError(f"no process with PID {pid}") from None
     except PermissionError:
@@ -58,7 +58,7 @@ def mapped_files(pid: int) -> list[MappedFile]:
                "SELinux) denies it" if os.geteuid() == 0 else "run as root")
         raise ProfinferError(f"cannot read /proc/{pid}/maps: permission denied; {why}") from None
     seen: dict[str, MappedFile] = {}
-    for m in procfs.parse_maps(text):
+    for m in mappings:
         if "x" not in m.perms or m.path in seen:
             continue
         seen[m.path] = MappedFile(m.path, host_path(pid, m.path, m.inode, m.span, m.deleted, m.dev),

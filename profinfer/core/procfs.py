@@ -50,8 +50,9 @@ RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08
 RESOLVE_IN_ROOT = 0x10
 
-_ROOT_PATH = re.compile(r"^/proc/(\d+)/root(/.*)$")
-_MAP_FILES = re.compile(r"^/proc/(\d+)/map_files/[0-9a-f]+-[0-9a-f]+$")
+# matched whole (fullmatch, DOTALL): a tenant's path may hold a newline, before which `$`
+# would stop and `.` would not reach, so that it fell through to a plain open of a host path
+_ROOT_PATH = re.compile(r"/proc/(\d+)/root(/.*)", re.DOTALL)
 
 
 class _OpenHow(ctypes.Structure):
@@ -117,7 +118,7 @@ def root_of(path: str) -> str | None:
 def open_file(path: str, nofollow: bool = False) -> int:
     """A descriptor of the regular file `path` names: inside the target's root for
     /proc/PID/root/..., the mapped file for /proc/PID/map_files/..., else our own path."""
-    m = _ROOT_PATH.match(path)
+    m = _ROOT_PATH.fullmatch(path)
     if m:
         return open_in_root(int(m.group(1)), m.group(2), nofollow)
     return _regular(os.open(path, _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0)), path)
@@ -170,33 +171,57 @@ class FileMapping:
         return f"{self.start:08x}-{self.end:08x}"
 
 
-def read_maps(pid: int) -> str:
-    """The text of /proc/PID/maps (the one place it is read); OSError as open raises it."""
-    with open(f"/proc/{pid}/maps") as f:
-        return f.read()
+# A process's maps are its own to grow: up to vm.max_map_count (65530) mappings, each under a
+# path of up to 4 KiB, some 250 MiB of text. Read at most this much of it, a line at a time
+# (a vLLM process's are ~50 KiB: bench/results.md), and at most MAX_FILE_MAPPINGS mappings of
+# files, each path kept once however many name it; what lies past either is not seen, the
+# process's own loss (an engine it maps there is not found).
+MAPS_READ_BYTES = 8 << 20
+MAX_FILE_MAPPINGS = 16384
 
 
-def parse_maps(text: str) -> list[FileMapping]:
-    """The mappings of files in a /proc/PID/maps text, in its order."""
-    out = []
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 6 or not parts[5].startswith("/"):
+class FileMappings(list):
+    """The mappings of files a maps text shows, in its order; `cut`: it went on past the
+    bounds above."""
+    cut = False
+
+
+def read_maps(pid: int) -> FileMappings:
+    """The process's mappings of files, as /proc/PID/maps shows them (the one place it is
+    read), within the bounds above; OSError as open raises it."""
+    with open(f"/proc/{pid}/maps", "rb") as f:
+        return parse_maps(f)
+
+
+def parse_maps(lines) -> FileMappings:
+    """The mappings of files in a maps text's lines (bytes, as the kernel writes them), in
+    its order, within the bounds above."""
+    out, paths, perms, read = FileMappings(), {}, {}, 0
+    for line in lines:
+        read += len(line)
+        if read > MAPS_READ_BYTES or len(out) >= MAX_FILE_MAPPINGS:
+            out.cut = True
+            break
+        parts = line.rstrip(b"\n").split(None, 5)
+        if len(parts) < 6 or not parts[5].startswith(b"/"):
             continue
-        start, end = (int(x, 16) for x in parts[0].split("-"))
-        major, minor = (int(x, 16) for x in parts[3].split(":"))
-        path = parts[5].removesuffix(" (deleted)")
-        out.append(FileMapping(start, end, parts[1], int(parts[2], 16), os.makedev(major, minor),
-                               int(parts[4]), path, path != parts[5]))
+        start, end = (int(x, 16) for x in parts[0].split(b"-"))
+        major, minor = (int(x, 16) for x in parts[3].split(b":"))
+        named = os.fsdecode(parts[5])
+        path = named.removesuffix(" (deleted)")
+        path = paths.setdefault(path, path)
+        out.append(FileMapping(start, end, perms.setdefault(parts[1], parts[1].decode()),
+                               int(parts[2], 16), os.makedev(major, minor), int(parts[4]), path,
+                               path != named))
     return out
 
 
-def file_mappings(pid: int) -> list[FileMapping]:
-    """The process's mappings of files, as /proc/PID/maps shows them; [] once it has gone."""
+def file_mappings(pid: int) -> FileMappings:
+    """The process's mappings of files (read_maps); none once it has gone."""
     try:
-        return parse_maps(read_maps(pid))
+        return read_maps(pid)
     except OSError:
-        return []
+        return FileMappings()
 
 
 def stat_fields(pid: int | str) -> list[str] | None:
@@ -259,7 +284,7 @@ def read_as(path: str, file_id: tuple[int, int]) -> None:
         _READ_AS.pop(next(iter(_READ_AS)))
 
 
-_OWN_FD = re.compile(r"^/proc/self/fd/\d+$")
+_OWN_FD = re.compile(r"/proc/self/fd/\d+")
 
 
 @contextlib.contextmanager
@@ -276,12 +301,12 @@ def pinned(path: str, file_id: tuple[int, int] | None = None):
     except OSError as e:
         raise ProfinferError(f"cannot open {path} to probe it: {e.strerror}") from None
     try:
-        m = _ROOT_PATH.match(path)
+        m = _ROOT_PATH.fullmatch(path)
         if m:
             check_mapped(fd, int(m.group(1)), m.group(2))
         st = os.fstat(fd)
         want = file_id if file_id and file_id != (0, 0) else _READ_AS.get(path)
-        if want is None and not _OWN_FD.match(path):
+        if want is None and not _OWN_FD.fullmatch(path):
             raise ProfinferError(f"{path}: which file its symbols were read from is not known "
                                  "(read long ago): not probed")
         if want is not None and want != (st.st_dev, st.st_ino):

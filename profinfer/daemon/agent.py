@@ -466,6 +466,7 @@ class Agent:
         try:
             coll = w.pack.collector_class()(pid, {"op"}, w.pack, w.files, root=f"/proc/{pid}/root",
                                             ringbuf_pages=RING_PAGES, op_totals=True)
+            coll.outside_account = False
             coll.attach()
         except Exception as e:
             if coll is not None:

@@ -40,6 +40,7 @@ def open_followed(pack: Pack, pid: int, files: list[tuple[str, str]], levels: se
         libbpf.map_update(fd, pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
         coll = pack.collector_class()(pid, levels, pack, files, root=f"/proc/{pid}/root",
                                       ringbuf_pages=SHARED_RING_PAGES, followed_map_fd=fd, **options)
+        coll.outside_account = False
         coll.attach()
     except BaseException:
         if coll is not None:

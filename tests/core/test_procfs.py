@@ -42,6 +42,8 @@ def jailed(tmp_path):
     os.symlink(str(HOST_FILE), root / "abs-link")                  # absolute: its own /etc
     os.symlink("../../../../../../../../etc/os-release", root / "dotdot-link")
     os.symlink("/proc/self/root/etc/os-release", root / "magic-link")
+    (root / "nl\n").mkdir()                          # a name with a newline in it (a PT_INTERP's)
+    os.symlink(str(HOST_FILE), root / "nl\n" / "abs-link")
     os.mkfifo(root / "fifo")
     debug = root / DEBUG_FILE.lstrip("/")           # a device node where a debug file is looked for
     debug.parent.mkdir(parents=True)
@@ -74,6 +76,7 @@ def test_links_resolve_inside_the_root(jailed):
     assert _read(f"{base}/etc/os-release") == b"ID=jail\n"
     assert _read(f"{base}/abs-link") == b"ID=jail\n"        # not the host's file
     assert _read(f"{base}/dotdot-link") == b"ID=jail\n"
+    assert _read(f"{base}/nl\n/abs-link") == b"ID=jail\n"   # inside the root still
     with pytest.raises(OSError) as e:
         _read(f"{base}/magic-link")
     assert e.value.errno in (errno.ELOOP, errno.EXDEV, errno.ENOENT)
@@ -202,14 +205,14 @@ def test_one_reader_of_maps_and_stat(tmp_path):
     interpreter runs is mapped, by its inode), and stat's fields after the command name
     (a name with a space and a parenthesis in it cannot shift them)."""
     import sys
-    text = procfs.read_maps(os.getpid())
-    mappings = procfs.parse_maps(text)
+    text = Path(f"/proc/{os.getpid()}/maps").read_text()       # the kernel's own text
+    mappings = procfs.file_mappings(os.getpid())
     exe = os.path.realpath(sys.executable)
     st = os.stat(exe)
     mine = [m for m in mappings if m.path == exe]
     assert mine and all((m.dev, m.inode) == (st.st_dev, st.st_ino) for m in mine)
     assert all(m.span in text for m in mine)                 # as the kernel writes the range
-    assert procfs.file_mappings(os.getpid()) == mappings
+    assert len(mappings) == sum(1 for line in text.splitlines() if " /" in line)
     oddly_named = tmp_path / "a) b ("              # its command name, as comm shows it
     oddly_named.symlink_to(shutil.which("sleep"))
     holder = subprocess.Popen([str(oddly_named), "30"])

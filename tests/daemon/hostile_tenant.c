@@ -5,9 +5,12 @@
  * makes a FIFO at its path (what /proc/PID/maps names). With "swap HOSTDIR": once a reader has read the library (IN_ACCESS,
  * then IN_CLOSE_NOWRITE) it swaps the library's directory for an absolute symlink to
  * HOSTDIR (a host directory: to a reader that resolves the path outside this root) and
- * says so in /swapped. */
+ * says so in /swapped. With "maps N": it maps one page of a file under a ~3.6 KB path N times
+ * (no two merge: each maps the file's offset 0), readable and executable by turns, then
+ * maps and unmaps another page every 0.2 s (its size changes: a scan looks at it again). */
 #include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/inotify.h>
 #include <sys/mman.h>
@@ -30,6 +33,28 @@ int main(int argc, char **argv) {
         if (k < 0 || mmap(0, 4096, PROT_READ | PROT_EXEC, MAP_PRIVATE, k, 0) == MAP_FAILED) return 1;
         close(k);
         if (unlink(argv[3]) || mkfifo(argv[3], 0600)) return 1;
+    }
+    if (argc > 3 && !strcmp(argv[2], "maps")) {
+        char deep[4096] = "";
+        for (int i = 0; i < 18; i++) {          /* 18 components of 199 characters */
+            strcat(deep, "/");
+            memset(deep + strlen(deep), 'd', 199);
+            deep[i * 200 + 200] = 0;
+            mkdir(deep, 0755);
+        }
+        strcat(deep, "/page");
+        int k = open(deep, O_RDWR | O_CREAT, 0644);
+        if (k < 0 || ftruncate(k, 4096)) return 1;
+        long n = atol(argv[3]);
+        for (long i = 0; i < n; i++)
+            if (mmap(0, 4096, i % 2 ? PROT_READ : PROT_READ | PROT_EXEC, MAP_PRIVATE, k, 0) == MAP_FAILED) return 1;
+        mark("/ready");
+        for (;;) {
+            void *p = mmap(0, 4096, PROT_READ, MAP_PRIVATE, k, 0);
+            usleep(100000);
+            munmap(p, 4096);
+            usleep(100000);
+        }
     }
     int in = -1;
     if (argc > 3 && !strcmp(argv[2], "swap")) {

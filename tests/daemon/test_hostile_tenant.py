@@ -108,18 +108,29 @@ def _jail(root: Path, binary: Path) -> None:
             shutil.copy2(os.path.realpath(path), dest)
 
 
-def _start_tenant(root: Path, *args: str) -> subprocess.Popen:
-    """The tenant in its own mount namespace, root pivoted to `root` (the tenant unmounts
-    the host's)."""
-    script = (f"mount --make-rprivate / && mount --bind {root} {root} && cd {root} && "
-              "mkdir -p .host && pivot_root . .host && "
-              "exec /bin/tenant " + " ".join(args))
-    proc = subprocess.Popen(["unshare", "--mount", "sh", "-c", script])
-    deadline = time.monotonic() + 15
-    while not (root / "ready").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the tenant did not start"
-        time.sleep(0.05)
-    return proc
+class Tenant:
+    """The tenant's program in mount and PID namespaces of its own, its root pivoted to
+    `root` (the tenant unmounts the host's). `pid`: the program's PID as the host sees it."""
+
+    def __init__(self, root: Path, *args: str):
+        script = (f"mount --make-rprivate / && mount --bind {root} {root} && cd {root} && "
+                  "mkdir -p .host && pivot_root . .host && "
+                  "exec /bin/tenant " + " ".join(args))
+        # --kill-child: the program (PID 1 of its namespace) dies with unshare
+        self.proc = subprocess.Popen(["unshare", "--mount", "--pid", "--fork", "--kill-child", "sh", "-c", script])
+        deadline = time.monotonic() + 15
+        while not (root / "ready").exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, "the tenant did not start"
+            time.sleep(0.05)
+        (self.pid,) = map(int, Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split())
+
+    def state(self) -> str:
+        """Its state letter, as /proc/PID/stat says it (T: stopped)."""
+        return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 def _build_id(path: Path) -> str:
@@ -278,14 +289,18 @@ def test_links_fifos_and_a_swapped_directory_never_reach_the_host(tmp_path, llam
 
     tenant = accesses = watched = None
     try:
-        tenant = _start_tenant(root, "/opt/lib/libllama.so", "swap", str(host_dir))
+        tenant = Tenant(root, "/opt/lib/libllama.so", "swap", str(host_dir))
         accesses = Accesses([host_lib, host_debug])
         watched = Watched(tmp_path, memory_cgroup)
         deadline = time.monotonic() + 30
         while not (root / "swapped").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert (root / "swapped").exists(), "the daemon never read the tenant's library\n" + watched.daemon.text()
-        time.sleep(10)         # its attach, and a retry after it failed
+        # its attach once the directory was swapped: to the file it had read and checked
+        said = f"watching PID {tenant.pid} "
+        while said not in watched.daemon.text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert said in watched.daemon.text(), watched.daemon.text()
         watched.stop_polling()
         pid = watched.daemon.proc.pid
         events = [e for e in accesses.events() if _of(e[2], pid)]
@@ -298,7 +313,6 @@ def test_links_fifos_and_a_swapped_directory_never_reach_the_host(tmp_path, llam
             watched.close()
         if tenant is not None:
             tenant.kill()
-            tenant.wait()
         host_debug.unlink()
         if made_debug_dir:
             host_debug.parent.rmdir()
@@ -331,7 +345,7 @@ def test_a_huge_library_neither_exhausts_nor_stalls_the_daemon(tmp_path, llama_b
     _huge_symbol_table((llama_build / "bin" / "libllama.so").resolve(), root / "opt" / "lib" / "libllama.so")
     tenant = watched = None
     try:
-        tenant = _start_tenant(root, "/opt/lib/libllama.so")
+        tenant = Tenant(root, "/opt/lib/libllama.so")
         watched = Watched(tmp_path, memory_cgroup)
         _counted_beside(watched.daemon, llama_build, tiny_model, llama_env, tmp_path)
         time.sleep(8)          # retries of the tenant (backing off from 2 s)
@@ -345,7 +359,46 @@ def test_a_huge_library_neither_exhausts_nor_stalls_the_daemon(tmp_path, llama_b
             watched.close()
         if tenant is not None:
             tenant.kill()
-            tenant.wait()
+
+
+MAPPINGS = 60000       # under vm.max_map_count's 65530
+
+
+def _maps_bytes(pid: int) -> int:
+    """The size of the process's maps text, read as the kernel writes it (a chunk at a time)."""
+    n = 0
+    with open(f"/proc/{pid}/maps", "rb") as f:
+        while chunk := f.read(1 << 20):
+            n += len(chunk)
+    return n
+
+
+def test_a_flood_of_mappings_neither_exhausts_nor_stalls_the_daemon(tmp_path, llama_build, tiny_model, llama_env,
+                                                                    tenant_bin, memory_cgroup):
+    """A tenant named like an engine maps a page 60,000 times under a 3.6 KB path (over
+    200 MB of maps text), its size changing every 0.2 s so that each scan looks again. The
+    daemon, limited as the manifest limits it, stays alive, /healthz stays 200, a llama.cpp
+    generation beside it is counted exactly, and nothing is left stopped."""
+    root = tmp_path / "tenant"
+    _jail(root, tenant_bin)
+    (root / "opt" / "lib").mkdir(parents=True)
+    shutil.copy2(tenant_bin, root / "opt" / "lib" / "libllama.so")
+    tenant = watched = None
+    try:
+        tenant = Tenant(root, "/opt/lib/libllama.so", "maps", str(MAPPINGS))
+        assert _maps_bytes(tenant.pid) > 200 << 20
+        watched = Watched(tmp_path, memory_cgroup)
+        _counted_beside(watched.daemon, llama_build, tiny_model, llama_env, tmp_path)
+        time.sleep(3)          # more scans of the tenant, its size changed each time
+        watched.stop_polling()
+        watched.assert_alive_and_healthy()
+        assert tenant.state() != "T"
+    finally:
+        kill_started()
+        if watched is not None:
+            watched.close()
+        if tenant is not None:
+            tenant.kill()
 
 
 def test_a_fifo_where_a_mapped_library_was_is_not_waited_on(tmp_path, tenant_bin, memory_cgroup):
@@ -360,7 +413,7 @@ def test_a_fifo_where_a_mapped_library_was_is_not_waited_on(tmp_path, tenant_bin
     shutil.copy2(tenant_bin, root / "opt" / "lib" / "libkernels.so")
     tenant = watched = None
     try:
-        tenant = _start_tenant(root, "/opt/lib/libcudart.so.12", "fifo", "/opt/lib/libkernels.so")
+        tenant = Tenant(root, "/opt/lib/libcudart.so.12", "fifo", "/opt/lib/libkernels.so")
         watched = Watched(tmp_path, memory_cgroup)
         time.sleep(STALL_S + 2)      # past the time after which a stalled loop answers 503 (polled each 0.5 s)
         watched.stop_polling()
@@ -371,7 +424,6 @@ def test_a_fifo_where_a_mapped_library_was_is_not_waited_on(tmp_path, tenant_bin
             watched.close()
         if tenant is not None:
             tenant.kill()
-            tenant.wait()
 
 
 def test_a_padded_loader_does_not_stall_the_loop(tmp_path, tenant_bin, memory_cgroup):
@@ -387,7 +439,7 @@ def test_a_padded_loader_does_not_stall_the_loop(tmp_path, tenant_bin, memory_cg
     shutil.copy2(_padded_loader(tmp_path), root / "lib64" / "ld-padded.so")
     tenant = watched = None
     try:
-        tenant = _start_tenant(root, "/bin/tenant")
+        tenant = Tenant(root, "/bin/tenant")
         watched = Watched(tmp_path, memory_cgroup)
         time.sleep(STALL_S + 2)      # past the time after which a stalled loop answers 503 (polled each 0.5 s)
         watched.stop_polling()
@@ -397,4 +449,3 @@ def test_a_padded_loader_does_not_stall_the_loop(tmp_path, tenant_bin, memory_cg
             watched.close()
         if tenant is not None:
             tenant.kill()
-            tenant.wait()

@@ -142,7 +142,8 @@ class VllmCollector(Collector):
     def attach(self) -> None:
         super().attach()
         # the server's own account of the same stretch, where it serves /metrics
-        self._server_metrics = MetricsWindow(self._metrics_url)
+        if self._metrics_url is not None:
+            self._server_metrics = MetricsWindow(self._metrics_url)
 
     def _prepare(self) -> None:
         self.elfs = self._mapped_engine_files()
@@ -151,7 +152,8 @@ class VllmCollector(Collector):
                                  f"{', '.join(self.pack.libraries)} is mapped)")
         self._find_ops()
         self._find_wrappers()
-        self._metrics_url = server_metrics.find(self.pid)     # before any probe: records wait on it
+        if self.outside_account:      # before any probe: records wait on it
+            self._metrics_url = server_metrics.find(self.pid)
         mapped = [m.path for m in discovery.mapped_files(self.pid)]
         version = tensors.torch_version(mapped, self.root)
         if version is None and not any(op.kinds for op in self.ops):
