@@ -97,3 +97,20 @@ def test_a_start_removes_the_capture_directories_a_killed_daemon_left(tmp_path):
         d.stop()
     assert sorted(p.name for p in root.iterdir()) == sorted([live.name, tenants.name, link.name])
     assert f"removed {left}: a capture's temporary directory its daemon (PID {dead.pid}) left" in text, text
+
+
+def test_the_newest_are_kept_under_the_count_and_the_byte_cap(tmp_path):
+    """keep=2 and a 100-byte cap: a third capture drops the oldest, one that takes the total
+    over the cap drops the oldest until it fits, one over the cap alone is refused; the files
+    on disk are the records listed, each with its trace, and a new store lists the same."""
+    from profinfer.core.errors import ProfinferError
+    store = CaptureStore(str(tmp_path), keep=2, max_bytes=100)
+    ids = [store.add({"pid": i}, b"x" * 30)["id"] for i in range(3)]
+    assert [r["id"] for r in store.list()] == ids[1:]
+    big = store.add({"pid": 3}, b"y" * 80)["id"]            # 30 + 80 > 100: the 30 goes
+    assert [r["id"] for r in store.list()] == [big]
+    with pytest.raises(ProfinferError, match="over the captures' cap"):
+        store.add({"pid": 4}, b"z" * 101)
+    assert sorted(os.listdir(tmp_path)) == [f"{big}.json", f"{big}.pftrace"]
+    assert store.trace(big) == b"y" * 80 and store.trace(ids[0]) is None
+    assert [r["id"] for r in CaptureStore(str(tmp_path), keep=2, max_bytes=100).list()] == [big]

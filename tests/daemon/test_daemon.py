@@ -7,7 +7,6 @@ daemon has found it: then every decode call is seen, and the counts can be exact
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 import subprocess
 import threading
@@ -197,43 +196,6 @@ def test_otlp_carries_the_same_counts_under_genai_names(tmp_path, llama_build, t
     finally:
         d.stop()
         receiver.close()
-
-
-# PROFINFER_STEP_UP_S: the governor's wait before a level comes back (20 s by default); past
-# the 4 s and 6 s quiet windows the helpers wait for the levels to settle in
-STEP_UP_S = 7
-
-
-def test_governor_steps_the_op_level_down_loaded_and_back_idle(tmp_path, llama_build, tiny_model, llama_env):
-    """The tiny model's llama-server under `--levels token,graph,op --budget 0.04` (its op
-    level costs it more: its ops take microseconds). Loaded, the op level goes within 10 s;
-    settled, the levels kept are what its stated cost allows (under the budget, or the
-    floor, whose own cost is stated); idle, the last level taken comes back after its wait,
-    and the log says why. (Whether the budget holds against time is the soak tier's.)"""
-    from governed import a_level_comes_back_idle, loaded_until_settled, start_server, wait_healthy
-    from daemon_helpers import _free_port
-    port = _free_port()
-    server = start_server(llama_build / "bin", tiny_model, llama_env, port)
-    _STARTED.append(server)
-    url = f"http://127.0.0.1:{port}"
-    d = None
-    try:
-        wait_healthy(url, server)
-        d = Daemon(tmp_path, ("--levels", "token,graph,op", "--budget", "0.04"),
-                   env={**os.environ, "PROFINFER_STEP_UP_S": str(STEP_UP_S)})
-        assert sorted(d.watched(server.pid)["levels"]) == ["graph", "op", "token"], d.text()
-        stepped, info = loaded_until_settled(d, server.pid, url, f"PID {server.pid}: levels graph,op,token -> graph,token (")
-        assert stepped is not None and stepped <= 10, (stepped, d.text())
-        settled = info["levels"]
-        assert "op" not in settled and "budget 4.0%" in d.text()
-        assert info["cost_share"] is not None and (info["cost_share"] <= 0.04 or settled == ["token"]), info
-        assert info["cost_by_level"]["token"] > 0, info         # the floor's own cost, stated
-        assert STEP_UP_S <= d.watched(server.pid)["step_up_wait_s"]
-        a_level_comes_back_idle(d, server.pid, url, ["graph", "op", "token"])
-    finally:
-        kill_started()
-        if d is not None:
-            d.stop()
 
 
 def test_a_capture_counts_against_the_budget(tmp_path, llama_build, tiny_model, llama_env):
