@@ -14,6 +14,7 @@ from elftools.elf.elffile import ELFFile
 
 from profinfer.core import parsing, procfs
 from profinfer.core.buildcache import cache_dir, load_trusted_json, writable_dir
+from profinfer.core.elfheaders import elf_file
 from profinfer.core.errors import ProfinferError
 
 parsing.preload(__name__)
@@ -123,7 +124,7 @@ def _members(die) -> dict[str, int]:
 
 def _elf(f) -> ELFFile | None:
     """The file's ELF, if it has DWARF no larger than we read."""
-    elf = ELFFile(f)
+    elf = elf_file(f)
     if not elf.has_dwarf_info():
         return None
     size = sum(sec.header.sh_size for sec in elf.iter_sections() if sec.name.startswith(".debug_"))

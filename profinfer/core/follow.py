@@ -19,12 +19,12 @@ import signal
 from dataclasses import dataclass
 
 import numpy as np
-from elftools.elf.elffile import ELFFile
 
 from profinfer.core import bpfobj, layout, libbpf, parsing, procfs, recorded
+from profinfer.core.arch.callsites import direct_calls
+from profinfer.core.elfheaders import elf_file
 from profinfer.core.errors import ProfinferError
 from profinfer.core.parsing import NotReady
-from profinfer.core.arch.callsites import direct_calls
 
 parsing.preload(__name__)
 
@@ -64,7 +64,7 @@ def interpreter(pid: int) -> str | None:
     executable it runs: a regular file, not a path the process names.)"""
     try:
         with open(f"/proc/{pid}/exe", "rb") as f:
-            for seg in ELFFile(f).iter_segments():
+            for seg in elf_file(f).iter_segments():
                 if seg.header.p_type == "PT_INTERP" and seg.header.p_filesz <= MAX_INTERP_BYTES:
                     name = os.fsdecode(seg.data().split(b"\0", 1)[0])
                     return f"/proc/{pid}/root{name}" if name.startswith("/") else None
@@ -77,7 +77,7 @@ def _loader_symbols(file: str) -> tuple[tuple[int, int] | None, int | None]:
     """An x86-64 loader's hook ((vaddr, file offset) of _dl_debug_state) and _r_debug's vaddr,
     from its dynamic symbols; (None, None) for another machine or class."""
     with open(file, "rb") as f:
-        elf = ELFFile(f)
+        elf = elf_file(f)
         if elf.elfclass != 64 or elf["e_machine"] != "EM_X86_64":
             return None, None
         dynsym = elf.get_section_by_name(".dynsym")

@@ -14,6 +14,7 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
 from profinfer.core import parsing, procfs
+from profinfer.core.elfheaders import elf_file
 from profinfer.core.errors import ProfinferError
 
 parsing.preload(__name__)
@@ -207,7 +208,7 @@ def _read_elf(path: str, root: str) -> ElfInfo:
     with f:
         st = os.fstat(f.fileno())
         try:
-            elf = ELFFile(f)
+            elf = elf_file(f)
             symbols: dict[str, Symbol] = {}
             has_symtab = _read_symbols(elf, symbols, elf)
             bid = _build_id(elf)
@@ -221,7 +222,7 @@ def _read_elf(path: str, root: str) -> ElfInfo:
                 if found:
                     debug_file, df = found
                     with df:
-                        delf = ELFFile(df)
+                        delf = elf_file(df)
                         has_symtab |= _read_symbols(delf, symbols, elf)
                         if delf.get_section_by_name(".debug_info"):
                             dwarf_path = debug_file

@@ -209,8 +209,8 @@ def memory_cgroup(request):
 
 
 # the daemon's loop not seen this long: /healthz answers 503 (PROFINFER_STALL_S; 30 s by
-# default, shorter here so that a test waits past it in seconds)
-STALL_S = 6
+# default, its least here so that a test waits past it in seconds)
+STALL_S = 5
 
 
 @pytest.fixture
@@ -401,51 +401,83 @@ def test_a_flood_of_mappings_neither_exhausts_nor_stalls_the_daemon(tmp_path, ll
             tenant.kill()
 
 
-def test_a_fifo_where_a_mapped_library_was_is_not_waited_on(tmp_path, tenant_bin, memory_cgroup):
-    """A tenant with a CUDA runtime (the cuda level looks at each of its executable mappings)
-    maps a library, deletes it and makes a FIFO at its path: /healthz stays 200 for longer
-    than the 30 s after which it would answer 503 had the loop waited on the FIFO."""
+def _billion_sections(src: Path, dest: Path) -> None:
+    """A copy of src, sparse to 64 GiB, its header's section count 0 and section 0's size
+    2^30: the extended count a reader takes (each header it walks, ~11.5 µs: hours)."""
+    shutil.copy2(src, dest)
+    with open(dest, "rb") as f:
+        shoff = ELFFile(f).header.e_shoff
+    with open(dest, "r+b") as f:
+        f.seek(0x3C)                                   # Elf64_Ehdr.e_shnum
+        f.write(struct.pack("<H", 0))
+        f.seek(shoff + 32)                             # section 0's sh_size
+        f.write(struct.pack("<Q", 1 << 30))
+        f.truncate(64 << 30)
+
+
+def test_a_billion_sections_claimed_do_not_stall_the_loop(tmp_path, llama_build, tiny_model, llama_env,
+                                                          tenant_bin, memory_cgroup):
+    """A tenant with a CUDA runtime (the cuda level reads the dynamic section of each of its
+    executable mappings, to find the ones that link it) maps a 64 GiB file whose header
+    claims 2^30 sections: /healthz stays 200 past the time after which a stalled loop answers
+    503, a llama.cpp generation beside it is counted exactly, the tenant is watched at the
+    cuda level as any other, and nothing is left stopped."""
     from profinfer.levels.cuda import workload as cuda_workload
     root = tmp_path / "tenant"
     _jail(root, tenant_bin)
     (root / "opt" / "lib").mkdir(parents=True)
     shutil.copy2(cuda_workload.ensure_cudart12(), root / "opt" / "lib" / "libcudart.so.12")
-    shutil.copy2(tenant_bin, root / "opt" / "lib" / "libkernels.so")
+    _billion_sections(tenant_bin, root / "opt" / "lib" / "libkernels.so")
     tenant = watched = None
     try:
-        tenant = Tenant(root, "/opt/lib/libcudart.so.12", "fifo", "/opt/lib/libkernels.so")
+        tenant = Tenant(root, "/opt/lib/libcudart.so.12", "also", "/opt/lib/libkernels.so")
         watched = Watched(tmp_path, memory_cgroup)
-        time.sleep(STALL_S + 2)      # past the time after which a stalled loop answers 503 (polled each 0.5 s)
+        started = time.monotonic()
+        _counted_beside(watched.daemon, llama_build, tiny_model, llama_env, tmp_path)
+        time.sleep(max(0.0, started + STALL_S + 2 - time.monotonic()))   # past a stall's 503
         watched.stop_polling()
         watched.assert_alive_and_healthy()
-        watched.daemon.watched(tenant.pid, timeout=5)     # at the cuda level, as any other
+        watched.daemon.watched(tenant.pid, timeout=5)
+        assert tenant.state() != "T"
     finally:
+        kill_started()
         if watched is not None:
             watched.close()
         if tenant is not None:
             tenant.kill()
 
 
-def test_a_padded_loader_does_not_stall_the_loop(tmp_path, tenant_bin, memory_cgroup):
-    """A tenant whose program names (PT_INTERP) a copy of glibc's loader padded to 4 MiB,
-    .text's section header pointing at undecodable bytes (read inline, old: ~4 min on the
-    loop): /healthz stays 200 past the STALL_S after which a stalled loop answers 503."""
+def test_a_fifo_and_a_padded_loader_do_not_stall_the_loop(tmp_path, tenant_bin, memory_cgroup):
+    """Two tenants at once. One with a CUDA runtime (the cuda level looks at each of its
+    executable mappings) maps a library, deletes it and makes a FIFO at its path. The other's
+    program names (PT_INTERP) a copy of glibc's loader padded to 4 MiB, .text's section header
+    pointing at undecodable bytes (read inline, old: ~4 min on the loop). /healthz stays 200
+    past the STALL_S after which a stalled loop answers 503, and the first is watched at the
+    cuda level as any other."""
+    from profinfer.levels.cuda import workload as cuda_workload
     from test_parsing_bounds import _padded_loader      # tests/: on the path, as conftest
-    root = tmp_path / "tenant"
+    fifo_root, padded_root = tmp_path / "fifo-tenant", tmp_path / "padded-tenant"
+    _jail(fifo_root, tenant_bin)
+    (fifo_root / "opt" / "lib").mkdir(parents=True)
+    shutil.copy2(cuda_workload.ensure_cudart12(), fifo_root / "opt" / "lib" / "libcudart.so.12")
+    shutil.copy2(tenant_bin, fifo_root / "opt" / "lib" / "libkernels.so")
     exe = tmp_path / "padded_tenant"
     subprocess.run(["gcc", "-O1", "-o", str(exe), str(HERE / "hostile_tenant.c"),
                     "-Wl,--dynamic-linker=/lib64/ld-padded.so"], check=True)
-    _jail(root, exe)
-    shutil.copy2(_padded_loader(tmp_path), root / "lib64" / "ld-padded.so")
-    tenant = watched = None
+    _jail(padded_root, exe)
+    shutil.copy2(_padded_loader(tmp_path), padded_root / "lib64" / "ld-padded.so")
+    tenants, watched = [], None
     try:
-        tenant = Tenant(root, "/bin/tenant")
+        tenants.append(Tenant(fifo_root, "/opt/lib/libcudart.so.12", "fifo", "/opt/lib/libkernels.so"))
+        tenants.append(Tenant(padded_root, "/bin/tenant"))
         watched = Watched(tmp_path, memory_cgroup)
         time.sleep(STALL_S + 2)      # past the time after which a stalled loop answers 503 (polled each 0.5 s)
         watched.stop_polling()
         watched.assert_alive_and_healthy()
+        watched.daemon.watched(tenants[0].pid, timeout=5)     # at the cuda level, as any other
+        assert [t.state() for t in tenants if t.state() == "T"] == []
     finally:
         if watched is not None:
             watched.close()
-        if tenant is not None:
-            tenant.kill()
+        for t in tenants:
+            t.kill()

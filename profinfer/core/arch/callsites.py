@@ -9,9 +9,9 @@ from functools import lru_cache
 import capstone
 import numpy as np
 from capstone import x86_const as X
-from elftools.elf.elffile import ELFFile
 
-from profinfer.core import procfs
+from profinfer.core import parsing, procfs
+from profinfer.core.elfheaders import elf_file
 from profinfer.core.symbols import MAX_TABLE_BYTES, ElfInfo, open_checked
 
 _md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
@@ -27,9 +27,15 @@ _SYM64_NAME = np.dtype([("name", "<u4"), ("rest", "V20")])
 @lru_cache(maxsize=16)
 def plt_stubs(path: str, file_id: tuple[int, int]) -> dict[int, str]:
     """{PLT stub address: name of the function it jumps to} (.plt and .plt.sec), read from
-    the file `file_id` (the one the symbols came from)."""
+    the file `file_id` (the one the symbols came from), in the parse worker (a tenant's file:
+    NotReady while it reads it)."""
+    return parsing.run(("plt_stubs", file_id), __name__, "read_plt_stubs", path, file_id)
+
+
+def read_plt_stubs(path: str, file_id: tuple[int, int]) -> dict[int, str]:
+    """plt_stubs, read here."""
     with open_checked(path, file_id) as f:
-        elf = ELFFile(f)
+        elf = elf_file(f)
         rela = elf.get_section_by_name(".rela.plt")
         if rela is None or rela.header.sh_entsize != _RELA64.itemsize:
             return {}
@@ -90,7 +96,7 @@ def direct_calls(path: str, target_vaddr: int) -> list[tuple[int, int]]:
     byte that decodes to no instruction is stepped over in place (capstone's skipdata), and
     no more of .text is read than the file holds (a tenant's file: its header can claim any)."""
     with procfs.open_binary(path) as f:
-        elf = ELFFile(f)
+        elf = elf_file(f)
         text = elf.get_section_by_name(".text")
         if text is None or text["sh_type"] != "SHT_PROGBITS":
             return []

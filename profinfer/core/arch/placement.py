@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import capstone
 from capstone import x86_const as X
 from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
 
 from profinfer.core import procfs
+from profinfer.core.elfheaders import elf_file
 from profinfer.core.errors import ProfinferError
 
 SUPPORTED_MACHINE = "EM_X86_64"
@@ -48,7 +48,7 @@ def require_supported(path: str) -> None:
     """Refuse an ELF file whose code is not x86-64, naming its architecture."""
     try:
         with procfs.open_binary(path) as f:      # inside the target's root
-            machine = ELFFile(f).header.e_machine
+            machine = elf_file(f).header.e_machine
     except (OSError, ELFError) as e:
         raise ProfinferError(f"cannot read the ELF header of {path}: {e}") from None
     if machine != SUPPORTED_MACHINE:

@@ -18,6 +18,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
 from profinfer.core import dwarf, parsing
+from profinfer.core.elfheaders import elf_file
 from profinfer.core.errors import ProfinferError
 from profinfer.core.symbols import ElfInfo, open_checked
 
@@ -135,7 +136,7 @@ def op_names(base: ElfInfo) -> list[str]:
 
 def _read_op_names(path: str, file_id: tuple[int, int], table: int) -> list[str]:
     with open_checked(path, file_id) as f:       # the file the symbols came from
-        elf = ELFFile(f)
+        elf = elf_file(f)
         relocs = {}
         for sec in elf.iter_sections():
             if isinstance(sec, RelocationSection) and sec.is_RELA():

@@ -108,8 +108,7 @@ class VllmCollector(Collector):
         self.bpf_stats: dict[str, int] = {}
         self.compiled_kernels = 0
         self.counter_names: list[str] = []
-        self._server_metrics: MetricsWindow | None = None
-        self._metrics_url: str | None = None      # vLLM's server's /metrics, found before the probes
+        self._server_metrics: MetricsWindow | None = None    # found before the probes, begun after
         self.processes: set[int] = set()    # attach: the tree's processes followed
         self._tree_fd = -1
 
@@ -142,8 +141,8 @@ class VllmCollector(Collector):
     def attach(self) -> None:
         super().attach()
         # the server's own account of the same stretch, where it serves /metrics
-        if self._metrics_url is not None:
-            self._server_metrics = MetricsWindow(self._metrics_url)
+        if self._server_metrics is not None:
+            self._server_metrics.begin()
 
     def _prepare(self) -> None:
         self.elfs = self._mapped_engine_files()
@@ -153,7 +152,7 @@ class VllmCollector(Collector):
         self._find_ops()
         self._find_wrappers()
         if self.outside_account:      # before any probe: records wait on it
-            self._metrics_url = server_metrics.find(self.pid)
+            self._server_metrics = MetricsWindow(server_metrics.find(self.pid))
         mapped = [m.path for m in discovery.mapped_files(self.pid)]
         version = tensors.torch_version(mapped, self.root)
         if version is None and not any(op.kinds for op in self.ops):

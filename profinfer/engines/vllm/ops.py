@@ -13,9 +13,9 @@ import re
 from dataclasses import dataclass
 
 import cxxfilt
-from elftools.elf.elffile import ELFFile
 
 from profinfer.core import parsing, procfs
+from profinfer.core.elfheaders import elf_file
 from profinfer.core.errors import ProfinferError
 from profinfer.core.symbols import ElfInfo
 
@@ -103,7 +103,7 @@ def schemas(path: str) -> dict[str, Schema]:
     except OSError as e:
         raise ProfinferError(f"cannot read {path}: {e.strerror}") from None
     with f:
-        elf = ELFFile(f)
+        elf = elf_file(f)
         for sec in elf.iter_sections():
             if sec.name not in (".rodata", ".data.rel.ro") and not sec.name.startswith(".rodata."):
                 continue

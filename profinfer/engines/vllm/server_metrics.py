@@ -162,15 +162,18 @@ def find(pid: int) -> str | None:
 
 
 class MetricsWindow:
-    """The server's counts over the recording: a scrape at its start and one at its end."""
+    """The server's counts over the recording: a scrape as it begins and one at its end."""
 
     def __init__(self, url: str | None):
-        self.url, self.start = url, scrape(url) if url else None
+        self.url, self.start = url, None
+
+    def begin(self) -> None:
+        self.start = scrape(self.url) if self.url else None
         if self.start is None:
             self.url = None
 
     def delta(self) -> dict[str, float]:
-        if self.url is None:
+        if self.url is None or self.start is None:
             return {}
         end = scrape(self.url)
         if end is None:

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 import cxxfilt
 import numpy as np
 from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
 
 from profinfer.core import parsing, procfs
+from profinfer.core.elfheaders import elf_file
 from profinfer.core.errors import ProfinferError
+from profinfer.core.parsing import NotReady
 from profinfer.core.symbols import MAX_NAME_BYTES, MAX_SYMBOLS, MAX_TABLE_BYTES, SYM64, ElfInfo, load_elf
 
 _HANDLE_STATIC = re.compile(r"^_ZZ(L?)(\d+)__device_stub__(\w+)E8__handle$")
@@ -76,14 +77,22 @@ def symbol_at(elf: ElfInfo, file_offset: int) -> tuple[str, int] | None:
     return s.name, file_offset - s.file_offset
 
 
-def _load_bias(path: str, maps: list[Mapping]) -> int | None:
-    """Where the file's virtual addresses are in the process (its load bias)."""
+def load_segments(path: str) -> list[tuple[int, int, int]]:
+    """(file offset, file size, vaddr) of the file's PT_LOAD segments (read in the parse
+    worker: a tenant's file)."""
     with procfs.open_binary(path) as f:
-        loads = [seg.header for seg in ELFFile(f).iter_segments() if seg.header.p_type == "PT_LOAD"]
+        return [(s.header.p_offset, s.header.p_filesz, s.header.p_vaddr)
+                for s in elf_file(f).iter_segments() if s.header.p_type == "PT_LOAD"]
+
+
+def _load_bias(path: str, maps: list[Mapping]) -> int | None:
+    """Where the file's virtual addresses are in the process (its load bias); ProfinferError
+    while its headers are read (NotReady) or once they could not be."""
+    loads = parsing.run(("load_segments", path), __name__, "load_segments", path)
     for m in maps:
-        for h in loads:
-            if h.p_offset <= m.offset < h.p_offset + max(h.p_filesz, 1):
-                return m.start - m.offset + h.p_offset - h.p_vaddr
+        for offset, size, vaddr in loads:
+            if offset <= m.offset < offset + max(size, 1):
+                return m.start - m.offset + offset - vaddr
     return None
 
 
@@ -92,7 +101,7 @@ def handle_statics(path: str) -> list[tuple[int, str]]:
     host stub symbol)."""
     try:
         with procfs.open_binary(path) as f:
-            elf = ELFFile(f)
+            elf = elf_file(f)
             sec = elf.get_section_by_name(".symtab")
             if sec is None:
                 return []
@@ -135,17 +144,28 @@ def cache_sizes() -> dict[str, int]:
     return {"kernel_symbol_tables": len(_SORTED), "cudart_links": len(_NEEDS_CUDART)}
 
 
-def needs_cudart(path: str) -> bool:
-    """Whether a shared object links libcudart dynamically (its DT_NEEDED), so that its
-    kernels' CUDA 13 stubs hold handles from it (read from the dynamic section only)."""
+def links_cudart(path: str) -> bool:
+    """Whether a shared object links libcudart dynamically (its DT_NEEDED), read from its
+    dynamic section alone (in the parse worker: a tenant's file)."""
+    try:
+        with procfs.open_binary(path) as f:       # inside the target's root
+            dyn = elf_file(f).get_section_by_name(".dynamic")
+            if not dyn or dyn.header.sh_size > MAX_TABLE_BYTES:
+                return False
+            return any(t.entry.d_tag == "DT_NEEDED" and t.needed.startswith("libcudart")
+                       for t in dyn.iter_tags())
+    except (OSError, ELFError, ValueError, AttributeError):
+        return False
+
+
+def needs_cudart(path: str) -> bool | None:
+    """links_cudart, remembered per path; None while the worker reads it (asked again)."""
     if path not in _NEEDS_CUDART:
         try:
-            with procfs.open_binary(path) as f:       # inside the target's root
-                dyn = ELFFile(f).get_section_by_name(".dynamic")
-                _NEEDS_CUDART[path] = bool(dyn) and any(
-                    t.entry.d_tag == "DT_NEEDED" and t.needed.startswith("libcudart")
-                    for t in dyn.iter_tags())
-        except (OSError, ELFError, ValueError, AttributeError):
+            _NEEDS_CUDART[path] = parsing.run(("links_cudart", path), __name__, "links_cudart", path)
+        except NotReady:
+            return None
+        except ProfinferError:
             _NEEDS_CUDART[path] = False
     return _NEEDS_CUDART[path]
 

@@ -55,7 +55,11 @@ def test_a_trickled_answer_is_cut_at_its_deadline_and_leaves_no_thread():
         assert url == f"http://127.0.0.1:{port}/metrics"
         assert time.monotonic() - t0 < server_metrics.FIND_S + 0.5
         window = []
-        start = threading.Thread(target=lambda: window.append(server_metrics.MetricsWindow(url)), daemon=True)
+        def begin() -> None:
+            w = server_metrics.MetricsWindow(url)
+            w.begin()
+            window.append(w)
+        start = threading.Thread(target=begin, daemon=True)
         t0 = time.monotonic()
         start.start()
         start.join(server_metrics.SCRAPE_S + server_metrics.TIMEOUT_S + 1)
