@@ -468,6 +468,10 @@ DEFAULT_URL = "http://127.0.0.1:9464"
 @click.option("--max-processes", type=click.IntRange(1, 100000), default=64, show_default=True,
               help="Most processes watched at once (and exited ones' series kept); more are counted "
               "in profinfer_processes_dropped_total, not watched.")
+@click.option("--max-per-tenant", type=click.IntRange(1, 100000), default=None,
+              help="Most processes of one tenant (a pod, else a root of its own, else the host) "
+              "watched at once  [default: a quarter of --max-processes]. Where the cap is reached, "
+              "a watched process that made no engine call in its first minute gives its place up.")
 @click.option("--labels", "labels", type=click.Choice(["full", "no-paths", "minimal"]), default="full",
               show_default=True, help="Which labels /metrics gives anyone who can reach it: full; "
               "no-paths, without the executable and model file paths; minimal, engine and pid "
@@ -504,7 +508,7 @@ DEFAULT_URL = "http://127.0.0.1:9464"
               help="The window a trigger's percentile is taken over (widened where too few samples "
               "could resolve it).")
 def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tls_key, otlp, otlp_interval,
-           max_processes, labels, allow_hosts, max_connections, triggers, record_for, keep, captures_dir,
+           max_processes, max_per_tenant, labels, allow_hosts, max_connections, triggers, record_for, keep, captures_dir,
            captures_max_bytes, capture_levels, trigger_cooldown, trigger_baseline, trigger_window):
     """Run the node agent: watch every inference process, serve Prometheus metrics and traces.
 
@@ -525,6 +529,7 @@ def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tl
         os.makedirs(os.path.dirname(token_file), mode=0o700, exist_ok=True)
     sys.exit(run_daemon(listen, budget, levels, token, token_file, allow_remote, otlp, otlp_interval,
                         tls_cert=tls_cert, tls_key=tls_key, max_processes=max_processes,
+                        max_per_tenant=max_per_tenant,
                         labels=labels, allow_hosts=allow_hosts, max_connections=max_connections,
                         flight=dict(triggers=list(triggers), record_for=record_for, keep=keep,
                                     captures_dir=captures_dir, max_bytes=captures_max_bytes,

@@ -41,5 +41,8 @@ REQUEST_DEADLINE_S = env_seconds("PROFINFER_REQUEST_DEADLINE_S", 10, minimum=1)
 # NVML not answering for this long (a GPU fallen off the bus, its driver waiting): GPU
 # metrics off until it answers again.
 NVML_STALL_S = env_seconds("PROFINFER_NVML_STALL_S", 5, minimum=1)
+# A watched process that has made no engine call (no decode call, no step) this long gives
+# its place up to a newly found one when the watch cap is reached.
+WATCH_GRACE_S = env_seconds("PROFINFER_WATCH_GRACE_S", 60, minimum=1)
 # The flight recorder's baseline sample period.
 BASELINE_SAMPLE_S = env_seconds("PROFINFER_BASELINE_SAMPLE_S", 5, minimum=1)

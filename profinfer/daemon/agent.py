@@ -39,13 +39,14 @@ from profinfer.core.procfs import exit_fd, process_stat
 from profinfer.daemon import discover
 from profinfer.daemon.discover import NodeDiscovery
 from profinfer.core.stats import SequenceTracker
-from profinfer.core.config import SERIES_TTL_S, STEP_UP_S
+from profinfer.core.config import SERIES_TTL_S, STEP_UP_S, WATCH_GRACE_S
 from profinfer.daemon.governor import Governor, level_rank
 from profinfer.daemon.identity import Identity, identify, model_file
 from profinfer.daemon.metrics import Metrics
 from profinfer.daemon.plugins import capabilities, process_caches
 from profinfer.daemon.seen import SeenProcesses
 from profinfer.daemon.shared import SharedProbes, SharedRuntime, group_key
+from profinfer.daemon.tenants import LeftOut, tenant_of
 from profinfer.daemon.watch import Watch, step_call
 
 
@@ -92,9 +93,12 @@ def raise_fd_limit() -> None:
 class Agent:
     def __init__(self, levels: set[str] | None = None, budget: float = 0.04,
                  log=lambda msg: None, own_pid: int | None = None, discover_processes: bool = True,
-                 max_processes: int = DEFAULT_MAX_PROCESSES):
+                 max_processes: int = DEFAULT_MAX_PROCESSES, max_per_tenant: int | None = None):
         self.levels = set(levels or DEFAULT_LEVELS)
         self.max_processes = max_processes
+        # a tenant's share of the cap: a quarter unless set
+        self.max_per_tenant = max_per_tenant or max(1, max_processes // 4)
+        self.left_out = LeftOut()
         self.log = log
         self.own_pid = own_pid or os.getpid()
         all_packs = [load_pack(n) for n in pack_names()]
@@ -195,7 +199,7 @@ class Agent:
         key, vsize = (pid, st[0]), st[1]
         if not settled and (self.seen.not_engines.get(key) == vsize or key in self.unwatched):
             return                    # looked at, and nothing mapped since
-        if key in self.seen.over_cap and self._full():
+        if key in self.seen.over_cap and not self._room_for(self.seen.tenants.get(key, "")):
             return                    # left out, and still no room
         if not settled and self.discovery is not None:
             if self.discovery.pending(pid):
@@ -220,8 +224,12 @@ class Agent:
         if found is None and cuda is None:
             self.seen.not_engines[key] = vsize
             return
-        if self._full():
-            self._left_out(key)
+        tenant = self.seen.tenants.setdefault(key, tenant_of(pid))
+        if self._watched_of(tenant) >= self.max_per_tenant:
+            self._left_out(key, tenant, f"its tenant ({tenant}) has {self.max_per_tenant} watched (--max-per-tenant)")
+            return
+        if self._full() and not self._make_room():
+            self._left_out(key, tenant, f"watching {self.max_processes} processes (--max-processes)")
             return
         self.seen.over_cap.discard(key)
         if found is not None:
@@ -234,16 +242,43 @@ class Agent:
     def _full(self) -> bool:
         return len(self.watches) + len(self.unwatched) >= self.max_processes
 
-    def _left_out(self, key: tuple[int, int]) -> None:
-        """A process found when max_processes are watched: counted once, said once a spell."""
+    def _room_for(self, tenant: str) -> bool:
+        return not self._full() and self._watched_of(tenant) < self.max_per_tenant
+
+    def _watched_of(self, tenant: str) -> int:
+        keys = [(pid, w.identity.start) for pid, w in self.watches.items()] + list(self.unwatched)
+        return sum(1 for k in keys if self.seen.tenants.get(k) == tenant)
+
+    def _make_room(self) -> bool:
+        """The cap reached: a watched process that made no engine call (no decode call, no
+        step) in its first WATCH_GRACE_S gives its place up, from the tenant with the most
+        watched (the longest watched of them). False where none may."""
+        now = time.time()
+        idle = [w for w in self.watches.values() if not w.callers and now - w.started_at >= WATCH_GRACE_S]
+        if not idle:
+            return False
+        by_tenant: dict[str, int] = {}
+        for w in self.watches.values():
+            t = self.seen.tenants.get((w.identity.pid, w.identity.start), "")
+            by_tenant[t] = by_tenant.get(t, 0) + 1
+        w = min(idle, key=lambda w: (-by_tenant.get(self.seen.tenants.get((w.identity.pid, w.identity.start), ""), 0),
+                                     w.started_at))
+        key = (w.identity.pid, w.identity.start)
+        self._gone(w, f"gave its place up: no engine call in {now - w.started_at:.0f} s, and the watch cap was reached")
+        self._left_out(key, self.seen.tenants.get(key, ""), "")
+        return True
+
+    def _left_out(self, key: tuple[int, int], tenant: str, why: str) -> None:
+        """A process found with no room (why): counted once, by tenant, said once a spell."""
         if key in self.seen.over_cap:
             return
         self.seen.over_cap.add(key)
         self.metrics.processes_dropped += 1
-        if not self.seen.cap_said:
+        self.left_out.count(tenant)
+        if why and not self.seen.cap_said:
             self.seen.cap_said = True
-            self.log(f"watching {self.max_processes} processes (--max-processes): PID {key[0]} and any "
-                     "other found now are left out, counted in profinfer_processes_dropped_total")
+            self.log(f"PID {key[0]} left out: {why}; it and any other left out now are counted in "
+                     "profinfer_processes_dropped_total, and by tenant in /status")
 
     @_set_up
     def _look_runtime(self, pid: int, w: Watch, st: tuple[int, int]) -> None:
@@ -571,8 +606,8 @@ class Agent:
             self.log(f"PID {pid} ({pack.engine}): not watched: {e} (tried again, backing off)")
 
     @_set_up
-    def _gone(self, w: Watch) -> None:
-        """Detach at once; the series stay for SERIES_TTL_S."""
+    def _gone(self, w: Watch, why: str = "exited") -> None:
+        """Detach at once (it exited, or why); the series stay for SERIES_TTL_S."""
         if any(pid == w.identity.pid for _, pid, _ in self._leaving):
             self._let_go(time.monotonic(), w.identity.pid)
         group = w.group
@@ -615,7 +650,7 @@ class Agent:
             self.metrics.series_dropped += 1
         if not self._full():
             self.seen.cap_said = False
-        self.log(f"PID {w.identity.pid} ({w.identity.comm}) exited: detached")
+        self.log(f"PID {w.identity.pid} ({w.identity.comm}) {why}: detached")
 
     def _close_group(self, group: SharedProbes) -> None:
         """Its last process has gone: its links, programs and maps go."""
@@ -918,8 +953,9 @@ class Agent:
             "found_not_watched": [{**i.as_dict(), "why": "no always-on level for this engine yet"}
                                   for i in unwatched],
             "gpu": self.metrics.gpu_state,
-            "limits": {"max_processes": self.max_processes,
+            "limits": {"max_processes": self.max_processes, "max_per_tenant": self.max_per_tenant,
                        "processes_dropped": self.metrics.processes_dropped,
+                       "dropped_by_tenant": dict(self.left_out.by_tenant),
                        "series_dropped": self.metrics.series_dropped,
                        "left_out_now": len(self.seen.over_cap)},
             "caches": {**{k: v for m in process_caches() for k, v in m.cache_sizes().items()},

@@ -52,6 +52,7 @@ def make_recorder(agent: Agent, captures: Captures, settings: dict):
 def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, token_file: str,
                allow_remote: bool, otlp: str | None = None, otlp_interval_s: float = 10.0,
                tls_cert: str | None = None, tls_key: str | None = None, max_processes: int = 64,
+               max_per_tenant: int | None = None,
                labels: str = "full", allow_hosts: tuple[str, ...] = (),
                max_connections: int = MAX_CONNECTIONS, flight: dict | None = None) -> int:
     """flight: the flight recorder's options as given (flight_settings), with --trigger."""
@@ -67,7 +68,7 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
     if tls is None and not is_loopback(host):
         log("warning: serving beyond loopback over plain HTTP: the token crosses the network in "
             "clear; give --tls-cert and --tls-key")
-    agent = Agent(levels, budget, log=log, max_processes=max_processes)
+    agent = Agent(levels, budget, log=log, max_processes=max_processes, max_per_tenant=max_per_tenant)
     agent.metrics.label_set = labels
     captures = Captures(agent, log)
     # a capture's probes (at their price), or one being priced and started (the flight recorder's)

@@ -18,6 +18,7 @@ The huge file is told once."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import struct
@@ -126,7 +127,11 @@ class Tenant:
 
     def state(self) -> str:
         """Its state letter, as /proc/PID/stat says it (T: stopped)."""
-        return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return self.state_of(self.pid)
+
+    @staticmethod
+    def state_of(pid: int) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
     def kill(self) -> None:
         self.proc.kill()
@@ -223,9 +228,9 @@ def tenant_bin(tmp_path) -> Path:
 class Watched:
     """The daemon, in the memory cgroup, with /healthz polled every 0.5 s until stop()."""
 
-    def __init__(self, tmp_path: Path, cgroup: Path):
-        self.daemon = Daemon(tmp_path, prefix=("sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"),
-                             env={**os.environ, "PROFINFER_STALL_S": str(STALL_S)})
+    def __init__(self, tmp_path: Path, cgroup: Path, extra: tuple[str, ...] = (), env: dict | None = None):
+        self.daemon = Daemon(tmp_path, extra, prefix=("sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"),
+                             env={**os.environ, "PROFINFER_STALL_S": str(STALL_S), **(env or {})})
         self.statuses: list[int] = []
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, daemon=True)
@@ -445,6 +450,63 @@ def test_a_billion_sections_claimed_do_not_stall_the_loop(tmp_path, llama_build,
             watched.close()
         if tenant is not None:
             tenant.kill()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_decoys_take_their_tenants_share_and_give_their_places_up(tmp_path, llama_build, tiny_model, llama_env,
+                                                                 tenant_bin, memory_cgroup):
+    """`--max-processes 4 --max-per-tenant 2`, PROFINFER_WATCH_GRACE_S=2. One tenant starts six
+    processes that map a CUDA runtime and make no engine call: two are watched, four left out
+    and counted under its tenant in /status. Another tenant's two fill the cap. A llama.cpp
+    generation of the host's then finds a decoy giving its place up (from the first tenant,
+    the longest watched) and is counted exactly; /healthz stays 200, and nothing is left
+    stopped."""
+    from profinfer.levels.cuda import workload as cuda_workload
+    roots = [tmp_path / "tenant-a", tmp_path / "tenant-b"]
+    for root in roots:
+        _jail(root, tenant_bin)
+        (root / "opt" / "lib").mkdir(parents=True)
+        shutil.copy2(cuda_workload.ensure_cudart12(), root / "opt" / "lib" / "libcudart.so.12")
+    tenants, watched = [], None
+    try:
+        tenants.append(Tenant(roots[0], "/opt/lib/libcudart.so.12", "copies", "6"))
+        watched = Watched(tmp_path, memory_cgroup, ("--max-processes", "4", "--max-per-tenant", "2"),
+                          {"PROFINFER_WATCH_GRACE_S": "2"})
+        d = watched.daemon
+        first = [tenants[0].pid, *_children(tenants[0].pid)]
+        assert len(first) == 6
+
+        def status() -> dict:
+            return json.loads(_get(d.url + "/status")[1])
+        deadline = time.monotonic() + 20
+        while status()["limits"]["processes_dropped"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        st = status()
+        assert {p["pid"] for p in st["processes"]} <= set(first) and len(st["processes"]) == 2, st
+        (key, dropped), = st["limits"]["dropped_by_tenant"].items()
+        assert key.startswith("root ") and dropped == 4, st["limits"]
+        tenants.append(Tenant(roots[1], "/opt/lib/libcudart.so.12", "copies", "2"))
+        second = [tenants[1].pid, *_children(tenants[1].pid)]
+        deadline = time.monotonic() + 20
+        while len(status()["processes"]) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert {p["pid"] for p in status()["processes"]} >= set(second), status()
+        time.sleep(2)                         # past the grace: the decoys may give way
+        _counted_beside(d, llama_build, tiny_model, llama_env, tmp_path)
+        gave = [l for l in d.text().splitlines() if "gave its place up" in l]
+        assert len(gave) == 1 and any(f"PID {p} " in gave[0] for p in first), d.text()
+        watched.stop_polling()
+        watched.assert_alive_and_healthy()
+        assert [p for p in first + second if Tenant.state_of(p) == "T"] == []
+    finally:
+        kill_started()
+        if watched is not None:
+            watched.close()
+        for t in tenants:
+            t.kill()
 
 
 def test_a_fifo_and_a_padded_loader_do_not_stall_the_loop(tmp_path, tenant_bin, memory_cgroup):

@@ -73,7 +73,7 @@ def _until(check, timeout: float = 60):     # a bound for a loaded machine, not 
 
 def test_watched_processes_and_series_capped_and_caches_pruned(tmp_path):
     cudart = workload.ensure_cudart12()
-    d = Daemon(tmp_path, extra=("--max-processes", str(CAP)),
+    d = Daemon(tmp_path, extra=("--max-processes", str(CAP), "--max-per-tenant", str(CAP)),
                prefix=(sys.executable, "-c", NEW))
     enter = (sys.executable, "-c", ENTER, f"/proc/{d.proc.pid}/ns/pid_for_children")
     procs = []
