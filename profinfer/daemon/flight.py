@@ -57,7 +57,8 @@ WINDOW_MAX_SAMPLES = 500
 MIN_TAIL_SAMPLES = 2
 CONFIDENCE = 0.99
 WIDEST_WINDOWS = 6          # a window too sparse to resolve its percentile widens this far back
-HOLD_SLICES = 5             # a hold's samples, in this many slices in turn, each resolves the condition
+HOLD_SLICES = 2             # a hold's samples, in halves in turn, each resolves the condition (in fifths, a
+                            # preempted server's fifth often held one slow token: it fired seconds late)
 MIN_BASELINE_SAMPLES = 100
 BIN_S = 1.0                 # samples are kept in bins of this long
 # A bin keeps its newest WINDOW_MAX_SAMPLES (a bound whatever the rate); a baseline reads an
