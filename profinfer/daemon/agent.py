@@ -46,7 +46,6 @@ from profinfer.daemon.metrics import Metrics
 from profinfer.daemon.plugins import capabilities, process_caches
 from profinfer.daemon.seen import SeenProcesses
 from profinfer.daemon.shared import SharedProbes, SharedRuntime, group_key
-from profinfer.daemon.tenants import LeftOut, tenant_of
 from profinfer.daemon.watch import Watch, step_call
 
 
@@ -96,9 +95,6 @@ class Agent:
                  max_processes: int = DEFAULT_MAX_PROCESSES, max_per_tenant: int | None = None):
         self.levels = set(levels or DEFAULT_LEVELS)
         self.max_processes = max_processes
-        # a tenant's share of the cap: a quarter unless set
-        self.max_per_tenant = max_per_tenant or max(1, max_processes // 4)
-        self.left_out = LeftOut()
         self.log = log
         self.own_pid = own_pid or os.getpid()
         all_packs = [load_pack(n) for n in pack_names()]
@@ -106,6 +102,8 @@ class Agent:
         cuda_pack = next((p for p in all_packs if p.level == "cuda"), None) if "cuda" in self.levels else None
         self.all_packs = engine_packs + ([cuda_pack] if cuda_pack is not None else [])
         self.seen = SeenProcesses()
+        # a tenant's share of the cap: a quarter unless set
+        self.seen.tenants.limit = max_per_tenant or max(1, max_processes // 4)
         self.metrics = Metrics()
         self.watches: dict[int, Watch] = {}
         self.groups: dict[tuple, SharedProbes] = {}
@@ -199,7 +197,7 @@ class Agent:
         key, vsize = (pid, st[0]), st[1]
         if not settled and (self.seen.not_engines.get(key) == vsize or key in self.unwatched):
             return                    # looked at, and nothing mapped since
-        if key in self.seen.over_cap and not self._room_for(self.seen.tenants.get(key, "")):
+        if key in self.seen.over_cap and not self._room_for(self.seen.tenants.of.get(key, "")):
             return                    # left out, and still no room
         if not settled and self.discovery is not None:
             if self.discovery.pending(pid):
@@ -224,9 +222,9 @@ class Agent:
         if found is None and cuda is None:
             self.seen.not_engines[key] = vsize
             return
-        tenant = self.seen.tenants.setdefault(key, tenant_of(pid))
-        if self._watched_of(tenant) >= self.max_per_tenant:
-            self._left_out(key, tenant, f"its tenant ({tenant}) has {self.max_per_tenant} watched (--max-per-tenant)")
+        tenant = self.seen.tenants.tenant(key)
+        if self._watched_of(tenant) >= self.seen.tenants.limit:
+            self._left_out(key, tenant, f"its tenant ({tenant}) has {self.seen.tenants.limit} watched (--max-per-tenant)")
             return
         if self._full() and not self._make_room():
             self._left_out(key, tenant, f"watching {self.max_processes} processes (--max-processes)")
@@ -243,11 +241,11 @@ class Agent:
         return len(self.watches) + len(self.unwatched) >= self.max_processes
 
     def _room_for(self, tenant: str) -> bool:
-        return not self._full() and self._watched_of(tenant) < self.max_per_tenant
+        return not self._full() and self._watched_of(tenant) < self.seen.tenants.limit
 
     def _watched_of(self, tenant: str) -> int:
         keys = [(pid, w.identity.start) for pid, w in self.watches.items()] + list(self.unwatched)
-        return sum(1 for k in keys if self.seen.tenants.get(k) == tenant)
+        return sum(1 for k in keys if self.seen.tenants.of.get(k) == tenant)
 
     def _make_room(self) -> bool:
         """The cap reached: a watched process that made no engine call (no decode call, no
@@ -259,13 +257,13 @@ class Agent:
             return False
         by_tenant: dict[str, int] = {}
         for w in self.watches.values():
-            t = self.seen.tenants.get((w.identity.pid, w.identity.start), "")
+            t = self.seen.tenants.of.get((w.identity.pid, w.identity.start), "")
             by_tenant[t] = by_tenant.get(t, 0) + 1
-        w = min(idle, key=lambda w: (-by_tenant.get(self.seen.tenants.get((w.identity.pid, w.identity.start), ""), 0),
+        w = min(idle, key=lambda w: (-by_tenant.get(self.seen.tenants.of.get((w.identity.pid, w.identity.start), ""), 0),
                                      w.started_at))
         key = (w.identity.pid, w.identity.start)
         self._gone(w, f"gave its place up: no engine call in {now - w.started_at:.0f} s, and the watch cap was reached")
-        self._left_out(key, self.seen.tenants.get(key, ""), "")
+        self._left_out(key, self.seen.tenants.of.get(key, ""), "")
         return True
 
     def _left_out(self, key: tuple[int, int], tenant: str, why: str) -> None:
@@ -274,7 +272,7 @@ class Agent:
             return
         self.seen.over_cap.add(key)
         self.metrics.processes_dropped += 1
-        self.left_out.count(tenant)
+        self.seen.tenants.count_left_out(tenant)
         if why and not self.seen.cap_said:
             self.seen.cap_said = True
             self.log(f"PID {key[0]} left out: {why}; it and any other left out now are counted in "
@@ -953,9 +951,9 @@ class Agent:
             "found_not_watched": [{**i.as_dict(), "why": "no always-on level for this engine yet"}
                                   for i in unwatched],
             "gpu": self.metrics.gpu_state,
-            "limits": {"max_processes": self.max_processes, "max_per_tenant": self.max_per_tenant,
+            "limits": {"max_processes": self.max_processes, "max_per_tenant": self.seen.tenants.limit,
                        "processes_dropped": self.metrics.processes_dropped,
-                       "dropped_by_tenant": dict(self.left_out.by_tenant),
+                       "dropped_by_tenant": dict(self.seen.tenants.left_out),
                        "series_dropped": self.metrics.series_dropped,
                        "left_out_now": len(self.seen.over_cap)},
             "caches": {**{k: v for m in process_caches() for k, v in m.cache_sizes().items()},

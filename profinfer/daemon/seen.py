@@ -2,6 +2,8 @@
 at what may have changed: each keyed by (pid, start time) and dropped with its process."""
 from __future__ import annotations
 
+from profinfer.daemon.tenants import TenantShares
+
 EXECUTABLES_SEEN_LIMIT = 4096       # executables remembered (does it define an engine's marker)
 
 
@@ -15,7 +17,7 @@ class SeenProcesses:
         self.loader_pending: set[int] = set()      # its loader still being read: hooked later
         self.over_cap: set[tuple[int, int]] = set()    # (pid, start): found, left out (the cap)
         self.cap_said = False              # the cap said in the log since there was room last
-        self.tenants: dict[tuple[int, int], str] = {}    # (pid, start) -> its tenant (tenants.py)
+        self.tenants = TenantShares()      # whose each process is, and the per-tenant cap
 
     def keep_alive(self, alive: set[int]) -> None:
         """Forget the processes not in `alive` (their pids may come back as others), and
@@ -25,6 +27,6 @@ class SeenProcesses:
         self.failed = {k: v for k, v in self.failed.items() if k[0] in alive}
         self.loader_seen = {k for k in self.loader_seen if k[0] in alive}
         self.over_cap = {k for k in self.over_cap if k[0] in alive}
-        self.tenants = {k: v for k, v in self.tenants.items() if k[0] in alive}
+        self.tenants.keep_alive(alive)
         if len(self.executables_seen) > EXECUTABLES_SEEN_LIMIT:
             self.executables_seen.clear()

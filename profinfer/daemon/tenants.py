@@ -34,13 +34,25 @@ def tenant_of(pid: int) -> str:
     return f"root {root[0]}:{root[1]}"
 
 
-class LeftOut:
-    """Processes left out (the cap), counted by tenant, at most MAX_COUNTED tenants by name."""
+class TenantShares:
+    """Each process's tenant, by (pid, start); the most of one tenant watched at once
+    (`limit`); and the processes left out, counted by tenant (at most MAX_COUNTED by name)."""
 
-    def __init__(self):
-        self.by_tenant: dict[str, int] = {}
+    def __init__(self, limit: int = 1):
+        self.limit = limit
+        self.of: dict[tuple[int, int], str] = {}
+        self.left_out: dict[str, int] = {}
 
-    def count(self, tenant: str) -> None:
-        if tenant not in self.by_tenant and len(self.by_tenant) >= MAX_COUNTED:
+    def tenant(self, key: tuple[int, int]) -> str:
+        """Its tenant, read once (key: (pid, start))."""
+        if key not in self.of:
+            self.of[key] = tenant_of(key[0])
+        return self.of[key]
+
+    def count_left_out(self, tenant: str) -> None:
+        if tenant not in self.left_out and len(self.left_out) >= MAX_COUNTED:
             tenant = OTHERS
-        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + 1
+        self.left_out[tenant] = self.left_out.get(tenant, 0) + 1
+
+    def keep_alive(self, alive: set[int]) -> None:
+        self.of = {k: v for k, v in self.of.items() if k[0] in alive}
