@@ -323,6 +323,16 @@ def test_links_fifos_and_a_swapped_directory_never_reach_the_host(tmp_path, llam
             host_debug.parent.rmdir()
 
 
+def _end(watched: "Watched | None", *tenants: "Tenant | None") -> None:
+    """A test's end: its workloads killed, the daemon stopped, the tenants killed."""
+    kill_started()
+    if watched is not None:
+        watched.close()
+    for t in tenants:
+        if t is not None:
+            t.kill()
+
+
 def _counted_beside(d: Daemon, llama_build, model, llama_env, tmp_path: Path) -> None:
     """A llama.cpp generation beside the tenant: the daemon counts its tokens exactly."""
     w = Workload(llama_build, model, llama_env, tmp_path, n=32)
@@ -359,11 +369,7 @@ def test_a_huge_library_neither_exhausts_nor_stalls_the_daemon(tmp_path, llama_b
         told = [l for l in watched.daemon.text().splitlines() if f"PID {tenant.pid}" in l or "over the" in l]
         assert len([l for l in told if "over the 64 MiB read" in l]) == 1, watched.daemon.text()
     finally:
-        kill_started()
-        if watched is not None:
-            watched.close()
-        if tenant is not None:
-            tenant.kill()
+        _end(watched, tenant)
 
 
 MAPPINGS = 60000       # under vm.max_map_count's 65530
@@ -399,11 +405,7 @@ def test_a_flood_of_mappings_neither_exhausts_nor_stalls_the_daemon(tmp_path, ll
         watched.assert_alive_and_healthy()
         assert tenant.state() != "T"
     finally:
-        kill_started()
-        if watched is not None:
-            watched.close()
-        if tenant is not None:
-            tenant.kill()
+        _end(watched, tenant)
 
 
 def _billion_sections(src: Path, dest: Path) -> None:
@@ -445,11 +447,7 @@ def test_a_billion_sections_claimed_do_not_stall_the_loop(tmp_path, llama_build,
         watched.daemon.watched(tenant.pid, timeout=5)
         assert tenant.state() != "T"
     finally:
-        kill_started()
-        if watched is not None:
-            watched.close()
-        if tenant is not None:
-            tenant.kill()
+        _end(watched, tenant)
 
 
 def _children(pid: int) -> list[int]:
