@@ -25,7 +25,7 @@ the way to the limit, whose samples (from its window's start on) never enter a l
 baseline: a flap shorter than the hold, or a ramp that passes half the way within about half
 a baseline window, does not raise it (a slower ramp is followed: so a rolling baseline does).
 An excursion that lasts a baseline window without firing, or excursions that cover half of
-one, are the new normal."""
+one, are the new normal: the baseline is taken from them at once (the trigger stays armed)."""
 from __future__ import annotations
 
 import math
@@ -465,16 +465,19 @@ class Triggers:
         while the condition neither holds nor has fired: never while the process is young,
         frozen from an excursion that the window resolves over half the way to the limit
         (whose samples no later baseline holds), an excursion that lasts a baseline window being the new normal."""
+        afresh = ""
         if state.baseline is not None and value is not None and state.pending_since is None and state.fired_at is None:
             midway = state.baseline * (1 + trigger.factor) / 2
             if trigger.beyond(value, midway) and resolves(trigger, window, midway):
                 if state.excursion_since is None:
                     state.excursion_since = now
                 elif now - state.excursion_since >= self.baseline_s:     # the new normal
+                    # taken at once from the excursion's samples (a baseline window of them):
+                    # left unset until the next recompute, the trigger judged nothing meanwhile
                     state.baseline_from, state.baseline = state.excursion_since, None
                     state.excursion_since, state.left_out = None, []
-                    state.baseline_why = "taken afresh: an excursion lasted a baseline window (a new normal)"
-                    return
+                    state.baseline_at = float("-inf")
+                    afresh = "taken afresh: an excursion lasted a baseline window (a new normal)"
             elif state.excursion_since is not None:
                 a, n = state.excursion_since - self.window_s, 1
                 if state.left_out and state.left_out[-1][1] >= a:     # overlapping the last: merged
@@ -487,8 +490,8 @@ class Triggers:
         if sum(n for _, _, n in state.left_out) >= 2 and \
                 sum(min(z, now - self.window_s) - max(a, lo) for a, z, _ in state.left_out) >= self.baseline_s / 2:
             # excursions that come and go over half its window: that is how the process runs now
-            state.left_out, state.baseline = [], None
-            state.baseline_why = "taken afresh: excursions covered half the baseline window (a new normal)"
+            state.left_out, state.baseline, state.baseline_at = [], None, float("-inf")
+            afresh = "taken afresh: excursions covered half the baseline window (a new normal)"
         if state.excursion_since is not None:
             state.baseline_why = f"frozen: the statistic is over half the way to the limit (since {now - state.excursion_since:.0f} s)"
             return
@@ -507,7 +510,7 @@ class Triggers:
             # its few highest samples: a flap, a ramp's newest)
             state.baseline = float(np.median([np.percentile(c, trigger.percentile) for c in chunks]))
             state.baseline_until, state.baseline_lo = now - self.window_s, lo
-            state.baseline_why = f"{samples} samples over {span:.0f} s"
+            state.baseline_why = f"{samples} samples over {span:.0f} s" + (f" ({afresh})" if afresh else "")
         elif state.baseline is None:
             seen = 0.0 if state.first_seen is None else now - state.first_seen
             state.baseline_why = (f"young: samples over {min(span, seen):.0f} s of the {need:.0f} s needed "

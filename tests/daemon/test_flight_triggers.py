@@ -161,6 +161,38 @@ def test_excursions_that_cover_half_the_baseline_window_are_the_new_normal():
     assert fired == [] and state["baseline"] > 0.015, (state, said)
 
 
+@pytest.mark.parametrize("case", ["one long excursion", "excursions over half the window"])
+def test_a_new_normal_leaves_the_trigger_armed_at_every_judgment(case):
+    """Decode throughput down to 0.7x (past half the way to 0.5x, not under it) for longer
+    than the baseline window, or for 15 s of every 30: the new normal. Its baseline is taken
+    at once from the excursion's samples, so the trigger judges a limit at every judgment
+    from its first baseline on (the soak tier's steady server found it unarmed at 2 of 23
+    polls: the baseline was left unset until its next recompute)."""
+    tr, fired = _judged("tps_p50 < 0.5x baseline for 5s")
+    unarmed, said = [], set()
+
+    def fed(lo, hi, value):
+        for i in range(round((hi - lo) * 10)):
+            now = lo + i / 10
+            tr.observe(KEY, "tps", now, [value])
+            tr.judge(now)
+            said.add(tr.states[KEY][0].baseline_why)
+            if now >= 75 and tr.states[KEY][0].limit is None:
+                unarmed.append((round(now, 1), tr.states[KEY][0].baseline_why))
+    fed(0, 80, 1000.0)
+    if case == "one long excursion":
+        fed(80, 200, 700.0)
+    else:
+        for k in range(8):
+            fed(80 + 30 * k, 95 + 30 * k, 700.0)
+            fed(95 + 30 * k, 110 + 30 * k, 1000.0)
+    state = tr.states[KEY][0]
+    assert fired == [] and unarmed == [], unarmed[:5]
+    assert any("new normal" in why for why in said), said
+    if case == "one long excursion":
+        assert state.baseline == pytest.approx(700.0)
+
+
 def test_a_slow_ramp_fires_against_the_baseline_from_before_it():
     """From 10 ms to 50 ms over 100 s: a baseline taken as the ramp went would follow it 10 s
     behind and the limit (3x) would never be reached. Frozen from the excursion past half the
