@@ -5,14 +5,19 @@ A tenant can offer a 50 GB "libllama.so", a symbol table a section header says i
 a DWARF bomb. Read in the daemon, any of them would stall its loop (/healthz turns 503 and
 the liveness probe restarts it, again and again) or exhaust its memory limit. Here each
 reading runs in one worker process (a fresh interpreter: nothing of the daemon's state, no
-token) whose address space is limited. Readings are served in the order asked (a tenant's
-many files do not go before others'); the loop waits for a new one only when the worker is
+token) whose address space is limited. Readings are queued per tenant (`on_behalf_of`: a
+pod, or a process's own root) and served a tenant at a time in turn, each tenant's in the
+order asked: a tenant's many slow files delay another's by one reading at most, not by all
+of them; a tenant's queue holds at most MAX_QUEUED (a reading past that gives NotReady, and
+is asked again at a later scan). The loop waits for a new reading only when the worker is
 idle, and for at most WAIT_S in all per loop turn (`pump()` starts a turn): one not done by
 then gives NotReady, and is looked at again at a later scan, when it is. What the worker
 sends back is bounded (MAX_RESULT_BYTES): a larger result fails that reading. A reading that
 runs past DEADLINE_S has its worker killed: that reading fails, is told once, and is not
-tried again for that key (a file's identity). Without `start()`
-(the CLI: one target, the user's own) readings run in the caller, as before.
+tried again for that key (a file's identity): failures are remembered without eviction (a
+tenant makes at most one a deadline per queue turn; evicted, the same files were read again
+for ever). Without `start()` (the CLI: one target, the user's own) readings run in the
+caller, as before.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+import contextlib
 from collections import OrderedDict, deque
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -36,7 +42,9 @@ DEADLINE_S = 20.0      # a reading still running after this is killed, and not t
 # worker and the daemon together fit the manifest's 512 MiB (sizes in bench/results.md)
 MEMORY_BYTES = 320 << 20
 STARTUP_S = 30.0       # the worker's imports
-_KEEP = 256            # results and failures remembered
+_KEEP = 256            # results not collected yet, remembered
+MAX_QUEUED = 16        # readings waiting per tenant
+HOST = "host"          # the tenant of readings asked on nobody's behalf
 # one result, pickled: several times the largest symbol table read (bench/results.md)
 MAX_RESULT_BYTES = 32 << 20
 
@@ -50,10 +58,11 @@ class _Worker:
         self.wait_s, self.deadline_s, self.memory_bytes = wait_s, deadline_s, memory_bytes
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
-        self.queue: deque = deque()          # (key, module, function, args)
+        # per tenant, in turn (the next served is the first's first): (key, module, function, args)
+        self.queues: OrderedDict[str, deque] = OrderedDict()
         self.current: tuple | None = None    # (key, sent at)
         self.done: OrderedDict = OrderedDict()      # key -> result
-        self.failed: OrderedDict = OrderedDict()    # key -> why
+        self.failed: dict = {}                      # key -> why (never evicted)
         self.started = 0                     # workers started (one more after each kill)
         self.wait_left = wait_s              # this loop turn's wait, for every reading together
 
@@ -86,18 +95,32 @@ class _Worker:
             self.conn.close()
         self.proc = self.conn = None
 
-    def _remember(self, table: OrderedDict, key, value) -> None:
+    def _remember(self, table: dict, key, value) -> None:
         table[key] = value
-        if len(table) > _KEEP:
+        if table is self.done and len(table) > _KEEP:
             table.popitem(last=False)
+
+    def _next(self) -> tuple | None:
+        """The next reading: the first tenant's first, that tenant then last in turn."""
+        if not self.queues:
+            return None
+        tenant, queue = next(iter(self.queues.items()))
+        reading = queue.popleft()
+        self.queues.move_to_end(tenant)
+        if not queue:
+            del self.queues[tenant]
+        return reading
+
+    def _queued(self, key) -> bool:
+        return any(q[0] == key for queue in self.queues.values() for q in queue)
 
     def advance(self, wait_s: float, until=None) -> None:
         """Collect what the worker finished, send it the next reading, kill one past its
         deadline; for up to wait_s while `until` is not done yet."""
         end = time.monotonic() + wait_s
         while True:
-            if self.current is None and self.queue:
-                key, module, function, args = self.queue.popleft()
+            if self.current is None and self.queues:
+                key, module, function, args = self._next()
                 try:
                     if self.proc is None or self.proc.poll() is not None:
                         self._kill()
@@ -140,15 +163,19 @@ class _Worker:
             self.current = None
             self._remember(self.done if ok else self.failed, key, value)
 
-    def run(self, key, module: str, function: str, args: tuple):
+    def run(self, key, module: str, function: str, args: tuple, tenant: str = HOST):
         if key in self.failed:
             raise ProfinferError(self.failed[key])
         if key not in self.done:
-            if not (self.current and self.current[0] == key) and all(q[0] != key for q in self.queue):
-                # a new reading, behind those asked before (each tenant's turn comes); waited
+            if not (self.current and self.current[0] == key) and not self._queued(key):
+                # a new reading, in its tenant's queue (each tenant's turn comes); waited
                 # for only when it starts now, and within what is left of this turn's wait
-                idle = self.current is None and not self.queue
-                self.queue.append((key, module, function, args))
+                queue = self.queues.get(tenant)
+                if queue is not None and len(queue) >= MAX_QUEUED:
+                    self.advance(0)
+                    raise NotReady(f"its tenant has {MAX_QUEUED} files waiting to be read (asked again later)")
+                idle = self.current is None and not self.queues
+                self.queues.setdefault(tenant, deque()).append((key, module, function, args))
                 if idle and self.wait_left > 0:
                     t0 = time.monotonic()
                     self.advance(self.wait_left, until=key)
@@ -206,13 +233,27 @@ def pump() -> None:
         _worker.advance(0)
 
 
+_tenant = HOST
+
+
+@contextlib.contextmanager
+def on_behalf_of(tenant: str):
+    """The readings asked within are queued as this tenant's (a pod, a root: daemon.tenants)."""
+    global _tenant
+    before, _tenant = _tenant, tenant
+    try:
+        yield
+    finally:
+        _tenant = before
+
+
 def run(key, module: str, function: str, *args):
     """module.function(*args), a reading of a file a tenant controls: in the worker once
-    started (NotReady while it runs; ProfinferError once it failed or timed out, for that
-    key from then on), else here."""
+    started (NotReady while it runs or waits in its tenant's queue; ProfinferError once it
+    failed or timed out, for that key from then on), else here."""
     if _worker is None:
         return getattr(importlib.import_module(module), function)(*args)
-    return _worker.run(key, module, function, args)
+    return _worker.run(key, module, function, args, _tenant)
 
 
 def serve(fd: int, memory_bytes: int, modules: list[str]) -> None:

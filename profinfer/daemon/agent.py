@@ -161,11 +161,16 @@ class Agent:
             for pid in sorted(self.seen.loader_pending):     # loaders read since the last scan
                 self.seen.loader_pending.discard(pid)
                 if pid in alive:
-                    self._hook_loader(pid)
+                    with self._on_behalf_of(pid):
+                        self._hook_loader(pid)
         with self.lock:
             self.unwatched = {k: v for k, v in self.unwatched.items() if k[0] in alive}
         for w in list(self.watches.values()):
-            if w.op_pending and w.collector is None and self._attach_op(w):   # its files were being read
+            attached = False
+            if w.op_pending and w.collector is None:        # its files were being read
+                with self._on_behalf_of(w.identity.pid, w.identity.start):
+                    attached = self._attach_op(w)
+            if attached:
                 w.op_pending = False
                 w.cost_mark = None
                 self.metrics.level(w.identity, level_rank(w.levels))
@@ -189,7 +194,16 @@ class Agent:
             for pid, w in list(self.watches.items()):
                 st = stats.get(pid)
                 if st is not None and self.seen.cuda_checked.get((pid, st[0])) != st[1]:
-                    self._look_runtime(pid, w, st)
+                    with self._on_behalf_of(pid, st[0]):
+                        self._look_runtime(pid, w, st)
+
+    def _on_behalf_of(self, pid: int, start: int | None = None):
+        """The tenant's turn for the files read while looking at the process (parsing's
+        queue per tenant)."""
+        if start is None:
+            st = process_stat(pid)
+            start = st[0] if st is not None else -1
+        return parsing.on_behalf_of(self.seen.tenants.tenant((pid, start)))
 
     def _look(self, pid: int, st: tuple[int, int], now: float, settled: bool = False) -> None:
         """Watch `pid` if it maps an engine or a runtime now (settled: discovery holds it with
@@ -199,6 +213,11 @@ class Agent:
             return                    # looked at, and nothing mapped since
         if key in self.seen.over_cap and not self._room_for(self.seen.tenants.of.get(key, "")):
             return                    # left out, and still no room
+        with parsing.on_behalf_of(self.seen.tenants.tenant(key)):
+            self._look_further(pid, st, now, settled)
+
+    def _look_further(self, pid: int, st: tuple[int, int], now: float, settled: bool) -> None:
+        key, vsize = (pid, st[0]), st[1]
         if not settled and self.discovery is not None:
             if self.discovery.pending(pid):
                 return                # loading: looked at once its loader is done
@@ -306,14 +325,15 @@ class Agent:
         events = self.discovery.events()
         for ev in sorted(events, key=lambda e: e.what == "exec"):
             try:
-                if ev.what == "exec":
-                    self._new_executable(ev.tgid, ev.file)
-                elif ev.what == "candidate":
-                    self._candidate(ev.tgid)
-                elif ev.what == "loaded":
-                    self._libraries_loaded(ev.tgid)
-                elif ev.what == "seen":         # not stopped (traced, or a terminal's): look now
-                    self._look_now(ev.tgid)
+                with self._on_behalf_of(ev.tgid):
+                    if ev.what == "exec":
+                        self._new_executable(ev.tgid, ev.file)
+                    elif ev.what == "candidate":
+                        self._candidate(ev.tgid)
+                    elif ev.what == "loaded":
+                        self._libraries_loaded(ev.tgid)
+                    elif ev.what == "seen":         # not stopped (traced, or a terminal's): look now
+                        self._look_now(ev.tgid)
             except Exception as e:
                 self._error(f"PID {ev.tgid}: discovery ({ev.what}): {type(e).__name__}: {e}")
             finally:
@@ -960,7 +980,8 @@ class Agent:
                        "process_series": len(self.metrics.processes),
                        "sequences": sum(len(w.tracker.current) for w in watches + list(self.exited))},
             "discovery": ({"loaders_hooked": len(discovery.loaders), "holds": discovery.holds,
-                           "held": discovery.held_now()}
+                           "held": discovery.held_now(), "hold_deadline_s": discovery.deadline_s,
+                           "ended_by_deadline": discovery.deadline_ended()}
                           if discovery is not None else {"off": self.discovery_off}),
             **({"flight_recorder": self.recorder.status()} if self.recorder is not None else {}),
         }

@@ -171,6 +171,77 @@ def test_many_slow_readings_wait_one_budget_per_turn_in_the_order_asked():
         parsing.stop()
 
 
+def _until_read(key, tenant: str, deadline: float):
+    """The reading's result once the worker has it, asked again as a scan would."""
+    while True:
+        parsing.pump()
+        try:
+            with parsing.on_behalf_of(tenant):
+                return parsing.run(key, "os", "getpid")
+        except parsing.NotReady:
+            assert time.monotonic() < deadline, key
+            time.sleep(0.05)
+
+
+def test_a_tenants_slow_files_delay_another_by_one_reading_not_all():
+    """One tenant asks for five readings that each run past the deadline (1 s), then another
+    tenant for one quick reading: served in turn, the other's comes after at most the reading
+    running then (one deadline), where in one queue it came after all five; past MAX_QUEUED
+    waiting, a tenant's next reading is not queued (asked again later), not failed."""
+    parsing.start(wait_s=0.1, deadline_s=1.0)
+    try:
+        with parsing.on_behalf_of("root 0:1"):
+            for i in range(5):
+                with pytest.raises(parsing.NotReady):
+                    parsing.run(("slow", i), "time", "sleep", 60)
+        t0 = time.monotonic()
+        with parsing.on_behalf_of("pod b"):
+            with pytest.raises(parsing.NotReady):
+                parsing.run(("quick",), "os", "getpid")
+        _until_read(("quick",), "pod b", t0 + 30)
+        waited = time.monotonic() - t0
+        # the reading running when it was asked (up to 1 s), a new worker's start; not five
+        assert waited < 3.0, waited
+        failed = [i for i in range(5) if ("slow", i) in parsing._worker.failed]
+        assert len(failed) <= 2, failed        # the tenant's others still wait their turn
+        with parsing.on_behalf_of("root 0:1"):
+            for i in range(5, 5 + parsing.MAX_QUEUED):
+                with pytest.raises(parsing.NotReady):
+                    parsing.run(("slow", i), "time", "sleep", 60)
+            queued = len(parsing._worker.queues.get("root 0:1", ()))
+            assert queued == parsing.MAX_QUEUED, queued
+            with pytest.raises(parsing.NotReady, match="waiting to be read"):
+                parsing.run(("slow", 99), "time", "sleep", 60)
+        assert ("slow", 99) not in parsing._worker.failed
+    finally:
+        parsing.stop()
+
+
+def test_failures_are_remembered_without_eviction():
+    """Past 256 failed files (the old memory's size), the first is still failed, not read
+    again."""
+    parsing.start(wait_s=2.0, deadline_s=20.0)
+    try:
+        deadline = time.monotonic() + 60
+        for i in range(300):
+            while True:
+                parsing.pump()
+                try:
+                    parsing.run(("missing", i), "os", "stat", f"/nonexistent/{i}")
+                except parsing.NotReady:
+                    assert time.monotonic() < deadline
+                    continue
+                except ProfinferError as e:
+                    assert "FileNotFoundError" in str(e)
+                    break
+        assert ("missing", 0) in parsing._worker.failed
+        with pytest.raises(ProfinferError, match="FileNotFoundError"):
+            parsing.run(("missing", 0), "os", "stat", "/nonexistent/0")
+        assert not parsing._worker.queues and parsing._worker.current is None     # told, not asked again
+    finally:
+        parsing.stop()
+
+
 def _elf_with_functions(path, n: int) -> None:
     """A minimal x86-64 ELF: one PT_LOAD, a .symtab of n function symbols inside it."""
     names = b"\0" + b"".join(b"f%d\0" % i for i in range(n))
