@@ -35,6 +35,10 @@ STEP_UP_S = env_seconds("PROFINFER_STEP_UP_S", 20, minimum=1)
 # watchdog continues its holds after 6 s), and any daemon on the node continues it. (At least
 # 7 s: past that watchdog.)
 HOLD_STUCK_S = env_seconds("PROFINFER_HOLD_STUCK_S", 18, minimum=7)
+# A process held at its loader this long is continued by the kernel itself (Linux 6.13), the
+# daemon that holds it stopped, frozen or stuck. (At least 3 s: past the daemon's own
+# watchdog, 2 s, for a busy daemon.)
+HOLD_DEADLINE_S = env_seconds("PROFINFER_HOLD_DEADLINE_S", 6, minimum=3)
 # An HTTP request's head and body must arrive whole within this (a byte every few seconds
 # gets nowhere): 408 and closed.
 REQUEST_DEADLINE_S = env_seconds("PROFINFER_REQUEST_DEADLINE_S", 10, minimum=1)

@@ -37,6 +37,7 @@ import errno
 import os
 import platform
 import re
+import signal
 import stat
 from dataclasses import dataclass
 
@@ -256,6 +257,33 @@ def exit_fd(pid: int, start: int) -> int:
         os.close(fd)
         return -1
     return fd
+
+
+def signal_process(pid: int, start: int, sig: int) -> bool:
+    """Send `sig` to the process (pid, start) through a pidfd: never to a later process given
+    its PID (the start time is checked on the pidfd's process, which keeps its PID until the
+    fd is closed). Whether it was sent; False once it has exited. Before Linux 5.3 (no
+    pidfd), by PID after the same check."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except (AttributeError, OSError):
+        fd = -1
+    try:
+        st = process_stat(pid)
+        if st is None or st[0] != start:      # another process by now
+            return False
+        if fd >= 0:
+            signal.pidfd_send_signal(fd, sig)
+        else:
+            os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def mapped_identities(pid: int) -> set[tuple[int, int]]:

@@ -137,13 +137,14 @@ def _held(pid: int) -> bool:
         return False
 
 
-def _stopped_tree(pid: int) -> set[tuple[int, float]]:
-    """The processes of pid's tree held stopped now, each as (pid, start time)."""
+def _stopped_tree(pid: int) -> set[tuple[int, int]]:
+    """The processes of pid's tree held stopped now, each as (pid, start time in ticks)."""
     out = set()
     for p in _tree(pid):
         try:
-            if _held(p.pid):
-                out.add((p.pid, p.create_time()))
+            st = procfs.process_stat(p.pid)
+            if st is not None and _held(p.pid):
+                out.add((p.pid, st[0]))
         except psutil.Error:
             pass
     return out
@@ -275,7 +276,7 @@ class Captures:
         self.note(f"captured PID {pid} for {seconds:g} s at {','.join(sorted(levels))}: {len(data):,} bytes")
         return data, told
 
-    def _continue_left(self, pid: int, stopped_before: set[tuple[int, float]]) -> None:
+    def _continue_left(self, pid: int, stopped_before: set[tuple[int, int]]) -> None:
         """SIGCONT to the processes of pid's tree that a dead capture left stopped: each one
         held now that was not held when it began (someone else's stop stays), and not one the
         daemon's own discovery holds. Its BPF programs went with it: no new stop comes."""
@@ -284,8 +285,5 @@ class Captures:
         for p, started in _stopped_tree(pid) - stopped_before:
             if p in ours:
                 continue
-            try:
-                os.kill(p, signal.SIGCONT)
+            if procfs.signal_process(p, started, signal.SIGCONT):     # the same process, by pidfd
                 self.note(f"PID {p} continued: the capture that stopped it died")
-            except ProcessLookupError:
-                pass

@@ -48,6 +48,11 @@ ORPHAN_S = 3 * HOLD_MAX_S
 # is frozen or deadlocked (its own watchdog would have continued it at ORPHAN_S), and any
 # daemon on the node continues it (3 * ORPHAN_S unless set; config's minimum keeps it past ORPHAN_S)
 STUCK_S = config.HOLD_STUCK_S
+# A held process is continued by the kernel itself after this long (hold_deadline.bpf.c):
+# whatever its daemon's state, stopped, frozen or stuck (its watchdog continues it at
+# HOLD_MAX_S, or ORPHAN_S where its record was never read)
+HOLD_DEADLINE_S = config.HOLD_DEADLINE_S
+DEADLINE_PROGRAM = "hold_deadline_arm"
 
 
 @dataclass(frozen=True)
@@ -144,18 +149,59 @@ class NodeDiscovery:
             self.loaders = LoaderHooks(self.obj, LOADER_PROGRAM, table="hook_sites",
                                        table_size=consts["PI_MAX_HOOK_SITES"])
             self._buf = self.obj.ring_buffer("events", self._on_record)
+            # armed before anything is held
+            self.deadline = self._deadline(held_fd, dt["pi_hold_deadline_config"]) if self.holds else None
             for prog in PROGRAMS:
                 self.obj.attach(prog)
         except ProfinferError:
+            if getattr(self, "deadline", None) is not None:
+                self.deadline.close()
             self.obj.close()
             raise
         finally:
-            for fd in (recorded_fd, held_fd):      # the object holds its own descriptor
+            for fd in (recorded_fd, held_fd):      # the objects hold their own descriptors
                 if fd is not None:
                     os.close(fd)
+        self._ended = 0
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._continue_late, name="discovery-watchdog", daemon=True)
         self._watchdog.start()
+
+    def _deadline(self, held_fd: int, config_dt) -> libbpf.BpfObject | None:
+        """The kernel's deadline on this daemon's holds (hold_deadline.bpf.c), or None where
+        it cannot be had here, said once."""
+        why = None if kernel.release_at_least(6, 13) else "Linux before 6.13 (no bpf_send_signal_task)"
+        obj = None
+        if why is None:
+            try:
+                obj = libbpf.BpfObject(bpfobj.object_path("hold_deadline.bpf.c", "ring"))
+                cfg = np.zeros(1, config_dt)
+                cfg["holder"] = self._me
+                cfg["deadline_ns"] = int(HOLD_DEADLINE_S * 1e9)
+                obj.set_rodata(cfg.tobytes())
+                obj.reuse_map(held.MAP_NAME, held_fd)
+                obj.load({DEADLINE_PROGRAM})
+                obj.attach(DEADLINE_PROGRAM)
+                return obj
+            except ProfinferError as e:
+                why = str(e)
+                if obj is not None:
+                    obj.close()
+        self.log(f"the kernel cannot end discovery's holds by itself ({why}): a process held while "
+                 f"this daemon is stopped or stuck waits for another daemon ({STUCK_S:g} s) or for this one")
+        return None
+
+    @property
+    def deadline_s(self) -> float | None:
+        """The kernel's deadline on a hold, None where there is none (or nothing is held)."""
+        return HOLD_DEADLINE_S if self.deadline is not None else None
+
+    def deadline_ended(self) -> int:
+        """How many holds the kernel's deadline ended (the daemon had not continued them)."""
+        if self.deadline is None:
+            return 0
+        raw = libbpf.map_lookup(self.deadline.map_fd("ended"), (0).to_bytes(4, "little"), 8)
+        return int.from_bytes(raw, "little") if raw else 0
 
     def _on_record(self, data, size):
         self._records.append(ctypes.string_at(data, size))
@@ -210,12 +256,21 @@ class NodeDiscovery:
             self._continue(pid)
 
     def _continue(self, pid: int) -> None:
+        """Continue the process held as pid: the one the node's map names (its start time),
+        through a pidfd, never a later process given its PID; not where its entry is gone
+        (the kernel's deadline continued it) or another daemon's now."""
+        key = pid.to_bytes(4, "little")
+        fd = self.obj.map_fd(held.MAP_NAME)
+        value = libbpf.map_lookup(fd, key, self._held_dt.itemsize)
+        if value is None:
+            return
+        entry = np.frombuffer(value, self._held_dt, count=1)[0]
+        if not _same(entry["holder"], self._me):
+            return
         # out of the node's map first: a stop after this one (not ours) is never taken for ours
-        libbpf.map_delete(self.obj.map_fd(held.MAP_NAME), pid.to_bytes(4, "little"))
+        libbpf.map_delete(fd, key)
         try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+            procfs.signal_process(pid, int(entry["process"]["start_ticks"]), signal.SIGCONT)
         except OSError as e:            # never the loop's end: said, and the others go on
             self.log(f"PID {pid}: cannot continue it after discovery held it: {e.strerror}")
 
@@ -251,8 +306,8 @@ class NodeDiscovery:
                 with self._lock:
                     self.held.pop(pid, None)
                 try:
-                    os.kill(pid, signal.SIGCONT)
-                    out.append(pid)
+                    if procfs.signal_process(pid, int(entry["process"]["start_ticks"]), signal.SIGCONT):
+                        out.append(pid)
                 except OSError:
                     pass
         return out
@@ -269,6 +324,14 @@ class NodeDiscovery:
                 if what not in said and len(said) < 20:
                     said.add(what)
                     self.log(f"discovery's watchdog: looking for orphaned held processes: {what}")
+            ended = self.deadline_ended()
+            if ended != self._ended:
+                try:
+                    self.log(f"{ended - self._ended} held process(es) continued by the kernel's deadline "
+                             f"({HOLD_DEADLINE_S:g} s): this daemon had not continued them (stopped or stuck)")
+                except Exception:
+                    pass
+                self._ended = ended
             now = time.monotonic()
             with self._lock:
                 late = [pid for pid, since in self.held.items() if now - since > HOLD_MAX_S]
@@ -301,4 +364,7 @@ class NodeDiscovery:
             self._continue(pid)
         obj, self.obj = self.obj, None
         obj.close()
+        if self.deadline is not None:       # after every hold is ended above: its timers go with it
+            self.deadline.close()
+            self.deadline = None
 

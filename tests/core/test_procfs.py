@@ -228,3 +228,45 @@ def test_one_reader_of_maps_and_stat(tmp_path):
         holder.wait()
     assert procfs.stat_fields(holder.pid) is None            # reaped: gone
     assert procfs.file_mappings(holder.pid) == []
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_signal_reaches_the_process_named_not_a_later_one_with_its_pid():
+    """A process exits and a later one is given its PID (the kernel's ns_last_pid set so,
+    as PID reuse does on a busy node): a signal meant for the first, by (pid, start time),
+    is not sent; one meant for the second is, through a pidfd."""
+    import signal
+    first = subprocess.Popen(["sleep", "60"])
+    pid = first.pid
+    start = procfs.process_stat(pid)[0]
+    first.kill()
+    first.wait()
+    time.sleep(0.05)            # a start time later by whole clock ticks (10 ms)
+    later = None
+    for _ in range(50):         # the PID given again: other forks on the machine may take it first
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        p = subprocess.Popen(["sleep", "60"])
+        if p.pid == pid:
+            later = p
+            break
+        p.kill()
+        p.wait()
+    assert later is not None, f"PID {pid} was not given again in 50 forks"
+    try:
+        later_start = procfs.process_stat(pid)[0]
+        assert later_start != start
+        assert procfs.signal_process(pid, start, signal.SIGSTOP) is False
+        time.sleep(0.1)
+        assert not _stopped(pid)
+        assert procfs.signal_process(pid, later_start, signal.SIGSTOP) is True
+        deadline = time.monotonic() + 5
+        while not _stopped(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _stopped(pid)
+    finally:
+        later.kill()
+        later.wait()
+    assert procfs.signal_process(pid, later_start, signal.SIGCONT) is False     # gone

@@ -18,8 +18,8 @@ import pytest
 
 from conftest import completion_cmd, llama_perf
 from daemon_helpers import _STARTED, Daemon, Workload, _get, cuda_log_counts, discovering_daemon, kill_started, series
-from profinfer.core import held, libbpf, pinned
-from profinfer.daemon.discover import ORPHAN_S
+from profinfer.core import held, kernel, libbpf, pinned
+from profinfer.daemon.discover import HOLD_DEADLINE_S, ORPHAN_S
 from profinfer.levels.cuda import workload as cuda_workload
 
 from test_daemon_cuda import PROGRAM as CUDA_PROGRAM
@@ -27,6 +27,9 @@ from test_daemon_cuda import PROGRAM as CUDA_PROGRAM
 # the second daemon's wait before it ends a frozen daemon's hold (PROFINFER_HOLD_STUCK_S; 18 s
 # by default): past the frozen one's own watchdog (ORPHAN_S) by 4 s, as the default by 12
 STUCK_S = ORPHAN_S + 4
+# the kernel's deadline on a hold pushed past that (PROFINFER_HOLD_DEADLINE_S), where the
+# other daemons' part is what is tested
+NO_DEADLINE = {"PROFINFER_HOLD_DEADLINE_S": "600"}
 
 
 @pytest.fixture(autouse=True)
@@ -154,13 +157,13 @@ def _until_state(pid: int, want: str, timeout: float) -> bool:
 
 
 @contextlib.contextmanager
-def _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env):
+def _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env, env: dict | None = None):
     """A discovering daemon frozen (SIGSTOP: its BPF holds, it continues nothing) and a
     llama-completion held by it: (the daemon, the process, a function that starts a second
-    daemon); both daemons ended afterwards."""
+    daemon); both daemons ended afterwards. env: the first daemon's settings."""
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
-    first = discovering_daemon(tmp_path / "first")
+    first = discovering_daemon(tmp_path / "first", env={**os.environ, **(env or {})})
     seconds: list[Daemon] = []
 
     def start_second() -> Daemon:
@@ -264,7 +267,8 @@ def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, lla
     """A daemon frozen (alive, its watchdog too) while it holds a process: another daemon on
     the node leaves that process to it while it is young (a live daemon's own), and continues
     it once it has been held STUCK_S; the process runs to its end."""
-    with _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env) as (_, proc, start_second):
+    with _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env, NO_DEADLINE) as (
+            _, proc, start_second):
         held_at = time.monotonic()
         second = start_second()
         time.sleep(max(0.0, held_at + ORPHAN_S + 1 - time.monotonic()))
@@ -275,6 +279,34 @@ def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, lla
         assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
         assert STUCK_S - 1 <= waited, waited
         assert f"PID {proc.pid}: held by a daemon gone or stuck" in second.text(), second.text()
+
+
+def test_a_frozen_daemons_hold_is_ended_by_the_kernel(tmp_path, llama_build, tiny_model, llama_env):
+    """A daemon stopped (SIGSTOP: as a cgroup freezer or a loop stuck holding the GIL, it
+    continues nothing) while it holds a llama-completion, and no other daemon on the node:
+    the kernel continues the process once it has been held HOLD_DEADLINE_S (a BPF timer
+    armed at the stop), and it runs to its end; the daemon, thawed, says so. On a kernel
+    without bpf_send_signal_task (before 6.13) the daemon said at its start that it cannot."""
+    with _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env) as (first, proc, _):
+        held_at = time.monotonic()
+        if not kernel.release_at_least(6, 13):
+            assert "the kernel cannot end discovery's holds by itself" in first.text(), first.text()
+            return
+        assert "cannot end discovery's holds" not in first.text(), first.text()
+        _, err = proc.communicate(timeout=HOLD_DEADLINE_S + 60)
+        waited = time.monotonic() - held_at
+        assert proc.returncode == 0, err[-2000:]
+        assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
+        # held from before held_at (its stop seen first): ended at the deadline, not later than
+        # the run itself takes after it
+        assert waited >= HOLD_DEADLINE_S - 1, waited
+        os.kill(first.proc.pid, signal.SIGCONT)
+        status = json.loads(_get(first.url + "/status")[1])["discovery"]
+        assert status["hold_deadline_s"] == HOLD_DEADLINE_S and status["ended_by_deadline"] == 1, status
+        deadline = time.monotonic() + 10
+        while "continued by the kernel's deadline" not in first.text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "1 held process(es) continued by the kernel's deadline" in first.text(), first.text()
 
 
 def test_where_the_hand_off_cannot_be_shared_nothing_is_held(tmp_path, llama_build, tiny_model, llama_env):

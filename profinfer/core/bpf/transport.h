@@ -93,6 +93,12 @@ struct pi_held {
     struct pi_process_id holder;
 };
 
+/* hold_deadline.bpf.c's configuration: the daemon whose holds it ends, and after how long. */
+struct pi_hold_deadline_config {
+    struct pi_process_id holder;
+    u64 deadline_ns;
+};
+
 
 /* What is open on a thread now, for a level that runs under any engine (the CUDA runtime's
  * calls are attributed to it): the engine's step (a llama_decode call, a vLLM step) and its

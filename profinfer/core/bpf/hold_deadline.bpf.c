@@ -1,0 +1,144 @@
+/* A deadline for discovery's holds that the agent's liveness does not decide: a process
+ * that discover.bpf.c stopped for this daemon (an entry of the node's `held` map naming it
+ * as holder) is continued by the kernel once it has been held `deadline_ns`, whether the
+ * daemon is stopped (SIGSTOP), frozen by a cgroup freezer, or stuck in its loop.
+ *
+ * The stop is seen where it is generated (the signal_generate tracepoint): a BTF tracing
+ * program, since tracing programs of the older kinds (uprobes, raw tracepoints: discovery's
+ * own) cannot use BPF timers. The timer's callback continues the process with the
+ * bpf_send_signal_task kfunc (Linux 6.13), if the entry is still the same process's (the
+ * daemon, continuing it itself, deletes the entry first), and deletes the entry. The kfunc
+ * refuses (EPERM) where the CPU does not run a user task's memory map (nmi_uaccess_okay): a
+ * callback that interrupted an idle CPU or a kernel thread, as on an idle node it mostly
+ * does. So a refused one tries again RETRY_NS later, up to MAX_TRIES times (a node with any
+ * user task running a thousandth of the time gets its turn within a second). Where this
+ * object does not load (an older kernel), the daemon says so and its watchdogs are the only
+ * deadline. A daemon killed takes this object with it: then the node's other daemons (and the
+ * one restarted in its place) continue its held processes, as before. */
+#include <linux/types.h>
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
+
+typedef __u32 u32;
+typedef __u64 u64;
+
+#include "transport.h"
+
+char LICENSE[] SEC("license") = "GPL";
+
+#define CLOCK_MONOTONIC 1
+#define PI_SIGNAL_CONT 18
+#define PI_SIGNAL_STOP 19
+
+struct task_struct {
+    int tgid;
+    struct task_struct *group_leader;
+    u64 start_boottime;
+} __attribute__((preserve_access_index));
+
+enum pid_type { PIDTYPE_PID, PIDTYPE_TGID, PIDTYPE_PGID, PIDTYPE_SID, PIDTYPE_MAX };
+
+extern struct task_struct *bpf_task_from_pid(int pid) __ksym;
+extern void bpf_task_release(struct task_struct *p) __ksym;
+extern int bpf_send_signal_task(struct task_struct *task, int sig, enum pid_type type, u64 value) __ksym;
+
+const volatile struct pi_hold_deadline_config cfg = {};
+
+/* The node's map of held processes (discover.bpf.c's, reused by user space). */
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, PI_MAX_RECORDED);
+    __type(key, u32);
+    __type(value, struct pi_held);
+} held SEC(".maps");
+
+#define RETRY_NS 1000000ULL         /* 1 ms */
+#define MAX_TRIES 60000             /* a minute of them */
+
+struct deadline {
+    struct bpf_timer timer;
+    struct pi_process_id process;
+    u64 tries;
+};
+
+/* One per process held by this daemon now (its timer armed at the stop). */
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, PI_MAX_RECORDED);
+    __type(key, u32);
+    __type(value, struct deadline);
+} deadlines SEC(".maps");
+
+/* How many holds the deadline ended (user space says so). */
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, u32);
+    __type(value, u64);
+} ended SEC(".maps");
+
+static __always_inline u64 start_ticks(struct task_struct *task)
+{
+    return BPF_CORE_READ(task, group_leader, start_boottime) / PI_NS_PER_TICK;
+}
+
+static int end_hold(void *map, u32 *tgid, struct deadline *d)
+{
+    struct pi_held *h = bpf_map_lookup_elem(&held, tgid);
+    if (!h || h->process.start_ticks != d->process.start_ticks
+            || h->holder.tgid != cfg.holder.tgid || h->holder.start_ticks != cfg.holder.start_ticks) {
+        bpf_map_delete_elem(map, tgid);     /* continued meanwhile, or held anew by another */
+        return 0;
+    }
+    struct task_struct *task = bpf_task_from_pid(*tgid);
+    long err = 0;
+    int same = 0;
+    if (task) {
+        same = start_ticks(task) == d->process.start_ticks;
+        if (same)
+            err = bpf_send_signal_task(task, PI_SIGNAL_CONT, PIDTYPE_TGID, 0);
+        bpf_task_release(task);
+    }
+    if (err && d->tries < MAX_TRIES) {      /* refused here: again on another interrupt */
+        d->tries++;
+        bpf_timer_start(&d->timer, RETRY_NS, 0);
+        return 0;
+    }
+    /* out of the node's map, continued or gone (the daemon's own SIGCONT, should it come
+     * too, finds the process running) */
+    bpf_map_delete_elem(&held, tgid);
+    if (same && !err) {
+        u32 zero = 0;
+        u64 *n = bpf_map_lookup_elem(&ended, &zero);
+        if (n)
+            __sync_fetch_and_add(n, 1);
+    }
+    bpf_map_delete_elem(map, tgid);
+    return 0;
+}
+
+/* signal_generate(sig, info, task, group, result): a SIGSTOP for a process this daemon holds
+ * arms (or re-arms: a later hold of the same process) its deadline. */
+SEC("tp_btf/signal_generate")
+int BPF_PROG(hold_deadline_arm, int sig, void *info, struct task_struct *task, int group, int result)
+{
+    if (sig != PI_SIGNAL_STOP)
+        return 0;
+    u32 tgid = task->tgid;
+    struct pi_held *h = bpf_map_lookup_elem(&held, &tgid);
+    if (!h || h->holder.tgid != cfg.holder.tgid || h->holder.start_ticks != cfg.holder.start_ticks)
+        return 0;
+    struct deadline fresh = {.process = h->process};
+    bpf_map_update_elem(&deadlines, &tgid, &fresh, BPF_NOEXIST);
+    struct deadline *d = bpf_map_lookup_elem(&deadlines, &tgid);
+    if (!d)
+        return 0;
+    d->process = h->process;
+    d->tries = 0;
+    bpf_timer_init(&d->timer, &deadlines, CLOCK_MONOTONIC);    /* -EBUSY when armed before */
+    bpf_timer_set_callback(&d->timer, end_hold);
+    bpf_timer_start(&d->timer, cfg.deadline_ns, 0);
+    return 0;
+}
