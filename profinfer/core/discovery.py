@@ -33,10 +33,13 @@ def process_name(pid: int) -> str:
         return ""
 
 
+MAX_THREADS_NAMED = 4096    # the thread count is the process's (a tenant's) to choose
+
+
 def thread_names(pid: int) -> dict[int, str]:
     names = {}
     try:
-        for t in os.listdir(f"/proc/{pid}/task"):
+        for t in procfs.first_entries(f"/proc/{pid}/task", MAX_THREADS_NAMED):
             try:
                 names[int(t)] = Path(f"/proc/{pid}/task/{t}/comm").read_text().strip()
             except OSError:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
 import os
 import platform
 import re
@@ -284,6 +285,14 @@ def signal_process(pid: int, start: int, sig: int) -> bool:
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def first_entries(path: str, limit: int) -> list[str]:
+    """The first `limit` names of a directory (a process's /proc/PID/fd or task: their
+    number is a tenant's to choose, a million open files or threads), read lazily: the rest
+    never listed. OSError as os.scandir raises it."""
+    with os.scandir(path) as it:
+        return [e.name for e in itertools.islice(it, limit)]
 
 
 def mapped_identities(pid: int) -> set[tuple[int, int]]:

@@ -27,6 +27,8 @@ from profinfer.daemon.tokens import TOKEN_ENV
 
 MAX_CAPTURE_S = 300
 MAX_CAPTURES = 2             # at once (each is a full attach: its own CPU and memory)
+MAX_PER_TENANT = 1           # of them a trigger's for one tenant's processes (one tenant's
+                             # incidents never take every slot)
 # the biggest trace sent back: it is held in the daemon's memory until sent, and the target
 # decides how many events it makes (PROFINFER_MAX_TRACE_BYTES sets it lower)
 MAX_TRACE_BYTES = 128 * 1024 * 1024
@@ -38,9 +40,13 @@ CAPTURE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR")
 SIGSTOP_BIT = 1 << (signal.SIGSTOP - 1)       # in /proc/PID/status's pending-signal masks
 # The capture's first lines: it gets SIGTERM (and ends its session, letting what it follows
 # go) when the daemon's thread that started it dies; if the daemon is already gone, it ends.
+# (its memory: the first the kernel kills where the pod's runs out, as the parse worker, not
+# the daemon, whose death would leave held processes stopped)
 _CHILD = ("import ctypes, signal, os, sys\n"
           "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
           "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+          "try: open('/proc/self/oom_score_adj', 'w').write('1000')\n"
+          "except OSError: pass\n"
           "from profinfer.cli import main\n"
           "main(sys.argv[2:])\n")
 
@@ -159,6 +165,7 @@ class Captures:
         self.agent = agent
         self.note = note
         self.running: dict[int, float] = {}      # PID: what its capture was priced at (the budget's)
+        self.tenants: dict[int, str] = {}         # PID: the tenant of a trigger's capture running
         self.lock = threading.Lock()
         self.temp_prefix = _temp_prefix()           # this daemon's (pid, start), once
         remove_stale_temp(temp_root(), note)
@@ -172,27 +179,36 @@ class Captures:
         with self._place(pid, price):
             yield lambda: self._capture(pid, seconds, levels)[0]
 
-    def run(self, pid: int, seconds: float, levels: set[str], price: float) -> tuple[bytes, dict]:
+    def run(self, pid: int, seconds: float, levels: set[str], price: float,
+            tenant: str | None = None) -> tuple[bytes, dict]:
         """A capture the daemon itself starts (a trigger's, its levels already fitted to the
-        budget, at `price`): its trace and its summary; BadRequest where it could not be made."""
-        with self._place(pid, price):
+        budget, at `price`; `tenant`: its process's, of whom MAX_PER_TENANT run at once): its
+        trace and its summary; BadRequest where it could not be made."""
+        with self._place(pid, price, tenant):
             return self._capture(pid, seconds, levels)
 
     @contextlib.contextmanager
-    def _place(self, pid: int, price: float) -> Iterator[None]:
-        """One capture a process, MAX_CAPTURES at once: held until the block ends, its price
-        counted against the process's budget meanwhile."""
+    def _place(self, pid: int, price: float, tenant: str | None = None) -> Iterator[None]:
+        """One capture a process, MAX_CAPTURES at once (a trigger's: MAX_PER_TENANT a
+        tenant): held until the block ends, its price counted against the process's budget
+        meanwhile."""
         with self.lock:
             if pid in self.running:
                 raise BadRequest(409, f"a capture of PID {pid} is already running")
             if len(self.running) >= MAX_CAPTURES:
                 raise BadRequest(429, f"{MAX_CAPTURES} captures are running; try again later")
+            if tenant is not None and list(self.tenants.values()).count(tenant) >= MAX_PER_TENANT:
+                raise BadRequest(429, f"a triggered capture of its tenant ({tenant}) is running; "
+                                      "another tenant's may take the other place")
             self.running[pid] = price
+            if tenant is not None:
+                self.tenants[pid] = tenant
         try:
             yield
         finally:
             with self.lock:
                 self.running.pop(pid, None)
+                self.tenants.pop(pid, None)
 
     def _parse(self, query: dict[str, list[str]]) -> tuple[int, float, set[str]]:
         try:

@@ -22,7 +22,7 @@ import os
 import time
 from typing import Callable
 
-from profinfer.core import libbpf, probecost
+from profinfer.core import libbpf, probecost, procfs
 from profinfer.core.procfs import stat_fields
 from profinfer.core.selfcost import added_ns
 from profinfer.daemon.watch import Watch
@@ -62,7 +62,7 @@ def context_switches(pid: int) -> dict[int, tuple[int, int]] | None:
     MAX_THREADS_READ threads: the thread count is the tenant's to choose."""
     counts = {}
     try:
-        tids = os.listdir(f"/proc/{pid}/task")[:MAX_THREADS_READ]
+        tids = procfs.first_entries(f"/proc/{pid}/task", MAX_THREADS_READ)
     except OSError:
         return None
     for tid in tids:

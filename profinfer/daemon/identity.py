@@ -31,6 +31,7 @@ from profinfer.core import procfs
 _CONTAINER = re.compile(r"(?:docker-|cri-containerd-|crio-|libpod-|containerd-|/docker/|/)([0-9a-f]{64})(?:\.scope)?(?:/|$)")
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 MODEL_SUFFIXES = (".gguf", ".safetensors")
+MAX_FDS_READ = 4096        # a model's file is opened early; a tenant may open a million
 # The host's root as the daemon reaches it (hostPID: PID 1's); a directory for tests.
 HOST_ROOT = os.environ.get("PROFINFER_HOST_ROOT", "/proc/1/root")
 _SPEC_MAX = 1 << 20        # a runtime's container spec is tens of KiB
@@ -172,7 +173,7 @@ def model_file(pid: int) -> str:
         if not m.deleted and m.path.endswith(MODEL_SUFFIXES):
             return m.path
     try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
+        for fd in procfs.first_entries(f"/proc/{pid}/fd", MAX_FDS_READ):
             try:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:

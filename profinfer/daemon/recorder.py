@@ -177,7 +177,8 @@ class FlightRecorder:
                            f"{self.record_for_s:g} s at {','.join(sorted(levels))}"
                            + "".join(f"; {lv} left out ({why})" for lv, why in sorted(left_out.items())))
             started = time.time()
-            trace, summary = self.captures.run(ident.pid, self.record_for_s, levels, price)
+            tenant = self.agent.seen.tenants.tenant((ident.pid, ident.start))
+            trace, summary = self.captures.run(ident.pid, self.record_for_s, levels, price, tenant)
         except Exception as e:          # BadRequest, or the capture's files gone wrong
             self._failed(ident, firing, f"could not be made: {e}")
             return
@@ -188,7 +189,7 @@ class FlightRecorder:
         # the quantity's series on from the firing, through the capture
         fired["series_after"] = [{"t": at, "value": v, "samples": n} for at, v, n in
                                  self.triggers.series_since((ident.pid, ident.start), firing.trigger, firing.at)]
-        record = {"pid": ident.pid, "process": ident.as_dict(), "fired": fired,
+        record = {"pid": ident.pid, "process": ident.as_dict(), "tenant": tenant, "fired": fired,
                   "started_at": started, "record_for_s": self.record_for_s,
                   "levels_asked": sorted(asked), "levels": sorted(levels),
                   "left_out": left_out, "cost": summary.get("profiler_cost"),

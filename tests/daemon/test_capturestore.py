@@ -114,3 +114,38 @@ def test_the_newest_are_kept_under_the_count_and_the_byte_cap(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [f"{big}.json", f"{big}.pftrace"]
     assert store.trace(big) == b"y" * 80 and store.trace(ids[0]) is None
     assert [r["id"] for r in CaptureStore(str(tmp_path), keep=2, max_bytes=100).list()] == [big]
+
+
+def test_one_tenants_incidents_evict_its_own_captures_not_anothers(tmp_path):
+    """keep=3: tenant B's one capture, then tenant A's flood of five: A's oldest go, B's
+    stays (the oldest of the tenant with the most is evicted); with the tenants even, the
+    oldest of all goes; the files on disk are the records listed."""
+    store = CaptureStore(str(tmp_path), keep=3, max_bytes=1 << 20)
+    b = store.add({"pid": 1, "tenant": "pod b"}, b"b")["id"]
+    a = [store.add({"pid": 2, "tenant": "pod a"}, b"a%d" % i)["id"] for i in range(5)]
+    assert [r["id"] for r in store.list()] == [b, a[3], a[4]]
+    c = store.add({"pid": 3, "tenant": "pod c"}, b"c")["id"]      # a has 2, b and c 1: a's oldest
+    assert [r["id"] for r in store.list()] == [b, a[4], c]
+    d = store.add({"pid": 4, "tenant": "pod d"}, b"d")["id"]      # all even: the oldest of all
+    assert [r["id"] for r in store.list()] == [a[4], c, d]
+    assert sorted(os.listdir(tmp_path)) == sorted(f"{i}.{ext}" for i in (a[4], c, d) for ext in ("json", "pftrace"))
+
+
+def test_a_tenant_holds_one_of_the_triggered_capture_places():
+    """Two places: tenant A's trigger holds one; A's next trigger is refused (429, saying
+    why), B's takes the other; an operator's capture (no tenant) is refused only for the
+    places being full."""
+    from profinfer.daemon.captures import BadRequest, Captures
+    captures = Captures(agent=None, note=lambda msg: None)
+    with captures._place(101, 0.0, "pod a"):
+        with pytest.raises(BadRequest) as refused:
+            with captures._place(102, 0.0, "pod a"):
+                pass
+        assert refused.value.status == 429 and "pod a" in str(refused.value)
+        with captures._place(201, 0.0, "pod b"):
+            with pytest.raises(BadRequest, match="captures are running"):
+                with captures._place(301, 0.0):
+                    pass
+        with captures._place(301, 0.0):
+            pass
+    assert captures.running == {} and captures.tenants == {}

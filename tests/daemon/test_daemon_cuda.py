@@ -162,3 +162,45 @@ def test_a_sync_trigger_fires_on_the_programs_syncs(tmp_path):
     # seven samples all beyond resolve a median at 99% (0.5 ** 7 < 0.01): no fewer fire it
     assert (fired["reason"], fired["unit"], fired["window_samples"] >= 7) == ("sync_p50", "s", True), fired
     assert 0 < fired["value"] <= own_mean_s, (fired, own_mean_s)
+
+
+FLOOD = TESTS / "levels" / "cuda" / "programs" / "registration_flood.c"
+
+
+def _vm_hwm(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_flood_of_kernel_registrations_does_not_grow_the_daemon(tmp_path):
+    """A tenant's own libcudart.so.12 (a bare __cudaRegisterFunction) called 600,000 times,
+    each with a distinct host pointer and 120-byte name: the daemon names at most 65,536 a
+    table (a real process registers thousands), so its peak memory (the kernel's VmHWM) grows
+    by under 48 MiB, where naming every one took ~180 MiB; the process is watched and runs to
+    its end."""
+    runtime = tmp_path / "libcudart.so.12"
+    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-DSTUB_RUNTIME", "-o", str(runtime), str(FLOOD)], check=True)
+    flood = tmp_path / "flood"
+    subprocess.run(["gcc", "-O1", "-o", str(flood), str(FLOOD), f"-L{tmp_path}", "-l:libcudart.so.12",
+                    f"-Wl,-rpath,{tmp_path}"], check=True)
+    d = Daemon(tmp_path)
+    try:
+        def run(n: int) -> None:
+            proc = subprocess.Popen([str(flood), str(n)], stdout=subprocess.PIPE, text=True)
+            _STARTED.append(proc)
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0 and out.strip() == f"registered {n}", out
+            deadline = time.monotonic() + 30     # its exit seen: what it sent drained
+            while time.monotonic() < deadline and proc.pid in {
+                    p["pid"] for p in json.loads(_get(d.url + "/status")[1])["processes"]}:
+                time.sleep(0.2)
+        run(1000)
+        assert "(flood): cuda level" in d.text(), d.text()
+        before = _vm_hwm(d.proc.pid)
+        run(600_000)
+        grew = _vm_hwm(d.proc.pid) - before
+        print(f"the daemon's peak grew by {grew / 2**20:.1f} MiB")
+        assert grew < 48 << 20, (grew >> 20, d.text()[-2000:])
+        assert d.proc.poll() is None
+    finally:
+        d.stop()

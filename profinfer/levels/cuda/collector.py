@@ -30,6 +30,9 @@ COPY_KINDS = {0: "H2H", 1: "H2D", 2: "D2H", 3: "D2D", 4: "Default"}
 MEMORY_KINDS = {1: "device", 2: "host"}
 TALLIES = ("nested", "agg_full", "unpaired", "pending_full")
 DETAIL_OFF = "(per-call detail off)"     # the kernel of launches counted by function alone
+# Registrations whose name BPF could not read (its page not in yet) are read from the
+# process's memory at most this many per drain: each read opens /proc/PID/mem on the loop
+MAX_NAME_READS = 64
 
 
 class ProbeSites:
@@ -226,19 +229,23 @@ class CudaCollector(Collector):
         """Registrations seen: handles, driver functions, host stubs' device names."""
         cls_of = {a.index: a.cls for a in self.apis}
         registrations = [a.index for a in self.apis if a.what == "registration"]
+        reads_left = MAX_NAME_READS
         for e in ev[np.isin(ev["api"], registrations)]:
             cls = cls_of[int(e["api"])]
             names = self.names.setdefault(int(e["tgid"]), KernelNames(int(e["tgid"])))
             if cls == "get_kernel" and int(e["ret"]) == 0 and int(e["ptr"]):
-                names.handles[int(e["ptr"])] = int(e["ptr2"])
+                names.put(names.handles, int(e["ptr"]), int(e["ptr2"]))
             elif cls == "module_function" and int(e["ret"]) == 0:
                 name = _text(e["name"])
                 if name:
-                    names.functions[int(e["ptr"])] = name
+                    names.put(names.functions, int(e["ptr"]), name)
             elif cls == "register_function":
-                name = _text(e["name"]) or names.read_string(int(e["ptr"]))
+                name = _text(e["name"])
+                if not name and reads_left > 0:     # its page not in yet when BPF read it
+                    reads_left -= 1
+                    name = names.read_string(int(e["ptr"]))
                 if name:
-                    names.registered[int(e["ptr2"])] = name
+                    names.put(names.registered, int(e["ptr2"]), name)
 
     def refresh_process_info(self) -> None:
         for tgid, names in self.names.items():

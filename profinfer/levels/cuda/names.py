@@ -181,6 +181,12 @@ def _stub_kernel(elf: ElfInfo, stub_tail: str) -> str | None:
     return best
 
 
+# A process's kernels named at most this many per table: a real one registers thousands
+# (PyTorch's CUDA libraries: ~20k functions); a tenant's loop of registrations with distinct
+# pointers would otherwise grow the agent without bound. Past it, new ones go unnamed.
+MAX_NAMES = 1 << 16
+
+
 @dataclass
 class KernelNames:
     pid: int
@@ -190,6 +196,17 @@ class KernelNames:
     functions: dict[int, str] = field(default_factory=dict)    # CUfunction -> name
     registered: dict[int, str] = field(default_factory=dict)   # host stub -> device name
     warnings: list[str] = field(default_factory=list)
+    dropped: int = 0          # registrations past MAX_NAMES, left unnamed
+
+    def put(self, table: dict, key: int, value) -> None:
+        """One name learned, where the table has room (a name known is replaced)."""
+        if key in table or len(table) < MAX_NAMES:
+            table[key] = value
+            return
+        if not self.dropped:
+            self.warnings.append(f"PID {self.pid} registered over {MAX_NAMES} kernels of one kind: "
+                                 "later ones are not named")
+        self.dropped += 1
 
     def refresh(self) -> None:
         """Read the process's mappings again (a library loaded since); those of files it
@@ -240,7 +257,7 @@ class KernelNames:
                         continue
                     kernel = _stub_kernel(elf, stub_tail)
                     if value and kernel:
-                        self.handle_names[value] = kernel
+                        self.put(self.handle_names, value, kernel)
                         n += 1
         return n
 
