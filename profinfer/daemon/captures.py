@@ -282,14 +282,17 @@ class Captures:
                 told = json.load(f)
             stopped = told.get("meta", {}).get("stopped_by", "")
             if stopped.startswith("target exited"):
-                raise BadRequest(410, f"PID {pid} exited during the capture")
+                # what came before the exit is kept (a crash is often the incident), said so
+                # in the trace's own meta (stopped_by) and in the summary
+                told["partial"] = f"PID {pid} exited during the capture: {stopped}"
             limit = max_trace_bytes()
             with open(trace, "rb") as f:
                 data = f.read(limit + 1)
             if len(data) > limit:
                 raise BadRequest(507, f"the trace of PID {pid} is over {limit:,} bytes, more than the daemon "
                                       "sends back: capture fewer seconds or fewer levels")
-        self.note(f"captured PID {pid} for {seconds:g} s at {','.join(sorted(levels))}: {len(data):,} bytes")
+        self.note(f"captured PID {pid} for {seconds:g} s at {','.join(sorted(levels))}: {len(data):,} bytes"
+                  + (f" (partial: {told['partial']})" if "partial" in told else ""))
         return data, told
 
     def _continue_left(self, pid: int, stopped_before: set[tuple[int, int]]) -> None:

@@ -371,6 +371,15 @@ class Triggers:
             s = self.series.get(key, {}).get(trigger.quantity)
             return s.per_bin(lo, trigger.percentile) if s else []
 
+    def rearm(self, key: tuple, trigger: Trigger) -> None:
+        """The trigger's firing for the process undone (its capture could not start: the places
+        were taken): it fires again once its condition has held for its hold anew."""
+        with self.lock:
+            states = self.states.get(key)
+            if states is not None and trigger in self.triggers:
+                state = states[self.triggers.index(trigger)]
+                state.fired_at = state.clear_since = state.pending_since = None
+
     def state_dicts(self, key: tuple, now: float) -> list[dict]:
         """Each trigger's state for the process (TriggerState.as_dict)."""
         with self.lock:

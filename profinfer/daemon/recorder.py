@@ -16,7 +16,7 @@ import time
 
 from profinfer.core.model import TokenCall
 from profinfer.daemon.baseline import MIN_GAP_S, RollingTotals
-from profinfer.daemon.captures import CAPTURE_LEVELS, Captures
+from profinfer.daemon.captures import CAPTURE_LEVELS, BadRequest, Captures
 from profinfer.daemon.capturestore import CaptureStore
 from profinfer.daemon.flight import Firing, Trigger, Triggers, in_unit
 from profinfer.daemon.identity import Identity
@@ -180,6 +180,12 @@ class FlightRecorder:
             tenant = self.agent.seen.tenants.tenant((ident.pid, ident.start))
             trace, summary = self.captures.run(ident.pid, self.record_for_s, levels, price, tenant)
         except Exception as e:          # BadRequest, or the capture's files gone wrong
+            if isinstance(e, BadRequest) and e.status == 429:
+                # the places taken (another process's incident, its tenant's capture): tried
+                # again while the condition holds, not dropped
+                self.triggers.rearm((ident.pid, ident.start), firing.trigger)
+                self._failed(ident, firing, f"could not start yet ({e}): it fires again while its condition holds")
+                return
             self._failed(ident, firing, f"could not be made: {e}")
             return
         finally:
@@ -193,7 +199,8 @@ class FlightRecorder:
                   "started_at": started, "record_for_s": self.record_for_s,
                   "levels_asked": sorted(asked), "levels": sorted(levels),
                   "left_out": left_out, "cost": summary.get("profiler_cost"),
-                  "lost_events": summary.get("lost_events"), "counts": counts}
+                  "lost_events": summary.get("lost_events"), "counts": counts,
+                  **({"partial": summary["partial"]} if "partial" in summary else {})}
         try:
             trace = with_meta(trace, {"flight": json.dumps(record)})
             kept = self.store.add(record, trace)

@@ -302,3 +302,15 @@ def test_a_short_incident_keeps_its_counts(monkeypatch, trigger, slow_s):
     (n0, s0), (n1, s1) = (metrics.at(t)["op"]["MUL_MAT"] for t in (lo, hi))
     got = incident["families"]["op"]["MUL_MAT"]["s_per_call"]
     assert got == pytest.approx((s1 - s0) / (n1 - n0)) and got > 1.2e-3, incident
+
+
+def test_a_firing_whose_capture_could_not_start_fires_again_while_it_holds():
+    """A firing whose capture was refused (both places taken: another process's incident) is
+    re-armed: with the slowdown still on, the trigger fires again a hold later, not never."""
+    tr, fired = _judged("tpot_p99 > 3x baseline for 5s")
+    _feed(tr, "tpot", 0, 80, 10, 0.010)
+    _feed(tr, "tpot", 80, 86, 10, 0.050)
+    assert len(fired) == 1
+    tr.rearm(KEY, tr.triggers[0])
+    _feed(tr, "tpot", 86, 93, 10, 0.050)
+    assert len(fired) == 2 and fired[1].at >= fired[0].at + 5, [f.at for f in fired]
