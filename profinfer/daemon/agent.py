@@ -344,13 +344,25 @@ class Agent:
         """An executable not looked at yet: does it define an engine's or a runtime's marker
         (linked in statically)? Its later execs are held at exec if so; this one, already
         running, is looked at now."""
+        ino, dev = int.from_bytes(file[:8], "little"), int.from_bytes(file[8:12], "little")
+
+        def told_of() -> bool:
+            """The process's image is still the file the kernel told of, by device and inode
+            (the kernel's encoding of the device: major << 20 | minor): never a verdict on
+            another file of the same inode number on another device (a tenant's own file
+            giving a shared one, such as nvidia-smi, an engine's verdict)."""
+            st = os.stat(f"/proc/{pid}/exe")
+            return st.st_ino == ino and (os.major(st.st_dev) << 20 | os.minor(st.st_dev)) == dev
+
         try:
             exe = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
-            if os.stat(f"/proc/{pid}/exe").st_ino != int.from_bytes(file[:8], "little"):
+            if not told_of():
                 return              # another image by now: nothing known of that one
-            main = [m for m in mapped_files(pid) if m.path == exe]
+            main = [m for m in mapped_files(pid) if m.path == exe and m.inode == ino]
             engine = any(engine_files(p, pid, main, True, self.seen.executables_seen)
                          for p in self.all_packs if p.marker)
+            if not told_of():
+                return              # it ran another image while its file was read
         except (OSError, ProfinferError):    # NotReady included: the scan looks at it later
             return
         self.discovery.executable(file, engine)
