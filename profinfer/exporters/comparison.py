@@ -202,6 +202,11 @@ def _setup(profile: Profile) -> dict[str, str]:
     threads = comparable.op_threads(profile)
     if threads:
         out["op threads"] = str(threads)
+    # time per token is per token: a larger batch (another batch size, more concurrent
+    # requests) moves it with no change of code, so a batch that differs is said
+    batches = sorted(t.n_tokens for t in profile.tokens if not t.prefill)
+    if batches:
+        out["decode tokens a call (median)"] = f"{batches[len(batches) // 2]:g}"
     out.update((k, str(v)) for k, v in sections.facts(profile, "SETUP").items())
     return out
 

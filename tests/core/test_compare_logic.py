@@ -249,3 +249,20 @@ def test_a_tail_added_after_moves_the_median_little():
     c = compare.judge(_op(before), _op(after), 0.05)
     true = np.median(after) / np.median(before) - 1
     assert c.low <= true <= c.high and c.high < 0.1, c
+
+
+def test_a_decode_batch_that_differs_is_among_the_differences():
+    """Time per token is per token: one run decoding a token a call against one decoding
+    four a call (four concurrent requests) moves it with no change of code, so the batch is
+    listed among what differs; runs of one batch list nothing."""
+    from profinfer.core.model import Profile, TokenCall
+    from profinfer.exporters.comparison import _differences, _setup
+
+    def run(batch: int) -> Profile:
+        calls = [TokenCall(1, i * 1000, i * 1000 + 500, 8, True) if i == 0 else
+                 TokenCall(1, i * 1000, i * 1000 + 500, batch, False, decode_tokens=batch) for i in range(20)]
+        return Profile(pid=1, process_name="x", tokens=calls)
+
+    assert _differences(_setup(run(1)), _setup(run(1))) == []
+    assert _differences(_setup(run(1)), _setup(run(4))) == [
+        {"fact": "decode tokens a call (median)", "before": "1", "after": "4"}]
