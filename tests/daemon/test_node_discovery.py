@@ -262,25 +262,6 @@ def test_a_process_held_by_another_versions_killed_daemon_is_continued(tmp_path,
                 os.close(fd)
 
 
-def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, llama_build, tiny_model,
-                                                                    llama_env):
-    """A daemon frozen (alive, its watchdog too) while it holds a process: another daemon on
-    the node leaves that process to it while it is young (a live daemon's own), and continues
-    it once it has been held STUCK_S; the process runs to its end."""
-    with _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env, NO_DEADLINE) as (
-            _, proc, start_second):
-        held_at = time.monotonic()
-        second = start_second()
-        time.sleep(max(0.0, held_at + ORPHAN_S + 1 - time.monotonic()))
-        assert _state(proc.pid) == "T", "another live daemon's young hold was ended"
-        _, err = proc.communicate(timeout=STUCK_S + 60)
-        waited = time.monotonic() - held_at
-        assert proc.returncode == 0, err[-2000:]
-        assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
-        assert STUCK_S - 1 <= waited, waited
-        assert f"PID {proc.pid}: held by a daemon gone or stuck" in second.text(), second.text()
-
-
 def test_a_frozen_daemons_hold_is_ended_by_the_kernel(tmp_path, llama_build, tiny_model, llama_env):
     """A daemon stopped (SIGSTOP: as a cgroup freezer or a loop stuck holding the GIL, it
     continues nothing) while it holds a llama-completion, and no other daemon on the node:
