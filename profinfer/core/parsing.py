@@ -14,9 +14,10 @@ idle, and for at most WAIT_S in all per loop turn (`pump()` starts a turn): one 
 then gives NotReady, and is looked at again at a later scan, when it is. What the worker
 sends back is bounded (MAX_RESULT_BYTES): a larger result fails that reading. A reading that
 runs past DEADLINE_S has its worker killed: that reading fails, is told once, and is not
-tried again for that key (a file's identity): failures are remembered without eviction (a
-tenant makes at most one a deadline per queue turn; evicted, the same files were read again
-for ever). Without `start()` (the CLI: one target, the user's own) readings run in the
+tried again for that key (a file's identity): such failures (a deadline, a result over the
+cap, the worker dead) are remembered without eviction (a tenant makes at most one a deadline
+per queue turn; evicted, the same files were read again for ever). A reading that fails fast
+(the reader's own error) is told once and read again when asked again. Without `start()` (the CLI: one target, the user's own) readings run in the
 caller, as before.
 """
 from __future__ import annotations
@@ -62,7 +63,13 @@ class _Worker:
         self.queues: OrderedDict[str, deque] = OrderedDict()
         self.current: tuple | None = None    # (key, sent at)
         self.done: OrderedDict = OrderedDict()      # key -> result
-        self.failed: dict = {}                      # key -> why (never evicted)
+        # key -> why: what cost a deadline or the worker (killed past its deadline, a result
+        # over the cap, the worker dead), never evicted: read again, it would cost as much
+        self.failed: dict = {}
+        # key -> why: what failed fast (the reader's own error: a file gone meanwhile, a
+        # malformed one), the newest _KEEP: cheap to read again, and not one a transient
+        # cause (a process exiting mid-read) should refuse for good
+        self.refused: OrderedDict = OrderedDict()
         self.started = 0                     # workers started (one more after each kill)
         self.wait_left = wait_s              # this loop turn's wait, for every reading together
 
@@ -97,7 +104,7 @@ class _Worker:
 
     def _remember(self, table: dict, key, value) -> None:
         table[key] = value
-        if table is self.done and len(table) > _KEEP:
+        if table is not self.failed and len(table) > _KEEP:
             table.popitem(last=False)
 
     def _next(self) -> tuple | None:
@@ -127,8 +134,8 @@ class _Worker:
                         self._spawn()
                     self.conn.send((module, function, args))
                 except (OSError, pickle.PicklingError) as e:
-                    self._kill()
-                    self._remember(self.failed, key, f"the reader could not be started: {e}")
+                    self._kill()        # told this once (a fork refused now may work later)
+                    self._remember(self.refused, key, f"the reader could not be started: {e}")
                     continue
                 self.current = (key, time.monotonic())
             if self.current is None:
@@ -140,7 +147,7 @@ class _Worker:
                 self.current = None
                 self._remember(self.failed, key, f"reading it took over {self.deadline_s:.0f} s: skipped")
                 continue
-            if until is not None and (until in self.done or until in self.failed):
+            if until is not None and (until in self.done or until in self.failed or until in self.refused):
                 return
             left = min(end, sent + self.deadline_s) - now
             try:
@@ -161,11 +168,13 @@ class _Worker:
                 self._remember(self.failed, key, why)
                 continue
             self.current = None
-            self._remember(self.done if ok else self.failed, key, value)
+            self._remember(self.done if ok else self.failed if ok is None else self.refused, key, value)
 
     def run(self, key, module: str, function: str, args: tuple, tenant: str = HOST):
         if key in self.failed:
             raise ProfinferError(self.failed[key])
+        if key in self.refused:
+            raise ProfinferError(self.refused.pop(key))     # told once, read again when asked again
         if key not in self.done:
             if not (self.current and self.current[0] == key) and not self._queued(key):
                 # a new reading, in its tenant's queue (each tenant's turn comes); waited
@@ -188,6 +197,8 @@ class _Worker:
             return self.done.pop(key)     # the caller keeps it (its own cache)
         if key in self.failed:
             raise ProfinferError(self.failed[key])
+        if key in self.refused:
+            raise ProfinferError(self.refused.pop(key))
         raise NotReady("still being read (looked at again later)")
 
     def close(self) -> None:
@@ -284,8 +295,8 @@ def serve(fd: int, memory_bytes: int, modules: list[str]) -> None:
             result = (True, getattr(importlib.import_module(module), function)(*args))
         except ProfinferError as e:
             result = (False, str(e))
-        except MemoryError:
-            result = (False, f"over {memory_bytes >> 20} MiB to read: skipped")
+        except MemoryError:         # None: as costly as a deadline, remembered for good
+            result = (None, f"over {memory_bytes >> 20} MiB to read: skipped")
         except Exception as e:       # whatever a tenant's file makes a reader raise
             result = (False, f"unreadable ({type(e).__name__}: {e})")
         try:

@@ -344,21 +344,21 @@ class Agent:
         """An executable not looked at yet: does it define an engine's or a runtime's marker
         (linked in statically)? Its later execs are held at exec if so; this one, already
         running, is looked at now."""
-        ino, dev = int.from_bytes(file[:8], "little"), int.from_bytes(file[8:12], "little")
+        ino = int.from_bytes(file[:8], "little")
 
         def told_of() -> bool:
-            """The process's image is still the file the kernel told of, by device and inode
-            (the kernel's encoding of the device: major << 20 | minor): never a verdict on
-            another file of the same inode number on another device (a tenant's own file
-            giving a shared one, such as nvidia-smi, an engine's verdict)."""
-            st = os.stat(f"/proc/{pid}/exe")
-            return st.st_ino == ino and (os.major(st.st_dev) << 20 | os.minor(st.st_dev)) == dev
+            """The process's image still has the inode number the kernel told of. (By inode
+            alone: stat's device is not the kernel's superblock device on btrfs or a
+            multi-layer overlay, where a check by device would refuse every verdict; a
+            tenant's own file of the same number on another device can still give a shared
+            file its verdict: docs/security.md.)"""
+            return os.stat(f"/proc/{pid}/exe").st_ino == ino
 
         try:
             exe = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
             if not told_of():
                 return              # another image by now: nothing known of that one
-            main = [m for m in mapped_files(pid) if m.path == exe and m.inode == ino]
+            main = [m for m in mapped_files(pid) if m.path == exe]
             engine = any(engine_files(p, pid, main, True, self.seen.executables_seen)
                          for p in self.all_packs if p.marker)
             if not told_of():

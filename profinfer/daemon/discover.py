@@ -324,7 +324,10 @@ class NodeDiscovery:
                 if what not in said and len(said) < 20:
                     said.add(what)
                     self.log(f"discovery's watchdog: looking for orphaned held processes: {what}")
-            ended = self.deadline_ended()
+            try:
+                ended = self.deadline_ended()
+            except Exception:           # the watchdog outlives a map read that fails
+                ended = self._ended
             if ended != self._ended:
                 try:
                     self.log(f"{ended - self._ended} held process(es) continued by the kernel's deadline "

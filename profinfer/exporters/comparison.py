@@ -129,12 +129,14 @@ def runs_to_resolve(c: compare.Change, limit: float, runs: int) -> int | None:
     return need if need <= MAX_RUNS_SAID else None
 
 
-def _wall_first(row: dict, gate: Gate, c: compare.Change, changes: list[compare.Change]) -> dict:
+def _wall_first(row: dict, gate: Gate, c: compare.Change, changes: list[compare.Change],
+                threads_differ: bool) -> dict:
     """The default gate's verdict on an op row, whose time is CPU time summed over the threads
-    (more threads spin and wait more): not a failure where its phase's time per token (the
-    wall time a user waits) lies wholly below the limit: `-t 8` against `-t 4` doubles a
-    memory-bound decode's op CPU while its tokens come faster."""
-    if gate.what is not None or c.section != "op" or row["verdict"] != FAIL:
+    (more threads spin and wait more), where the runs' op threads differ: not a failure where
+    its phase's time per token (the wall time a user waits) lies wholly below the limit: `-t 8`
+    against `-t 4` doubles a memory-bound decode's op CPU while its tokens come faster. With
+    the same threads an op's CPU time is its work, and a slower op fails whatever the rest did."""
+    if gate.what is not None or c.section != "op" or row["verdict"] != FAIL or not threads_differ:
         return row
     wall = next((w for w in changes if w.section == "latency" and w.unit == c.unit
                  and w.name.endswith("time per token")), None)
@@ -321,7 +323,9 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
     coverage = {side: _side_coverage([_coverage(p, s) for p, s in zip(profiles, summaries[side])])
                 for side, profiles in (("before", before), ("after", after))}
     runs = min(len(before), len(after))
-    judged = [_wall_first(r, g, c, changes) for g in gates for c in changes if (r := g.judge(c, runs)) is not None]
+    threads_differ = _setup(before[0]).get("op threads") != _setup(after[0]).get("op threads")
+    judged = [_wall_first(r, g, c, changes, threads_differ) for g in gates for c in changes
+              if (r := g.judge(c, runs)) is not None]
     verdict = gate_verdict(judged, gates)
     failed = [{k: r[k] for k in ("gate", "name", "change", "common")} for r in judged if r["verdict"] == FAIL]
     return {

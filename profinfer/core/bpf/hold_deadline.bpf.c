@@ -10,8 +10,9 @@
  * daemon, continuing it itself, deletes the entry first), and deletes the entry. The kfunc
  * refuses (EPERM) where the CPU does not run a user task's memory map (nmi_uaccess_okay): a
  * callback that interrupted an idle CPU or a kernel thread, as on an idle node it mostly
- * does. So a refused one tries again RETRY_NS later, up to MAX_TRIES times (a node with any
- * user task running a thousandth of the time gets its turn within a second). Where this
+ * does. So a refused one tries again RETRY_NS later, up to MAX_TRIES times: the timer stays
+ * on its CPU, so it succeeds once a user task runs there when it fires. Given up, the held
+ * entry stays for the daemon or another daemon on the node (STUCK_S). Where this
  * object does not load (an older kernel), the daemon says so and its watchdogs are the only
  * deadline. A daemon killed takes this object with it: then the node's other daemons (and the
  * one restarted in its place) continue its held processes, as before. */
@@ -60,6 +61,7 @@ struct {
 struct deadline {
     struct bpf_timer timer;
     struct pi_process_id process;
+    u64 since_ns;           /* the hold's (the held entry's): a later hold of the process re-arms */
     u64 tries;
 };
 
@@ -84,13 +86,27 @@ static __always_inline u64 start_ticks(struct task_struct *task)
     return BPF_CORE_READ(task, group_leader, start_boottime) / PI_NS_PER_TICK;
 }
 
+static __always_inline int same_hold(struct pi_held *h, struct deadline *d, u64 since)
+{
+    return h && h->since_ns == since && h->process.start_ticks == d->process.start_ticks
+        && h->holder.tgid == cfg.holder.tgid && h->holder.start_ticks == cfg.holder.start_ticks;
+}
+
+/* The deadline element goes only where no later hold re-armed it meanwhile. */
+static __always_inline void forget(void *map, u32 *tgid, struct deadline *d, u64 since)
+{
+    if (d->since_ns == since)
+        bpf_map_delete_elem(map, tgid);
+}
+
 static int end_hold(void *map, u32 *tgid, struct deadline *d)
 {
+    u64 since = d->since_ns;
     struct pi_held *h = bpf_map_lookup_elem(&held, tgid);
-    if (!h || h->process.start_ticks != d->process.start_ticks
-            || h->holder.tgid != cfg.holder.tgid || h->holder.start_ticks != cfg.holder.start_ticks) {
-        bpf_map_delete_elem(map, tgid);     /* continued meanwhile, or held anew by another */
-        return 0;
+    if (!same_hold(h, d, since)) {
+        if (!h || h->since_ns == since)     /* continued meanwhile, or another's now */
+            forget(map, tgid, d, since);
+        return 0;                           /* else a later hold: its arming restarted this timer */
     }
     struct task_struct *task = bpf_task_from_pid(*tgid);
     long err = 0;
@@ -101,21 +117,29 @@ static int end_hold(void *map, u32 *tgid, struct deadline *d)
             err = bpf_send_signal_task(task, PI_SIGNAL_CONT, PIDTYPE_TGID, 0);
         bpf_task_release(task);
     }
-    if (err && d->tries < MAX_TRIES) {      /* refused here: again on another interrupt */
-        d->tries++;
-        bpf_timer_start(&d->timer, RETRY_NS, 0);
+    if (err) {
+        if (d->tries < MAX_TRIES) {         /* refused here: again on another interrupt */
+            d->tries++;
+            bpf_timer_start(&d->timer, RETRY_NS, 0);
+            return 0;
+        }
+        /* given up: the held entry stays, for the daemon (thawed) or another daemon on the
+         * node to continue the process (STUCK_S) */
+        forget(map, tgid, d, since);
         return 0;
     }
-    /* out of the node's map, continued or gone (the daemon's own SIGCONT, should it come
-     * too, finds the process running) */
-    bpf_map_delete_elem(&held, tgid);
-    if (same && !err) {
+    /* continued (or gone): out of the node's map, unless a later hold is there now (the
+     * daemon's own SIGCONT, should it come too, finds the process running) */
+    h = bpf_map_lookup_elem(&held, tgid);
+    if (same_hold(h, d, since) || (!same && h && h->since_ns == since))
+        bpf_map_delete_elem(&held, tgid);
+    if (same) {
         u32 zero = 0;
         u64 *n = bpf_map_lookup_elem(&ended, &zero);
         if (n)
             __sync_fetch_and_add(n, 1);
     }
-    bpf_map_delete_elem(map, tgid);
+    forget(map, tgid, d, since);
     return 0;
 }
 
@@ -136,6 +160,7 @@ int BPF_PROG(hold_deadline_arm, int sig, void *info, struct task_struct *task, i
     if (!d)
         return 0;
     d->process = h->process;
+    d->since_ns = h->since_ns;
     d->tries = 0;
     bpf_timer_init(&d->timer, &deadlines, CLOCK_MONOTONIC);    /* -EBUSY when armed before */
     bpf_timer_set_callback(&d->timer, end_hold);
