@@ -17,6 +17,7 @@
  * where they are missing. */
 #include "common.bpf.h"
 #include "recorded.bpf.h"
+#include "held.bpf.h"
 #include <bpf/bpf_core_read.h>
 
 char LICENSE[] SEC("license") = "GPL";
@@ -82,16 +83,6 @@ struct {
     __type(key, u32);
     __type(value, u64);
 } candidates SEC(".maps");
-
-/* The processes held now, by this daemon or another: pinned by user space, so that they
- * outlive a daemon killed while holding one. A hash, not an LRU: an entry evicted would be a
- * process nobody continues. */
-struct {
-    __uint(type, BPF_MAP_TYPE_HASH);
-    __uint(max_entries, PI_MAX_RECORDED);
-    __type(key, u32);
-    __type(value, struct pi_held);
-} held SEC(".maps");
 
 /* This daemon (written by user space before anything is attached). */
 struct {

@@ -26,6 +26,7 @@ typedef __u32 u32;
 typedef __u64 u64;
 
 #include "transport.h"
+#include "held.bpf.h"
 
 char LICENSE[] SEC("license") = "GPL";
 
@@ -47,13 +48,6 @@ extern int bpf_send_signal_task(struct task_struct *task, int sig, enum pid_type
 
 const volatile struct pi_hold_deadline_config cfg = {};
 
-/* The node's map of held processes (discover.bpf.c's, reused by user space). */
-struct {
-    __uint(type, BPF_MAP_TYPE_HASH);
-    __uint(max_entries, PI_MAX_RECORDED);
-    __type(key, u32);
-    __type(value, struct pi_held);
-} held SEC(".maps");
 
 #define RETRY_NS 1000000ULL         /* 1 ms */
 #define MAX_TRIES 60000             /* a minute of them */
