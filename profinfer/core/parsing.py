@@ -9,7 +9,10 @@ token) whose address space is limited. Readings are queued per tenant (`on_behal
 pod, or a process's own root) and served a tenant at a time in turn, each tenant's in the
 order asked: a tenant's many slow files delay another's by one reading at most, not by all
 of them; a tenant's queue holds at most MAX_QUEUED (a reading past that gives NotReady, and
-is asked again at a later scan). The loop waits for a new reading only when the worker is
+is asked again at a later scan). A tenant whose readings have cost a deadline is served after
+the tenants whose readings have not (fewest such failures first): a tenant's new process,
+whose files are a few readings, then waits for the one reading running when they were asked,
+not for one of the slow tenant's between each of its own. The loop waits for a new reading only when the worker is
 idle, and for at most WAIT_S in all per loop turn (`pump()` starts a turn): one not done by
 then gives NotReady, and is looked at again at a later scan, when it is. What the worker
 sends back is bounded (MAX_RESULT_BYTES): a larger result fails that reading. A reading that
@@ -22,6 +25,7 @@ caller, as before.
 """
 from __future__ import annotations
 
+import contextvars
 import importlib
 import pickle
 import resource
@@ -35,10 +39,11 @@ from collections import OrderedDict, deque
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from profinfer.core import config
 from profinfer.core.errors import ProfinferError
 
 WAIT_S = 2.0           # the loop waits at most this long per turn for readings (held processes: 2 s)
-DEADLINE_S = 20.0      # a reading still running after this is killed, and not tried again
+DEADLINE_S = config.PARSE_DEADLINE_S    # a reading still running after this is killed, and not tried again
 # the worker's address space beyond its imports: room for the largest DWARF scan, while the
 # worker and the daemon together fit the manifest's 512 MiB (sizes in bench/results.md)
 MEMORY_BYTES = 320 << 20
@@ -61,7 +66,7 @@ class _Worker:
         self.conn: Connection | None = None
         # per tenant, in turn (the next served is the first's first): (key, module, function, args)
         self.queues: OrderedDict[str, deque] = OrderedDict()
-        self.current: tuple | None = None    # (key, sent at)
+        self.current: tuple | None = None    # (key, sent at, tenant)
         self.done: OrderedDict = OrderedDict()      # key -> result
         # key -> why: what cost a deadline or the worker (killed past its deadline, a result
         # over the cap, the worker dead), never evicted: read again, it would cost as much
@@ -70,6 +75,8 @@ class _Worker:
         # malformed one), the newest _KEEP: cheap to read again, and not one a transient
         # cause (a process exiting mid-read) should refuse for good
         self.refused: OrderedDict = OrderedDict()
+        # tenant -> its readings that cost a deadline or the worker: the fewest served first
+        self.strikes: dict[str, int] = {}
         self.started = 0                     # workers started (one more after each kill)
         self.wait_left = wait_s              # this loop turn's wait, for every reading together
 
@@ -108,15 +115,17 @@ class _Worker:
             table.popitem(last=False)
 
     def _next(self) -> tuple | None:
-        """The next reading: the first tenant's first, that tenant then last in turn."""
+        """The next reading: the first tenant's first, in turn among the tenants with the
+        fewest costly failures; that tenant then last in turn."""
         if not self.queues:
             return None
-        tenant, queue = next(iter(self.queues.items()))
+        least = min(self.strikes.get(t, 0) for t in self.queues)
+        tenant, queue = next((t, q) for t, q in self.queues.items() if self.strikes.get(t, 0) == least)
         reading = queue.popleft()
         self.queues.move_to_end(tenant)
         if not queue:
             del self.queues[tenant]
-        return reading
+        return tenant, reading
 
     def _queued(self, key) -> bool:
         return any(q[0] == key for queue in self.queues.values() for q in queue)
@@ -127,7 +136,7 @@ class _Worker:
         end = time.monotonic() + wait_s
         while True:
             if self.current is None and self.queues:
-                key, module, function, args = self._next()
+                tenant, (key, module, function, args) = self._next()
                 try:
                     if self.proc is None or self.proc.poll() is not None:
                         self._kill()
@@ -137,15 +146,15 @@ class _Worker:
                     self._kill()        # told this once (a fork refused now may work later)
                     self._remember(self.refused, key, f"the reader could not be started: {e}")
                     continue
-                self.current = (key, time.monotonic())
+                self.current = (key, time.monotonic(), tenant)
             if self.current is None:
                 return
-            key, sent = self.current
+            key, sent, tenant = self.current
             now = time.monotonic()
             if now - sent >= self.deadline_s:
                 self._kill()
                 self.current = None
-                self._remember(self.failed, key, f"reading it took over {self.deadline_s:.0f} s: skipped")
+                self._fail(tenant, key, f"reading it took over {self.deadline_s:.0f} s: skipped")
                 continue
             if until is not None and (until in self.done or until in self.failed or until in self.refused):
                 return
@@ -165,10 +174,18 @@ class _Worker:
                        if "bad message length" in str(e) else "its reader died (out of memory?): skipped")
                 self._kill()
                 self.current = None
-                self._remember(self.failed, key, why)
+                self._fail(tenant, key, why)
                 continue
             self.current = None
-            self._remember(self.done if ok else self.failed if ok is None else self.refused, key, value)
+            if ok is None:
+                self._fail(tenant, key, value)
+            else:
+                self._remember(self.done if ok else self.refused, key, value)
+
+    def _fail(self, tenant: str, key, why: str) -> None:
+        """A costly failure: remembered for good, and one more strike of its tenant's."""
+        self.failed[key] = why
+        self.strikes[tenant] = self.strikes.get(tenant, 0) + 1
 
     def run(self, key, module: str, function: str, args: tuple, tenant: str = HOST):
         if key in self.failed:
@@ -244,18 +261,41 @@ def pump() -> None:
         _worker.advance(0)
 
 
-_tenant = HOST
+# whose readings are asked now (a context variable: each thread, and each task, its own)
+_tenant: contextvars.ContextVar[str] = contextvars.ContextVar("profinfer_parsing_tenant", default=HOST)
 
 
 @contextlib.contextmanager
 def on_behalf_of(tenant: str):
     """The readings asked within are queued as this tenant's (a pod, a root: daemon.tenants)."""
-    global _tenant
-    before, _tenant = _tenant, tenant
+    token = _tenant.set(tenant)
     try:
         yield
     finally:
-        _tenant = before
+        _tenant.reset(token)
+
+
+# a process's tenant, where the daemon says how to tell it (set_tenant_resolver)
+_resolver = None
+
+
+def set_tenant_resolver(resolve) -> None:
+    """How a process's tenant is told (resolve(pid) -> tenant; None: not told, the readings
+    stay the caller's): for readings asked about a process outside on_behalf_of (a level
+    naming what a process ran, while its events are drained)."""
+    global _resolver
+    _resolver = resolve
+
+
+@contextlib.contextmanager
+def on_behalf_of_process(pid: int):
+    """The readings asked within are queued as the process's tenant's (as the resolver tells
+    it), else as the caller's."""
+    if _resolver is None:
+        yield
+        return
+    with on_behalf_of(_resolver(pid)):
+        yield
 
 
 def run(key, module: str, function: str, *args):
@@ -264,7 +304,7 @@ def run(key, module: str, function: str, *args):
     failed or timed out, for that key from then on), else here."""
     if _worker is None:
         return getattr(importlib.import_module(module), function)(*args)
-    return _worker.run(key, module, function, args, _tenant)
+    return _worker.run(key, module, function, args, _tenant.get())
 
 
 def serve(fd: int, memory_bytes: int, modules: list[str]) -> None:

@@ -130,6 +130,7 @@ class Agent:
         self.started = time.time()
         self.last_loop = time.monotonic()     # /healthz: the loop is alive
         parsing.start()         # tenants' files read away from this loop, from now on
+        parsing.set_tenant_resolver(self._tenant_of)     # each in its tenant's queue
         self.discovery: NodeDiscovery | None = None
         why = discover.available() if discover_processes else "turned off"
         if why is None:
@@ -197,13 +198,16 @@ class Agent:
                     with self._on_behalf_of(pid, st[0]):
                         self._look_runtime(pid, w, st)
 
-    def _on_behalf_of(self, pid: int, start: int | None = None):
-        """The tenant's turn for the files read while looking at the process (parsing's
-        queue per tenant)."""
+    def _tenant_of(self, pid: int, start: int | None = None) -> str:
         if start is None:
             st = process_stat(pid)
             start = st[0] if st is not None else -1
-        return parsing.on_behalf_of(self.seen.tenants.tenant((pid, start)))
+        return self.seen.tenants.tenant((pid, start))
+
+    def _on_behalf_of(self, pid: int, start: int | None = None):
+        """The tenant's turn for the files read while looking at the process (parsing's
+        queue per tenant)."""
+        return parsing.on_behalf_of(self._tenant_of(pid, start))
 
     def _look(self, pid: int, st: tuple[int, int], now: float, settled: bool = False) -> None:
         """Watch `pid` if it maps an engine or a runtime now (settled: discovery holds it with
@@ -1010,6 +1014,7 @@ class Agent:
     def close(self) -> None:
         self.release_held()
         parsing.stop()
+        parsing.set_tenant_resolver(None)
         with self.lock:
             watches = list(self.watches.values())
             self.watches.clear()

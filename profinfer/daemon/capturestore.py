@@ -1,6 +1,6 @@
 """The flight recorder's kept captures, in a directory of the daemon's own (a writable
-volume): at most `keep`, under a total byte cap, the oldest of the tenant with the most going
-first. Each is a Perfetto trace (ID.pftrace) and
+volume): at most `keep`, under a total byte cap, the oldest of the tenant with the most (in
+number, or in bytes past the cap) going first. Each is a Perfetto trace (ID.pftrace) and
 its record (ID.json: the process, the trigger and what it saw, the levels asked for and
 recorded, what the budget left out, the cost), each written whole under a temporary name,
 synced, then renamed (and the directory synced): a crash leaves a file whole or not there.
@@ -109,11 +109,18 @@ class CaptureStore:
         return record
 
     def _prune(self) -> None:
-        """Past `keep` or the byte cap, the oldest capture of the tenant with the most kept
-        goes: one tenant's incidents evict its own, never another tenant's while it has more."""
-        while self.records and (len(self.records) > self.keep
-                                or sum(r.get("bytes", 0) for r in self.records) > self.max_bytes):
-            kept = Counter(r.get("tenant") for r in self.records)
+        """Past `keep`, the oldest capture of the tenant with the most kept goes; past the byte
+        cap, the oldest of the tenant with the most bytes kept: one tenant's incidents evict
+        its own, never another tenant's while it holds more."""
+        while self.records:
+            if len(self.records) > self.keep:
+                kept = Counter(r.get("tenant") for r in self.records)
+            elif sum(r.get("bytes", 0) for r in self.records) > self.max_bytes:
+                kept = Counter()
+                for r in self.records:
+                    kept[r.get("tenant")] += r.get("bytes", 0)
+            else:
+                break
             most = max(kept.values())
             old = self.records.pop(next(i for i, r in enumerate(self.records) if kept[r.get("tenant")] == most))
             for path in (self._trace_path(old["id"]), os.path.join(self.dir, old["id"] + ".json")):

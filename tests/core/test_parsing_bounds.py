@@ -217,6 +217,42 @@ def test_a_tenants_slow_files_delay_another_by_one_reading_not_all():
         parsing.stop()
 
 
+def test_a_tenant_whose_readings_cost_a_deadline_is_served_after_the_others():
+    """Tenant A's reading ran past its deadline (1 s): its next three wait while tenant B's
+    three, asked after them, are served first, one after the other (not in turn with A's);
+    then A's."""
+    parsing.start(wait_s=0.1, deadline_s=1.0)
+    try:
+        deadline = time.monotonic() + 30
+        with parsing.on_behalf_of("pod a"):
+            with pytest.raises(parsing.NotReady):
+                parsing.run(("slow", 0), "time", "sleep", 60)
+        while ("slow", 0) not in parsing._worker.failed:
+            assert time.monotonic() < deadline
+            parsing.pump()
+            time.sleep(0.05)
+        assert parsing._worker.strikes == {"pod a": 1}
+        for tenant, keys in (("pod a", [("a", i) for i in range(3)]), ("pod b", [("b", i) for i in range(3)])):
+            with parsing.on_behalf_of(tenant):
+                for key in keys:
+                    try:
+                        parsing.run(key, "time", "monotonic_ns")
+                    except parsing.NotReady:
+                        pass
+        order = []
+        while len(order) < 6:
+            assert time.monotonic() < deadline
+            parsing.pump()
+            for key, _ in list(parsing._worker.done.items()):
+                order.append((key, parsing._worker.done.pop(key)))
+            time.sleep(0.01)
+        served = [k for k, _ in sorted(order, key=lambda kv: kv[1])]     # by when each ran
+        assert [k[0] for k in served] == ["b", "b", "b", "a", "a", "a"] or \
+            [k[0] for k in served[1:]] == ["b", "b", "b", "a", "a"], served     # A's first may be running
+    finally:
+        parsing.stop()
+
+
 def test_a_costly_failure_is_remembered_past_any_number_of_cheap_ones():
     """A reading killed past its deadline (1 s here) stays failed, told at once and never read
     again, after 300 readings that fail fast (the old memory's size was 256, and it cycled);

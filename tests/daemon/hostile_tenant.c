@@ -2,7 +2,7 @@
  * root, maps argv[1] (a file named
  * like an engine's library) executable, turns its loader's path into a FIFO, says so in
  * /ready, then waits. With "fifo PATH": it maps PATH executable too, then deletes it and
- * makes a FIFO at its path (what /proc/PID/maps names). With "also PATH": it maps PATH executable too. With "copies N":
+ * makes a FIFO at its path (what /proc/PID/maps names). With "also PATH...": it maps each PATH executable too. With "copies N":
  * N-1 children of it wait alike (they map what it mapped). With "swap HOSTDIR": once a reader has read the library (IN_ACCESS,
  * then IN_CLOSE_NOWRITE) it swaps the library's directory for an absolute symlink to
  * HOSTDIR (a host directory: to a reader that resolves the path outside this root) and
@@ -38,11 +38,12 @@ int main(int argc, char **argv) {
     if (argc > 3 && !strcmp(argv[2], "copies"))       /* N processes alike, in this root */
         for (long i = 1; i < atol(argv[3]); i++)
             if (fork() == 0) { pause(); return 0; }
-    if (argc > 3 && !strcmp(argv[2], "also")) {      /* another file, mapped executable too */
-        int k = open(argv[3], O_RDONLY);
-        if (k < 0 || mmap(0, 4096, PROT_READ | PROT_EXEC, MAP_PRIVATE, k, 0) == MAP_FAILED) return 1;
-        close(k);
-    }
+    if (argc > 3 && !strcmp(argv[2], "also"))        /* other files, mapped executable too */
+        for (int i = 3; i < argc; i++) {
+            int k = open(argv[i], O_RDONLY);
+            if (k < 0 || mmap(0, 4096, PROT_READ | PROT_EXEC, MAP_PRIVATE, k, 0) == MAP_FAILED) return 1;
+            close(k);
+        }
     if (argc > 3 && !strcmp(argv[2], "maps")) {
         char deep[4096] = "";
         for (int i = 0; i < 18; i++) {          /* 18 components of 199 characters */

@@ -131,6 +131,19 @@ def test_one_tenants_incidents_evict_its_own_captures_not_anothers(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(f"{i}.{ext}" for i in (a[4], c, d) for ext in ("json", "pftrace"))
 
 
+def test_past_the_byte_cap_the_tenant_with_the_most_bytes_loses_its_oldest(tmp_path):
+    """A 100-byte cap, keep=10: tenant A keeps one 60-byte trace, tenant B three of 10. B's
+    fourth (10 more: 100 is the cap) fits; a fifth takes the total over: A's 60 bytes go, not
+    B's oldest (B has more captures, A more bytes); by count B would have lost one and still
+    been over."""
+    store = CaptureStore(str(tmp_path), keep=10, max_bytes=100)
+    a = store.add({"pid": 1, "tenant": "pod a"}, b"a" * 60)["id"]
+    b = [store.add({"pid": 2, "tenant": "pod b"}, b"b" * 10)["id"] for _ in range(4)]
+    assert [r["id"] for r in store.list()] == [a, *b]
+    b.append(store.add({"pid": 2, "tenant": "pod b"}, b"b" * 10)["id"])
+    assert [r["id"] for r in store.list()] == b
+
+
 def test_a_tenant_holds_one_of_the_triggered_capture_places():
     """Two places: tenant A's trigger holds one; A's next trigger is refused (429, saying
     why), B's takes the other; an operator's capture (no tenant) is refused only for the

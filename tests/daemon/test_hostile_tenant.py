@@ -450,6 +450,65 @@ def test_a_billion_sections_claimed_do_not_stall_the_loop(tmp_path, llama_build,
         _end(watched, tenant)
 
 
+SLOW_FILES = 5
+PARSE_DEADLINE_S = 2       # PROFINFER_PARSE_DEADLINE_S: each slow file costs the worker this long
+
+
+def test_a_tenants_slow_files_delay_another_tenants_engine_by_one_reading(tmp_path, llama_build, tiny_model,
+                                                                          llama_env, tenant_bin, memory_cgroup):
+    """A tenant with a CUDA runtime maps five files claiming 2^30 sections each: each one's
+    reading runs to the parse deadline (2 s here), 10 s of the worker's time in all. A llama.cpp
+    run of another tenant (the host's), started while the first is read, waits for the one
+    reading running then, not for the five: it is watched within two deadlines, where served
+    in one queue or one reading each in turn it waited for all five or for one before each of
+    its own files. It is counted exactly, /healthz stays 200, each slow file is told once, and
+    nothing is left stopped."""
+    from profinfer.levels.cuda import workload as cuda_workload
+    root = tmp_path / "tenant"
+    _jail(root, tenant_bin)
+    (root / "opt" / "lib").mkdir(parents=True)
+    shutil.copy2(cuda_workload.ensure_cudart12(), root / "opt" / "lib" / "libcudart.so.12")
+    slow = [f"/opt/lib/libkernels{i}.so" for i in range(SLOW_FILES)]
+    for path in slow:
+        _billion_sections(tenant_bin, root / path.lstrip("/"))
+    tenant = watched = None
+    try:
+        watched = Watched(tmp_path, memory_cgroup, env={"PROFINFER_PARSE_DEADLINE_S": str(PARSE_DEADLINE_S)})
+        d = watched.daemon
+        tenant = Tenant(root, "/opt/lib/libcudart.so.12", "also", *slow)
+        deadline = time.monotonic() + 20
+        while "took over" not in d.text() and time.monotonic() < deadline:    # its first killed
+            time.sleep(0.1)
+        assert "took over" in d.text(), d.text()
+        w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=32)
+        t0 = time.monotonic()
+        d.watched(w.proc.pid, timeout=4 * PARSE_DEADLINE_S + 10)
+        waited = time.monotonic() - t0
+        told = [l for l in d.text().splitlines() if "took over" in l]
+        assert waited < 2 * PARSE_DEADLINE_S + 4, f"watched after {waited:.1f} s\n{d.text()}"
+        w.go()
+        perf = llama_perf(w.finish())
+        want = {"prefill": perf["prompt eval"][1], "decode": perf["eval"][1]}
+        deadline = time.monotonic() + 10
+        while (got := series(_get(d.url + "/metrics")[1].decode(), "profinfer_tokens_total", w.proc.pid, "phase")) \
+                != want and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert got == want, d.text()
+        # the slow tenant's readings go on after: each of its files told once
+        deadline = time.monotonic() + SLOW_FILES * (PARSE_DEADLINE_S + 5)
+        while sum("libkernels" in l for l in d.text().splitlines() if "took over" in l) < SLOW_FILES \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        told = [l for l in d.text().splitlines() if "took over" in l]
+        for path in slow:
+            assert len([l for l in told if path.rsplit("/", 1)[1] in l]) == 1, d.text()
+        watched.stop_polling()
+        watched.assert_alive_and_healthy()
+        assert tenant.state() != "T"
+    finally:
+        _end(watched, tenant)
+
+
 def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 

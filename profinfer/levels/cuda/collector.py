@@ -31,7 +31,8 @@ MEMORY_KINDS = {1: "device", 2: "host"}
 TALLIES = ("nested", "agg_full", "unpaired", "pending_full")
 DETAIL_OFF = "(per-call detail off)"     # the kernel of launches counted by function alone
 # Registrations whose name BPF could not read (its page not in yet) are read from the
-# process's memory at most this many per drain: each read opens /proc/PID/mem on the loop
+# process's memory at most this many per drain (each read opens /proc/PID/mem on the loop);
+# the rest wait for the next drains (KernelNames.MAX_UNREAD a process)
 MAX_NAME_READS = 64
 
 
@@ -229,7 +230,6 @@ class CudaCollector(Collector):
         """Registrations seen: handles, driver functions, host stubs' device names."""
         cls_of = {a.index: a.cls for a in self.apis}
         registrations = [a.index for a in self.apis if a.what == "registration"]
-        reads_left = MAX_NAME_READS
         for e in ev[np.isin(ev["api"], registrations)]:
             cls = cls_of[int(e["api"])]
             names = self.names.setdefault(int(e["tgid"]), KernelNames(int(e["tgid"])))
@@ -241,11 +241,26 @@ class CudaCollector(Collector):
                     names.put(names.functions, int(e["ptr"]), name)
             elif cls == "register_function":
                 name = _text(e["name"])
-                if not name and reads_left > 0:     # its page not in yet when BPF read it
-                    reads_left -= 1
-                    name = names.read_string(int(e["ptr"]))
                 if name:
                     names.put(names.registered, int(e["ptr2"]), name)
+                else:                   # its page not in yet when BPF read it: from memory, later
+                    names.unread_later(int(e["ptr"]), int(e["ptr2"]))
+        self._read_unread_names()
+
+    def _read_unread_names(self) -> None:
+        """Names BPF could not read, from the processes' memory: at most MAX_NAME_READS a
+        drain, the processes in turn (one that registers a flood waits its turn, the others'
+        names are read)."""
+        waiting = [n for n in self.names.values() if n.unread]
+        reads_left = MAX_NAME_READS
+        while waiting and reads_left > 0:
+            for names in list(waiting):
+                if reads_left <= 0:
+                    break
+                names.read_one_unread()
+                reads_left -= 1
+                if not names.unread:
+                    waiting.remove(names)
 
     def refresh_process_info(self) -> None:
         for tgid, names in self.names.items():

@@ -14,8 +14,10 @@ mapped file) or `CUfunction@0x<handle>`, never dropped.
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import re
+from collections import deque
 from dataclasses import dataclass, field
 
 import cxxfilt
@@ -181,6 +183,16 @@ def _stub_kernel(elf: ElfInfo, stub_tail: str) -> str | None:
     return best
 
 
+def _as_its_tenant(method):
+    """The method's readings of the process's files queued as its tenant's (a kernel named
+    while the level's events are drained is asked outside any process's turn)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with parsing.on_behalf_of_process(self.pid):
+            return method(self, *args, **kwargs)
+    return run
+
+
 # A process's kernels named at most this many per table: a real one registers thousands
 # (PyTorch's CUDA libraries: ~20k functions); a tenant's loop of registrations with distinct
 # pointers would otherwise grow the agent without bound. Past it, new ones go unnamed.
@@ -196,7 +208,26 @@ class KernelNames:
     functions: dict[int, str] = field(default_factory=dict)    # CUfunction -> name
     registered: dict[int, str] = field(default_factory=dict)   # host stub -> device name
     warnings: list[str] = field(default_factory=list)
-    dropped: int = 0          # registrations past MAX_NAMES, left unnamed
+    dropped: int = 0          # registrations past MAX_NAMES (or MAX_UNREAD waiting), left unnamed
+    # registrations whose name is still to be read from memory: (name's address, host stub)
+    unread: deque = field(default_factory=deque)
+
+    MAX_UNREAD = 4096         # waiting a process: past it, registrations are left unnamed
+
+    def unread_later(self, name_addr: int, stub: int) -> None:
+        if len(self.unread) >= self.MAX_UNREAD:
+            if not self.dropped:
+                self.warnings.append(f"PID {self.pid} registered over {self.MAX_UNREAD} kernels whose names "
+                                     "are still to be read: later ones are not named")
+            self.dropped += 1
+            return
+        self.unread.append((name_addr, stub))
+
+    def read_one_unread(self) -> None:
+        name_addr, stub = self.unread.popleft()
+        name = self.read_string(name_addr)
+        if name:
+            self.put(self.registered, stub, name)
 
     def put(self, table: dict, key: int, value) -> None:
         """One name learned, where the table has room (a name known is replaced)."""
@@ -217,6 +248,7 @@ class KernelNames:
             self.maps = current + [m for m in self.maps if (m.start, m.path) not in known]
             self.maps.sort(key=lambda m: m.start)
 
+    @_as_its_tenant
     def cuda_modules(self) -> list[str]:
         """The mapped files that link libcudart dynamically (an engine's CUDA library)."""
         seen = {}
@@ -224,6 +256,7 @@ class KernelNames:
             seen.setdefault(m.path, m.host_path)
         return [p for p, host in seen.items() if needs_cudart(host)]
 
+    @_as_its_tenant
     def read_handle_statics(self, paths: list[str]) -> int:
         """The handles CUDA 13 stubs already hold (their kernels registered before attach),
         from the process's memory; returns how many were read."""
@@ -292,6 +325,7 @@ class KernelNames:
             return demangle(found[0])
         return f"kernel@{os.path.basename(m.path)}+0x{off:x}"
 
+    @_as_its_tenant
     def site(self, addr: int) -> str:
         """A code address as function+offset (a call site)."""
         m = self._mapping(addr)
@@ -306,6 +340,7 @@ class KernelNames:
             return f"{demangle(found[0])}+0x{found[1]:x}"
         return f"{os.path.basename(m.path)}+0x{off:x}"
 
+    @_as_its_tenant
     def kernel(self, func: int, driver: bool) -> str:
         if driver:
             name = self.functions.get(func)
