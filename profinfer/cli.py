@@ -394,7 +394,11 @@ def _add_plugin_commands() -> None:
               help="With --pid: windows with the probes (as many without).")
 @click.option("--window", "window_s", type=FiniteRange(min=0.2), default=1.5, show_default=True,
               help="With --pid: seconds a window.")
-def calibrate_cmd(threads, force, attempts, pid, windows, window_s):
+@click.option("--spread-of", "spread_of", metavar="RUNS",
+              help="Instead: how much runs of one command vary here, from its recordings (traces joined "
+              "by commas, or a directory; at least 6): diff then judges one run a side of that command "
+              "with it.")
+def calibrate_cmd(threads, force, attempts, pid, windows, window_s, spread_of):
     """Measure this machine's roofs (DRAM and each cache level's read bandwidth, f32 FMA peak) for roofline verdicts,
     and what a uprobe hit costs here (for the profiler-cost line).
 
@@ -408,6 +412,15 @@ def calibrate_cmd(threads, force, attempts, pid, windows, window_s):
     if wrong:
         options = ", ".join("--" + ("window" if w == "window_s" else w) for w in sorted(wrong))
         raise click.UsageError(f"{options}: " + ("not with --pid" if pid is not None else "only with --pid"))
+    if spread_of is not None:
+        if given or pid is not None:
+            raise click.UsageError("--spread-of: alone")
+        from profinfer.exporters import runspread
+        paths = _trace_paths(spread_of)
+        entry = runspread.measure([_load_trace(p) for p in paths], paths)
+        runspread.store(entry)
+        click.echo(runspread.describe(entry))
+        return
     if pid is not None:
         from profinfer.core import engineprice, enginetrap
         kernel.require_root()

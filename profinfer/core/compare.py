@@ -127,6 +127,9 @@ class Change:
     floor: float | None          # the noise floor it was judged against
     verdict: str
     common: float | None = None  # one run a side: the parts' common change it was also judged against
+    # one run a side: the calibrated run-to-run spread (the sd of the log of this quantity's
+    # statistic over runs of one command on this machine) its interval was widened by
+    spread: float | None = None
 
     @property
     def significant(self) -> bool:
@@ -201,13 +204,37 @@ def run_interval(before: Series, after: Series, statistic: str, confidence: floa
     return float(np.expm1(d - t * se)), float(np.expm1(d + t * se))
 
 
+@dataclass(frozen=True)
+class Spread:
+    """How much a quantity's statistic varies between runs of one command on this machine,
+    measured (`profinfer calibrate --spread-of`): the sd of its logarithm over `runs` runs."""
+    sd: float
+    runs: int
+
+    def half_width(self, confidence: float) -> float:
+        """The half-width, in log, of where two new runs' log statistics differ by chance:
+        their difference over sqrt(2) sd (sd estimated from `runs`) is Student's t with
+        runs - 1 degrees of freedom."""
+        from scipy import stats     # here: scipy takes ~0.5 s to import
+        return float(stats.t.ppf(0.5 + confidence / 2, self.runs - 1) * np.sqrt(2) * self.sd)
+
+
+def widen(change: float, low: float, high: float, half: float) -> tuple[float, float]:
+    """An interval on a change widened, in log, by an independent error of half-width `half`
+    (their half-widths added in quadrature, each side)."""
+    c = np.log1p(change)
+    down, up = c - np.log1p(low), np.log1p(high) - c
+    return float(np.expm1(c - np.hypot(down, half))), float(np.expm1(c + np.hypot(up, half)))
+
+
 def judge(before: Series | None, after: Series | None, noise: float, confidence: float = 0.95,
           statistic: str = "median", whole: float | None = None, common: float | None = None,
-          one_run: bool = False) -> Change:
+          one_run: bool = False, spread: Spread | None = None) -> Change:
     """The change from `before` to `after` (the same key; either may be missing); `whole`:
     the statistic of what this quantity is a part of, where it is one; `one_run`: a side has
     one run; `common`: then, the change of its unit's finest parts, a second hypothesis the
-    change must lie beyond (None: no such parts)."""
+    change must lie beyond (None: no such parts); `spread`: then, this quantity's calibrated
+    run-to-run spread, which widens its interval in place of that hypothesis."""
     s = before or after
     if (before is not None and after is not None and statistic == "median"
             and min(np.median(before.samples), np.median(after.samples)) <= 0 < max(before.samples.mean(), after.samples.mean())):
@@ -238,6 +265,9 @@ def judge(before: Series | None, after: Series | None, noise: float, confidence:
     runs = run_interval(before, after, statistic, confidence)
     if runs is not None:             # the wider of the two: within runs, between runs
         low, high = min(low, runs[0]), max(high, runs[1])
+    if one_run and spread is not None:     # what one run a side cannot see, as measured here
+        low, high = widen(change, low, high, spread.half_width(confidence))
+        common = None
     drift = max(_floor(before, statistic), _floor(after, statistic))
     floor = max(noise, (2 if one_run else 1) * drift)
     verdict = _verdict(change, low, high, floor)
@@ -252,7 +282,8 @@ def judge(before: Series | None, after: Series | None, noise: float, confidence:
     impact = IMPACT_ONE_RUN if one_run else IMPACT
     if verdict != NO_CHANGE and whole and surely * b_val < impact * noise * whole:
         verdict = WITHIN_NOISE
-    return Change(**shared, change=change, low=low, high=high, floor=floor, verdict=verdict, common=common)
+    return Change(**shared, change=change, low=low, high=high, floor=floor, verdict=verdict, common=common,
+                  spread=spread.sd if one_run and spread is not None else None)
 
 
 def _verdict(change: float, low: float, high: float, floor: float) -> str:
@@ -288,9 +319,10 @@ def pool(runs: list[list[Series]]) -> list[Series]:
 
 
 def compare(before: list[Series], after: list[Series], noise: float, confidence: float = 0.95,
-            statistic: str = "median") -> list[Change]:
+            statistic: str = "median", spreads: dict[tuple[str, str], Spread] | None = None) -> list[Change]:
     """Every quantity of either side, matched by key, in the order they first appear (the
-    before side's, then what only the after side has)."""
+    before side's, then what only the after side has); `spreads`: the calibrated run-to-run
+    spread of some quantities (by key), used where a side has one run."""
     b = {s.key: s for s in before}
     a = {s.key: s for s in after}
     keys = list(b) + [k for k in a if k not in b]
@@ -304,7 +336,7 @@ def compare(before: list[Series], after: list[Series], noise: float, confidence:
         s = b.get(k) or a.get(k)
         out.append(judge(b.get(k), a.get(k), noise, confidence, statistic,
                          None if k[0] == "latency" else wholes.get(s.unit),
-                         commons.get(s.speed_unit or s.unit), one_run))
+                         commons.get(s.speed_unit or s.unit), one_run, (spreads or {}).get(k)))
     return out
 
 

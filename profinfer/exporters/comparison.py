@@ -25,7 +25,7 @@ from profinfer.core.errors import ProfinferError
 from profinfer.core.loadcheck import OTHERS_CPU_LIMIT
 from profinfer.core.model import Profile
 from profinfer.core.sections import SeriesSection, View
-from profinfer.exporters import json_summary
+from profinfer.exporters import json_summary, runspread
 
 SCHEMA = "profinfer.diff/2"
 METHOD = (f"ratio of the {{statistic}}s, moving-block bootstrap ({compare.RESAMPLES} resamples, blocks "
@@ -96,7 +96,8 @@ class Gate:
             ((1 + c.low) / (1 + c.common) - 1, (1 + c.high) / (1 + c.common) - 1)
         if c.verdict == compare.SLOWER and low > self.limit:
             return {**row, "verdict": FAIL, "why": "its interval lies wholly above the limit" +
-                    ("" if c.common is None else f", beyond the parts' common change ({c.common:+.1%})")}
+                    ("" if c.common is None else f", beyond the parts' common change ({c.common:+.1%})") +
+                    ("" if c.spread is None else f", widened by the runs' measured spread here (sd {c.spread:.1%})")}
         if c.high < self.limit:
             return {**row, "verdict": PASS, "why": "its interval lies wholly below the limit"}
         if not judged_fully:
@@ -303,21 +304,27 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
         raise IncomparableRuns(f"the runs cannot be compared: {why}")
     summaries = {"before": [json_summary.summary(p) for p in before],
                  "after": [json_summary.summary(p) for p in after]}
+    single = [side for side, runs in (("before", before), ("after", after)) if len(runs) == 1]
+    calibrated = runspread.lookup(before[0], after[0], statistic) if single else None
     changes = compare.compare(compare.pool([_series(p) for p in before]),
-                              compare.pool([_series(p) for p in after]), noise, confidence, statistic)
+                              compare.pool([_series(p) for p in after]), noise, confidence, statistic,
+                              calibrated[0] if calibrated else None)
     unmatched = [g.what for g in gates if g.what is not None and not any(g.matches(c) for c in changes)]
     if unmatched:
         raise ProfinferError(f"--fail-above: {unmatched[0]!r} names no row of this comparison "
                              f"(rows: {_row_examples(changes)})")
-    single = [side for side, runs in (("before", before), ("after", after)) if len(runs) == 1]
-    if single:
+    if single and calibrated:
+        inner.append(f"one run {' and '.join(single)}: each phase's time per token judged with this "
+                     f"command's {runspread.describe(calibrated[1])}")
+    elif single:
         shift = next((c.common for c in changes if c.common is not None), None)
         inner.append(f"one run {' and '.join(single)}: how much a whole process's speed varies from "
                      "one run to the next is not measured (on a shared machine, by more than the floor)"
                      + (f"; the finest parts' common change, {shift:+.1%}, is taken for it: a time must "
                         "change beyond it too, and a part move its whole by the floor"
                         if shift is not None else "")
-                     + "; several runs a side (comma lists or directories) measure it")
+                     + "; several runs a side (comma lists or directories) measure it, or `profinfer "
+                       "calibrate --spread-of RUNS` from runs of this command here")
     differences = _differences(_setup(before[0]), _setup(after[0]))
     vb, va = _verdicts(summaries["before"][0]), _verdicts(summaries["after"][0])
     coverage = {side: _side_coverage([_coverage(p, s) for p, s in zip(profiles, summaries[side])])

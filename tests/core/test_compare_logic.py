@@ -266,3 +266,47 @@ def test_a_decode_batch_that_differs_is_among_the_differences():
     assert _differences(_setup(run(1)), _setup(run(1))) == []
     assert _differences(_setup(run(1)), _setup(run(4))) == [
         {"fact": "decode tokens a call (median)", "before": "1", "after": "4"}]
+
+
+def _spread(sd: float, runs: int = 8) -> dict:
+    return {("latency", "decode time per token"): compare.Spread(sd, runs)}
+
+
+def test_one_run_a_side_a_broad_regression_fails_beyond_the_calibrated_spread():
+    """Every part 30% slower, one run a side: with this command's run-to-run spread measured
+    here (sd 3% over 8 runs: two runs differ by chance within ±10%), the time per token lies
+    beyond it and the limit: the gate fails where, unmeasured, it was inconclusive. With a
+    spread as wide as the change (sd 12%), it is inconclusive again."""
+    before, after = _run(1.0, PARTS, 1), _run(1.3, PARTS, 2)
+    changes = compare.compare(before, after, 0.05, spreads=_spread(0.03))
+    token = next(c for c in changes if c.name == "decode time per token")
+    assert token.spread == 0.03 and token.common is None and token.verdict == compare.SLOWER, token
+    assert token.low < 0.3 - 0.08 and token.high > 0.3 + 0.08, token       # widened by the spread
+    rows = [r for c in changes if (r := Gate(0.05).judge(c, 1)) is not None]
+    assert gate_verdict(rows, (Gate(0.05),)) == FAIL, rows
+    wide = compare.compare(before, after, 0.05, spreads=_spread(0.12))
+    rows = [r for c in wide if (r := Gate(0.05).judge(c, 1)) is not None]
+    assert gate_verdict(rows, (Gate(0.05),)) == INCONCLUSIVE, rows
+
+
+def test_one_run_a_side_no_change_is_no_failure_with_a_calibrated_spread():
+    """The same command twice, one run a side, 8% apart by chance (within what sd 3% allows):
+    not a failure; the interval covers no change; and the part rows still judged by the
+    common change."""
+    changes = compare.compare(_run(1.0, PARTS, 1), _run(1.08, PARTS, 2), 0.05, spreads=_spread(0.03))
+    token = next(c for c in changes if c.name == "decode time per token")
+    assert token.low < 0 < token.high and not token.significant, token
+    rows = [r for c in changes if (r := Gate(0.05).judge(c, 1)) is not None]
+    assert gate_verdict(rows, (Gate(0.05),)) == INCONCLUSIVE, rows
+    assert all(c.common is not None for c in changes if c.section != "latency")
+
+
+def test_the_spread_widens_by_students_t_over_its_runs():
+    """Half-width: t(0.975, runs - 1) sqrt(2) sd, added to the interval's in quadrature on each
+    side, in log."""
+    half = compare.Spread(0.05, 6).half_width(0.95)
+    assert half == pytest.approx(2.5706 * np.sqrt(2) * 0.05, rel=1e-3)
+    low, high = compare.widen(0.10, 0.08, 0.12, half)
+    c = np.log(1.10)
+    assert np.log1p(low) == pytest.approx(c - np.hypot(c - np.log(1.08), half))
+    assert np.log1p(high) == pytest.approx(c + np.hypot(np.log(1.12) - c, half))

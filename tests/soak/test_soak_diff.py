@@ -1,14 +1,36 @@
-"""diff's false alarms measured at length: every pair of eleven runs of one command (55
-comparisons of one run a side) and ten of five runs a side. Its figures go to
-bench/results.md."""
+"""diff's false alarms measured at length, and its gate on broad regressions with one run a
+side.
+
+- Every pair of eleven runs of one command (55 comparisons of one run a side) and ten of five
+  runs a side: what diff calls significant.
+- The gate, `--fail-above 5%`, one run a side, with this command's run-to-run spread
+  calibrated from six other runs of it (`profinfer calibrate --spread-of`): exit 1 (a failure)
+  in at most one of the 55 pairs; and exit 1 against a model whose every matmul is ~27%
+  larger and against a build whose CPU backend (libggml-cpu) is compiled at -O0, where
+  without the calibration (one run a side cannot tell a slower build from a slower run) it
+  is inconclusive (exit 3).
+
+Its figures go to bench/results.md."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
+import os
 import random
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from test_diff import REPEATS, SIDE, _alarms, _record, models  # noqa: F401 (a fixture)
+from conftest import PROFINFER
+from profinfer.engines.llamacpp import workload
+from test_diff import BASE, REPEATS, SIDE, _alarms, _record, models  # noqa: F401 (a fixture)
+
+CALIBRATION_RUNS = 6
+# every matmul ~27% larger: n_embd and n_ff 12.5% wider (heads of 72, not 64)
+LARGER = dataclasses.replace(BASE, n_embd=432, n_ff=1296)
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +56,85 @@ def test_the_same_command_again_shows_no_significant_change(base_runs):
     pooled = _alarms(groups)
     print(f"five runs a side: false alarms in {len(pooled)} of {REPEATS}: {pooled}")
     assert len(single) <= len(pairs) // 10 and len(pooled) <= REPEATS // 10, (single, pooled)
+
+
+@pytest.fixture(scope="module")
+def calibrated(llama_build, llama_env, models, tmp_path_factory) -> dict:
+    """A cache directory of its own holding the base command's spread, measured from
+    CALIBRATION_RUNS runs of it (not the runs judged); the environment that uses it."""
+    d = tmp_path_factory.mktemp("spread")
+    runs = [_record(llama_build, models["base"], llama_env, d / f"cal{i}.pftrace") for i in range(CALIBRATION_RUNS)]
+    env = {**os.environ, "PROFINFER_CACHE": str(d / "cache")}
+    p = subprocess.run([*PROFINFER, "calibrate", "--spread-of", ",".join(map(str, runs))], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    print(p.stdout)
+    return env
+
+
+def _gate(a: Path, b: Path, env: dict) -> tuple[int, dict]:
+    out = a.parent / f"gate-{a.stem}-{b.stem}.json"
+    p = subprocess.run([*PROFINFER, "diff", str(a), str(b), "--fail-above", "5%", "--json", str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode in (0, 1, 3), p.stderr
+    return p.returncode, json.loads(out.read_text())
+
+
+def test_with_the_spread_calibrated_the_gate_fails_at_most_one_pair_in_fifty(base_runs, calibrated):
+    """The 55 pairs of one command's runs, one run a side, `--fail-above 5%` with the
+    calibrated spread: at most one exits 1."""
+    codes = []
+    for a, b in itertools.combinations(base_runs, 2):
+        code, result = _gate(a, b, calibrated)
+        assert any("run-to-run spread over" in w for w in result["warnings"]), result["warnings"]
+        codes.append(code)
+    print(f"one run a side, spread calibrated: exits {sorted(codes)}")
+    assert codes.count(1) <= 1, codes
+
+
+def _o0_cpu_backend(llama_build: Path) -> Path:
+    """A directory holding libggml-cpu built at -O0 from the build's own source (once, in
+    the cache beside the build): put first on LD_LIBRARY_PATH, every op of the CPU backend
+    runs slower, the rest of the build as it was."""
+    root = llama_build.parent.parent / f"{llama_build.parent.name}-O0-cpu"
+    lib = root / "build" / "bin" / "libggml-cpu.so.0"
+    if not lib.exists():
+        cfg = ["cmake", "-S", str(llama_build.parent / "src"), "-B", str(root / "build"),
+               "-DCMAKE_BUILD_TYPE=None", "-DCMAKE_C_FLAGS=-O0 -g", "-DCMAKE_CXX_FLAGS=-O0 -g",
+               "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_NATIVE=ON"] + (["-G", "Ninja"] if shutil.which("ninja") else [])
+        subprocess.run(cfg, check=True, capture_output=True, timeout=600)
+        subprocess.run(["cmake", "--build", str(root / "build"), f"-j{len(os.sched_getaffinity(0))}",
+                        "--target", "ggml-cpu"], check=True, capture_output=True, timeout=1800)
+    only = root / "only"
+    only.mkdir(exist_ok=True)
+    shutil.copy2(lib.resolve(), only / "libggml-cpu.so.0")
+    return only
+
+
+def test_one_run_a_side_broad_regressions_fail_the_calibrated_gate(llama_build, llama_env, models, base_runs,
+                                                                    calibrated, tmp_path):
+    """One run a side against the base: a model whose every matmul is ~27% larger, and the
+    base model on a build whose CPU backend is compiled at -O0. With the spread calibrated,
+    `--fail-above 5%` exits 1 on each, its time per token a failing row; without it (a
+    cache without the spread) the time per token is inconclusive: the parts' common change
+    covers a change of most of the work (an op may still fail beyond it)."""
+    larger = tmp_path / "larger.gguf"
+    workload.write_model("diff-larger", LARGER, larger)
+    slow_env = {**llama_env, "LD_LIBRARY_PATH": f"{_o0_cpu_backend(llama_build)}:{llama_env['LD_LIBRARY_PATH']}"}
+    after = {"larger matmuls": _record(llama_build, larger, llama_env, tmp_path / "larger.pftrace"),
+             "-O0 CPU backend": _record(llama_build, models["base"], slow_env, tmp_path / "o0.pftrace")}
+    uncalibrated = {**os.environ, "PROFINFER_CACHE": str(tmp_path / "empty-cache")}
+    for what, run in after.items():
+        code, result = _gate(base_runs[0], run, calibrated)
+        token = next(c for c in result["changes"] if c["name"] == "decode time per token")
+        print(f"{what}: exit {code}, decode time per token {token['change']:+.1%} "
+              f"({token['low']:+.1%}..{token['high']:+.1%}), spread {token['spread']}")
+        assert code == 1, (what, result["gate"], token)
+        assert any(r["name"] == "decode time per token" for r in result["gate"]["rows"]), result["gate"]
+        if what == "-O0 CPU backend":
+            assert result["only_build_differs"], result["differences"]
+        code, result = _gate(base_runs[0], run, uncalibrated)
+        print(f"{what}, no spread calibrated: exit {code}: {[(r['name'], r['verdict']) for r in result['gate']['rows']]}")
+        token = next(r for r in result["gate"]["rows"] if r["name"] == "decode time per token")
+        assert code in (1, 3) and token["verdict"] == "inconclusive", (what, result["gate"])

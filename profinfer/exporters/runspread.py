@@ -1,0 +1,105 @@
+"""A command's run-to-run spread on this machine, for diff's judgment of one run a side
+(`profinfer calibrate --spread-of RUNS`).
+
+On a shared machine a whole process can run faster or slower than another of the same
+command, every part alike (bench/results.md, "diff, one run a side"). One run a side cannot
+see that: without a measure of it, diff calls a change of most of the work inconclusive. Runs
+of one command recorded here measure it: for each phase's time per token (what the gate
+judges in full), the sd of the logarithm of its statistic (median and mean) over the runs.
+Kept per machine and setup (what `diff` lists as differences: engine, model structure,
+builds, levels, op threads, decode batch) in $PROFINFER_CACHE/spread.json. `diff` uses the
+spread calibrated for the before run's setup (else the after run's) and says which.
+
+What it cannot see: a machine whose neighbours changed since it was measured (measure
+again), and a setup not measured (the runs must be of the command compared).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import numpy as np
+
+from profinfer.core import buildcache, calibrate, compare
+from profinfer.core.errors import ProfinferError
+from profinfer.core.model import Profile
+
+MIN_RUNS = 6            # fewer: the sd is too uncertain to judge by (t with 4 degrees of freedom)
+# facts of a recording left out of its setup's key: the calibration this machine had then
+UNKEYED = ("roofs:", "trap:")
+
+
+def _is_judged_row(s: compare.Series) -> bool:
+    return s.section == "latency" and s.name.endswith("time per token")
+
+
+def setup_key(profile: Profile) -> tuple[str, str]:
+    """(a key, what it stands for): this machine and the recording's setup."""
+    from profinfer.exporters.comparison import _identity, _setup
+    facts = {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in _identity(profile).items()}
+    facts.update((k, v) for k, v in _setup(profile).items() if not k.startswith(UNKEYED))
+    facts["machine"] = f"{calibrate.cpu_model()}, {os.cpu_count()} cpus"
+    text = json.dumps(facts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16], text
+
+
+def _cache_path() -> str:
+    return os.path.join(buildcache.cache_dir(), "spread.json")
+
+
+def measure(runs: list[Profile], names: list[str]) -> dict:
+    """The spread of runs of one command (ProfinferError: too few, or of different setups)."""
+    from profinfer.exporters.comparison import _series
+    if len(runs) < MIN_RUNS:
+        raise ProfinferError(f"--spread-of: {len(runs)} runs; give at least {MIN_RUNS} of one command")
+    keys = [setup_key(p) for p in runs]
+    odd = next((n for n, k in zip(names, keys) if k[0] != keys[0][0]), None)
+    if odd is not None:
+        raise ProfinferError(f"--spread-of: {odd} is not a run of the same setup as {names[0]} "
+                             "(the runs must be of one command: diff lists what differs)")
+    rows: dict[str, dict[str, list[float]]] = {}
+    for p in runs:
+        for s in _series(p):
+            if _is_judged_row(s) and len(s.samples) >= compare.MIN_SAMPLES:
+                for stat in compare.STATISTICS:
+                    rows.setdefault(s.name, {}).setdefault(stat, []).append(float(compare._stat(stat, s.samples)))
+    spreads = {name: {stat: float(np.std(np.log(v), ddof=1)) for stat, v in by.items() if min(v) > 0}
+               for name, by in rows.items() if all(len(v) == len(runs) for v in by.values())}
+    if not spreads:
+        raise ProfinferError("--spread-of: the runs have no time per token of enough decode calls to measure")
+    return {"key": keys[0][0], "setup": json.loads(keys[0][1]), "runs": len(runs), "rows": spreads,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def store(entry: dict) -> None:
+    cache = buildcache.load_trusted_dict(_cache_path())
+    cache[entry["key"]] = entry
+    os.makedirs(buildcache.cache_dir(), exist_ok=True)
+    tmp = f"{_cache_path()}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(cache, f, indent=2)
+    os.replace(tmp, _cache_path())
+
+
+def lookup(before: Profile, after: Profile, statistic: str) -> tuple[dict, dict] | None:
+    """The calibrated spreads for a comparison ({row key: compare.Spread}, the entry), by the
+    before run's setup, else the after run's; None where neither was measured here."""
+    cache = buildcache.load_trusted_dict(_cache_path())
+    for side in (before, after):
+        entry = cache.get(setup_key(side)[0])
+        if isinstance(entry, dict) and isinstance(entry.get("rows"), dict):
+            try:
+                spreads = {("latency", name): compare.Spread(float(by[statistic]), int(entry["runs"]))
+                           for name, by in entry["rows"].items() if statistic in by}
+            except (KeyError, TypeError, ValueError):
+                continue
+            if spreads and int(entry["runs"]) >= MIN_RUNS:
+                return spreads, entry
+    return None
+
+
+def describe(entry: dict) -> str:
+    rows = ", ".join(f"{name} {by['median']:.1%}" for name, by in entry["rows"].items() if "median" in by)
+    return f"run-to-run spread over {entry['runs']} runs (sd of the log median): {rows}; measured {entry['measured_at']}"
