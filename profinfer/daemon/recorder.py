@@ -42,6 +42,10 @@ class FlightRecorder:
         # window, or it shifted), the cooldown and a quarter window before a new one is whole
         self.totals = RollingTotals(2 * baseline_s + cooldown_s + window_s + hold)
         self.failed = 0
+        # firings refused for want of a place (each tried again while its condition holds),
+        # counted; said once per (pid, start, trigger) until it captures or fails
+        self.deferred = 0
+        self.deferred_said: set[tuple] = set()
         self.syncs_seen: dict[tuple, tuple[int, int]] = {}    # the cuda level's last (syncs, ns), by process
         self.lock = threading.Lock()
         self.starting: set[int] = set()       # PIDs whose capture is being priced and started
@@ -83,6 +87,8 @@ class FlightRecorder:
         self.triggers.forget((ident.pid, ident.start))
         self.syncs_seen.pop((ident.pid, ident.start), None)
         self.totals.forget((ident.pid, ident.start))
+        with self.lock:
+            self.deferred_said = {k for k in self.deferred_said if k[:2] != (ident.pid, ident.start)}
 
     # ---- a firing ----
 
@@ -184,7 +190,14 @@ class FlightRecorder:
                 # the places taken (another process's incident, its tenant's capture): tried
                 # again while the condition holds, not dropped
                 self.triggers.rearm((ident.pid, ident.start), firing.trigger)
-                self._failed(ident, firing, f"could not start yet ({e}): it fires again while its condition holds")
+                key = (ident.pid, ident.start, firing.trigger.text)
+                with self.lock:
+                    self.deferred += 1
+                    first = key not in self.deferred_said
+                    self.deferred_said.add(key)
+                if first:
+                    self.agent.log(f"PID {ident.pid}: the capture {t.text} fired could not start yet ({e}): "
+                                   "it fires again while its condition holds (said once; /status counts them)")
                 return
             self._failed(ident, firing, f"could not be made: {e}")
             return
@@ -207,11 +220,15 @@ class FlightRecorder:
         except Exception as e:             # a full volume, or a trace over the cap
             self._failed(ident, firing, f"was not kept: {e}")
             return
+        with self.lock:
+            self.deferred_said.discard((ident.pid, ident.start, t.text))
         self.agent.metrics.capture_made(ident, reason, kept)
         self.agent.log(f"PID {ident.pid}: capture {kept['id']} kept ({len(trace):,} bytes; "
                        f"{len(self.store.list())} kept)")
 
     def _failed(self, ident: Identity, firing: Firing, why: str) -> None:
+        with self.lock:
+            self.deferred_said.discard((ident.pid, ident.start, firing.trigger.text))
         self.failed += 1
         self.agent.metrics.capture_failed(ident, firing.trigger.reason, why)
         self.agent.log(f"PID {ident.pid}: the capture {firing.trigger.text} fired {why}")
@@ -224,5 +241,6 @@ class FlightRecorder:
                 "window_s": self.window_s, "baseline_window_s": self.baseline_s,
                 "processes": [{"pid": i.pid, "triggers": self.triggers.state_dicts((i.pid, i.start), now)} for i in idents],
                 "keep": self.store.keep, "max_bytes": self.store.max_bytes, "failed": self.failed,
+                "deferred": self.deferred,
                 "kept": [{k: r.get(k) for k in ("id", "pid", "started_at", "bytes", "levels")}
                          | {"trigger": r.get("fired", {}).get("trigger")} for r in self.store.list()]}

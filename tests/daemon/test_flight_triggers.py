@@ -314,3 +314,46 @@ def test_a_firing_whose_capture_could_not_start_fires_again_while_it_holds():
     tr.rearm(KEY, tr.triggers[0])
     _feed(tr, "tpot", 86, 93, 10, 0.050)
     assert len(fired) == 2 and fired[1].at >= fired[0].at + 5, [f.at for f in fired]
+
+
+def test_firings_refused_for_want_of_a_place_are_said_once_and_counted(monkeypatch):
+    """A slowdown held for 20 s under `for 1s` while every capture place is taken (429): the
+    trigger fires again each time its condition has held anew, each refusal counted in
+    /status's `deferred`, none a failure, and the log says it once, not once a firing."""
+    import profinfer.daemon.recorder as recorder_module
+    from profinfer.daemon.captures import BadRequest
+    clock = _Clock()
+    clock.time = clock.monotonic
+    monkeypatch.setattr(recorder_module, "time", clock)
+    ident = Identity(pid=KEY[0], start=KEY[1], comm="llama-server", exe="/x", engine="llama.cpp")
+
+    class Agent:
+        lock = threading.Lock()
+        watches = {KEY[0]: type("W", (), {"identity": ident, "levels": {"token"}})()}
+        seen = type("S", (), {"tenants": type("T", (), {"tenant": staticmethod(lambda key: "pod a")})()})()
+
+        def __init__(self):
+            self.metrics, self.logged = _Metrics(clock), []
+
+        def log(self, line):
+            self.logged.append(line)
+
+    class Full:
+        running: set = set()
+
+        def run(self, *args):
+            raise BadRequest(429, "2 captures are running; try again later")
+
+    agent = Agent()
+    rec = FlightRecorder(agent, Full(), None, [parse_trigger("tpot_p99 > 20ms for 1s")], 1.0, set(), 60.0, 60.0, 10.0)
+    rec._affordable = lambda w, asked: (asked, {}, 0.0)
+    monkeypatch.setattr(recorder_module.threading, "Thread",
+                        lambda target, args, **kw: type("T", (), {"start": lambda self: target(*args)})())
+    call = TokenCall(tid=1, start_ns=0, end_ns=10_000_000, n_tokens=1, prefill=False, decode_tokens=1)
+    for i in range(int(50 * 10)):
+        clock.now = i / 10
+        rec.observe(ident, call, [], [(0.040e9 if clock.now >= 30 else 0.010e9, 1)])
+        rec.judge()
+    said = [line for line in agent.logged if "could not start yet" in line]
+    assert rec.deferred >= 5 and rec.failed == 0, (rec.deferred, agent.logged)
+    assert len(said) == 1, agent.logged
