@@ -10,9 +10,10 @@ pod, or a process's own root) and served a tenant at a time in turn, each tenant
 order asked: a tenant's many slow files delay another's by one reading at most, not by all
 of them; a tenant's queue holds at most MAX_QUEUED (a reading past that gives NotReady, and
 is asked again at a later scan). A tenant whose readings have cost a deadline is served after
-the tenants whose readings have not (fewest such failures first): a tenant's new process,
-whose files are a few readings, then waits for the one reading running when they were asked,
-not for one of the slow tenant's between each of its own. The loop waits for a new reading only when the worker is
+the tenants whose readings have not (fewest such failures first), and not within GRACE_S of
+their last reading: a tenant's new process, whose files are a few readings asked one after
+another, then waits for the one reading running when the first was asked, not for one of the
+slow tenant's between each of its own. The loop waits for a new reading only when the worker is
 idle, and for at most WAIT_S in all per loop turn (`pump()` starts a turn): one not done by
 then gives NotReady, and is looked at again at a later scan, when it is. What the worker
 sends back is bounded (MAX_RESULT_BYTES): a larger result fails that reading. A reading that
@@ -50,6 +51,9 @@ MEMORY_BYTES = 320 << 20
 STARTUP_S = 30.0       # the worker's imports
 _KEEP = 256            # results not collected yet, remembered
 MAX_QUEUED = 16        # readings waiting per tenant
+# after a reading of a tenant whose readings never cost a deadline, one of a tenant whose did
+# waits this long (past the loop's next turns: the first's next reading may follow)
+GRACE_S = 2.0
 HOST = "host"          # the tenant of readings asked on nobody's behalf
 # one result, pickled: several times the largest symbol table read (bench/results.md)
 MAX_RESULT_BYTES = 32 << 20
@@ -77,6 +81,7 @@ class _Worker:
         self.refused: OrderedDict = OrderedDict()
         # tenant -> its readings that cost a deadline or the worker: the fewest served first
         self.strikes: dict[str, int] = {}
+        self.clean_read_at = float("-inf")   # when a reading of a tenant without strikes last ended
         self.started = 0                     # workers started (one more after each kill)
         self.wait_left = wait_s              # this loop turn's wait, for every reading together
 
@@ -116,16 +121,28 @@ class _Worker:
 
     def _next(self) -> tuple | None:
         """The next reading: the first tenant's first, in turn among the tenants with the
-        fewest costly failures; that tenant then last in turn."""
-        if not self.queues:
+        fewest costly failures; that tenant then last in turn. None (not yet) where all that
+        waits is of tenants with such failures, within GRACE_S of another's last reading: a
+        process's readings are asked one after another (each once the one before is read),
+        and one of theirs started between them would delay each by a deadline."""
+        tenant = self._chosen()
+        if tenant is None:
             return None
-        least = min(self.strikes.get(t, 0) for t in self.queues)
-        tenant, queue = next((t, q) for t, q in self.queues.items() if self.strikes.get(t, 0) == least)
+        queue = self.queues[tenant]
         reading = queue.popleft()
         self.queues.move_to_end(tenant)
         if not queue:
             del self.queues[tenant]
         return tenant, reading
+
+    def _chosen(self) -> str | None:
+        """The tenant whose reading runs next (_next), None: none now."""
+        if not self.queues:
+            return None
+        least = min(self.strikes.get(t, 0) for t in self.queues)
+        if least and time.monotonic() - self.clean_read_at < GRACE_S:
+            return None
+        return next(t for t in self.queues if self.strikes.get(t, 0) == least)
 
     def _queued(self, key) -> bool:
         return any(q[0] == key for queue in self.queues.values() for q in queue)
@@ -136,7 +153,10 @@ class _Worker:
         end = time.monotonic() + wait_s
         while True:
             if self.current is None and self.queues:
-                tenant, (key, module, function, args) = self._next()
+                nxt = self._next()
+                if nxt is None:          # only struck tenants wait, within the grace
+                    return
+                tenant, (key, module, function, args) = nxt
                 try:
                     if self.proc is None or self.proc.poll() is not None:
                         self._kill()
@@ -181,6 +201,8 @@ class _Worker:
                 self._fail(tenant, key, value)
             else:
                 self._remember(self.done if ok else self.refused, key, value)
+                if not self.strikes.get(tenant):
+                    self.clean_read_at = time.monotonic()
 
     def _fail(self, tenant: str, key, why: str) -> None:
         """A costly failure: remembered for good, and one more strike of its tenant's."""
@@ -200,9 +222,10 @@ class _Worker:
                 if queue is not None and len(queue) >= MAX_QUEUED:
                     self.advance(0)
                     raise NotReady(f"its tenant has {MAX_QUEUED} files waiting to be read (asked again later)")
-                idle = self.current is None and not self.queues
                 self.queues.setdefault(tenant, deque()).append((key, module, function, args))
-                if idle and self.wait_left > 0:
+                starts_now = (self.current is None and self._chosen() == tenant
+                              and self.queues[tenant][0][0] == key)
+                if starts_now and self.wait_left > 0:
                     t0 = time.monotonic()
                     self.advance(self.wait_left, until=key)
                     self.wait_left -= time.monotonic() - t0
@@ -217,6 +240,16 @@ class _Worker:
         if key in self.refused:
             raise ProfinferError(self.refused.pop(key))
         raise NotReady("still being read (looked at again later)")
+
+    def status(self) -> dict:
+        """What waits, by tenant; what failed at a cost (deadline, size, the worker), in all and
+        by tenant (the tenants served after the others)."""
+        def top(counts: dict) -> dict:
+            return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:SHOWN_TENANTS])
+        return {"deadline_s": self.deadline_s, "waiting": top({t: len(q) for t, q in self.queues.items()}),
+                "reading_for": self.current[2] if self.current else None,
+                "failed": len(self.failed), "failed_by_tenant": top(self.strikes),
+                "workers_started": self.started}
 
     def close(self) -> None:
         self._kill()
@@ -247,18 +280,30 @@ def start(wait_s: float = WAIT_S, deadline_s: float = DEADLINE_S, memory_bytes: 
 
 
 def stop() -> None:
-    global _worker
+    global _worker, _status
+    _status = {}
     if _worker is not None:
         _worker.close()
         _worker = None
 
 
+SHOWN_TENANTS = 16      # status(): the tenants with the most readings waiting, or the most strikes
+_status: dict = {}
+
+
 def pump() -> None:
     """A new loop turn: finished readings collected, the next one sent (never waits), and
     the turn's wait (WAIT_S) for new readings given again."""
+    global _status
     if _worker is not None:
         _worker.wait_left = _worker.wait_s
         _worker.advance(0)
+        _status = _worker.status()
+
+
+def status() -> dict:
+    """The worker's state as of the last loop turn (for /status: read from another thread)."""
+    return _status
 
 
 # whose readings are asked now (a context variable: each thread, and each task, its own)

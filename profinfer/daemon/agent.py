@@ -1000,6 +1000,7 @@ class Agent:
                            "ended_by_deadline": discovery.deadline_ended()}
                           if discovery is not None else {"off": self.discovery_off}),
             **({"flight_recorder": self.recorder.status()} if self.recorder is not None else {}),
+            "parse_worker": parsing.status(),
         }
 
     def release_held(self) -> None:

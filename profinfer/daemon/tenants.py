@@ -22,13 +22,13 @@ def _root_id(pid: int | str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def tenant_of(pid: int) -> str:
+def tenant_of(pid: int, root: tuple[int, int] | None = None) -> str:
     """"pod UID", "root DEV:INO" (a root of its own), or "host" (the node's root, as PID 1
-    sees it; ours where that cannot be read)."""
+    sees it; ours where that cannot be read). `root`: the process's root, where read."""
     uid = pod_uid_of(cgroup_path(pid))
     if uid:
         return f"pod {uid}"
-    root = _root_id(pid)
+    root = root or _root_id(pid)
     if root is None or root == (_root_id(1) or _root_id("self")):
         return HOST
     return f"root {root[0]}:{root[1]}"
@@ -41,12 +41,17 @@ class TenantShares:
     def __init__(self, limit: int = 1):
         self.limit = limit
         self.of: dict[tuple[int, int], str] = {}
+        self.roots: dict[tuple[int, int], tuple[int, int] | None] = {}    # the root each was told by
         self.left_out: dict[str, int] = {}
 
     def tenant(self, key: tuple[int, int]) -> str:
-        """Its tenant, read once (key: (pid, start))."""
-        if key not in self.of:
-            self.of[key] = tenant_of(key[0])
+        """Its tenant (key: (pid, start)), read again where its root changed since: a
+        container's first process starts in the host's root and pivots into its own before
+        it execs the workload, under the same PID."""
+        root = _root_id(key[0])
+        if key not in self.of or self.roots.get(key) != root:
+            self.of[key] = tenant_of(key[0], root)
+            self.roots[key] = root
         return self.of[key]
 
     def count_left_out(self, tenant: str) -> None:
@@ -56,3 +61,4 @@ class TenantShares:
 
     def keep_alive(self, alive: set[int]) -> None:
         self.of = {k: v for k, v in self.of.items() if k[0] in alive}
+        self.roots = {k: v for k, v in self.roots.items() if k[0] in alive}
