@@ -21,7 +21,10 @@ A change is judged against a noise floor: the run-to-run noise the caller states
 --noise`), or, where larger, what the runs themselves show of it: the quantity's drift
 within a run (the range of the statistic over a run's quarters, over the whole run's; of
 several runs, the median run's). A quantity that moves that much between parts of one run
-is not called changed by less between two.
+is not called changed by less between two. Drift is modelled as noise or as a trend: where
+one run's quarters rise (or fall) quarter after quarter beyond the stated noise while the
+other run is steady within it (a slowdown growing through the run), that trend is the
+change, and the steady run's drift alone is the floor's.
 
 Where both sides have several runs (pool), the run is the unit of run-to-run noise (a whole
 process can run 30% slower than another on a shared VM): the interval is widened to cover
@@ -176,6 +179,20 @@ def spread(s: Series, statistic: str = "median") -> float:
     return _relative_range([float(_stat(statistic, r)) if len(r) else 0.0 for r in s.runs])
 
 
+def trend(samples: np.ndarray, statistic: str = "median") -> float:
+    """A run's drift where it is a trend: its DRIFT_PARTS parts' statistics rising (or
+    falling) part after part, each step at least half its share of the whole move, the last's
+    over the first's less one; 0 where they go up and down, or move in one step (a
+    neighbour's burst, or its start: noise)."""
+    parts = [float(_stat(statistic, p)) for p in np.array_split(np.asarray(samples, np.float64), DRIFT_PARTS) if len(p)]
+    if len(parts) < 3 or parts[0] <= 0:
+        return 0.0
+    steps = np.diff(parts) * np.sign(parts[-1] - parts[0])
+    if np.any(steps < 0.5 * (abs(parts[-1] - parts[0]) / len(steps))):
+        return 0.0
+    return parts[-1] / parts[0] - 1
+
+
 def _floor(s: Series, statistic: str) -> float:
     """The drift within a side's runs: its run's, or the median run's of several (one
     disturbed run must not hide every change: the runs' interval already widens for it)."""
@@ -268,7 +285,7 @@ def judge(before: Series | None, after: Series | None, noise: float, confidence:
     if one_run and spread is not None:     # what one run a side cannot see, as measured here
         low, high = widen(change, low, high, spread.half_width(confidence))
         common = None
-    drift = max(_floor(before, statistic), _floor(after, statistic))
+    drift = _drift_of_both(before, after, statistic, noise)
     floor = max(noise, (2 if one_run else 1) * drift)
     verdict = _verdict(change, low, high, floor)
     if common is not None and verdict in SIGNIFICANT:
@@ -284,6 +301,21 @@ def judge(before: Series | None, after: Series | None, noise: float, confidence:
         verdict = WITHIN_NOISE
     return Change(**shared, change=change, low=low, high=high, floor=floor, verdict=verdict, common=common,
                   spread=spread.sd if one_run and spread is not None else None)
+
+
+def _drift_of_both(before: Series, after: Series, statistic: str, noise: float) -> float:
+    """The drift the floor holds: the larger of the sides' (a quantity that moves that much
+    within a run is not called changed by less between two), except where one side trends
+    beyond the noise floor (its parts' statistics rising part after part: a slowdown growing
+    through the run) while the other is steady within it: that trend is the change, not
+    noise, and the steady side's drift is the floor's. One run of a side only."""
+    b, a = _floor(before, statistic), _floor(after, statistic)
+    if len(before.runs) == 1 and len(after.runs) == 1:
+        if a > noise >= b and abs(trend(after.samples, statistic)) > noise:
+            return b
+        if b > noise >= a and abs(trend(before.samples, statistic)) > noise:
+            return a
+    return max(b, a)
 
 
 def _verdict(change: float, low: float, high: float, floor: float) -> str:

@@ -310,3 +310,22 @@ def test_the_spread_widens_by_students_t_over_its_runs():
     c = np.log(1.10)
     assert np.log1p(low) == pytest.approx(c - np.hypot(c - np.log(1.08), half))
     assert np.log1p(high) == pytest.approx(c + np.hypot(np.log(1.12) - c, half))
+
+
+def test_a_slowdown_growing_through_the_run_is_flagged():
+    """One run a side: before steady at 1000 (±2%), after growing from 1000 to 2000 through
+    the run. Its drift is a trend (its quarters rise one after another) and the before side
+    is steady: the change is flagged slower, not left within a floor made of its own growth;
+    the interval covers the true change of the medians. A run that swings up and down as
+    much (a neighbour's bursts) still raises the floor."""
+    n = 200
+    rng = np.random.default_rng(3)
+    before = 1000 * (1 + 0.02 * rng.standard_normal(n))
+    growing = np.linspace(1000, 2000, n) * (1 + 0.02 * rng.standard_normal(n))
+    c = compare.judge(_series(before), _series(growing), 0.05, one_run=True)
+    true = np.median(growing) / np.median(before) - 1
+    assert c.verdict == compare.SLOWER and c.floor == 0.05, c
+    assert c.low <= true <= c.high, (true, c)
+    swinging = 1000 * np.where((np.arange(n) // 50) % 2, 1.5, 1.0) * (1 + 0.02 * rng.standard_normal(n))
+    s = compare.judge(_series(before), _series(swinging), 0.05, one_run=True)
+    assert s.floor > 0.5 and not s.significant, s
