@@ -100,6 +100,14 @@ def lookup(before: Profile, after: Profile, statistic: str) -> tuple[dict, dict]
     return None
 
 
-def describe(entry: dict) -> str:
-    rows = ", ".join(f"{name} {by['median']:.1%}" for name, by in entry["rows"].items() if "median" in by)
-    return f"run-to-run spread over {entry['runs']} runs (sd of the log median): {rows}; measured {entry['measured_at']}"
+def describe(entry: dict, confidence: float = 0.95) -> str:
+    """The spread, and what one run a side can tell with it: two runs of the command differ by
+    chance within ±half-width, so a change of most of the work must lie beyond that."""
+    rows = []
+    for name, by in entry["rows"].items():
+        if "median" in by:
+            half = compare.Spread(by["median"], entry["runs"]).half_width(confidence)
+            rows.append(f"{name} {by['median']:.1%} (two runs differ by chance within "
+                        f"-{-np.expm1(-half):.0%}..+{np.expm1(half):.0%})")
+    return (f"run-to-run spread over {entry['runs']} runs (sd of the log median): {', '.join(rows)}; "
+            f"measured {entry['measured_at']}")
