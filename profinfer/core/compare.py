@@ -22,9 +22,9 @@ A change is judged against a noise floor: the run-to-run noise the caller states
 within a run (the range of the statistic over a run's quarters, over the whole run's; of
 several runs, the median run's). A quantity that moves that much between parts of one run
 is not called changed by less between two. Drift is modelled as noise or as a trend: where
-one run's quarters rise (or fall) quarter after quarter beyond the stated noise while the
-other run is steady within it (a slowdown growing through the run), that trend is the
-change, and the steady run's drift alone is the floor's.
+one run's eighths rise (or fall) one after another beyond the stated noise while the other
+run is steady within it (a slowdown growing through the run), that trend is the change, and
+the steady run's drift alone is the floor's.
 
 Where both sides have several runs (pool), the run is the unit of run-to-run noise (a whole
 process can run 30% slower than another on a shared VM): the interval is widened to cover
@@ -64,6 +64,7 @@ RESAMPLES = 2000
 MAX_POINTS = 1024
 MIN_SAMPLES = 8          # fewer on a side: shown, not judged (a bootstrap of fewer is too narrow)
 DRIFT_PARTS = 4          # a run's parts whose statistic gives its drift
+TREND_PARTS = 8          # a run's parts that must rise one after another for its drift to be a trend
 IMPACT = 0.2             # a part's change must move its whole by this share of the noise floor
 IMPACT_ONE_RUN = 1.0     # the same with one run a side: parts swing on their own more, unpooled
 COMMON_SHARE = 0.02      # parts under this share of their whole on both sides swing on their own: left out
@@ -180,12 +181,17 @@ def spread(s: Series, statistic: str = "median") -> float:
 
 
 def trend(samples: np.ndarray, statistic: str = "median") -> float:
-    """A run's drift where it is a trend: its DRIFT_PARTS parts' statistics rising (or
+    """A run's drift where it is a trend: its TREND_PARTS parts' statistics rising (or
     falling) part after part, each step at least half its share of the whole move, the last's
     over the first's less one; 0 where they go up and down, or move in one step (a
-    neighbour's burst, or its start: noise)."""
-    parts = [float(_stat(statistic, p)) for p in np.array_split(np.asarray(samples, np.float64), DRIFT_PARTS) if len(p)]
-    if len(parts) < 3 or parts[0] <= 0:
+    neighbour's burst, or its start: noise), or the run is too short to tell (each part under
+    MIN_SAMPLES). Eight parts: parts of steady noise pass this by chance about once in 10^4
+    (four parts: 2%)."""
+    x = np.asarray(samples, np.float64)
+    if len(x) < TREND_PARTS * MIN_SAMPLES:
+        return 0.0
+    parts = [float(_stat(statistic, p)) for p in np.array_split(x, TREND_PARTS)]
+    if parts[0] <= 0:
         return 0.0
     steps = np.diff(parts) * np.sign(parts[-1] - parts[0])
     if np.any(steps < 0.5 * (abs(parts[-1] - parts[0]) / len(steps))):

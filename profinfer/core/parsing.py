@@ -9,9 +9,9 @@ token) whose address space is limited. Readings are queued per tenant (`on_behal
 pod, or a process's own root) and served a tenant at a time in turn, each tenant's in the
 order asked: a tenant's many slow files delay another's by one reading at most, not by all
 of them; a tenant's queue holds at most MAX_QUEUED (a reading past that gives NotReady, and
-is asked again at a later scan). A tenant whose readings have cost a deadline is served after
-the tenants whose readings have not (fewest such failures first), and not within GRACE_S of
-their last reading: a tenant's new process, whose files are a few readings asked one after
+is asked again at a later scan). A tenant whose readings have cost a deadline (strikes, forgotten
+STRIKE_S after its last) is served after the tenants with fewer (fewest first), not within
+GRACE_S of their last reading, and at the latest after MAX_PASSED_OVER others: a tenant's new process, whose files are a few readings asked one after
 another, then waits for the one reading running when the first was asked, not for one of the
 slow tenant's between each of its own. The loop waits for a new reading only when the worker is
 idle, and for at most WAIT_S in all per loop turn (`pump()` starts a turn): one not done by
@@ -54,6 +54,9 @@ MAX_QUEUED = 16        # readings waiting per tenant
 # after a reading of a tenant whose readings never cost a deadline, one of a tenant whose did
 # waits this long (past the loop's next turns: the first's next reading may follow)
 GRACE_S = 2.0
+MAX_PASSED_OVER = 8    # a tenant waiting while this many others' readings start goes next
+MAX_STRUCK = 1024      # tenants whose strikes are remembered
+STRIKE_S = 600.0       # a tenant's strikes are forgotten this long after its last
 HOST = "host"          # the tenant of readings asked on nobody's behalf
 # one result, pickled: several times the largest symbol table read (bench/results.md)
 MAX_RESULT_BYTES = 32 << 20
@@ -81,7 +84,10 @@ class _Worker:
         self.refused: OrderedDict = OrderedDict()
         # tenant -> its readings that cost a deadline or the worker: the fewest served first
         self.strikes: dict[str, int] = {}
+        self.struck_at: dict[str, float] = {}    # tenant -> its last strike (monotonic s)
         self.clean_read_at = float("-inf")   # when a reading of a tenant without strikes last ended
+        self.passed_over: dict[str, int] = {}    # tenant -> readings started while it waited
+        self.ready = False                   # the worker's imports done (its "ready" read)
         self.started = 0                     # workers started (one more after each kill)
         self.wait_left = wait_s              # this loop turn's wait, for every reading together
 
@@ -98,13 +104,16 @@ class _Worker:
         theirs.close()
         self.conn = Connection(mine.detach())
         self.started += 1
+        self.ready = False
         # at the daemon's start, its imports done before its first reading is timed (a
-        # loaded node: seconds); a worker started again after a kill: within the deadline
+        # loaded node: seconds); a worker started again after a kill: its reading's deadline
+        # runs from its "ready" (the imports are nobody's file), within STARTUP_S
         if wait_ready:
             if not self.conn.poll(STARTUP_S):
                 self._kill()
                 raise OSError("the reader did not start")
             self.conn.recv()
+            self.ready = True
 
     def _kill(self) -> None:
         if self.proc is not None:
@@ -128,6 +137,8 @@ class _Worker:
         tenant = self._chosen()
         if tenant is None:
             return None
+        # the others waiting were passed over once more
+        self.passed_over = {t: self.passed_over.get(t, 0) + 1 for t in self.queues if t != tenant}
         queue = self.queues[tenant]
         reading = queue.popleft()
         self.queues.move_to_end(tenant)
@@ -136,13 +147,18 @@ class _Worker:
         return tenant, reading
 
     def _chosen(self) -> str | None:
-        """The tenant whose reading runs next (_next), None: none now."""
+        """The tenant whose reading runs next (_next), None: none now. A tenant passed over
+        for MAX_PASSED_OVER readings in a row goes next whatever its strikes (slower, never
+        starved)."""
         if not self.queues:
             return None
-        least = min(self.strikes.get(t, 0) for t in self.queues)
+        waited = [t for t in self.queues if self.passed_over.get(t, 0) >= MAX_PASSED_OVER]
+        if waited:
+            return waited[0]
+        least = min(self._strikes(t) for t in self.queues)
         if least and time.monotonic() - self.clean_read_at < GRACE_S:
             return None
-        return next(t for t in self.queues if self.strikes.get(t, 0) == least)
+        return next(t for t in self.queues if self._strikes(t) == least)
 
     def _queued(self, key) -> bool:
         return any(q[0] == key for queue in self.queues.values() for q in queue)
@@ -171,21 +187,27 @@ class _Worker:
                 return
             key, sent, tenant = self.current
             now = time.monotonic()
-            if now - sent >= self.deadline_s:
+            limit = self.deadline_s if self.ready else STARTUP_S
+            if now - sent >= limit:
                 self._kill()
                 self.current = None
-                self._fail(tenant, key, f"reading it took over {self.deadline_s:.0f} s: skipped")
+                if self.ready:
+                    self._fail(tenant, key, f"reading it took over {self.deadline_s:g} s: skipped")
+                else:           # the worker's own start: told once, read again when asked
+                    self._remember(self.refused, key, "the reader did not start: read again later")
                 continue
             if until is not None and (until in self.done or until in self.failed or until in self.refused):
                 return
-            left = min(end, sent + self.deadline_s) - now
+            left = min(end, sent + limit) - now
             try:
                 if not select.select([self.conn], [], [], max(left, 0))[0]:
                     if time.monotonic() >= end:
                         return
                     continue            # its deadline: killed above
                 message = pickle.loads(self.conn.recv_bytes(MAX_RESULT_BYTES))
-                if message == "ready":
+                if message == "ready":       # a new worker's imports done: the reading's time begins
+                    self.ready = True
+                    self.current = (key, time.monotonic(), tenant)
                     continue
                 ok, value = message
             except (EOFError, OSError, pickle.UnpicklingError) as e:
@@ -201,13 +223,24 @@ class _Worker:
                 self._fail(tenant, key, value)
             else:
                 self._remember(self.done if ok else self.refused, key, value)
-                if not self.strikes.get(tenant):
+                if not self._strikes(tenant):
                     self.clean_read_at = time.monotonic()
 
     def _fail(self, tenant: str, key, why: str) -> None:
-        """A costly failure: remembered for good, and one more strike of its tenant's."""
+        """A costly failure: remembered for good, and one more strike of its tenant's (at
+        most MAX_STRUCK tenants remembered: the one with the fewest goes)."""
         self.failed[key] = why
-        self.strikes[tenant] = self.strikes.get(tenant, 0) + 1
+        self.strikes[tenant] = self._strikes(tenant) + 1
+        self.struck_at[tenant] = time.monotonic()
+        if len(self.strikes) > MAX_STRUCK:
+            gone = min(self.strikes, key=self.struck_at.get)
+            del self.strikes[gone], self.struck_at[gone]
+
+    def _strikes(self, tenant: str) -> int:
+        """The tenant's strikes, forgotten STRIKE_S after its last."""
+        if tenant in self.strikes and time.monotonic() - self.struck_at[tenant] > STRIKE_S:
+            del self.strikes[tenant], self.struck_at[tenant]
+        return self.strikes.get(tenant, 0)
 
     def run(self, key, module: str, function: str, args: tuple, tenant: str = HOST):
         if key in self.failed:

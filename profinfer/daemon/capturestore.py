@@ -105,24 +105,29 @@ class CaptureStore:
             self._write(self._trace_path(cid), trace)
             self._write(os.path.join(self.dir, cid + ".json"), (json.dumps(record, indent=1) + "\n").encode())
             self.records.append(record)
-            self._prune()
+            self._prune(newest=cid)
         return record
 
-    def _prune(self) -> None:
+    def _prune(self, newest: str | None = None) -> None:
         """Past `keep`, the oldest capture of the tenant with the most kept goes; past the byte
         cap, the oldest of the tenant with the most bytes kept: one tenant's incidents evict
-        its own, never another tenant's while it holds more."""
+        its own, never another tenant's while it holds more. The capture just kept (`newest`)
+        is never the one that goes: it fits the cap alone, and the caller was told it is kept."""
         while self.records:
+            older = [r for r in self.records if r["id"] != newest]
+            if not older:
+                break
             if len(self.records) > self.keep:
-                kept = Counter(r.get("tenant") for r in self.records)
+                kept = Counter(r.get("tenant") for r in older)
             elif sum(r.get("bytes", 0) for r in self.records) > self.max_bytes:
                 kept = Counter()
-                for r in self.records:
+                for r in older:
                     kept[r.get("tenant")] += r.get("bytes", 0)
             else:
                 break
             most = max(kept.values())
-            old = self.records.pop(next(i for i, r in enumerate(self.records) if kept[r.get("tenant")] == most))
+            old = next(r for r in older if kept[r.get("tenant")] == most)
+            self.records.remove(old)
             for path in (self._trace_path(old["id"]), os.path.join(self.dir, old["id"] + ".json")):
                 try:
                     os.unlink(path)

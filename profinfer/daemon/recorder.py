@@ -178,10 +178,13 @@ class FlightRecorder:
         try:
             asked = self._asked(w)
             levels, left_out, price = self._affordable(w, asked)
-            self.agent.log(f"PID {ident.pid}: {t.text} fired ({t.stat} {in_unit(firing.value, t.unit)} "
-                           f"{'<' if t.below else '>'} {in_unit(firing.limit, t.unit)}): capturing "
-                           f"{self.record_for_s:g} s at {','.join(sorted(levels))}"
-                           + "".join(f"; {lv} left out ({why})" for lv, why in sorted(left_out.items())))
+            with self.lock:       # refused for want of a place before: said then, not again
+                again = (ident.pid, ident.start, t.text) in self.deferred_said
+            if not again:
+                self.agent.log(f"PID {ident.pid}: {t.text} fired ({t.stat} {in_unit(firing.value, t.unit)} "
+                               f"{'<' if t.below else '>'} {in_unit(firing.limit, t.unit)}): capturing "
+                               f"{self.record_for_s:g} s at {','.join(sorted(levels))}"
+                               + "".join(f"; {lv} left out ({why})" for lv, why in sorted(left_out.items())))
             started = time.time()
             tenant = self.agent.seen.tenants.tenant((ident.pid, ident.start))
             trace, summary = self.captures.run(ident.pid, self.record_for_s, levels, price, tenant)

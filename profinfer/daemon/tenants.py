@@ -49,7 +49,7 @@ class TenantShares:
         container's first process starts in the host's root and pivots into its own before
         it execs the workload, under the same PID."""
         root = _root_id(key[0])
-        if key not in self.of or self.roots.get(key) != root:
+        if key not in self.of or (root is not None and self.roots.get(key) != root):   # None: gone or unreadable
             self.of[key] = tenant_of(key[0], root)
             self.roots[key] = root
         return self.of[key]

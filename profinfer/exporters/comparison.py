@@ -27,10 +27,12 @@ from profinfer.core.model import Profile
 from profinfer.core.sections import SeriesSection, View
 from profinfer.exporters import json_summary, runspread
 
-SCHEMA = "profinfer.diff/2"
+SCHEMA = "profinfer.diff/3"
 METHOD = (f"ratio of the {{statistic}}s, moving-block bootstrap ({compare.RESAMPLES} resamples, blocks "
           "of about sqrt(n) units, seeded); several runs a side: widened to Welch's t on the runs' log "
-          "statistics; one run a side: a time judged against the finest parts' common change too")
+          "statistics; one run a side: a time judged against the finest parts' common change too, or a "
+          "phase's time per token widened by the command's calibrated run-to-run spread, Student's t "
+          "(runs - 1) x sqrt(2) x its sd, in quadrature")
 NOISE = 0.05            # the default noise floor: bench/results.md, "diff: run-to-run noise"
 CONFIDENCE = 0.95
 # Facts of a recording's meta that say how it was made: listed where two runs differ.

@@ -6,8 +6,9 @@ command, every part alike (bench/results.md, "diff, one run a side"). One run a 
 see that: without a measure of it, diff calls a change of most of the work inconclusive. Runs
 of one command recorded here measure it: for each phase's time per token (what the gate
 judges in full), the sd of the logarithm of its statistic (median and mean) over the runs.
-Kept per machine and setup (what `diff` lists as differences: engine, model structure,
-builds, levels, op threads, decode batch) in $PROFINFER_CACHE/spread.json. `diff` uses the
+Kept per machine (the CPU model the recording names, and its CPUs) and setup (what `diff`
+lists as differences: engine, model structure and shapes where recorded, builds, levels, op
+threads, decode batch) in $PROFINFER_CACHE/spread.json. `diff` uses the
 spread calibrated for the before run's setup (else the after run's) and says which.
 
 What it cannot see: a machine whose neighbours changed since it was measured (measure
@@ -28,6 +29,7 @@ from profinfer.core.model import Profile
 
 MIN_RUNS = 6            # fewer: the sd is too uncertain to judge by (t with 4 degrees of freedom)
 # facts of a recording left out of its setup's key: the calibration this machine had then
+# (its CPU model is keyed as "machine"; its CPU count is cpus_online)
 UNKEYED = ("roofs:", "trap:")
 
 
@@ -40,7 +42,8 @@ def setup_key(profile: Profile) -> tuple[str, str]:
     from profinfer.exporters.comparison import _identity, _setup
     facts = {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in _identity(profile).items()}
     facts.update((k, v) for k, v in _setup(profile).items() if not k.startswith(UNKEYED))
-    facts["machine"] = f"{calibrate.cpu_model()}, {os.cpu_count()} cpus"
+    # the machine it was recorded on, as the recording says (else this one: where it is read)
+    facts["machine"] = (profile.meta.get("roofs:cpu") or profile.meta.get("trap:cpu") or calibrate.cpu_model())
     text = json.dumps(facts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16], text
 

@@ -329,3 +329,5 @@ def test_a_slowdown_growing_through_the_run_is_flagged():
     swinging = 1000 * np.where((np.arange(n) // 50) % 2, 1.5, 1.0) * (1 + 0.02 * rng.standard_normal(n))
     s = compare.judge(_series(before), _series(swinging), 0.05, one_run=True)
     assert s.floor > 0.5 and not s.significant, s
+    # steady noise is no trend: 2,000 noisy runs, none taken for one
+    assert not any(compare.trend(1000 * (1 + 0.1 * rng.standard_normal(n))) for _ in range(2000))

@@ -162,3 +162,12 @@ def test_a_tenant_holds_one_of_the_triggered_capture_places():
         with captures._place(301, 0.0):
             pass
     assert captures.running == {} and captures.tenants == {}
+
+
+def test_the_capture_just_kept_never_goes(tmp_path):
+    """A 100-byte cap: tenant A's 90-byte capture is bigger than all tenant B keeps (two of
+    30): B's go, not A's new one (which add() said was kept)."""
+    store = CaptureStore(str(tmp_path), keep=10, max_bytes=100)
+    [store.add({"pid": 2, "tenant": "pod b"}, b"b" * 30) for _ in range(2)]
+    a = store.add({"pid": 1, "tenant": "pod a"}, b"a" * 90)["id"]
+    assert [r["id"] for r in store.list()] == [a] and store.trace(a) == b"a" * 90

@@ -355,5 +355,6 @@ def test_firings_refused_for_want_of_a_place_are_said_once_and_counted(monkeypat
         rec.observe(ident, call, [], [(0.040e9 if clock.now >= 30 else 0.010e9, 1)])
         rec.judge()
     said = [line for line in agent.logged if "could not start yet" in line]
+    fired = [line for line in agent.logged if " fired (" in line]
     assert rec.deferred >= 5 and rec.failed == 0, (rec.deferred, agent.logged)
-    assert len(said) == 1, agent.logged
+    assert len(said) == 1 and len(fired) == 1, agent.logged

@@ -218,6 +218,7 @@ class CudaCollector(Collector):
     def _parse(self) -> None:
         ev = self._slots.take()
         if ev is None:
+            self._read_unread_names()       # names still to be read, in a quiet drain too
             return
         n = len(ev)
         ev = ev.copy()
@@ -347,7 +348,9 @@ class CudaCollector(Collector):
         name = self._kernel_names.get(key)
         if name is None:
             names = self.names.get(tgid) or self.names.setdefault(tgid, KernelNames(tgid))
-            name = self._kernel_names[key] = names.kernel(handle, api.driver)
+            name = names.kernel(handle, api.driver)
+            if not (names.unread and name.startswith(("kernel@", "CUfunction@"))):
+                self._kernel_names[key] = name      # unnamed while names wait: asked again later
         return name
 
     def _site(self, tgid: int, addr: int) -> str:

@@ -211,15 +211,17 @@ class KernelNames:
     dropped: int = 0          # registrations past MAX_NAMES (or MAX_UNREAD waiting), left unnamed
     # registrations whose name is still to be read from memory: (name's address, host stub)
     unread: deque = field(default_factory=deque)
+    unread_dropped: int = 0   # of them, past MAX_UNREAD waiting
 
     MAX_UNREAD = 4096         # waiting a process: past it, registrations are left unnamed
 
     def unread_later(self, name_addr: int, stub: int) -> None:
         if len(self.unread) >= self.MAX_UNREAD:
-            if not self.dropped:
+            if not self.unread_dropped:
                 self.warnings.append(f"PID {self.pid} registered over {self.MAX_UNREAD} kernels whose names "
                                      "are still to be read: later ones are not named")
             self.dropped += 1
+            self.unread_dropped += 1
             return
         self.unread.append((name_addr, stub))
 
