@@ -511,8 +511,8 @@ def test_a_tenants_slow_files_delay_another_tenants_engine_by_one_reading(tmp_pa
         waited = time.monotonic() - t0
         assert parse_worker()["failed"] < SLOW_FILES, "the slow tenant's files were all read first"
         # the reading running (a deadline), the worker started again, its own readings, a
-        # scan: measured 3.3 s; one of the slow tenant's between each of its own: over 6 s
-        assert waited < 2 * PARSE_DEADLINE_S + 2, f"watched after {waited:.1f} s\n{d.text()}"
+        # scan: measured 3.3 s; one of the slow tenant's between its own: 8.2 s and more
+        assert waited < 2 * PARSE_DEADLINE_S + 3, f"watched after {waited:.1f} s\n{d.text()}"
         w.go()
         perf = llama_perf(w.finish())
         want = {"prefill": perf["prompt eval"][1], "decode": perf["eval"][1]}
