@@ -1,5 +1,6 @@
 """Reading files other processes control (their ELF symbols, their DWARF) away from the
-daemon's loop, with a deadline and a memory limit of their own.
+daemon's loop, with a deadline and a memory limit of their own, in a process confined to
+reading (core/confine.py: two capabilities, Landlock, seccomp).
 
 A tenant can offer a 50 GB "libllama.so", a symbol table a section header says is huge, or
 a DWARF bomb. Read in the daemon, any of them would stall its loop (/healthz turns 503 and
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextvars
 import importlib
+import os
 import pickle
 import resource
 import select
@@ -37,10 +39,11 @@ import sys
 import time
 import contextlib
 from collections import OrderedDict, deque
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from profinfer.core import config
+from profinfer.core import config, procfs
 from profinfer.core.errors import ProfinferError
 
 WAIT_S = 2.0           # the loop waits at most this long per turn for readings (held processes: 2 s)
@@ -88,6 +91,7 @@ class _Worker:
         self.clean_read_at = float("-inf")   # when a reading of a tenant without strikes last ended
         self.passed_over: dict[str, int] = {}    # tenant -> readings started while it waited
         self.ready = False                   # the worker's imports done (its "ready" read)
+        self.confinement: dict = {}          # what the worker applied to itself (confine.confine)
         self.started = 0                     # workers started (one more after each kill)
         self.wait_left = wait_s              # this loop turn's wait, for every reading together
 
@@ -112,7 +116,7 @@ class _Worker:
             if not self.conn.poll(STARTUP_S):
                 self._kill()
                 raise OSError("the reader did not start")
-            self.conn.recv()
+            self.confinement = self.conn.recv()[1]
             self.ready = True
 
     def _kill(self) -> None:
@@ -177,7 +181,7 @@ class _Worker:
                     if self.proc is None or self.proc.poll() is not None:
                         self._kill()
                         self._spawn()
-                    self.conn.send((module, function, args))
+                    _send_reading(self.conn, module, function, args)
                 except (OSError, pickle.PicklingError) as e:
                     self._kill()        # told this once (a fork refused now may work later)
                     self._remember(self.refused, key, f"the reader could not be started: {e}")
@@ -205,8 +209,8 @@ class _Worker:
                         return
                     continue            # its deadline: killed above
                 message = pickle.loads(self.conn.recv_bytes(MAX_RESULT_BYTES))
-                if message == "ready":       # a new worker's imports done: the reading's time begins
-                    self.ready = True
+                if isinstance(message, tuple) and message[0] == "ready":    # a new worker's imports done
+                    self.ready, self.confinement = True, message[1]              # the reading's time begins
                     self.current = (key, time.monotonic(), tenant)
                     continue
                 ok, value = message
@@ -282,7 +286,7 @@ class _Worker:
         return {"deadline_s": self.deadline_s, "waiting": top({t: len(q) for t, q in self.queues.items()}),
                 "reading_for": self.current[2] if self.current else None,
                 "failed": len(self.failed), "failed_by_tenant": top(self.strikes),
-                "workers_started": self.started}
+                "workers_started": self.started, "confinement": self.confinement}
 
     def close(self) -> None:
         self._kill()
@@ -385,6 +389,31 @@ def run(key, module: str, function: str, *args):
     return _worker.run(key, module, function, args, _tenant.get())
 
 
+def _send_reading(conn: Connection, module: str, function: str, args: tuple) -> None:
+    """A reading, and a descriptor of the root of each process whose files it names
+    (/proc/PID/root/...): the worker, confined (Landlock), may not open another process's
+    /proc/PID/root itself; it opens the files inside the roots it is given."""
+    pids = sorted({int(m.group(1)) for a in args if isinstance(a, str) and (m := procfs.ROOT_PATH.fullmatch(a))})
+    roots = {}
+    try:
+        for pid in pids:
+            try:
+                roots[pid] = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                pass            # gone: the reading fails there, as it would have
+        conn.send((module, function, args, sorted(roots)))
+        for pid in sorted(roots):
+            reduction.send_handle(conn, roots[pid], 0)
+    finally:
+        for fd in roots.values():
+            os.close(fd)
+
+
+def _receive_reading(conn: Connection) -> tuple:
+    module, function, args, pids = conn.recv()
+    return module, function, args, {pid: reduction.recv_handle(conn) for pid in pids}
+
+
 def serve(fd: int, memory_bytes: int, modules: list[str]) -> None:
     """The worker: readings in, results out, until the daemon closes its end."""
     conn = Connection(fd)
@@ -403,14 +432,16 @@ def serve(fd: int, memory_bytes: int, modules: list[str]) -> None:
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
     resource.setrlimit(resource.RLIMIT_AS, (vm + memory_bytes, vm + memory_bytes))
-    conn.send("ready")
+    from profinfer.core import confine
+    conn.send(("ready", confine.confine()))     # from here on it can read, and little else
     while True:
         try:
-            module, function, args = conn.recv()
+            module, function, args, roots = _receive_reading(conn)
         except (EOFError, OSError):
             return
         try:
-            result = (True, getattr(importlib.import_module(module), function)(*args))
+            with procfs.roots_given(roots):
+                result = (True, getattr(importlib.import_module(module), function)(*args))
         except ProfinferError as e:
             result = (False, str(e))
         except MemoryError:         # None: as costly as a deadline, remembered for good

@@ -54,7 +54,10 @@ RESOLVE_IN_ROOT = 0x10
 
 # matched whole (fullmatch, DOTALL): a tenant's path may hold a newline, before which `$`
 # would stop and `.` would not reach, so that it fell through to a plain open of a host path
-_ROOT_PATH = re.compile(r"/proc/(\d+)/root(/.*)", re.DOTALL)
+ROOT_PATH = re.compile(r"/proc/(\d+)/root(/.*)", re.DOTALL)
+# pid -> a descriptor of its root, given by whoever asked for the reading (the parse worker's
+# daemon: the worker, confined, may not open /proc/PID/root itself): roots_given
+_GIVEN_ROOTS: dict[int, int] = {}
 
 
 class _OpenHow(ctypes.Structure):
@@ -80,7 +83,8 @@ def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
     descriptor, or OSError (ELOOP for a magic link, or with nofollow a symlink as the last
     component; EINVAL for what is not a regular file)."""
     full = f"/proc/{pid}/root{path}"         # what an error names
-    root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    given = _GIVEN_ROOTS.get(pid)
+    root = os.dup(given) if given is not None else os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fd = openat2(root, path.lstrip("/") or ".", _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0),
                      RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
@@ -89,6 +93,19 @@ def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
     finally:
         os.close(root)
     return _regular(fd, full)
+
+
+@contextlib.contextmanager
+def roots_given(roots: dict[int, int]):
+    """Within: each process's root (pid -> a descriptor, closed after) used for its
+    /proc/PID/root/... paths instead of opening /proc/PID/root."""
+    _GIVEN_ROOTS.update(roots)
+    try:
+        yield
+    finally:
+        for pid, fd in roots.items():
+            _GIVEN_ROOTS.pop(pid, None)
+            os.close(fd)
 
 
 def _regular(fd: int, path: str) -> int:
@@ -120,7 +137,7 @@ def root_of(path: str) -> str | None:
 def open_file(path: str, nofollow: bool = False) -> int:
     """A descriptor of the regular file `path` names: inside the target's root for
     /proc/PID/root/..., the mapped file for /proc/PID/map_files/..., else our own path."""
-    m = _ROOT_PATH.fullmatch(path)
+    m = ROOT_PATH.fullmatch(path)
     if m:
         return open_in_root(int(m.group(1)), m.group(2), nofollow)
     return _regular(os.open(path, _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0)), path)
@@ -338,7 +355,7 @@ def pinned(path: str, file_id: tuple[int, int] | None = None):
     except OSError as e:
         raise ProfinferError(f"cannot open {path} to probe it: {e.strerror}") from None
     try:
-        m = _ROOT_PATH.fullmatch(path)
+        m = ROOT_PATH.fullmatch(path)
         if m:
             check_mapped(fd, int(m.group(1)), m.group(2))
         st = os.fstat(fd)

@@ -68,3 +68,51 @@ def test_over_its_memory_fails_in_the_worker(worker):
 
 def test_without_a_worker_readings_run_in_the_caller():
     assert parsing.run(("pid",), "os", "getpid") == os.getpid()
+
+
+def test_the_worker_can_read_and_little_else():
+    """The parse worker confines itself before its first reading (core/confine.py). As the
+    kernel reports it: two capabilities (CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH) in every set,
+    no_new_privs, a seccomp filter. A reading of another process's library through its
+    /proc/PID/root still works; one that opens a socket, runs a program, signals a process,
+    writes a file or opens another process's memory for writing fails."""
+    import os
+    import subprocess
+    libc = "/usr/lib/x86_64-linux-gnu/libc.so.6"
+    other = subprocess.Popen(["sleep", "60"])
+    parsing.start(wait_s=2.0)
+    try:
+        worker = parsing._worker
+        assert set(worker.confinement) == {"capabilities", "no_new_privs", "landlock", "seccomp"}
+        assert not any(v.startswith("not applied") for v in worker.confinement.values()), worker.confinement
+        status = dict(line.split(":\t", 1) for line in open(f"/proc/{worker.proc.pid}/status").read().splitlines()
+                      if ":\t" in line)
+        kept = 1 << 19 | 1 << 2                    # CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH
+        assert int(status["CapEff"], 16) == int(status["CapPrm"], 16) == kept, status
+        assert int(status["CapBnd"], 16) == kept and int(status["CapAmb"], 16) == 0, status
+        assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2", status
+
+        def ask(key, module, function, *args):
+            deadline = time.monotonic() + 30
+            while True:
+                parsing.pump()
+                try:
+                    return parsing.run(key, module, function, *args)
+                except parsing.NotReady:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+
+        from profinfer.core import symbols      # noqa: F401 (preloaded, as the daemon's readers are)
+        elf = ask(("elf",), "profinfer.core.symbols", "_read_elf", f"/proc/{other.pid}/root{libc}", f"/proc/{other.pid}/root")
+        assert "malloc" in elf.symbols and elf.build_id, elf.build_id
+        for key, call in (("socket", ("socket", "socket")), ("exec", ("os", "execv", "/bin/true", ["/bin/true"])),
+                          ("kill", ("os", "kill", other.pid, 0)),
+                          ("write", ("os", "open", f"/tmp/confined-{os.getpid()}", os.O_WRONLY | os.O_CREAT)),
+                          ("mem", ("os", "open", f"/proc/{other.pid}/mem", os.O_RDWR))):
+            with pytest.raises(ProfinferError, match="PermissionError"):
+                ask((key,), *call)
+        assert not os.path.exists(f"/tmp/confined-{os.getpid()}")
+    finally:
+        parsing.stop()
+        other.kill()
+        other.wait()

@@ -14,6 +14,8 @@ from profinfer.core import parsing, procfs
 from profinfer.core.elfheaders import elf_file
 from profinfer.core.symbols import MAX_TABLE_BYTES, ElfInfo, open_checked
 
+parsing.preload(__name__)      # its readings run in the parse worker: imported there before it is confined
+
 _md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
 _md.detail = True
 _BATCH = 4096      # instructions decoded per capstone call (direct_calls)

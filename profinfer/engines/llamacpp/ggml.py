@@ -22,6 +22,8 @@ from profinfer.core.elfheaders import elf_file
 from profinfer.core.errors import ProfinferError
 from profinfer.core.symbols import ElfInfo, open_checked
 
+parsing.preload(__name__)      # its readings run in the parse worker: imported there before it is confined
+
 # enum ggml_type (fixed by the GGUF format; removed types keep their numbers as gaps)
 GGML_TYPES = {
     0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 9: "q8_1",

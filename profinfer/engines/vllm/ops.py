@@ -19,6 +19,8 @@ from profinfer.core.elfheaders import elf_file
 from profinfer.core.errors import ProfinferError
 from profinfer.core.symbols import ElfInfo
 
+parsing.preload(__name__)      # its readings run in the parse worker: imported there before it is confined
+
 # the BPF side's argument kinds (bpf/vllm.h)
 SKIP, TENSOR, OPT_TENSOR, STABLE_TENSOR, OPT_STABLE_TENSOR = 0, 1, 2, 3, 4
 MAX_ARGS = 40

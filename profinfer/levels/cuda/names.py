@@ -30,6 +30,8 @@ from profinfer.core.errors import ProfinferError
 from profinfer.core.parsing import NotReady
 from profinfer.core.symbols import MAX_NAME_BYTES, MAX_SYMBOLS, MAX_TABLE_BYTES, SYM64, ElfInfo, load_elf
 
+parsing.preload(__name__)      # its readings run in the parse worker: imported there before it is confined
+
 _HANDLE_STATIC = re.compile(r"^_ZZ(L?)(\d+)__device_stub__(\w+)E8__handle$")
 _STT_OBJECT = 1
 
