@@ -393,25 +393,31 @@ def _send_reading(conn: Connection, module: str, function: str, args: tuple) -> 
     """A reading, and a descriptor of the root of each process whose files it names
     (/proc/PID/root/...): the worker, confined (Landlock), may not open another process's
     /proc/PID/root itself; it opens the files inside the roots it is given."""
-    pids = sorted({int(m.group(1)) for a in args if isinstance(a, str) and (m := procfs.ROOT_PATH.fullmatch(a))})
+    wanted: dict = {}
+    for a in args:
+        if isinstance(a, str) and (m := procfs.ROOT_PATH.fullmatch(a)):
+            wanted[int(m.group(1))] = (f"/proc/{m.group(1)}/root", os.O_DIRECTORY)
+        elif isinstance(a, str) and procfs.MAP_FILES_PATH.fullmatch(a):
+            wanted[a] = (a, 0)          # a mapped file deleted or replaced: the file itself
     roots = {}
     try:
-        for pid in pids:
+        for key, (path, flags) in wanted.items():
             try:
-                roots[pid] = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                roots[key] = os.open(path, os.O_PATH | os.O_CLOEXEC | flags)
             except OSError:
                 pass            # gone: the reading fails there, as it would have
-        conn.send((module, function, args, sorted(roots)))
-        for pid in sorted(roots):
-            reduction.send_handle(conn, roots[pid], 0)
+        keys = list(roots)
+        conn.send((module, function, args, keys))
+        for key in keys:
+            reduction.send_handle(conn, roots[key], 0)
     finally:
         for fd in roots.values():
             os.close(fd)
 
 
 def _receive_reading(conn: Connection) -> tuple:
-    module, function, args, pids = conn.recv()
-    return module, function, args, {pid: reduction.recv_handle(conn) for pid in pids}
+    module, function, args, keys = conn.recv()
+    return module, function, args, {key: reduction.recv_handle(conn) for key in keys}
 
 
 def serve(fd: int, memory_bytes: int, modules: list[str]) -> None:

@@ -55,9 +55,11 @@ RESOLVE_IN_ROOT = 0x10
 # matched whole (fullmatch, DOTALL): a tenant's path may hold a newline, before which `$`
 # would stop and `.` would not reach, so that it fell through to a plain open of a host path
 ROOT_PATH = re.compile(r"/proc/(\d+)/root(/.*)", re.DOTALL)
-# pid -> a descriptor of its root, given by whoever asked for the reading (the parse worker's
-# daemon: the worker, confined, may not open /proc/PID/root itself): roots_given
-_GIVEN_ROOTS: dict[int, int] = {}
+MAP_FILES_PATH = re.compile(r"/proc/\d+/map_files/[0-9a-f]+-[0-9a-f]+")
+# pid -> a descriptor of its root, and a /proc/PID/map_files/... path -> an O_PATH descriptor
+# of that file, given by whoever asked for the reading (the parse worker's daemon: the
+# worker, confined, may open neither itself): roots_given
+_GIVEN_ROOTS: dict[int | str, int] = {}
 
 
 class _OpenHow(ctypes.Structure):
@@ -96,9 +98,10 @@ def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
 
 
 @contextlib.contextmanager
-def roots_given(roots: dict[int, int]):
+def roots_given(roots: dict[int | str, int]):
     """Within: each process's root (pid -> a descriptor, closed after) used for its
-    /proc/PID/root/... paths instead of opening /proc/PID/root."""
+    /proc/PID/root/... paths instead of opening /proc/PID/root, and each mapped file's
+    (its /proc/PID/map_files/... path -> a descriptor) instead of opening that path."""
     _GIVEN_ROOTS.update(roots)
     try:
         yield
@@ -140,6 +143,9 @@ def open_file(path: str, nofollow: bool = False) -> int:
     m = ROOT_PATH.fullmatch(path)
     if m:
         return open_in_root(int(m.group(1)), m.group(2), nofollow)
+    given = _GIVEN_ROOTS.get(path)          # a mapped file's descriptor, given (roots_given)
+    if given is not None:
+        return _regular(os.dup(given), path)
     return _regular(os.open(path, _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0)), path)
 
 

@@ -75,11 +75,22 @@ def test_the_worker_can_read_and_little_else():
     kernel reports it: two capabilities (CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH) in every set,
     no_new_privs, a seccomp filter. A reading of another process's library through its
     /proc/PID/root still works; one that opens a socket, runs a program, signals a process,
-    writes a file or opens another process's memory for writing fails."""
-    import os
+    writes a file or opens another process's memory for writing fails. A mapped file deleted
+    since is read through /proc/PID/map_files, its descriptor given by the daemon."""
+    import shutil
     import subprocess
+    import sys
     libc = "/usr/lib/x86_64-linux-gnu/libc.so.6"
     other = subprocess.Popen(["sleep", "60"])
+    copy = f"/tmp/confined-libc-{os.getpid()}.so"
+    shutil.copy(libc, copy)
+    holder = subprocess.Popen([sys.executable, "-c", "import mmap, os, sys, time\n"
+                               "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
+                               "os.unlink(sys.argv[1]); print('ready', flush=True); time.sleep(60)", copy],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "ready\n"
+    span = next(line.split()[0] for line in open(f"/proc/{holder.pid}/maps") if "(deleted)" in line)
+    deleted_path = f"/proc/{holder.pid}/map_files/{span}"
     parsing.start(wait_s=2.0)
     try:
         worker = parsing._worker
@@ -105,6 +116,9 @@ def test_the_worker_can_read_and_little_else():
         from profinfer.core import symbols      # noqa: F401 (preloaded, as the daemon's readers are)
         elf = ask(("elf",), "profinfer.core.symbols", "_read_elf", f"/proc/{other.pid}/root{libc}", f"/proc/{other.pid}/root")
         assert "malloc" in elf.symbols and elf.build_id, elf.build_id
+        # a mapped file deleted since (an engine's library replaced): read through map_files
+        deleted_elf = ask(("deleted",), "profinfer.core.symbols", "_read_elf", deleted_path, f"/proc/{holder.pid}/root")
+        assert deleted_elf.build_id == elf.build_id
         for key, call in (("socket", ("socket", "socket")), ("exec", ("os", "execv", "/bin/true", ["/bin/true"])),
                           ("kill", ("os", "kill", other.pid, 0)),
                           ("write", ("os", "open", f"/tmp/confined-{os.getpid()}", os.O_WRONLY | os.O_CREAT)),
@@ -114,5 +128,6 @@ def test_the_worker_can_read_and_little_else():
         assert not os.path.exists(f"/tmp/confined-{os.getpid()}")
     finally:
         parsing.stop()
-        other.kill()
-        other.wait()
+        for p in (other, holder):
+            p.kill()
+            p.wait()
