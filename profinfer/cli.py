@@ -415,9 +415,9 @@ def calibrate_cmd(threads, force, attempts, pid, windows, window_s, spread_of):
     if spread_of is not None:
         if given or pid is not None:
             raise click.UsageError("--spread-of: alone")
-        from profinfer.exporters import runspread
+        from profinfer.exporters import comparison, runspread
         paths = _trace_paths(spread_of)
-        entry = runspread.measure([_load_trace(p) for p in paths], paths)
+        entry = comparison.spread_of([_load_trace(p) for p in paths], paths)
         runspread.store(entry)
         click.echo(runspread.describe(entry))
         return

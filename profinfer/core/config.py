@@ -41,7 +41,7 @@ HOLD_STUCK_S = env_seconds("PROFINFER_HOLD_STUCK_S", 18, minimum=7)
 HOLD_DEADLINE_S = env_seconds("PROFINFER_HOLD_DEADLINE_S", 6, minimum=3)
 # A reading of a tenant's file (its symbols, its DWARF) still running after this long is killed,
 # and the file is not read again.
-PARSE_DEADLINE_S = env_seconds("PROFINFER_PARSE_DEADLINE_S", 20, minimum=1)
+PARSE_DEADLINE_S = env_seconds("PROFINFER_PARSE_DEADLINE_S", 20, minimum=1)   # parsing.DEADLINE_S: the same
 # An HTTP request's head and body must arrive whole within this (a byte every few seconds
 # gets nowhere): 408 and closed.
 REQUEST_DEADLINE_S = env_seconds("PROFINFER_REQUEST_DEADLINE_S", 10, minimum=1)

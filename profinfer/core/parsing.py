@@ -43,11 +43,12 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from profinfer.core import config, procfs
+from profinfer.core import procfs
 from profinfer.core.errors import ProfinferError
 
 WAIT_S = 2.0           # the loop waits at most this long per turn for readings (held processes: 2 s)
-DEADLINE_S = config.PARSE_DEADLINE_S    # a reading still running after this is killed, and not tried again
+DEADLINE_S = 20.0      # a reading still running after this is killed, and not tried again (the
+                       # daemon's: PROFINFER_PARSE_DEADLINE_S, core/config.py)
 # the worker's address space beyond its imports: room for the largest DWARF scan, while the
 # worker and the daemon together fit the manifest's 512 MiB (sizes in bench/results.md)
 MEMORY_BYTES = 320 << 20
@@ -92,6 +93,7 @@ class _Worker:
         self.passed_over: dict[str, int] = {}    # tenant -> readings started while it waited
         self.ready = False                   # the worker's imports done (its "ready" read)
         self.confinement: dict = {}          # what the worker applied to itself (confine.confine)
+        self.modules: set[str] = set()       # the readers' modules the worker imported before it
         self.started = 0                     # workers started (one more after each kill)
         self.wait_left = wait_s              # this loop turn's wait, for every reading together
 
@@ -100,9 +102,10 @@ class _Worker:
         # -I: no PYTHONPATH, no user site, not the current directory; the package's own
         # directory named instead, so the worker runs the daemon's code; no environment
         package_dir = str(Path(__file__).resolve().parents[2])     # holds profinfer/
+        self.modules = set(_PRELOADED)
         code = (f"import sys; sys.path.insert(0, {package_dir!r}); "
                 f"from profinfer.core.parsing import serve; "
-                f"serve({theirs.fileno()}, {self.memory_bytes}, {sorted(_PRELOADED)!r})")
+                f"serve({theirs.fileno()}, {self.memory_bytes}, {sorted(self.modules)!r})")
         self.proc = subprocess.Popen([sys.executable, "-I", "-c", code], pass_fds=[theirs.fileno()],
                                      cwd="/", env={}, stdin=subprocess.DEVNULL, close_fds=True)
         theirs.close()
@@ -178,6 +181,12 @@ class _Worker:
                     return
                 tenant, (key, module, function, args) = nxt
                 try:
+                    if module not in self.modules:
+                        # the worker imports a reader's module before it confines itself
+                        # (after, an import may need what it no longer may: a program, a
+                        # temporary file): a module it lacks means a new worker that has it
+                        _PRELOADED.add(module)
+                        self._kill()
                     if self.proc is None or self.proc.poll() is not None:
                         self._kill()
                         self._spawn()

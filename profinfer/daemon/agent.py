@@ -39,7 +39,7 @@ from profinfer.core.procfs import exit_fd, process_stat
 from profinfer.daemon import discover
 from profinfer.daemon.discover import NodeDiscovery
 from profinfer.core.stats import SequenceTracker
-from profinfer.core.config import SERIES_TTL_S, STEP_UP_S, WATCH_GRACE_S
+from profinfer.core.config import PARSE_DEADLINE_S, SERIES_TTL_S, STEP_UP_S, WATCH_GRACE_S
 from profinfer.daemon.governor import Governor, level_rank
 from profinfer.daemon.identity import Identity, identify, model_file
 from profinfer.daemon.metrics import Metrics
@@ -129,7 +129,7 @@ class Agent:
         self._last_scan = 0.0
         self.started = time.time()
         self.last_loop = time.monotonic()     # /healthz: the loop is alive
-        parsing.start()         # tenants' files read away from this loop, from now on
+        parsing.start(deadline_s=PARSE_DEADLINE_S)     # tenants' files read away from this loop, from now on
         parsing.set_tenant_resolver(self._tenant_of)     # each in its tenant's queue
         self.discovery: NodeDiscovery | None = None
         why = discover.available() if discover_processes else "turned off"

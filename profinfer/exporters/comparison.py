@@ -307,7 +307,7 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
     summaries = {"before": [json_summary.summary(p) for p in before],
                  "after": [json_summary.summary(p) for p in after]}
     single = [side for side, runs in (("before", before), ("after", after)) if len(runs) == 1]
-    calibrated = runspread.lookup(before[0], after[0], statistic) if single else None
+    calibrated = runspread.lookup([spread_key(before[0])[0], spread_key(after[0])[0]], statistic) if single else None
     changes = compare.compare(compare.pool([_series(p) for p in before]),
                               compare.pool([_series(p) for p in after]), noise, confidence, statistic,
                               calibrated[0] if calibrated else None)
@@ -357,6 +357,16 @@ def compare_profiles(before: list[Profile], after: list[Profile], noise: float =
             "rows": [r for r in judged if r["verdict"] != PASS], "passed": sum(r["verdict"] == PASS for r in judged)},
         "failed": failed,
     }
+
+
+def spread_key(profile: Profile) -> tuple[str, str]:
+    """The key under which runs of this recording's setup have their spread (runspread)."""
+    return runspread.setup_key({**_identity(profile), **_setup(profile)}, profile.meta)
+
+
+def spread_of(runs: list[Profile], names: list[str]) -> dict:
+    """`calibrate --spread-of`: the spread of runs of one command (runspread.measure)."""
+    return runspread.measure([(spread_key(p), _series(p)) for p in runs], names)
 
 
 def _row_examples(changes: list[compare.Change], shown: int = 6) -> str:

@@ -25,7 +25,6 @@ import numpy as np
 
 from profinfer.core import buildcache, calibrate, compare
 from profinfer.core.errors import ProfinferError
-from profinfer.core.model import Profile
 
 MIN_RUNS = 6            # fewer: the sd is too uncertain to judge by (t with 4 degrees of freedom)
 # facts of a recording left out of its setup's key: the calibration this machine had then
@@ -37,14 +36,13 @@ def _is_judged_row(s: compare.Series) -> bool:
     return s.section == "latency" and s.name.endswith("time per token")
 
 
-def setup_key(profile: Profile) -> tuple[str, str]:
-    """(a key, what it stands for): this machine and the recording's setup."""
-    from profinfer.exporters.comparison import _identity, _setup
-    facts = {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in _identity(profile).items()}
-    facts.update((k, v) for k, v in _setup(profile).items() if not k.startswith(UNKEYED))
+def setup_key(facts: dict, meta: dict) -> tuple[str, str]:
+    """(a key, what it stands for) of a recording's setup (`facts`: what diff compares of it,
+    its identity and setup) on the machine it was recorded on (from its `meta`)."""
+    keyed = {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in facts.items() if not k.startswith(UNKEYED)}
     # the machine it was recorded on, as the recording says (else this one: where it is read)
-    facts["machine"] = (profile.meta.get("roofs:cpu") or profile.meta.get("trap:cpu") or calibrate.cpu_model())
-    text = json.dumps(facts, sort_keys=True, default=str)
+    keyed["machine"] = meta.get("roofs:cpu") or meta.get("trap:cpu") or calibrate.cpu_model()
+    text = json.dumps(keyed, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16], text
 
 
@@ -52,19 +50,19 @@ def _cache_path() -> str:
     return os.path.join(buildcache.cache_dir(), "spread.json")
 
 
-def measure(runs: list[Profile], names: list[str]) -> dict:
-    """The spread of runs of one command (ProfinferError: too few, or of different setups)."""
-    from profinfer.exporters.comparison import _series
+def measure(runs: list[tuple[tuple[str, str], list[compare.Series]]], names: list[str]) -> dict:
+    """The spread of runs of one command, each given as (its setup_key, its series)
+    (ProfinferError: too few, or of different setups)."""
     if len(runs) < MIN_RUNS:
         raise ProfinferError(f"--spread-of: {len(runs)} runs; give at least {MIN_RUNS} of one command")
-    keys = [setup_key(p) for p in runs]
+    keys = [key for key, _ in runs]
     odd = next((n for n, k in zip(names, keys) if k[0] != keys[0][0]), None)
     if odd is not None:
         raise ProfinferError(f"--spread-of: {odd} is not a run of the same setup as {names[0]} "
                              "(the runs must be of one command: diff lists what differs)")
     rows: dict[str, dict[str, list[float]]] = {}
-    for p in runs:
-        for s in _series(p):
+    for _, series in runs:
+        for s in series:
             if _is_judged_row(s) and len(s.samples) >= compare.MIN_SAMPLES:
                 for stat in compare.STATISTICS:
                     rows.setdefault(s.name, {}).setdefault(stat, []).append(float(compare._stat(stat, s.samples)))
@@ -86,12 +84,13 @@ def store(entry: dict) -> None:
     os.replace(tmp, _cache_path())
 
 
-def lookup(before: Profile, after: Profile, statistic: str) -> tuple[dict, dict] | None:
+def lookup(keys: list[str], statistic: str) -> tuple[dict, dict] | None:
     """The calibrated spreads for a comparison ({row key: compare.Spread}, the entry), by the
-    before run's setup, else the after run's; None where neither was measured here."""
+    first of `keys` (the before run's setup, then the after run's) measured here; None where
+    none was."""
     cache = buildcache.load_trusted_dict(_cache_path())
-    for side in (before, after):
-        entry = cache.get(setup_key(side)[0])
+    for key in keys:
+        entry = cache.get(key)
         if isinstance(entry, dict) and isinstance(entry.get("rows"), dict):
             try:
                 spreads = {("latency", name): compare.Spread(float(by[statistic]), int(entry["runs"]))
