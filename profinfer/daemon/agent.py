@@ -129,6 +129,13 @@ class Agent:
         self._last_scan = 0.0
         self.started = time.time()
         self.last_loop = time.monotonic()     # /healthz: the loop is alive
+        for pack in self.all_packs:
+            # each plugin's readers imported now: the parse worker starts with their modules
+            # (it imports none once confined; one it lacks later costs a new worker)
+            try:
+                pack.collector_class()
+            except Exception as e:
+                self.log(f"{pack.engine}: its collector cannot be imported: {type(e).__name__}: {e}")
         parsing.start(deadline_s=PARSE_DEADLINE_S)     # tenants' files read away from this loop, from now on
         parsing.set_tenant_resolver(self._tenant_of)     # each in its tenant's queue
         self.discovery: NodeDiscovery | None = None

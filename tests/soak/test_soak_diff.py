@@ -10,6 +10,9 @@ side.
   without the calibration (one run a side cannot tell a slower build from a slower run) it
   is inconclusive (exit 3).
 
+- `-t 2` against `-t 1` on the 1.5B model (timed runs of a model of 3 GB: here, not in the
+  default tier): no op row fails the gate where tokens came faster.
+
 Its figures go to bench/results.md."""
 from __future__ import annotations
 
@@ -24,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROFINFER
+from conftest import PROFINFER, completion_cmd, llama_perf
 from profinfer.engines.llamacpp import workload
-from test_diff import BASE, REPEATS, SIDE, _alarms, _record, models  # noqa: F401 (a fixture)
+from test_diff import BASE, REPEATS, SIDE, _alarms, _diff, _record, _rows, models  # noqa: F401 (a fixture)
 
 CALIBRATION_RUNS = 6
 # every matmul ~27% larger: n_embd and n_ff 12.5% wider (heads of 72, not 64)
@@ -141,3 +144,34 @@ def test_one_run_a_side_broad_regressions_with_the_calibrated_gate(llama_build, 
         print(f"{what}, no spread calibrated: exit {code}: {[(r['name'], r['verdict']) for r in result['gate']['rows']]}")
         token = next(r for r in result["gate"]["rows"] if r["name"] == "decode time per token")
         assert code in (1, 3) and token["verdict"] == "inconclusive", (what, result["gate"])
+
+
+def test_two_threads_against_one_fail_no_op_where_tokens_came_faster(llama_build, llama_env, big_model,
+                                                                      tmp_path):
+    """The 1.5B model's memory-bound decode, -t 1 against -t 2, one run a side, the default 5%
+    gate: a second thread makes the tokens come faster (here ~30%) while the ops' CPU time
+    summed over the threads grows (MUL_MAT's by ~37%: its share of each op, its waits). The
+    ops' rows say CPU time, the wall judges: no op fails where the time per token (the wall
+    a user waits) lies wholly below the limit (before, MUL_MAT failed: exit 1)."""
+    runs, per_token = [], []
+    for t in (1, 2):
+        runs.append(tmp_path / f"t{t}.pftrace")
+        rec = subprocess.run([*PROFINFER, "record", "--quiet", "-o", str(runs[-1]), "--",
+                              *completion_cmd(llama_build, big_model, n=12, threads=t)],
+                             capture_output=True, text=True, env=llama_env, timeout=600)
+        assert rec.returncode == 0, rec.stderr[-2000:]
+        ms, n = llama_perf(rec.stderr)["eval"]
+        per_token.append(ms / n)
+    p, gated = _diff(*runs, "--fail-above", "5%")
+    rows = _rows(gated)
+    decode = rows["decode time per token"]
+    ops = {r["name"]: round(r["change"], 3) for r in gated["changes"]
+           if r["section"] == "op" and r["name"].startswith("decode ") and r["change"] is not None}
+    print(f"decode time per token {decode['change']:+.1%} ({decode['low']:+.1%}..{decode['high']:+.1%}); "
+          f"decode ops {ops}; failed {gated['failed']}")
+    # the truth this test needs: the second thread made decode faster, by llama.cpp's own
+    # eval time per token (printed by each run), and so by the row the gate judges
+    print(f"llama.cpp's eval per token: -t 1 {per_token[0]:.1f} ms, -t 2 {per_token[1]:.1f} ms")
+    assert per_token[1] < 0.9 * per_token[0] and decode["high"] < 0.05, (per_token, decode)
+    assert not any(rows[f["name"]]["section"] == "op" for f in gated["failed"]), gated["failed"]
+    assert p.returncode != 1, p.stdout + p.stderr
