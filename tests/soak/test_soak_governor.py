@@ -1,15 +1,20 @@
 """The governor against time: a watched engine's rate, in alternating windows against an
 identical unwatched one (governed.py), at most the budget lower than their ratio before the
 daemon started, where the windows resolve it. A timed cost: its figures go to
-bench/results.md (bench/daemon_governor.py measures it at length)."""
+bench/results.md (bench/daemon_governor.py measures it at length). And what it charges a
+watched process: its own watching thread's CPU alone, measured in windows beside a thread
+that burns CPU (was in tests/daemon/test_http.py)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from conftest import Target, endless_cmd
 from daemon_helpers import _STARTED, Daemon, _get, kill_started
 
 
@@ -160,3 +165,55 @@ def _levels(d: Daemon, pid: int) -> list[str]:
 
 # vLLM's batches vary more from one window to the next than llama-server's tokens: more pairs
 PAIRS = 12
+
+
+def test_the_governor_charges_only_the_thread_that_watches(llama_build, tiny_model, llama_env):
+    """The agent in this process, watching a llama.cpp process that generates without end,
+    while another thread of this process burns CPU (as HTTP threads answering a flood do):
+    the cost share it reports for the process stays what it was without it. Charging the
+    whole process's CPU would add (that thread's CPU / the process's CPU), measured here."""
+    from profinfer.daemon.agent import Agent
+    target = Target(endless_cmd(llama_build, tiny_model), llama_env)
+    pid = target.proc.pid
+    agent = Agent({"token", "graph"}, 0.04, discover_processes=False)
+    try:
+        def run(seconds: float) -> list[float]:
+            shares, end = [], time.monotonic() + seconds
+            while time.monotonic() < end:
+                before = agent.watches[pid].cost_mark if pid in agent.watches else None
+                agent.poll(0.2)
+                w = agent.watches.get(pid)
+                if w is not None and w.share is not None and w.cost_mark is not before:
+                    shares.append(w.share)
+            return shares
+
+        def cpu(p: int) -> float:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        run(3)
+        assert pid in agent.watches
+        quiet = run(6.5)      # a judgment each GOVERN_S (2 s): 3 or 4 a window
+        stop, burned = threading.Event(), []
+
+        def burn():
+            began = time.thread_time()
+            while not stop.is_set():
+                sum(range(20000))
+            burned.append(time.thread_time() - began)
+        t0 = cpu(pid)
+        burner = threading.Thread(target=burn)
+        burner.start()
+        try:
+            loud = run(6.5)
+        finally:
+            stop.set()
+            burner.join()
+        added = burned[0] / (cpu(pid) - t0)
+        print(f"quiet {quiet} loud {loud} added {added:.3f}")
+        assert len(quiet) >= 2 and len(loud) >= 2, (quiet, loud)
+        assert added > 4 * max(quiet), (added, quiet)     # what charging it would show: plain
+        assert max(loud[1:]) < max(quiet) + added / 4, (quiet, loud, added)
+    finally:
+        agent.close()
+        target.stop()
