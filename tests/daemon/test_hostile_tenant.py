@@ -363,7 +363,7 @@ def test_a_huge_library_neither_exhausts_nor_stalls_the_daemon(tmp_path, llama_b
         tenant = Tenant(root, "/opt/lib/libllama.so")
         watched = Watched(tmp_path, memory_cgroup)
         _counted_beside(watched.daemon, llama_build, tiny_model, llama_env, tmp_path)
-        time.sleep(8)          # retries of the tenant (backing off from 2 s)
+        time.sleep(5)          # a retry of the tenant (backing off from 2 s)
         watched.stop_polling()
         watched.assert_alive_and_healthy()
         told = [l for l in watched.daemon.text().splitlines() if f"PID {tenant.pid}" in l or "over the" in l]

@@ -37,3 +37,16 @@ def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, lla
         assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
         assert STUCK_S - 1 <= waited, waited
         assert f"PID {proc.pid}: held by a daemon gone or stuck" in second.text(), second.text()
+
+
+from test_record_beside_daemon import daemon  # noqa: E402,F401 (a fixture)
+from test_record_beside_daemon import test_records_beside_a_daemon_count_every_decode as _records  # noqa: E402
+
+
+def test_records_of_a_script_beside_a_daemon_count_every_decode(daemon, llama_build, tiny_model,  # noqa: F811
+                                                               llama_env, tmp_path):
+    """`record` of a shell script whose child is the engine, ten times beside a discovering
+    daemon (put in the node's map by the follower's BPF at the fork): each exits 0 and counts
+    every decode call llama.cpp reports; the daemon never holds it. The default tier records
+    the engine as the command itself (tests/daemon/test_record_beside_daemon.py)."""
+    _records("script", daemon, llama_build, tiny_model, llama_env, tmp_path)
