@@ -148,16 +148,23 @@ def _build_id(path: Path) -> str:
     raise AssertionError(f"{path} has no build-id")
 
 
-def _huge_symbol_table(src: Path, dest: Path) -> None:
-    """A copy of src, sparse to HUGE_FILE, its .symtab's header claiming HUGE_TABLE bytes
-    in the hole."""
+def _copy_with_section_at(src: Path, dest: Path, section: str) -> int:
+    """A copy of src at dest; where in it the header of `section` has its offset and size
+    (Elf64_Shdr: sh_offset, sh_size, 24 bytes in)."""
     shutil.copy2(src, dest)
     with open(dest, "rb") as f:
         elf = ELFFile(f)
         shoff, shentsize = elf.header.e_shoff, elf.header.e_shentsize
-        index = next(i for i, s in enumerate(elf.iter_sections()) if s.name == ".symtab")
+        index = next(i for i, s in enumerate(elf.iter_sections()) if s.name == section)
+    return shoff + index * shentsize + 24
+
+
+def _huge_symbol_table(src: Path, dest: Path) -> None:
+    """A copy of src, sparse to HUGE_FILE, its .symtab's header claiming HUGE_TABLE bytes
+    in the hole."""
+    at = _copy_with_section_at(src, dest, ".symtab")
     with open(dest, "r+b") as f:
-        f.seek(shoff + index * shentsize + 24)          # Elf64_Shdr: sh_offset, sh_size
+        f.seek(at)
         f.write(struct.pack("<QQ", 1 << 30, HUGE_TABLE))
         f.truncate(HUGE_FILE)
 
@@ -333,10 +340,13 @@ def _end(watched: "Watched | None", *tenants: "Tenant | None") -> None:
             t.kill()
 
 
-def _counted_beside(d: Daemon, llama_build, model, llama_env, tmp_path: Path) -> None:
-    """A llama.cpp generation beside the tenant: the daemon counts its tokens exactly."""
+def _counted_beside(d: Daemon, llama_build, model, llama_env, tmp_path: Path, watched_within: float = 30) -> float:
+    """A llama.cpp generation beside the tenant: the daemon counts its tokens exactly. How
+    long after its start it was watched."""
     w = Workload(llama_build, model, llama_env, tmp_path, n=32)
-    d.watched(w.proc.pid, timeout=30)
+    t0 = time.monotonic()
+    d.watched(w.proc.pid, timeout=watched_within)
+    waited = time.monotonic() - t0
     w.go()
     err = w.finish()
     perf = llama_perf(err)      # its log drain is preloaded: a missing line is a defect
@@ -347,6 +357,7 @@ def _counted_beside(d: Daemon, llama_build, model, llama_env, tmp_path: Path) ->
             != want and time.monotonic() < deadline:
         time.sleep(0.2)
     assert got == want, d.text()
+    return waited
 
 
 def test_a_huge_library_neither_exhausts_nor_stalls_the_daemon(tmp_path, llama_build, tiny_model, llama_env,
@@ -431,15 +442,11 @@ def _long_dynamic(src: Path, dest: Path) -> None:
     """A copy of src whose .dynamic section is DYNAMIC_ENTRIES entries (DT_DEBUG, no
     DT_NULL before the end), appended: a reader that walks its tags for DT_NEEDED walks
     them all."""
-    shutil.copy2(src, dest)
-    with open(dest, "rb") as f:
-        elf = ELFFile(f)
-        shoff, shentsize = elf.header.e_shoff, elf.header.e_shentsize
-        index = next(i for i, s in enumerate(elf.iter_sections()) if s.name == ".dynamic")
+    at = _copy_with_section_at(src, dest, ".dynamic")
     with open(dest, "r+b") as f:
         offset = f.seek(0, os.SEEK_END)
         f.write(struct.pack("<qQ", 21, 0) * DYNAMIC_ENTRIES)          # DT_DEBUG
-        f.seek(shoff + index * shentsize + 24)                          # Elf64_Shdr: sh_offset, sh_size
+        f.seek(at)
         f.write(struct.pack("<QQ", offset, 16 * DYNAMIC_ENTRIES))
 
 
@@ -482,21 +489,10 @@ def test_a_tenants_slow_and_bogus_files_delay_another_tenants_engine_by_one_read
         assert first.get("failed") == 1 and first["deadline_s"] == PARSE_DEADLINE_S, (first, d.text())
         (slow_tenant,) = first["failed_by_tenant"]
         assert slow_tenant.startswith("root "), first
-        w = Workload(llama_build, tiny_model, llama_env, tmp_path, n=32)
-        t0 = time.monotonic()
-        d.watched(w.proc.pid, timeout=4 * PARSE_DEADLINE_S + 10)
-        waited = time.monotonic() - t0
+        waited = _counted_beside(d, llama_build, tiny_model, llama_env, tmp_path, 4 * PARSE_DEADLINE_S + 10)
         # the reading running (a deadline), the worker started again, its own readings, a
         # scan: measured 3.3 s; one of the slow tenant's between its own: 8.2 s and more
         assert waited < 2 * PARSE_DEADLINE_S + 3, f"watched after {waited:.1f} s\n{d.text()}"
-        w.go()
-        perf = llama_perf(w.finish())
-        want = {"prefill": perf["prompt eval"][1], "decode": perf["eval"][1]}
-        deadline = time.monotonic() + 10
-        while (got := series(_get(d.url + "/metrics")[1].decode(), "profinfer_tokens_total", w.proc.pid, "phase")) \
-                != want and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert got == want, d.text()
         # the slow tenant's readings go on after, each to its deadline, once
         deadline = time.monotonic() + SLOW_FILES * (PARSE_DEADLINE_S + 5)
         while parse_worker()["failed"] < SLOW_FILES and time.monotonic() < deadline:
