@@ -149,6 +149,19 @@ def load_trusted_dict(path: Path | str) -> dict:
     return found if isinstance(found, dict) else {}
 
 
+def store_entry(path: Path | str, key: str, entry) -> None:
+    """`entry` kept under `key` in the cached JSON object at `path` (its other keys as they are
+    now), written whole under a temporary name and renamed: a reader sees the old file or the
+    new one."""
+    cache = load_trusted_dict(path)
+    cache[key] = entry
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(cache, f, indent=2)
+    os.replace(tmp, path)
+
+
 def private_dir() -> Path:
     """A directory of this process's own, gone when it exits: for what a cache that cannot be
     written or trusted would have held (in the first trusted temporary directory)."""

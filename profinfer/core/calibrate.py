@@ -222,12 +222,7 @@ def calibrate(threads: int | None = None, force: bool = False, attempts: int = A
     entry = {"threads": threads, **figures, "caches": caches,
              "check": f"best of {agreement}; last: {passed[-1].describe_check()}",
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    cache[key] = entry
-    os.makedirs(nativebuild.cache_dir(), exist_ok=True)
-    tmp = f"{_cache_path()}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(cache, f, indent=2)
-    os.replace(tmp, _cache_path())
+    buildcache.store_entry(_cache_path(), key, entry)
     return entry
 
 

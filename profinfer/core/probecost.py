@@ -15,7 +15,6 @@ cached.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import platform
 import statistics
@@ -192,12 +191,7 @@ def calibrate(force: bool = False, attempts: int = ATTEMPTS, note=lambda msg: No
             f"{describe(result)}; run `profinfer calibrate` again when the machine is idle")
     result.update(check=f"cheapest of {agreement}; last: {checks[-1]}",
                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    cache[_key()] = result
-    os.makedirs(nativebuild.cache_dir(), exist_ok=True)
-    tmp = f"{_cache_path()}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(cache, f, indent=2)
-    os.replace(tmp, _cache_path())
+    buildcache.store_entry(_cache_path(), _key(), result)
     return result
 
 

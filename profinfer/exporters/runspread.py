@@ -75,13 +75,7 @@ def measure(runs: list[tuple[tuple[str, str], list[compare.Series]]], names: lis
 
 
 def store(entry: dict) -> None:
-    cache = buildcache.load_trusted_dict(_cache_path())
-    cache[entry["key"]] = entry
-    os.makedirs(buildcache.cache_dir(), exist_ok=True)
-    tmp = f"{_cache_path()}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(cache, f, indent=2)
-    os.replace(tmp, _cache_path())
+    buildcache.store_entry(_cache_path(), entry["key"], entry)
 
 
 def lookup(keys: list[str], statistic: str) -> tuple[dict, dict] | None:
