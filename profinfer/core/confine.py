@@ -24,9 +24,8 @@ import ctypes.util
 import errno
 import os
 
-KEEP_CAPS = ("cap_sys_ptrace", "cap_dac_read_search")
+KEEP_CAPS = {"cap_sys_ptrace": 19, "cap_dac_read_search": 2}     # libcap's name: the bit
 PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
-CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH = 19, 2
 
 # Landlock: every filesystem access but reading files and directories; TCP bind and connect
 LANDLOCK_CREATE_RULESET_VERSION = 1
@@ -88,7 +87,7 @@ def drop_capabilities() -> str:
         permitted = next(int(line.split()[1], 16) for line in f if line.startswith("CapPrm:"))
     bounding = "bounding set dropped"
     for c in range(last + 1):
-        if c not in (CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH):
+        if c not in KEEP_CAPS.values():
             try:
                 _prctl(PR_CAPBSET_DROP, c)
             except OSError as e:
@@ -98,7 +97,7 @@ def drop_capabilities() -> str:
                 if e.errno != errno.EINVAL:         # EINVAL: a capability this kernel does not know
                     raise
     _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
-    keep = [name for name, bit in zip(KEEP_CAPS, (CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH)) if permitted >> bit & 1]
+    keep = [name for name, bit in KEEP_CAPS.items() if permitted >> bit & 1]
     caps = cap.cap_from_text((",".join(keep) + "=ep").encode() if keep else b"=")
     if not caps:
         raise OSError(ctypes.get_errno(), "cap_from_text")

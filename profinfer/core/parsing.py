@@ -10,11 +10,12 @@ token) whose address space is limited. Readings are queued per tenant (`on_behal
 pod, or a process's own root) and served a tenant at a time in turn, each tenant's in the
 order asked: a tenant's many slow files delay another's by one reading at most, not by all
 of them; a tenant's queue holds at most MAX_QUEUED (a reading past that gives NotReady, and
-is asked again at a later scan). A tenant whose readings have cost a deadline (strikes, forgotten
-STRIKE_S after its last) is served after the tenants with fewer (fewest first), not within
-GRACE_S of their last reading, and at the latest after MAX_PASSED_OVER others: a tenant's new process, whose files are a few readings asked one after
-another, then waits for the one reading running when the first was asked, not for one of the
-slow tenant's between each of its own. The loop waits for a new reading only when the worker is
+is asked again at a later scan). A tenant whose readings have cost a deadline (strikes,
+forgotten STRIKE_S after its last) is served after the tenants with fewer (fewest first), not
+within GRACE_S of their last reading, and at the latest after MAX_PASSED_OVER others: a
+tenant's new process, whose files are a few readings asked one after another, then waits for
+the one reading running when the first was asked, not for one of the slow tenant's between
+each of its own. The loop waits for a new reading only when the worker is
 idle, and for at most WAIT_S in all per loop turn (`pump()` starts a turn): one not done by
 then gives NotReady, and is looked at again at a later scan, when it is. What the worker
 sends back is bounded (MAX_RESULT_BYTES): a larger result fails that reading. A reading that
@@ -22,8 +23,8 @@ runs past DEADLINE_S has its worker killed: that reading fails, is told once, an
 tried again for that key (a file's identity): such failures (a deadline, a result over the
 cap, the worker dead) are remembered without eviction (a tenant makes at most one a deadline
 per queue turn; evicted, the same files were read again for ever). A reading that fails fast
-(the reader's own error) is told once and read again when asked again. Without `start()` (the CLI: one target, the user's own) readings run in the
-caller, as before.
+(the reader's own error) is told once and read again when asked again. Without `start()`
+(the CLI: one target, the user's own) readings run in the caller, as before.
 """
 from __future__ import annotations
 
@@ -241,7 +242,7 @@ class _Worker:
 
     def _fail(self, tenant: str, key, why: str) -> None:
         """A costly failure: remembered for good, and one more strike of its tenant's (at
-        most MAX_STRUCK tenants remembered: the one with the fewest goes)."""
+        most MAX_STRUCK tenants remembered: the one struck longest ago goes)."""
         self.failed[key] = why
         self.strikes[tenant] = self._strikes(tenant) + 1
         self.struck_at[tenant] = time.monotonic()
@@ -352,8 +353,9 @@ def status() -> dict:
     return _status
 
 
-# whose readings are asked now (a context variable: each thread, and each task, its own)
-_tenant: contextvars.ContextVar[str] = contextvars.ContextVar("profinfer_parsing_tenant", default=HOST)
+# whose readings are asked now: a tenant, or a process whose tenant is told (the resolver)
+# only when a reading is asked (a context variable: each thread, and each task, its own)
+_tenant: contextvars.ContextVar[str | int] = contextvars.ContextVar("profinfer_parsing_tenant", default=HOST)
 
 
 @contextlib.contextmanager
@@ -381,12 +383,15 @@ def set_tenant_resolver(resolve) -> None:
 @contextlib.contextmanager
 def on_behalf_of_process(pid: int):
     """The readings asked within are queued as the process's tenant's (as the resolver tells
-    it), else as the caller's."""
+    it, when one is asked: nothing is read for a call that asks none), else as the caller's."""
     if _resolver is None:
         yield
         return
-    with on_behalf_of(_resolver(pid)):
+    token = _tenant.set(pid)
+    try:
         yield
+    finally:
+        _tenant.reset(token)
 
 
 def run(key, module: str, function: str, *args):
@@ -395,32 +400,34 @@ def run(key, module: str, function: str, *args):
     failed or timed out, for that key from then on), else here."""
     if _worker is None:
         return getattr(importlib.import_module(module), function)(*args)
-    return _worker.run(key, module, function, args, _tenant.get())
+    tenant = _tenant.get()
+    if isinstance(tenant, int):         # on_behalf_of_process: its tenant told now
+        tenant = _resolver(tenant) if _resolver is not None else HOST
+    return _worker.run(key, module, function, args, tenant)
 
 
 def _send_reading(conn: Connection, module: str, function: str, args: tuple) -> None:
     """A reading, and a descriptor of the root of each process whose files it names
-    (/proc/PID/root/...): the worker, confined (Landlock), may not open another process's
-    /proc/PID/root itself; it opens the files inside the roots it is given."""
+    (/proc/PID/root/...) and of each mapped file it names (/proc/PID/map_files/...): the
+    worker, confined (Landlock), may open neither itself (procfs.descriptors_given)."""
     wanted: dict = {}
     for a in args:
         if isinstance(a, str) and (m := procfs.ROOT_PATH.fullmatch(a)):
             wanted[int(m.group(1))] = (f"/proc/{m.group(1)}/root", os.O_DIRECTORY)
         elif isinstance(a, str) and procfs.MAP_FILES_PATH.fullmatch(a):
             wanted[a] = (a, 0)          # a mapped file deleted or replaced: the file itself
-    roots = {}
+    given = {}
     try:
         for key, (path, flags) in wanted.items():
             try:
-                roots[key] = os.open(path, os.O_PATH | os.O_CLOEXEC | flags)
+                given[key] = os.open(path, os.O_PATH | os.O_CLOEXEC | flags)
             except OSError:
                 pass            # gone: the reading fails there, as it would have
-        keys = list(roots)
-        conn.send((module, function, args, keys))
-        for key in keys:
-            reduction.send_handle(conn, roots[key], 0)
+        conn.send((module, function, args, list(given)))
+        for fd in given.values():
+            reduction.send_handle(conn, fd, 0)
     finally:
-        for fd in roots.values():
+        for fd in given.values():
             os.close(fd)
 
 
@@ -451,11 +458,11 @@ def serve(fd: int, memory_bytes: int, modules: list[str]) -> None:
     conn.send(("ready", confine.confine()))     # from here on it can read, and little else
     while True:
         try:
-            module, function, args, roots = _receive_reading(conn)
+            module, function, args, given = _receive_reading(conn)
         except (EOFError, OSError):
             return
         try:
-            with procfs.roots_given(roots):
+            with procfs.descriptors_given(given):
                 result = (True, getattr(importlib.import_module(module), function)(*args))
         except ProfinferError as e:
             result = (False, str(e))

@@ -58,8 +58,8 @@ ROOT_PATH = re.compile(r"/proc/(\d+)/root(/.*)", re.DOTALL)
 MAP_FILES_PATH = re.compile(r"/proc/\d+/map_files/[0-9a-f]+-[0-9a-f]+")
 # pid -> a descriptor of its root, and a /proc/PID/map_files/... path -> an O_PATH descriptor
 # of that file, given by whoever asked for the reading (the parse worker's daemon: the
-# worker, confined, may open neither itself): roots_given
-_GIVEN_ROOTS: dict[int | str, int] = {}
+# worker, confined, may open neither itself): descriptors_given
+_GIVEN: dict[int | str, int] = {}
 
 
 class _OpenHow(ctypes.Structure):
@@ -85,8 +85,11 @@ def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
     descriptor, or OSError (ELOOP for a magic link, or with nofollow a symlink as the last
     component; EINVAL for what is not a regular file)."""
     full = f"/proc/{pid}/root{path}"         # what an error names
-    given = _GIVEN_ROOTS.get(pid)
-    root = os.dup(given) if given is not None else os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    given = _GIVEN.get(pid)
+    if given is not None:
+        root = os.dup(given)
+    else:
+        root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fd = openat2(root, path.lstrip("/") or ".", _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0),
                      RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
@@ -98,16 +101,16 @@ def open_in_root(pid: int, path: str, nofollow: bool = False) -> int:
 
 
 @contextlib.contextmanager
-def roots_given(roots: dict[int | str, int]):
+def descriptors_given(given: dict[int | str, int]):
     """Within: each process's root (pid -> a descriptor, closed after) used for its
     /proc/PID/root/... paths instead of opening /proc/PID/root, and each mapped file's
     (its /proc/PID/map_files/... path -> a descriptor) instead of opening that path."""
-    _GIVEN_ROOTS.update(roots)
+    _GIVEN.update(given)
     try:
         yield
     finally:
-        for pid, fd in roots.items():
-            _GIVEN_ROOTS.pop(pid, None)
+        for key, fd in given.items():
+            _GIVEN.pop(key, None)
             os.close(fd)
 
 
@@ -143,7 +146,7 @@ def open_file(path: str, nofollow: bool = False) -> int:
     m = ROOT_PATH.fullmatch(path)
     if m:
         return open_in_root(int(m.group(1)), m.group(2), nofollow)
-    given = _GIVEN_ROOTS.get(path)          # a mapped file's descriptor, given (roots_given)
+    given = _GIVEN.get(path)          # a mapped file's descriptor, given (descriptors_given)
     if given is not None:
         return _regular(os.dup(given), path)
     return _regular(os.open(path, _PATH_FLAGS | (os.O_NOFOLLOW if nofollow else 0)), path)

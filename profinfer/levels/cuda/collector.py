@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -252,16 +253,14 @@ class CudaCollector(Collector):
         """Names BPF could not read, from the processes' memory: at most MAX_NAME_READS a
         drain, the processes in turn (one that registers a flood waits its turn, the others'
         names are read)."""
-        waiting = [n for n in self.names.values() if n.unread]
-        reads_left = MAX_NAME_READS
-        while waiting and reads_left > 0:
-            for names in list(waiting):
-                if reads_left <= 0:
-                    break
-                names.read_one_unread()
-                reads_left -= 1
-                if not names.unread:
-                    waiting.remove(names)
+        waiting = deque(n for n in self.names.values() if n.unread)
+        for _ in range(MAX_NAME_READS):
+            if not waiting:
+                return
+            names = waiting.popleft()
+            names.read_one_unread()
+            if names.unread:
+                waiting.append(names)
 
     def refresh_process_info(self) -> None:
         for tgid, names in self.names.items():
