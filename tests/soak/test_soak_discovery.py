@@ -12,6 +12,8 @@ import pytest
 from conftest import llama_perf
 from daemon_helpers import kill_started
 from test_node_discovery import NO_DEADLINE, ORPHAN_S, STUCK_S, _held_by_a_frozen_daemon, _state
+from test_record_beside_daemon import daemon  # noqa: F401 (a fixture)
+from test_record_beside_daemon import test_records_beside_a_daemon_count_every_decode as _records
 
 
 @pytest.fixture(autouse=True)
@@ -37,10 +39,6 @@ def test_a_process_held_by_a_frozen_daemon_is_continued_by_another(tmp_path, lla
         assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
         assert STUCK_S - 1 <= waited, waited
         assert f"PID {proc.pid}: held by a daemon gone or stuck" in second.text(), second.text()
-
-
-from test_record_beside_daemon import daemon  # noqa: E402,F401 (a fixture)
-from test_record_beside_daemon import test_records_beside_a_daemon_count_every_decode as _records  # noqa: E402
 
 
 def test_records_of_a_script_beside_a_daemon_count_every_decode(daemon, llama_build, tiny_model,  # noqa: F811
