@@ -13,7 +13,7 @@ recorded as no engine; a held process is continued at once. Beside the timed dif
 BPF time and program runs per exec, the runs of the loader program being uprobe hits priced
 at this machine's calibrated trap cost (profinfer calibrate; call sites: emulated).
 
-    python bench/discovery_cost.py [--windows 10] [--execs 400] [--dlopens 40]
+    python bench/discovery_cost.py [--windows 10] [--execs 400] [--dlopens 40] [--round-trips 20000]
 """
 from __future__ import annotations
 
@@ -47,6 +47,28 @@ def true_loop(n: int) -> float:
     t0 = time.perf_counter()
     subprocess.run(["bash", "-c", f"for i in $(seq {n}); do /bin/true; done"], check=True)
     return (time.perf_counter() - t0) / n
+
+
+PING_PONG = """
+import os, sys, time
+n = int(sys.argv[1])
+a, b = os.pipe(), os.pipe()
+if os.fork() == 0:
+    for _ in range(n):
+        os.read(a[0], 1); os.write(b[1], b"x")
+    os._exit(0)
+t0 = time.perf_counter()
+for _ in range(n):
+    os.write(a[1], b"x"); os.read(b[0], 1)
+print((time.perf_counter() - t0) / n)
+"""
+
+
+def ping_pong(n: int) -> float:
+    """Seconds per round trip of a byte between two processes (on a 2-core machine, at
+    least two context switches each)."""
+    return float(subprocess.run([sys.executable, "-c", PING_PONG, str(n)], check=True,
+                                capture_output=True, text=True).stdout)
 
 
 def dlopen_loop(libs: str, n: int) -> float:
@@ -83,6 +105,7 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=10)
     ap.add_argument("--execs", type=int, default=400)
     ap.add_argument("--dlopens", type=int, default=40)
+    ap.add_argument("--round-trips", type=int, default=20000)
     args = ap.parse_args()
     packs = [load_pack(n) for n in pack_names()]
     libs = tempfile.mkdtemp(prefix="pi-discovery-bench-")
@@ -91,10 +114,11 @@ def main() -> int:
     for i in range(args.dlopens):          # each dlopen a new file: a new list change
         os.makedirs(os.path.join(libs, str(i)))
         shutil.copy(libm, os.path.join(libs, str(i), "libllama.so"))
-    rows = {"true": ([], []), "dlopen": ([], [])}
+    rows = {"true": ([], []), "dlopen": ([], []), "switch": ([], [])}
     held = 0
     stats_fd = libbpf.enable_run_time_stats()
     counted: dict[str, list[int]] = {}     # program: [ns, runs] over the "on" true loops
+    switch_counted = [0, 0]                # the hold deadline's switch program over the ping-pongs
     try:
         for w in range(args.windows):
             for on in ((True, False) if w % 2 == 0 else (False, True)):
@@ -112,6 +136,12 @@ def main() -> int:
                         c[0] += ns - before.get(prog, (0, 0))[0]
                         c[1] += runs - before.get(prog, (0, 0))[1]
                     rows["dlopen"][not on].append(dlopen_loop(libs, args.dlopens))
+                    before = d.deadline.program_stats() if on and d.deadline else {}
+                    rows["switch"][not on].append(ping_pong(args.round_trips))
+                    if before:
+                        ns, runs = d.deadline.program_stats()["hold_deadline_retry"]
+                        switch_counted[0] += ns - before["hold_deadline_retry"][0]
+                        switch_counted[1] += runs - before["hold_deadline_retry"][1]
                 finally:
                     if answering is not None:
                         answering.close()
@@ -131,12 +161,16 @@ def main() -> int:
         bpf_ns = sum(ns for ns, _ in counted.values()) / execs
         print(f"  counted: {bpf_ns + hits * trap:.0f} ns per exec ({hits:.2f} uprobe hits at {trap:.0f} ns, "
               "plus BPF time)")
+    if switch_counted[1]:
+        print(f"  hold_deadline_retry: {switch_counted[1]} runs over the ping-pongs, "
+              f"{switch_counted[0] / switch_counted[1]:.1f} ns of BPF a run (nothing pending)")
+    units = {"true": "exec", "dlopen": "dlopen", "switch": "round trip"}
     for name, (on, off) in rows.items():
         diffs = [a - b for a, b in zip(on, off)]
         se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
         print(f"{name}: {statistics.median(off) * 1e6:.0f} us without, {statistics.median(on) * 1e6:.0f} us "
               f"with; paired difference {statistics.mean(diffs) * 1e6:+.1f} us "
-              f"(standard error {se * 1e6:.1f} us) per {'exec' if name == 'true' else 'dlopen'}")
+              f"(standard error {se * 1e6:.1f} us) per {units[name]}")
     return 0
 
 

@@ -52,7 +52,7 @@ STUCK_S = config.HOLD_STUCK_S
 # whatever its daemon's state, stopped, frozen or stuck (its watchdog continues it at
 # HOLD_MAX_S, or ORPHAN_S where its record was never read)
 HOLD_DEADLINE_S = config.HOLD_DEADLINE_S
-DEADLINE_PROGRAM = "hold_deadline_arm"
+DEADLINE_PROGRAMS = ("hold_deadline_arm", "hold_deadline_retry")
 
 
 @dataclass(frozen=True)
@@ -180,8 +180,9 @@ class NodeDiscovery:
                 cfg["deadline_ns"] = int(HOLD_DEADLINE_S * 1e9)
                 obj.set_rodata(cfg.tobytes())
                 obj.reuse_map(held.MAP_NAME, held_fd)
-                obj.load({DEADLINE_PROGRAM})
-                obj.attach(DEADLINE_PROGRAM)
+                obj.load(set(DEADLINE_PROGRAMS))
+                for program in DEADLINE_PROGRAMS:
+                    obj.attach(program)
                 return obj
             except ProfinferError as e:
                 why = str(e)

@@ -266,21 +266,28 @@ def test_a_frozen_daemons_hold_is_ended_by_the_kernel(tmp_path, llama_build, tin
     """A daemon stopped (SIGSTOP: as a cgroup freezer or a loop stuck holding the GIL, it
     continues nothing) while it holds a llama-completion, and no other daemon on the node:
     the kernel continues the process once it has been held HOLD_DEADLINE_S (a BPF timer
-    armed at the stop), and it runs to its end; the daemon, thawed, says so. On a kernel
-    without bpf_send_signal_task (before 6.13) the daemon said at its start that it cannot."""
+    armed at the stop), and it runs to its end; the daemon, thawed, says so. The timer's
+    signal is refused where its CPU is idle (on this quiet VM, mostly): then the next switch
+    away from a user task, on any CPU, sends it; this test's own wait (it looks at the process
+    every 50 ms) is one, so the process runs on within a VM stall of the deadline. On a
+    kernel without bpf_send_signal_task (before 6.13) the daemon said at its start that it
+    cannot."""
     with _held_by_a_frozen_daemon(tmp_path, llama_build, tiny_model, llama_env) as (first, proc, _):
         held_at = time.monotonic()
         if not kernel.release_at_least(6, 13):
             assert "the kernel cannot end discovery's holds by itself" in first.text(), first.text()
             return
         assert "cannot end discovery's holds" not in first.text(), first.text()
-        _, err = proc.communicate(timeout=HOLD_DEADLINE_S + 60)
+        while _state(proc.pid) == "T" and time.monotonic() - held_at < HOLD_DEADLINE_S + 2:
+            time.sleep(0.05)
+        continued = time.monotonic() - held_at
+        _, err = proc.communicate(timeout=60)
         waited = time.monotonic() - held_at
         assert proc.returncode == 0, err[-2000:]
         assert {"prompt eval", "eval"} <= llama_perf(err).keys(), err[-2000:]
-        # held from before held_at (its stop seen first): ended at the deadline, not later than
-        # the run itself takes after it
-        assert waited >= HOLD_DEADLINE_S - 1, waited
+        # held from before held_at (its stop seen first): ended at the deadline (a VM stall
+        # of 2 s allowed), and the run took its own time after that
+        assert HOLD_DEADLINE_S - 1 <= continued <= HOLD_DEADLINE_S + 2, (continued, waited)
         os.kill(first.proc.pid, signal.SIGCONT)
         status = json.loads(_get(first.url + "/status")[1])["discovery"]
         assert status["hold_deadline_s"] == HOLD_DEADLINE_S and status["ended_by_deadline"] == 1, status

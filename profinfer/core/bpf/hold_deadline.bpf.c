@@ -10,10 +10,13 @@
  * daemon, continuing it itself, deletes the entry first), and deletes the entry. The kfunc
  * refuses (EPERM) where the CPU does not run a user task's memory map (nmi_uaccess_okay): a
  * callback that interrupted an idle CPU or a kernel thread, as on an idle node it mostly
- * does. So a refused one tries again RETRY_NS later, up to MAX_TRIES times: the timer stays
- * on its CPU, so it succeeds once a user task runs there when it fires. Given up, the held
- * entry stays for the daemon or another daemon on the node (STUCK_S). Where this
- * object does not load (an older kernel), the daemon says so and its watchdogs are the only
+ * does; a timer re-armed from its callback stays on that CPU, which may stay idle for
+ * minutes. So a refused deadline is left pending, and the next switch away from a user
+ * task on any CPU (the sched_switch tracepoint: that task's memory map is still loaded) ends
+ * it. While nothing is pending the switch program reads one global (its cost:
+ * bench/results.md). The daemon, thawed, or another daemon on the node (STUCK_S) may end
+ * the hold first, as before. Where this object does not load (an older kernel), the daemon
+ * says so and its watchdogs are the only
  * deadline. A daemon killed takes this object with it: then the node's other daemons (and the
  * one restarted in its place) continue its held processes, as before. */
 #include <linux/types.h>
@@ -49,14 +52,19 @@ extern int bpf_send_signal_task(struct task_struct *task, int sig, enum pid_type
 const volatile struct pi_hold_deadline_config cfg = {};
 
 
-#define RETRY_NS 1000000ULL         /* 1 ms */
-#define MAX_TRIES 60000             /* a minute of them */
+#define ARMED 0         /* its timer runs */
+#define PENDING 1       /* the timer's signal was refused: the next user task's switch tries */
+#define CLAIMED 2       /* one CPU's switch tries it now */
+
+/* Raised by each refusal; a switch that finds nothing pending lowers it back to 0 only if no
+ * refusal came meanwhile (compare-and-swap), so a pending deadline is never left unseen. */
+volatile u64 refusals = 0;
 
 struct deadline {
     struct bpf_timer timer;
     struct pi_process_id process;
     u64 since_ns;           /* the hold's (the held entry's): a later hold of the process re-arms */
-    u64 tries;
+    u64 state;              /* ARMED, PENDING or CLAIMED */
 };
 
 /* One per process held by this daemon now (its timer armed at the stop). */
@@ -93,7 +101,9 @@ static __always_inline void forget(void *map, u32 *tgid, struct deadline *d, u64
         bpf_map_delete_elem(map, tgid);
 }
 
-static int end_hold(void *map, u32 *tgid, struct deadline *d)
+/* Continue the held process if it still waits for this hold: 0 when done (the deadline
+ * element is gone), 1 when the kernel refused the signal here (the element stays). */
+static int try_end(void *map, u32 *tgid, struct deadline *d)
 {
     u64 since = d->since_ns;
     struct pi_held *h = bpf_map_lookup_elem(&held, tgid);
@@ -111,17 +121,8 @@ static int end_hold(void *map, u32 *tgid, struct deadline *d)
             err = bpf_send_signal_task(task, PI_SIGNAL_CONT, PIDTYPE_TGID, 0);
         bpf_task_release(task);
     }
-    if (err) {
-        if (d->tries < MAX_TRIES) {         /* refused here: again on another interrupt */
-            d->tries++;
-            bpf_timer_start(&d->timer, RETRY_NS, 0);
-            return 0;
-        }
-        /* given up: the held entry stays, for the daemon (thawed) or another daemon on the
-         * node to continue the process (STUCK_S) */
-        forget(map, tgid, d, since);
-        return 0;
-    }
+    if (err)
+        return 1;
     /* continued (or gone): out of the node's map, unless a later hold is there now (the
      * daemon's own SIGCONT, should it come too, finds the process running) */
     h = bpf_map_lookup_elem(&held, tgid);
@@ -134,6 +135,47 @@ static int end_hold(void *map, u32 *tgid, struct deadline *d)
             __sync_fetch_and_add(n, 1);
     }
     forget(map, tgid, d, since);
+    return 0;
+}
+
+/* The timer's callback: the deadline came. */
+static int end_hold(void *map, u32 *tgid, struct deadline *d)
+{
+    if (try_end(map, tgid, d)) {
+        d->state = PENDING;
+        __sync_fetch_and_add(&refusals, 1);
+    }
+    return 0;
+}
+
+struct sweep {
+    u64 pending;            /* one was seen (a flag: a count would make the verifier walk each value) */
+};
+
+static long retry_pending(void *map, u32 *tgid, struct deadline *d, struct sweep *sweep)
+{
+    if (d->state != PENDING)
+        return 0;
+    sweep->pending = 1;
+    if (__sync_val_compare_and_swap(&d->state, PENDING, CLAIMED) != PENDING)
+        return 0;                           /* another CPU's switch has it */
+    if (try_end(map, tgid, d))
+        d->state = PENDING;                 /* this task was no user task's (a kernel thread) */
+    return 0;
+}
+
+/* sched_switch(preempt, prev, next, prev_state): the task switched away from is current, its
+ * memory map loaded, so a refused deadline's signal can be sent here. */
+SEC("tp_btf/sched_switch")
+int BPF_PROG(hold_deadline_retry)
+{
+    u64 seen = refusals;
+    if (!seen)
+        return 0;
+    struct sweep sweep = {};
+    bpf_for_each_map_elem(&deadlines, retry_pending, &sweep, 0);
+    if (!sweep.pending)
+        __sync_val_compare_and_swap(&refusals, seen, 0);
     return 0;
 }
 
@@ -155,7 +197,7 @@ int BPF_PROG(hold_deadline_arm, int sig, void *info, struct task_struct *task, i
         return 0;
     d->process = h->process;
     d->since_ns = h->since_ns;
-    d->tries = 0;
+    d->state = ARMED;
     bpf_timer_init(&d->timer, &deadlines, CLOCK_MONOTONIC);    /* -EBUSY when armed before */
     bpf_timer_set_callback(&d->timer, end_hold);
     bpf_timer_start(&d->timer, cfg.deadline_ns, 0);
