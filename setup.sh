@@ -34,7 +34,7 @@ if ! apt-cache policy libcuda1 2>/dev/null | grep 'Candidate: [0-9]' >/dev/null;
     apt-get update -qq
 fi
 # Both variants of the BPF object (ring buffer; perf buffer for kernels before 5.8).
-.venv/bin/python -m profinfer.core.bpfobj >/dev/null
+.venv/bin/python -m profinfer.core.ebpf.bpfobj >/dev/null
 
 # The bundled workload: llama.cpp (debug info) and the models; then an older llama.cpp as a
 # plain Release build, which the tests profile to show that a build profinfer was not

@@ -28,9 +28,10 @@ import tempfile
 import threading
 import time
 
-from profinfer.core import libbpf, probecost
+from profinfer.core.ebpf import libbpf
+from profinfer.core.calibration import probecost
 from profinfer.daemon.discover import NodeDiscovery
-from profinfer.core.packs import load_pack, pack_names
+from profinfer.core.plugin.packs import load_pack, pack_names
 
 DLOPEN_LOOP = """
 import ctypes, os, sys, time

@@ -22,7 +22,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from probe_emulation import alternate                                # noqa: E402
-from profinfer.core.symbols import load_elf                          # noqa: E402
+from profinfer.core.target.symbols import load_elf                          # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CALLS, ROUNDS, WARMUP = 200_000, 14, 1

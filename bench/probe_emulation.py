@@ -22,9 +22,9 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from profinfer.core.perf_event_open import perf_event_open          # noqa: E402
-from profinfer.core.probecost import _uprobe_attr                    # noqa: E402
-from profinfer.core.symbols import load_elf                          # noqa: E402
+from profinfer.core.ebpf.perf_event_open import perf_event_open          # noqa: E402
+from profinfer.core.calibration.probecost import _uprobe_attr                    # noqa: E402
+from profinfer.core.target.symbols import load_elf                          # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # (function, bytes into it where the probe goes, the instruction there as objdump writes it)

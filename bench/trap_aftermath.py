@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from probe_emulation import alternate, build, write_json              # noqa: E402
-from profinfer.core.symbols import load_elf                          # noqa: E402
+from profinfer.core.target.symbols import load_elf                          # noqa: E402
 
 LINES = (0, 16, 64, 256, 1024)
 # data read between calls (packed lines), 256 KiB to 4 MiB: past L2, as an engine reads its

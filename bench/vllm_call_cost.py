@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import timed_target
-from profinfer.core import insitu
+from profinfer.core.calibration import insitu
 from profinfer.engines.vllm import workload
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]

@@ -15,9 +15,9 @@ import time
 import click
 
 from profinfer.daemon.tokens import TOKEN_ENV, TOKEN_MAX_BYTES
-from profinfer.core.errors import OutputFailed, ProfinferError
-from profinfer.core.model import Profile
-from profinfer.core.packs import KERNEL_LEVELS, LEVELS, MIN_DURATION_S, RUNTIME_LEVELS
+from profinfer.core.base.errors import OutputFailed, ProfinferError
+from profinfer.core.profile.model import Profile
+from profinfer.core.plugin.packs import KERNEL_LEVELS, LEVELS, MIN_DURATION_S, RUNTIME_LEVELS
 
 class FiniteRange(click.FloatRange):
     """A FloatRange that also refuses nan and the infinities (nan passes every bound)."""
@@ -40,7 +40,7 @@ def _levels(value: str, option: str = "--levels") -> set[str]:
 
 
 def _counters(value: str | None) -> list[str]:
-    from profinfer.core import perfevents as counters
+    from profinfer.core.ebpf import perfevents as counters
     names = [v.strip() for v in (value or "").split(",") if v.strip()]
     try:
         counters.requested(names)
@@ -138,14 +138,14 @@ def cli():
 @output_options
 def attach(pid, levels, duration, tensor_layout, buffer, counters, packs, output, json_path, quiet):
     """Profile a running llama.cpp or vLLM process (or a CUDA program), without restarting it."""
-    from profinfer.core import recorded_calibration
+    from profinfer.core.calibration import stamped
     from profinfer.core.session import profile_process
     levels, counters = _levels(levels), _counters(counters)
     _check_outputs(output, json_path)
     profile = profile_process(pid, levels, duration, tensor_layout=tensor_layout,
                               buffer=buffer, counters=counters, extra_packs=tuple(packs),
                               timeline=output is not None, warn=_warn, note=_note)
-    recorded_calibration.stamp(profile)     # the roofs and trap costs that judge this run
+    stamped.stamp(profile)     # the roofs and trap costs that judge this run
     if not _emit(profile, output, json_path, quiet):
         sys.exit(1)
 
@@ -175,12 +175,12 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
                    packs: tuple[str, ...] = (), timeline: bool = True):
     """Start `command` held before exec, follow it (profinfer.core.follow), then let it run.
     Returns (profile, exit code), the profile stamped with this machine's calibration."""
-    from profinfer.core import recorded_calibration
+    from profinfer.core.calibration import stamped
     from profinfer.core.session import profile_process
     exe = shutil.which(command[0], path=(env or os.environ).get("PATH"))
     if not exe:
         raise ProfinferError(f"command not found: {command[0]}")
-    from profinfer.core.kernel import require_root
+    from profinfer.core.ebpf.kernel import require_root
     require_root()
     go_r, go_w = os.pipe()
     pid = os.fork()
@@ -217,7 +217,7 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
                 status.append(os.waitstatus_to_exitcode(st))
             except ChildProcessError:
                 pass
-    recorded_calibration.stamp(profile)     # the roofs and trap costs that judge this run
+    stamped.stamp(profile)     # the roofs and trap costs that judge this run
     return profile, (status[0] if status else 0)
 
 
@@ -363,7 +363,7 @@ def _add_demo(group: click.Group, demos: list) -> None:
 
 def _add_plugin_commands() -> None:
     """The commands the plugins contribute (core.commands): demo's workloads, their own."""
-    from profinfer.core.commands import Services, commands_modules, demos
+    from profinfer.core.plugin.commands import Services, commands_modules, demos
 
     def report_console():
         from profinfer.viewers.terminal import report_console
@@ -404,8 +404,9 @@ def calibrate_cmd(threads, force, attempts, pid, windows, window_s, spread_of):
 
     A measurement taken while other processes use the CPUs, or whose repetitions disagree, is
     repeated, and not cached if it never passes: then the exit status is 75 (try again later)."""
-    from profinfer.core import calibrate, kernel, probecost
-    from profinfer.core.loadcheck import UnreliableMeasurement
+    from profinfer.core.calibration import machine_roofs, probecost
+    from profinfer.core.ebpf import kernel
+    from profinfer.core.calibration.loadcheck import UnreliableMeasurement
     given = {name for name in ("threads", "force", "attempts", "windows", "window_s")
              if click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
     wrong = given & ({"threads", "force", "attempts"} if pid is not None else {"windows", "window_s"})
@@ -422,16 +423,17 @@ def calibrate_cmd(threads, force, attempts, pid, windows, window_s, spread_of):
         click.echo(runspread.describe(entry))
         return
     if pid is not None:
-        from profinfer.core import engineprice, enginetrap
+        from profinfer.core import pricing
+        from profinfer.core.calibration import engineprice
         kernel.require_root()
         loop = probecost.cached()
-        p = enginetrap.calibrate(pid, windows, window_s, note=_note)
+        p = pricing.calibrate(pid, windows, window_s, note=_note)
         click.echo(engineprice.describe(p, loop["emulated_ns"] if loop else None))
         return
     failed: list[UnreliableMeasurement] = []
     try:
-        r = calibrate.calibrate(threads, force, attempts, note=_note)
-        click.echo(f"{calibrate.describe(r)}\n  checked: {r['check']}; measured {r['measured_at']}")
+        r = machine_roofs.calibrate(threads, force, attempts, note=_note)
+        click.echo(f"{machine_roofs.describe(r)}\n  checked: {r['check']}; measured {r['measured_at']}")
     except UnreliableMeasurement as e:
         failed.append(e)
     kernel.require_root()     # a uprobe's cost is measured by placing one
@@ -529,7 +531,7 @@ def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tl
     listened on); /capture always needs the token."""
     from click.core import ParameterSource
     from profinfer.daemon.run import run_daemon
-    from profinfer.core.kernel import require_root
+    from profinfer.core.ebpf.kernel import require_root
     require_root()
     levels = _levels(levels)
     if tls_key and not tls_cert:
@@ -557,7 +559,7 @@ def _client_token(token_file: str, required: bool) -> str | None:
     token = os.environ.get(TOKEN_ENV, "").strip()
     if token:
         return _checked_token(token, TOKEN_ENV)
-    from profinfer.core import procfs
+    from profinfer.core.target import procfs
     try:
         token = procfs.read_regular(token_file, TOKEN_MAX_BYTES).decode().strip()
     except OSError as e:

@@ -11,10 +11,10 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
-from profinfer.core import bpfobj, kernel, libbpf
-from profinfer.core import perfevents as perfcounters
-from profinfer.core.errors import ProfinferError
-from profinfer.core.tables import stepped_functions
+from profinfer.core.ebpf import bpfobj, kernel, libbpf
+from profinfer.core.ebpf import perfevents as perfcounters
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.plugin.tables import stepped_functions
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -68,7 +68,8 @@ def _check_btf():
 
 
 def _check_cost_accounting():
-    from profinfer.core import libbpf, probecost
+    from profinfer.core.ebpf import libbpf
+    from profinfer.core.calibration import probecost
     fd = libbpf.enable_run_time_stats() if os.geteuid() == 0 else -1
     if fd < 0:
         return WARN, "BPF run-time statistics refused (kernel < 5.8?): no profiler-cost line"
@@ -152,7 +153,7 @@ def _check_cuda_runtime() -> tuple[str, str]:
 def workload_checks() -> list[tuple[str, str, str]]:
     """Where the probes sit on each bundled workload, by a real attach: each demo, and the
     CUDA runtimes found here."""
-    from profinfer.core.commands import demos
+    from profinfer.core.plugin.commands import demos
     if os.geteuid() != 0:
         return [("probes", WARN, "not root: the bundled workloads' probes are not checked")]
     rows = [(f"probes: {d.name}", *_check_demo(d)) for d in demos()]

@@ -8,8 +8,8 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import Profile
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import Profile
 
 
 @dataclass

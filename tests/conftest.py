@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from profinfer.core import held, recorded
+from profinfer.core.ebpf import held, followed
 from profinfer.engines.llamacpp import workload
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
@@ -180,12 +180,12 @@ def _bpftool(*args: str) -> list[dict]:
 
 
 def _node_maps() -> set[tuple[str, int]]:
-    """The node's pinned maps (the processes records follow: profinfer.core.recorded; the
-    processes discovery holds: profinfer.core.held): they outlive every run by design,
+    """The node's pinned maps (the processes records follow: profinfer.core.ebpf.followed; the
+    processes discovery holds: profinfer.core.ebpf.held): they outlive every run by design,
     whichever run made them."""
     out = set()
-    for name in (recorded.MAP_NAME, held.MAP_NAME):
-        shown = _bpftool("map", "show", "pinned", f"{recorded.PIN_DIR}/{name}")
+    for name in (followed.MAP_NAME, held.MAP_NAME):
+        shown = _bpftool("map", "show", "pinned", f"{followed.PIN_DIR}/{name}")
         if isinstance(shown, dict) and "id" in shown:
             out.add(("map", shown["id"]))
     return out

@@ -14,20 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from profinfer.core.collector import Collector
-from profinfer.core.packs import load_pack, pack_names
+from profinfer.core.plugin.collector import Collector
+from profinfer.core.plugin.packs import load_pack, pack_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))     # the toy engine, kept in tests/
 from toyengine.collector import ToyCollector  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent / "profinfer"
-MODULES = ["core/collector.py", "core/transport.py",
+MODULES = ["core/plugin/collector.py", "core/ebpf/transport.py",
            "engines/llamacpp/collector.py", "engines/llamacpp/probeplan.py",
            "engines/llamacpp/records.py", "engines/llamacpp/backends.py",
            "engines/llamacpp/totals.py", "engines/vllm/collector.py", "engines/vllm/calls.py",
            "levels/cuda/collector.py", "levels/sched/probe.py"]
 # the session and the daemon's agent, held to the same bounds
-DRIVERS = ["core/session.py", "core/packfinder.py", "core/cputime.py",
+DRIVERS = ["core/session.py", "core/plugin/packfinder.py", "core/calibration/cputime.py",
            "daemon/agent.py", "daemon/governor.py", "daemon/watch.py", "daemon/seen.py"]
 # the base, each bundled plug-in's collector as its pack names it (llama.cpp's, vLLM's, the
 # cuda level's: found through the registry, as the session finds them), and the toy engine's
@@ -93,7 +93,7 @@ def test_the_attach_sequence_exists_once():
         if "attach" in cls.__dict__:
             assert "super().attach()" in inspect.getsource(cls.attach), cls
     sources = {m: (ROOT / m).read_text() for m in MODULES
-               if m not in ("core/collector.py", "core/transport.py")}
+               if m not in ("core/plugin/collector.py", "core/ebpf/transport.py")}
     for module, text in sources.items():
         for needle in ("enable_run_time_stats(", "EventTransport(", "reuse_map(\"followed\"",
                        "attach_failed("):

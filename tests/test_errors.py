@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PROFINFER, completion_cmd
-from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.core.profile.model import GraphCall, OpSlice, Profile, TokenCall
 from profinfer.exporters.perfetto import write_perfetto
 
 

@@ -8,6 +8,10 @@ imports inside functions included):
 - a level imports only the core and itself;
 - no arrow runs back up: the core, the engines and the levels never import the application
   (exporters, viewers, daemon, cli, outputs, doctor);
+- the core is in rooms, each importing only the rooms below it: base, profile, target, ebpf,
+  calibration, diff, plugin, then the core's own top (the session, the follower, the
+  pricing); a core module sits in a room or is one of the top's; a room holds at most 15
+  modules and says in its __init__.py what it is for; no core module is over 500 lines;
 - no import cycles among modules;
 - the tests mirror the code: each folder of tests is a folder of profinfer/ (or a tier:
   soak, gpu), and an engine's internals are imported only by the tests in its own folder
@@ -27,6 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TOY_ENGINE = ROOT / "tests" / "toyengine"
 
 APPLICATION = ("exporters", "viewers", "daemon", "cli", "outputs", "doctor")
+# the core's rooms, lowest first; the core's top (these modules, directly in core/) above them
+ROOMS = ("base", "profile", "target", "ebpf", "calibration", "diff", "plugin")
+CORE_TOP = ("session", "follow", "pricing")
 THROUGH_REGISTRY = ("exporters", "viewers", "daemon")
 
 
@@ -103,15 +110,38 @@ def part_of(module: str, project: str = "profinfer") -> tuple[str, str]:
     return "app", parts[1]
 
 
+def room_of(module: str) -> str | None:
+    """The core room a core module is in ("top" for the session and the follower, None for a
+    module that is in none)."""
+    parts = module.split(".")
+    if len(parts) < 3:
+        return "top"                    # the core package itself
+    if parts[2] in ROOMS:
+        return parts[2]
+    return "top" if parts[2] in CORE_TOP and len(parts) == 3 else None
+
+
+def _rank(room: str) -> int:
+    return ROOMS.index(room) if room in ROOMS else len(ROOMS)
+
+
 def breaches(graph: dict[str, list[tuple[str, int, str]]], project: str = "profinfer") -> list[str]:
     """Every import that breaks a rule, as "file:line: module imports target (rule)"."""
     out = []
     for module, targets in sorted(graph.items()):
         part, name = part_of(module, project)
+        room = room_of(module) if part == "core" else None
+        if part == "core" and room is None:
+            out.append(f"{module}: a core module sits in a room ({', '.join(ROOMS)}) or is one of the "
+                       f"core's top ({', '.join(CORE_TOP)})")
         for target, line, path in targets:
             tpart, tname = part_of(target, project)
             why = None
-            if part == "core" and tpart in ("engine", "level"):
+            troom = room_of(target) if tpart == "core" else None
+            if room and troom and _rank(troom) > _rank(room):
+                above = f"room {troom}" if troom in ROOMS else "the core's top"
+                why = f"room {room} imports {above} above it"
+            elif part == "core" and tpart in ("engine", "level"):
                 why = f"the core imports no {tpart}"
             elif part == "app" and name in THROUGH_REGISTRY and tpart in ("engine", "level"):
                 why = f"the {name} must reach {tpart}s through profinfer.core.registry"
@@ -189,7 +219,7 @@ def test_the_checker_sees_the_project():
     function (cli imports the session only in its commands) is seen."""
     graph = import_graph([ROOT / "profinfer"])
     assert len(graph) > 80
-    users = {m for m, ts in graph.items() if any(t == "profinfer.core.registry" for t, _, _ in ts)}
+    users = {m for m, ts in graph.items() if any(t == "profinfer.core.base.registry" for t, _, _ in ts)}
     assert "profinfer.engines.vllm" in users and "profinfer.levels.cuda" in users
     cli_targets = {t for t, _, _ in graph["profinfer.cli"]}
     assert "profinfer.core.session" in cli_targets
@@ -200,23 +230,26 @@ def test_the_checker_sees_the_project():
 CLEAN = {
     "pkg/__init__.py": "",
     "pkg/core/__init__.py": "",
-    "pkg/core/registry.py": "import importlib\n",
-    "pkg/core/model.py": "from dataclasses import dataclass\n",
-    "pkg/core/session.py": "from pkg.core import model, registry\n",
+    "pkg/core/base/__init__.py": "",
+    "pkg/core/base/registry.py": "import importlib\n",
+    "pkg/core/profile/__init__.py": "",
+    "pkg/core/profile/model.py": "from dataclasses import dataclass\n",
+    "pkg/core/profile/stats.py": "from pkg.core.profile import model\nfrom pkg.core.base import registry\n",
+    "pkg/core/session.py": "from pkg.core.profile import model\nfrom pkg.core.base import registry\n",
     "pkg/engines/__init__.py": "",
-    "pkg/engines/alpha/__init__.py": "from pkg.core.registry import importlib\n",
-    "pkg/engines/alpha/collector.py": ("from pkg.core import model\nfrom pkg.levels.cuda import names\n"
+    "pkg/engines/alpha/__init__.py": "from pkg.core.base.registry import importlib\n",
+    "pkg/engines/alpha/collector.py": ("from pkg.core.profile import model\nfrom pkg.levels.cuda import names\n"
                                        "from . import stats\n"),
-    "pkg/engines/alpha/stats.py": "from pkg.core.model import dataclass\n",
-    "pkg/engines/beta/__init__.py": "from pkg.core import registry\n",
+    "pkg/engines/alpha/stats.py": "from pkg.core.profile.model import dataclass\n",
+    "pkg/engines/beta/__init__.py": "from pkg.core.base import registry\n",
     "pkg/levels/__init__.py": "",
-    "pkg/levels/cuda/__init__.py": "from pkg.core import registry\n",
-    "pkg/levels/cuda/names.py": "from pkg.core import model\n",
-    "pkg/levels/sched/__init__.py": "from pkg.core import registry\n",
+    "pkg/levels/cuda/__init__.py": "from pkg.core.base import registry\n",
+    "pkg/levels/cuda/names.py": "from pkg.core.profile import model\n",
+    "pkg/levels/sched/__init__.py": "from pkg.core.base import registry\n",
     "pkg/exporters/__init__.py": "",
-    "pkg/exporters/perfetto.py": "from pkg.core import model, registry\n",
+    "pkg/exporters/perfetto.py": "from pkg.core.profile import model\nfrom pkg.core.base import registry\n",
     "pkg/viewers/__init__.py": "",
-    "pkg/viewers/table.py": "from pkg.core.registry import importlib\n",
+    "pkg/viewers/table.py": "from pkg.core.base.registry import importlib\n",
     "pkg/daemon/__init__.py": "",
     "pkg/daemon/agent.py": "from pkg.core import session\n",
     "pkg/outputs.py": "from pkg.exporters import perfetto\n",
@@ -247,8 +280,16 @@ BREACHES = {
                                      "no arrow back up: the core imports no application"),
     "engine imports the application": ("pkg/engines/alpha/collector.py", "from ...viewers import table",
                                        "no arrow back up: the engine imports no application"),
-    "a cycle through a lazy import": ("pkg/core/registry.py", "def g():\n    from pkg.core import session",
-                                      "import cycle: pkg.core.registry -> pkg.core.session -> pkg.core.registry"),
+    "a cycle through a lazy import": ("pkg/core/profile/model.py", "def g():\n    from pkg.core.profile import stats",
+                                      "import cycle: pkg.core.profile.model -> pkg.core.profile.stats -> "
+                                      "pkg.core.profile.model"),
+    "a room imports a room above it": ("pkg/core/base/registry.py", "from pkg.core.profile.model import dataclass",
+                                       "room base imports room profile above it"),
+    "a room imports the core's top, inside a function": (
+        "pkg/core/profile/stats.py", "def h():\n    from pkg.core import session",
+        "room profile imports the core's top above it"),
+    "a core module in no room": ("pkg/core/loose.py", "from pkg.core.base import registry",
+                                 "a core module sits in a room"),
 }
 
 
@@ -259,6 +300,8 @@ def _tree(tmp_path: Path, change: tuple[str, str] | None = None) -> list[str]:
         if change and change[0] == rel:
             text += textwrap.dedent(change[1]) + "\n"
         f.write_text(text)
+    if change and change[0] not in CLEAN:      # a module of its own
+        (tmp_path / change[0]).write_text(textwrap.dedent(change[1]) + "\n")
     return breaches(import_graph([tmp_path / "pkg"]), project="pkg")
 
 
@@ -277,10 +320,70 @@ def test_an_outside_engine_is_an_engine(tmp_path):
     """A plugin kept outside the tree (PROFINFER_PLUGINS) is held to an engine's rules."""
     _tree(tmp_path)
     (tmp_path / "toy").mkdir()
-    (tmp_path / "toy" / "__init__.py").write_text("from pkg.core import registry\n"
+    (tmp_path / "toy" / "__init__.py").write_text("from pkg.core.base import registry\n"
                                                   "from pkg.viewers import table\n")
     found = breaches(import_graph([tmp_path / "pkg", tmp_path / "toy"]), project="pkg")
     assert len(found) == 1 and "toy imports pkg.viewers.table" in found[0], found
+
+
+# ---- the core's rooms stay small and say what they are for ----
+
+MAX_ROOM_MODULES = 15
+MAX_CORE_MODULE_LINES = 500
+
+
+def room_findings(core: Path) -> list[str]:
+    """Each room of `core` with more than MAX_ROOM_MODULES modules (its sub-packages' too) or
+    without a docstring in its __init__.py, and each core module over MAX_CORE_MODULE_LINES."""
+    out = []
+    for room in ROOMS:
+        folder = core / room
+        if not folder.is_dir():
+            continue
+        modules = [f for f in folder.rglob("*.py") if f.name != "__init__.py"]
+        if len(modules) > MAX_ROOM_MODULES:
+            out.append(f"core/{room}: {len(modules)} modules (at most {MAX_ROOM_MODULES})")
+        init = folder / "__init__.py"
+        if not init.is_file() or ast.get_docstring(ast.parse(init.read_text())) is None:
+            out.append(f"core/{room}: its __init__.py says nothing of what the room is for")
+    for f in sorted(core.rglob("*.py")):
+        n = len(f.read_text().splitlines())
+        if n > MAX_CORE_MODULE_LINES:
+            out.append(f"{f.relative_to(core.parent)}: {n} lines (at most {MAX_CORE_MODULE_LINES})")
+    return out
+
+
+def test_the_core_rooms_are_small_and_say_what_they_are_for():
+    found = room_findings(ROOT / "profinfer" / "core")
+    assert not found, "\n".join(found)
+
+
+def _rooms_tree(tmp_path: Path) -> Path:
+    core = tmp_path / "core"
+    for room in ROOMS:
+        (core / room).mkdir(parents=True)
+        (core / room / "__init__.py").write_text(f'"""The {room} room."""\n')
+        (core / room / "a.py").write_text("x = 1\n" * MAX_CORE_MODULE_LINES)
+    return core
+
+
+@pytest.mark.parametrize("breach", ["sixteen modules", "no docstring", "a long module"])
+def test_the_room_checks_catch(tmp_path, breach):
+    core = _rooms_tree(tmp_path)
+    assert room_findings(core) == []
+    if breach == "sixteen modules":
+        (core / "target" / "arch").mkdir()
+        for i in range(MAX_ROOM_MODULES):        # 15 more, one room down: 16
+            (core / "target" / "arch" / f"m{i}.py").write_text("")
+        says = "core/target: 16 modules"
+    elif breach == "no docstring":
+        (core / "ebpf" / "__init__.py").write_text("# rooms\n")
+        says = "core/ebpf: its __init__.py says nothing"
+    else:
+        (core / "diff" / "a.py").write_text("x = 1\n" * (MAX_CORE_MODULE_LINES + 1))
+        says = f"core/diff/a.py: {MAX_CORE_MODULE_LINES + 1} lines"
+    found = room_findings(core)
+    assert len(found) == 1 and says in found[0], found
 
 
 # ---- the tests mirror the code ----

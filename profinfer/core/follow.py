@@ -8,7 +8,7 @@ followed process (SIGSTOP) at each exec and each library-list change its loader 
 `changes()` hands those stops to the caller, which attaches what the new code needs and then
 calls `resume()`. Engine probes are attached to library files, for every process, and their
 programs run only for the processes in the shared `followed` map. The followed processes are
-also in the node's `recorded` map (profinfer.core.recorded), which a daemon's discovery reads
+also in the node's `recorded` map (profinfer.core.ebpf.followed), which a daemon's discovery reads
 so as not to hold them as well.
 """
 from __future__ import annotations
@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profinfer.core import bpfobj, layout, libbpf, parsing, procfs, recorded
-from profinfer.core.arch.callsites import direct_calls
-from profinfer.core.elfheaders import elf_file
-from profinfer.core.errors import ProfinferError
-from profinfer.core.parsing import NotReady
+from profinfer.core.ebpf import bpfobj, layout, libbpf, followed
+from profinfer.core.target import parsing, procfs
+from profinfer.core.target.arch.callsites import direct_calls
+from profinfer.core.target.elfheaders import elf_file
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.target.parsing import NotReady
 
 parsing.preload(__name__)
 
@@ -242,11 +243,11 @@ class Follower:
         self._live = {root_pid}         # those that have not exited (their PIDs are theirs)
         self.forks_followed = os.path.exists("/sys/kernel/btf/vmlinux")
         config = np.zeros(1, dt["pi_core_config"]).tobytes()   # common.bpf.h: the core's pi_config
-        self.recorded_fd = recorded.open_shared(warn)     # None: each object has its own
+        self.recorded_fd = followed.open_shared(warn)     # None: each object has its own
         try:
             self.obj.set_rodata(config)
             if self.recorded_fd is not None:
-                self.obj.reuse_map(recorded.MAP_NAME, self.recorded_fd)
+                self.obj.reuse_map(followed.MAP_NAME, self.recorded_fd)
             if buffer == "ring":
                 self.obj.set_max_entries("events", RING_PAGES * 4096)
             self.obj.load(set(TRACEPOINT_PROGRAMS) | {LOADER_PROGRAM})
@@ -254,7 +255,7 @@ class Follower:
             if self.forks_followed:
                 self.fork_obj = libbpf.BpfObject(bpfobj.object_path("follow_fork.bpf.c", buffer))
                 self.fork_obj.set_rodata(config)
-                for name in SHARED_MAPS + (recorded.MAP_NAME,):
+                for name in SHARED_MAPS + (followed.MAP_NAME,):
                     self.fork_obj.reuse_map(name, self.obj.map_fd(name))
                 self.fork_obj.load({FORK_PROGRAM})
                 self.fork_obj.attach(FORK_PROGRAM)
@@ -297,7 +298,7 @@ class Follower:
 
     def _follow(self, pid: int) -> None:
         libbpf.map_update(self.obj.map_fd("followed"), pid.to_bytes(4, "little"), (1).to_bytes(4, "little"))
-        recorded.add(self.obj.map_fd(recorded.MAP_NAME), pid)
+        followed.add(self.obj.map_fd(followed.MAP_NAME), pid)
 
     def add(self, pid: int) -> None:
         """Follow a process that already runs (a descendant of an attached process)."""
@@ -323,7 +324,7 @@ class Follower:
             self.changes()          # forks and exits not read yet (a fork's child is live)
         if self.obj is not None:    # a daemon may hold them from now on
             for pid in self._live:
-                recorded.remove(self.obj.map_fd(recorded.MAP_NAME), pid)
+                followed.remove(self.obj.map_fd(followed.MAP_NAME), pid)
         for name in ("fork_obj", "obj"):
             obj = getattr(self, name, None)
             if obj is not None:

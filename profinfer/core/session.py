@@ -18,14 +18,17 @@ from typing import Callable
 
 import psutil
 
-from profinfer.core import discovery, kernel, layout, libbpf, procfs, registry
-from profinfer.core.cputime import CpuShares, cpu_s, own_cpu_s, rss_kb
-from profinfer.core.collector import Collector
-from profinfer.core.errors import ProfinferError
+from profinfer.core.target import process, procfs
+from profinfer.core.ebpf import kernel, layout, libbpf
+from profinfer.core.base import registry
+from profinfer.core.calibration.cputime import CpuShares, cpu_s, own_cpu_s, rss_kb
+from profinfer.core.plugin.collector import Collector
+from profinfer.core.plugin.group import CollectorGroup
+from profinfer.core.base.errors import ProfinferError
 from profinfer.core.follow import Change, Follower
-from profinfer.core.model import Profile
-from profinfer.core.packfinder import engine_process, find_engine, find_packs, stripped_note
-from profinfer.core.packs import RUNTIME_LEVELS, Pack, load_pack, pack_names
+from profinfer.core.profile.model import Profile
+from profinfer.core.plugin.packfinder import engine_process, find_engine, find_packs, stripped_note
+from profinfer.core.plugin.packs import RUNTIME_LEVELS, Pack, load_pack, pack_names
 
 # The collector sleeps this long between drains unless BPF wakes it (the ring buffer past
 # its wakeup level; perf buffers every PERF_WAKEUP_EVENTS records) or a signal stops it:
@@ -38,94 +41,6 @@ POLL_BEFORE_DECODING_MS = 20
 THREAD_CPU_MIN_S = 0.02   # threads that used less while probed are left out of the record
 THREADS_SAMPLE_S = 0.9    # each thread's CPU read this often (a thread that ends keeps its last)
 REFRESH_S = 5.0     # thread names and mappings are read again this often (and at the end)
-
-
-class CollectorGroup:
-    """An engine's collector and the runtime levels beside it (cuda), driven as one: each
-    has its own event buffer; the engine's programs keep each thread's open spans in a map
-    the levels share, so a CUDA call carries the step and op it was made in."""
-
-    def __init__(self, first: Collector):
-        self.members: list[Collector] = [first]
-
-    @property
-    def engine(self) -> Collector:
-        return self.members[0]
-
-    def add(self, member: Collector, engine: bool = False) -> None:
-        """A level beside the engine; or the engine, when a level was found first."""
-        if engine:
-            self.members.insert(0, member)
-        else:
-            self.members.append(member)
-
-    def member(self, pack: Pack) -> Collector | None:
-        return next((m for m in self.members if m.pack is pack), None)
-
-    def __getattr__(self, name):            # pid, attach_s, n_probes, ...: the engine's
-        return getattr(self.members[0], name)
-
-    @property
-    def warnings(self) -> list[str]:
-        return [w for m in self.members for w in m.warnings]
-
-    @property
-    def n_events(self) -> int:
-        return sum(m.n_events for m in self.members)
-
-    @property
-    def decoding(self) -> bool:
-        return any(m.decoding for m in self.members)
-
-    @property
-    def started(self) -> bool:
-        """The engine's work began (the CPU shares count from here): its own first event, not
-        a level's (a CUDA runtime registers kernels and allocates while a model loads)."""
-        engine = self.members[0]
-        if not engine.pack.level:
-            return engine.decoding or bool(engine.n_events)
-        return self.decoding or bool(self.n_events)
-
-    def fileno(self) -> int:
-        return self.members[0].fileno()
-
-    def filenos(self) -> list[int]:
-        return [m.fileno() for m in self.members]
-
-    def poll(self, timeout_ms: int = 100) -> None:
-        if len(self.members) > 1 and timeout_ms:
-            select.select(self.filenos(), [], [], timeout_ms / 1000)
-            timeout_ms = 0
-        for m in self.members:
-            m.poll(timeout_ms)
-
-    def refresh_process_info(self) -> None:
-        for m in self.members:
-            m.refresh_process_info()
-
-    def other_target_processes(self) -> list[int]:
-        return sorted({p for m in self.members for p in m.other_target_processes()}
-                      - {self.members[0].pid})
-
-    def lost(self) -> int:
-        return sum(m.lost() for m in self.members)
-
-    def finish(self) -> Profile:
-        """The engine's profile with the levels' calls in it, each call's op named by the
-        engine that opened it."""
-        engine = self.members[0]
-        levels = self.members[1:]
-        for m in levels:
-            m.name_op = lambda _engine, index, e=engine: e.op_name(index)
-        level_profiles = [m.finish() for m in levels]
-        prof = engine.finish()
-        for lp in level_profiles:
-            prof.absorb(lp)
-        return prof
-
-    def detach(self) -> None:
-        for m in self.members:
-            m.detach()
 
 
 def _watch_tree(pid: int, buffer: str, warn: Callable[[str], None]) -> Follower | None:
@@ -149,7 +64,7 @@ def _watch_tree(pid: int, buffer: str, warn: Callable[[str], None]) -> Follower 
                 follower.add(p)
             follower.loaders.watch(p)
         except (OSError, ProfinferError) as e:
-            if discovery.process_exists(p):
+            if process.process_exists(p):
                 warn(f"PID {p}: libraries it loads from now on will not be probed: {e}")
     return follower
 
@@ -352,7 +267,7 @@ class Session:
                 for found in find_packs(self.level_packs, child, True, self.executables_seen):
                     self._engine_appeared(child, *found)
             except (OSError, ProfinferError) as e:
-                if discovery.process_exists(child):
+                if process.process_exists(child):
                     self.warn(f"PID {child}: {e}")
 
     def _start_following(self) -> None:
@@ -506,7 +421,7 @@ class Session:
 
     def run(self) -> Profile:
         kernel.require_root()
-        if self.child_status is None and not discovery.process_exists(self.pid):
+        if self.child_status is None and not process.process_exists(self.pid):
             raise ProfinferError(f"no process with PID {self.pid}")
         self._load_packs()
         st = procfs.process_stat(self.pid)      # None: gone already, seen at the first turn

@@ -27,19 +27,19 @@ import threading
 import time
 from dataclasses import replace
 
-from profinfer.core import parsing
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import TokenCall
-from profinfer.core.parsing import NotReady
-from profinfer.core.packs import Pack, load_pack, pack_names
-from profinfer.core.discovery import mapped_files
+from profinfer.core.target import parsing
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import TokenCall
+from profinfer.core.target.parsing import NotReady
+from profinfer.core.plugin.packs import Pack, load_pack, pack_names
+from profinfer.core.target.process import mapped_files
 from profinfer.core.follow import interpreter
-from profinfer.core.packfinder import engine_files, find_engine, find_packs
-from profinfer.core.procfs import exit_fd, process_stat
+from profinfer.core.plugin.packfinder import engine_files, find_engine, find_packs
+from profinfer.core.target.procfs import exit_fd, process_stat
 from profinfer.daemon import discover
 from profinfer.daemon.discover import NodeDiscovery
-from profinfer.core.stats import SequenceTracker
-from profinfer.core.config import PARSE_DEADLINE_S, SERIES_TTL_S, STEP_UP_S, WATCH_GRACE_S
+from profinfer.core.profile.stats import SequenceTracker
+from profinfer.core.base.config import PARSE_DEADLINE_S, SERIES_TTL_S, STEP_UP_S, WATCH_GRACE_S
 from profinfer.daemon.governor import Governor, level_rank
 from profinfer.daemon.identity import Identity, identify, model_file
 from profinfer.daemon.metrics import Metrics

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 
 import psutil
 
-from profinfer.core import procfs
-from profinfer.core.packs import KERNEL_LEVELS, LEVELS, MIN_DURATION_S, RUNTIME_LEVELS
+from profinfer.core.target import procfs
+from profinfer.core.plugin.packs import KERNEL_LEVELS, LEVELS, MIN_DURATION_S, RUNTIME_LEVELS
 from profinfer.daemon.tokens import TOKEN_ENV
 
 MAX_CAPTURE_S = 300

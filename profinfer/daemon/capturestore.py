@@ -19,7 +19,7 @@ import threading
 import time
 from collections import Counter
 
-from profinfer.core.errors import ProfinferError
+from profinfer.core.base.errors import ProfinferError
 
 CAPTURE_ID = re.compile(r"^[0-9]{8}T[0-9]{6}-[0-9]+-[0-9a-f]{6}$")
 

@@ -4,7 +4,7 @@ define a pack's marker, is held (SIGSTOP from BPF) until the agent has attached 
 So a process is watched before its first call however briefly it lives, and a library it
 loads late (dlopen) is probed before its first call. Unrelated processes are not stopped:
 they cost a map lookup at exec and a look at the names their loader adds. Nor is a process
-that a `record` on the node follows (profinfer.core.recorded): it is seen, not held, as its
+that a `record` on the node follows (profinfer.core.ebpf.followed): it is seen, not held, as its
 record holds it until its own probes are on.
 
 The loader's hook is probed per loader file: the host's and every one a process found so far
@@ -13,7 +13,7 @@ process to use a loader not seen yet (a container of a new image) is found by th
 
 A process stopped here is always continued: after it has been looked at, whatever that
 found, and when the daemon stops. Each held process is also in the node's map of
-held processes (core/held.py): a daemon killed while it held one (SIGKILL, the kernel's OOM
+held processes (core/ebpf/held.py): a daemon killed while it held one (SIGKILL, the kernel's OOM
 kill) leaves it there, and any daemon on the node, the one restarted in its place first,
 continues it.
 """
@@ -28,10 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profinfer.core import bpfobj, config, held, kernel, layout, libbpf, pinned, procfs, recorded
-from profinfer.core.errors import ProfinferError
+from profinfer.core.ebpf import bpfobj, held, kernel, layout, libbpf, pinned, followed
+from profinfer.core.base import config
+from profinfer.core.target import procfs
+from profinfer.core.base.errors import ProfinferError
 from profinfer.core.follow import LoaderHooks
-from profinfer.core.packs import Pack
+from profinfer.core.plugin.packs import Pack
 
 PROGRAMS = ("discover_exec", "discover_exit")
 LOADER_PROGRAM = "discover_loader"
@@ -83,7 +85,7 @@ def _same(a, b) -> bool:
 
 def _alive(process) -> bool:
     """The process (a pi_process_id) still runs: its PID is not free nor another's now."""
-    return recorded.start_time(int(process["tgid"])) == int(process["start_ticks"])
+    return followed.start_time(int(process["tgid"])) == int(process["start_ticks"])
 
 
 def available() -> str | None:
@@ -114,7 +116,7 @@ class NodeDiscovery:
             raise ProfinferError(f"the packs' library names do not fit discovery's table: {prefixes}")
         self.obj = libbpf.BpfObject(bpfobj.object_path("discover.bpf.c", "ring"))
         _, no_bpffs = pinned.mount_bpffs()      # before the node's maps, which it holds
-        recorded_fd = recorded.open_shared(log)
+        recorded_fd = followed.open_shared(log)
         held_fd = held.open_shared(log)
         # A hold is safe only where its hand-off is shared: the record's followers say which
         # processes they hold (else both would stop one, and either continue it early), and the
@@ -131,14 +133,14 @@ class NodeDiscovery:
             config["target_tgid"] = os.getpid()          # never itself
             self.obj.set_rodata(config.tobytes())
             if recorded_fd is not None:
-                self.obj.reuse_map(recorded.MAP_NAME, recorded_fd)
+                self.obj.reuse_map(followed.MAP_NAME, recorded_fd)
             if held_fd is not None:
                 self.obj.reuse_map(held.MAP_NAME, held_fd)
             self.obj.set_max_entries("events", RING_PAGES * 4096)
             self.obj.load(set(PROGRAMS) | {LOADER_PROGRAM})
             self._held_dt = dt["pi_held"]
             self._me = np.zeros(1, dt["pi_process_id"])[0]
-            self._me["tgid"], self._me["start_ticks"] = os.getpid(), recorded.start_time(os.getpid())
+            self._me["tgid"], self._me["start_ticks"] = os.getpid(), followed.start_time(os.getpid())
             if self.holds:          # no holder: BPF tells what it finds, never stops it
                 libbpf.map_update(self.obj.map_fd("holder"), (0).to_bytes(4, "little"), self._me.tobytes())
             fd = self.obj.map_fd("name_prefixes")

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.special import betaincinv
 
-from profinfer.core.errors import ProfinferError
+from profinfer.core.base.errors import ProfinferError
 
 # each quantity's meaning and unit: seconds; decode tokens per second; tokens
 QUANTITIES = {"ttft": ("time to first token", "s"),

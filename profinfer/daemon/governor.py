@@ -22,9 +22,11 @@ import os
 import time
 from typing import Callable
 
-from profinfer.core import libbpf, probecost, procfs
-from profinfer.core.procfs import stat_fields
-from profinfer.core.selfcost import added_ns
+from profinfer.core.ebpf import libbpf
+from profinfer.core.calibration import probecost
+from profinfer.core.target import procfs
+from profinfer.core.target.procfs import stat_fields
+from profinfer.core.calibration.selfcost import added_ns
 from profinfer.daemon.watch import Watch
 
 GOVERN_S = 2.0

@@ -26,7 +26,7 @@ import re
 import stat
 from dataclasses import asdict, dataclass, fields
 
-from profinfer.core import procfs
+from profinfer.core.target import procfs
 
 _CONTAINER = re.compile(r"(?:docker-|cri-containerd-|crio-|libpod-|containerd-|/docker/|/)([0-9a-f]{64})(?:\.scope)?(?:/|$)")
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from profinfer.core.config import NVML_STALL_S
-from profinfer.core.model import TokenCall
+from profinfer.core.base.config import NVML_STALL_S
+from profinfer.core.profile.model import TokenCall
 from profinfer.daemon.identity import Identity, printable
 
 PROCESS_LABELS = ("engine", "pid", "comm", "container", "pod", "namespace")

@@ -24,7 +24,7 @@ from opentelemetry.sdk.metrics.export import AggregationTemporality, PeriodicExp
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 
-from profinfer.core.model import TokenCall
+from profinfer.core.profile.model import TokenCall
 from profinfer.daemon.identity import Identity
 from profinfer.daemon.metrics import TPOT_BUCKETS, TTFT_BUCKETS
 

@@ -1,9 +1,9 @@
 """What the daemon asks of the engines and levels, through what their plugins declare
-(core/registry.py): the features their collectors offer, and their per-process caches."""
+(core/base/registry.py): the features their collectors offer, and their per-process caches."""
 from __future__ import annotations
 
-from profinfer.core import registry
-from profinfer.core.packs import Pack
+from profinfer.core.base import registry
+from profinfer.core.plugin.packs import Pack
 
 
 def capabilities(pack: Pack) -> frozenset[str]:

@@ -14,7 +14,7 @@ import json
 import threading
 import time
 
-from profinfer.core.model import TokenCall
+from profinfer.core.profile.model import TokenCall
 from profinfer.daemon.baseline import MIN_GAP_S, RollingTotals
 from profinfer.daemon.captures import CAPTURE_LEVELS, BadRequest, Captures
 from profinfer.daemon.capturestore import CaptureStore

@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-from profinfer.core.errors import ProfinferError
+from profinfer.core.base.errors import ProfinferError
 from profinfer.daemon.agent import Agent
 from profinfer.daemon.captures import Captures
 from profinfer.daemon.identity import printable

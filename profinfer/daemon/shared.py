@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from profinfer.core import discovery, libbpf
-from profinfer.core.packs import Pack
+from profinfer.core.target import process
+from profinfer.core.ebpf import libbpf
+from profinfer.core.plugin.packs import Pack
 from profinfer.daemon.plugins import capabilities
 
 # the token level's events of every process in the group share one ring (its graph level is
@@ -55,7 +56,7 @@ def open_followed(pack: Pack, pid: int, files: list[tuple[str, str]], levels: se
 
 def group_key(pack: Pack, files: list[tuple[str, str]]) -> tuple:
     """The engine and its files' identities; OSError when a file has gone."""
-    return (pack.engine, frozenset(discovery.file_key(host) for host, _ in files))
+    return (pack.engine, frozenset(process.file_key(host) for host, _ in files))
 
 
 class Charges:

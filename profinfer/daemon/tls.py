@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ssl
 
-from profinfer.core.errors import ProfinferError
+from profinfer.core.base.errors import ProfinferError
 
 
 def server_context(cert: str, key: str | None) -> ssl.SSLContext:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from profinfer.core.model import Step, TokenCall
-from profinfer.core.packs import Pack
-from profinfer.core.stats import SequenceTracker
+from profinfer.core.profile.model import Step, TokenCall
+from profinfer.core.plugin.packs import Pack
+from profinfer.core.profile.stats import SequenceTracker
 from profinfer.daemon.identity import Identity
 from profinfer.daemon.shared import SharedProbes
 

@@ -20,11 +20,12 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from profinfer.core import comparable, compare, sections
-from profinfer.core.errors import ProfinferError
-from profinfer.core.loadcheck import OTHERS_CPU_LIMIT
-from profinfer.core.model import Profile
-from profinfer.core.sections import SeriesSection, View
+from profinfer.core.diff import comparable, compare
+from profinfer.core.plugin import sections
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.calibration.loadcheck import OTHERS_CPU_LIMIT
+from profinfer.core.profile.model import Profile
+from profinfer.core.plugin.sections import SeriesSection, View
 from profinfer.exporters import json_summary, runspread
 
 SCHEMA = "profinfer.diff/3"

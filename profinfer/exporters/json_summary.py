@@ -7,7 +7,7 @@ that of the engine that holds the profile), then each plugin's sections in their
 (core.sections).
 "decode_call_list" is the decode-call timeline (the HTML report's): per llama_decode-like call
 {start_ns, end_ns, dur_ns, calls, tokens, phase}, in start order. It holds at most
-MAX_TIMELINE_POINTS entries (core/timeline_groups.py): a run of more calls is merged into
+MAX_TIMELINE_POINTS entries (core/plugin/timeline_groups.py): a run of more calls is merged into
 consecutive groups of k = ceil(calls / MAX_TIMELINE_POINTS) calls each (start of the first, end
 of the last, dur_ns the sum of the calls' own durations, tokens summed, phase the calls' common
 phase or "mixed"), and "decode_call_group" says k (1: one entry per call).
@@ -26,10 +26,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from profinfer.core import recorded_calibration, sections, selfcost, timeline_groups
-from profinfer.core.model import Profile, TokenCall
-from profinfer.core.sections import SummarySection, View
-from profinfer.core.stats import OpStats, compute
+from profinfer.core.calibration import stamped, selfcost
+from profinfer.core.plugin import sections, timeline_groups
+from profinfer.core.profile.model import Profile, TokenCall
+from profinfer.core.plugin.sections import SummarySection, View
+from profinfer.core.profile.stats import OpStats, compute
 from profinfer.viewers import flight
 
 
@@ -100,7 +101,7 @@ def _main(profile: Profile) -> dict:
 
 
 def _profiler_cost(profile: Profile) -> dict:
-    trap = recorded_calibration.trap_costs(profile)
+    trap = stamped.trap_costs(profile)
     c = selfcost.compute(profile, trap.value)
     if c is None:
         return {}

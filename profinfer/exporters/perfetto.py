@@ -1,6 +1,6 @@
 """Timeline export: native Perfetto protobuf trace, and Chrome trace-event JSON as a fallback.
 
-This module writes the frame; each plugin's timeline module (profinfer/core/timeline.py: the
+This module writes the frame; each plugin's timeline module (profinfer/core/plugin/timeline.py: the
 contract) writes the slices and tracks of its own records. Protobuf layout (trace_reader.py
 reads exactly this back into a Profile):
 - sequence 1: a ClockSnapshot making CLOCK_MONOTONIC the trace clock (our timestamps are
@@ -36,9 +36,9 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import (
 )
 from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
-from profinfer.core import registry
-from profinfer.core.model import Profile
-from profinfer.core.timeline import (
+from profinfer.core.base import registry
+from profinfer.core.profile.model import Profile
+from profinfer.core.plugin.timeline import (
     DBL, INT, MAIN_SEQUENCE, PTR, STR, Timeline, process_track_kind, process_uuid, thread_uuid,
 )
 

@@ -23,8 +23,10 @@ import time
 
 import numpy as np
 
-from profinfer.core import buildcache, calibrate, compare
-from profinfer.core.errors import ProfinferError
+from profinfer.core.target import buildcache
+from profinfer.core.calibration import machine_roofs
+from profinfer.core.diff import compare
+from profinfer.core.base.errors import ProfinferError
 
 MIN_RUNS = 6            # fewer: the sd is too uncertain to judge by (t with 4 degrees of freedom)
 # facts of a recording left out of its setup's key: the calibration this machine had then
@@ -41,7 +43,7 @@ def setup_key(facts: dict, meta: dict) -> tuple[str, str]:
     its identity and setup) on the machine it was recorded on (from its `meta`)."""
     keyed = {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in facts.items() if not k.startswith(UNKEYED)}
     # the machine it was recorded on, as the recording says (else this one: where it is read)
-    keyed["machine"] = meta.get("roofs:cpu") or meta.get("trap:cpu") or calibrate.cpu_model()
+    keyed["machine"] = meta.get("roofs:cpu") or meta.get("trap:cpu") or machine_roofs.cpu_model()
     text = json.dumps(keyed, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16], text
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, TrackEvent
 
-from profinfer.core import procfs
-from profinfer.core.model import Profile
-from profinfer.core.timeline import Timeline, TraceFormatError
+from profinfer.core.target import procfs
+from profinfer.core.profile.model import Profile
+from profinfer.core.plugin.timeline import Timeline, TraceFormatError
 from profinfer.exporters.perfetto import (
     ATTR_FORMAT, ATTR_LOST, ATTR_META_PREFIX, BOOTTIME, FORMAT_VERSION, INTERN_TABLES, MONOTONIC,
     SEQ_CLOCK, process_track_of, timelines,

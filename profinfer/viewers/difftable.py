@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer.core import compare
+from profinfer.core.diff import compare
 
 SECTION_TITLES = {"latency": "Latency", "op": "Ops per phase", "layer": "Layers",
                   "node": "Nodes (one kind in every layer)", "thread": "Threads",

@@ -15,8 +15,8 @@ import json
 from rich.table import Table
 from rich.text import Text
 
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import Profile
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import Profile
 from profinfer.daemon.flight import in_unit
 
 FAMILIES = {"call": "decode calls / steps", "op": "ops", "graph": "graph computes",

@@ -6,11 +6,11 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer.core import sections
-from profinfer.core.model import Profile
-from profinfer.core.sections import ReportSection, View
-from profinfer.core.stats import ProfileStats, compute, counted
-from profinfer.core.tables import ms, op_table, pct, print_cost, print_lost
+from profinfer.core.plugin import sections
+from profinfer.core.profile.model import Profile
+from profinfer.core.plugin.sections import ReportSection, View
+from profinfer.core.profile.stats import ProfileStats, compute, counted
+from profinfer.core.plugin.tables import ms, op_table, pct, print_cost, print_lost
 from profinfer.viewers import flight
 from profinfer.viewers.terminal import report_console
 

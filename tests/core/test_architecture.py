@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from conftest import run_profinfer
-from profinfer.core.errors import ProfinferError
-from profinfer.core.packs import load_pack, resolve
-from profinfer.core.symbols import load_elf
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.plugin.packs import load_pack, resolve
+from profinfer.core.target.symbols import load_elf
 
 # Entry points the llama.cpp probe pack looks for, as a real aarch64 library defines them.
 SOURCE = """

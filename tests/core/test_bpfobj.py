@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from profinfer.core import bpfobj, libbpf
-from profinfer.core.errors import ProfinferError
+from profinfer.core.ebpf import bpfobj, libbpf
+from profinfer.core.base.errors import ProfinferError
 
 
 def test_object_builds_caches_and_verifies(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from profinfer.core import dwarf
+from profinfer.core.target import dwarf
 from test_dwarf_cache import MEMBERS, _build
 
 NOBODY = 65534
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _writable_dir(cache: Path, sub: str) -> tuple[str, str]:
     """buildcache.writable_dir(sub) in a fresh process: (what it returned, its stderr)."""
-    done = subprocess.run([sys.executable, "-c", "import sys; from profinfer.core import buildcache; "
+    done = subprocess.run([sys.executable, "-c", "import sys; from profinfer.core.target import buildcache; "
                            f"print(buildcache.writable_dir({sub!r}))"],
                           cwd=REPO, env={**os.environ, "PROFINFER_CACHE": str(cache)},
                           capture_output=True, text=True, timeout=60, check=True)
@@ -108,11 +108,11 @@ def test_planted_measurements_are_not_believed(tmp_path, monkeypatch):
     machine in a user's cache, or behind a link: not used (measured again when needed); the
     same file written by root is used, as calibrate wrote it."""
     import json
-    from profinfer.core import calibrate, probecost
-    prefix = f"{calibrate.cpu_model()}|{os.cpu_count()} cpus|"
+    from profinfer.core.calibration import machine_roofs, probecost
+    prefix = f"{machine_roofs.cpu_model()}|{os.cpu_count()} cpus|"
     planted = {"roofs.json": {prefix + "1 threads": {"check": "planted", "fma_gflops": 1e9, "read_gbps": 1e9}},
                "probecost.json": {probecost._key(): {"check": "planted", "emulated_ns": 0}}}
-    read = {"roofs.json": lambda: calibrate.cached(1), "probecost.json": probecost.cached}
+    read = {"roofs.json": lambda: machine_roofs.cached(1), "probecost.json": probecost.cached}
 
     def plant(cache: Path, owner: int | None, link: bool = False) -> None:
         cache.mkdir()

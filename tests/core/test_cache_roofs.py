@@ -18,8 +18,9 @@ import gguf
 import pytest
 
 from conftest import completion_cmd, run_profinfer
-from profinfer.core import bpfobj, calibrate, loadcheck
-from profinfer.core.loadcheck import UnreliableMeasurement
+from profinfer.core.ebpf import bpfobj
+from profinfer.core.calibration import machine_roofs, loadcheck
+from profinfer.core.calibration.loadcheck import UnreliableMeasurement
 from test_roofline import decode_matmul_past_dram
 
 THREADS = 2
@@ -32,16 +33,16 @@ def measured(tmp_path_factory) -> tuple[Path, dict]:
     included, and that entry."""
     cache = tmp_path_factory.mktemp("roofs")
     os.symlink(bpfobj.cache_dir(), cache / "bpf")       # recording under it reuses the BPF objects
-    shared = calibrate.cached(THREADS)
+    shared = machine_roofs.cached(THREADS)
     if shared is not None and shared["threads"] == THREADS and shared.get("caches") and shared.get("check"):
-        shutil.copy(calibrate._cache_path(), cache / "roofs.json")
+        shutil.copy(machine_roofs._cache_path(), cache / "roofs.json")
         return cache, shared
     before = os.environ.get("PROFINFER_CACHE")
     os.environ["PROFINFER_CACHE"] = str(cache)
     try:
         loadcheck.wait_until_quiet(300)
         try:
-            entry = calibrate.calibrate(THREADS, attempts=6)
+            entry = machine_roofs.calibrate(THREADS, attempts=6)
         except UnreliableMeasurement as e:
             pytest.fail(f"no trustworthy roofs to judge against (the machine stayed busy): {e}")
     finally:

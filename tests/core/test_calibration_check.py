@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from profinfer.core import calibrate, loadcheck, probecost
+from profinfer.core.calibration import machine_roofs, loadcheck, probecost
 
 PROFINFER = [sys.executable, "-m", "profinfer.cli"]
 SPIN = [sys.executable, "-c", "while True: pass"]
@@ -102,18 +102,18 @@ def test_forced_busy_measurement_keeps_the_good_one(tmp_path, monkeypatch):
     monkeypatch.setenv("PROFINFER_CACHE", str(tmp_path))
     good = {"threads": 1, "read_gbps": 12.5, "triad_gbps": 13.0, "fma_gflops": 99.0,
             "check": "test entry", "measured_at": "2000-01-01T00:00:00"}
-    (tmp_path / "roofs.json").write_text(json.dumps({calibrate._key(1): good}))
+    (tmp_path / "roofs.json").write_text(json.dumps({machine_roofs._key(1): good}))
     with busy_cpus(os.cpu_count() or 1), pytest.raises(loadcheck.UnreliableMeasurement) as e:
-        calibrate.calibrate(1, force=True, attempts=1)
+        machine_roofs.calibrate(1, force=True, attempts=1)
     assert "the machine was busy" in str(e.value)
-    assert calibrate.cached(1) == good
+    assert machine_roofs.cached(1) == good
 
 
 def test_unchecked_entries_are_ignored(tmp_path, monkeypatch):
     """Entries cached before measurements were checked (like setup's 9.8 GB/s one) judge nothing."""
     monkeypatch.setenv("PROFINFER_CACHE", str(tmp_path))
     (tmp_path / "roofs.json").write_text(json.dumps(
-        {calibrate._key(2): {"threads": 2, "read_gbps": 9.8, "triad_gbps": 9.0, "fma_gflops": 75.0}}))
+        {machine_roofs._key(2): {"threads": 2, "read_gbps": 9.8, "triad_gbps": 9.0, "fma_gflops": 75.0}}))
     (tmp_path / "probecost.json").write_text(json.dumps(
         {probecost._key(): {"emulated_ns": 1.0, "stepped_ns": 2.0, "uretprobe_extra_ns": 3.0}}))
-    assert calibrate.cached_roofs(2) is None and probecost.cached() is None
+    assert machine_roofs.cached_roofs(2) is None and probecost.cached() is None

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from profinfer.core import compare
-from profinfer.core.compare import Series
-from profinfer.core.errors import ProfinferError
+from profinfer.core.diff import compare
+from profinfer.core.diff.compare import Series
+from profinfer.core.base.errors import ProfinferError
 from profinfer.exporters.comparison import FAIL, INCONCLUSIVE, PASS, Gate, gate_verdict, parse_gate, runs_to_resolve
 
 
@@ -255,7 +255,7 @@ def test_a_decode_batch_that_differs_is_among_the_differences():
     """Time per token is per token: one run decoding a token a call against one decoding
     four a call (four concurrent requests) moves it with no change of code, so the batch is
     listed among what differs; runs of one batch list nothing."""
-    from profinfer.core.model import Profile, TokenCall
+    from profinfer.core.profile.model import Profile, TokenCall
     from profinfer.exporters.comparison import _differences, _setup
 
     def run(batch: int) -> Profile:

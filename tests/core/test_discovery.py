@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 
 from conftest import Target, endless_cmd, run_profinfer
-from profinfer.core import discovery
+from profinfer.core.target import process
 
 
 def test_deleted_and_replaced_library(llama_build, tiny_model, llama_env, tmp_path, bpf_watch):
@@ -21,7 +21,7 @@ def test_deleted_and_replaced_library(llama_build, tiny_model, llama_env, tmp_pa
         cpu = next(p for p in copy.glob("libggml-cpu.so.*.*"))
         cpu.unlink()
         shutil.copy(copy / "llama-completion", cpu)       # another file under the same name
-        mapped = {m.path: m for m in discovery.mapped_files(target.proc.pid)}
+        mapped = {m.path: m for m in process.mapped_files(target.proc.pid)}
         assert mapped[str(cpu)].deleted and "/map_files/" in mapped[str(cpu)].host_path
 
         r = run_profinfer(["attach", "--pid", str(target.proc.pid), "--duration", "2", "--quiet"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 
-from profinfer.core import dwarf
+from profinfer.core.target import dwarf
 
 BUILD_ID = "0x" + "ab" * 20
 STRUCTS = {

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from profinfer.core.enginetrap import price
-from profinfer.core.loadcheck import UnreliableMeasurement
-from profinfer.core.model import Step
+from profinfer.core.calibration.enginetrap import price
+from profinfer.core.calibration.loadcheck import UnreliableMeasurement
+from profinfer.core.profile.model import Step
 
 WINDOW_NS, GAP_NS = 1_000_000_000, 50_000_000      # windows, and the placing or removal between
 STEP_NS, EXTRA_NS, HITS = 2_000_000, 100_000, 50    # a step, what the probes add to it, its hits

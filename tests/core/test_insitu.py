@@ -1,5 +1,5 @@
 """A trap's cost inside a process, measured there: a probe that does nothing, put in and
-taken out of a program's calls in alternate windows (core/insitu.py), checked against the
+taken out of a program's calls in alternate windows (core/calibration/insitu.py), checked against the
 calls as the program's own clock timed them."""
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from profinfer.core import insitu, libbpf, probecost
-from profinfer.core.arch import placement
-from profinfer.core.symbols import load_elf
+from profinfer.core.calibration import insitu, probecost
+from profinfer.core.ebpf import libbpf
+from profinfer.core.target.arch import placement
+from profinfer.core.target.symbols import load_elf
 
 HERE = Path(__file__).parent
 

@@ -1,4 +1,4 @@
-"""Readings of tenants' files in the worker process (profinfer.core.parsing): one that runs past
+"""Readings of tenants' files in the worker process (profinfer.core.target.parsing): one that runs past
 its deadline is killed, told, and not tried again, and the worker serves the next; one that
 needs more memory than the worker's limit fails there, not in the caller; the caller waits
 for a new reading a bounded while, then goes on (NotReady) and gets it later."""
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from profinfer.core import parsing
-from profinfer.core.errors import ProfinferError
+from profinfer.core.target import parsing
+from profinfer.core.base.errors import ProfinferError
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def test_without_a_worker_readings_run_in_the_caller():
 
 
 def test_the_worker_can_read_and_little_else():
-    """The parse worker confines itself before its first reading (core/confine.py). As the
+    """The parse worker confines itself before its first reading (core/target/confine.py). As the
     kernel reports it: two capabilities (CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH) in every set,
     no_new_privs, a seccomp filter. A reading of another process's library through its
     /proc/PID/root still works; one that opens a socket, runs a program, signals a process,
@@ -113,11 +113,11 @@ def test_the_worker_can_read_and_little_else():
                     assert time.monotonic() < deadline
                     time.sleep(0.05)
 
-        from profinfer.core import symbols      # noqa: F401 (preloaded, as the daemon's readers are)
-        elf = ask(("elf",), "profinfer.core.symbols", "_read_elf", f"/proc/{other.pid}/root{libc}", f"/proc/{other.pid}/root")
+        from profinfer.core.target import symbols      # noqa: F401 (preloaded, as the daemon's readers are)
+        elf = ask(("elf",), "profinfer.core.target.symbols", "_read_elf", f"/proc/{other.pid}/root{libc}", f"/proc/{other.pid}/root")
         assert "malloc" in elf.symbols and elf.build_id, elf.build_id
         # a mapped file deleted since (an engine's library replaced): read through map_files
-        deleted_elf = ask(("deleted",), "profinfer.core.symbols", "_read_elf", deleted_path, f"/proc/{holder.pid}/root")
+        deleted_elf = ask(("deleted",), "profinfer.core.target.symbols", "_read_elf", deleted_path, f"/proc/{holder.pid}/root")
         assert deleted_elf.build_id == elf.build_id
         for key, call in (("socket", ("socket", "socket")), ("exec", ("os", "execv", "/bin/true", ["/bin/true"])),
                           ("kill", ("os", "kill", other.pid, 0)),

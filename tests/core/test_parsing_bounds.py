@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from profinfer.core import parsing, symbols
-from profinfer.core.arch.callsites import direct_calls
-from profinfer.core.errors import ProfinferError
+from profinfer.core.target import parsing, symbols
+from profinfer.core.target.arch.callsites import direct_calls
+from profinfer.core.base.errors import ProfinferError
 from profinfer.core.follow import MAX_LOADER_BYTES, LoaderHooks
 
 LD_SO = "/lib64/ld-linux-x86-64.so.2"

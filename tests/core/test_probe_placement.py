@@ -283,7 +283,7 @@ def test_doctor_says_how_many_probes_are_stepped(llama_build, tiny_model):
     """doctor's rows for the llama.cpp demo and the CUDA runtimes here: a real attach each,
     whose count matches the probes the workloads above hold (none stepped)."""
     from profinfer import doctor
-    from profinfer.core.commands import demos
+    from profinfer.core.plugin.commands import demos
     llama = next(d for d in demos() if d.name == "llama.cpp")
     for status, detail in (doctor._check_demo(llama), doctor._check_cuda_runtime()):
         m = re.match(r"stepped probes: (\d+) of (\d+)", detail)

@@ -1,4 +1,4 @@
-"""Files a process names, opened inside its root (profinfer.core.procfs): a process in its own
+"""Files a process names, opened inside its root (profinfer.core.target.procfs): a process in its own
 mount namespace and root offers a symlink to a host file, a `..` way out, a FIFO, and a file
 it does not map. None of them reaches the host's file, none blocks, and only a file it maps
 can be probed."""
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from profinfer.core import procfs
-from profinfer.core.errors import ProfinferError
+from profinfer.core.target import procfs
+from profinfer.core.base.errors import ProfinferError
 
 HOST_FILE = Path("/etc/os-release")
 DEBUG_FILE = "/usr/lib/debug/.build-id/ab/cdef0123.debug"
@@ -138,7 +138,7 @@ def test_a_device_node_is_never_opened(jailed, tmp_path):
 
 
 def test_only_a_mapped_file_is_pinned(jailed):
-    from profinfer.core.symbols import load_elf
+    from profinfer.core.target.symbols import load_elf
     load_elf(f"/proc/{jailed}/root/bin/sleep")         # a probe's offsets come from its symbols
     with procfs.pinned(f"/proc/{jailed}/root/bin/sleep") as name:
         assert name.startswith("/proc/self/fd/")
@@ -170,7 +170,7 @@ def test_a_probe_lands_in_the_file_its_symbols_came_from(jailed, tmp_path):
     """The process maps its executable and its C library. Once the executable's symbols are
     read, the process puts its C library at the executable's path: a file it maps, but not
     the one the probe's offsets came from. It is not pinned."""
-    from profinfer.core.symbols import Symbol, load_elf
+    from profinfer.core.target.symbols import Symbol, load_elf
     elf = load_elf(f"/proc/{jailed}/root/bin/sleep")
     path = _swap_for_libc(jailed, tmp_path)
     with pytest.raises(ProfinferError, match="another file than the one its symbols were read"):
@@ -184,7 +184,7 @@ def test_a_probe_is_refused_once_the_record_of_its_file_is_gone(jailed, tmp_path
     """As above, and then the daemon reads the symbols of many other files (a busy node):
     what path -> file it remembers is bounded, and this path's record is dropped. The swapped
     file is still not pinned: not by the path alone, nor with the file the caller read."""
-    from profinfer.core.symbols import load_elf
+    from profinfer.core.target.symbols import load_elf
     elf = load_elf(f"/proc/{jailed}/root/bin/sleep")
     path = _swap_for_libc(jailed, tmp_path)
     for i in range(procfs._READ_AS_LIMIT):      # as load_elf records each file it reads

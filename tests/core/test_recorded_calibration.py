@@ -10,11 +10,12 @@ import pytest
 
 from conftest import completion_cmd, run_profinfer
 
-from profinfer.core import bpfobj, calibrate, probecost, recorded_calibration
+from profinfer.core.ebpf import bpfobj
+from profinfer.core.calibration import machine_roofs, probecost, stamped
 from profinfer.exporters.json_summary import summary
 from profinfer.exporters.perfetto import write_perfetto
 from profinfer.exporters.trace_reader import read_trace
-from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.core.profile.model import GraphCall, OpSlice, Profile, TokenCall
 
 
 def calibration_cache(path, read_gbps, fma_gflops, emulated_ns, threads=2, caches=None):
@@ -24,7 +25,7 @@ def calibration_cache(path, read_gbps, fma_gflops, emulated_ns, threads=2, cache
     roofs = {"threads": threads, "read_gbps": read_gbps, "triad_gbps": read_gbps, "fma_gflops": fma_gflops,
              "check": "test entry", "measured_at": "2000-01-01T00:00:00",
              **({} if caches is None else {"caches": caches})}
-    (path / "roofs.json").write_text(json.dumps({calibrate._key(threads): roofs}))
+    (path / "roofs.json").write_text(json.dumps({machine_roofs._key(threads): roofs}))
     costs = {"emulated_ns": emulated_ns, "stepped_ns": 4 * emulated_ns, "uretprobe_extra_ns": 100.0,
              "check": "test entry", "measured_at": "2000-01-01T00:00:00"}
     (path / "probecost.json").write_text(json.dumps({probecost._key(): costs}))
@@ -51,7 +52,7 @@ def test_stored_calibration_round_trips(tmp_path, monkeypatch):
     reader = calibration_cache(tmp_path / "reader", 33.0, 330.0, 3000.0)
     monkeypatch.setenv("PROFINFER_CACHE", str(recorder))
     p = decode_profile()
-    recorded_calibration.stamp(p)
+    stamped.stamp(p)
     write_perfetto(p, tmp_path / "t.pftrace")
 
     monkeypatch.setenv("PROFINFER_CACHE", str(reader))
@@ -82,7 +83,7 @@ def test_cache_roofs_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("PROFINFER_CACHE", str(recorder))
     # 33.6 MB of F16 weights in 1 ms: 33.6 GB/s; read again each call, which L3 holds
     p = decode_profile(graphs=3)
-    recorded_calibration.stamp(p)
+    stamped.stamp(p)
     write_perfetto(p, tmp_path / "t.pftrace")
 
     monkeypatch.setenv("PROFINFER_CACHE", str(reader))

@@ -1,4 +1,4 @@
-"""The node's map of recorded processes (profinfer.core.recorded), in a bpffs folder of this
+"""The node's map of recorded processes (profinfer.core.ebpf.followed), in a bpffs folder of this
 test's own: made root's alone, shared by whoever opens it next, a pin of another shape
 replaced (the map of held processes kept aside), a folder others may enter not trusted."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from profinfer.core import held, libbpf, pinned, recorded
+from profinfer.core.ebpf import held, libbpf, pinned, followed
 from conftest import REPO
 
 
@@ -34,15 +34,15 @@ def _warnings():
 
 def test_made_root_only_and_shared(pin_dir):
     said, warn = _warnings()
-    first = recorded.open_shared(warn, pin_dir)
-    second = recorded.open_shared(warn, pin_dir)
+    first = followed.open_shared(warn, pin_dir)
+    second = followed.open_shared(warn, pin_dir)
     assert first is not None and second is not None and not said
-    folder, pin = os.lstat(pin_dir), os.lstat(f"{pin_dir}/{recorded.MAP_NAME}")
+    folder, pin = os.lstat(pin_dir), os.lstat(f"{pin_dir}/{followed.MAP_NAME}")
     assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == 0
     assert stat.S_IMODE(pin.st_mode) == 0o600 and pin.st_uid == 0
-    recorded.add(first, os.getpid())        # one map: what one descriptor adds, the other reads
+    followed.add(first, os.getpid())        # one map: what one descriptor adds, the other reads
     assert libbpf.map_lookup(second, os.getpid().to_bytes(4, "little"), 8) is not None
-    recorded.remove(second, os.getpid())
+    followed.remove(second, os.getpid())
     assert libbpf.map_lookup(first, os.getpid().to_bytes(4, "little"), 8) is None
     os.close(first)
     os.close(second)
@@ -51,9 +51,9 @@ def test_made_root_only_and_shared(pin_dir):
 def test_a_pin_of_another_shape_is_replaced(pin_dir):
     os.mkdir(pin_dir, 0o700)
     old = libbpf.create_map(libbpf.BPF_MAP_TYPE_HASH, "recorded", 4, 4, 64)
-    libbpf.pin(old, f"{pin_dir}/{recorded.MAP_NAME}")
+    libbpf.pin(old, f"{pin_dir}/{followed.MAP_NAME}")
     said, warn = _warnings()
-    fd = recorded.open_shared(warn, pin_dir)
+    fd = followed.open_shared(warn, pin_dir)
     assert fd is not None and len(said) == 1 and "another version" in said[0], said
     assert libbpf.map_shape(fd) != libbpf.map_shape(old)
     assert libbpf.map_shape(fd)[1:3] == (4, 8)
@@ -123,7 +123,7 @@ def test_a_folder_locked_too_long_is_not_waited_for(pin_dir, monkeypatch):
     try:
         assert holder.stdout.readline().strip() == "locked"
         said, warn = _warnings()
-        fd = recorded.open_shared(warn, pin_dir)
+        fd = followed.open_shared(warn, pin_dir)
         assert fd is not None and any("stayed locked" in line for line in said), said
         os.close(fd)
     finally:
@@ -135,7 +135,7 @@ def test_a_folder_others_may_enter_is_not_trusted(pin_dir):
     os.mkdir(pin_dir, 0o700)
     os.chmod(pin_dir, 0o755)
     said, warn = _warnings()
-    assert recorded.open_shared(warn, pin_dir) is None
+    assert followed.open_shared(warn, pin_dir) is None
     assert len(said) == 1 and "not root's alone" in said[0], said
 
 
@@ -148,8 +148,8 @@ def _without_bpffs(unshare: list[str]) -> list[str]:
     """What a process run by `unshare` in a mount namespace of its own with no bpffs at
     /sys/fs/bpf prints: the bpffs mounts there before (a count), whether the node's map was
     opened and pinned, the bpffs mounts with mode 0700 after, and what it warned."""
-    script = ("from profinfer.core import pinned, recorded; said = []; "
-              "fd = recorded.open_shared(said.append); "
+    script = ("from profinfer.core.ebpf import pinned, followed; said = []; "
+              "fd = followed.open_shared(said.append); "
               "print(fd is not None, os.path.exists(pinned.PIN_DIR + '/recorded')); print(said)")
     p = subprocess.run(
         [*unshare, "sh", "-c",
@@ -168,9 +168,9 @@ def test_bpffs_is_mounted_where_the_host_has_none():
         pass
     assert not _bpffs_mounts()
     said: list[str] = []
-    fd = recorded.open_shared(said.append)
+    fd = followed.open_shared(said.append)
     try:
-        assert fd is not None and os.path.exists(f"{pinned.PIN_DIR}/{recorded.MAP_NAME}"), said
+        assert fd is not None and os.path.exists(f"{pinned.PIN_DIR}/{followed.MAP_NAME}"), said
         mounts = _bpffs_mounts()
         assert len(mounts) == 1 and "mode=700" in mounts[0], mounts
         assert any("mounted bpffs at /sys/fs/bpf" in line for line in said), said
@@ -194,7 +194,7 @@ def test_bpffs_is_not_mounted_outside_pid_1s_mount_namespace():
     assert out[:2] == ["0", "False False"] and out[3] == "0", out
 
 
-IN_A_NEW_MOUNT_NAMESPACE = ("umount {bpffs} 2>/dev/null; exec {python} -c 'from profinfer.core import pinned; "
+IN_A_NEW_MOUNT_NAMESPACE = ("umount {bpffs} 2>/dev/null; exec {python} -c 'from profinfer.core.ebpf import pinned; "
                             "mounted, why = pinned.mount_bpffs(); print(mounted); print(why)'")
 
 

@@ -9,20 +9,20 @@ import textwrap
 import pytest
 from rich.console import Console
 
-from profinfer.core.model import Profile
+from profinfer.core.profile.model import Profile
 from profinfer.exporters.json_summary import summary
 from profinfer.viewers.optable import render
 from test_optable import profile as llama_profile
 
 PLUGIN = """
-from profinfer.core.registry import Engine, Level
+from profinfer.core.base.registry import Engine, Level
 
 LEVEL = Level("pi_test_level", __name__, title="a test level", report="level_report")
 ENGINE = Engine("pi_test_engine", __name__, title="a test engine", report="engine_report")
 """
 
 LEVEL_REPORT = """
-from profinfer.core.sections import ReportSection, SummarySection
+from profinfer.core.plugin.sections import ReportSection, SummarySection
 
 def _keys(profile):
     return {"test_level": {"ops": len(profile.ops)}} if profile.ops else {}
@@ -36,7 +36,7 @@ REPORT = (ReportSection(47, _print),)
 """
 
 ENGINE_REPORT = """
-from profinfer.core.sections import ReportSection, SummarySection, View
+from profinfer.core.plugin.sections import ReportSection, SummarySection, View
 
 def holds(profile):
     return profile.meta.get("engine") == "test"

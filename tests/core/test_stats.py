@@ -1,10 +1,10 @@
-"""profinfer.core.stats on small hand-built profiles whose numbers are worked out by hand."""
+"""profinfer.core.profile.stats on small hand-built profiles whose numbers are worked out by hand."""
 from __future__ import annotations
 
 import pytest
 
-from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
-from profinfer.core.stats import compute, op_arrays, op_table, sequences
+from profinfer.core.profile.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.core.profile.stats import compute, op_arrays, op_table, sequences
 
 
 def op(tid, start, end, barrier_end, name="MUL_MAT", cpu=0):

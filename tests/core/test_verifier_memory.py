@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from profinfer.core import bpfobj, libbpf, registry
+from profinfer.core.ebpf import bpfobj, libbpf
+from profinfer.core.base import registry
 from conftest import REPO
 
 # what one program's verification may take beyond what its load keeps (its maps, its code)
@@ -30,7 +31,7 @@ import json, os, sys
 cgroup, peak_file, now_file, path, program = sys.argv[1:]
 with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
     f.write(str(os.getpid()))
-from profinfer.core import libbpf
+from profinfer.core.ebpf import libbpf
 obj = libbpf.BpfObject(path)
 obj.load({program})
 read = lambda name: int(open(os.path.join(cgroup, name)).read())

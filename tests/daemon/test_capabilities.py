@@ -19,7 +19,7 @@ Five llama.cpp processes wait on a FIFO for their prompt while the daemon finds 
 
 With every capability each counts exactly what llama.cpp reports of itself (prompt tokens and
 decode calls). CAP_SYS_ADMIN is never given: uprobes are attached as uprobe-multi links
-(Linux 6.6), to the file opened inside the target's root (profinfer.core.procfs); a perf-event
+(Linux 6.6), to the file opened inside the target's root (profinfer.core.target.procfs); a perf-event
 uprobe would need CAP_SYS_ADMIN since Linux 6.16 and the 2025 stable releases.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pytest
 
 from conftest import PROMPT, completion_cmd, llama_perf, with_llama_log
 from daemon_helpers import _STARTED, Daemon, _get, kill_started, manifest_caps, with_caps
-from profinfer.core import kernel
+from profinfer.core.ebpf import kernel
 
 NOBODY = 65534
 TOKENS = 8

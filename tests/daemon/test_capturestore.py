@@ -75,7 +75,7 @@ def test_a_start_removes_the_capture_directories_a_killed_daemon_left(tmp_path):
     """A real daemon's start, its TMPDIR holding capture directories: the one a dead daemon
     (pid, start) left goes; a live daemon's, a tenant's (another owner) and a link stay."""
     from daemon_helpers import Daemon
-    from profinfer.core import procfs
+    from profinfer.core.target import procfs
     root = tmp_path / "tmp"
     root.mkdir()
     dead = subprocess.Popen(["true"])
@@ -103,7 +103,7 @@ def test_the_newest_are_kept_under_the_count_and_the_byte_cap(tmp_path):
     """keep=2 and a 100-byte cap: a third capture drops the oldest, one that takes the total
     over the cap drops the oldest until it fits, one over the cap alone is refused; the files
     on disk are the records listed, each with its trace, and a new store lists the same."""
-    from profinfer.core.errors import ProfinferError
+    from profinfer.core.base.errors import ProfinferError
     store = CaptureStore(str(tmp_path), keep=2, max_bytes=100)
     ids = [store.add({"pid": i}, b"x" * 30)["id"] for i in range(3)]
     assert [r["id"] for r in store.list()] == ids[1:]

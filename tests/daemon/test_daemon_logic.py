@@ -18,10 +18,10 @@ from profinfer.daemon.watch import Watch
 from profinfer.daemon.metrics import Metrics, _Histogram
 from profinfer.daemon.server import parse_listen
 from profinfer.daemon.tokens import load_token
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import TokenCall
-from profinfer.core.packs import load_pack
-from profinfer.core.stats import SequenceTracker
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import TokenCall
+from profinfer.core.plugin.packs import load_pack
+from profinfer.core.profile.stats import SequenceTracker
 
 
 def test_token_file_made_private_and_checked(tmp_path):
@@ -226,8 +226,8 @@ def test_a_capture_slot_is_held_until_its_trace_is_sent(monkeypatch):
 def test_trap_costs_none_say_why(monkeypatch):
     """No calibration cached and no compiler to build the measurement: no trap costs (the
     kernel-counted BPF time alone), and the reason, for /status."""
-    from profinfer.core import nativebuild, probecost
-    from profinfer.core.errors import ProfinferError
+    from profinfer.core.calibration import nativebuild, probecost
+    from profinfer.core.base.errors import ProfinferError
     from profinfer.daemon import governor
 
     def no_compiler(*_):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import PROFINFER
 
-from profinfer.core.errors import ProfinferError
+from profinfer.core.base.errors import ProfinferError
 from profinfer.daemon.baseline import RollingTotals
 from profinfer.daemon.flight import Triggers, parse_trigger
 from profinfer.exporters.perfetto import with_meta

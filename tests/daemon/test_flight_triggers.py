@@ -10,7 +10,7 @@ import threading
 import pytest
 from scipy.stats import binomtest
 
-from profinfer.core.model import TokenCall
+from profinfer.core.profile.model import TokenCall
 from profinfer.daemon.flight import CONFIDENCE, Triggers, parse_trigger
 from profinfer.daemon.identity import Identity
 from profinfer.daemon.recorder import FlightRecorder

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import completion_cmd, llama_perf
 from daemon_helpers import _STARTED, Daemon, Workload, _get, cuda_log_counts, discovering_daemon, kill_started, series
-from profinfer.core import held, kernel, libbpf, pinned
+from profinfer.core.ebpf import held, kernel, libbpf, pinned
 from profinfer.daemon.discover import HOLD_DEADLINE_S, ORPHAN_S
 from profinfer.levels.cuda import workload as cuda_workload
 
@@ -242,7 +242,7 @@ def test_a_process_held_by_another_versions_killed_daemon_is_continued(tmp_path,
         kept = _pinned_as_another_versions(proc.pid)
         try:
             if replaced_by == "make_pins":
-                made = subprocess.run([sys.executable, "-m", "profinfer.core.make_pins"], capture_output=True,
+                made = subprocess.run([sys.executable, "-m", "profinfer.core.ebpf.make_pins"], capture_output=True,
                                       text=True, timeout=60)
                 assert made.returncode == 0 and f"kept as {kept}" in made.stderr, made.stderr
             second = start_second()

@@ -13,7 +13,7 @@ import json
 
 from conftest import llama_perf
 from daemon_helpers import Daemon, Workload, _get, kill_started, series
-from profinfer.core import probecost
+from profinfer.core.calibration import probecost
 
 
 @pytest.fixture(autouse=True)

@@ -179,7 +179,7 @@ def test_the_unit_runs_in_its_sandbox(unit):
     # namespace of its own
     assert "/proc/kmsg" in mounts and "/dev/kmsg" in mounts
     # the node's maps (the processes a `record` follows, those discovery holds), pinned by the
-    # privileged ExecStartPre (profinfer.core.make_pins) where the daemon's sandbox keeps
+    # privileged ExecStartPre (profinfer.core.ebpf.make_pins) where the daemon's sandbox keeps
     # /sys/fs/bpf read-only
     assert "ro" in mounts["/sys/fs/bpf"]
     for pin in ("recorded", "held"):

@@ -13,7 +13,7 @@ from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 from profinfer.exporters.json_summary import summary, write_json
 from profinfer.exporters.perfetto import write_chrome_json, write_perfetto
 from profinfer.exporters.trace_reader import TraceFormatError, read_trace
-from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.core.profile.model import GraphCall, OpSlice, Profile, TokenCall
 
 OPS = ["MUL_MAT", "RMS_NORM+MUL", "ADD", "ROPE", "SOFT_MAX", "GET_ROWS"]
 
@@ -447,13 +447,13 @@ def test_recording_without_events_is_written(tmp_path):
 
 # --------------------------------------------------------------------------- a plugin's own track
 
-BEEP_PLUGIN = '''from profinfer.core.registry import Level
+BEEP_PLUGIN = '''from profinfer.core.base.registry import Level
 
 PLUGIN = Level("beeplevel", __name__, timeline="timeline")
 '''
 BEEP_TIMELINE = '''from dataclasses import dataclass
 
-from profinfer.core.timeline import INT, LEVEL_RUNTIME, STR, SliceKind, Timeline
+from profinfer.core.plugin.timeline import INT, LEVEL_RUNTIME, STR, SliceKind, Timeline
 
 
 @dataclass
@@ -527,7 +527,7 @@ def test_a_plugins_own_record_type_is_written_and_read_back(tmp_path, monkeypatc
 def test_decode_call_timeline_is_bounded_and_keeps_the_totals():
     """Up to MAX_TIMELINE_POINTS calls: one entry each; more: consecutive groups of k calls,
     which keep the calls' count, tokens and own time, and start and end where their calls do."""
-    from profinfer.core.timeline_groups import MAX_TIMELINE_POINTS
+    from profinfer.core.plugin.timeline_groups import MAX_TIMELINE_POINTS
     small = synth(n_tokens=5, n_nodes=2)
     s = summary(small)
     assert s["decode_call_group"] == 1

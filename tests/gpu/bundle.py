@@ -54,7 +54,7 @@ def bpf_objects(stage: Path, dest: Path) -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(stage)}       # run in stage: not the checkout's copy
     check = "import profinfer, sys; sys.exit(not profinfer.__file__.startswith(sys.argv[1]))"
     subprocess.run([sys.executable, "-c", check, str(stage)], env=env, cwd=stage, check=True)
-    out = subprocess.run([sys.executable, "-m", "profinfer.core.bpfobj"], env=env, cwd=stage, check=True,
+    out = subprocess.run([sys.executable, "-m", "profinfer.core.ebpf.bpfobj"], env=env, cwd=stage, check=True,
                          capture_output=True, text=True).stdout.split()
     dest.mkdir()
     for path in out:

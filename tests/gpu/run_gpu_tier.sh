@@ -66,7 +66,7 @@ export PROFINFER_BPF_PREBUILT="$PREFIX/bpf" PROFINFER_CACHE="$PREFIX/cache"
 
 # 3. libbpf: the image's if it has one profinfer can bind, else the bundle's (Debian 12's),
 # with the bundle's libelf only where the image has none
-libbpf_ok() { "$PY" -c "from profinfer.core import libbpf; print(libbpf.version())" 2>>"$LOG"; }
+libbpf_ok() { "$PY" -c "from profinfer.core.ebpf import libbpf; print(libbpf.version())" 2>>"$LOG"; }
 if ! version=$(libbpf_ok); then
     mkdir -p "$PREFIX/lib" && cp "$BUNDLE/lib/libbpf.so.1" "$PREFIX/lib/"
     "$PY" -c "import ctypes; ctypes.CDLL('libelf.so.1')" 2>/dev/null || cp "$BUNDLE/lib/libelf.so.1" "$PREFIX/lib/"
@@ -79,7 +79,7 @@ done_+=("imported profinfer" "libbpf $version")
 # 4. Load a BPF object: the cuda level's, from the prebuilt ones (none is built: no clang)
 loaded=$("$PY" - 2>>"$LOG" <<'EOF'
 import os
-from profinfer.core import bpfobj, kernel, libbpf
+from profinfer.core.ebpf import bpfobj, kernel, libbpf
 kernel.require_root()
 variant = kernel.event_buffer_kind("auto")
 for source in bpfobj.sources():                 # every object this profinfer may load is here

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from profinfer.core import calibrate, loadcheck, probecost
+from profinfer.core.calibration import machine_roofs, loadcheck, probecost
 from test_calibration_check import calibrate_cli      # tests/core: on the path, as conftest
 
 
@@ -24,7 +24,7 @@ def test_idle_machine_caches_checked_results(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "checked:" in r.stdout
     roofs = json.loads((tmp_path / "roofs.json").read_text())
-    entry = roofs[calibrate._key(1)]
+    entry = roofs[machine_roofs._key(1)]
     assert "other processes used" in entry["check"] and entry["read_gbps"] > 0
     costs = json.loads((tmp_path / "probecost.json").read_text())[probecost._key()]
     assert "check" in costs and costs["stepped_ns"] > costs["emulated_ns"] > 0

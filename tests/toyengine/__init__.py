@@ -1,5 +1,5 @@
 """A toy engine, made for tests/test_toyengine.py: its C library's toy_decode calls are the
 token level, its toy_op calls the op level. Found through PROFINFER_PLUGINS=toyengine."""
-from profinfer.core.registry import Engine
+from profinfer.core.base.registry import Engine
 
 PLUGIN = Engine("toyengine", __name__, title="toy engine", capabilities=frozenset({"tokens_by_process"}))

@@ -7,13 +7,13 @@ import os
 
 import numpy as np
 
-from profinfer.core import discovery
-from profinfer.core.arch import placement
-from profinfer.core.collector import Collector, add_hits, program_costs
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import OpSlice, Profile, TokenCall
-from profinfer.core.packs import copies_of_probed, resolve
-from profinfer.core.transport import RecordSlots
+from profinfer.core.target import process
+from profinfer.core.target.arch import placement
+from profinfer.core.plugin.collector import Collector, add_hits, program_costs
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import OpSlice, Profile, TokenCall
+from profinfer.core.plugin.packs import copies_of_probed, resolve
+from profinfer.core.ebpf.transport import RecordSlots
 
 
 class ToyCollector(Collector):
@@ -54,7 +54,7 @@ class ToyCollector(Collector):
             self.obj.attach_uprobe(p.return_fn, path, p.symbol.file_offset, self._probe_pid(),
                                    retprobe=True, file_id=file_id)
             self.n_probes += 2
-            self.probed_files.add(discovery.file_key(path))
+            self.probed_files.add(process.file_key(path))
 
     def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]:
         copies, skipped = copies_of_probed(self.pack, lib_paths, self.elfs, self.probed_files, self.root)
@@ -114,7 +114,7 @@ class ToyCollector(Collector):
             np.zeros(0, self.dt["toy_event"])
         decodes = ev[ev["kind"] == self.consts["TOY_EV_DECODE"]]
         ops = ev[ev["kind"] == self.consts["TOY_EV_OP"]]
-        prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
+        prof = Profile(pid=self.pid, process_name=process.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), lost_events=lost)
         prof.tokens = [_token(r) for r in decodes]
         prof.ops = [OpSlice(int(r["tid"]), int(r["cpu"]), int(r["start_ns"]), int(r["end_ns"]),

@@ -231,7 +231,7 @@ def test_a_long_step_list_is_merged_into_groups(tmp_path, monkeypatch):
     with the bound set to 2, are merged into groups of k = ceil(steps / 2), which hold every
     step, its tokens and own time, and start and end where their first and last step do; the
     page says so and draws each group's mean step."""
-    from profinfer.core import timeline_groups
+    from profinfer.core.plugin import timeline_groups
     from profinfer.exporters.json_summary import summary as summarise
     from profinfer.exporters.trace_reader import read_trace
     from profinfer.viewers import html

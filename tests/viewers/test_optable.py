@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.core.profile.model import GraphCall, OpSlice, Profile, TokenCall
 from profinfer.viewers.optable import render
 
 

@@ -1,6 +1,7 @@
 """llama.cpp (and ggml): tokens from llama_decode, graphs, ops with tensor shapes."""
-from profinfer.core.registry import Engine
+from profinfer.core.base.registry import Engine
 
 PLUGIN = Engine("llamacpp", __name__, title="llama.cpp",
                 capabilities=frozenset({"tokens_by_process", "graph_totals", "op_totals"}),
-                timeline="timeline", report="report", commands="commands")
+                timeline="timeline", report="report", commands="commands",
+                accounting="barrier")

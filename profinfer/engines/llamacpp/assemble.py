@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from profinfer.engines.llamacpp import ggml
-from profinfer.core.model import GraphCall
-from profinfer.core.opcolumns import NodeDesc, OpColumns
+from profinfer.core.profile.model import GraphCall
+from profinfer.core.profile.opcolumns import NodeDesc, OpColumns
 
 OP_CHUNK = 8192          # raw op records turned into columns at a time
 _NO_CAP = np.iinfo(np.int64).max

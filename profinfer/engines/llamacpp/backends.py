@@ -7,11 +7,11 @@ import re
 
 import numpy as np
 
-from profinfer.core import discovery
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import GraphCall
-from profinfer.core.procfs import FileMapping
-from profinfer.core.symbols import load_elf
+from profinfer.core.target import process
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import GraphCall
+from profinfer.core.target.procfs import FileMapping
+from profinfer.core.target.symbols import load_elf
 from profinfer.engines.llamacpp.probeplan import graph_backend
 
 
@@ -23,7 +23,7 @@ def backend_name(fn_addr: int, mappings: list[FileMapping], pid: int, root: str)
             continue
         file_off = fn_addr - m.start + m.offset
         try:
-            elf = load_elf(discovery.host_path(pid, m.path, m.inode, m.span, m.deleted, m.dev), root)
+            elf = load_elf(process.host_path(pid, m.path, m.inode, m.span, m.deleted, m.dev), root)
             for s in elf.symbols.values():
                 if s.file_offset <= file_off < s.file_offset + max(s.size, 1):
                     found = re.match(r"ggml_backend_(\w+?)_(?:get_)?name$", s.name)

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profinfer.core import collector as core
-from profinfer.core import discovery, libbpf
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import OpTotal, Profile, TokenCall
-from profinfer.core.packs import Pack, copies_of_probed
-from profinfer.core.transport import steps_begun
+from profinfer.core.plugin import collector as core
+from profinfer.core.target import process
+from profinfer.core.ebpf import libbpf
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import OpTotal, Profile, TokenCall
+from profinfer.core.plugin.packs import Pack, copies_of_probed
+from profinfer.core.ebpf.transport import steps_begun
 from profinfer.engines.llamacpp import backends
 from profinfer.engines.llamacpp.probeplan import (BARRIER_PROGRAM, GRAPHS_CHANGED_PROGRAMS,
                                                   THREAD_EXIT_PROGRAM, ProbePlan)
@@ -182,7 +183,7 @@ class Collector(core.Collector):
                 if fn:
                     self._attach_uprobe(fn, path, offset + p.place.offset, pid, retprobe=ret,
                                         file_id=file_id, name=p.symbol.name)
-        self.probed_files.update(discovery.file_key(paths.get(e.path, e.path)) for e in self.elfs)
+        self.probed_files.update(process.file_key(paths.get(e.path, e.path)) for e in self.elfs)
 
     def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]:
         """Probe more copies of the engine's files (a followed process that maps other files
@@ -385,7 +386,7 @@ class Collector(core.Collector):
         return out
 
     def _build_profile(self, lost: int) -> Profile:
-        prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or
+        prof = Profile(pid=self.pid, process_name=process.process_name(self.pid) or
                        self.thread_names.get(self.pid, ""), lost_events=lost)
         prof.thread_names = dict(self.thread_names)
         prof.meta = self._meta()

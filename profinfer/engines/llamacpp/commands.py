@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from profinfer.core.commands import Demo, Services
+from profinfer.core.plugin.commands import Demo, Services
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
@@ -35,12 +35,12 @@ def add_commands(group: click.Group, services: Services) -> None:
     @click.option("--no-collapse", is_flag=True, help="Keep every transformer layer's nodes.")
     def graph_cmd(trace, output, phase, no_collapse):
         """The computation graph (DAG) of a saved trace, with time shares and verdicts."""
-        from profinfer.core import recorded_calibration
+        from profinfer.core.calibration import stamped
         from profinfer.engines.llamacpp import dag as dagmod, dagview
         if output:
             services.check_output("-o", output)
         profile = services.load_trace(trace)
-        roofs = recorded_calibration.roofs(profile)
+        roofs = stamped.roofs(profile)
         dag = dagmod.build(profile, phase, collapse=not no_collapse, roofs=roofs.value)
         dagview.render(dag, services.console())
         judged_by = "" if roofs.value is None else \

@@ -17,9 +17,9 @@ from collections import defaultdict
 
 import numpy as np
 
-from profinfer.core.comparable import PER_TOKEN, call_of, calls
-from profinfer.core.compare import Series
-from profinfer.core.model import Profile
+from profinfer.core.diff.comparable import PER_TOKEN, call_of, calls
+from profinfer.core.diff.compare import Series
+from profinfer.core.profile.model import Profile
 from profinfer.engines.llamacpp.dag import GraphDag, generic_name, graph_dags, node_layers
 
 

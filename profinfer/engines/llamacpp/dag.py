@@ -23,12 +23,12 @@ import subprocess
 from collections import Counter
 from dataclasses import dataclass, field
 
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import Profile
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import Profile
 from profinfer.engines.llamacpp.nodes import NodeRun, node_runs, phase_of
-from profinfer.core.roofline import Roofs
+from profinfer.core.calibration.roofline import Roofs
 from profinfer.engines.llamacpp.cost import judge, reuse_of, run_reads
-from profinfer.core.stats import graph_arrivals
+from profinfer.core.profile.stats import graph_arrivals
 
 _LAYER = re.compile(r"^(.*)-(\d+)$")
 ARRIVAL_LABEL = "thread arrival"

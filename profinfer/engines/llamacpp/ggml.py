@@ -17,10 +17,10 @@ import numpy as np
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
-from profinfer.core import dwarf, parsing
-from profinfer.core.elfheaders import elf_file
-from profinfer.core.errors import ProfinferError
-from profinfer.core.symbols import ElfInfo, open_checked
+from profinfer.core.target import dwarf, parsing
+from profinfer.core.target.elfheaders import elf_file
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.target.symbols import ElfInfo, open_checked
 
 parsing.preload(__name__)      # its readings run in the parse worker: imported there before it is confined
 

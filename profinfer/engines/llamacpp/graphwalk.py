@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from profinfer.core import dwarf
-from profinfer.core.errors import ProfinferError
-from profinfer.core.symbols import ElfInfo, Symbol
+from profinfer.core.target import dwarf
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.target.symbols import ElfInfo, Symbol
 
 # ggml_op_is_empty(): nodes the loop passes over without computing or meeting a barrier
 EMPTY_OPS = ("NONE", "RESHAPE", "TRANSPOSE", "VIEW", "PERMUTE")

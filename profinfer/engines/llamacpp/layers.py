@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from profinfer.engines.llamacpp.dag import graph_dags, node_layers
-from profinfer.core.model import Profile
+from profinfer.core.profile.model import Profile
 from profinfer.engines.llamacpp.nodes import node_runs
 
 

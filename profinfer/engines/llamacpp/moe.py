@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from profinfer.engines.llamacpp.dag import node_layers
-from profinfer.core.model import GraphCall, Profile
+from profinfer.core.profile.model import GraphCall, Profile
 from profinfer.engines.llamacpp.nodes import node_runs, phase_of
-from profinfer.core.opcolumns import as_columns
-from profinfer.core.stats import graph_of_ops
+from profinfer.core.profile.opcolumns import as_columns
+from profinfer.core.profile.stats import graph_of_ops
 
 
 @dataclass(frozen=True)

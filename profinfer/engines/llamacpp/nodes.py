@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profinfer.core.model import Profile
-from profinfer.core.opcolumns import NodeDesc, OpColumns, as_columns
-from profinfer.core.stats import innermost_graphs
+from profinfer.core.profile.model import Profile
+from profinfer.core.profile.opcolumns import NodeDesc, OpColumns, as_columns
+from profinfer.core.profile.stats import innermost_graphs
 
 
 @dataclass(slots=True)

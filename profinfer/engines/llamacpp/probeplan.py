@@ -9,9 +9,10 @@ import platform
 
 import numpy as np
 
-from profinfer.core import dwarf, kernel
-from profinfer.core.errors import ProfinferError
-from profinfer.core.packs import Pack, ProbeSpec, resolve
+from profinfer.core.target import dwarf
+from profinfer.core.ebpf import kernel
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.plugin.packs import Pack, ProbeSpec, resolve
 from profinfer.engines.llamacpp import ggml, graphwalk
 
 # llama_batch_ext (b11434): tokens' offset, a token's size, its pos[0] and its seq_ids

@@ -11,11 +11,10 @@ import ctypes
 
 import numpy as np
 
-from profinfer.core import selfcost
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import TokenCall, decode_tokens
-from profinfer.core.transport import RecordSlots
-from profinfer.engines.llamacpp import assemble, ggml
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import TokenCall, decode_tokens
+from profinfer.core.ebpf.transport import RecordSlots
+from profinfer.engines.llamacpp import assemble, barrier, ggml
 from profinfer.levels.sched import probe as schedprobe
 
 VALIDATE_NODES = 64   # node descriptions checked before a table layout is trusted
@@ -166,10 +165,10 @@ class LlamaRecords:
             self.entry_gaps.append(np.stack([ops["start_ns"][at].astype(np.int64) - gaps, gaps]))
 
     def trap_in_situ_ns(self) -> int | None:
-        """The trap's cost as fused ops' entry gaps show it (selfcost), if any were seen."""
+        """The trap's cost as fused ops' entry gaps show it (barrier.py), if any were seen."""
         if not self.entry_gaps:
             return None
-        return selfcost.trap_at_fused_entries(*np.concatenate(self.entry_gaps, axis=1))
+        return barrier.trap_at_fused_entries(*np.concatenate(self.entry_gaps, axis=1))
 
     def _validate(self, nodes: np.ndarray) -> None:
         """Check a table layout on the first node descriptions BPF read with it: every field

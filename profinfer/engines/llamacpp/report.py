@@ -6,10 +6,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer.core import recorded_calibration
-from profinfer.core.model import Profile
-from profinfer.core.sections import ReportSection, SeriesSection, SummarySection, roofline_keys
-from profinfer.core.tables import ms, pct, roofline_origin, roofline_table
+from profinfer.core.calibration import stamped
+from profinfer.core.profile.model import Profile
+from profinfer.core.plugin.sections import ReportSection, SeriesSection, SummarySection, roofline_keys
+from profinfer.core.plugin.tables import ms, pct, roofline_origin, roofline_table
 from profinfer.engines.llamacpp import comparable, cost, layers, moe
 
 
@@ -20,7 +20,7 @@ def holds(profile: Profile) -> bool:
 def _roofline_keys(profile: Profile) -> dict:
     if not profile.ops or profile.calls:
         return {}
-    return roofline_keys(recorded_calibration.roofs(profile), lambda roofs: cost.verdicts(profile, roofs))
+    return roofline_keys(stamped.roofs(profile), lambda roofs: cost.verdicts(profile, roofs))
 
 
 def _layer_keys(profile: Profile) -> dict:
@@ -94,7 +94,7 @@ def moe_heatmap(moe_stats: moe.MoeStats) -> Table:
 def _print_roofline(profile: Profile, console: Console) -> None:
     if not profile.ops or profile.calls:
         return
-    judged = recorded_calibration.roofs(profile)
+    judged = stamped.roofs(profile)
     if judged.value is not None and (vs := cost.verdicts(profile, judged.value)):
         console.print(roofline_table(vs[:12], judged.value))
     console.print(roofline_origin(judged))

@@ -17,10 +17,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from profinfer.core.model import GraphCall, OpSlice, TokenCall
-from profinfer.core.opcolumns import OpColumns, as_columns
-from profinfer.core.stats import arrivals
-from profinfer.core.timeline import (
+from profinfer.core.profile.model import GraphCall, OpSlice, TokenCall
+from profinfer.core.profile.opcolumns import OpColumns, as_columns
+from profinfer.core.profile.stats import arrivals
+from profinfer.core.plugin.timeline import (
     INT, LEVEL_BATCH, LEVEL_GRAPH, LEVEL_OP, PTR, STR, SliceKind, Timeline, TraceFormatError,
 )
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from profinfer.core import libbpf, selfcost
-from profinfer.core.stats import PHASES
-from profinfer.engines.llamacpp import assemble
+from profinfer.core.ebpf import libbpf
+from profinfer.core.profile.stats import PHASES
+from profinfer.engines.llamacpp import assemble, barrier
 from profinfer.engines.llamacpp.probeplan import graph_backend
 
 GraphTotal = tuple[int, int, int, list[int]]     # calls, ns, nodes, histogram counts
@@ -105,7 +105,7 @@ class OpTotals:
         return out
 
     def trap_in_situ_ns(self, obj: libbpf.BpfObject, gap_dt: np.dtype, samples: int) -> int | None:
-        """The trap's cost as the fused ops' entry gaps BPF kept show it (selfcost), if any
+        """The trap's cost as the fused ops' entry gaps BPF kept show it (barrier.py), if any
         were kept: the latest `samples` fused ops of each CPU."""
         fd = obj.map_fd("gap_samples")
         parts = []
@@ -117,6 +117,6 @@ class OpTotals:
         kept = kept[kept["gap_ns"] > 0]
         if not len(kept):
             return None
-        return selfcost.trap_at_fused_entries(kept["release_ns"].astype(np.int64),
+        return barrier.trap_at_fused_entries(kept["release_ns"].astype(np.int64),
                                               kept["gap_ns"].astype(np.int64))
 

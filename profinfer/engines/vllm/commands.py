@@ -2,7 +2,7 @@
 eager, in a venv of vLLM for CPUs made once)."""
 from __future__ import annotations
 
-from profinfer.core.commands import Demo
+from profinfer.core.plugin.commands import Demo
 
 
 def _demo_command(model: str, tokens: int, threads: int) -> tuple[list[str], None]:

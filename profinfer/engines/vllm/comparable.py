@@ -16,10 +16,10 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from profinfer.core.comparable import CALL_PHASES, PER_TOKEN, call_of, per_call
-from profinfer.core.compare import Series
-from profinfer.core.model import Profile
-from profinfer.core.packs import cost_rules
+from profinfer.core.diff.comparable import CALL_PHASES, PER_TOKEN, call_of, per_call
+from profinfer.core.diff.compare import Series
+from profinfer.core.profile.model import Profile
+from profinfer.core.plugin.packs import cost_rules
 
 
 def series(profile: Profile) -> list[Series]:

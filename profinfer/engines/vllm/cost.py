@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from math import prod
 
-from profinfer.core.roofline import Cost, Roofs, Verdict, judge_groups
-from profinfer.core.stats import steps_by_number
+from profinfer.core.calibration.roofline import Cost, Roofs, Verdict, judge_groups
+from profinfer.core.profile.stats import steps_by_number
 
 # Bytes per element of torch's dtypes (others are costed as 4, float32's).
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,

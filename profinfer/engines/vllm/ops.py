@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import cxxfilt
 
-from profinfer.core import parsing, procfs
-from profinfer.core.elfheaders import elf_file
-from profinfer.core.errors import ProfinferError
-from profinfer.core.symbols import ElfInfo
+from profinfer.core.target import parsing, procfs
+from profinfer.core.target.elfheaders import elf_file
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.target.symbols import ElfInfo
 
 parsing.preload(__name__)      # its readings run in the parse worker: imported there before it is confined
 

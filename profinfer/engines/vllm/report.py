@@ -8,10 +8,12 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from profinfer.core import loghist, packs, recorded_calibration, timeline_groups
-from profinfer.core.model import Profile, Step
-from profinfer.core.sections import ReportSection, SeriesSection, SummarySection, View, roofline_keys
-from profinfer.core.tables import ms, op_table, print_cost, print_lost, roofline_origin, roofline_table, us
+from profinfer.core.profile import loghist
+from profinfer.core.plugin import packs, timeline_groups
+from profinfer.core.calibration import stamped
+from profinfer.core.profile.model import Profile, Step
+from profinfer.core.plugin.sections import ReportSection, SeriesSection, SummarySection, View, roofline_keys
+from profinfer.core.plugin.tables import ms, op_table, print_cost, print_lost, roofline_origin, roofline_table, us
 from profinfer.engines.vllm import callstats, comparable, cost
 from profinfer.engines.vllm.callstats import CallProfileStats
 
@@ -91,7 +93,7 @@ def _roofline_keys(profile: Profile) -> dict:
     rules = _cost_rules(profile)
     if not rules:
         return {}
-    return roofline_keys(recorded_calibration.roofs(profile),
+    return roofline_keys(stamped.roofs(profile),
                          lambda roofs: cost.call_verdicts(profile, roofs, rules))
 
 
@@ -159,7 +161,7 @@ def _print_main(profile: Profile, console: Console) -> None:
 
 def _print_roofline(profile: Profile, console: Console) -> None:
     rules = packs.cost_rules(profile.meta.get("pack"))
-    judged = recorded_calibration.roofs(profile)
+    judged = stamped.roofs(profile)
     if rules and judged.value is not None:
         vs = cost.call_verdicts(profile, judged.value, rules)
         if vs:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profinfer.core.model import OpCall, Step
-from profinfer.core.packs import Pack
+from profinfer.core.profile.model import OpCall, Step
+from profinfer.core.plugin.packs import Pack
 from profinfer.engines.vllm.ops import SKIP, NativeOp
 
 

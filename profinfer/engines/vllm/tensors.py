@@ -12,8 +12,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from profinfer.core import procfs
-from profinfer.core.errors import ProfinferError
+from profinfer.core.target import procfs
+from profinfer.core.base.errors import ProfinferError
 
 
 @dataclass(frozen=True)

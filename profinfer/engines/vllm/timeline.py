@@ -7,8 +7,8 @@ calls one level deeper. The threads of each process that ran ops (the workers) b
 """
 from __future__ import annotations
 
-from profinfer.core.model import OpCall, Step, TensorArg
-from profinfer.core.timeline import INT, LEVEL_BATCH, LEVEL_GRAPH, STR, SliceKind, Timeline
+from profinfer.core.profile.model import OpCall, Step, TensorArg
+from profinfer.core.plugin.timeline import INT, LEVEL_BATCH, LEVEL_GRAPH, STR, SliceKind, Timeline
 
 CAT_STEP, CAT_CALL = "step", "native_op"
 CALL_ARG_PREFIX = "arg:"      # a tensor argument: "dtype[s0,s1,...]", "-" for an empty optional

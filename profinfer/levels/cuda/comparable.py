@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from profinfer.core.compare import Series
-from profinfer.core.model import Profile
+from profinfer.core.diff.compare import Series
+from profinfer.core.profile.model import Profile
 
 
 def series(profile: Profile) -> list[Series]:

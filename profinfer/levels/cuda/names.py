@@ -24,11 +24,11 @@ import cxxfilt
 import numpy as np
 from elftools.common.exceptions import ELFError
 
-from profinfer.core import parsing, procfs
-from profinfer.core.elfheaders import elf_file
-from profinfer.core.errors import ProfinferError
-from profinfer.core.parsing import NotReady
-from profinfer.core.symbols import MAX_NAME_BYTES, MAX_SYMBOLS, MAX_TABLE_BYTES, SYM64, ElfInfo, load_elf
+from profinfer.core.target import parsing, procfs
+from profinfer.core.target.elfheaders import elf_file
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.target.parsing import NotReady
+from profinfer.core.target.symbols import MAX_NAME_BYTES, MAX_SYMBOLS, MAX_TABLE_BYTES, SYM64, ElfInfo, load_elf
 
 parsing.preload(__name__)      # its readings run in the parse worker: imported there before it is confined
 

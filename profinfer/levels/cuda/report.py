@@ -7,10 +7,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer.core import recorded_calibration
-from profinfer.core.model import Profile
-from profinfer.core.sections import ReportSection, SeriesSection, SummarySection
-from profinfer.core.tables import ms, placement_line
+from profinfer.core.calibration import stamped
+from profinfer.core.profile.model import Profile
+from profinfer.core.plugin.sections import ReportSection, SeriesSection, SummarySection
+from profinfer.core.plugin.tables import ms, placement_line
 from profinfer.levels.cuda import comparable, stats as cudastats
 
 TOP_KERNELS = 15
@@ -79,7 +79,7 @@ def cuda_cost(profile: Profile) -> dict | None:
     if not calls:
         return None
     hits = {k: int(meta.get(f"cuda_cost:hits_{k}", 0)) for k in ("emulated", "stepped", "return")}
-    costs = recorded_calibration.trap_costs(profile).value
+    costs = stamped.trap_costs(profile).value
     out = {"calls": calls, "bpf_ns": int(meta["cuda_cost:bpf_ns"]), "hits": hits}
     if costs:
         # a return probe shares its function's first-instruction trap with the entry probe:

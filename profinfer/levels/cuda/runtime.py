@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from profinfer.core import layout
-from profinfer.core.errors import ProfinferError
-from profinfer.core.packs import Pack, is_engine_library
-from profinfer.core.symbols import ElfInfo, load_elf
+from profinfer.core.ebpf import layout
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.plugin.packs import Pack, is_engine_library
+from profinfer.core.target.symbols import ElfInfo, load_elf
 
 HEADER = "cuda.h"
 _STATIC_PREFIXES = ("libcudart_static_", "cuda", "__cuda")

@@ -12,7 +12,7 @@ from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import BuiltinClock, Trac
 from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
 from profinfer.levels.cuda.records import CudaCall
-from profinfer.core.timeline import (
+from profinfer.core.plugin.timeline import (
     INT, LEVEL_RUNTIME, STR, SliceKind, Timeline, process_track_uuid, process_uuid,
 )
 from profinfer.levels.cuda.stats import live_memory

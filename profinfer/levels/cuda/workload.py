@@ -27,7 +27,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from profinfer.core.buildcache import cache_dir, file_lock, log, run
+from profinfer.core.target.buildcache import cache_dir, file_lock, log, run
 
 CUDART12_PACKAGE, CUDART12_VERSION = "nvidia-cuda-runtime-cu12", "12.9.79"
 LIBCUDA_PACKAGE = "libcuda1"           # Debian non-free

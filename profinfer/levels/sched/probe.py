@@ -8,8 +8,8 @@ import os
 
 import numpy as np
 
-from profinfer.core import bpfobj, kernel, layout, libbpf
-from profinfer.core.errors import ProfinferError
+from profinfer.core.ebpf import bpfobj, kernel, layout, libbpf
+from profinfer.core.base.errors import ProfinferError
 from profinfer.levels.sched.records import SchedSwitch, SchedWakeup
 
 PROGRAMS = ("sched_switch", "sched_wakeup")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer.core.model import Profile
-from profinfer.core.sections import ReportSection, SummarySection
-from profinfer.core.tables import ms, pct
+from profinfer.core.profile.model import Profile
+from profinfer.core.plugin.sections import ReportSection, SummarySection
+from profinfer.core.plugin.tables import ms, pct
 from profinfer.levels.sched import stats as schedstats
 from profinfer.levels.sched.stats import SchedStats
 

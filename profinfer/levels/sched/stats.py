@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from profinfer.core.model import Profile
-from profinfer.core.stats import op_arrays
+from profinfer.core.profile.model import Profile
+from profinfer.core.profile.stats import op_arrays
 
 ON_CPU, PREEMPTED, WAKING, SLEEPING = 0, 1, 2, 3
 

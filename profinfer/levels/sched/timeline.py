@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
 from profinfer.levels.sched.records import SchedSwitch, SchedWakeup
-from profinfer.core.timeline import MAIN_SEQUENCE, Timeline
+from profinfer.core.plugin.timeline import MAIN_SEQUENCE, Timeline
 
 DEFAULT_PRIO = 120
 _FTRACE_BUNDLE = 1000                # events per FtraceEventBundle

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from profinfer.core import layout
+from profinfer.core.ebpf import layout
 from profinfer.engines.llamacpp import assemble
-from profinfer.core.model import GraphCall
+from profinfer.core.profile.model import GraphCall
 
 CONSTS, DT = layout.parse(header="events.h")
 
@@ -146,8 +146,8 @@ def test_ops_arriving_in_chunks_share_descriptors_and_come_out_sorted(monkeypatc
 
 
 def test_columns_round_trip_slices():
-    from profinfer.core.model import OpSlice
-    from profinfer.core.opcolumns import OpColumns
+    from profinfer.core.profile.model import OpSlice
+    from profinfer.core.profile.opcolumns import OpColumns
     slices = [OpSlice(1, 0, 10, 20, 25, "MUL_MAT", "a-0", (4, 2, 1, 1), "f32", 0xA, (0xB,), (0,),
                       0, ((4, 4, 1, 1),), ("f16",), (1.0, 2.0), None),
               OpSlice(2, 1, 11, 19, 25, "MUL_MAT_ID", "m-0", (4, 2, 1, 1), "f32", 0xC, (0xB,), (0,),

@@ -6,11 +6,12 @@ import subprocess
 
 import pytest
 
-from profinfer.core import dwarf, layout
-from profinfer.core.arch import placement
+from profinfer.core.target import dwarf
+from profinfer.core.ebpf import layout
+from profinfer.core.target.arch import placement
 from profinfer.engines.llamacpp import ggml
-from profinfer.core.errors import ProfinferError
-from profinfer.core.symbols import load_elf
+from profinfer.core.base.errors import ProfinferError
+from profinfer.core.target.symbols import load_elf
 
 
 def lib(build, name):
@@ -88,7 +89,7 @@ def test_event_layout_rejects_implicit_padding():
 def test_barrier_call_sites_in_the_graph_loop(llama_build):
     """The op-end probe sits on the graph loop's calls of ggml_barrier (through the PLT),
     not on ggml_barrier itself, which exported MUL_MAT also calls."""
-    from profinfer.core.arch.callsites import call_sites
+    from profinfer.core.target.arch.callsites import call_sites
     cpu = lib(llama_build, "libggml-cpu")
     sites = call_sites(cpu, r"^ggml_graph_compute(_thread)?[._]", "ggml_barrier")
     assert sites and all(name.startswith("ggml_graph_compute") for name, _ in sites)

@@ -7,7 +7,7 @@ from gguf import GGUFReader
 from conftest import completion_cmd, llama_perf, run_profinfer, with_llama_log
 from profinfer.engines.llamacpp.dag import node_layers
 from profinfer.engines.llamacpp.nodes import NodeRun
-from profinfer.core.opcolumns import NodeDesc
+from profinfer.core.profile.opcolumns import NodeDesc
 
 
 def _run(name: str) -> NodeRun:

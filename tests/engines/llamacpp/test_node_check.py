@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import completion_cmd, run_profinfer, with_llama_log
-from profinfer.core import kernel
+from profinfer.core.ebpf import kernel
 from profinfer.exporters.trace_reader import read_trace
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import completion_cmd, llama_perf, llama_run_env, run_profinfer, with_llama_log
 from profinfer.engines.llamacpp import ggml, workload
-from profinfer.core.symbols import load_elf
+from profinfer.core.target.symbols import load_elf
 
 
 @pytest.fixture(scope="session")

@@ -7,18 +7,18 @@ import numpy as np
 import pytest
 
 from conftest import completion_cmd, run_profinfer, with_llama_log
-from profinfer.core import calibrate, loadcheck
-from profinfer.core.loadcheck import UnreliableMeasurement
-from profinfer.core.model import GraphCall, OpSlice, Profile, TokenCall
+from profinfer.core.calibration import machine_roofs, loadcheck
+from profinfer.core.calibration.loadcheck import UnreliableMeasurement
+from profinfer.core.profile.model import GraphCall, OpSlice, Profile, TokenCall
 from profinfer.engines.llamacpp.nodes import node_runs
-from profinfer.core.roofline import CacheRoof, Cost, Roofs, SourceReuse, judge_costs
+from profinfer.core.calibration.roofline import CacheRoof, Cost, Roofs, SourceReuse, judge_costs
 from profinfer.engines.llamacpp.cost import judge, nbytes, node_cost, reuse_by_run, reuse_of, verdicts
 from profinfer.exporters.trace_reader import read_trace
 
 
 def run(op, ne, srcs, dtype="f32", dur=1000):
     from profinfer.engines.llamacpp.nodes import NodeRun
-    from profinfer.core.opcolumns import NodeDesc
+    from profinfer.core.profile.opcolumns import NodeDesc
     return NodeRun(0, NodeDesc(op, "t", ne, dtype, 1, (), (), 0, tuple(s[0] for s in srcs),
                                tuple(s[1] for s in srcs)), 0, dur, 1, dur)
 
@@ -203,13 +203,13 @@ def test_node_runs_merge_threads_within_a_graph():
 @pytest.fixture(scope="session")
 def roofs():
     """This machine's checked roofs, measured now if setup could not cache them (busy then)."""
-    if calibrate.cached(2) is None:
+    if machine_roofs.cached(2) is None:
         loadcheck.wait_until_quiet(300)
     try:
-        calibrate.calibrate(2, attempts=6)
+        machine_roofs.calibrate(2, attempts=6)
     except UnreliableMeasurement as e:
         pytest.fail(f"no trustworthy roofs to judge against: {e}")
-    return calibrate.cached_roofs(2)
+    return machine_roofs.cached_roofs(2)
 
 
 def decode_matmul_past_dram(trace, dec: dict, caches: list[dict], peak_gflops: float):

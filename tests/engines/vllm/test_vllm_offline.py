@@ -237,7 +237,7 @@ def test_op_discovery_agrees_with_torch_registry_on_every_isa_build(vllm_python)
     their own schema strings and symbols; the ops found, their argument names and which
     arguments are tensors agree with the schemas torch itself registered for them."""
     from profinfer.engines.vllm.ops import SKIP, native_ops
-    from profinfer.core.symbols import load_elf
+    from profinfer.core.target.symbols import load_elf
     site = next((Path(vllm_python).parent.parent / "lib").glob("python3*/site-packages/vllm"))
     found = {}
     for lib in ("_C.abi3.so", "_C_AVX512.abi3.so", "_C_AVX2.abi3.so"):
@@ -265,7 +265,7 @@ def test_op_discovery_reads_a_gpu_release():
     MoE ops, and flash-attention, whose C++ functions are not named as their ops."""
     from profinfer.engines.vllm import workload as vllm_workload
     from profinfer.engines.vllm.ops import OPT_STABLE_TENSOR, STABLE_TENSOR, native_ops
-    from profinfer.core.symbols import load_elf
+    from profinfer.core.target.symbols import load_elf
     root = vllm_workload.ensure_gpu_release_libraries() / "vllm"
     stable = load_elf(str(root / "_C_stable_libtorch.abi3.so"))
     ops, skipped = native_ops(stable)

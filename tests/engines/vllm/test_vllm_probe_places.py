@@ -196,7 +196,7 @@ def test_wrappers_found_where_the_library_has_them(vllm_python):
     OperatorKernel's base: the vtable and intrusive_ptr_target's two counts). vLLM 0.33.0's
     CUDA wheel (read, never run here): its stable-ABI libraries have no such wrapper, and
     their ops stay probed on their own functions."""
-    from profinfer.core.symbols import load_elf
+    from profinfer.core.target.symbols import load_elf
     from profinfer.engines.vllm import workload as vllm_workload, wrappers
     from profinfer.engines.vllm.ops import native_ops
     site = next((Path(vllm_python).parent.parent / "lib").glob("python3*/site-packages/vllm"))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import completion_cmd, run_profinfer, with_llama_log
-from profinfer.core import perfevents as counters
+from profinfer.core.ebpf import perfevents as counters
 from profinfer.levels.counters.stats import derive
-from profinfer.core.errors import ProfinferError
+from profinfer.core.base.errors import ProfinferError
 from profinfer.exporters.trace_reader import read_trace
 
 

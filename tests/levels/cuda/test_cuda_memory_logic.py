@@ -48,7 +48,7 @@ def test_trace_live_memory_counter_ends_at_what_was_never_freed(tmp_path):
     GPU: here they are made up, the writing and reading are real)."""
     from profinfer.exporters.perfetto import LIVE_MEMORY_TRACK, write_perfetto
     from profinfer.exporters.trace_reader import read_named_tracks, read_trace
-    from profinfer.core.model import Profile
+    from profinfer.core.profile.model import Profile
     calls = [_call(10, "cudaMalloc", 0xA, 100), _call(20, "cudaMalloc", 0xB, 50),
              _call(30, "cudaFree", 0xA), _call(40, "cudaMallocAsync", 0xD, 70)]
     prof = Profile(pid=1, process_name="p", cuda_calls=calls)

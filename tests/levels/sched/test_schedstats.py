@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from profinfer.exporters.perfetto import write_perfetto
 from profinfer.exporters.trace_reader import read_trace
-from profinfer.core.model import OpSlice, Profile
+from profinfer.core.profile.model import OpSlice, Profile
 from profinfer.levels.sched.records import SchedSwitch, SchedWakeup
 from profinfer.levels.sched.stats import compute
 

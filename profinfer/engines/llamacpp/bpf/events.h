@@ -1,6 +1,6 @@
 /* Event layouts shared by the BPF programs and the collector.
  *
- * This header is the single definition: profinfer/core/layout.py parses these structs into numpy
+ * This header is the single definition: profinfer/core/ebpf/layout.py parses these structs into numpy
  * dtypes, so keep to the field types it knows (u8 u16 u32 s32 u64 s64 char) and to fields
  * aligned to their size (no implicit padding).
  */

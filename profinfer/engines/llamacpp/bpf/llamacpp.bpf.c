@@ -1,6 +1,6 @@
 /* Uprobe programs for llama.cpp / ggml: token, graph and op levels.
  *
- * Compiled once, ahead of time (profinfer/core/bpfobj.py), into a BPF object that libbpf loads in
+ * Compiled once, ahead of time (profinfer/core/ebpf/bpfobj.py), into a BPF object that libbpf loads in
  * milliseconds; what differs between targets (struct offsets, ring size) is in `cfg`, written
  * into the object's .rodata before it loads, so the verifier sees constants.
  * Build with -DPI_PERF_BUFFER for kernels before 5.12 (the ring buffer arrived in 5.8, the
