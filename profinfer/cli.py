@@ -14,6 +14,7 @@ import time
 
 import click
 
+from profinfer.core.base import config
 from profinfer.daemon.tokens import TOKEN_ENV, TOKEN_MAX_BYTES
 from profinfer.core.base.errors import OutputFailed, ProfinferError
 from profinfer.core.profile.model import Profile
@@ -556,7 +557,7 @@ def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tl
 def _client_token(token_file: str, required: bool) -> str | None:
     """The token a client sends: PROFINFER_TOKEN, else the token file's (None when neither is
     there and it is not required: loopback's /status needs none)."""
-    token = os.environ.get(TOKEN_ENV, "").strip()
+    token = (config.text(TOKEN_ENV) or "").strip()
     if token:
         return _checked_token(token, TOKEN_ENV)
     from profinfer.core.target import procfs

@@ -11,6 +11,7 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
+from profinfer.core.base import config
 from profinfer.core.ebpf import bpfobj, kernel, libbpf
 from profinfer.core.ebpf import perfevents as perfcounters
 from profinfer.core.base.errors import ProfinferError
@@ -183,6 +184,8 @@ def checks(workloads: bool = True) -> list[tuple[str, str, str]]:
                                  (WARN, "kernel < 5.15 (no attach cookies): --levels cuda does not work"))))
     rows.append(("profiler cost", *_check_cost_accounting()))
     rows.append(("kernel", OK, platform.release()))
+    rows.append(("settings", OK, "; ".join(f"{name}={value}" for name, value in config.in_effect())
+                 or "no PROFINFER_* setting: the defaults (docs/configuration.md)"))
     if workloads:
         rows += workload_checks()
     return rows

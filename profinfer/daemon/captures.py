@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 import psutil
 
+from profinfer.core.base import config
 from profinfer.core.target import procfs
 from profinfer.core.plugin.packs import KERNEL_LEVELS, LEVELS, MIN_DURATION_S, RUNTIME_LEVELS
 from profinfer.daemon.tokens import TOKEN_ENV
@@ -111,7 +112,7 @@ def remove_stale_temp(root: str, note) -> None:
 def max_trace_bytes() -> int:
     """PROFINFER_MAX_TRACE_BYTES where it is a positive number under MAX_TRACE_BYTES, else that."""
     try:
-        asked = int(os.environ.get("PROFINFER_MAX_TRACE_BYTES", MAX_TRACE_BYTES))
+        asked = int(config.text("PROFINFER_MAX_TRACE_BYTES") or MAX_TRACE_BYTES)
     except ValueError:
         return MAX_TRACE_BYTES
     return min(MAX_TRACE_BYTES, asked) if asked > 0 else MAX_TRACE_BYTES

@@ -26,6 +26,7 @@ import re
 import stat
 from dataclasses import asdict, dataclass, fields
 
+from profinfer.core.base import config
 from profinfer.core.target import procfs
 
 _CONTAINER = re.compile(r"(?:docker-|cri-containerd-|crio-|libpod-|containerd-|/docker/|/)([0-9a-f]{64})(?:\.scope)?(?:/|$)")
@@ -33,7 +34,7 @@ _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}
 MODEL_SUFFIXES = (".gguf", ".safetensors")
 MAX_FDS_READ = 4096        # a model's file is opened early; a tenant may open a million
 # The host's root as the daemon reaches it (hostPID: PID 1's); a directory for tests.
-HOST_ROOT = os.environ.get("PROFINFER_HOST_ROOT", "/proc/1/root")
+HOST_ROOT = config.text("PROFINFER_HOST_ROOT") or "/proc/1/root"
 _SPEC_MAX = 1 << 20        # a runtime's container spec is tens of KiB
 # Where each runtime keeps a container's spec on the host, by container id, and the keys of
 # its pod UID, name and namespace there.

@@ -6,9 +6,10 @@ import os
 import secrets
 import stat
 
+from profinfer.core.base import config
 from profinfer.core.base.errors import ProfinferError
 
-TOKEN_ENV = "PROFINFER_TOKEN"
+TOKEN_ENV = config.TOKEN
 TOKEN_MAX_BYTES = 4096           # a token is one short line: a file past this is not one
 
 

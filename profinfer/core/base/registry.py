@@ -11,12 +11,12 @@ functions), `bpf/` (its BPF programs and headers), and its own modules.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import metadata, resources
 from importlib.resources.abc import Traversable
 
+from profinfer.core.base import config
 from profinfer.core.base.errors import ProfinferError
 
 GROUP = "profinfer.plugins"
@@ -92,7 +92,7 @@ def _installed() -> tuple[str, ...]:
 
 
 def _declared() -> list[str]:
-    extra = [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
+    extra = [m.strip() for m in (config.text(PLUGINS_ENV) or "").split(",") if m.strip()]
     return list(dict.fromkeys(_installed() + tuple(extra)))
 
 

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from profinfer.core.base import config
 from profinfer.core.target import buildcache
 from profinfer.core.base import registry
 from profinfer.core.base.errors import ProfinferError
@@ -63,7 +64,7 @@ def object_path(source: str, variant: str = "ring") -> str:
     key = hashlib.sha256(text + repr((VARIANTS[variant], arch)).encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.splitext(source)[0])[0]
     name = f"{stem}-{variant}-{key}.o"
-    for directory in (os.environ.get(PREBUILT_ENV), cache_dir()):
+    for directory in (config.text(PREBUILT_ENV), cache_dir()):
         # loaded as root: only an object nobody else could have put there
         if directory and os.path.exists(os.path.join(directory, name)) and buildcache.trusted(
                 os.path.join(directory, name)):

@@ -12,6 +12,7 @@ import os
 import platform
 import struct
 
+from profinfer.core.base import config
 from profinfer.core.ebpf import kernel
 from profinfer.core.target import procfs
 from profinfer.core.ebpf.perf_event_open import PERF_TYPE_SOFTWARE, PerfEventAttr
@@ -39,7 +40,7 @@ def uprobe_multi_ok() -> bool:
     CAP_PERFMON; a perf-event uprobe needs CAP_SYS_ADMIN since commit ba677dbe77af ("perf:
     Revert to requiring CAP_SYS_ADMIN for uprobes", 6.16, backported to stable releases).
     PROFINFER_UPROBE_LINKS=perf keeps perf-event uprobes (kernels that lack the links)."""
-    return kernel.release_at_least(6, 6) and os.environ.get("PROFINFER_UPROBE_LINKS") != "perf"
+    return kernel.release_at_least(6, 6) and config.text("PROFINFER_UPROBE_LINKS") != "perf"
 
 
 # syscall(2), typed for the bpf call

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from profinfer.core.base import config
 from profinfer.core.target import procfs
 
 
@@ -33,7 +34,7 @@ def log(msg: str) -> None:
 
 def cache_dir() -> Path:
     """Root of everything profinfer builds, downloads or remembers."""
-    env = os.environ.get("PROFINFER_CACHE")
+    env = config.text("PROFINFER_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "profinfer"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from profinfer.core.base import config
 from profinfer.core.target import dwarf
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.target.symbols import ElfInfo, Symbol
@@ -41,7 +42,7 @@ DESIGNS = ("one-probe", "two-probe")
 def requested_design() -> str:
     """PROFINFER_OP_DESIGN: "one-probe" (the default, where the build allows it) or
     "two-probe" (node start and barrier, always)."""
-    design = os.environ.get("PROFINFER_OP_DESIGN") or DESIGNS[0]
+    design = config.text("PROFINFER_OP_DESIGN") or DESIGNS[0]
     if design not in DESIGNS:
         raise ProfinferError(f"PROFINFER_OP_DESIGN={design}: give one of {', '.join(DESIGNS)}")
     return design

@@ -4,11 +4,11 @@ probe per node where graphwalk.py finds what it needs, else two), the size of th
 op state, and the layout of the decode batch; and the object's config (`cfg`) they make."""
 from __future__ import annotations
 
-import os
 import platform
 
 import numpy as np
 
+from profinfer.core.base import config
 from profinfer.core.target import dwarf
 from profinfer.core.ebpf import kernel
 from profinfer.core.base.errors import ProfinferError
@@ -88,10 +88,10 @@ class ProbePlan:
         # the stack (x86-64); PROFINFER_NODE_CHECK=content reads every run instead.
         changers = {p.symbol.name for p in self.probes if p.entry_fn in GRAPHS_CHANGED_PROGRAMS}
         self.nodes_by_generation = (changers >= GRAPH_CHANGERS and platform.machine() == "x86_64"
-                                    and os.environ.get("PROFINFER_NODE_CHECK") != "content")
+                                    and config.text("PROFINFER_NODE_CHECK") != "content")
         if not self.nodes_by_generation:
             self.probes = [p for p in self.probes if p.entry_fn not in GRAPHS_CHANGED_PROGRAMS]
-        if os.environ.get("PROFINFER_OP_PROBES") == "bare":
+        if config.text("PROFINFER_OP_PROBES") == "bare":
             # the benchmark's floor: the op level's traps, each counted and nothing else
             for p in self.probes:
                 if p.entry_fn in OP_PROGRAMS:
@@ -147,7 +147,7 @@ class ProbePlan:
         (tests use 1 to make threads share a slot, 0 to use the hash map alone)."""
         if "op" not in self.levels or self.buffer != "ring":
             return 0
-        forced = os.environ.get("PROFINFER_THREAD_SLOTS")
+        forced = config.text("PROFINFER_THREAD_SLOTS")
         if forced is not None:
             if not forced.isdigit() or (int(forced) & (int(forced) - 1)):
                 raise ProfinferError(f"PROFINFER_THREAD_SLOTS={forced}: give 0 or a power of two")
