@@ -125,13 +125,13 @@ def _number(v: str) -> float | None:
 def test_nvml_sample_equals_nvidia_smi():
     if shutil.which("nvidia-smi") is None:
         pytest.skip("nvidia-smi is not on PATH")
-    from profinfer.daemon import metrics
+    from profinfer.daemon import nvml
     holder = subprocess.Popen([sys.executable, str(PROGRAMS / "hold_memory.py"), "1024"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().startswith("ready "), "the memory holder did not start"
         time.sleep(1)
-        state, before, problems = metrics.gpu_sample()
+        state, before, problems = nvml.gpu_sample()
         assert state == "on" and not problems, (state, problems)
         fields = "uuid,memory.total,memory.used,memory.reserved,power.draw,utilization.gpu"
         try:
@@ -140,7 +140,7 @@ def test_nvml_sample_equals_nvidia_smi():
             rows = [[r[0], r[1], r[2], "0", *r[3:]] for r in
                     _smi("--query-gpu=" + fields.replace("memory.reserved,", ""))]
         apps = _smi("--query-compute-apps=gpu_uuid,pid,used_memory")
-        _, after, _ = metrics.gpu_sample()
+        _, after, _ = nvml.gpu_sample()
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
