@@ -1,7 +1,7 @@
 """Build the BPF objects ahead of time, once, cached by content.
 
 Compiling at attach time (BCC's way) cost 1.6-1.9 s of every attach; a precompiled object
-loads in milliseconds. The object depends only on the program source, events.h, the
+loads in milliseconds. The object depends only on the program source, llamacpp.h, the
 compiler and the architecture, never on the target: target facts go into its .rodata at
 load time. setup.sh builds both variants; an attach on a machine where they are missing
 builds them then (a fraction of a second with clang) and says nothing else changes.

@@ -1,4 +1,4 @@
-"""Raw BPF event records (numpy arrays in events.h's layouts) into profile objects.
+"""Raw BPF event records (numpy arrays in llamacpp.h's layouts) into profile objects.
 
 Functions of the arrays and a few facts from the target (op names, graph calls): the
 collector hands records over as they arrive (ops, kept compact) or when collection ends.

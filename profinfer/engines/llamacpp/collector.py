@@ -57,8 +57,8 @@ class OpStatesAtEnd:
     releasing: int = 0     # direct slots found half-released (an exit handler that did not finish)
 
 
-class Collector(core.Collector):
-    HEADER = "events.h"
+class LlamaCppCollector(core.Collector):
+    HEADER = "llamacpp.h"
     # perf buffers: one wakeup per PERF_WAKEUP_EVENTS records; the timer drains the rest
     PERF_PAGES_PER_CPU, PERF_WAKEUP_EVENTS = 256, 64
 

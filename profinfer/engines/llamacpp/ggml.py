@@ -69,7 +69,7 @@ KNOWN_LAYOUTS = [
 
 
 _LAYOUT_FIELDS = {"type": 4, "ne": 64, "op": 4, "src": 24, "view_src": 16, "data": 8, "name": 64}
-# the BPF object reads a tensor's fields from its first PI_TENSOR_WINDOW bytes (events.h)
+# the BPF object reads a tensor's fields from its first PI_TENSOR_WINDOW bytes (llamacpp.h)
 _WINDOW = 512
 
 

@@ -84,7 +84,7 @@ class ProbePlan:
         self.probes = [p for p in self.probes if p.entry_fn or p.return_fn]
         self.thread_slots = self._thread_slots(n_cpus)
         # Descriptions are trusted between graph changes only when every function that
-        # announces one is probed (events.h), and ggml_init's by-value params are found on
+        # announces one is probed (llamacpp.h), and ggml_init's by-value params are found on
         # the stack (x86-64); PROFINFER_NODE_CHECK=content reads every run instead.
         changers = {p.symbol.name for p in self.probes if p.entry_fn in GRAPHS_CHANGED_PROGRAMS}
         self.nodes_by_generation = (changers >= GRAPH_CHANGERS and platform.machine() == "x86_64"

@@ -52,7 +52,7 @@ class GraphTotals:
 
 class OpTotals:
     """The op_totals map, per op type (and fused pair) and phase of the decode call under way
-    (events.h: PI_OP_KEY, PI_OP_PHASE): what was added since the last take."""
+    (llamacpp.h: PI_OP_KEY, PI_OP_PHASE): what was added since the last take."""
 
     def __init__(self, dt: dict[str, np.dtype], consts: dict[str, int], op_names: list[str], n_cpus: int):
         self.total_dt = dt["pi_op_total"]

@@ -1,4 +1,4 @@
-"""Raw event records into profile objects (pure: numpy records built here in events.h's layout)."""
+"""Raw event records into profile objects (pure: numpy records built here in llamacpp.h's layout)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ from profinfer.core.ebpf import layout
 from profinfer.engines.llamacpp import assemble
 from profinfer.core.profile.model import GraphCall
 
-CONSTS, DT = layout.parse(header="events.h")
+CONSTS, DT = layout.parse(header="llamacpp.h")
 
 
 DESC_FIELDS = set(DT["pi_node_desc"].names)

@@ -1,5 +1,5 @@
 /* Per-CPU perf counters read around each op, for every engine that reads them: the layout of
- * one read (struct bpf_perf_event_value's). Layout rules: events.h's. */
+ * one read (struct bpf_perf_event_value's). Layout rules: llamacpp.h's. */
 #pragma once
 
 #define PI_MAX_COUNTERS 4

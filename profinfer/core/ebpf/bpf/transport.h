@@ -1,10 +1,10 @@
 /* What every engine's events share with the core: the event kinds the core reads itself
  * (a followed process's changes) and the transport's configuration. An engine's header
- * (events.h for llama.cpp, vllm.h, ...) includes this one, and defines `struct pi_config`,
+ * (llamacpp.h for llama.cpp, vllm.h, ...) includes this one, and defines `struct pi_config`,
  * its object's .rodata, whose first member is `struct pi_transport`.
  *
  * Event kinds are one number space across engines: the core's below 16, each engine's in
- * its own range (llama.cpp 1-8, vLLM 32-47). Layout rules: events.h's (profinfer/core/ebpf/layout.py).
+ * its own range (llama.cpp 1-8, vLLM 32-47). Layout rules: llamacpp.h's (profinfer/core/ebpf/layout.py).
  */
 #pragma once
 

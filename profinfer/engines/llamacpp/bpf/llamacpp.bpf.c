@@ -11,7 +11,7 @@
  * so no two threads ever share it (uprobe programs may be preempted, so per-CPU scratch would
  * not be safe).
  */
-#define PI_ENGINE_EVENTS "events.h"
+#define PI_ENGINE_EVENTS "llamacpp.h"
 #include "common.bpf.h"
 
 char LICENSE[] SEC("license") = "GPL";
@@ -30,7 +30,7 @@ struct {
     __type(value, struct pi_graph_event);
 } graph_open SEC(".maps");
 
-/* Per-thread op state: struct pi_op_thread in events.h (user space drains it at the end).
+/* Per-thread op state: struct pi_op_thread in llamacpp.h (user space drains it at the end).
  * A thread's state is the slot of op_threads_direct at its TID modulo the array's size,
  * when it could claim it (a thread's TIDs are mostly consecutive, so they rarely share one),
  * else an entry of op_threads. An array slot is found without hashing, and the handlers run
@@ -122,7 +122,7 @@ static __always_inline void first_decode(struct pt_regs *ctx, u32 tid, u64 now)
         count_lost(1);
 }
 
-/* The phase of the decode call under way (events.h: PI_PHASE_*, as TokenCall.phase has it),
+/* The phase of the decode call under way (llamacpp.h: PI_PHASE_*, as TokenCall.phase has it),
  * PI_PHASE_OTHER between calls: the op level counted in BPF keys each op with it at the
  * op's start (a process decodes one call at a time; its graph's ops run inside it). */
 u32 decode_phase = 0;
@@ -165,7 +165,7 @@ int token_enter(struct pt_regs *ctx)
     return 0;
 }
 
-/* The batch's tokens as runs (events.h): each token's first sequence id (the first node of
+/* The batch's tokens as runs (llamacpp.h): each token's first sequence id (the first node of
  * its std::unordered_set of ids) and position. A run ends where the sequence changes or the
  * positions stop following on. One bpf_loop step per token (Linux 5.17): a plain loop over
  * PI_BATCH_SCAN tokens exceeds what the verifier follows.
@@ -280,7 +280,7 @@ int token_enter_ext(struct pt_regs *ctx)
     return token_enter_batch(ctx, 0);
 }
 
-/* The same, with the batch's sequences (events.h: runs); bpf_loop needs Linux 5.17. */
+/* The same, with the batch's sequences (llamacpp.h: runs); bpf_loop needs Linux 5.17. */
 SEC("uprobe")
 int token_enter_ext_seqs(struct pt_regs *ctx)
 {
@@ -332,7 +332,7 @@ static __always_inline int graph_enter(struct pt_regs *ctx, u32 probe)
     return 0;
 }
 
-/* Per (process, probe, backend): a daemon's always-on graph level (events.h). */
+/* Per (process, probe, backend): a daemon's always-on graph level (llamacpp.h). */
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
     __uint(max_entries, 1024);
@@ -391,7 +391,7 @@ GRAPH_PROBE(4) GRAPH_PROBE(5) GRAPH_PROBE(6) GRAPH_PROBE(7)
 /* ---- op level ---- */
 
 /* Bumped whenever the target may make tensors at used addresses or rewrite a graph's
- * nodes (events.h, before struct pi_node_slot): descriptions read before are then checked. */
+ * nodes (llamacpp.h, before struct pi_node_slot): descriptions read before are then checked. */
 struct pi_control control SEC(".data.control") = {.graph_generation = 1, .collecting = 1};
 
 /* ggml_reset(ctx), ggml_new_graph_custom(ctx, ...) */
@@ -456,7 +456,7 @@ static __always_inline void send_batch(void *ctx, struct pi_op_thread *st, u32 n
     st->batch.count = 0;
 }
 
-/* Per op type and phase (events.h: PI_OP_KEY): the op level counted, not sent. Per CPU:
+/* Per op type and phase (llamacpp.h: PI_OP_KEY): the op level counted, not sent. Per CPU:
  * a graph's threads end the same node at the same barrier, and one shared count would move
  * its cache line between their CPUs at every node (user space sums the CPUs). */
 struct {
@@ -576,7 +576,7 @@ static __always_inline u64 max_u64(u64 a, u64 b)
     return a > b ? a : b;
 }
 
-/* A table layout's check also reads nb, view_offs (after view_src) and data (events.h). */
+/* A table layout's check also reads nb, view_offs (after view_src) and data (llamacpp.h). */
 static __always_inline u64 check_window(void)
 {
     return cfg.check_layout ? max_u64(max_u64(cfg.t_off_nb + 32, cfg.t_off_view_src + 16),
@@ -619,7 +619,7 @@ static __always_inline u64 read_source_window(u8 *w, u64 src, s32 *type, s64 *ne
     return *(const u64 *)(w + cfg.t_off_view_src);
 }
 
-/* The check fields (events.h) of source k, in the window when it was read (its type is
+/* The check fields (llamacpp.h) of source k, in the window when it was read (its type is
  * not -1), and of its view root. */
 static __always_inline void check_source(struct pi_node_check *c, u8 *w, int k, s32 type, u64 root)
 {
@@ -855,7 +855,7 @@ static __always_inline u32 describe_node(struct pt_regs *ctx, struct pi_op_threa
     tally(PI_TALLY_NODE_READS);
     struct pi_node_desc *d = &st->node.desc;
     struct pi_node_check *c = &st->node.check;
-    /* a table layout is checked in each thread's first description reads only (events.h) */
+    /* a table layout is checked in each thread's first description reads only (llamacpp.h) */
     int checking = cfg.check_layout && st->layout_checks < PI_CHECK_NODES;
     if (checking)
         st->layout_checks++;
@@ -906,7 +906,7 @@ static __always_inline u32 describe_node(struct pt_regs *ctx, struct pi_op_threa
 }
 
 /* What an op event carries for node number `node`: the number; counted in BPF, its type
- * and the phase of the decode call under way as it starts (events.h: PI_OP_KEY). */
+ * and the phase of the decode call under way as it starts (llamacpp.h: PI_OP_KEY). */
 static __always_inline u32 op_number(u32 node)
 {
     node &= ~PI_NODE_EXPERTS;

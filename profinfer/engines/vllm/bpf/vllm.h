@@ -1,5 +1,5 @@
 /* vLLM's event layouts, shared by vllm.bpf.c and its decoder (profinfer/engines/vllm).
- * Layout rules: events.h's (profinfer/core/ebpf/layout.py parses this file). */
+ * Layout rules: llamacpp.h's (profinfer/core/ebpf/layout.py parses this file). */
 #pragma once
 
 #include "transport.h"

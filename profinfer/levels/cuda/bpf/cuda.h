@@ -1,5 +1,5 @@
 /* The CUDA level's layouts, shared by cuda.bpf.c and its decoder (profinfer/cuda).
- * Layout rules: events.h's (profinfer/core/ebpf/layout.py parses this file).
+ * Layout rules: llamacpp.h's (profinfer/core/ebpf/layout.py parses this file).
  *
  * Every probed function (runtime or driver API) has an index, its attach cookie, and a spec
  * in `api_specs` saying what its arguments are (its class) and where its stream is. */
