@@ -78,6 +78,10 @@ def pytest_runtest_setup(item):
         if name not in used:
             close()
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
+# vLLM's CPU builds with AVX-512 run the linear layers in a native op of theirs (SGL's packed
+# kernel, or oneDNN's matmul); on a CPU with AVX2 alone they run in torch's own matmul, which
+# the op level does not probe (docs/vllm.md)
+VLLM_NATIVE_LINEAR = "avx512f" in Path("/proc/cpuinfo").read_text().split()
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import json
 import time
 from collections import Counter
 
+from conftest import VLLM_NATIVE_LINEAR
 from daemon_helpers import Daemon, _get, kill_started, series
 
 
@@ -86,8 +87,10 @@ def test_vllm_op_level_in_the_daemon_counts_every_native_op_call(vllm_engine, tm
             got = series(_get(d.url + "/metrics")[1].decode(), "profinfer_op_calls_total", target.pid, "op")
             time.sleep(0.2)
         assert got == want, d.text()
-        # the linear layers' op (the CPU's: SGL's packed kernel, or oneDNN's with AVX-512 bf16)
-        assert {"weight_packed_linear", "onednn_mm"} & set(got) and "get_scheduler_metadata" in got
+        # the linear layers' op where the CPU's build has one (SGL's packed kernel, or oneDNN's
+        # with AVX-512), and none where it has AVX2 alone
+        assert bool({"weight_packed_linear", "onednn_mm"} & set(got)) == VLLM_NATIVE_LINEAR, got
+        assert "get_scheduler_metadata" in got
     finally:
         if d is not None:
             d.stop()

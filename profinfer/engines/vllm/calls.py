@@ -133,9 +133,12 @@ class CallRecords:
         values, self.values = self.values, {}
         out: dict[int, list[Step]] = {}
         i = self._taken
+        begun = set()       # (tgid, tid, step): its first step-op call begins it, at any depth
         for c in cols:
             for k in range(len(c["op"])):
-                if c["step"][k] and c["depth"][k] == 0 and self.ops[int(c["op"][k])].name in step_rules:
+                if c["step"][k] and self.ops[int(c["op"][k])].name in step_rules and (
+                        key := (int(c["tgid"][k]), int(c["tid"][k]), int(c["step"][k]))) not in begun:
+                    begun.add(key)
                     qsl = values.get(i, ())
                     tgid = int(c["tgid"][k])
                     out.setdefault(tgid, []).append(Step(

@@ -55,7 +55,9 @@ def steps(calls: list[OpCall], step_rules: dict[str, StepRule],
     members: dict[tuple[int, int, int], list[OpCall]] = {}
     for c in calls:                                   # in start order
         key = (c.pid, c.tid, c.step)
-        if c.step and c.op in step_rules and c.depth == 0 and key not in by_key:
+        # the first call of the step op in its step, at whatever depth BPF gave it (an op
+        # whose end the probes missed leaves every later call one deeper)
+        if c.step and c.op in step_rules and key not in by_key:
             qsl = c.values
             lens = tuple(b - a for a, b in zip(qsl, qsl[1:]))
             by_key[key] = Step(c.pid, c.tid, c.start_ns, c.end_ns, qsl[-1] if qsl else 0, lens, 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROFINFER, BpfWatch, attached_generation
+from conftest import PROFINFER, VLLM_NATIVE_LINEAR, BpfWatch, attached_generation
 from profinfer.engines.vllm import comparable as vllm_comparable
 from profinfer.exporters.trace_reader import read_trace
 
@@ -25,9 +25,13 @@ PROFILER_DTYPES = {"c10::BFloat16": "bfloat16", "float": "float32", "int": "int3
 LINEAR_OPS = {"weight_packed_linear": ("mat1", "out"), "onednn_mm": ("a", "c")}
 
 
-def linear_op(truth: dict) -> tuple[str, tuple[str, str]]:
-    """The linear layers' op in a truth record (the one this machine's vLLM called)."""
+def linear_op(truth: dict) -> tuple[str, tuple[str, str]] | None:
+    """The linear layers' op in a truth record (the one this machine's vLLM called); None on a
+    CPU without AVX-512, whose build calls none (torch.profiler's record says so)."""
     found = {c["op"] for c in truth["calls"]} & set(LINEAR_OPS)
+    if not VLLM_NATIVE_LINEAR:
+        assert not found, found
+        return None
     assert len(found) == 1, found
     op = found.pop()
     return op, LINEAR_OPS[op]
@@ -99,7 +103,8 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_engine, vllm_model, rec
     for row in summary["op_shapes"]:
         got[_key(row["op"], row["args"])] += row["count"]
     assert got == want
-    assert len(truth["calls"]) >= 300
+    # enough calls to mean something (the linear layers' are most of them where they are native)
+    assert len(truth["calls"]) >= (300 if VLLM_NATIVE_LINEAR else 120)
     ops = {o["op"] for o in summary["ops"]}
     assert {"cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache"} <= ops
     # eager runs rotary embedding as a native op; compiled makes it a generated kernel
@@ -122,13 +127,17 @@ def test_ops_and_steps_equal_the_process_own_record(vllm_engine, vllm_model, rec
     assert sum(s["calls"] for s in steps) == len(truth["calls"]) - 1
     # roofline: the matmuls' FLOPs from the shapes, as torch.profiler recorded them (the
     # linear layers' op is the CPU's: LINEAR_OPS)
-    op, (a_name, out_name) = linear_op(truth)
-    mm = [c["args"] for c in truth["calls"] if c["op"] == op]
-    flops = sum(2 * a[a_name]["shape"][-1] * a[out_name]["shape"][0] * a[out_name]["shape"][1] for a in mm)
     verdicts = {v["scope"]: v for v in summary["roofline"]["verdicts"]}
-    linear = [v for scope, v in verdicts.items() if scope.endswith(f" {op}")]
-    assert len(linear) == 2 and sum(v["flops"] for v in linear) == flops
-    assert sum(v["nodes"] for v in linear) == len(mm)
+    found = linear_op(truth)
+    if found is None:           # none called: none judged
+        assert not [s for s in verdicts if s.rsplit(" ", 1)[-1] in LINEAR_OPS], verdicts
+    else:
+        op, (a_name, out_name) = found
+        mm = [c["args"] for c in truth["calls"] if c["op"] == op]
+        flops = sum(2 * a[a_name]["shape"][-1] * a[out_name]["shape"][0] * a[out_name]["shape"][1] for a in mm)
+        linear = [v for scope, v in verdicts.items() if scope.endswith(f" {op}")]
+        assert len(linear) == 2 and sum(v["flops"] for v in linear) == flops
+        assert sum(v["nodes"] for v in linear) == len(mm)
     # attention: each new token against its sequence's whole context (4 FLOPs a head, key
     # dimension and context token), the contexts from the scheduler's own steps: the
     # prefill's prompts, then each decode step one token longer; heads, head size and layers
@@ -211,7 +220,9 @@ def test_sched_level_on_native_ops(vllm_engine, tmp_path, bpf_watch):
     from profinfer.levels.sched import stats as schedstats
     truth, summary, _ = run_offline(vllm_engine("eager"), tmp_path, ("--levels", "op,sched"), bpf_watch=bpf_watch)
     assert summary["sched"]["switches"] > 0 and summary["lost_events"] == 0
-    assert {o["op"] for o in summary["sched"]["ops"]} >= {linear_op(truth)[0], "cpu_attention_with_kv_cache"}
+    linear = linear_op(truth)
+    assert {o["op"] for o in summary["sched"]["ops"]} >= {"cpu_attention_with_kv_cache"} | (
+        {linear[0]} if linear else set())
     profile = read_trace(tmp_path / "trace.pftrace")
     lo, hi = truth["start_ns"], truth["end_ns"]
     on_cpu = sum(max(0, min(e, hi) - max(s, lo))
@@ -222,9 +233,9 @@ def test_sched_level_on_native_ops(vllm_engine, tmp_path, bpf_watch):
 
 SCHEMAS_OF_TORCH = """
 import json, sys, torch
-import vllm._C  # registers the ops (the machine's ISA build) with torch
+torch.ops.load_library(sys.argv[1])  # registers the ops (the ISA build this CPU runs) with torch
 out = {}
-for name in sys.argv[1:]:
+for name in sys.argv[2:]:
     packet = getattr(torch.ops._C, name, None)
     if packet is not None:
         out[name] = [[a.name, str(a.type)] for a in packet.default._schema.arguments]
@@ -247,12 +258,16 @@ def test_op_discovery_agrees_with_torch_registry_on_every_isa_build(vllm_python)
                 "get_scheduler_metadata"} <= set(found[lib]), lib
         # a returned tensor takes the hidden pointer: greedy_argmax's logits arrive in rsi
         assert found[lib]["greedy_argmax"].slots == (1,)
-    ours = found["_C.abi3.so"]
-    r = subprocess.run([str(vllm_python), "-c", SCHEMAS_OF_TORCH, *sorted(ours)],
+    # torch registers the build this CPU can run (an AVX-512 one dies of SIGILL on AVX2 alone)
+    flags = Path("/proc/cpuinfo").read_text().split()
+    runs = "_C" if "avx512_bf16" in flags else "_C_AVX512" if "avx512f" in flags else "_C_AVX2"
+    ours = found[f"{runs}.abi3.so"]
+    r = subprocess.run([str(vllm_python), "-c", SCHEMAS_OF_TORCH, str(site / f"{runs}.abi3.so"), *sorted(ours)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     registry = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(registry) >= 60 and set(registry) <= set(ours)
+    # (the AVX2 build has fewer: 43, no matmuls of its own)
+    assert len(registry) >= (40 if runs == "_C_AVX2" else 60) and set(registry) <= set(ours)
     for name, args in registry.items():
         op = ours[name]
         assert [a.name for a in op.schema.args] == [a for a, _ in args], name

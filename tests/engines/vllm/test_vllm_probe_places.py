@@ -17,7 +17,7 @@ from pathlib import Path
 import cxxfilt
 from elftools.elf.elffile import ELFFile
 
-from conftest import attached_run, open_fds
+from conftest import VLLM_NATIVE_LINEAR, attached_run, open_fds
 
 CALLS, CALLS_WITHOUT_KEY, THROWS = 500, 7, 5
 TARGET = r"""
@@ -129,7 +129,8 @@ def test_no_op_probe_is_single_stepped_and_every_call_is_seen(vllm_python, tmp_p
                           str(summary_path), "--quiet"], go,
                  on_attached=lambda prof: links.extend(uprobe_multi_links(prof.pid)))
     probed = [(path, off) for path, offsets in links if "/vllm/_C" in path for off in offsets]
-    assert len(probed) >= 100       # entry and end probes of every op's wrappers
+    # entry and end probes of every op's wrappers (the AVX2 build's 43 ops: 80 of them)
+    assert len(probed) >= (100 if VLLM_NATIVE_LINEAR else 70)
     stepped = {}
     for path, off in sorted(set(probed)):
         insn = instruction_at(path, off)
