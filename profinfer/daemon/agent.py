@@ -39,7 +39,7 @@ from profinfer.core.target.procfs import exit_fd, process_stat
 from profinfer.daemon import discover
 from profinfer.daemon.discover import NodeDiscovery
 from profinfer.core.profile.stats import SequenceTracker
-from profinfer.core.base.config import PARSE_DEADLINE_S, SERIES_TTL_S, STEP_UP_S, WATCH_GRACE_S
+from profinfer.core.base.waits import PARSE_DEADLINE_S, SERIES_TTL_S, STEP_UP_S, WATCH_GRACE_S
 from profinfer.daemon.governor import Governor, level_rank
 from profinfer.daemon.identity import Identity, identify, model_file
 from profinfer.daemon.metrics import Metrics

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from profinfer.core.base.config import BASELINE_SAMPLE_S
+from profinfer.core.base.waits import BASELINE_SAMPLE_S
 
 SAMPLE_S = BASELINE_SAMPLE_S
 MIN_INTERVALS = 3             # fewer, and a baseline has no variation to judge by

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from profinfer.core.ebpf import bpfobj, held, kernel, layout, libbpf, pinned, followed
-from profinfer.core.base import config
+from profinfer.core.base import waits
 from profinfer.core.target import procfs
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.follow import LoaderHooks
@@ -48,12 +48,12 @@ HOLD_MAX_S = 2.0
 ORPHAN_S = 3 * HOLD_MAX_S
 # Another live daemon's held process still in the node's map after this long: that daemon
 # is frozen or deadlocked (its own watchdog would have continued it at ORPHAN_S), and any
-# daemon on the node continues it (3 * ORPHAN_S unless set; config's minimum keeps it past ORPHAN_S)
-STUCK_S = config.HOLD_STUCK_S
+# daemon on the node continues it (3 * ORPHAN_S unless set; waits' minimum keeps it past ORPHAN_S)
+STUCK_S = waits.HOLD_STUCK_S
 # A held process is continued by the kernel itself after this long (hold_deadline.bpf.c):
 # whatever its daemon's state, stopped, frozen or stuck (its watchdog continues it at
 # HOLD_MAX_S, or ORPHAN_S where its record was never read)
-HOLD_DEADLINE_S = config.HOLD_DEADLINE_S
+HOLD_DEADLINE_S = waits.HOLD_DEADLINE_S
 DEADLINE_PROGRAMS = ("hold_deadline_arm", "hold_deadline_retry")
 
 

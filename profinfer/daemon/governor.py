@@ -8,7 +8,7 @@ place (selfcost.added_ns: kernel-counted BPF time + probe hits x trap costs), pl
 of the CPU of the daemon's thread that watches; over its own CPU time. Over the budget, the
 dearest level it has goes (STEP_DOWN_ORDER: op, the cuda level's per-call detail, graph);
 the token or step level is the floor, its own cost reported. A level comes back, the last
-taken first, after config.STEP_UP_S with room (under half the budget, or the process idle) and no
+taken first, after waits.STEP_UP_S with room (under half the budget, or the process idle) and no
 capture of it running, waiting twice as long each time a step up went over again. A running
 capture's price (capture_price) counts against the budget beside the process's own cost.
 

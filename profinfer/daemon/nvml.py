@@ -9,7 +9,7 @@ import time
 
 from prometheus_client.core import GaugeMetricFamily
 
-from profinfer.core.base.config import NVML_STALL_S
+from profinfer.core.base.waits import NVML_STALL_S
 
 
 _nvml = {"state": None, "tried": 0.0, "driver": ""}

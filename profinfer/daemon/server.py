@@ -29,7 +29,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from profinfer.core.base.config import REQUEST_DEADLINE_S, STALL_S
+from profinfer.core.base.waits import REQUEST_DEADLINE_S, STALL_S
 from profinfer.core.base.errors import ProfinferError
 from profinfer.daemon.captures import MAX_CAPTURES, BadRequest, Captures
 from profinfer.daemon.httpserve import BoundedHTTPServer, Lane, Request, Response
