@@ -138,13 +138,19 @@ static int try_end(void *map, u32 *tgid, struct deadline *d)
     return 0;
 }
 
+/* Refused here: pending, and `refusals` raised after it, so a switch that swept meanwhile and
+ * found nothing pending cannot lower it past this one. */
+static __always_inline void refused(struct deadline *d)
+{
+    d->state = PENDING;
+    __sync_fetch_and_add(&refusals, 1);
+}
+
 /* The timer's callback: the deadline came. */
 static int end_hold(void *map, u32 *tgid, struct deadline *d)
 {
-    if (try_end(map, tgid, d)) {
-        d->state = PENDING;
-        __sync_fetch_and_add(&refusals, 1);
-    }
+    if (try_end(map, tgid, d))
+        refused(d);
     return 0;
 }
 
@@ -154,13 +160,13 @@ struct sweep {
 
 static long retry_pending(void *map, u32 *tgid, struct deadline *d, struct sweep *sweep)
 {
-    if (d->state != PENDING)
+    if (d->state == ARMED)
         return 0;
-    sweep->pending = 1;
+    sweep->pending = 1;                     /* pending, or another CPU's switch tries it now */
     if (__sync_val_compare_and_swap(&d->state, PENDING, CLAIMED) != PENDING)
-        return 0;                           /* another CPU's switch has it */
+        return 0;
     if (try_end(map, tgid, d))
-        d->state = PENDING;                 /* this task was no user task's (a kernel thread) */
+        refused(d);                         /* this task was no user task's (a kernel thread) */
     return 0;
 }
 
