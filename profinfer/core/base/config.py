@@ -60,11 +60,11 @@ def in_effect() -> list[tuple[str, str]]:
     return [(n, "set" if s.secret else os.environ[n]) for n, s in SETTINGS.items() if n in os.environ]
 
 
-def env_seconds(name: str, default: float, minimum: float = 0.0) -> float:
-    """A number of seconds (`minimum` or more) from the environment, else `default`."""
+def env_seconds(name: str, minimum: float = 0.0) -> float:
+    """A number of seconds (`minimum` or more) from the environment, else the setting's default."""
     given = text(name)
     if given is None:
-        return default
+        return float(SETTINGS[name].default)
     try:
         value = float(given)
     except ValueError:
