@@ -81,7 +81,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there wa
 # vLLM's CPU builds with AVX-512 run the linear layers in a native op of theirs (SGL's packed
 # kernel, or oneDNN's matmul); on a CPU with AVX2 alone they run in torch's own matmul, which
 # the op level does not probe (docs/vllm.md)
-VLLM_NATIVE_LINEAR = "avx512f" in Path("/proc/cpuinfo").read_text().split()
+CPU_FLAGS = frozenset(Path("/proc/cpuinfo").read_text().split())
+VLLM_NATIVE_LINEAR = "avx512f" in CPU_FLAGS
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROFINFER, VLLM_NATIVE_LINEAR, BpfWatch, attached_generation
+from conftest import CPU_FLAGS, PROFINFER, VLLM_NATIVE_LINEAR, BpfWatch, attached_generation
 from profinfer.engines.vllm import comparable as vllm_comparable
 from profinfer.exporters.trace_reader import read_trace
 
@@ -259,8 +259,7 @@ def test_op_discovery_agrees_with_torch_registry_on_every_isa_build(vllm_python)
         # a returned tensor takes the hidden pointer: greedy_argmax's logits arrive in rsi
         assert found[lib]["greedy_argmax"].slots == (1,)
     # torch registers the build this CPU can run (an AVX-512 one dies of SIGILL on AVX2 alone)
-    flags = Path("/proc/cpuinfo").read_text().split()
-    runs = "_C" if "avx512_bf16" in flags else "_C_AVX512" if "avx512f" in flags else "_C_AVX2"
+    runs = "_C" if "avx512_bf16" in CPU_FLAGS else "_C_AVX512" if "avx512f" in CPU_FLAGS else "_C_AVX2"
     ours = found[f"{runs}.abi3.so"]
     r = subprocess.run([str(vllm_python), "-c", SCHEMAS_OF_TORCH, str(site / f"{runs}.abi3.so"), *sorted(ours)],
                        capture_output=True, text=True, timeout=300)
