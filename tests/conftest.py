@@ -143,9 +143,54 @@ def run_profinfer(args: list[str], env=None, timeout=600, tmp_path: Path | None 
         cmd += [args[0], "--json", str(out), *args[1:]]
     else:
         cmd += args
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    # faulthandler on: a run past its timeout is asked (SIGABRT) where its threads were
+    env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"profinfer {args[0]} ran past {timeout} s\n" + _hung(p))
     summary = json.loads(out.read_text()) if out is not None and out.exists() else None
-    return Run(p.returncode, p.stdout, p.stderr, summary)
+    return Run(p.returncode, stdout, stderr, summary)
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        out += [int(c) for c in children]
+        todo += [int(c) for c in children]
+    return out
+
+
+def _hung(p: subprocess.Popen) -> str:
+    """What a hung profinfer run and its processes were doing: each process's state and kernel
+    wait (a target left stopped reads T), then profinfer's Python stacks; all of them killed."""
+    tree = [p.pid] + _descendants(p.pid)
+    lines = []
+    for pid in tree:
+        try:
+            status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                          if ":\t" in line)
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+            lines.append(f"PID {pid} {status.get('Name', '?')} state {status.get('State', '?')} "
+                         f"wchan {wchan} SigPnd {status.get('ShdPnd', '?')}")
+        except OSError:
+            lines.append(f"PID {pid}: gone")
+    p.send_signal(signal.SIGABRT)
+    try:
+        _, stderr = p.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, stderr = p.communicate()
+    for pid in tree[1:]:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return "\n".join(lines) + "\n--- its stderr's end ---\n" + (stderr or "")[-8000:]
 
 
 _PERF = re.compile(r"(?:llama_perf_context_print|common_perf_print):\s+(prompt eval|eval) time =\s+([\d.]+) ms /\s+(\d+) (tokens|runs)")
