@@ -13,6 +13,9 @@ imports inside functions included):
   pricing); a core module sits in a room or is one of the top's; a room holds at most 15
   modules and says in its __init__.py what it is for; no core module is over 500 lines;
 - no import cycles among modules;
+- only a plugin reads its records: outside a plugin's folder no code compares a record's
+  `what` with a kind its pack declares, or names a function its pack probes (the daemon
+  hands a level's records to the level's daemon_metrics);
 - the tests mirror the code: each folder of tests is a folder of profinfer/ (or a tier:
   soak, gpu), and an engine's internals are imported only by the tests in its own folder
   (tests/engines/<name>/), its bundled workload excepted.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -324,6 +328,92 @@ def test_an_outside_engine_is_an_engine(tmp_path):
                                                   "from pkg.viewers import table\n")
     found = breaches(import_graph([tmp_path / "pkg", tmp_path / "toy"]), project="pkg")
     assert len(found) == 1 and "toy imports pkg.viewers.table" in found[0], found
+
+
+# ---- only a plugin reads its records ----
+
+def pack_vocabulary(top: Path) -> dict[str, tuple[set[str], set[str]]]:
+    """Each plugin folder under top (one with a pack.toml): the record kinds its pack declares
+    (each function's `what`) and the functions it probes."""
+    found = {}
+    for pack in sorted(top.glob("*/*/pack.toml")):
+        spec = tomllib.loads(pack.read_text())
+        functions = spec.get("function", [])
+        found[str(pack.parent.relative_to(top))] = ({f["what"] for f in functions if "what" in f},
+                                                    {n for f in functions for n in f.get("names", [])})
+    return found
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def record_readers(top: Path) -> list[str]:
+    """Code outside a plugin's folder that tests the plugin's record kinds (x.what == "launch",
+    x.what in ("copy", ...)) or names a function its pack probes."""
+    vocab = pack_vocabulary(top)
+    found = []
+    for path in sorted(top.rglob("*.py")):
+        rel = path.relative_to(top)
+        others = {folder: v for folder, v in vocab.items() if not str(rel).startswith(folder + "/")}
+        kinds = {k: f for f, (ks, _) in others.items() for k in ks}
+        functions = {n: f for f, (_, ns) in others.items() for n in ns}
+        tree = ast.parse(path.read_text(), str(path))
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if not any(isinstance(x, ast.Attribute) and x.attr == "what" for x in sides):
+                    continue
+                for x in sides:
+                    values = x.elts if isinstance(x, (ast.Tuple, ast.List, ast.Set)) else [x]
+                    for v in values:
+                        if isinstance(v, ast.Constant) and v.value in kinds:
+                            found.append(f"{rel}:{node.lineno} tests {kinds[v.value]}'s record kind {v.value!r}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                words = node.value.split()
+                for name in sorted(functions):
+                    if any(w.startswith(name) for w in words):
+                        found.append(f"{rel}:{node.lineno} names {functions[name]}'s function {name}")
+                        break
+    return found
+
+
+def test_only_a_plugin_reads_its_records():
+    found = record_readers(ROOT / "profinfer")
+    assert not found, "\n".join(found)
+
+
+READERS_CLEAN = {
+    "pkg/levels/gpu/pack.toml": '[[function]]\nnames = ["gpuLaunch", "gpuAlloc"]\nwhat = "launch"\n',
+    "pkg/levels/gpu/metrics.py": 'def count(c):\n    return c.what == "launch" and c.api.startswith("gpuAlloc")\n',
+    "pkg/daemon/agent.py": '"""Hands gpuLaunch records on."""\ndef seen(ev):\n    return ev.what == "exec"\n',
+}
+READERS_BREACHES = {
+    "a kind compared": ('pkg/daemon/agent.py', 'def kernels(g):\n    return [c for c in g if c.what == "launch"]'),
+    "a kind in a tuple": ('pkg/daemon/agent.py', 'def kernels(g):\n    return [c for c in g if c.what in ("exec", "launch")]'),
+    "a probed function named": ('pkg/core/session.py', 'def live(c):\n    return c.api.startswith("gpuAlloc")'),
+}
+
+
+def _readers_tree(tmp_path: Path, change: tuple[str, str] | None = None) -> list[str]:
+    for rel, text in READERS_CLEAN.items():
+        f = tmp_path / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text + ("\n" + change[1] + "\n" if change and change[0] == rel else ""))
+    if change and change[0] not in READERS_CLEAN:
+        (tmp_path / change[0]).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / change[0]).write_text(change[1] + "\n")
+    return record_readers(tmp_path / "pkg")
+
+
+def test_the_record_reader_check_catches(tmp_path):
+    assert _readers_tree(tmp_path / "clean") == []
+    for kind, change in READERS_BREACHES.items():
+        found = _readers_tree(tmp_path / kind.replace(" ", "_"), change)
+        assert len(found) == 1, (kind, found)
 
 
 # ---- the core's rooms stay small and say what they are for ----

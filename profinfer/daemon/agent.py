@@ -814,10 +814,10 @@ class Agent:
             rt.count_calls(pid, sum(x.count for x in g) if groups else None, len(c))
             w = self.watches.get(pid)
             if w is not None and w.cuda:
-                self.metrics.cuda(w.identity, g, c)
+                quantities = self.metrics.level_records(w.identity, "cuda", g, c)
                 if self.recorder is not None and groups:
-                    syncs = [x for x in g if x.what == "sync"]
-                    self.recorder.observe_syncs(w.identity, sum(x.count for x in syncs), sum(x.total_ns for x in syncs))
+                    for quantity, (n, ns) in quantities.items():
+                        self.recorder.observe_cumulative(w.identity, quantity, n, ns)
         self._shared_lost(rt, rt.collector.lost())
 
     def _shared_lost(self, shared: SharedProbes | SharedRuntime, lost: int) -> None:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import bisect
 import resource
 import threading
+from functools import lru_cache
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from profinfer.core.base import registry
+from profinfer.core.plugin.processmetrics import ProcessMetrics
 from profinfer.core.profile.model import TokenCall
 from profinfer.daemon.identity import Identity, printable
 from profinfer.daemon.nvml import GpuSampler, gpu_changes, gpu_families
@@ -71,19 +74,25 @@ class _Process:
     level: int = 0
     share: float | None = None
     changes: int = 0
-    cuda: dict | None = None            # the cuda level's counts (cumulative, from BPF)
-    live: dict[int, int] = field(default_factory=dict)   # device allocations: pointer -> bytes
     # the graph level, counted in BPF (cumulative): backend -> (computes, ns, nodes, buckets)
     graphs: dict[str, tuple[int, int, int, list[int]]] = field(default_factory=dict)
     shares: dict[str, float] = field(default_factory=dict)   # the share by level ("daemon": its loop)
     # the graph counts of shared objects it has left (the governor moved it): added to the next
     graph_base: dict[str, tuple[int, int, int, list[int]]] = field(default_factory=dict)
+    # level -> its counts (ProcessMetrics), from the first records it was given
+    levels: dict[str, ProcessMetrics] = field(default_factory=dict)
 
     def labels(self, minimal: bool = False) -> list[str]:
         i = self.identity
         if minimal:
             return [i.engine, str(i.pid)]
         return [i.engine, str(i.pid), i.comm, i.container, i.pod, i.namespace]
+
+
+@lru_cache(maxsize=1)
+def level_metrics() -> dict[str, type[ProcessMetrics]]:
+    """Each level's per-process metrics (its daemon_metrics contribution), by level."""
+    return {lv.name: lv.part("daemon_metrics").METRICS for lv in registry.levels() if lv.daemon_metrics}
 
 
 def _observe_call(p: _Process, t: TokenCall) -> None:
@@ -232,53 +241,21 @@ class Metrics:
                 p.share = share
                 p.shares = dict(shares or {})
 
-    def cuda(self, ident: Identity, groups: list, calls: list) -> None:
-        """The cuda level: BPF's cumulative counts (groups) replace the last ones; the calls
-        sent since (allocations and frees) move the live device memory."""
+    def level_records(self, ident: Identity, level: str, counted: list, sent: list) -> dict[str, tuple[int, int]]:
+        """A level's records for the process (its daemon_metrics object reads them): BPF's
+        cumulative counts (counted: they replace the last ones) and the records sent since.
+        Returns the level's cumulative trigger quantities (ProcessMetrics.samples)."""
         with self.lock:
             p = self.processes.get(ident.pid)
             if p is None or p.identity.start != ident.start:
-                return
-            if groups or p.cuda is None:
-                kernels: dict[str, int] = {}
-                copies: dict[str, list[int]] = {}
-                syncs: dict[str, list[float]] = {}
-                graphs = 0
-                for c in groups:
-                    if c.what == "launch" and not c.captured:
-                        kernels[c.kernel] = kernels.get(c.kernel, 0) + c.count
-                    elif c.what in ("copy", "set"):
-                        acc = copies.setdefault(c.copy_kind if c.what == "copy" else "memset", [0, 0])
-                        acc[0] += c.count
-                        acc[1] += c.bytes
-                    elif c.what == "sync":
-                        acc = syncs.setdefault(c.api, [0, 0.0])
-                        acc[0] += c.count
-                        acc[1] += c.total_ns / 1e9
-                    elif "GraphLaunch" in c.api:
-                        graphs += c.count
-                old = p.cuda or {}
-                if self.otlp is not None:     # OTLP counters take what was added since
-                    before = old.get("kernels", {})
-                    top = {k for k, _ in sorted(kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]}
-                    added: dict[str, int] = {}
-                    for k, n in kernels.items():
-                        if n > before.get(k, 0):
-                            name = k if k in top else "other"
-                            added[name] = added.get(name, 0) + n - before.get(k, 0)
-                    self.otlp.cuda(ident, added, graphs - old.get("graphs", 0))
-                p.cuda = {"kernels": kernels, "copies": copies, "syncs": syncs, "graphs": graphs,
-                          "sent_copies": old.get("sent_copies", {})}
-            for c in calls:
-                if c.what == "memory" and c.ret == 0 and c.copy_kind == "device":
-                    if c.api.startswith("cudaMalloc") and c.ptr:
-                        p.live[c.ptr] = c.bytes
-                    elif c.api.startswith("cudaFree"):
-                        p.live.pop(c.ptr, None)
-                elif c.what == "copy":       # Default copies are sent, not counted in BPF
-                    acc = p.cuda["sent_copies"].setdefault(c.copy_kind, [0, 0])
-                    acc[0] += 1
-                    acc[1] += c.bytes
+                return {}
+            m = p.levels.get(level)
+            if m is None:
+                m = p.levels[level] = level_metrics()[level]()
+            added = m.observe(counted, sent)
+            if self.otlp is not None and added:
+                self.otlp.added(ident, added)
+            return m.samples()
 
     def totals(self, ident: Identity) -> dict[str, dict[str, tuple[float, float]]] | None:
         """The process's cumulative counts as the flight recorder's baseline samples them:
@@ -289,14 +266,14 @@ class Metrics:
             p = self.processes.get(ident.pid)
             if p is None or p.identity.start != ident.start:
                 return None
-            cuda = p.cuda or {}
-            return {"op": {op: (n, ns / 1e9) for op, (n, ns) in p.ops.items()},
+            out = {"op": {op: (n, ns / 1e9) for op, (n, ns) in p.ops.items()},
                     "graph": {b: (v[0], v[1] / 1e9) for b, v in p.graphs.items()},
                     # the calls timed (vLLM's last step before it idles is not), else counted
                     "call": {ph: ((sum(p.call_time[ph].counts), p.call_time[ph].total)
-                                  if ph in p.call_time else (n, 0.0)) for ph, n in p.calls.items()},
-                    "kernel": {k: (n, 0.0) for k, n in cuda.get("kernels", {}).items()},
-                    "sync": {a: (v[0], v[1]) for a, v in cuda.get("syncs", {}).items()}}
+                                  if ph in p.call_time else (n, 0.0)) for ph, n in p.calls.items()}}
+            for m in p.levels.values():
+                out.update(m.totals())
+            return out
 
     def lost(self, ident: Identity, n: int) -> None:
         with self.lock:
@@ -339,14 +316,17 @@ class _Exposer:
             procs = [_Process(p.identity, dict(p.calls), dict(p.tokens), p.ttft.copy(), p.tpot.copy(),
                               {k: h.copy() for k, h in p.call_time.items()}, p.lost,
                               {k: list(v) for k, v in p.ops.items()}, p.level, p.share, p.changes,
-                              _copy_cuda(p.cuda), dict(p.live), dict(p.graphs), dict(p.shares))
+                              dict(p.graphs), dict(p.shares),
+                              levels={n: m.copy() for n, m in p.levels.items()})
                      for p in m.processes.values()]
             programs = dict(m.programs)
             watched = m.watched_now
         minimal = m.label_set == "minimal"
         labels = list(PROCESS_LABELS[:2] if minimal else PROCESS_LABELS)
         yield from self._process_families(procs, labels, minimal, m.label_set == "full")
-        yield from _cuda_families(procs, labels, minimal)
+        for name, cls in level_metrics().items():
+            yield from cls.families([(p.labels(minimal), p.levels[name]) for p in procs if name in p.levels],
+                                    labels, minimal, printable)
         yield from self._daemon_families(watched, programs)
 
     @staticmethod
@@ -468,57 +448,3 @@ def _log2_buckets(counts: list[int]) -> list[tuple[str, int]]:
         le = "+Inf" if k == len(counts) - 1 else repr((1 << (k + 1)) * 1024 / 1e9)
         out.append((le, acc))
     return out
-
-
-TOP_KERNELS = 20        # kernel names per process in metrics; the rest are "other"
-
-
-def _copy_cuda(c: dict | None) -> dict | None:
-    if c is None:
-        return None
-    return {"kernels": dict(c["kernels"]), "copies": {k: list(v) for k, v in c["copies"].items()},
-            "syncs": {k: list(v) for k, v in c["syncs"].items()}, "graphs": c["graphs"],
-            "sent_copies": {k: list(v) for k, v in c["sent_copies"].items()}}
-
-
-def _cuda_families(procs: list[_Process], labels: list[str], minimal: bool):
-    launches = CounterMetricFamily("profinfer_cuda_kernel_launches", "CUDA kernel launches" + (
-                                   "" if minimal else f", by kernel (each process's top {TOP_KERNELS} "
-                                   "by launches; the rest: other)"),
-                                   labels=labels + ([] if minimal else ["kernel"]))
-    graphs = CounterMetricFamily("profinfer_cuda_graph_launches", "CUDA graph launches", labels=labels)
-    copies = CounterMetricFamily("profinfer_cuda_copies", "CUDA copies and sets, by kind "
-                                 "(H2H, H2D, D2H, D2D, Default..., memset)", labels=labels + ["kind"])
-    copy_bytes = CounterMetricFamily("profinfer_cuda_copy_bytes", "Bytes CUDA copies and sets moved, "
-                                     "by kind", labels=labels + ["kind"])
-    syncs = CounterMetricFamily("profinfer_cuda_sync_seconds", "Host time blocked in CUDA syncs, by "
-                                "call", labels=labels + ["call"])
-    live = GaugeMetricFamily("profinfer_cuda_live_device_bytes", "Device memory allocated by the "
-                             "process's CUDA runtime calls since profinfer watched it, not freed",
-                             labels=labels)
-    for p in procs:
-        if p.cuda is None:
-            continue
-        lv = p.labels(minimal)
-        ranked = sorted(p.cuda["kernels"].items(), key=lambda kv: -kv[1])
-        if minimal:
-            launches.add_metric(lv, sum(n for _, n in ranked))
-            ranked = []
-        for name, n in ranked[:TOP_KERNELS]:
-            launches.add_metric(lv + [printable(name)], n)     # a symbol of the tenant's file
-        if len(ranked) > TOP_KERNELS:
-            launches.add_metric(lv + ["other"], sum(n for _, n in ranked[TOP_KERNELS:]))
-        graphs.add_metric(lv, p.cuda["graphs"])
-        kinds: dict[str, list[int]] = {}
-        for src in (p.cuda["copies"], p.cuda["sent_copies"]):
-            for kind, (n, b) in src.items():
-                acc = kinds.setdefault(kind, [0, 0])
-                acc[0] += n
-                acc[1] += b
-        for kind, (n, b) in sorted(kinds.items()):
-            copies.add_metric(lv + [kind], n)
-            copy_bytes.add_metric(lv + [kind], b)
-        for call, (_, secs) in sorted(p.cuda["syncs"].items()):
-            syncs.add_metric(lv + [call], secs)
-        live.add_metric(lv, sum(p.live.values()))
-    yield from (launches, graphs, copies, copy_bytes, syncs, live)

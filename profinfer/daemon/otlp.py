@@ -60,7 +60,8 @@ class OtlpExport:
         self.logs.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter(endpoint=base + "/v1/logs"),
                                                                    schedule_delay_millis=1000))
         self.events = self.logs.get_logger("profinfer.flight")
-        meter = self.provider.get_meter("profinfer")
+        meter = self.meter = self.provider.get_meter("profinfer")
+        self.level_counters: dict = {}      # a level's counters by name (added)
         self.ttft = meter.create_histogram(TTFT, unit="s", description="Time to generate the first "
                                            "token of a sequence, from its first prompt decode call")
         self.tpot = meter.create_histogram(TPOT, unit="s", description="Time per output token "
@@ -69,11 +70,6 @@ class OtlpExport:
                                            "engine computed, by gen_ai.token.type: input (prompt), output")
         self.calls = meter.create_counter("profinfer.decode_calls", unit="{call}",
                                           description="Engine decode calls, by phase")
-        # OpenTelemetry eBPF Instrumentation's names for CUDA
-        self.launches = meter.create_counter("gpu.cuda.kernel.launch.calls", unit="{call}",
-                                             description="CUDA kernel launches (cuda.kernel.name)")
-        self.graph_launches = meter.create_counter("gpu.cuda.graph.launch.calls", unit="{call}",
-                                                   description="CUDA graph launches")
         self.graph_computes = meter.create_counter("profinfer.graph.computes", unit="{compute}",
                                                    description="Backend graph computes, by profinfer.backend")
         self.graph_time = meter.create_counter("profinfer.graph.compute.time", unit="s",
@@ -94,13 +90,16 @@ class OtlpExport:
             for _ in range(n):
                 self.tpot.record(per_token / 1e9, attrs)
 
-    def cuda(self, ident: Identity, launches: dict[str, int], graphs: int) -> None:
+    def added(self, ident: Identity, added: list) -> None:
+        """What a level's counters gained (processmetrics.Added): each counter made at its
+        first use."""
         attrs = attributes(ident)
-        for kernel, n in launches.items():
-            # each process's top kernels by name, the rest as "other" (bounded, as /metrics)
-            self.launches.add(n, {**attrs, "cuda.kernel.name": kernel})
-        if graphs > 0:
-            self.graph_launches.add(graphs, attrs)
+        for a in added:
+            counter = self.level_counters.get(a.name)
+            if counter is None:
+                counter = self.level_counters[a.name] = self.meter.create_counter(
+                    a.name, unit=a.unit, description=a.description)
+            counter.add(a.count, {**attrs, **dict(a.attributes)})
 
     def graphs(self, ident: Identity, backend: str, computes: int, seconds: float) -> None:
         attrs = {**attributes(ident), "profinfer.backend": backend}

@@ -12,11 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from daemon_helpers import _STARTED, Daemon, _get, cuda_log_counts, kill_started, series
+from daemon_helpers import _STARTED, Daemon, OtlpReceiver, _get, cuda_log_counts, kill_started, series
 from profinfer.levels.cuda import workload
 from conftest import TESTS
 
 PROGRAM = TESTS / "levels" / "cuda" / "programs" / "cuda_calls.cu"
+
+
+def _attrs(dp) -> dict:
+    return {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in dp.attributes}
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +35,8 @@ def test_cuda_counts_in_the_daemon_equal_the_programs_log(tmp_path):
     # the runtime linked in (the driver part, dlopen'd when the calls begin, is left out: the
     # daemon probes a library a process loads later within a scan, not before its first call)
     static, shared = workload.build_program(PROGRAM, "static"), workload.build_program(PROGRAM, "shared")
-    d = Daemon(tmp_path)
+    receiver = OtlpReceiver()
+    d = Daemon(tmp_path, ("--otlp", receiver.url, "--otlp-interval", "0.5"))
     go = tmp_path / "go"
     try:
         procs = []
@@ -69,6 +74,22 @@ def test_cuda_counts_in_the_daemon_equal_the_programs_log(tmp_path):
             got_bytes = series(text, "profinfer_cuda_copy_bytes_total", proc.pid, "kind")
             assert {k: int(v) for k, v in got_bytes.items()} == dict(want_bytes)
             assert series(text, "profinfer_cuda_graph_launches_total", proc.pid, None) == {"": graphs}
+        # the same launches by OTLP, under OpenTelemetry eBPF Instrumentation's names
+        for proc, log in procs:
+            want_kernels, _, graphs = cuda_log_counts(log)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                got, got_graphs = {}, 0
+                for dp in receiver.points("gpu.cuda.kernel.launch.calls"):
+                    a = _attrs(dp)
+                    if a["process.pid"] == proc.pid:
+                        got[a["cuda.kernel.name"]] = got.get(a["cuda.kernel.name"], 0) + dp.as_int
+                got_graphs = sum(dp.as_int for dp in receiver.points("gpu.cuda.graph.launch.calls")
+                                 if _attrs(dp)["process.pid"] == proc.pid)
+                if got == dict(want_kernels) and got_graphs == graphs:
+                    break
+                time.sleep(0.3)
+            assert (got, got_graphs) == (dict(want_kernels), graphs)
         # its last process gone, the object goes
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -78,6 +99,7 @@ def test_cuda_counts_in_the_daemon_equal_the_programs_log(tmp_path):
         assert not any(g["engine"] == "CUDA" for g in json.loads(_get(d.url + "/status")[1])["shared_probes"])
     finally:
         d.stop()
+        receiver.close()
 
 
 def calls_until_stopped(program: Path, tmp_path: Path, d: Daemon, level: str) -> tuple[subprocess.Popen, Path]:

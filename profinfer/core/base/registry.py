@@ -46,6 +46,9 @@ class Plugin:
     # An engine's module with trap_in_situ_ns(profile, barrier_handler_ns, cols): one probe
     # hit's trap as the engine paid it, read from a recording that does not hold it in meta.
     accounting: str | None = None
+    # A level's module whose METRICS (a plugin.processmetrics.ProcessMetrics) keeps what the
+    # daemon shows of the level per process: the daemon hands it the level's records.
+    daemon_metrics: str | None = None
 
     kind = "plugin"
 
@@ -68,7 +71,7 @@ class Plugin:
 
     def part(self, contribution: str):
         """The module of one contribution ("report", "timeline", "commands",
-        "process_caches", "accounting"), or None."""
+        "process_caches", "accounting", "daemon_metrics"), or None."""
         name = getattr(self, contribution)
         return importlib.import_module(f"{self.module}.{name}") if name else None
 

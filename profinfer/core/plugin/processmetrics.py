@@ -1,0 +1,51 @@
+"""What a level adds to the daemon's metrics of each process it watches at that level (the
+level's `daemon_metrics` contribution): its counts, kept in one object per process, fed the
+level's records by the daemon, copied at each scrape into Prometheus families, and sampled by
+the flight recorder. Only the level reads its record kinds: the daemon passes them on."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+
+@dataclass(frozen=True)
+class Added:
+    """What a counter gained since the last observation, for an OTLP export: the counter's
+    OpenTelemetry name, unit and description, and the attributes besides the process's."""
+    name: str
+    unit: str
+    description: str
+    count: int
+    attributes: tuple[tuple[str, str], ...] = ()
+
+
+class ProcessMetrics:
+    """One process's counts of a level."""
+
+    def observe(self, counted: list, sent: list) -> list[Added]:
+        """counted: BPF's cumulative counts of the process, which replace the last ones (empty:
+        none were read this time); sent: the records sent since. Returns what its counters
+        gained since the last call."""
+        raise NotImplementedError
+
+    def copy(self) -> "ProcessMetrics":
+        """A copy to expose at a scrape while the daemon goes on."""
+        raise NotImplementedError
+
+    def totals(self) -> dict[str, dict[str, tuple[float, float]]]:
+        """Cumulative counts as the flight recorder's baseline samples them: family -> item ->
+        (count, seconds)."""
+        return {}
+
+    def samples(self) -> dict[str, tuple[int, int]]:
+        """Cumulative (calls, ns) of each trigger quantity this level gives (e.g. "sync"): the
+        mean of the calls made since the last read is one sample."""
+        return {}
+
+    @staticmethod
+    def families(processes: list[tuple[list[str], "ProcessMetrics"]], labels: list[str], minimal: bool,
+                 printable: Callable[[str], str]) -> Iterable:
+        """The level's Prometheus families over the processes (each with its label values):
+        every family, with or without samples. `minimal`: no names a tenant chose; a name
+        that is the tenant's goes through `printable`."""
+        raise NotImplementedError
