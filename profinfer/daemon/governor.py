@@ -24,6 +24,7 @@ from typing import Callable
 
 from profinfer.core.ebpf import libbpf
 from profinfer.core.calibration import probecost
+from profinfer.core.calibration.hits import TRAP_KEYS
 from profinfer.core.target import procfs
 from profinfer.core.target.procfs import stat_fields
 from profinfer.core.calibration.selfcost import added_ns
@@ -39,7 +40,6 @@ FLOOR_LEVELS = ("token", "step")
 # the op level too where the engine's plugin says its ops are called there (ops_on_callers)
 CALLER_LEVELS = ("token", "step", "graph")
 LEVEL_RANK = {"op": 3, "graph": 2, "token": 1, "step": 1}
-TRAP_KEYS = ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")
 MIN_CPU_TO_JUDGE_NS = 50_000_000
 # a process that did next to nothing for this long (Governor._quiet: under MIN_CPU_TO_JUDGE_NS
 # of CPU, or no decode call or step with its calling threads near still) is idle, and stays

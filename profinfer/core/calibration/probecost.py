@@ -23,6 +23,7 @@ import time
 
 from profinfer.core.target import buildcache
 from profinfer.core.calibration import loadcheck, nativebuild
+from profinfer.core.calibration.hits import Hit
 from profinfer.core.ebpf.perf_event_open import PerfEventAttr, perf_event_open
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.calibration.loadcheck import UnreliableMeasurement
@@ -148,8 +149,8 @@ def measure_quick(attempts: int = 2) -> tuple[dict | None, str]:
 
 
 def _as_costs(cost: dict) -> dict:
-    return {"emulated_ns": round(cost["emulated"], 1), "stepped_ns": round(cost["stepped"], 1),
-            "uretprobe_extra_ns": round(max(cost["with_return"] - cost["emulated"], 0.0), 1)}
+    return {Hit.EMULATED.price_key: round(cost["emulated"], 1), Hit.STEPPED.price_key: round(cost["stepped"], 1),
+            Hit.RETURN.price_key: round(max(cost["with_return"] - cost["emulated"], 0.0), 1)}
 
 
 def measure() -> dict:

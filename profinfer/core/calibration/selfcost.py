@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from profinfer.core.base import registry
+from profinfer.core.calibration.hits import Hit, no_hits, trap_ns
 from profinfer.core.profile.model import Profile
 from profinfer.core.profile.opcolumns import OpColumns, as_columns
 
@@ -152,10 +153,9 @@ def added_ns(counts: dict, trap_costs: dict) -> float:
     hits_emulated, hits_stepped, hits_return, and trap_in_situ_ns where the collector has
     measured an emulated trap in its target: that prices the emulated hits); trap_costs: as
     probecost gives them (emulated_ns, stepped_ns, uretprobe_extra_ns)."""
-    emulated = counts.get("trap_in_situ_ns") or trap_costs["emulated_ns"]
-    return (counts.get("bpf_ns", 0) + counts.get("hits_emulated", 0) * emulated
-            + counts.get("hits_stepped", 0) * trap_costs["stepped_ns"]
-            + counts.get("hits_return", 0) * trap_costs["uretprobe_extra_ns"])
+    prices = dict(trap_costs)
+    prices[Hit.EMULATED.price_key] = counts.get("trap_in_situ_ns") or trap_costs[Hit.EMULATED.price_key]
+    return counts.get("bpf_ns", 0) + trap_ns({h.value: counts.get(h.count_key, 0) for h in Hit}, prices)
 
 
 def program_totals(stats: dict[str, tuple[int, int]]) -> dict[str, int]:
@@ -165,7 +165,7 @@ def program_totals(stats: dict[str, tuple[int, int]]) -> dict[str, int]:
     its probes, start at 0 for the engine to add."""
     out = {"bpf_ns": sum(ns for ns, _ in stats.values()),
            "bpf_runs": sum(n for _, n in stats.values()),
-           "hits_emulated": 0, "hits_stepped": 0, "hits_return": 0}
+           **no_hits()}
     for prog, (ns, runs) in sorted(stats.items()):      # as bpftool prog show has them
         out[f"runs:{prog}"] = runs
         if runs:
@@ -194,13 +194,12 @@ def _compute(profile: Profile, hit_costs_ns: dict[str, float] | None) -> SelfCos
         except (KeyError, ValueError):
             return None
 
-    hits = {k: num(f"cost:hits_{k}") or 0 for k in ("emulated", "stepped", "return")}
+    hits = {h.value: num(f"cost:{h.count_key}") or 0 for h in Hit}
     costs = None
     trap = None
     if hit_costs_ns:
-        costs = {"emulated": hit_costs_ns["emulated_ns"], "stepped": hit_costs_ns["stepped_ns"],
-                 "return": hit_costs_ns["uretprobe_extra_ns"]}
-        trap = sum(hits[k] * costs[k] for k in hits)
+        costs = {h.value: hit_costs_ns[h.price_key] for h in Hit}
+        trap = trap_ns(hits, hit_costs_ns)
     def seconds_as_ns(key: str) -> int | None:
         try:
             return int(float(meta[key]) * 1e9)

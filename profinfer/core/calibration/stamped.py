@@ -12,13 +12,13 @@ import os
 import platform
 from dataclasses import dataclass
 
-from profinfer.core.calibration import machine_roofs, probecost
+from profinfer.core.calibration import hits, machine_roofs, probecost
 from profinfer.core.profile.model import Profile
 from profinfer.core.profile.opcolumns import as_columns
 from profinfer.core.calibration.roofline import Roofs
 
 ROOF_KEYS = ("read_gbps", "triad_gbps", "fma_gflops", "threads", "check", "measured_at")
-TRAP_KEYS = ("emulated_ns", "stepped_ns", "uretprobe_extra_ns", "check", "measured_at")
+STAMPED_TRAP_KEYS = hits.TRAP_KEYS + ("check", "measured_at")
 
 
 def _op_threads(profile: Profile) -> int:
@@ -47,7 +47,7 @@ def stamp(profile: Profile) -> None:
         meta["roofs:cpus"] = str(os.cpu_count())
     trap = probecost.cached()
     if trap is not None:
-        meta.update((f"trap:{k}", str(trap[k])) for k in TRAP_KEYS if k in trap)
+        meta.update((f"trap:{k}", str(trap[k])) for k in STAMPED_TRAP_KEYS if k in trap)
         meta["trap:cpu"] = machine_roofs.cpu_model()
         meta["trap:kernel"] = platform.release()
 
@@ -102,7 +102,7 @@ def roofs(profile: Profile) -> Judged:
 def trap_costs(profile: Profile) -> Judged:
     meta = profile.meta
     try:
-        stored = {k: float(meta[f"trap:{k}"]) for k in ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")}
+        stored = {k: float(meta[f"trap:{k}"]) for k in hits.TRAP_KEYS}
     except (KeyError, ValueError):
         stored = None
     if stored is not None:
@@ -111,6 +111,6 @@ def trap_costs(profile: Profile) -> Judged:
     local = probecost.cached()
     if local is None:
         return Judged(None, False, "no trap costs in the recording nor on this machine")
-    return Judged({k: local[k] for k in ("emulated_ns", "stepped_ns", "uretprobe_extra_ns")}, False,
+    return Judged({k: local[k] for k in hits.TRAP_KEYS}, False,
                   f"the recording stores no trap costs: this machine's are used ({machine_roofs.cpu_model()}, "
                   f"kernel {platform.release()})")

@@ -66,6 +66,7 @@ import numpy as np
 
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.calibration import selfcost
+from profinfer.core.calibration.hits import Hit
 from profinfer.core.ebpf import bpfobj, kernel, layout, libbpf, perfevents
 from profinfer.core.ebpf.transport import EventTransport, attach_failed
 from profinfer.core.plugin.attach import Attachment, Settings
@@ -450,11 +451,11 @@ def add_hits(cost: dict[str, int], n: int, entry_emulated: bool | None = None,
     return probe's own entry trap where no entry probe shares its place (return_trap_emulated:
     None where one does)."""
     if entry_emulated is not None:
-        cost["hits_emulated" if entry_emulated else "hits_stepped"] += n
+        cost[(Hit.EMULATED if entry_emulated else Hit.STEPPED).count_key] += n
     if returns:
-        cost["hits_return"] += n
+        cost[Hit.RETURN.count_key] += n
     if return_trap_emulated is not None:
-        cost["hits_emulated" if return_trap_emulated else "hits_stepped"] += n
+        cost[(Hit.EMULATED if return_trap_emulated else Hit.STEPPED).count_key] += n
 
 
 def program_costs(stats: dict[str, tuple[int, int]]) -> dict[str, int]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from profinfer.core.calibration.hits import Hit
 from profinfer.core.plugin import collector as core
 from profinfer.core.target import process
 from profinfer.core.ebpf import libbpf
@@ -380,8 +381,9 @@ class LlamaCppCollector(core.Collector):
         # Probes on library files (record) also trap in processes not followed: their hits are
         # theirs, not the target's (their BPF time, a map lookup each, stays in bpf_ns).
         other = self.tallies.get("other_process_hits", 0)
-        out["hits_emulated"] -= min(other, out["hits_emulated"])
-        out["hits_return"] -= min(self.tallies.get("other_process_returns", 0), out["hits_return"])
+        emulated, returns = Hit.EMULATED.count_key, Hit.RETURN.count_key
+        out[emulated] -= min(other, out[emulated])
+        out[returns] -= min(self.tallies.get("other_process_returns", 0), out[returns])
         out["other_process_hits"] = other + self.tallies.get("other_process_returns", 0)
         return out
 

@@ -18,6 +18,7 @@ import numpy as np
 from profinfer.core.target import process
 from profinfer.core.ebpf import libbpf
 from profinfer.core.target.arch import placement
+from profinfer.core.calibration.hits import Hit
 from profinfer.core.plugin.collector import Collector, add_hits, program_costs
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import Profile
@@ -326,7 +327,7 @@ class CudaCollector(Collector):
             add_hits(cost, n, self.sites.placements[name].emulated, returns=name in returns)
         # driver launches the runtime made: trapped, then skipped in BPF (emulated or not,
         # as the driver's probes are placed: counted as single-stepped, the dearer)
-        cost["hits_stepped"] += nested
+        cost[Hit.STEPPED.count_key] += nested
         return cost
 
     def _groups(self) -> list[np.ndarray]:

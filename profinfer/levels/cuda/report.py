@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from profinfer.core.calibration import stamped
+from profinfer.core.calibration.hits import Hit, trap_ns
 from profinfer.core.profile.model import Profile
 from profinfer.core.plugin.sections import ReportSection, SeriesSection, SummarySection
 from profinfer.core.plugin.tables import ms, placement_line
@@ -78,14 +79,13 @@ def cuda_cost(profile: Profile) -> dict | None:
     calls = sum(c.count for c in profile.cuda_calls)
     if not calls:
         return None
-    hits = {k: int(meta.get(f"cuda_cost:hits_{k}", 0)) for k in ("emulated", "stepped", "return")}
+    hits = {h.value: int(meta.get(f"cuda_cost:{h.count_key}", 0)) for h in Hit}
     costs = stamped.trap_costs(profile).value
     out = {"calls": calls, "bpf_ns": int(meta["cuda_cost:bpf_ns"]), "hits": hits}
     if costs:
         # a return probe shares its function's first-instruction trap with the entry probe:
         # it adds what the return costs beyond it (probecost's uretprobe_extra_ns)
-        trap = (hits["emulated"] * costs["emulated_ns"] + hits["stepped"] * costs["stepped_ns"]
-                + hits["return"] * costs["uretprobe_extra_ns"])
+        trap = trap_ns(hits, costs)
         out["trap_ns"] = trap
         out["per_call_ns"] = (trap + out["bpf_ns"]) / calls
     return out
