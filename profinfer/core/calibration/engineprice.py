@@ -6,7 +6,6 @@ and says where the price was measured.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 from dataclasses import asdict, dataclass
 
@@ -48,7 +47,6 @@ def save(p: EnginePrice, build_ids: list[str]) -> None:
     """Cache `p` for each of these builds (the probed files'), replacing an older price; two
     savers at once take turns (a lock file beside it), so neither loses the other's."""
     path = _cache_path()
-    tmp = f"{path}.{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(f"{path}.lock", "a") as lock:
@@ -56,9 +54,7 @@ def save(p: EnginePrice, build_ids: list[str]) -> None:
             cached = _read()
             for b in build_ids:
                 cached[b] = asdict(p)
-            with open(tmp, "w") as f:
-                json.dump(cached, f, indent=1)
-            os.replace(tmp, path)
+            buildcache.write_json(path, cached, indent=1)
     except OSError as e:
         raise ProfinferError(f"the price could not be cached in {path}: {e.strerror}") from None
 

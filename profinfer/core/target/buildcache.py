@@ -157,10 +157,20 @@ def store_entry(path: Path | str, key: str, entry) -> None:
     cache = load_trusted_dict(path)
     cache[key] = entry
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(cache, f, indent=2)
-    os.replace(tmp, path)
+    write_json(path, cache, indent=2)
+
+
+def write_json(path: Path | str, value, indent: int | None = None) -> None:
+    """`value` as JSON at `path`, written whole under a temporary name and renamed: a
+    concurrent reader sees the old file or the new one, never part of it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=indent)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def private_dir() -> Path:

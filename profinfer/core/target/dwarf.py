@@ -6,14 +6,12 @@ deadline (parsing.py), and reads no more DWARF than MAX_DWARF_BYTES."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 
 from elftools.dwarf.ranges import BaseAddressEntry
 from elftools.elf.elffile import ELFFile
 
 from profinfer.core.target import parsing, procfs
-from profinfer.core.target.buildcache import cache_dir, load_trusted_json, writable_dir
+from profinfer.core.target.buildcache import cache_dir, load_trusted_json, writable_dir, write_json
 from profinfer.core.target.elfheaders import elf_file
 from profinfer.core.base.errors import ProfinferError
 
@@ -98,10 +96,7 @@ def _cached(what: str, function: str, path: str, *args):
     if directory is None:
         _in_memory[name] = found
         return found
-    tmp = directory / f"{name}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(found, f)
-    os.replace(tmp, directory / name)    # atomic: a concurrent reader sees all or nothing
+    write_json(directory / name, found)
     return found
 
 
