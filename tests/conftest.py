@@ -145,31 +145,35 @@ def run_profinfer(args: list[str], env=None, timeout=600, tmp_path: Path | None 
         cmd += args
     # faulthandler on: a run past its timeout is asked (SIGABRT) where its threads were
     env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        stdout, stderr = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"profinfer {args[0]} ran past {timeout} s\n" + _hung(p))
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as p:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"profinfer {args[0]} ran past {timeout} s\n" + _hung(p))
     summary = json.loads(out.read_text()) if out is not None and out.exists() else None
     return Run(p.returncode, stdout, stderr, summary)
 
 
 def _descendants(pid: int) -> list[int]:
+    """Every process below pid (the children of each of its threads, and theirs)."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
-        try:
-            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        out += [int(c) for c in children]
-        todo += [int(c) for c in children]
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            out += children
+            todo += children
     return out
 
 
 def _hung(p: subprocess.Popen) -> str:
     """What a hung profinfer run and its processes were doing: each process's state and kernel
-    wait (a target left stopped reads T), then profinfer's Python stacks; all of them killed."""
+    wait (a target left stopped reads T), then profinfer's Python stacks; all of them killed.
+    The processes below profinfer hold its output pipes: they are killed before its output is
+    read, or reading would wait for them."""
     tree = [p.pid] + _descendants(p.pid)
     lines = []
     for pid in tree:
@@ -178,18 +182,20 @@ def _hung(p: subprocess.Popen) -> str:
                           if ":\t" in line)
             wchan = Path(f"/proc/{pid}/wchan").read_text()
             lines.append(f"PID {pid} {status.get('Name', '?')} state {status.get('State', '?')} "
-                         f"wchan {wchan} SigPnd {status.get('ShdPnd', '?')}")
+                         f"wchan {wchan} ShdPnd {status.get('ShdPnd', '?')}")
         except OSError:
             lines.append(f"PID {pid}: gone")
     p.send_signal(signal.SIGABRT)
-    try:
-        _, stderr = p.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        _, stderr = p.communicate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.wait(timeout=10)                  # faulthandler writes the stacks, then it dies
+    p.kill()                                # a no-op once it is reaped
     for pid in tree[1:]:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+    try:
+        _, stderr = p.communicate(timeout=10)
+    except subprocess.TimeoutExpired:       # a grandchild of its own holds the pipes still
+        stderr = "(its stderr not read: a process outside its tree holds the pipe)"
     return "\n".join(lines) + "\n--- its stderr's end ---\n" + (stderr or "")[-8000:]
 
 

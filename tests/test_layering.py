@@ -334,13 +334,16 @@ def test_an_outside_engine_is_an_engine(tmp_path):
 
 def pack_vocabulary(top: Path) -> dict[str, tuple[set[str], set[str]]]:
     """Each plugin folder under top (one with a pack.toml): the record kinds its pack declares
-    (each function's `what`) and the functions it probes."""
+    (each function's `what`) and the functions it probes (a level's functions' names, an
+    engine's probes' functions)."""
     found = {}
     for pack in sorted(top.glob("*/*/pack.toml")):
         spec = tomllib.loads(pack.read_text())
         functions = spec.get("function", [])
+        probes = spec.get("probe", [])
         found[str(pack.parent.relative_to(top))] = ({f["what"] for f in functions if "what" in f},
-                                                    {n for f in functions for n in f.get("names", [])})
+                                                    {n for f in functions for n in f.get("names", [])}
+                                                    | {p["function"] for p in probes if "function" in p})
     return found
 
 
@@ -390,11 +393,13 @@ READERS_CLEAN = {
     "pkg/levels/gpu/pack.toml": '[[function]]\nnames = ["gpuLaunch", "gpuAlloc"]\nwhat = "launch"\n',
     "pkg/levels/gpu/metrics.py": 'def count(c):\n    return c.what == "launch" and c.api.startswith("gpuAlloc")\n',
     "pkg/daemon/agent.py": '"""Hands gpuLaunch records on."""\ndef seen(ev):\n    return ev.what == "exec"\n',
+    "pkg/engines/toy/pack.toml": '[[probe]]\nfunction = "toy_decode"\n',
 }
 READERS_BREACHES = {
     "a kind compared": ('pkg/daemon/agent.py', 'def kernels(g):\n    return [c for c in g if c.what == "launch"]'),
     "a kind in a tuple": ('pkg/daemon/agent.py', 'def kernels(g):\n    return [c for c in g if c.what in ("exec", "launch")]'),
     "a probed function named": ('pkg/core/session.py', 'def live(c):\n    return c.api.startswith("gpuAlloc")'),
+    "an engine's probed function named": ('pkg/daemon/agent.py', 'STEP = "toy_decode"'),
 }
 
 

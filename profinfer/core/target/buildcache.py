@@ -163,14 +163,17 @@ def store_entry(path: Path | str, key: str, entry) -> None:
 def write_json(path: Path | str, value, indent: int | None = None) -> None:
     """`value` as JSON at `path`, written whole under a temporary name and renamed: a
     concurrent reader sees the old file or the new one, never part of it."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    fd, tmp = tempfile.mkstemp(prefix=f"{os.path.basename(path)}.", suffix=".tmp",
+                               dir=os.path.dirname(path) or ".")    # a name of its own: threads may write at once
     try:
-        with open(tmp, "w") as f:
+        with os.fdopen(fd, "w") as f:
             json.dump(value, f, indent=indent)
+        os.chmod(tmp, 0o644)        # as open() would have made it (mkstemp's are 0600)
         os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
+        raise
 
 
 def private_dir() -> Path:
