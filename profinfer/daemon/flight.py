@@ -36,7 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.special import betaincinv
 
 from profinfer.core.base.errors import ProfinferError
 
@@ -119,7 +118,12 @@ class Trigger:
 def share_beyond_low(beyond: int, n: int) -> float:
     """The one-sided lower bound, at CONFIDENCE, on the share of a quantity's samples beyond a
     limit, from `beyond` of `n` (Clopper-Pearson)."""
-    return float(betaincinv(beyond, n - beyond + 1, 1 - CONFIDENCE)) if 0 < beyond <= n else 0.0
+    if not 0 < beyond <= n:
+        return 0.0
+    # imported here: scipy's import takes ~0.3 s, which every command reaching this module's
+    # display helpers (a recording's summary) would pay
+    from scipy.special import betaincinv
+    return float(betaincinv(beyond, n - beyond + 1, 1 - CONFIDENCE))
 
 
 def resolves(trigger: "Trigger", samples: np.ndarray, limit: float) -> bool:
