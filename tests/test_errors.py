@@ -224,6 +224,24 @@ def test_probe_packs_of_the_wrong_shape(tmp_path, text, says):
     assert "not UTF-8 text" in one_line_error(run(["record", "--pack", str(pack), "--", "true"]))
 
 
+@pytest.mark.parametrize("plugin, pack, says", [
+    ('bpf="dup.bpf.c", collector="collector:C"', 'bpf = "other.bpf.c"\nlibraries = ["libdup.so"]\n',
+     "bpf in its pack.toml: its plugin (dupplugin.PLUGIN) declares them"),
+    ('', 'libraries = ["libdup.so"]\n', "a pack.toml, but no bpf or collector in its PLUGIN")],
+    ids=["declared twice", "declared nowhere"])
+def test_a_plugins_pack_declares_only_the_binaries_facts(tmp_path, plugin, pack, says):
+    """A bundled pack's program and collector are its plugin's: in its pack.toml too, or in
+    neither, is one clear line."""
+    (tmp_path / "dupplugin").mkdir()
+    (tmp_path / "dupplugin" / "__init__.py").write_text(
+        "from profinfer.core.base.registry import Engine\n"
+        f"PLUGIN = Engine('dupplugin', __name__, title='dup'{', ' + plugin if plugin else ''})\n")
+    (tmp_path / "dupplugin" / "pack.toml").write_text(pack)
+    env = {**os.environ, "PROFINFER_PLUGINS": "dupplugin",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    assert says in one_line_error(run(["record", "--pack", "dupplugin", "--", "true"], env=env))
+
+
 @pytest.mark.parametrize("env", [{"PROFINFER_PLUGINS": ":"}, {"PROFINFER_PLUGINS": ".relative"}])
 def test_environment_values_that_name_nothing(trace, env):
     assert "cannot load it" in one_line_error(run(["report", str(trace)], env={**os.environ, **env}))

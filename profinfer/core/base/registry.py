@@ -30,6 +30,11 @@ class Plugin:
     name: str
     module: str                                      # the package that declares it
     title: str = ""                                  # for people: "llama.cpp", "CUDA"
+    # Its probes' program and decoder (where its pack probes functions): the BPF source in
+    # its bpf/, and its collector class in a module of its package ("collector:CudaCollector").
+    # Its pack.toml holds only what is read from the binaries (libraries, marker, probes).
+    bpf: str | None = None
+    collector: str | None = None
     # What the daemon may ask its collector for, e.g. "tokens_by_process", "op_totals" (ops
     # counted in BPF per op type and phase, which a session without a timeline asks for too),
     # and what it should know of it: "ops_on_callers" (its op probes trap only in the threads

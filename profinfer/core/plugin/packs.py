@@ -79,6 +79,7 @@ def pack_names() -> list[str]:
 
 def load_pack(name: str) -> Pack:
     """A bundled pack by name, or a pack file (a path ending in .toml)."""
+    plugin = None
     if name.endswith(".toml"):
         try:
             text = procfs.read_regular(name, PACK_MAX_BYTES).decode()
@@ -96,6 +97,8 @@ def load_pack(name: str) -> Pack:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ProfinferError(f"probe pack {name}: not TOML ({e})") from None
+    if not name.endswith(".toml") and plugin is not None:
+        raw = _declared_by(plugin, name, raw)
     missing = [k for k in ("engine", "bpf", "libraries", "decoder") if k not in raw]
     if missing:
         raise ProfinferError(f"probe pack {name}: no {', '.join(missing)}")
@@ -113,6 +116,23 @@ def load_pack(name: str) -> Pack:
             numbered=p.get("numbered", False), table=p))
     return Pack(name, raw["engine"], raw["bpf"], raw["libraries"], raw.get("marker", ""),
                 raw["decoder"], probes, raw)
+
+
+PLUGIN_DECLARES = ("engine", "bpf", "decoder", "level")
+
+
+def _declared_by(plugin, name: str, raw: dict) -> dict:
+    """A bundled pack's keys that its plugin declares (its title, BPF program, collector, and
+    being a level), added to what its pack.toml reads from the binaries; declared in both
+    places is an error, as is a plugin with a pack but no program or collector."""
+    twice = [k for k in PLUGIN_DECLARES if k in raw]
+    if twice:
+        raise ProfinferError(f"probe pack {name}: {', '.join(twice)} in its pack.toml: its plugin "
+                             f"({plugin.module}.PLUGIN) declares them")
+    if not plugin.bpf or not plugin.collector:
+        raise ProfinferError(f"plugin {plugin.module}: a pack.toml, but no bpf or collector in its PLUGIN")
+    return {**raw, "engine": plugin.title or plugin.name, "bpf": plugin.bpf,
+            "decoder": f"{plugin.module}.{plugin.collector}", **({"level": plugin.name} if plugin.kind == "level" else {})}
 
 
 def _check_probe(pack: str, p) -> None:
