@@ -252,8 +252,8 @@ class Metrics:
             m = p.levels.get(level)
             if m is None:
                 m = p.levels[level] = level_metrics()[level]()
-            added = m.observe(counted, sent)
-            if self.otlp is not None and added:
+            m.observe(counted, sent)
+            if self.otlp is not None and (added := m.added()):
                 self.otlp.added(ident, added)
             return m.samples()
 

@@ -46,8 +46,8 @@ class FlightRecorder:
         # counted; said once per (pid, start, trigger) until it captures or fails
         self.deferred = 0
         self.deferred_said: set[tuple] = set()
-        # a level's last cumulative (calls, ns) of a quantity, by (pid, start, quantity)
-        self.cumulative_seen: dict[tuple, tuple[int, int]] = {}
+        # a level's last cumulative (calls, ns) of each quantity, by (pid, start)
+        self.cumulative_seen: dict[tuple, dict[str, tuple[int, int]]] = {}
         self.lock = threading.Lock()
         self.starting: set[int] = set()       # PIDs whose capture is being priced and started
 
@@ -69,11 +69,12 @@ class FlightRecorder:
     def observe_cumulative(self, ident: Identity, quantity: str, count: int, total_ns: int) -> None:
         """A level's cumulative calls and time of a trigger quantity for the process (the
         cuda level's syncs): the mean time of those made since the last read is one sample."""
-        key = (ident.pid, ident.start, quantity)
-        before = self.cumulative_seen.get(key)
-        self.cumulative_seen[key] = (count, total_ns)
+        key = (ident.pid, ident.start)
+        seen = self.cumulative_seen.setdefault(key, {})
+        before = seen.get(quantity)
+        seen[quantity] = (count, total_ns)
         if before is not None and count > before[0] and total_ns >= before[1]:
-            self.triggers.observe(key[:2], quantity, time.monotonic(), [(total_ns - before[1]) / 1e9 / (count - before[0])])
+            self.triggers.observe(key, quantity, time.monotonic(), [(total_ns - before[1]) / 1e9 / (count - before[0])])
 
     def judge(self) -> None:
         now = time.monotonic()
@@ -86,7 +87,7 @@ class FlightRecorder:
 
     def forget(self, ident: Identity) -> None:
         self.triggers.forget((ident.pid, ident.start))
-        self.cumulative_seen = {k: v for k, v in self.cumulative_seen.items() if k[:2] != (ident.pid, ident.start)}
+        self.cumulative_seen.pop((ident.pid, ident.start), None)
         self.totals.forget((ident.pid, ident.start))
         with self.lock:
             self.deferred_said = {k for k in self.deferred_said if k[:2] != (ident.pid, ident.start)}

@@ -22,11 +22,14 @@ class Added:
 class ProcessMetrics:
     """One process's counts of a level."""
 
-    def observe(self, counted: list, sent: list) -> list[Added]:
+    def observe(self, counted: list, sent: list) -> None:
         """counted: BPF's cumulative counts of the process, which replace the last ones (empty:
-        none were read this time); sent: the records sent since. Returns what its counters
-        gained since the last call."""
+        none were read this time); sent: the records sent since."""
         raise NotImplementedError
+
+    def added(self) -> list[Added]:
+        """What its counters gained at the last observe (asked only by an OTLP export)."""
+        return []
 
     def copy(self) -> "ProcessMetrics":
         """A copy to expose at a scrape while the daemon goes on."""

@@ -17,16 +17,17 @@ class CudaMetrics(ProcessMetrics):
         self.kernels: dict[str, int] = {}
         self.copies: dict[str, list[int]] = {}         # kind -> [count, bytes] (counted in BPF)
         self.sent_copies: dict[str, list[int]] = {}    # Default copies: sent, not counted in BPF
-        self.syncs: dict[str, list] = {}               # call -> [count, seconds, ns]
+        self.syncs: dict[str, list[int]] = {}          # call -> [count, ns]
         self.graphs = 0
         self.live: dict[int, int] = {}                 # device allocations: pointer -> bytes
+        self.before: tuple[dict[str, int], int] | None = None   # the launches the last counts replaced
 
-    def observe(self, counted: list, sent: list) -> list[Added]:
-        added: list[Added] = []
+    def observe(self, counted: list, sent: list) -> None:
+        self.before = None
         if counted:
             kernels: dict[str, int] = {}
             copies: dict[str, list[int]] = {}
-            syncs: dict[str, list] = {}
+            syncs: dict[str, list[int]] = {}
             graphs = 0
             for c in counted:
                 if c.what == "launch" and not c.captured:
@@ -36,21 +37,12 @@ class CudaMetrics(ProcessMetrics):
                     acc[0] += c.count
                     acc[1] += c.bytes
                 elif c.what == "sync":
-                    acc = syncs.setdefault(c.api, [0, 0.0, 0])
+                    acc = syncs.setdefault(c.api, [0, 0])
                     acc[0] += c.count
-                    acc[1] += c.total_ns / 1e9
-                    acc[2] += c.total_ns
+                    acc[1] += c.total_ns
                 elif "GraphLaunch" in c.api:
                     graphs += c.count
-            top = {k for k, _ in sorted(kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]}
-            by_name: dict[str, int] = {}
-            for k, n in kernels.items():
-                if n > self.kernels.get(k, 0):
-                    name = k if k in top else "other"      # bounded, as /metrics
-                    by_name[name] = by_name.get(name, 0) + n - self.kernels.get(k, 0)
-            added += [Added(*LAUNCHES, n, (("cuda.kernel.name", k),)) for k, n in by_name.items()]
-            if graphs > self.graphs:
-                added.append(Added(*GRAPH_LAUNCHES, graphs - self.graphs))
+            self.before = (self.kernels, self.graphs)
             self.kernels, self.copies, self.syncs, self.graphs = kernels, copies, syncs, graphs
         for c in sent:
             if c.what == "memory" and c.ret == 0 and c.copy_kind == "device":
@@ -62,7 +54,21 @@ class CudaMetrics(ProcessMetrics):
                 acc = self.sent_copies.setdefault(c.copy_kind, [0, 0])
                 acc[0] += 1
                 acc[1] += c.bytes
-        return added
+
+    def added(self) -> list[Added]:
+        if self.before is None:
+            return []
+        kernels, graphs = self.before
+        top = {k for k, _ in sorted(self.kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]}
+        by_name: dict[str, int] = {}
+        for k, n in self.kernels.items():
+            if n > kernels.get(k, 0):
+                name = k if k in top else "other"      # bounded, as /metrics
+                by_name[name] = by_name.get(name, 0) + n - kernels.get(k, 0)
+        out = [Added(*LAUNCHES, n, (("cuda.kernel.name", k),)) for k, n in by_name.items()]
+        if self.graphs > graphs:
+            out.append(Added(*GRAPH_LAUNCHES, self.graphs - graphs))
+        return out
 
     def copy(self) -> "CudaMetrics":
         other = CudaMetrics()
@@ -75,10 +81,10 @@ class CudaMetrics(ProcessMetrics):
     def totals(self) -> dict[str, dict[str, tuple[float, float]]]:
         # launches have no time: the cuda level counts them
         return {"kernel": {k: (n, 0.0) for k, n in self.kernels.items()},
-                "sync": {a: (v[0], v[1]) for a, v in self.syncs.items()}}
+                "sync": {a: (n, ns / 1e9) for a, (n, ns) in self.syncs.items()}}
 
     def samples(self) -> dict[str, tuple[int, int]]:
-        return {"sync": (sum(v[0] for v in self.syncs.values()), sum(v[2] for v in self.syncs.values()))}
+        return {"sync": (sum(n for n, _ in self.syncs.values()), sum(ns for _, ns in self.syncs.values()))}
 
     @staticmethod
     def families(processes, labels, minimal, printable):
@@ -115,8 +121,8 @@ class CudaMetrics(ProcessMetrics):
             for kind, (n, b) in sorted(kinds.items()):
                 copies.add_metric(lv + [kind], n)
                 copy_bytes.add_metric(lv + [kind], b)
-            for call, (_, secs, _) in sorted(m.syncs.items()):
-                syncs.add_metric(lv + [call], secs)
+            for call, (_, ns) in sorted(m.syncs.items()):
+                syncs.add_metric(lv + [call], ns / 1e9)
             live.add_metric(lv, sum(m.live.values()))
         return (launches, graphs, copies, copy_bytes, syncs, live)
 
