@@ -97,7 +97,7 @@ def load_pack(name: str) -> Pack:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ProfinferError(f"probe pack {name}: not TOML ({e})") from None
-    if not name.endswith(".toml") and plugin is not None:
+    if plugin is not None:          # a bundled pack
         raw = _declared_by(plugin, name, raw)
     missing = [k for k in ("engine", "bpf", "libraries", "decoder") if k not in raw]
     if missing:
