@@ -30,7 +30,7 @@ import time
 
 from profinfer.core.ebpf import libbpf
 from profinfer.core.calibration import probecost
-from profinfer.daemon.discover import NodeDiscovery
+from profinfer.daemon.discovery.kernel import NodeDiscovery
 from profinfer.core.plugin.packs import load_pack, pack_names
 
 DLOPEN_LOOP = """

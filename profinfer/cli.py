@@ -12,8 +12,8 @@ import sys
 
 import click
 
-from profinfer.daemon import client
-from profinfer.daemon.tokens import TOKEN_ENV
+from profinfer.daemon.http import client
+from profinfer.daemon.http.tokens import TOKEN_ENV
 from profinfer.core.base.errors import OutputFailed, ProfinferError
 from profinfer.core.profile.model import Profile
 from profinfer.core.plugin.packs import KERNEL_LEVELS, LEVELS, MIN_DURATION_S, RUNTIME_LEVELS
@@ -567,7 +567,7 @@ def status(url, token_file, cacert, insecure_http, as_json):
     """What the daemon watches, at which levels, and what it costs."""
     import json
     from urllib.parse import urlsplit
-    from profinfer.daemon.server import is_loopback
+    from profinfer.daemon.http.server import is_loopback
     try:
         remote = not is_loopback(urlsplit(url).hostname or "")
     except ValueError:

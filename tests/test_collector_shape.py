@@ -28,7 +28,7 @@ MODULES = ["core/plugin/collector.py", "core/ebpf/transport.py",
            "levels/cuda/collector.py", "levels/sched/probe.py"]
 # the session and the daemon's agent, held to the same bounds
 DRIVERS = ["core/session.py", "core/plugin/packfinder.py", "core/calibration/cputime.py",
-           "daemon/agent.py", "daemon/governor.py", "daemon/watch.py", "daemon/seen.py"]
+           "daemon/agent.py", "daemon/governor.py", "daemon/watch.py", "daemon/discovery/seen.py"]
 # the base, each bundled plug-in's collector as its pack names it (llama.cpp's, vLLM's, the
 # cuda level's: found through the registry, as the session finds them), and the toy engine's
 COLLECTORS = [Collector, *(load_pack(name).collector_class() for name in pack_names()), ToyCollector]

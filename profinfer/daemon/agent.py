@@ -36,15 +36,15 @@ from profinfer.core.target.process import mapped_files
 from profinfer.core.follow import interpreter
 from profinfer.core.plugin.packfinder import engine_files, find_engine, find_packs
 from profinfer.core.target.procfs import exit_fd, process_stat
-from profinfer.daemon import discover
-from profinfer.daemon.discover import NodeDiscovery
+from profinfer.daemon.discovery import kernel as discover
+from profinfer.daemon.discovery.kernel import NodeDiscovery
 from profinfer.core.profile.stats import SequenceTracker
 from profinfer.core.base.waits import PARSE_DEADLINE_S, SERIES_TTL_S, STEP_UP_S, WATCH_GRACE_S
 from profinfer.daemon.governor import Governor, level_rank
-from profinfer.daemon.identity import Identity, identify, model_file
-from profinfer.daemon.metrics import Metrics
+from profinfer.daemon.discovery.identity import Identity, identify, model_file
+from profinfer.daemon.export.metrics import Metrics
 from profinfer.daemon.plugins import capabilities, process_caches
-from profinfer.daemon.seen import SeenProcesses
+from profinfer.daemon.discovery.seen import SeenProcesses
 from profinfer.daemon.shared import SharedProbes, SharedRuntime, group_key
 from profinfer.daemon.watch import Watch, step_call
 

@@ -8,12 +8,12 @@ import time
 
 from profinfer.core.base.errors import ProfinferError
 from profinfer.daemon.agent import Agent
-from profinfer.daemon.captures import Captures
-from profinfer.daemon.identity import printable
-from profinfer.daemon.metrics import LABEL_SETS
-from profinfer.daemon.server import MAX_CONNECTIONS, is_loopback, make_server, parse_listen
-from profinfer.daemon.tls import server_context as tls_context
-from profinfer.daemon.tokens import load_token
+from profinfer.daemon.flight.captures import Captures
+from profinfer.daemon.discovery.identity import printable
+from profinfer.daemon.export.metrics import LABEL_SETS
+from profinfer.daemon.http.server import MAX_CONNECTIONS, is_loopback, make_server, parse_listen
+from profinfer.daemon.http.tls import server_context as tls_context
+from profinfer.daemon.http.tokens import load_token
 
 # A loop that fails every turn for this long ends the daemon (its exit says why, and a service
 # manager or the kubelet starts it again): /healthz would otherwise say healthy over a loop
@@ -29,8 +29,8 @@ def log(msg: str) -> None:
 def flight_settings(triggers: list[str], record_for: str, keep: int, captures_dir: str, max_bytes: int,
                     levels: set[str], cooldown: str, baseline: str, window: str = "10s") -> dict:
     """The flight recorder's settings, checked (ProfinferError: one line) before anything starts."""
-    from profinfer.daemon.captures import MAX_CAPTURE_S
-    from profinfer.daemon.flight import parse_duration, parse_trigger
+    from profinfer.daemon.flight.captures import MAX_CAPTURE_S
+    from profinfer.daemon.flight.triggers import parse_duration, parse_trigger
     seconds = parse_duration(record_for, "--record-for")
     if not 0.01 <= seconds <= MAX_CAPTURE_S:
         raise ProfinferError(f"--record-for {record_for!r}: from 10 ms to {MAX_CAPTURE_S} s")
@@ -42,8 +42,8 @@ def flight_settings(triggers: list[str], record_for: str, keep: int, captures_di
 
 
 def make_recorder(agent: Agent, captures: Captures, settings: dict):
-    from profinfer.daemon.capturestore import CaptureStore
-    from profinfer.daemon.recorder import FlightRecorder
+    from profinfer.daemon.flight.capturestore import CaptureStore
+    from profinfer.daemon.flight.recorder import FlightRecorder
     store = CaptureStore(settings["captures_dir"], settings["keep"], settings["max_bytes"])
     return FlightRecorder(agent, captures, store, settings["triggers"], settings["record_for_s"],
                           settings["levels"], settings["cooldown_s"], settings["baseline_s"], settings["window_s"])
@@ -86,7 +86,7 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
         agent.close()
         raise
     if otlp:
-        from profinfer.daemon.otlp import OtlpExport
+        from profinfer.daemon.export.otlp import OtlpExport
         agent.metrics.otlp = OtlpExport(otlp, otlp_interval_s)
         log(f"exporting OTLP metrics to {agent.metrics.otlp.endpoint} every {otlp_interval_s:g} s"
             + (", and the flight recorder's captures as OTLP events (/v1/logs)" if recording else ""))

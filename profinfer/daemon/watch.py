@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from profinfer.core.profile.model import Step, TokenCall
 from profinfer.core.plugin.packs import Pack
 from profinfer.core.profile.stats import SequenceTracker
-from profinfer.daemon.identity import Identity
+from profinfer.daemon.discovery.identity import Identity
 from profinfer.daemon.shared import SharedProbes
 
 

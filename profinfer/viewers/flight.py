@@ -2,7 +2,7 @@
 trigger's series around the moment drawn in the terminal, and what changed against the
 baseline before the incident.
 
-The comparison is of the daemon's own counts (one method on both sides: daemon/baseline.py),
+The comparison is of the daemon's own counts (one method on both sides: daemon/flight/baseline.py),
 the incident's against the baseline's: each family's items (op types, graph computes by
 backend, decode calls or steps by phase, kernels, syncs) by share of the family's time (of
 its count where it has no time), time per call, and rate. An item is "outside" where one of
@@ -17,7 +17,7 @@ from rich.text import Text
 
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import Profile
-from profinfer.daemon.flight import in_unit
+from profinfer.daemon.flight.triggers import in_unit
 
 FAMILIES = {"call": "decode calls / steps", "op": "ops", "graph": "graph computes",
             "kernel": "CUDA kernels", "sync": "CUDA syncs"}

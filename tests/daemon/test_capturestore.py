@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from profinfer.daemon.capturestore import CaptureStore
+from profinfer.daemon.flight.capturestore import CaptureStore
 
 # A process that keeps one whole capture, then is killed (SIGKILL, by itself) at the moment
 # named in argv[2] while it keeps a second: "between" (its trace renamed into place, its
@@ -19,7 +19,7 @@ from profinfer.daemon.capturestore import CaptureStore
 # yet renamed).
 CHILD = """
 import os, signal, sys
-from profinfer.daemon import capturestore
+from profinfer.daemon.flight import capturestore
 store = capturestore.CaptureStore(sys.argv[1], keep=5, max_bytes=1 << 20)
 store.add({"pid": 1, "fired": {"trigger": "first"}}, b"first trace")
 moment = sys.argv[2]
@@ -148,7 +148,7 @@ def test_a_tenant_holds_one_of_the_triggered_capture_places():
     """Two places: tenant A's trigger holds one; A's next trigger is refused (429, saying
     why), B's takes the other; an operator's capture (no tenant) is refused only for the
     places being full."""
-    from profinfer.daemon.captures import BadRequest, Captures
+    from profinfer.daemon.flight.captures import BadRequest, Captures
     captures = Captures(agent=None, note=lambda msg: None)
     with captures._place(101, 0.0, "pod a"):
         with pytest.raises(BadRequest) as refused:

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from profinfer.daemon.discover import HOLD_MAX_S
+from profinfer.daemon.discovery.kernel import HOLD_MAX_S
 
 from conftest import off_loopback_address
 from daemon_helpers import _STARTED, PROFINFER, Daemon, _get, kill_started

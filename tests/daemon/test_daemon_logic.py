@@ -12,12 +12,12 @@ import time
 import pytest
 
 from profinfer.daemon.governor import Governor
-from profinfer.daemon.identity import Identity, container_of, pod_uid_of
+from profinfer.daemon.discovery.identity import Identity, container_of, pod_uid_of
 from profinfer.daemon.plugins import capabilities
 from profinfer.daemon.watch import Watch
-from profinfer.daemon.metrics import Metrics, _Histogram
-from profinfer.daemon.server import parse_listen
-from profinfer.daemon.tokens import load_token
+from profinfer.daemon.export.metrics import Metrics, _Histogram
+from profinfer.daemon.http.server import parse_listen
+from profinfer.daemon.http.tokens import load_token
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import TokenCall
 from profinfer.core.plugin.packs import load_pack
@@ -63,7 +63,7 @@ def test_a_crash_while_writing_the_token_leaves_no_file(tmp_path):
     code = ("import resource, signal\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
             "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
-            "from profinfer.daemon.tokens import load_token\n"
+            "from profinfer.daemon.http.tokens import load_token\n"
             f"load_token(None, {str(path)!r})\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
@@ -169,8 +169,8 @@ def test_a_capture_slot_is_held_until_its_trace_is_sent(monkeypatch):
     import urllib.error
     import urllib.request
 
-    from profinfer.daemon import server as server_module
-    from profinfer.daemon.captures import Captures
+    from profinfer.daemon.http import server as server_module
+    from profinfer.daemon.flight.captures import Captures
 
     trace = os.urandom(16 << 20)
     monkeypatch.setattr(Captures, "_capture", lambda self, pid, seconds, levels: (trace, {}))

@@ -10,8 +10,8 @@ import pytest
 from conftest import PROFINFER
 
 from profinfer.core.base.errors import ProfinferError
-from profinfer.daemon.baseline import RollingTotals
-from profinfer.daemon.flight import Triggers, parse_trigger
+from profinfer.daemon.flight.baseline import RollingTotals
+from profinfer.daemon.flight.triggers import Triggers, parse_trigger
 from profinfer.exporters.perfetto import with_meta
 from profinfer.viewers.flight import changes, sparkline
 

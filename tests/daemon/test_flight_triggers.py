@@ -11,9 +11,9 @@ import pytest
 from scipy.stats import binomtest
 
 from profinfer.core.profile.model import TokenCall
-from profinfer.daemon.flight import CONFIDENCE, Triggers, parse_trigger
-from profinfer.daemon.identity import Identity
-from profinfer.daemon.recorder import FlightRecorder
+from profinfer.daemon.flight.triggers import CONFIDENCE, Triggers, parse_trigger
+from profinfer.daemon.discovery.identity import Identity
+from profinfer.daemon.flight.recorder import FlightRecorder
 
 KEY = (1, 1)
 
@@ -259,7 +259,7 @@ def test_a_short_incident_keeps_its_counts(monkeypatch, trigger, slow_s):
     firing (whose sample had been dropped within a second of the last, and the record said
     'not counted long enough'), exactly the process's counts over that stretch, with the
     slower MUL_MAT in them."""
-    import profinfer.daemon.recorder as recorder_module
+    import profinfer.daemon.flight.recorder as recorder_module
     clock = _Clock()
     monkeypatch.setattr(recorder_module, "time", clock)
     ident = Identity(pid=KEY[0], start=KEY[1], comm="llama-server", exe="/x", engine="llama.cpp")
@@ -320,8 +320,8 @@ def test_firings_refused_for_want_of_a_place_are_said_once_and_counted(monkeypat
     """A slowdown held for 20 s under `for 1s` while every capture place is taken (429): the
     trigger fires again each time its condition has held anew, each refusal counted in
     /status's `deferred`, none a failure, and the log says it once, not once a firing."""
-    import profinfer.daemon.recorder as recorder_module
-    from profinfer.daemon.captures import BadRequest
+    import profinfer.daemon.flight.recorder as recorder_module
+    from profinfer.daemon.flight.captures import BadRequest
     clock = _Clock()
     clock.time = clock.monotonic
     monkeypatch.setattr(recorder_module, "time", clock)

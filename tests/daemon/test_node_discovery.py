@@ -19,7 +19,7 @@ import pytest
 from conftest import completion_cmd, llama_perf
 from daemon_helpers import _STARTED, Daemon, Workload, _get, cuda_log_counts, discovering_daemon, kill_started, series
 from profinfer.core.ebpf import held, kernel, libbpf, pinned
-from profinfer.daemon.discover import HOLD_DEADLINE_S, ORPHAN_S
+from profinfer.daemon.discovery.kernel import HOLD_DEADLINE_S, ORPHAN_S
 from profinfer.levels.cuda import workload as cuda_workload
 
 from test_daemon_cuda import PROGRAM as CUDA_PROGRAM

@@ -121,6 +121,6 @@ def test_no_discovery_from_the_kernel_in_a_pid_namespace_of_its_own():
     (with its own /proc, as in a container without hostPID) could not continue what discovery
     stopped, so it runs without it."""
     done = subprocess.run([sys.executable, "-c", NEW, sys.executable, "-c",
-                           "from profinfer.daemon import discover; print(discover.available())"],
+                           "from profinfer.daemon.discovery import kernel as discover; print(discover.available())"],
                           capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert done.stdout.strip() == "not in the host's PID namespace (hostPID)", done

@@ -125,7 +125,7 @@ def _number(v: str) -> float | None:
 def test_nvml_sample_equals_nvidia_smi():
     if shutil.which("nvidia-smi") is None:
         pytest.skip("nvidia-smi is not on PATH")
-    from profinfer.daemon import nvml
+    from profinfer.daemon.export import nvml
     holder = subprocess.Popen([sys.executable, str(PROGRAMS / "hold_memory.py"), "1024"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -25,8 +25,8 @@ from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, V
 from opentelemetry.sdk.resources import Resource
 
 from profinfer.core.profile.model import TokenCall
-from profinfer.daemon.identity import Identity
-from profinfer.daemon.metrics import TPOT_BUCKETS, TTFT_BUCKETS
+from profinfer.daemon.discovery.identity import Identity
+from profinfer.daemon.export.metrics import TPOT_BUCKETS, TTFT_BUCKETS
 
 TTFT = "gen_ai.server.time_to_first_token"
 TPOT = "gen_ai.server.time_per_output_token"

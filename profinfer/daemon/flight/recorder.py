@@ -15,11 +15,11 @@ import threading
 import time
 
 from profinfer.core.profile.model import TokenCall
-from profinfer.daemon.baseline import MIN_GAP_S, RollingTotals
-from profinfer.daemon.captures import CAPTURE_LEVELS, BadRequest, Captures
-from profinfer.daemon.capturestore import CaptureStore
-from profinfer.daemon.flight import Firing, Trigger, Triggers, in_unit
-from profinfer.daemon.identity import Identity
+from profinfer.daemon.flight.baseline import MIN_GAP_S, RollingTotals
+from profinfer.daemon.flight.captures import CAPTURE_LEVELS, BadRequest, Captures
+from profinfer.daemon.flight.capturestore import CaptureStore
+from profinfer.daemon.flight.triggers import Firing, Trigger, Triggers, in_unit
+from profinfer.daemon.discovery.identity import Identity
 from profinfer.exporters.perfetto import with_meta
 
 # levels a capture may go without when the budget cannot hold them all (the dearest first)

@@ -24,7 +24,7 @@ import psutil
 from profinfer.core.base import config
 from profinfer.core.target import procfs
 from profinfer.core.plugin.packs import KERNEL_LEVELS, LEVELS, MIN_DURATION_S, RUNTIME_LEVELS
-from profinfer.daemon.tokens import TOKEN_ENV
+from profinfer.daemon.http.tokens import TOKEN_ENV
 
 MAX_CAPTURE_S = 300
 MAX_CAPTURES = 2             # at once (each is a full attach: its own CPU and memory)

@@ -20,8 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from profinfer.core.base import registry
 from profinfer.core.plugin.processmetrics import ProcessMetrics
 from profinfer.core.profile.model import TokenCall
-from profinfer.daemon.identity import Identity, printable
-from profinfer.daemon.nvml import GpuSampler, gpu_changes, gpu_families
+from profinfer.daemon.discovery.identity import Identity, printable
+from profinfer.daemon.export.nvml import GpuSampler, gpu_changes, gpu_families
 
 PROCESS_LABELS = ("engine", "pid", "comm", "container", "pod", "namespace")
 # --labels: full, every label; no-paths, without the executable's and the model file's paths

@@ -10,7 +10,7 @@ import click
 
 from profinfer.core.base import config
 from profinfer.core.base.errors import ProfinferError
-from profinfer.daemon.tokens import TOKEN_ENV, TOKEN_MAX_BYTES
+from profinfer.daemon.http.tokens import TOKEN_ENV, TOKEN_MAX_BYTES
 
 DEFAULT_TOKEN_FILE = "/run/profinfer/token"
 DEFAULT_URL = "http://127.0.0.1:9464"
@@ -54,7 +54,7 @@ def request(method: str, url: str, token: str | None = None, timeout: float = 30
     import json
     import ssl
     import urllib.parse
-    from profinfer.daemon.server import is_loopback
+    from profinfer.daemon.http.server import is_loopback
     try:
         parts = urllib.parse.urlsplit(url)
         host, port = parts.hostname, parts.port
@@ -133,7 +133,7 @@ def print_status(data: dict) -> None:
 
 def trigger_state(t: dict) -> str:
     """A trigger's state for one process, as `status` prints it."""
-    from profinfer.daemon.flight import in_unit
+    from profinfer.daemon.flight.triggers import in_unit
     if t["fired_s_ago"] is not None:
         return f"fired {t['fired_s_ago']:.0f} s ago, not re-armed yet"
     window = f"over {t.get('window_samples', '?')} samples in {t.get('window_s') or 0:.0f} s"

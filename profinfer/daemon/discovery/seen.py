@@ -2,7 +2,7 @@
 at what may have changed: each keyed by (pid, start time) and dropped with its process."""
 from __future__ import annotations
 
-from profinfer.daemon.tenants import TenantShares
+from profinfer.daemon.discovery.tenants import TenantShares
 
 EXECUTABLES_SEEN_LIMIT = 4096       # executables remembered (does it define an engine's marker)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from profinfer.daemon.identity import cgroup_path, pod_uid_of
+from profinfer.daemon.discovery.identity import cgroup_path, pod_uid_of
 
 HOST = "host"
 # tenants whose left-out processes are counted by name; the rest together, under OTHERS

@@ -31,8 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from profinfer.core.base.waits import REQUEST_DEADLINE_S, STALL_S
 from profinfer.core.base.errors import ProfinferError
-from profinfer.daemon.captures import MAX_CAPTURES, BadRequest, Captures
-from profinfer.daemon.httpserve import BoundedHTTPServer, Lane, Request, Response
+from profinfer.daemon.flight.captures import MAX_CAPTURES, BadRequest, Captures
+from profinfer.daemon.http.listener import BoundedHTTPServer, Lane, Request, Response
 
 SEND_DEADLINE_S = 30         # for an answer to be taken (plus a second per SEND_RATE bytes)
 MAX_CONNECTIONS = 256

@@ -1,0 +1,2 @@
+"""What the daemon exports: its Prometheus series (metrics), OTLP (otlp), and the GPU's own
+state through NVML (nvml)."""
