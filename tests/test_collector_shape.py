@@ -22,13 +22,14 @@ from toyengine.collector import ToyCollector  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent / "profinfer"
 MODULES = ["core/plugin/collector.py", "core/ebpf/transport.py",
-           "engines/llamacpp/collector.py", "engines/llamacpp/probeplan.py",
-           "engines/llamacpp/records.py", "engines/llamacpp/backends.py",
-           "engines/llamacpp/totals.py", "engines/vllm/collector.py", "engines/vllm/calls.py",
+           "engines/llamacpp/collector.py", "engines/llamacpp/probes/probeplan.py",
+           "engines/llamacpp/decode/records.py", "engines/llamacpp/decode/backends.py",
+           "engines/llamacpp/decode/totals.py", "engines/vllm/collector.py", "engines/vllm/calls.py",
            "levels/cuda/collector.py", "levels/sched/probe.py"]
 # the session and the daemon's agent, held to the same bounds
 DRIVERS = ["core/session.py", "core/plugin/packfinder.py", "core/calibration/cputime.py",
-           "daemon/agent.py", "daemon/governor.py", "daemon/watch.py", "daemon/discovery/seen.py"]
+           "daemon/agent.py", "daemon/attach.py", "daemon/drain.py", "daemon/node.py",
+           "daemon/discovery/finder.py", "daemon/governor.py", "daemon/watch.py", "daemon/discovery/seen.py"]
 # the base, each bundled plug-in's collector as its pack names it (llama.cpp's, vLLM's, the
 # cuda level's: found through the registry, as the session finds them), and the toy engine's
 COLLECTORS = [Collector, *(load_pack(name).collector_class() for name in pack_names()), ToyCollector]

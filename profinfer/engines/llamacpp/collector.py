@@ -1,9 +1,9 @@
 """llama.cpp's collector: attach the probe pack to one process (or, with a followed map, to
 the engine's files for every watched process), collect its events, detach, build the Profile.
 
-What is probed and how is probeplan.py's; the records are parsed by records.py; graph
-backends are named by backends.py; what BPF counts in place of events (a daemon's; the op
-level's, when no timeline is asked) is read by totals.py.
+What is probed and how is probes/probeplan.py's; the records are parsed by decode/records.py;
+graph backends are named by decode/backends.py; what BPF counts in place of events (a daemon's;
+the op level's, when no timeline is asked) is read by decode/totals.py.
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import OpTotal, Profile, TokenCall
 from profinfer.core.plugin.packs import Pack, copies_of_probed
 from profinfer.core.ebpf.transport import steps_begun
-from profinfer.engines.llamacpp import backends
-from profinfer.engines.llamacpp.probeplan import (BARRIER_PROGRAM, GRAPHS_CHANGED_PROGRAMS,
-                                                  THREAD_EXIT_PROGRAM, ProbePlan)
-from profinfer.engines.llamacpp.records import LlamaRecords
-from profinfer.engines.llamacpp.totals import GraphTotals, OpTotals
+from profinfer.engines.llamacpp.decode import backends
+from profinfer.engines.llamacpp.probes.probeplan import (BARRIER_PROGRAM, GRAPHS_CHANGED_PROGRAMS,
+                                                         THREAD_EXIT_PROGRAM, ProbePlan)
+from profinfer.engines.llamacpp.decode.records import LlamaRecords
+from profinfer.engines.llamacpp.decode.totals import GraphTotals, OpTotals
 from profinfer.levels.sched import probe as schedprobe
 
 _ZERO_U32 = bytes(4)

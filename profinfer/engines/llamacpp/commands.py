@@ -36,7 +36,7 @@ def add_commands(group: click.Group, services: Services) -> None:
     def graph_cmd(trace, output, phase, no_collapse):
         """The computation graph (DAG) of a saved trace, with time shares and verdicts."""
         from profinfer.core.calibration import stamped
-        from profinfer.engines.llamacpp import dag as dagmod, dagview
+        from profinfer.engines.llamacpp.views import dag as dagmod, dagview
         if output:
             services.check_output("-o", output)
         profile = services.load_trace(trace)

@@ -12,14 +12,14 @@ import sys
 import pytest
 
 from conftest import completion_cmd, run_profinfer
-from profinfer.engines.llamacpp import dag
+from profinfer.engines.llamacpp.views import dag
 from profinfer.core.profile import stats
 from profinfer.core.calibration.roofline import Roofs
-from profinfer.engines.llamacpp import cost
+from profinfer.engines.llamacpp.views import cost
 from profinfer.exporters.perfetto import write_chrome_json, write_perfetto
 from profinfer.exporters.trace_reader import read_trace
 from profinfer.core.profile.model import GraphCall, OpSlice, Profile, TokenCall
-from profinfer.engines.llamacpp.nodes import node_runs
+from profinfer.engines.llamacpp.views.nodes import node_runs
 from test_exporters import check_trace_structure
 
 BUSY = ("import ctypes\n"

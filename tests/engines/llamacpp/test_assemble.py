@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from profinfer.core.ebpf import layout
-from profinfer.engines.llamacpp import assemble
+from profinfer.engines.llamacpp.decode import assemble
 from profinfer.core.profile.model import GraphCall
 
 CONSTS, DT = layout.parse(header="llamacpp.h")

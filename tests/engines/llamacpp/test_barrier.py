@@ -1,9 +1,9 @@
-"""llama.cpp's barrier read for one trap's price (engines/llamacpp/barrier.py)."""
+"""llama.cpp's barrier read for one trap's price (engines/llamacpp/probes/barrier.py)."""
 from __future__ import annotations
 
 import numpy as np
 
-from profinfer.engines.llamacpp import barrier
+from profinfer.engines.llamacpp.probes import barrier
 
 
 def test_trap_at_fused_entries_is_the_last_arrivers_gap():

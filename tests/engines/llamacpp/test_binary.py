@@ -9,7 +9,7 @@ import pytest
 from profinfer.core.target import dwarf
 from profinfer.core.ebpf import layout
 from profinfer.core.target.arch import placement
-from profinfer.engines.llamacpp import ggml
+from profinfer.engines.llamacpp.probes import ggml
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.target.symbols import load_elf
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from conftest import completion_cmd, run_profinfer, with_llama_log
-from profinfer.engines.llamacpp import dag
+from profinfer.engines.llamacpp.views import dag
 from profinfer.exporters.trace_reader import read_trace
 
 _NODE = re.compile(r"node #\s*(\d+) \(\s*(.{0,10}?)\):\s*(.{1,20}?) \(\s*\d+[KMG]?\) \[[^\]]*\] "

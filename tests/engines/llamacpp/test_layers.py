@@ -5,8 +5,8 @@ from __future__ import annotations
 from gguf import GGUFReader
 
 from conftest import completion_cmd, llama_perf, run_profinfer, with_llama_log
-from profinfer.engines.llamacpp.dag import node_layers
-from profinfer.engines.llamacpp.nodes import NodeRun
+from profinfer.engines.llamacpp.views.dag import node_layers
+from profinfer.engines.llamacpp.views.nodes import NodeRun
 from profinfer.core.profile.opcolumns import NodeDesc
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import completion_cmd, llama_perf, run_profinfer, with_llama_log
 from profinfer.exporters.trace_reader import read_trace
-from profinfer.engines.llamacpp.moe import compute, routing
+from profinfer.engines.llamacpp.views.moe import compute, routing
 from profinfer.engines.llamacpp.workload import llama_bin
 
 

@@ -8,7 +8,8 @@ import subprocess
 import pytest
 
 from conftest import completion_cmd, llama_perf, llama_run_env, run_profinfer, with_llama_log
-from profinfer.engines.llamacpp import ggml, workload
+from profinfer.engines.llamacpp.probes import ggml
+from profinfer.engines.llamacpp import workload
 from profinfer.core.target.symbols import load_elf
 
 

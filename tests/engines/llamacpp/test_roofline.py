@@ -10,14 +10,14 @@ from conftest import completion_cmd, run_profinfer, with_llama_log
 from profinfer.core.calibration import machine_roofs, loadcheck
 from profinfer.core.calibration.loadcheck import UnreliableMeasurement
 from profinfer.core.profile.model import GraphCall, OpSlice, Profile, TokenCall
-from profinfer.engines.llamacpp.nodes import node_runs
+from profinfer.engines.llamacpp.views.nodes import node_runs
 from profinfer.core.calibration.roofline import CacheRoof, Cost, Roofs, SourceReuse, judge_costs
-from profinfer.engines.llamacpp.cost import judge, nbytes, node_cost, reuse_by_run, reuse_of, verdicts
+from profinfer.engines.llamacpp.views.cost import judge, nbytes, node_cost, reuse_by_run, reuse_of, verdicts
 from profinfer.exporters.trace_reader import read_trace
 
 
 def run(op, ne, srcs, dtype="f32", dur=1000):
-    from profinfer.engines.llamacpp.nodes import NodeRun
+    from profinfer.engines.llamacpp.views.nodes import NodeRun
     from profinfer.core.profile.opcolumns import NodeDesc
     return NodeRun(0, NodeDesc(op, "t", ne, dtype, 1, (), (), 0, tuple(s[0] for s in srcs),
                                tuple(s[1] for s in srcs)), 0, dur, 1, dur)
@@ -261,7 +261,7 @@ def test_decode_matmul_memory_bound_prefill_not(llama_build, big_model, llama_en
 
 def test_cross_check_with_llc_misses():
     """Where the PMU counts LLC load misses, each verdict carries the DRAM bandwidth they imply."""
-    from profinfer.engines.llamacpp.cost import verdicts
+    from profinfer.engines.llamacpp.views.cost import verdicts
     mm = dict(srcs=(0xA, 0xB), src_views=(0, 0), src_ne=((2048, 8192, 1, 1), (2048, 1, 1, 1)),
               src_dtypes=("f16", "f32"))
     ops = [OpSlice(1, 0, 0, 1_000_000, 1_000_000, "MUL_MAT", "x-0", (8192, 1, 1, 1), "f32", 0xC,

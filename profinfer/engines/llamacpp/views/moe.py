@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profinfer.engines.llamacpp.dag import node_layers
+from profinfer.engines.llamacpp.views.dag import node_layers
 from profinfer.core.profile.model import GraphCall, Profile
-from profinfer.engines.llamacpp.nodes import node_runs, phase_of
+from profinfer.engines.llamacpp.views.nodes import node_runs, phase_of
 from profinfer.core.profile.opcolumns import as_columns
 from profinfer.core.profile.stats import graph_of_ops
 

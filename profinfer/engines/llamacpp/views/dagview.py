@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from profinfer.engines.llamacpp.dag import ARRIVAL_LABEL, Dag
+from profinfer.engines.llamacpp.views.dag import ARRIVAL_LABEL, Dag
 
 
 def render(dag: Dag, console: Console, top: int = 40) -> None:

@@ -13,7 +13,7 @@ from profinfer.core.target import dwarf
 from profinfer.core.ebpf import kernel
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.plugin.packs import Pack, ProbeSpec, resolve
-from profinfer.engines.llamacpp import ggml, graphwalk
+from profinfer.engines.llamacpp.probes import ggml, graphwalk
 
 # llama_batch_ext (b11434): tokens' offset, a token's size, its pos[0] and its seq_ids
 KNOWN_BATCH_EXT = (64, 96, 80, 24)

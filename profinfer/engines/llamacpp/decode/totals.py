@@ -7,8 +7,9 @@ import numpy as np
 
 from profinfer.core.ebpf import libbpf
 from profinfer.core.profile.stats import PHASES
-from profinfer.engines.llamacpp import assemble, barrier
-from profinfer.engines.llamacpp.probeplan import graph_backend
+from profinfer.engines.llamacpp.decode import assemble
+from profinfer.engines.llamacpp.probes import barrier
+from profinfer.engines.llamacpp.probes.probeplan import graph_backend
 
 GraphTotal = tuple[int, int, int, list[int]]     # calls, ns, nodes, histogram counts
 

@@ -12,7 +12,7 @@ from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import GraphCall
 from profinfer.core.target.procfs import FileMapping
 from profinfer.core.target.symbols import load_elf
-from profinfer.engines.llamacpp.probeplan import graph_backend
+from profinfer.engines.llamacpp.probes.probeplan import graph_backend
 
 
 def backend_name(fn_addr: int, mappings: list[FileMapping], pid: int, root: str) -> str:

@@ -1,12 +1,12 @@
 """The computation graph (DAG) rebuilt from a trace, and its Graphviz rendering.
 
-Nodes are the node runs of one graph compute (profinfer.engines.llamacpp.nodes); an edge joins the node that
+Nodes are the node runs of one graph compute (profinfer.engines.llamacpp.views.nodes); an edge joins the node that
 produced a tensor to each node that reads it: a source is the producer itself, or a view
 (reshape, permute, a slice of it) whose view_src is the producer. Sources that no node of
 the graph produced (weights, the KV cache, graph inputs) are counted as inputs. The second
 node of a fused pair is the same node as its first.
 
-A node's time is its longest thread's slice (profinfer.engines.llamacpp.nodes). Each graph compute also has
+A node's time is its longest thread's slice (profinfer.engines.llamacpp.views.nodes). Each graph compute also has
 one item that is no node: thread arrival, from its first thread's first node start to its
 last thread's (stats.arrivals): a worker preempted or slow to wake when the graph begins is
 charged there, not to the first node.
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import Profile
-from profinfer.engines.llamacpp.nodes import NodeRun, node_runs, phase_of
+from profinfer.engines.llamacpp.views.nodes import NodeRun, node_runs, phase_of
 from profinfer.core.calibration.roofline import Roofs
-from profinfer.engines.llamacpp.cost import judge, reuse_of, run_reads
+from profinfer.engines.llamacpp.views.cost import judge, reuse_of, run_reads
 from profinfer.core.profile.stats import graph_arrivals
 
 _LAYER = re.compile(r"^(.*)-(\d+)$")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from profinfer.engines.llamacpp import ggml
+from profinfer.engines.llamacpp.probes import ggml
 from profinfer.core.profile.model import GraphCall
 from profinfer.core.profile.opcolumns import NodeDesc, OpColumns
 

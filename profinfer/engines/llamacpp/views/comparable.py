@@ -6,7 +6,7 @@ Per graph compute, divided by the tokens of the decode call it ran in:
 - "<phase> <OP> <node>": one kind of node of every layer ("decode MUL_MAT ffn_up"), so a
   change in the FFN's matmuls is told apart from one in attention's: the finest parts of a
   token's work, which a run's common change of speed is estimated from.
-A node's time is its longest thread's slice (engines/llamacpp/nodes.py), as the layer table's.
+A node's time is its longest thread's slice (engines/llamacpp/views/nodes.py), as the layer table's.
 
 Two runs are comparable when their models have the same structure: the same layers and the
 same kinds of node in their graphs. Shapes may differ (a wider FFN); `shapes` says which.
@@ -20,7 +20,7 @@ import numpy as np
 from profinfer.core.diff.comparable import PER_TOKEN, call_of, calls
 from profinfer.core.diff.compare import Series
 from profinfer.core.profile.model import Profile
-from profinfer.engines.llamacpp.dag import GraphDag, generic_name, graph_dags, node_layers
+from profinfer.engines.llamacpp.views.dag import GraphDag, generic_name, graph_dags, node_layers
 
 
 def _graph_tokens(profile: Profile, graphs: list[GraphDag]) -> np.ndarray:

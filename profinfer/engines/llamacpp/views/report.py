@@ -10,7 +10,7 @@ from profinfer.core.calibration import stamped
 from profinfer.core.profile.model import Profile
 from profinfer.core.plugin.sections import ReportSection, SeriesSection, SummarySection, roofline_keys
 from profinfer.core.plugin.tables import ms, pct, roofline_origin, roofline_table
-from profinfer.engines.llamacpp import comparable, cost, layers, moe
+from profinfer.engines.llamacpp.views import comparable, cost, layers, moe
 
 
 def holds(profile: Profile) -> bool:

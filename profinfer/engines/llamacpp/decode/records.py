@@ -14,7 +14,8 @@ import numpy as np
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import TokenCall, decode_tokens
 from profinfer.core.ebpf.transport import RecordSlots
-from profinfer.engines.llamacpp import assemble, barrier, ggml
+from profinfer.engines.llamacpp.decode import assemble
+from profinfer.engines.llamacpp.probes import barrier, ggml
 from profinfer.levels.sched import probe as schedprobe
 
 VALIDATE_NODES = 64   # node descriptions checked before a table layout is trusted

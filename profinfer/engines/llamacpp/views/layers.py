@@ -1,7 +1,7 @@
 """Per-layer time and decode time as a function of context length (pure logic).
 
 - Layer of a node: from its tensor name ("ffn_out-7"), or the layer whose span it lies in
-  (profinfer.engines.llamacpp.dag); nodes outside every layer (embedding, output head) are layer None.
+  (profinfer.engines.llamacpp.views.dag); nodes outside every layer (embedding, output head) are layer None.
 - Context: each decode call is placed by the KV length its attention read (the K source of
   FLASH_ATTN_EXT, or of the KQ MUL_MAT without flash attention). llama.cpp pads that length
   (to 256 on CPU), so decode time rises in steps: the staircase of KQ/KQV cost.
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profinfer.engines.llamacpp.dag import graph_dags, node_layers
+from profinfer.engines.llamacpp.views.dag import graph_dags, node_layers
 from profinfer.core.profile.model import Profile
-from profinfer.engines.llamacpp.nodes import node_runs
+from profinfer.engines.llamacpp.views.nodes import node_runs
 
 
 @dataclass

@@ -9,7 +9,7 @@ from math import inf, prod
 import numpy as np
 
 from profinfer.core.calibration.roofline import Cost, Roofs, SourceReuse, Verdict, judge_costs, judge_groups
-from profinfer.engines.llamacpp.nodes import NodeRun, node_runs, phase_of
+from profinfer.engines.llamacpp.views.nodes import NodeRun, node_runs, phase_of
 
 # ggml block formats: (elements per block, bytes per block); from ggml's type traits.
 TYPE_BLOCK = {
