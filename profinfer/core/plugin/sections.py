@@ -1,7 +1,7 @@
 """What a plugin's `report` module contributes to the JSON summary and the terminal report,
 and the order they come in.
 
-A report module (Plugin.report, e.g. profinfer/engines/vllm/report.py) may define:
+A report module (Plugin.report, e.g. profinfer/engines/vllm/views/report.py) may define:
 - `holds(profile) -> bool`: whether the profile holds its records (an engine's ops, calls,
   decode calls; a level's own records);
 - `SUMMARY`: SummarySections, keys it adds to the JSON summary;

@@ -22,11 +22,12 @@ from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import Profile, Step
 from profinfer.core.plugin.packs import Pack, copies_of_probed
 from profinfer.core.ebpf.transport import RecordSlots, steps_begun
-from profinfer.engines.vllm import ops as native, steps as stepmaker, tensors, wrappers
-from profinfer.engines.vllm.calls import CallRecords, TensorLayoutCheck
+from profinfer.engines.vllm.probes import ops as native, tensors, wrappers
+from profinfer.engines.vllm.decode import steps as stepmaker
+from profinfer.engines.vllm.decode.calls import CallRecords, TensorLayoutCheck
 from profinfer.engines.vllm import server_metrics
 from profinfer.engines.vllm.server_metrics import MetricsWindow
-from profinfer.engines.vllm.totals import CallTotals, CountedCalls
+from profinfer.engines.vllm.decode.totals import CallTotals, CountedCalls
 from profinfer.levels.sched import probe as schedprobe
 
 ENTRY_PROGRAM, RETURN_PROGRAM, END_PROGRAM = "vop_enter", "vop_return", "vop_end"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CPU_FLAGS, PROFINFER, VLLM_NATIVE_LINEAR, BpfWatch, attached_generation
-from profinfer.engines.vllm import comparable as vllm_comparable
+from profinfer.engines.vllm.views import comparable as vllm_comparable
 from profinfer.exporters.trace_reader import read_trace
 
 # torch.profiler's dtype names for the ScalarTypes seen (c10's C++ type names)
@@ -247,7 +247,7 @@ def test_op_discovery_agrees_with_torch_registry_on_every_isa_build(vllm_python)
     """The three CPU builds (AVX-512 with bf16, AVX-512, AVX2) are read the same way, from
     their own schema strings and symbols; the ops found, their argument names and which
     arguments are tensors agree with the schemas torch itself registered for them."""
-    from profinfer.engines.vllm.ops import SKIP, native_ops
+    from profinfer.engines.vllm.probes.ops import SKIP, native_ops
     from profinfer.core.target.symbols import load_elf
     site = next((Path(vllm_python).parent.parent / "lib").glob("python3*/site-packages/vllm"))
     found = {}
@@ -278,7 +278,7 @@ def test_op_discovery_reads_a_gpu_release():
     """vLLM 0.33.0's CUDA wheel (never run here): stable-ABI ops whose symbols are local,
     MoE ops, and flash-attention, whose C++ functions are not named as their ops."""
     from profinfer.engines.vllm import workload as vllm_workload
-    from profinfer.engines.vllm.ops import OPT_STABLE_TENSOR, STABLE_TENSOR, native_ops
+    from profinfer.engines.vllm.probes.ops import OPT_STABLE_TENSOR, STABLE_TENSOR, native_ops
     from profinfer.core.target.symbols import load_elf
     root = vllm_workload.ensure_gpu_release_libraries() / "vllm"
     stable = load_elf(str(root / "_C_stable_libtorch.abi3.so"))

@@ -198,8 +198,9 @@ def test_wrappers_found_where_the_library_has_them(vllm_python):
     CUDA wheel (read, never run here): its stable-ABI libraries have no such wrapper, and
     their ops stay probed on their own functions."""
     from profinfer.core.target.symbols import load_elf
-    from profinfer.engines.vllm import workload as vllm_workload, wrappers
-    from profinfer.engines.vllm.ops import native_ops
+    from profinfer.engines.vllm import workload as vllm_workload
+    from profinfer.engines.vllm.probes import wrappers
+    from profinfer.engines.vllm.probes.ops import native_ops
     site = next((Path(vllm_python).parent.parent / "lib").glob("python3*/site-packages/vllm"))
     cpu = site / "_C.abi3.so"
     elf = load_elf(str(cpu))

@@ -181,7 +181,7 @@ struct pv_op_hist {
 };
 
 /* c10::TensorImpl's fields as this torch build lays them out (debug info or a validated
- * table: profinfer/engines/vllm/tensors.py). */
+ * table: profinfer/engines/vllm/probes/tensors.py). */
 struct pi_config {
     struct pi_transport transport;
     u64 ti_off_storage;       /* c10::Storage (an intrusive_ptr<StorageImpl>) */

@@ -7,7 +7,8 @@ import numpy as np
 
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import OpCall, Step, TensorArg
-from profinfer.engines.vllm import ops as native, steps as stepmaker, tensors
+from profinfer.engines.vllm.probes import ops as native, tensors
+from profinfer.engines.vllm.decode import steps as stepmaker
 
 CALL_COLUMNS = ("op", "tid", "tgid", "start_ns", "end_ns", "depth", "step")
 VALIDATE_CALLS = 16      # calls whose tensors are checked before a table layout is trusted

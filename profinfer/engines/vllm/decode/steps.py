@@ -14,7 +14,7 @@ import numpy as np
 
 from profinfer.core.profile.model import OpCall, Step
 from profinfer.core.plugin.packs import Pack
-from profinfer.engines.vllm.ops import SKIP, NativeOp
+from profinfer.engines.vllm.probes.ops import SKIP, NativeOp
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import cxxfilt
 from profinfer.core.target.arch import placement
 from profinfer.core.target.arch.callsites import after_call_to, call_through_slot, indirect_call_slot, jumped_into, plt_stubs
 from profinfer.core.target.symbols import ElfInfo, Symbol
-from profinfer.engines.vllm import ops as native
+from profinfer.engines.vllm.probes import ops as native
 
 # the BPF side's probe places (bpf/vllm.h)
 AT_FUNCTION, AT_BOXED, AT_UNBOXED, AT_UNBOXED_SRET = 0, 1, 2, 3

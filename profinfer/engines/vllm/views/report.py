@@ -14,8 +14,8 @@ from profinfer.core.calibration import stamped
 from profinfer.core.profile.model import Profile, Step
 from profinfer.core.plugin.sections import ReportSection, SeriesSection, SummarySection, View, roofline_keys
 from profinfer.core.plugin.tables import ms, op_table, print_cost, print_lost, roofline_origin, roofline_table, us
-from profinfer.engines.vllm import callstats, comparable, cost
-from profinfer.engines.vllm.callstats import CallProfileStats
+from profinfer.engines.vllm.views import callstats, comparable, cost
+from profinfer.engines.vllm.views.callstats import CallProfileStats
 
 TOP_SHAPES = 15
 
