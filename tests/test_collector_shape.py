@@ -25,6 +25,7 @@ MODULES = ["core/plugin/collector.py", "core/ebpf/transport.py",
            "engines/llamacpp/collector.py", "engines/llamacpp/probes/probeplan.py",
            "engines/llamacpp/decode/records.py", "engines/llamacpp/decode/backends.py",
            "engines/llamacpp/decode/totals.py", "engines/vllm/collector.py", "engines/vllm/decode/calls.py",
+           "engines/vllm/probes/probeplan.py", "engines/vllm/probes/probecost.py",
            "levels/cuda/collector.py", "levels/sched/probe.py"]
 # the session and the daemon's agent, held to the same bounds
 DRIVERS = ["core/session.py", "core/plugin/packfinder.py", "core/calibration/cputime.py",

@@ -2,13 +2,14 @@
 call with its tensor arguments' shapes, and make the engine's steps from them.
 
 The interface is the one the session drives for every collector (core/plugin/collector.py).
+What is probed and where is probes/probeplan.py's, what the probes cost probes/probecost.py's;
+the calls are parsed by decode/calls.py, the steps made by decode/steps.py, the calls counted
+in BPF read by decode/totals.py; the server's own /metrics is scraped by server_metrics.py.
 """
 from __future__ import annotations
 
 import ctypes
 import os
-import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import psutil
@@ -16,13 +17,13 @@ import psutil
 from profinfer.core.target import process, procfs
 from profinfer.core.calibration import engineprice, insitu
 from profinfer.core.ebpf import libbpf
-from profinfer.core.target.arch import placement
-from profinfer.core.plugin.collector import Collector, add_hits, ops_recorded_because, program_costs
+from profinfer.core.plugin.collector import Collector, ops_recorded_because
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import Profile, Step
 from profinfer.core.plugin.packs import Pack, copies_of_probed
 from profinfer.core.ebpf.transport import RecordSlots, steps_begun
-from profinfer.engines.vllm.probes import ops as native, tensors, wrappers
+from profinfer.engines.vllm.probes import ops as native, probecost, tensors
+from profinfer.engines.vllm.probes.probeplan import END_PROGRAM, ENTRY_PROGRAM, RETURN_PROGRAM, OpPlan
 from profinfer.engines.vllm.decode import steps as stepmaker
 from profinfer.engines.vllm.decode.calls import CallRecords, TensorLayoutCheck
 from profinfer.engines.vllm import server_metrics
@@ -30,42 +31,9 @@ from profinfer.engines.vllm.server_metrics import MetricsWindow
 from profinfer.engines.vllm.decode.totals import CallTotals, CountedCalls
 from profinfer.levels.sched import probe as schedprobe
 
-ENTRY_PROGRAM, RETURN_PROGRAM, END_PROGRAM = "vop_enter", "vop_return", "vop_end"
 # the programs' tallies, by their index (bpf/vllm.bpf.c PV_TALLY_*)
 TALLIES = ("too_deep", "other_processes", "unsent", "typed", "unsent_returned")
-# the in-target trap is measured on this many of the ops called most (insitu.py)
-TRAP_OPS = 3
-# calls counted, not sent: how often the counts are looked at for the ops called most, and
-# one in how many calls of those the trap is measured on is sent meanwhile (their medians
-# are what it compares: a sample does)
-TRAP_LOOK_S = 1.0
-TRAP_SAMPLE_ONE_IN = 8
 _U32_P = ctypes.POINTER(ctypes.c_uint32)
-
-
-@dataclass
-class OpPlan:
-    """What is probed, resolved at attach: the native ops and the library each is in, the
-    torch kernel wrappers probed for them (by library path: wrappers.py), where the probes of
-    each op probed on its own function sit, the pack's step rules, the arguments cost models
-    read values of, and the TensorImpl layout the probes read tensors by (checked as records
-    come)."""
-    ops: list[native.NativeOp] = field(default_factory=list)
-    op_library: list[str] = field(default_factory=list)
-    wrappers: dict[str, wrappers.WrapperPlan] = field(default_factory=dict)
-    placements: dict[str, placement.Placement] = field(default_factory=dict)  # op: its function's probes' place
-    step_rules: dict = field(default_factory=dict)
-    cost_values: dict[str, int] = field(default_factory=dict)   # op: the argument a cost model reads values of
-    tensor_check: TensorLayoutCheck | None = None
-    # where a probe that does nothing would cost each call of an op one more trap (insitu.py):
-    # op index: (path, file_id, file offset), in the op's own function's entry block
-    trap_sites: dict[int, tuple[str, tuple[int, int] | None, int]] = field(default_factory=dict)
-    traps: insitu.TrapSampler | None = None      # measuring a trap in the target, once calls come
-    trap_ops: list[int] = field(default_factory=list)   # the ops it is measured on
-    return_probes: int = 0      # places whose calls end at a return probe, not an end probe
-    stepped_sites: set[tuple[str, int]] = field(default_factory=set)   # (path, file offset)
-    # a hit's price measured in an engine of this build (profinfer calibrate --pid)
-    engine_price: engineprice.EnginePrice | None = None
 
 
 class Inbox:
@@ -153,7 +121,7 @@ class VllmCollector(Collector):
             raise ProfinferError(f"no {self.pack.engine} in process {self.pid} (none of "
                                  f"{', '.join(self.pack.libraries)} is mapped)")
         self._find_ops()
-        self._find_wrappers()
+        self.plan.find_wrappers(self.elfs)
         if self.outside_account:      # before any probe: records wait on it
             self._server_metrics = MetricsWindow(server_metrics.find(self.pid))
         mapped = [m.path for m in process.mapped_files(self.pid)]
@@ -164,13 +132,7 @@ class VllmCollector(Collector):
         plan.tensor_check = TensorLayoutCheck(tensors.layout_for(version, self.forced_layout),
                                               version or "")
         plan.step_rules = stepmaker.rules(self.pack, self.ops)
-        # the argument whose values a cost model needs (attention: each sequence's length)
-        for name, rule in self.pack.cost_rules().items():
-            op = next((o for o in self.ops if o.name == name), None)
-            arg = rule.get("attention", {}).get("seq_lens")
-            names = [a.name for a in op.schema.args] if op else []
-            if arg in names and op.kinds[names.index(arg)] != native.SKIP:
-                plan.cost_values[name] = names.index(arg)
+        plan.find_cost_values(self.pack.cost_rules())
         plan.engine_price = engineprice.cached(self.priced_builds()) if "op" in self.levels else None
         if "sched" in self.levels:
             schedprobe.require_btf()
@@ -183,42 +145,19 @@ class VllmCollector(Collector):
                                              self.records.decode_args)
 
     def _find_ops(self) -> None:
-        """The native ops of the engine's libraries to probe (the pack's declared ones, or
-        every op schema that matches a C++ function); the step ops alone without the op
-        level."""
-        plan = self.plan
-        for elf in self.elfs:
-            placement.require_supported(elf.path)
-            declared = self.pack.raw.get("op")
-            found, skipped = native.declared_ops(elf, declared) if declared else native.native_ops(elf)
-            plan.ops.extend(found)
-            plan.op_library.extend([os.path.basename(elf.path)] * len(found))
-            if skipped:
-                self.warnings.append(f"{os.path.basename(elf.path)}: not probed: {', '.join(skipped)}")
-        if not self.ops:
-            raise ProfinferError(f"{', '.join(e.path for e in self.elfs)}: no op schema matches a "
-                                 "C++ function: not a torch custom-op library profinfer can read")
+        """The native ops of the engine's libraries to probe (probeplan.py); the step ops
+        alone without the op level."""
+        self.plan.find_ops(self.elfs, self.pack.raw.get("op"), self.warnings)
         if "op" not in self.levels:
             # the step level alone (a daemon's): only the op that begins each step is probed
             step_ops = set(stepmaker.rules(self.pack, self.ops))
             if not step_ops:
                 raise ProfinferError(f"{', '.join(e.path for e in self.elfs)}: none of the pack's "
                                      "step ops is probed: no step level without the op level")
-            keep = [i for i, op in enumerate(self.ops) if op.name in step_ops]
-            plan.ops = [plan.ops[i] for i in keep]
-            plan.op_library = [plan.op_library[i] for i in keep]
+            self.plan.keep_ops(step_ops)
         if len(self.ops) > self.consts["PV_MAX_OPS"]:
             raise ProfinferError(f"{len(self.ops)} native ops; profinfer probes at most "
                                  f"{self.consts['PV_MAX_OPS']}")
-
-    def _find_wrappers(self) -> None:
-        """torch's kernel wrappers to probe for each library's ops, where its code shows them
-        (wrappers.py); the ops of a library without are probed on their own functions."""
-        for elf in self.elfs:
-            mine = [op for op, lib in zip(self.ops, self.plan.op_library) if lib == os.path.basename(elf.path)]
-            found = wrappers.plan(elf, mine) if mine else None
-            if found is not None:
-                self.plan.wrappers[elf.path] = found
 
     def _size_maps(self) -> None:
         self.obj.set_max_entries("threads", 256)
@@ -279,29 +218,15 @@ class VllmCollector(Collector):
 
     def _write_specs(self, i: int) -> None:
         """Op i's specs: its own function's, and a typed wrapper's (its index plus PV_MAX_OPS)."""
-        op, fd = self.ops[i], self.obj.map_fd("op_specs")
-        libbpf.map_update(fd, i.to_bytes(4, "little"), self._spec(op, i).tobytes())
+        op, fd, sending = self.ops[i], self.obj.map_fd("op_specs"), self.counted.sending
+        libbpf.map_update(fd, i.to_bytes(4, "little"), self.plan.spec(self.dt, op, i, sending).tobytes())
         shifted = native.describe(op.schema, op.symbol, leading=2)
         if shifted is not None:
             libbpf.map_update(fd, (i + self.consts["PV_MAX_OPS"]).to_bytes(4, "little"),
-                              self._spec(shifted, i).tobytes())
-
-    def _spec(self, op: native.NativeOp, i: int) -> np.ndarray:
-        spec = np.zeros(1, self.dt["pv_op_spec"])
-        spec["n_args"] = len(op.kinds)
-        spec["kind"][0, :len(op.kinds)] = op.kinds
-        spec["slot"][0, :len(op.slots)] = op.slots
-        rule = self.step_rules.get(op.name)
-        spec["values_of"] = rule.values_arg if rule else self.plan.cost_values.get(op.name, 0xff)
-        spec["starts_step"] = int(rule is not None)
-        # counted in BPF, still sent: what a step or a cost model reads per call, and for now
-        # a sample of the calls of the ops the in-target trap is measured on
-        spec["send"] = (1 if rule is not None or op.name in self.plan.cost_values
-                        else TRAP_SAMPLE_ONE_IN if i in self.counted.sending else 0)
-        return spec
+                              self.plan.spec(self.dt, shifted, i, sending).tobytes())
 
     def _attach_ops(self, elfs, paths: dict[str, str]) -> None:
-        for program, path, file_id, offsets, cookies, retprobe in self._op_sites(elfs, paths):
+        for program, path, file_id, offsets, cookies, retprobe in self.plan.sites(elfs, paths, self.elfs):
             if retprobe:
                 self._attach_uprobes(program, path, offsets, cookies, -1, retprobe=True, file_id=file_id)
                 self.plan.return_probes += len(offsets)
@@ -311,50 +236,6 @@ class VllmCollector(Collector):
                 self.n_probes += 2 * len(cookies)
                 self.probed_files.add(process.file_key(path))
 
-    def _op_sites(self, elfs, paths: dict[str, str]) -> list[tuple]:
-        """Where the op level's probes go in each library, in the order they are attached:
-        (program, path, file_id, file offsets, cookies, return probe). The probes run for
-        the followed tgids only (BPF's filter), on the files."""
-        out = []
-        for elf in elfs:
-            path = paths.get(elf.path, elf.path)
-            offsets, cookies, ends = self._wrapper_probes(elf)
-            # where a call has no end probe, a return probe shares its entry's place
-            returned = [(o, c) for o, c, e in zip(offsets, cookies, ends) if e is None]
-            found = self.plan.wrappers.get(elf.path)
-            file_id = elf.file_id if path == elf.path else None     # a copy: as it was read
-            for i, op in enumerate(self.ops):
-                sym = elf.find(op.symbol) if self.plan.op_library[i] == os.path.basename(elf.path) else None
-                if sym is None:
-                    continue
-                code = elf.code_bytes(sym, 64)
-                if found and op.name in found.covered:
-                    self._note_trap_site(i, path, file_id, sym, code, 0)
-                    continue
-                # on the op's own function: the entry probe reads every argument register and
-                # the stack, placed where none has moved (placement.choose), else on the
-                # first instruction; the return probe shares its place (the stack pointer has
-                # not moved: the return address is still on top)
-                place = placement.choose(code, (1, 2, 3, 4, 5, 6))
-                self.plan.placements[op.name] = place
-                if not place.emulated:
-                    self.plan.stepped_sites.add((path, sym.file_offset + place.offset))
-                offsets.append(sym.file_offset + place.offset)
-                cookies.append(i)
-                returned.append((offsets[-1], i))
-                self._note_trap_site(i, path, file_id, sym, code, place.offset)
-            if not cookies:
-                continue
-            # the ends first: a call entered between the two has no open span to close
-            ended = [(e, c) for c, e in zip(cookies, ends) if e is not None]
-            if ended:
-                out.append((END_PROGRAM, path, file_id, [e for e, _ in ended], [c for _, c in ended], False))
-            if returned:
-                out.append((RETURN_PROGRAM, path, file_id, [o for o, _ in returned],
-                            [c for _, c in returned], True))
-            out.append((ENTRY_PROGRAM, path, file_id, offsets, cookies, False))
-        return out
-
     def pricing_sites(self) -> list[tuple[str, tuple[int, int] | None, list[int]]]:
         """Every place the op level traps (enginetrap.py): its entry, end and return probes'
         (a return probe's trap is priced at its entry's place: the same instruction), by
@@ -363,8 +244,9 @@ class VllmCollector(Collector):
         self._prepare()
         floor = VllmCollector(self.pid, {self.FLOOR_LEVEL}, self.pack, self.lib_paths, root=self.root)
         floor._prepare()
-        taken = {(path, o) for _, path, _, offsets, _, _ in floor._op_sites(floor.elfs, {}) for o in offsets}
-        found = self._op_sites(self.elfs, {})
+        taken = {(path, o) for _, path, _, offsets, _, _ in floor.plan.sites(floor.elfs, {}, floor.elfs)
+                 for o in offsets}
+        found = self.plan.sites(self.elfs, {}, self.elfs)
         taken |= self.plan.stepped_sites
         by_file: dict[tuple, set[int]] = {}
         for _, path, file_id, offsets, _, _ in found:
@@ -373,26 +255,6 @@ class VllmCollector(Collector):
 
     def priced_builds(self) -> list[str]:
         return [e.build_id for e in self.elfs if e.build_id]
-
-    def _note_trap_site(self, op: int, path: str, file_id, sym, code: bytes, after: int) -> None:
-        """Where in the op's own function, past `after` (its probe's place, or its first
-        instruction: a wrapper calls it), an instruction the kernel emulates runs on every
-        call (its entry block): where a trap is measured in the target (insitu.py)."""
-        at = placement.next_emulated(code, after)
-        if at is not None and op not in self.plan.trap_sites:
-            self.plan.trap_sites[op] = (path, file_id, sym.file_offset + at)
-
-    def _wrapper_probes(self, elf) -> tuple[list[int], list[int], list[int | None]]:
-        """The file offsets and cookies of the kernel wrappers probed for the library's ops,
-        and the file offset of each one's end probe (None: a return probe instead)."""
-        found = self.plan.wrappers.get(elf.path)
-        if found is None:
-            return [], [], []
-        lib = self.elfs.index(elf)
-        return ([w.symbol.file_offset + w.place.offset for w in found.wrappers],
-                [wrappers.cookie(w.at, lib, found.fn_offset, w.symbol.vaddr + w.place.offset)
-                 for w in found.wrappers],
-                [None if w.ends_at is None else w.symbol.file_offset + w.ends_at for w in found.wrappers])
 
     def attach_files(self, lib_paths: list[tuple[str, str]]) -> list[str]:
         """More copies of the probed libraries (a followed process mapping other files);
@@ -418,20 +280,6 @@ class VllmCollector(Collector):
         if ev is not None or self.counted.on:
             self._sample_traps(ev)
 
-    def _calls_so_far(self, ev: np.ndarray | None) -> tuple[np.ndarray, int] | None:
-        """Calls by op index, and the process that made most, from these records, or where
-        calls are counted from the counts (looked at every TRAP_LOOK_S); None: not now."""
-        if not self.counted.on:
-            return np.bincount(ev["op"].astype(np.int64)), int(np.bincount(ev["tgid"]).argmax())
-        now = time.monotonic()
-        if now < self.counted.look_at:
-            return None
-        self.counted.look_at = now + TRAP_LOOK_S
-        by_process = self.counted.reader.calls_by_process(self.obj)
-        if not by_process:
-            return None
-        return self.counted.reader.calls_by_op(self.obj), max(by_process, key=by_process.get)
-
     def _sample_traps(self, ev: np.ndarray | None) -> None:
         """Measure a trap in the target (insitu.py) from once the op level's calls come, in
         the process that makes them; a failure to is said, and the calibration's cost used.
@@ -446,22 +294,15 @@ class VllmCollector(Collector):
             return
         if "op" not in self.levels or not plan.trap_sites or self.obj is None:
             return
-        found = self._calls_so_far(ev)
+        found = probecost.calls_so_far(self.counted, self.obj, ev)
         if found is None:
             return
         calls, pid = found
-        # the few ops called most: a probe placed and removed at a handful of sites, not at
-        # every op's, for each window (placing one rewrites the target's code page)
-        plan.trap_ops = [int(i) for i in np.argsort(-calls, kind="stable")
-                         if calls[i] and int(i) in plan.trap_sites][:TRAP_OPS]
+        plan.trap_ops = probecost.trap_ops(calls, plan.trap_sites)
         if not plan.trap_ops:       # none of these calls' ops has a site: the next records'
             return
-        by_file: dict[tuple, list[int]] = {}
-        for i in plan.trap_ops:
-            path, file_id, offset = plan.trap_sites[i]
-            by_file.setdefault((path, file_id), []).append(offset)
         try:
-            sites = [(path, file_id, offsets) for (path, file_id), offsets in by_file.items()]
+            sites = probecost.trap_sites_by_file(plan.trap_ops, plan.trap_sites)
             plan.traps = insitu.TrapSampler(sites, pid, self.buffer)
         except ProfinferError as e:
             plan.trap_sites = {}
@@ -500,11 +341,12 @@ class VllmCollector(Collector):
         return self.records.take_steps(self.step_rules)
 
     def cost_counts(self) -> dict[str, int]:
-        """What the probes cost so far (see _cost), while collecting (a daemon's governor)."""
+        """What the probes cost so far (probecost.probe_costs), while collecting (a daemon's governor)."""
         if not self._counting_costs():
             return {}
-        out = self._cost(self.obj.program_stats(), self._calls_by_op(),
-                         self._read_tallies((name, TALLIES.index(name)) for name in ("unsent", "unsent_returned")))
+        out = probecost.probe_costs(self.plan, self.obj.program_stats(), self._calls_by_op(),
+                                    self._read_tallies((name, TALLIES.index(name))
+                                                       for name in ("unsent", "unsent_returned")))
         if out and self.plan.engine_price is not None:       # the governor prices the hits as the engine pays them
             out["trap_in_situ_ns"] = round(self.plan.engine_price.trap_ns)
         return out
@@ -560,8 +402,8 @@ class VllmCollector(Collector):
             step_ends = {**self.records.step_ends, **self._step_ends_now()}
         self.detach()
         calls = self.records.calls()
-        self.bpf_stats = self._cost(stats, calls_by_op, tallies)
-        trap_meta = self._trap_in_situ(stats)
+        self.bpf_stats = probecost.probe_costs(self.plan, stats, calls_by_op, tallies)
+        trap_meta = probecost.trap_in_situ(self.plan, self.records, stats)
         prof = Profile(pid=self.pid, process_name=process.process_name(self.pid) or "",
                        thread_names=dict(self.thread_names), calls=calls, lost_events=lost)
         if len(self.sched):
@@ -592,48 +434,6 @@ class VllmCollector(Collector):
         if warning:
             self.warnings.append(warning)
         return prof
-
-    def _trap_in_situ(self, stats: dict[str, tuple[int, int]]) -> dict[str, str]:
-        """One emulated trap as the calls paid it (insitu.py), less the bare program's run:
-        the accounting prices the emulated hits at it (selfcost)."""
-        if self.plan.engine_price is not None:
-            return {"trap_in_situ_ns": f"{self.plan.engine_price.trap_ns:.0f}",
-                    "trap_priced": engineprice.provenance(self.plan.engine_price)}
-        traps = self.plan.traps
-        if traps is None:
-            return {}
-        ns, runs = stats.get(insitu.PROGRAM, (0, 0))
-        start, end, kind = self.records.timed()
-        at_trap_ops = np.isin(kind >> 32, self.plan.trap_ops)
-        found = traps.trap_ns(start[at_trap_ops], end[at_trap_ops], kind[at_trap_ops], bare=(runs, ns))
-        out = {"trap_in_situ_windows": str(len(traps.on))}
-        if found is not None:
-            out["trap_in_situ_ns"], out["trap_in_situ_calls"] = f"{found[0]:.0f}", str(found[1])
-        return out
-
-    def _cost(self, stats: dict[str, tuple[int, int]], per_op: dict[str, int],
-              tallies: dict[str, int]) -> dict[str, int]:
-        """The kernel's count of our programs' runs and run time, and the probe hits behind
-        them by what each costs (selfcost): each call's entry trap, emulated or
-        single-stepped where its probe sits (a wrapper's: emulated), and its return, whose
-        probe shares the entry's place (one trap), or, through a wrapper with an end probe,
-        that probe's emulated trap; and the wrapper hits that sent nothing (`unsent`: calls of
-        other functions of a probed signature, in `tallies`), by how each ended."""
-        if not stats:
-            return {}
-        out = program_costs(stats)
-        ended = set().union(*(w.ended_after_call for w in self.plan.wrappers.values()))
-        for name, n in per_op.items():
-            place = self.plan.placements.get(name)       # None: seen through a wrapper
-            if place is None and name in ended:
-                add_hits(out, n, True, return_trap_emulated=True)
-            else:
-                add_hits(out, n, place.emulated if place else True, returns=True)
-        returned = tallies.get("unsent_returned", 0)
-        add_hits(out, max(0, tallies.get("unsent", 0) - returned), True, return_trap_emulated=True)
-        add_hits(out, returned, True, returns=True)
-        add_hits(out, stats.get(insitu.PROGRAM, (0, 0))[1], True)    # the trap measure's own
-        return out
 
     def _meta(self, tallies: dict[str, int]) -> dict[str, str]:
         meta = self._shared_meta()
