@@ -148,7 +148,7 @@ class SharedProbes:
         graph compute each are an entry and a return hit. Each process's charge is kept by
         level (the token or step level: the floor; the graph level)."""
         floor = "step" if "steps_by_process" in self.capabilities else "token"
-        graph = "graph" in self.key[-1]         # the levels it was opened at (agent._join_group)
+        graph = "graph" in self.key[-1]         # the levels it was opened at (attach.py's _join_group)
         self.charges.charge(cost_ns, {pid: {floor: self.token_calls.get(pid, 0),
                                             **({"graph": self.graph_calls.get(pid, 0)} if graph else {})}
                                       for pid in self.pids})

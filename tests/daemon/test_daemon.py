@@ -322,7 +322,7 @@ def test_moving_between_shared_objects_loses_no_decode_call(tmp_path, llama_buil
         while w.proc.poll() is None:
             agent.poll(0.05)
             decoded = agent.metrics.processes[w.proc.pid].tokens.get("decode", 0)
-            if moves and decoded >= moves[0][1] and agent._relevel(watch, moves[0][0], "test"):
+            if moves and decoded >= moves[0][1] and agent.attach.relevel(watch, moves[0][0], "test"):
                 moves.pop(0)        # (refused while it still leaves the last object: tried again)
         for _ in range(10):
             agent.poll(0.05)
