@@ -1,93 +1,131 @@
 """Build the BPF objects ahead of time, once, cached by content.
 
 Compiling at attach time (BCC's way) cost 1.6-1.9 s of every attach; a precompiled object
-loads in milliseconds. The object depends only on the program source, llamacpp.h, the
+loads in milliseconds. The object depends only on the program source, its headers, the
 compiler and the architecture, never on the target: target facts go into its .rodata at
-load time. setup.sh builds both variants; an attach on a machine where they are missing
-builds them then (a fraction of a second with clang) and says nothing else changes.
+load time. An object is looked for, by its name (a hash of what it is built from: bpfbuild),
+in $PROFINFER_BPF_PREBUILT, then among those the wheel ships (built by clang when the wheel
+was: setup.py), then in the cache; else it is built here into the cache (a fraction of a
+second with clang). setup.sh builds both variants into the cache of a source checkout.
 
     python -m profinfer.core.ebpf.bpfobj            # build (or find) every variant, print their paths
 """
 from __future__ import annotations
 
-import hashlib
+import json
 import os
 import platform
-import shutil
-import subprocess
 import sys
-import sysconfig
+from importlib import resources
+
 from profinfer.core.base import config
 from profinfer.core.target import buildcache
 from profinfer.core.base import registry
 from profinfer.core.base.errors import ProfinferError
+from profinfer.core.ebpf.bpfbuild import MANIFEST, VARIANTS, BuildError, compile_object, find_clang, missing_tools
+from profinfer.core.ebpf import bpfbuild
 
-# The ring-buffer build is used from Linux 5.12 on (kernel.ring_buffer_supported): BPF ISA v3
-# and atomics that return a value (compare-and-swap claims per-thread slots). The
-# perf-buffer build is for older kernels and keeps the baseline ISA.
-VARIANTS = {"ring": ["-mcpu=v3"], "perf": ["-DPI_PERF_BUFFER"]}
-_ARCH = {"x86_64": "x86", "aarch64": "arm64"}
-
-
-# Objects built ahead of time where nothing may be written or compiled at run time (the
-# image's read-only root): looked at before the cache.
+# Objects built ahead of time where nothing may be written or compiled at run time: looked
+# at first.
 PREBUILT_ENV = "PROFINFER_BPF_PREBUILT"
+# The objects the wheel ships, in this package's folder of that name (setup.py builds them).
+SHIPPED = "prebuilt"
+
+# where each object returned came from: path -> "prebuilt", "shipped" or "built"
+_origins: dict[str, str] = {}
 
 
 def cache_dir() -> str:
     return str(buildcache.cache_dir() / "bpf")
 
 
-def find_clang() -> str | None:
-    for name in ["clang"] + [f"clang-{v}" for v in range(20, 13, -1)]:
-        path = shutil.which(name)
-        if path:
-            return path
+def shipped_dir() -> str:
+    return str(resources.files(__package__).joinpath(SHIPPED))
+
+
+def _name(source: str, variant: str) -> str:
+    """The object's file name: what it is built from, hashed (bpfbuild.object_name)."""
+    dirs = registry.bpf_dirs()
+    src = registry.bpf_file(source)
+    headers = sorted((f for d in dirs for f in d.iterdir() if f.name.endswith(".h")), key=lambda f: f.name)
+    arch = bpfbuild.arch()
+    if arch is None:
+        raise ProfinferError(f"no BPF register mapping for {platform.machine()} in this profinfer")
+    return bpfbuild.object_name(source, src.read_bytes(), [h.read_bytes() for h in headers], variant, arch)
+
+
+def _places() -> list[tuple[str, str | None]]:
+    """Where an object is looked for, in order: (its origin, the folder)."""
+    return [("prebuilt", config.text(PREBUILT_ENV)), ("shipped", shipped_dir()), ("built", cache_dir())]
+
+
+def _found(name: str) -> tuple[str, str] | None:
+    for origin, directory in _places():
+        path = os.path.join(directory, name) if directory else None
+        # loaded as root: only an object nobody else could have put there
+        if path and os.path.exists(path) and buildcache.trusted(path):
+            return origin, path
     return None
-
-
-def _multiarch_include() -> str:
-    multiarch = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
-    return f"/usr/include/{multiarch}"
 
 
 def object_path(source: str, variant: str = "ring") -> str:
     """Path of the compiled object for `source` (a BPF program of the core or of a plugin,
     by file name), building it if needed."""
-    dirs = registry.bpf_dirs()
-    src = registry.bpf_file(source)
-    headers = sorted((f for d in dirs for f in d.iterdir() if f.name.endswith(".h")), key=lambda f: f.name)
-    text = src.read_bytes() + b"".join(h.read_bytes() for h in headers)
-    arch = _ARCH.get(platform.machine())
-    if arch is None:
-        raise ProfinferError(f"no BPF register mapping for {platform.machine()} in this profinfer")
-    key = hashlib.sha256(text + repr((VARIANTS[variant], arch)).encode()).hexdigest()[:16]
-    stem = os.path.splitext(os.path.splitext(source)[0])[0]
-    name = f"{stem}-{variant}-{key}.o"
-    for directory in (config.text(PREBUILT_ENV), cache_dir()):
-        # loaded as root: only an object nobody else could have put there
-        if directory and os.path.exists(os.path.join(directory, name)) and buildcache.trusted(
-                os.path.join(directory, name)):
-            return os.path.join(directory, name)
+    name = _name(source, variant)
+    found = _found(name)
+    if found:
+        _origins[found[1]] = found[0]
+        return found[1]
     clang = find_clang()
-    if clang is None:
-        raise ProfinferError("the BPF object is not built and there is no clang to build it: "
-                             "apt-get install clang libbpf-dev, or run setup.sh")
-    if not os.path.exists("/usr/include/bpf/bpf_helpers.h"):
-        raise ProfinferError("the BPF object is not built and libbpf's headers are missing: "
-                             "apt-get install libbpf-dev")
+    why = missing_tools(clang)
+    if why:
+        raise ProfinferError(f"the BPF object is not built and {why}, or run setup.sh")
     directory = buildcache.writable_dir("bpf") or buildcache.private_dir()   # else for this process's life
     out = os.path.join(directory, name)
-    tmp = f"{out}.{os.getpid()}.tmp"
-    cmd = [clang, "-O2", "-g", "-Werror=implicit-function-declaration", "-target", "bpf", f"-D__TARGET_ARCH_{arch}", *VARIANTS[variant],
-           *(f"-I{d}" for d in dirs), f"-I{_multiarch_include()}", "-c", str(src), "-o", tmp]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        first = next((l for l in done.stderr.splitlines() if "error" in l), done.stderr.strip()[:300])
-        raise ProfinferError(f"building {source} failed: {first}")
-    os.chmod(tmp, 0o644)   # whatever the umask: trusted when found again
-    os.replace(tmp, out)   # atomic: a concurrent attach sees a whole object or none
+    try:
+        compile_object(clang, str(registry.bpf_file(source)), [str(d) for d in registry.bpf_dirs()],
+                       variant, bpfbuild.arch(), out)
+    except BuildError as e:
+        raise ProfinferError(str(e)) from None
+    _origins[out] = "built"
     return out
+
+
+def origin(path: str) -> str | None:
+    """Where an object object_path returned came from: "prebuilt", "shipped" or "built"."""
+    return _origins.get(path)
+
+
+def _shipped_said() -> str:
+    try:
+        with open(os.path.join(shipped_dir(), MANIFEST)) as f:
+            m = json.load(f)
+        return f"built {m['built']} by {m['clang']}"
+    except (OSError, ValueError, KeyError):
+        return "no record of their build"
+
+
+def provenance() -> str:
+    """Where this profinfer's BPF objects come from, in one line (nothing is built): e.g.
+    "shipped in the wheel (built 2025-01-01 12:00 UTC by Debian clang version 14.0.6, in ...)",
+    or each origin's count where they differ."""
+    try:
+        names = [_name(s, v) for s in sources() for v in VARIANTS]
+    except ProfinferError as e:
+        return f"unknown ({e})"
+    where: dict[str, int] = {}
+    for name in names:
+        found = _found(name)
+        where[found[0] if found else "missing"] = where.get(found[0] if found else "missing", 0) + 1
+    missing = missing_tools(find_clang())
+    said = {"prebuilt": f"prebuilt from ${PREBUILT_ENV} ({config.text(PREBUILT_ENV)})",
+            "shipped": f"shipped in the wheel ({_shipped_said()}, in {shipped_dir()})",
+            "built": f"built here by clang in {cache_dir()}",
+            "missing": (f"not built yet (clang builds them at first use, in {cache_dir()})" if not missing
+                        else f"not built, and {missing}")}
+    if len(where) == 1:
+        return said[next(iter(where))]
+    return "; ".join(f"{n} of {len(names)} {said[o]}" for o, n in where.items())
 
 
 def sources() -> list[str]:
