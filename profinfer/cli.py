@@ -125,8 +125,18 @@ def _how_it_ended(code: int) -> str:
     return f"was killed by {name} (status {_shell_status(code)})"
 
 
+def _version(ctx, _param, value):
+    """--version: the version, and where the BPF objects come from (nothing is built)."""
+    if value and not ctx.resilient_parsing:
+        from importlib.metadata import version
+        from profinfer.core.ebpf import bpfobj
+        click.echo(f"profinfer, version {version('profinfer')}\nBPF objects: {bpfobj.provenance()}")
+        ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="profinfer")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
+              help="Show the version and where the BPF objects come from, and exit.")
 def cli():
     """profinfer: eBPF profiler for LLM inference engines (llama.cpp, vLLM; the CUDA runtime under any)."""
 
