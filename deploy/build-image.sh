@@ -13,7 +13,7 @@ base=$("$here/base-image.sh")
 # what goes into the image: the build context (.containerignore), the Containerfile, the base
 content=$(cd "$repo" && {
     podman image inspect --format '{{.Id}}' "$base"
-    inputs=(pyproject.toml profinfer deploy/Containerfile .containerignore)
+    inputs=(pyproject.toml setup.py profinfer deploy/Containerfile .containerignore)
     if git rev-parse --git-dir >/dev/null 2>&1; then
         git ls-files -co --exclude-standard -- "${inputs[@]}"
     else

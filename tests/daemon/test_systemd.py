@@ -51,9 +51,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends systemd systemd
     && rm -rf /var/lib/apt/lists/*
 ENTRYPOINT ["/lib/systemd/systemd"]
 """
-# The image's BPF objects are prebuilt (the image's ENV says where, for its entrypoint; a
-# service does not inherit it). Nothing else is added to the unit.
-DROP_IN = "[Service]\nEnvironment=PROFINFER_BPF_PREBUILT=/opt/profinfer/bpf\n"
+# The image's BPF objects are its wheel's, found by the package itself: nothing is added to
+# the unit.
 
 
 def _image() -> str:
@@ -117,8 +116,6 @@ def unit():
             assert time.monotonic() < deadline, _podman("logs", CTR, check=False).stdout[-3000:]
             time.sleep(0.5)
         _podman("cp", str(UNIT), f"{CTR}:/etc/systemd/system/profinfer.service")
-        _exec("sh", "-c", "mkdir -p /etc/systemd/system/profinfer.service.d && "
-                          f"printf '{DROP_IN}' > /etc/systemd/system/profinfer.service.d/image.conf")
         # the node's bpffs, as a host's systemd mounts it at boot (the container has none)
         _exec("sh", "-c", "mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf")
         _exec("systemctl", "daemon-reload")
