@@ -5,9 +5,6 @@ Every failure the user can act on ends as one line on stderr and a non-zero exit
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import signal
 import sys
 
 import click
@@ -17,6 +14,8 @@ from profinfer.daemon.http.tokens import TOKEN_ENV
 from profinfer.core.base.errors import OutputFailed, ProfinferError
 from profinfer.core.profile.model import Profile
 from profinfer.core.plugin.packs import KERNEL_LEVELS, LEVELS, MIN_DURATION_S, RUNTIME_LEVELS
+from profinfer.recording import how_it_ended, record_command, shell_status
+from profinfer.traces import compare_sides, load_trace, write_diff_html
 
 class FiniteRange(click.FloatRange):
     """A FloatRange that also refuses nan and the infinities (nan passes every bound)."""
@@ -110,21 +109,6 @@ def _emit(profile: Profile, output: str | None, json_path: str | None, quiet: bo
     return written
 
 
-def _shell_status(code: int) -> int:
-    """An exit code as a shell reports it: 128+N for a process killed by signal N."""
-    return 128 - code if code < 0 else code
-
-
-def _how_it_ended(code: int) -> str:
-    if code >= 0:
-        return f"exited with status {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    return f"was killed by {name} (status {_shell_status(code)})"
-
-
 def _version(ctx, _param, value):
     """--version: the version, and where the BPF objects come from (nothing is built)."""
     if value and not ctx.resilient_parsing:
@@ -171,63 +155,11 @@ def record(levels, duration, tensor_layout, buffer, counters, packs, output, jso
     _check_outputs(output, json_path)
     profile, code = record_command(list(command), levels, duration, tensor_layout,
                                    buffer=buffer, counters=counters, packs=tuple(packs),
-                                   timeline=output is not None)
+                                   timeline=output is not None, warn=_warn, note=_note)
     written = _emit(profile, output, json_path, quiet)
     if code:
-        _warn(f"{command[0]} {_how_it_ended(code)}")
-    sys.exit(_shell_status(code) or (0 if written else 1))
-
-
-def record_command(command: list[str], levels: set[str], duration: float | None,
-                   tensor_layout: str | None = None, env: dict[str, str] | None = None,
-                   buffer: str = "auto", counters: list[str] | None = None,
-                   packs: tuple[str, ...] = (), timeline: bool = True):
-    """Start `command` held before exec, follow it (profinfer.core.follow), then let it run.
-    Returns (profile, exit code), the profile stamped with this machine's calibration."""
-    from profinfer.core.calibration import stamped
-    from profinfer.core.session import profile_process
-    exe = shutil.which(command[0], path=(env or os.environ).get("PATH"))
-    if not exe:
-        raise ProfinferError(f"command not found: {command[0]}")
-    from profinfer.core.ebpf.kernel import require_root
-    require_root()
-    go_r, go_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: wait until the probes are in, then become the command
-        os.close(go_w)
-        if os.read(go_r, 1) != b"g":
-            os._exit(125)
-        try:
-            os.execve(exe, command, env if env is not None else os.environ)
-        except OSError as e:
-            os.write(2, f"profinfer: cannot run {exe}: {e.strerror}\n".encode())
-            os._exit(127)
-    os.close(go_r)
-    released = []
-
-    def release():
-        os.write(go_w, b"g")
-        os.close(go_w)
-        released.append(True)
-
-    status: list[int] = []
-    try:
-        profile = profile_process(pid, levels, duration, child_status=status, follow=True,
-                                  on_attached=release, tensor_layout=tensor_layout, buffer=buffer,
-                                  counters=counters, extra_packs=packs, timeline=timeline,
-                                  warn=_warn, note=_note)
-    finally:
-        if not released:
-            os.close(go_w)  # the child reads EOF and exits without running the command
-        if not status:  # stopped before the command ended: it does not outlive its profiler
-            try:
-                os.kill(pid, signal.SIGTERM)
-                _, st = os.waitpid(pid, 0)
-                status.append(os.waitstatus_to_exitcode(st))
-            except ChildProcessError:
-                pass
-    stamped.stamp(profile)     # the roofs and trap costs that judge this run
-    return profile, (status[0] if status else 0)
+        _warn(f"{command[0]} {how_it_ended(code)}")
+    sys.exit(shell_status(code) or (0 if written else 1))
 
 
 @cli.command()
@@ -238,21 +170,8 @@ def record_command(command: list[str], levels: set[str], duration: float | None,
 def report(trace, json_path, html_path):
     """Operator view of a saved trace (.pftrace written by profinfer)."""
     _check_outputs(None, json_path, html_path)
-    if not _emit(_load_trace(trace), None, json_path, False, html_path):
+    if not _emit(load_trace(trace), None, json_path, False, html_path):
         sys.exit(1)
-
-
-def _trace_paths(arg: str) -> list[str]:
-    """A side of diff: a trace, a comma-separated list of traces, or a directory of them."""
-    if os.path.isdir(arg):
-        try:
-            found = sorted(os.path.join(arg, f) for f in os.listdir(arg) if f.endswith(".pftrace"))
-        except OSError as e:
-            raise ProfinferError(f"cannot list {arg}: {e.strerror}") from None
-        if not found:
-            raise ProfinferError(f"{arg}: a directory without .pftrace files")
-        return found
-    return [p for p in arg.split(",") if p] or [arg]
 
 
 @cli.command()
@@ -293,12 +212,12 @@ def diff(before, after, gates, noise, confidence, statistic, json_path, html_pat
     except ProfinferError as e:
         raise OutputFailed(str(e)) from None
     try:
-        result = _compared(before, after, gates, noise, confidence, statistic)
+        result = compare_sides(before, after, gates, noise, confidence, statistic)
     except ProfinferError as e:
         if e.exit_code == 1:
             raise comparison.IncomparableRuns(str(e)) from None
         raise
-    for path, write in ((json_path, comparison.write_json), (html_path, _write_diff_html)):
+    for path, write in ((json_path, comparison.write_json), (html_path, write_diff_html)):
         if path:
             try:
                 write(result, path)
@@ -309,36 +228,10 @@ def diff(before, after, gates, noise, confidence, statistic, json_path, html_pat
         sys.exit(result["gate"]["exit"])
 
 
-def _compared(before, after, gates, noise, confidence, statistic) -> dict:
-    """diff's comparison, its options checked first; ProfinferError for bad input."""
-    from profinfer.exporters import comparison
-    rules = tuple(comparison.parse_gate(g) for g in gates)
-    floor = comparison.parse_percent(noise, "--noise")
-    sides = (_trace_paths(before), _trace_paths(after))
-    return comparison.compare_profiles([_load_trace(p) for p in sides[0]],
-                                       [_load_trace(p) for p in sides[1]], floor, confidence, rules, sides,
-                                       statistic)
-
-
-def _write_diff_html(result: dict, path: str) -> None:
-    from profinfer.viewers import difftable, html
-    html.write_html(result, path, kind="diff", labels={"sections": difftable.SECTION_TITLES})
-
-
 def _check_output(option: str, path: str) -> None:
     """ProfinferError unless `path` can be written (outputs.check_writable)."""
     from profinfer import outputs
     outputs.check_writable([outputs.Output(option, path, "output", "", None)])
-
-
-def _load_trace(trace: str) -> Profile:
-    from profinfer.exporters.trace_reader import TraceFormatError, read_trace
-    try:
-        return read_trace(trace)
-    except TraceFormatError as e:
-        raise ProfinferError(str(e)) from None
-    except OSError as e:        # missing, a loop of links, not a regular file (a FIFO, a device)
-        raise ProfinferError(f"cannot read {trace}: {e.strerror}") from None
 
 
 def _add_demo(group: click.Group, demos: list) -> None:
@@ -363,11 +256,11 @@ def _add_demo(group: click.Group, demos: list) -> None:
         _check_outputs(output, json_path)
         cmd, env = by_name[engine].command(model, tokens, threads)
         click.echo(f"profinfer: recording {' '.join(cmd)}", err=True)
-        profile, code = record_command(cmd, levels, None, env=env, counters=counters)
+        profile, code = record_command(cmd, levels, None, env=env, counters=counters, warn=_warn, note=_note)
         written = _emit(profile, output, json_path, quiet)
         if code:
-            _error(f"the workload {_how_it_ended(code)}")
-        sys.exit(_shell_status(code) or (0 if written else 1))
+            _error(f"the workload {how_it_ended(code)}")
+        sys.exit(shell_status(code) or (0 if written else 1))
 
 
 def _add_plugin_commands() -> None:
@@ -381,7 +274,7 @@ def _add_plugin_commands() -> None:
     found = demos()
     if found:
         _add_demo(cli, found)
-    services = Services(load_trace=_load_trace, console=report_console, warn=_warn, note=_note,
+    services = Services(load_trace=load_trace, console=report_console, warn=_warn, note=_note,
                         check_output=_check_output)
     for module in commands_modules():
         add = getattr(module, "add_commands", None)
@@ -413,9 +306,7 @@ def calibrate_cmd(threads, force, attempts, pid, windows, window_s, spread_of):
 
     A measurement taken while other processes use the CPUs, or whose repetitions disagree, is
     repeated, and not cached if it never passes: then the exit status is 75 (try again later)."""
-    from profinfer.core.calibration import machine_roofs, probecost
-    from profinfer.core.ebpf import kernel
-    from profinfer.core.calibration.loadcheck import UnreliableMeasurement
+    from profinfer import calibrating
     given = {name for name in ("threads", "force", "attempts", "windows", "window_s")
              if click.get_current_context().get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
     wrong = given & ({"threads", "force", "attempts"} if pid is not None else {"windows", "window_s"})
@@ -425,36 +316,11 @@ def calibrate_cmd(threads, force, attempts, pid, windows, window_s, spread_of):
     if spread_of is not None:
         if given or pid is not None:
             raise click.UsageError("--spread-of: alone")
-        from profinfer.exporters import comparison, runspread
-        paths = _trace_paths(spread_of)
-        entry = comparison.spread_of([_load_trace(p) for p in paths], paths)
-        runspread.store(entry)
-        click.echo(runspread.describe(entry))
-        return
-    if pid is not None:
-        from profinfer.core import pricing
-        from profinfer.core.calibration import engineprice
-        kernel.require_root()
-        loop = probecost.cached()
-        p = pricing.calibrate(pid, windows, window_s, note=_note)
-        click.echo(engineprice.describe(p, loop["emulated_ns"] if loop else None))
-        return
-    failed: list[UnreliableMeasurement] = []
-    try:
-        r = machine_roofs.calibrate(threads, force, attempts, note=_note)
-        click.echo(f"{machine_roofs.describe(r)}\n  checked: {r['check']}; measured {r['measured_at']}")
-    except UnreliableMeasurement as e:
-        failed.append(e)
-    kernel.require_root()     # a uprobe's cost is measured by placing one
-    try:
-        c = probecost.calibrate(force, attempts, note=_note)
-        click.echo(f"{probecost.describe(c)}\n  checked: {c['check']}; measured {c['measured_at']}")
-    except UnreliableMeasurement as e:
-        failed.append(e)
-    for e in failed[:-1]:
-        _error(str(e))
-    if failed:
-        raise failed[-1]
+        click.echo(calibrating.run_spread(spread_of))
+    elif pid is not None:
+        click.echo(calibrating.engine_price(pid, windows, window_s, note=_note))
+    else:
+        calibrating.machine(threads, force, attempts, echo=click.echo, note=_note, error=_error)
 
 
 @cli.command()
@@ -534,19 +400,15 @@ def daemon(listen, allow_remote, budget, levels, token, token_file, tls_cert, tl
 
     /status answers without a token only a client on loopback (its address, not the one
     listened on); /capture always needs the token."""
-    from click.core import ParameterSource
     from profinfer.daemon.run import run_daemon
     from profinfer.core.ebpf.kernel import require_root
     require_root()
     levels = _levels(levels)
     if tls_key and not tls_cert:
         raise click.BadParameter("--tls-key needs --tls-cert", param_hint="--tls-key")
-    if token and click.get_current_context().get_parameter_source("token") == ParameterSource.COMMANDLINE:
+    if token and click.get_current_context().get_parameter_source("token") == click.core.ParameterSource.COMMANDLINE:
         _warn("--token is readable by every user of this machine (/proc/PID/cmdline, ps): "
               f"give it in the environment ({TOKEN_ENV}) or in --token-file")
-    os.environ.pop(TOKEN_ENV, None)          # nothing the daemon starts inherits it
-    if not token and os.path.dirname(token_file):
-        os.makedirs(os.path.dirname(token_file), mode=0o700, exist_ok=True)
     sys.exit(run_daemon(listen, budget, levels, token, token_file, allow_remote, otlp, otlp_interval,
                         tls_cert=tls_cert, tls_key=tls_key, max_processes=max_processes,
                         max_per_tenant=max_per_tenant,
@@ -575,26 +437,7 @@ def client_options(f):
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's JSON as is.")
 def status(url, token_file, cacert, insecure_http, as_json):
     """What the daemon watches, at which levels, and what it costs."""
-    import json
-    from urllib.parse import urlsplit
-    from profinfer.daemon.http.server import is_loopback
-    try:
-        remote = not is_loopback(urlsplit(url).hostname or "")
-    except ValueError:
-        remote = True                 # _daemon_request says what is wrong with it
-    # loopback's /status needs no token: never hand it to whatever listens there (a user's
-    # listener on the port while the daemon restarts)
-    token = client.token(token_file, required=False) if remote else None
-    body = client.request("GET", url.rstrip("/") + "/status", token, cacert=cacert, insecure_http=insecure_http)
-    try:
-        data = json.loads(body)
-        if as_json:
-            click.echo(json.dumps(data, indent=1))
-            return
-        client.print_status(data)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise ProfinferError(f"{url} did not answer as a profinfer daemon does (its /status: "
-                             f"{body[:80]!r})") from None
+    client.show_status(url, token_file, cacert, insecure_http, as_json)
 
 
 @cli.command()

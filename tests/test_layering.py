@@ -12,6 +12,8 @@ imports inside functions included):
   calibration, diff, plugin, then the core's own top (the session, the follower, the
   pricing); a core module sits in a room or is one of the top's; a room holds at most 15
   modules and says in its __init__.py what it is for; no core module is over 500 lines;
+- no folder of the package holds over 15 modules, no module is over 500 lines, and the
+  daemon's Agent (its loop and status) is under 400;
 - no import cycles among modules;
 - only a plugin reads its records: outside a plugin's folder no code compares a record's
   `what` with a kind its pack declares, or names a function its pack probes (the daemon
@@ -480,6 +482,62 @@ def test_the_room_checks_catch(tmp_path, breach):
     found = room_findings(core)
     assert len(found) == 1 and says in found[0], found
 
+
+
+# ---- every folder and module of the package stays small; the agent is its loop ----
+
+MAX_FOLDER_MODULES = 15         # .py files directly in a folder, its __init__.py included
+MAX_MODULE_LINES = 500
+MAX_AGENT_LINES = 400
+AGENT = ("daemon/agent.py", "Agent")
+
+
+def size_findings(package: Path) -> list[str]:
+    """Each folder of `package` with more than MAX_FOLDER_MODULES modules, each module over
+    MAX_MODULE_LINES lines, and the daemon's Agent class over MAX_AGENT_LINES."""
+    out = []
+    for folder in sorted([package, *(d for d in package.rglob("*") if d.is_dir())]):
+        modules = list(folder.glob("*.py"))
+        if len(modules) > MAX_FOLDER_MODULES:
+            out.append(f"{folder.relative_to(package.parent)}: {len(modules)} modules (at most {MAX_FOLDER_MODULES})")
+    for f in sorted(package.rglob("*.py")):
+        n = len(f.read_text().splitlines())
+        if n > MAX_MODULE_LINES:
+            out.append(f"{f.relative_to(package.parent)}: {n} lines (at most {MAX_MODULE_LINES})")
+    agent = package / AGENT[0]
+    for node in ast.parse(agent.read_text()).body if agent.is_file() else []:
+        if isinstance(node, ast.ClassDef) and node.name == AGENT[1]:
+            n = node.end_lineno - node.lineno + 1
+            if n > MAX_AGENT_LINES:
+                out.append(f"{agent.relative_to(package.parent)}: {AGENT[1]} is {n} lines (at most {MAX_AGENT_LINES})")
+    return out
+
+
+def test_every_folder_and_module_is_small():
+    found = size_findings(ROOT / "profinfer")
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("breach", ["sixteen modules", "a long module", "a long agent"])
+def test_the_size_checks_catch(tmp_path, breach):
+    package = tmp_path / "pkg"
+    (package / "daemon").mkdir(parents=True)
+    for i in range(MAX_FOLDER_MODULES - 1):          # with the agent: 15
+        (package / "daemon" / f"m{i}.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    (package / "daemon" / "agent.py").write_text(
+        "class Agent:\n" + "    x = 1\n" * (MAX_AGENT_LINES - 1) + "\n\ndef after():\n    pass\n")
+    assert size_findings(package) == []
+    if breach == "sixteen modules":
+        (package / "daemon" / "__init__.py").write_text("")
+        says = "pkg/daemon: 16 modules"
+    elif breach == "a long module":
+        (package / "daemon" / "m3.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+        says = f"pkg/daemon/m3.py: {MAX_MODULE_LINES + 1} lines"
+    else:
+        (package / "daemon" / "agent.py").write_text("class Agent:\n" + "    x = 1\n" * MAX_AGENT_LINES)
+        says = f"pkg/daemon/agent.py: Agent is {MAX_AGENT_LINES + 1} lines"
+    found = size_findings(package)
+    assert len(found) == 1 and says in found[0], found
 
 # ---- the tests mirror the code ----
 

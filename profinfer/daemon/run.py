@@ -1,6 +1,7 @@
 """`profinfer daemon`: the agent loop in the main thread, the HTTP endpoint in its own."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -13,7 +14,7 @@ from profinfer.daemon.discovery.identity import printable
 from profinfer.daemon.export.metrics import LABEL_SETS
 from profinfer.daemon.http.server import MAX_CONNECTIONS, is_loopback, make_server, parse_listen
 from profinfer.daemon.http.tls import server_context as tls_context
-from profinfer.daemon.http.tokens import load_token
+from profinfer.daemon.http.tokens import TOKEN_ENV, load_token
 
 # A loop that fails every turn for this long ends the daemon (its exit says why, and a service
 # manager or the kubelet starts it again): /healthz would otherwise say healthy over a loop
@@ -63,6 +64,9 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
                              "serve other machines (metrics are readable without a token)")
     if labels not in LABEL_SETS:
         raise ProfinferError(f"--labels {labels!r}: choose from {', '.join(LABEL_SETS)}")
+    os.environ.pop(TOKEN_ENV, None)          # nothing the daemon starts inherits it
+    if not token and os.path.dirname(token_file):
+        os.makedirs(os.path.dirname(token_file), mode=0o700, exist_ok=True)
     secret = load_token(token, token_file, warn=log)
     tls = tls_context(tls_cert, tls_key) if tls_cert else None
     if tls is None and not is_loopback(host):

@@ -105,6 +105,30 @@ def request(method: str, url: str, token: str | None = None, timeout: float = 30
     return body
 
 
+def show_status(url: str, token_file: str, cacert: str | None, insecure_http: bool, as_json: bool) -> None:
+    """`status`: the daemon's /status, printed (as it came, with as_json)."""
+    import json
+    from urllib.parse import urlsplit
+    from profinfer.daemon.http.server import is_loopback
+    try:
+        remote = not is_loopback(urlsplit(url).hostname or "")
+    except ValueError:
+        remote = True                 # request says what is wrong with it
+    # loopback's /status needs no token: never hand it to whatever listens there (a user's
+    # listener on the port while the daemon restarts)
+    given = token(token_file, required=False) if remote else None
+    body = request("GET", url.rstrip("/") + "/status", given, cacert=cacert, insecure_http=insecure_http)
+    try:
+        data = json.loads(body)
+        if as_json:
+            click.echo(json.dumps(data, indent=1))
+            return
+        print_status(data)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ProfinferError(f"{url} did not answer as a profinfer daemon does (its /status: "
+                             f"{body[:80]!r})") from None
+
+
 def print_status(data: dict) -> None:
     """The daemon's /status, as `status` prints it."""
     click.echo(f"daemon PID {data['pid']}, levels {','.join(data['levels'])}, budget {data['budget']:.1%}, "

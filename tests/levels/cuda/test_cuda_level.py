@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from profinfer.cli import record_command
+from profinfer.recording import record_command
 from profinfer.levels.cuda import workload
 
 PROGRAMS = Path(__file__).parent / "programs"
