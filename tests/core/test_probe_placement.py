@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TESTS, Target, endless_cmd, open_fds, start_profinfer
+from conftest import TESTS, Target, endless_cmd, llama_server, open_fds, start_profinfer
 
 from profinfer.levels.cuda import workload as cuda_workload
 
@@ -188,6 +188,23 @@ def test_llama_cpp_probes_are_emulated(extra, llama_build, tiny_model, llama_env
     assert probes, "no uprobe link held by profinfer"
     meta = _meta(summary)
     assert stepped_probes(probes) == []
+    assert meta["probes_stepped"] == "0" and int(meta["probes"]) == len(probes)
+
+
+def test_llama_server_request_probes_are_emulated(llama_build, tiny_model, llama_env, tmp_path):
+    """llama-server's request marks (its task queue's post, a task's launch on its slot) too:
+    probed in libllama-server-impl.so, beside the token level's."""
+    summary = tmp_path / "s.json"
+    with llama_server(llama_build, tiny_model, llama_env, 2) as (proc, _url):
+        prof = start_profinfer(["attach", "--pid", str(proc.pid), "--levels", "token", "--duration", "1",
+                                "--quiet", "--json", str(summary)], env=llama_env)
+        probes = held_probes(prof.pid)
+        _, err = prof.communicate(timeout=120)
+    assert prof.returncode == 0, err
+    server = [p for p in probes if os.path.basename(p[0]).startswith("libllama-server-impl")]
+    assert len(server) == 2, probes
+    assert stepped_probes(probes) == []
+    meta = _meta(summary)
     assert meta["probes_stepped"] == "0" and int(meta["probes"]) == len(probes)
 
 

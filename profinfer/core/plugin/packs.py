@@ -248,7 +248,7 @@ def resolve(pack: Pack, elfs: list[ElfInfo], levels: set[str]) -> tuple[list[Res
                 hint = f" (stripped: {', '.join(stripped)})" if stripped else ""
                 raise ProfinferError(f"{pack.engine}: {what} not found, the {spec.level} level "
                                      f"cannot work with this build{hint}")
-            if spec.function:
+            if spec.function and not spec.table.get("optional"):   # optional: absent quietly
                 warnings.append(f"{spec.function} not found: {spec.level} level partly degraded")
             continue
         if spec.callers and not spec.ret:

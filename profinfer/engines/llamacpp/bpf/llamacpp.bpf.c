@@ -306,6 +306,67 @@ int token_return(struct pt_regs *ctx)
     return 0;
 }
 
+/* ---- llama-server's request marks (llamacpp.h: struct pi_request_event) ----
+ * One hit per HTTP request at the queue, one per task at its launch: the request's figures
+ * are joined with the decode calls in user space (decode/requests.py). */
+static __always_inline void request_mark(struct pi_request_event *ev, u32 mark)
+{
+    ev->kind = PI_EV_REQUEST;
+    ev->tid = current_tid();
+    ev->tgid = bpf_get_current_pid_tgid() >> 32;
+    ev->ts_ns = bpf_ktime_get_ns();
+    ev->mark = mark;
+    ev->slot = -1;
+    ev->parent = -1;
+}
+
+/* server_queue::post(std::vector<server_task> &&, bool front) */
+SEC("uprobe")
+int request_posted(struct pt_regs *ctx)
+{
+    if (!in_target())
+        return other_process();
+    if (!cfg.task_size)
+        return 0;
+    struct pi_request_event ev = {};
+    request_mark(&ev, PI_REQ_POSTED);
+    u64 vec[2] = {};   /* std::vector: begin, end */
+    bpf_probe_read_user(vec, sizeof(vec), (void *)PT_REGS_PARM2(ctx));
+    u64 n = vec[1] > vec[0] ? (vec[1] - vec[0]) / cfg.task_size : 0;
+    ev.n_tasks = (u32)n;
+    for (u32 i = 0; i < PI_REQ_TASKS; i++) {
+        if (i >= n)
+            break;
+        u64 task = vec[0] + i * cfg.task_size;
+        bpf_probe_read_user(&ev.task[i], sizeof(s32), (void *)(task + cfg.task_off_id));
+        bpf_probe_read_user(&ev.type[i], sizeof(s32), (void *)(task + cfg.task_off_type));
+    }
+    if (emit(ctx, &ev, sizeof(ev)))
+        count_lost(1);
+    return 0;
+}
+
+/* server_context_impl::launch_slot_with_task(server_slot &, server_task &&) */
+SEC("uprobe")
+int request_launched(struct pt_regs *ctx)
+{
+    if (!in_target())
+        return other_process();
+    if (!cfg.task_size)
+        return 0;
+    struct pi_request_event ev = {};
+    request_mark(&ev, PI_REQ_LAUNCHED);
+    u64 task = PT_REGS_PARM3(ctx);
+    ev.n_tasks = 1;
+    bpf_probe_read_user(&ev.slot, sizeof(s32), (void *)(PT_REGS_PARM2(ctx) + cfg.slot_off_id));
+    bpf_probe_read_user(&ev.task[0], sizeof(s32), (void *)(task + cfg.task_off_id));
+    bpf_probe_read_user(&ev.type[0], sizeof(s32), (void *)(task + cfg.task_off_type));
+    bpf_probe_read_user(&ev.parent, sizeof(s32), (void *)(task + cfg.task_off_parent));
+    if (emit(ctx, &ev, sizeof(ev)))
+        count_lost(1);
+    return 0;
+}
+
 /* ---- graph level: f(backend_or_sched, struct ggml_cgraph *) ----
  * Each graph probe has its own pair of programs, so an event says which function it came
  * from (entry points take no arguments, and attach cookies need 5.15). */

@@ -23,6 +23,7 @@
 #define PI_EV_EXPERTS 6
 #define PI_EV_NODE 7
 #define PI_EV_DECODING 8
+#define PI_EV_REQUEST 9
 
 /* A batch's tokens as runs of one sequence at consecutive positions (engines add each
  * sequence's tokens together): a sequence decoding adds one token, a prompt many. */
@@ -57,6 +58,31 @@ struct pi_decoding_event {
     u32 kind;
     u32 tid;
     u64 ts_ns;
+};
+
+
+/* A server's request marks (llama-server's task queue, libllama-server-impl.so): a batch of
+ * tasks posted to the queue (server_queue::post(std::vector<server_task>&&, bool): one HTTP
+ * request's tasks, sent at the call's entry), and a task launched on its slot
+ * (server_context_impl::launch_slot_with_task(server_slot&, server_task&&), at entry). A
+ * slot's id is its sequence id in the decode batches. Task ids and types only: no prompt,
+ * no text. */
+#define PI_REQ_POSTED 1
+#define PI_REQ_LAUNCHED 2
+#define PI_REQ_TASKS 8        /* a post's tasks read; n_tasks says how many it had */
+
+struct pi_request_event {
+    u32 kind;
+    u32 tid;
+    u64 ts_ns;
+    u32 tgid;
+    u32 mark;                 /* PI_REQ_* */
+    s32 slot;                 /* launched: the slot's id (-1: posted) */
+    u32 n_tasks;              /* posted: tasks in the batch; launched: 1 */
+    s32 parent;               /* launched: the task's id_parent (-1: none) */
+    u32 pad;
+    s32 task[PI_REQ_TASKS];   /* each task's id */
+    s32 type[PI_REQ_TASKS];   /* and its server_task_type */
 };
 
 
@@ -357,4 +383,10 @@ struct pi_config {
     u32 compute_flag;         /* GGML_TENSOR_FLAG_COMPUTE (0: the loop computes every node) */
     u32 pad5;
     u64 empty_ops[2];         /* bit op: ggml_op_is_empty(op), ops below 128 */
+    /* llama-server's request marks (struct pi_request_event), offsets from DWARF */
+    u64 task_size;            /* sizeof(server_task) (0: the marks are not read) */
+    u64 task_off_id;          /* server_task.id */
+    u64 task_off_type;        /* server_task.type */
+    u64 task_off_parent;      /* server_task.id_parent */
+    u64 slot_off_id;          /* server_slot.id */
 };

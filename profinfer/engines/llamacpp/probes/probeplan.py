@@ -13,7 +13,7 @@ from profinfer.core.target import dwarf
 from profinfer.core.ebpf import kernel
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.plugin.packs import Pack, ProbeSpec, resolve
-from profinfer.engines.llamacpp.probes import ggml, graphwalk
+from profinfer.engines.llamacpp.probes import ggml, graphwalk, requests
 
 # llama_batch_ext (b11434): tokens' offset, a token's size, its pos[0] and its seq_ids
 KNOWN_BATCH_EXT = (64, 96, 80, 24)
@@ -205,6 +205,7 @@ class ProbePlan:
                 if op < 128:
                     cfg["empty_ops"][0][op >> 6] |= np.uint64(1 << (op & 63))
         cfg["graph_has_backend"] = sum(1 << i for i, p in enumerate(graph_probes) if graph_backend(p.spec))
+        self.probes = requests.fill(self.probes, cfg, self.warnings)
 
     def _fill_tensor_offsets(self, cfg: np.ndarray) -> None:
         lay = self.layout
