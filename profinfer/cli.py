@@ -167,10 +167,11 @@ def record(levels, duration, tensor_layout, buffer, counters, packs, output, jso
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the JSON summary.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False),
               help="Also write the report as one self-contained HTML page (charts drawn from the JSON summary).")
-def report(trace, json_path, html_path):
+@click.option("--requests", "requests_table", is_flag=True, help="Also a table of the slowest requests (llama-server).")
+def report(trace, json_path, html_path, requests_table):
     """Operator view of a saved trace (.pftrace written by profinfer)."""
     _check_outputs(None, json_path, html_path)
-    if not _emit(load_trace(trace), None, json_path, False, html_path):
+    if not _emit(load_trace(trace, frozenset({"requests"} if requests_table else ())), None, json_path, False, html_path):
         sys.exit(1)
 
 

@@ -9,10 +9,13 @@ from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import Profile
 
 
-def load_trace(trace: str) -> Profile:
+def load_trace(trace: str, shown: frozenset[str] = frozenset()) -> Profile:
+    """A saved trace, with the optional report tables `shown` asked for (Profile.shown)."""
     from profinfer.exporters.trace_reader import TraceFormatError, read_trace
     try:
-        return read_trace(trace)
+        profile = read_trace(trace)
+        profile.shown = shown
+        return profile
     except TraceFormatError as e:
         raise ProfinferError(str(e)) from None
     except OSError as e:        # missing, a loop of links, not a regular file (a FIFO, a device)

@@ -220,6 +220,46 @@ class Step:
         return "mixed" if self.decode_seqs else "prefill"
 
 
+@dataclass(slots=True)
+class Request:
+    """One request an engine served, where its time went: arrival (queued), start (given a
+    sequence to run as), the batch that completed its prompt, its end; and its tokens. Which
+    figures the engine marks itself and which come from its batches: docs/requests.md."""
+    id: int                  # the engine's own id for it (llama-server: its task id)
+    seq: int                 # the sequence its tokens are batched as (llama-server: its slot)
+    start_ns: int            # it began to run
+    arrival_ns: int | None = None   # it reached the engine (None: before the recording)
+    kind: str = ""           # what was asked ("completion", "embedding", ...)
+    prompt_tokens: int = 0   # prompt tokens computed
+    cached_tokens: int = 0   # prompt tokens not computed: the sequence's cache held them
+    generated_tokens: int = 0
+    first_token_ns: int | None = None   # end of the batch that completed its prompt
+    end_ns: int | None = None           # end of its last batch
+    pid: int = 0
+
+    @property
+    def queue_ns(self) -> int | None:
+        return None if self.arrival_ns is None else self.start_ns - self.arrival_ns
+
+    @property
+    def ttft_ns(self) -> int | None:
+        return None if self.first_token_ns is None else self.first_token_ns - self.start_ns
+
+    @property
+    def tpot_ns(self) -> float | None:
+        """Per generated token after the first (which comes from the prompt's batch)."""
+        if self.generated_tokens < 2 or self.first_token_ns is None or self.end_ns is None:
+            return None
+        return (self.end_ns - self.first_token_ns) / (self.generated_tokens - 1)
+
+    @property
+    def latency_ns(self) -> int | None:
+        """Arrival (or start) to end."""
+        if self.end_ns is None:
+            return None
+        return self.end_ns - (self.start_ns if self.arrival_ns is None else self.arrival_ns)
+
+
 @dataclass
 class Profile:
     pid: int
@@ -253,6 +293,8 @@ class Profile:
     # records of a plugin's own types that have no field above, by the name its timeline
     # kinds give them (SliceKind.field): a new record type needs no field here
     records: dict[str, list] = field(default_factory=dict)
+    # optional report tables asked for (report --requests: "requests"); never saved
+    shown: frozenset[str] = frozenset()
 
     _RECORD_LISTS = ("tokens", "graphs", "calls", "steps", "cuda_calls", "switches", "wakeups")
 

@@ -20,7 +20,7 @@ from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import OpTotal, Profile, TokenCall
 from profinfer.core.plugin.packs import Pack, copies_of_probed
 from profinfer.core.ebpf.transport import steps_begun
-from profinfer.engines.llamacpp.decode import backends
+from profinfer.engines.llamacpp.decode import backends, requests
 from profinfer.engines.llamacpp.probes.probeplan import (BARRIER_PROGRAM, GRAPHS_CHANGED_PROGRAMS,
                                                          THREAD_EXIT_PROGRAM, ProbePlan)
 from profinfer.engines.llamacpp.decode.records import LlamaRecords
@@ -403,6 +403,8 @@ class LlamaCppCollector(core.Collector):
             prof.counter_dropped = dict(self.counter_dropped)
         if "graph" not in self.levels:
             prof.graphs = []
+        if self.records.request_marks:
+            prof.records[requests.MARKS] = list(self.records.request_marks)
         if len(self.records.sched):
             prof.switches, prof.wakeups = self.records.sched.events({self.pid})
         return prof

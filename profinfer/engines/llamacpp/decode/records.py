@@ -14,7 +14,7 @@ import numpy as np
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import TokenCall, decode_tokens
 from profinfer.core.ebpf.transport import RecordSlots
-from profinfer.engines.llamacpp.decode import assemble
+from profinfer.engines.llamacpp.decode import assemble, requests
 from profinfer.engines.llamacpp.probes import barrier, ggml
 from profinfer.levels.sched import probe as schedprobe
 
@@ -51,6 +51,7 @@ class LlamaRecords:
         self.experts: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
         self.experts_truncated = 0   # MUL_MAT_ID reads with more rows or slots than BPF keeps
         self.sched = schedprobe.SchedRecords()
+        self.request_marks: list[requests.RequestMark] = []   # llama-server's (decode/requests.py)
         self.n_events = 0
         self.n_decode_tokens = 0
         self.decoding = False          # the target's first llama_decode has begun
@@ -83,6 +84,10 @@ class LlamaRecords:
         tokens = self._array(by_kind.get(c["PI_EV_TOKEN"]), "pi_token_event")
         if tokens is not None:
             self._add_tokens(tokens)
+        marks = self._array(by_kind.get(c["PI_EV_REQUEST"]), "pi_request_event")
+        if marks is not None:
+            self.request_marks.extend(requests.marks_of(marks, c))
+            self.n_events += len(marks)
         graphs = self._array(by_kind.get(c["PI_EV_GRAPH"]), "pi_graph_event")
         if graphs is not None:
             self.graphs.append(graphs)

@@ -1,6 +1,6 @@
 """llama.cpp's sections of the summary and the report: the roofline of its graph nodes (ggml's
 cost model), time per transformer layer and against the context length, MoE expert
-activations. Its tokens, graphs and ops are shown by the neutral main view."""
+activations, llama-server's requests. Its tokens, graphs and ops are shown by the neutral main view."""
 from __future__ import annotations
 
 from rich.console import Console
@@ -10,7 +10,7 @@ from profinfer.core.calibration import stamped
 from profinfer.core.profile.model import Profile
 from profinfer.core.plugin.sections import ReportSection, SeriesSection, SummarySection, roofline_keys
 from profinfer.core.plugin.tables import ms, pct, roofline_origin, roofline_table
-from profinfer.engines.llamacpp.views import comparable, cost, layers, moe
+from profinfer.engines.llamacpp.views import comparable, cost, layers, moe, requests
 
 
 def holds(profile: Profile) -> bool:
@@ -118,9 +118,9 @@ def _print_moe(profile: Profile, console: Console) -> None:
 
 
 SUMMARY = (SummarySection(20, _roofline_keys), SummarySection(40, _layer_keys),
-           SummarySection(41, _moe_keys))
+           SummarySection(41, _moe_keys), SummarySection(42, requests.keys))
 REPORT = (ReportSection(20, _print_roofline), ReportSection(40, _print_layers),
-          ReportSection(41, _print_moe))
+          ReportSection(41, _print_moe), ReportSection(42, requests.render))
 SERIES = (SeriesSection(40, comparable.series),)
 IDENTITY = comparable.identity
 SETUP = comparable.shapes

@@ -10,6 +10,9 @@ wait is zero. A MUL_MAT_ID op's END carries "experts" = "e,e|e,e|..." (per token
 routing). A thread that reached a graph compute after another thread had started it has a
 "thread arrival" slice (category arrival) from that first start to its own first op; it is
 derived from the ops, and the reader skips it.
+llama-server's request marks (decode/requests.py) are empty slices (category request, name
+"posted" or "launched") on the thread that made them: tasks "id:type ..." (n_tasks when a
+post carried more than were read), and for a launch its slot and parent (when it has one).
 """
 from __future__ import annotations
 
@@ -20,12 +23,13 @@ import numpy as np
 from profinfer.core.profile.model import GraphCall, OpSlice, TokenCall
 from profinfer.core.profile.opcolumns import OpColumns, as_columns
 from profinfer.core.profile.stats import arrivals
+from profinfer.engines.llamacpp.decode.requests import MARKS, RequestMark
 from profinfer.core.plugin.timeline import (
     INT, LEVEL_BATCH, LEVEL_GRAPH, LEVEL_OP, PTR, STR, SliceKind, Timeline, TraceFormatError,
 )
 
 CAT_TOKEN, CAT_GRAPH, CAT_OP, CAT_BARRIER = "llama_decode", "graph", "op", "barrier"
-CAT_ARRIVAL = "arrival"
+CAT_ARRIVAL, CAT_REQUEST = "arrival", "request"
 GRAPH_NAME, BARRIER_NAME, ARRIVAL_NAME = "graph_compute", "barrier", "thread arrival"
 SHAPE_SEP = "×"
 
@@ -185,6 +189,31 @@ class ArrivalKind(SliceKind):
         return CAT_ARRIVAL, ARRIVAL_NAME, ()
 
 
+class RequestKind(SliceKind):
+    """A llama-server request mark: an empty slice where it was made."""
+    category, field = CAT_REQUEST, MARKS
+
+    def begin(self, obj: RequestMark):
+        args = (("tasks", STR, " ".join(f"{t}:{k}" for t, k in zip(obj.tasks, obj.types))),)
+        if obj.n_tasks != len(obj.tasks):
+            args += (("n_tasks", INT, obj.n_tasks),)
+        if obj.slot >= 0:
+            args += (("slot", INT, obj.slot),)
+        if obj.parent >= 0:
+            args += (("parent", INT, obj.parent),)
+        return CAT_REQUEST, obj.what, args
+
+    def read(self, reader, seq, start, ts, tid, name, begin_args, end_args):
+        try:
+            pairs = [p.split(":") for p in begin_args.get("tasks", "").split()]
+            tasks = tuple(int(t) for t, _ in pairs)
+        except ValueError:
+            raise TraceFormatError(f"bad request tasks {begin_args.get('tasks')!r}") from None
+        return RequestMark(reader.pid_of(tid), tid, start, name, tasks, tuple(k for _, k in pairs),
+                           begin_args.get("slot", -1), begin_args.get("parent", -1),
+                           begin_args.get("n_tasks", len(tasks)))
+
+
 class _OpRun:
     """One thread's ops (columns), made into OpSlice objects one at a time as they are written."""
 
@@ -204,13 +233,16 @@ class LlamaTimeline(Timeline):
     def __init__(self):
         self.token, self.graph, self.op = TokenKind(), GraphKind(), OpKind()
         self.arrival = ArrivalKind()
-        self.kinds = (self.token, self.graph, self.op, BarrierKind(), self.arrival)
+        self.request = RequestKind()
+        self.kinds = (self.token, self.graph, self.op, BarrierKind(), self.arrival, self.request)
 
     def slices(self, profile):
         for t in profile.tokens:
             yield self.token, t, LEVEL_BATCH
         for g in profile.graphs:
             yield self.graph, g, LEVEL_GRAPH
+        for m in profile.records.get(MARKS, ()):
+            yield self.request, m, LEVEL_BATCH
         # an arrival sits where an op would, on the thread that arrived late
         for a in arrivals(profile):
             if a.dur_ns > 0:
