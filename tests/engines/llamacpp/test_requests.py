@@ -1,0 +1,179 @@
+"""Every request a row: llama-server's requests (arrival, queue, slot, tokens, TTFT, TPOT)
+against what the server says of each in its own response (`timings`, `id_slot`) and what
+the client measured (its send and its first streamed token), live and from the saved trace."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from conftest import PROFINFER, free_port, start_profinfer, wait_healthy
+from profinfer.engines.llamacpp import workload
+
+SLOTS = 4
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+# (prompt words, tokens to generate): more requests than slots, so that some wait
+CASES = [(6 + 7 * (i % 5), 16 + 4 * (i % 4)) for i in range(12)]
+RESENT = " ".join(WORDS[j % len(WORDS)] for j in range(30))
+
+
+@pytest.fixture
+def server(llama_build, tiny_model, llama_env):
+    """A llama-server with SLOTS slots and HTTP threads for every request sent at once (with
+    fewer, a request would wait for a thread before the server's queue sees it); one compute
+    thread, real-time, ahead of other work on this shared machine: the server stamps a
+    request's first token after the decode call that gave it, and a scheduler tick (4 ms)
+    spent preempted between the two would part its clock from the calls'."""
+    port = free_port()
+    proc = subprocess.Popen([str(workload.llama_bin("llama-server", llama_build)), "-m", str(tiny_model),
+                             "-np", str(SLOTS), "-c", str(SLOTS * 512), "-t", "1",
+                             "--threads-http", str(len(CASES) + 4),
+                             "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=llama_env,
+                            preexec_fn=lambda: os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10)))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, f"{url}/health", "llama-server", 60)
+        yield proc, url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _send(url: str, prompt: str, n_predict: int, cache: bool, **extra) -> dict:
+    """A streamed /completion sent on a socket of its own, not yet read: when it was sent
+    (CLOCK_MONOTONIC, as BPF's clock)."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": prompt, "n_predict": n_predict, "ignore_eos": True, "stream": True,
+                       "cache_prompt": cache, **extra}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=120)
+    head = (f"POST /completion HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    sent = time.monotonic_ns()
+    sock.sendall(head + body)
+    return {"sock": sock, "sent": sent, "first": None, "raw": b""}
+
+
+def _read_all(pending: list[dict]) -> None:
+    """Read every response to its end in one thread (no client thread waits for the
+    interpreter to see its first token): when each one's first streamed event came, and its
+    final event (timings, id_slot)."""
+    with selectors.DefaultSelector() as sel:
+        for p in pending:
+            sel.register(p["sock"], selectors.EVENT_READ, p)
+        while sel.get_map():
+            for key, _ in sel.select(timeout=120):
+                p, data = key.data, key.fileobj.recv(1 << 16)
+                if p["first"] is None and b"data: " in p["raw"] + data:
+                    p["first"] = time.monotonic_ns()
+                p["raw"] += data
+                if not data:
+                    sel.unregister(key.fileobj)
+                    key.fileobj.close()
+    for p in pending:
+        head, _, body = p.pop("raw").partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        if b"chunked" in head.lower():
+            body = _dechunk(body)
+        events = [json.loads(line[6:]) for line in body.split(b"\n") if line.startswith(b"data: ")]
+        assert events and events[-1].get("stop"), events[-1:]
+        p.update(events[-1])
+        del p["sock"]
+
+
+def _dechunk(body: bytes) -> bytes:
+    out, pos = b"", 0
+    while True:
+        eol = body.index(b"\r\n", pos)
+        size = int(body[pos:eol].split(b";")[0], 16)
+        if not size:
+            return out
+        out += body[eol + 2: eol + 2 + size]
+        pos = eol + 2 + size + 2
+
+
+def _stream(url: str, prompt: str, n_predict: int, cache: bool, **extra) -> dict:
+    pending = [_send(url, prompt, n_predict, cache, **extra)]
+    _read_all(pending)
+    return pending[0]
+
+
+@contextlib.contextmanager
+def _realtime():
+    """This thread real-time (below the server) while it measures."""
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(5))
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+def _by_slot(rows: list[dict], key) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for r in sorted(rows, key=key):
+        out.setdefault(r["slot"] if "slot" in r else r["id_slot"], []).append(r)
+    return out
+
+
+def test_requests_against_server_timings(server, tmp_path):
+    proc, url = server
+    out, trace = tmp_path / "s.json", tmp_path / "s.pftrace"
+    p = start_profinfer(["attach", "--pid", str(proc.pid), "--levels", "token", "--quiet",
+                         "--json", str(out), "-o", str(trace)])
+    prompts = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(n)) for i, (n, _) in enumerate(CASES)]
+    with _realtime():      # the client's clock, read as the bytes come (a shared machine)
+        replies = [_send(url, prompts[i], CASES[i][1], False) for i in range(len(CASES))]
+        _read_all(replies)
+        # the same prompt twice on one slot: the second finds it in the slot's cache
+        replies += [_stream(url, RESENT, 16, True, id_slot=1) for _ in range(2)]
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=60)
+    assert p.returncode == 0, p.stderr.read()
+    live = json.loads(out.read_text())["requests"]
+    assert len(live) == len(replies), live
+    assert [r for r in live if r["kind"] != "completion"] == []
+
+    # a slot serves one request at a time: its requests in launch order are its replies in
+    # the order they finished
+    ours, theirs = _by_slot(live, lambda r: r["start_ns"]), _by_slot(replies, lambda r: r["first"])
+    assert {s: len(v) for s, v in ours.items()} == {s: len(v) for s, v in theirs.items()}
+    busy = 0
+    for slot in ours:
+        for r, reply in zip(ours[slot], theirs[slot]):
+            t = reply["timings"]
+            # the client's clock: its first token came prompt_ms after its slot began it
+            began = reply["first"] - t["prompt_ms"] * 1e6
+            print(f"task {r['id']} slot {slot}: prompt {r['prompt_tokens']} (server {t['prompt_n']}), "
+                  f"cached {r['cached_tokens']} ({t['cache_n']}), generated {r['generated_tokens']} "
+                  f"({t['predicted_n']}); TTFT {r['ttft_ns'] / 1e6:.2f} ms (server {t['prompt_ms']:.2f}); "
+                  f"TPOT {r['tpot_ns'] / 1e6:.3f} ms ({t['predicted_per_token_ms']:.3f}); "
+                  f"queue {r['queue_ns'] / 1e6:.2f} ms (client, send to slot: {(began - reply['sent']) / 1e6:.2f}; "
+                  f"send to post {(r['arrival_ns'] - reply['sent']) / 1e6:.2f}; first token to client "
+                  f"{(reply['first'] - r['first_token_ns']) / 1e6:.2f})")
+            assert (r["prompt_tokens"], r["cached_tokens"], r["generated_tokens"]) == (
+                t["prompt_n"], t["cache_n"], t["predicted_n"])
+            assert r["ttft_ns"] / 1e6 == pytest.approx(t["prompt_ms"], rel=0.10, abs=2)
+            assert r["tpot_ns"] / 1e6 == pytest.approx(t["predicted_per_token_ms"], rel=0.10, abs=2)
+            # it reached the queue after the client sent it (the HTTP thread's parsing and
+            # tokenizing between), and left it when the client's clock says its slot began
+            assert reply["sent"] <= r["arrival_ns"] <= r["start_ns"] <= r["first_token_ns"] < reply["first"]
+            if began - reply["sent"] > 20e6:      # the server was busy: it waited for a slot
+                busy += 1
+                assert r["queue_ns"] / 1e6 == pytest.approx((began - reply["sent"]) / 1e6, abs=5)
+    assert busy >= 4, "more requests than slots: some waited"
+
+    # the saved trace gives the same requests, and report --requests their table
+    saved = tmp_path / "r.json"
+    rep = subprocess.run([*PROFINFER, "report", str(trace), "--requests", "--json", str(saved)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "160"})
+    assert rep.returncode == 0, rep.stderr
+    assert json.loads(saved.read_text())["requests"] == live
+    assert f"Requests ({len(live)};" in rep.stdout
+    assert "queue ms" in rep.stdout and "TTFT ms" in rep.stdout
