@@ -136,8 +136,14 @@ def test_requests_against_server_timings(server, tmp_path):
     p.send_signal(signal.SIGINT)
     p.wait(timeout=60)
     assert p.returncode == 0, p.stderr.read()
-    live = json.loads(out.read_text())["requests"]
+    summary = json.loads(out.read_text())
+    live = summary["requests"]
     assert len(live) == len(replies), live
+    # what the marks cost: one hit at the queue per HTTP request, one at the launch per task
+    meta = summary["meta"]
+    hits = {prog: int(meta[f"cost:runs:{prog}"]) for prog in ("request_posted", "request_launched")}
+    print(f"{len(live)} requests: {hits}")
+    assert hits == {"request_posted": len(replies), "request_launched": len(replies)}
     assert [r for r in live if r["kind"] != "completion"] == []
 
     # a slot serves one request at a time: its requests in launch order are its replies in
@@ -177,3 +183,38 @@ def test_requests_against_server_timings(server, tmp_path):
     assert json.loads(saved.read_text())["requests"] == live
     assert f"Requests ({len(live)};" in rep.stdout
     assert "queue ms" in rep.stdout and "TTFT ms" in rep.stdout
+
+
+def test_join_by_slot_and_time():
+    """The join itself (decode/requests.py), on marks and calls made here: a prompt read in
+    two chunks beside another's, a request that found a cached prefix, one posted before
+    the recording began."""
+    from profinfer.core.profile.model import TokenCall
+    from profinfer.engines.llamacpp.decode.requests import LAUNCHED, POSTED, RequestMark, join
+
+    marks = [RequestMark(7, 1, 100, POSTED, (1, 2), ("completion", "completion"), n_tasks=2),
+             RequestMark(7, 2, 200, LAUNCHED, (1,), ("completion",), slot=0),
+             RequestMark(7, 2, 210, LAUNCHED, (2,), ("completion",), slot=1),
+             RequestMark(7, 2, 1000, LAUNCHED, (3,), ("completion",), slot=0)]
+    calls = [TokenCall.of_batch(2, s, e, sum(n for _, _, n in runs), 0, runs) for s, e, runs in (
+        (220, 300, ((0, 0, 10), (1, 0, 5))), (310, 400, ((0, 10, 1), (1, 5, 3))),
+        (410, 450, ((0, 11, 1), (1, 8, 1))), (1010, 1100, ((0, 4, 6),)), (1110, 1150, ((0, 10, 1),)))]
+    got = {r.id: r for r in join(marks, calls, 7)}
+    one, two, three = got[1], got[2], got[3]
+    assert (one.queue_ns, one.prompt_tokens, one.cached_tokens, one.generated_tokens) == (100, 10, 0, 3)
+    assert (one.ttft_ns, one.tpot_ns, one.end_ns) == (100, 75.0, 450)
+    assert (two.queue_ns, two.prompt_tokens, two.generated_tokens, two.ttft_ns, two.end_ns) == (110, 8, 2, 190, 450)
+    assert (three.arrival_ns, three.queue_ns, three.prompt_tokens, three.cached_tokens) == (None, None, 6, 4)
+    assert (three.ttft_ns, three.generated_tokens, three.tpot_ns) == (100, 2, 50.0)
+
+
+def test_no_dwarf_says_so():
+    from types import SimpleNamespace
+
+    from profinfer.engines.llamacpp.probes import requests
+
+    probe = SimpleNamespace(entry_fn="request_posted", elf=SimpleNamespace(dwarf_path=None, path="/b/libllama-server-impl.so"))
+    other = SimpleNamespace(entry_fn="token_enter_ext", elf=None)
+    warnings: list[str] = []
+    assert requests.fill([other, probe], {}, warnings) == [other]
+    assert warnings == ["no DWARF in /b/libllama-server-impl.so: llama-server's requests are not read (build it with -g)"]
