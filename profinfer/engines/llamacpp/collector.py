@@ -23,6 +23,7 @@ from profinfer.core.ebpf.transport import steps_begun
 from profinfer.engines.llamacpp.decode import backends, requests
 from profinfer.engines.llamacpp.probes.probeplan import (BARRIER_PROGRAM, GRAPHS_CHANGED_PROGRAMS,
                                                          THREAD_EXIT_PROGRAM, ProbePlan)
+from profinfer.engines.llamacpp.probes.requests import REQUEST_PROGRAMS
 from profinfer.engines.llamacpp.decode.records import LlamaRecords
 from profinfer.engines.llamacpp.decode.totals import GraphTotals, OpTotals
 from profinfer.levels.sched import probe as schedprobe
@@ -105,6 +106,8 @@ class LlamaCppCollector(core.Collector):
                                  f"and the executable does not define {self.pack.marker})")
         self.plan = ProbePlan(self.pack, self.elfs, self.levels, self.buffer, self.consts, self.warnings)
         self.plan.resolve(self.forced_layout, bool(self.counter_request), self.n_cpus)
+        if self.graph_totals:   # a daemon's, for days: it keeps no request marks (docs/requests.md)
+            self.plan.probes = [p for p in self.plan.probes if p.entry_fn not in REQUEST_PROGRAMS]
         if self.totals.ops and not self.plan.layout_trusted:
             # op types counted through an unchecked layout could be anything
             self.totals.ops = False
