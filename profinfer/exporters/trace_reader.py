@@ -254,7 +254,7 @@ class _Reader:
             lost_events=int(self.attrs.get(ATTR_LOST, 0)),
             meta={k[len(ATTR_META_PREFIX):]: str(v) for k, v in self.attrs.items()
                   if k.startswith(ATTR_META_PREFIX)},
-            records=own, **fields)
+            records={f: v for f, v in own.items() if len(v)}, **fields)   # where any were read
 
 
 def read_trace(path: str | Path) -> Profile:
