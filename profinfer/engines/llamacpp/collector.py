@@ -157,6 +157,7 @@ class LlamaCppCollector(core.Collector):
         self.records = LlamaRecords(self.consts, self.dt, plan.op_names,
                                     len(self.counters.counters) if self.counters else 0,
                                     plan.layout, plan.layout_trusted, plan.batch_trusted)
+        self.records.task_types = plan.task_types
 
     def _attach_probes(self) -> None:
         # Probes that announce graph changes go in first: a change made while the op

@@ -216,5 +216,5 @@ def test_no_dwarf_says_so():
     probe = SimpleNamespace(entry_fn="request_posted", elf=SimpleNamespace(dwarf_path=None, path="/b/libllama-server-impl.so"))
     other = SimpleNamespace(entry_fn="token_enter_ext", elf=None)
     warnings: list[str] = []
-    assert requests.fill([other, probe], {}, warnings) == [other]
+    assert requests.fill([other, probe], {}, warnings) == ([other], {})
     assert warnings == ["no DWARF in /b/libllama-server-impl.so: llama-server's requests are not read (build it with -g)"]

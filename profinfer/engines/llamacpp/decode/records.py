@@ -52,6 +52,7 @@ class LlamaRecords:
         self.experts_truncated = 0   # MUL_MAT_ID reads with more rows or slots than BPF keeps
         self.sched = schedprobe.SchedRecords()
         self.request_marks: list[requests.RequestMark] = []   # llama-server's (decode/requests.py)
+        self.task_types: dict[int, str] = {}   # their task types' names, by value
         self.n_events = 0
         self.n_decode_tokens = 0
         self.decoding = False          # the target's first llama_decode has begun
@@ -86,7 +87,7 @@ class LlamaRecords:
             self._add_tokens(tokens)
         marks = self._array(by_kind.get(c["PI_EV_REQUEST"]), "pi_request_event")
         if marks is not None:
-            self.request_marks.extend(requests.marks_of(marks, c))
+            self.request_marks.extend(requests.marks_of(marks, c, self.task_types))
             self.n_events += len(marks)
         graphs = self._array(by_kind.get(c["PI_EV_GRAPH"]), "pi_graph_event")
         if graphs is not None:

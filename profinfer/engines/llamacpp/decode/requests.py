@@ -19,10 +19,10 @@ from profinfer.core.profile.model import Profile, Request, decoding_run
 MARKS = "request_marks"       # Profile.records' key (views/timeline.py: RequestKind)
 POSTED, LAUNCHED = "posted", "launched"
 # server_task_type in b11434 (tools/server/server-task.h), where the DWARF does not name them
+# (probes/requests.py: task_types)
 TASK_TYPES = ("completion", "embedding", "rerank", "decision", "infill", "cancel", "control",
               "next_response", "metrics", "slot_get", "slot_save", "slot_restore", "slot_erase",
               "get_lora", "set_lora")
-TYPE_PREFIX = "SERVER_TASK_TYPE_"
 
 
 @dataclass(slots=True)

@@ -68,6 +68,7 @@ class ProbePlan:
         self.op_design = ""
         self.thread_slots = 0          # size of the direct per-thread state array (0: unused)
         self.nodes_by_generation = False   # descriptions trusted between graph changes
+        self.task_types: dict[int, str] = {}   # llama-server's task types by value (probes/requests.py)
 
     def resolve(self, forced_layout: str | None, counters: bool, n_cpus: int) -> None:
         """Resolve the pack's probes and decide how each level is probed (counters: perf
@@ -205,7 +206,7 @@ class ProbePlan:
                 if op < 128:
                     cfg["empty_ops"][0][op >> 6] |= np.uint64(1 << (op & 63))
         cfg["graph_has_backend"] = sum(1 << i for i, p in enumerate(graph_probes) if graph_backend(p.spec))
-        self.probes = requests.fill(self.probes, cfg, self.warnings)
+        self.probes, self.task_types = requests.fill(self.probes, cfg, self.warnings)
 
     def _fill_tensor_offsets(self, cfg: np.ndarray) -> None:
         lay = self.layout

@@ -2,12 +2,15 @@
 their programs read, from the server library's DWARF, as the op level reads ggml_tensor's.
 
 Without DWARF for server_task and server_slot the marks are not read (no table of offsets:
-server_task is a large C++ struct that changes often); the collector says so in one line."""
+server_task is a large C++ struct that changes often); the collector says so in one line.
+The tasks' types are named by the enum server_task_type as the launch's compile unit
+defines it (without it, by b11434's order: decode/requests.py)."""
 from __future__ import annotations
 
 from profinfer.core.target import dwarf
 
 REQUEST_PROGRAMS = ("request_posted", "request_launched")
+TYPE_PREFIX = "SERVER_TASK_TYPE_"
 
 
 def request_offsets(elf) -> tuple[dict[str, int] | None, str]:
@@ -27,16 +30,23 @@ def request_offsets(elf) -> tuple[dict[str, int] | None, str]:
             "task_off_parent": m["id_parent"], "slot_off_id": slot["members"]["id"]}, ""
 
 
-def fill(probes: list, cfg, warnings: list[str]) -> list:
-    """Offsets for the request probes in `cfg`; the probes kept: where the offsets cannot be
-    read, the request probes go and `warnings` says why."""
+def task_types(probe) -> dict[int, str]:
+    """server_task_type's values by name ("completion", ...), from the DWARF of the unit
+    that defines the probed function ({} where not found)."""
+    facts = dwarf.function_facts(probe.elf.dwarf_path, probe.symbol.vaddr, (), TYPE_PREFIX)
+    return {v: k.removeprefix(TYPE_PREFIX).lower() for k, v in (facts or {}).get("enums", {}).items()}
+
+
+def fill(probes: list, cfg, warnings: list[str]) -> tuple[list, dict[int, str]]:
+    """Offsets for the request probes in `cfg`; the probes kept (where the offsets cannot be
+    read, the request probes go and `warnings` says why) and the task types' names."""
     ours = [p for p in probes if p.entry_fn in REQUEST_PROGRAMS]
     if not ours:
-        return probes
+        return probes, {}
     offsets, why = request_offsets(ours[0].elf)
     if offsets is None:
         warnings.append(why)
-        return [p for p in probes if p not in ours]
+        return [p for p in probes if p not in ours], {}
     for key, value in offsets.items():
         cfg[key] = value
-    return probes
+    return probes, task_types(ours[-1])
