@@ -31,13 +31,13 @@ from profinfer.core.base.errors import ProfinferError
 from profinfer.core.base.waits import PARSE_DEADLINE_S
 from profinfer.core.plugin.packs import load_pack, pack_names
 from profinfer.core.target import parsing
-from profinfer.daemon.attach import SCAN_S, Attach
+from profinfer.daemon.attach import Attach
 from profinfer.daemon.discovery import kernel
 from profinfer.daemon.discovery.finder import Finder
 from profinfer.daemon.discovery.kernel import NodeDiscovery
 from profinfer.daemon.drain import Drain
 from profinfer.daemon.governor import Governor
-from profinfer.daemon.node import Node
+from profinfer.daemon.node import SCAN_S, Node
 from profinfer.daemon.plugins import process_caches
 
 DEFAULT_LEVELS = ("token", "graph", "cuda")
@@ -86,17 +86,17 @@ class Agent:
                 pack.collector_class()
             except Exception as e:
                 log(f"{pack.engine}: its collector cannot be imported: {type(e).__name__}: {e}")
-        discovery = None
+        self.finder = Finder(node, self.attach, None)
+        parsing.start(deadline_s=PARSE_DEADLINE_S)     # tenants' files read away from this loop, from now on
+        parsing.set_tenant_resolver(self.finder.tenant_of)     # each in its tenant's queue
+        # the kernel's hooks last: a process held from then on waits for no start-up of ours
         why = kernel.available() if discover_processes else "turned off"
         if why is None:
             try:
-                discovery = NodeDiscovery(node.all_packs, log=log)
+                self.finder.discovery = NodeDiscovery(node.all_packs, log=log)
             except ProfinferError as e:
                 why = str(e)
         self.discovery_off = why
-        self.finder = Finder(node, self.attach, discovery)
-        parsing.start(deadline_s=PARSE_DEADLINE_S)     # tenants' files read away from this loop, from now on
-        parsing.set_tenant_resolver(self.finder.tenant_of)     # each in its tenant's queue
 
     # what the HTTP threads, the flight recorder, the captures and the tests read of the node
     levels = property(lambda self: self.node.levels)
@@ -105,9 +105,16 @@ class Agent:
     metrics = property(lambda self: self.node.metrics)
     seen = property(lambda self: self.node.seen)
     log = property(lambda self: self.node.log)
-    loop_errors = property(lambda self: self.node.loop_errors)
     discovery = property(lambda self: self.finder.discovery)
     program_totals = property(lambda self: self.node.program_totals)
+
+    @property
+    def loop_errors(self) -> int:
+        return self.node.loop_errors
+
+    @loop_errors.setter
+    def loop_errors(self, n: int) -> None:      # the daemon's loop counts a fault of its own here
+        self.node.loop_errors = n
 
     @property
     def recorder(self):

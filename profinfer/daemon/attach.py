@@ -18,12 +18,11 @@ from profinfer.core.target.procfs import exit_fd, process_stat
 from profinfer.daemon.discovery.identity import identify
 from profinfer.daemon.drain import Drain
 from profinfer.daemon.governor import level_rank
-from profinfer.daemon.node import Node, set_up
+from profinfer.daemon.node import SCAN_S, Node, set_up
 from profinfer.daemon.plugins import capabilities, process_caches
 from profinfer.daemon.shared import SharedProbes, SharedRuntime, group_key
 from profinfer.daemon.watch import Watch
 
-SCAN_S = 1.0              # the finder's scan: a process moved away is let go a scan later
 RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0    # a failed attach is tried again, backing off
 SHARED_LEVELS = ("token", "graph")    # shared per build; the op level is per process
 # a process's own op-level object sends next to nothing (its ops are counted in BPF; its

@@ -16,6 +16,8 @@ from profinfer.daemon.export.metrics import Metrics
 from profinfer.daemon.shared import SharedProbes, SharedRuntime
 from profinfer.daemon.watch import Watch
 
+SCAN_S = 1.0        # the agent's scan of /proc (the finder's); a process moved away is let go a scan later
+
 
 class Node:
     def __init__(self, levels: set[str], all_packs: list[Pack], log, own_pid: int,

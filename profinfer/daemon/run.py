@@ -118,22 +118,7 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
                 f"(the last {agent.recorder.store.keep}, {agent.recorder.store.max_bytes:,} bytes at most)")
         log(f"listening on {'https' if tls else 'http'}://{host}:{port} (metrics, {labels} labels; control endpoints need the token"
             + ("" if token else f" in {token_file}") + f"); levels {','.join(sorted(agent.levels))}")
-        said: set[str] = set()
-        failing_since = None
-        while not stop.is_set():
-            try:
-                agent.poll(0.2)
-                failing_since = None
-            except Exception as e:      # a fault of one turn: counted, said once, and the node stays watched
-                agent.loop_errors += 1
-                what = f"{type(e).__name__}: {e}"
-                if what not in said and len(said) < 100:
-                    said.add(what)
-                    log(f"error in the agent's loop (the loop goes on): {what}")
-                failing_since = failing_since or time.monotonic()
-                if time.monotonic() - failing_since > LOOP_FAILING_MAX_S:
-                    raise ProfinferError(f"the agent's loop failed every turn for {LOOP_FAILING_MAX_S:g} s: {what}")
-                stop.wait(0.2)          # a fault that repeats does not spin
+        run_loop(agent, stop, log)
     finally:
         agent.release_held()        # first: no process stays stopped on a slow close below
         server.close()
@@ -144,3 +129,24 @@ def run_daemon(listen: str, budget: float, levels: set[str], token: str | None, 
             signal.signal(s, h)
         log("stopped: every probe detached")
     return 0
+
+
+def run_loop(agent: Agent, stop: threading.Event, log) -> None:
+    """The agent's loop until `stop`: a fault of one turn is counted, said once, and the node
+    stays watched; one in every turn for LOOP_FAILING_MAX_S ends it (ProfinferError)."""
+    said: set[str] = set()
+    failing_since = None
+    while not stop.is_set():
+        try:
+            agent.poll(0.2)
+            failing_since = None
+        except Exception as e:
+            agent.loop_errors += 1
+            what = f"{type(e).__name__}: {e}"
+            if what not in said and len(said) < 100:
+                said.add(what)
+                log(f"error in the agent's loop (the loop goes on): {what}")
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since > LOOP_FAILING_MAX_S:
+                raise ProfinferError(f"the agent's loop failed every turn for {LOOP_FAILING_MAX_S:g} s: {what}")
+            stop.wait(0.2)          # a fault that repeats does not spin

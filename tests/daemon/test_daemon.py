@@ -335,3 +335,26 @@ def test_moving_between_shared_objects_loses_no_decode_call(tmp_path, llama_buil
         assert agent.metrics.processes[w.proc.pid].graphs, "graph counts kept across the moves"
     finally:
         agent.close()
+
+
+def test_a_fault_of_one_turn_is_counted_and_the_loop_goes_on():
+    """The daemon's loop (run.run_loop) over a real agent whose turn fails once: the fault is
+    counted in /status's loop_errors and said once, and the loop goes on to its next turns."""
+    from profinfer.daemon.agent import Agent
+    from profinfer.daemon.run import run_loop
+    agent = Agent({"token"}, 0.04, discover_processes=False)
+    stop, turns, logged = threading.Event(), [], []
+
+    def turn(timeout_s: float) -> None:
+        turns.append(timeout_s)
+        if len(turns) == 1:
+            raise RuntimeError("a fault of one turn")
+        if len(turns) == 3:
+            stop.set()
+    agent.poll = turn
+    try:
+        run_loop(agent, stop, logged.append)
+        assert len(turns) == 3 and agent.status()["loop_errors"] == 1, (turns, agent.status()["loop_errors"])
+        assert logged == ["error in the agent's loop (the loop goes on): RuntimeError: a fault of one turn"], logged
+    finally:
+        agent.close()

@@ -27,7 +27,7 @@ from test_html_report import report, shown_page
 HOLD_S = 3
 # the trigger's window and baseline window, and how long the load runs before the slowdown: a
 # first baseline spans its whole window (less a bin), before the condition's own window, taken
-# again each half window (flight.py): whole 12 s in, 3 s before the slowdown; the capture's
+# again each half window (flight/triggers.py): whole 12 s in, 3 s before the slowdown; the capture's
 # baseline, 3 intervals of the daemon's count samples and more
 WINDOW_S = 4
 BASELINE_S = 8
