@@ -178,7 +178,8 @@ def checks(workloads: bool = True) -> list[tuple[str, str, str]]:
                                "not mounted" + (" (not needed here)" if kernel.uprobe_pmu() else
                                                 ": mount -t tracefs nodev /sys/kernel/tracing")))))
     rows.append(("BPF object", *_check_object()))
-    rows.append(("BPF objects from", OK, bpfobj.provenance()))     # as `profinfer --version` says
+    said = bpfobj.provenance()      # as `profinfer --version` says
+    rows.append(("BPF objects from", WARN if "not built, and" in said else OK, said))
     rows.append(("hardware PMU", *_check_hw_pmu()))
     rows.append(("cuda level", *((OK, "attach cookies (5.15+): the CUDA runtime's and driver's calls can be probed")
                                  if kernel.release_at_least(5, 15) else

@@ -4,8 +4,10 @@ bpfobj builds an object here at run time (into the cache) with this code, and th
 (setup.py, which has none of profinfer's dependencies) loads this file by its path to compile
 the objects the wheel ships (`build_all`): the same name, the same command.
 
-An object's name holds a hash of its program, every header of the folders it is built with,
-its variant's flags and the architecture: an object of that name is this source's, compiled so.
+An object's name holds a hash of its program, the headers it includes (transitively, each as
+the folders it is built with give it: `included`), its variant's flags and the architecture:
+an object of that name is this source's, compiled so, whatever other plug-ins are installed
+beside it (a plug-in's headers rename only the objects that include them).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -59,6 +62,35 @@ def _multiarch_include() -> str:
     return f"/usr/include/{multiarch}"
 
 
+_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+(?:"([^"]+)"|([A-Za-z_][A-Za-z0-9_]*))', re.M)
+_NAMED = re.compile(rb'^[ \t]*#[ \t]*define[ \t]+([A-Za-z_][A-Za-z0-9_]*)[ \t]+"([^"]+)"', re.M)
+
+
+def included(src, dirs: list) -> list[bytes]:
+    """The text of each header `src` includes with quotes (or through a macro defined as a
+    quoted name: `#define PI_ENGINE_EVENTS "llamacpp.h"`), transitively, as the first of `dirs`
+    that holds it (the compiler's -I order), in their names' order. A name no folder holds is
+    the system's (the compiler's own path): not hashed."""
+    found: dict[str, bytes] = {}
+    todo = [Path(str(src)).read_bytes()]
+    macros: dict[bytes, bytes] = {}
+    while todo:
+        text = todo.pop()
+        macros.update(_NAMED.findall(text))
+        for quoted, macro in _INCLUDE.findall(text):
+            raw = quoted or macros.get(macro)
+            if raw is None:
+                continue
+            name = raw.decode()
+            if name in found:
+                continue
+            path = next((os.path.join(str(d), name) for d in dirs if os.path.isfile(os.path.join(str(d), name))), None)
+            if path is not None:
+                found[name] = Path(path).read_bytes()
+                todo.append(found[name])
+    return [found[n] for n in sorted(found)]
+
+
 def object_name(source: str, text: bytes, headers: list[bytes], variant: str, arch_name: str) -> str:
     """The object's file name: `source`'s stem, the variant, and a hash of the program's text,
     the headers' (in their file names' order), the variant's flags and the architecture."""
@@ -93,10 +125,10 @@ def build_all(dirs: list[str], out_dir: str) -> list[str]:
     if arch_name is None:
         raise BuildError(f"no BPF register mapping for {platform.machine()} in this profinfer")
     files = sorted((Path(d) / f for d in dirs for f in os.listdir(d)), key=lambda f: f.name)
-    headers = [f.read_bytes() for f in files if f.name.endswith(".h")]
     os.makedirs(out_dir, exist_ok=True)
     names = []
     for src in (f for f in files if f.name.endswith(".bpf.c")):
+        headers = included(src, dirs)
         for variant in VARIANTS:
             name = object_name(src.name, src.read_bytes(), headers, variant, arch_name)
             compile_object(clang, str(src), dirs, variant, arch_name, os.path.join(out_dir, name))

@@ -32,9 +32,6 @@ PREBUILT_ENV = "PROFINFER_BPF_PREBUILT"
 SHIPPED = "prebuilt"
 
 # where each object returned came from: path -> "prebuilt", "shipped" or "built"
-_origins: dict[str, str] = {}
-
-
 def cache_dir() -> str:
     return str(buildcache.cache_dir() / "bpf")
 
@@ -45,13 +42,11 @@ def shipped_dir() -> str:
 
 def _name(source: str, variant: str) -> str:
     """The object's file name: what it is built from, hashed (bpfbuild.object_name)."""
-    dirs = registry.bpf_dirs()
     src = registry.bpf_file(source)
-    headers = sorted((f for d in dirs for f in d.iterdir() if f.name.endswith(".h")), key=lambda f: f.name)
     arch = bpfbuild.arch()
     if arch is None:
         raise ProfinferError(f"no BPF register mapping for {platform.machine()} in this profinfer")
-    return bpfbuild.object_name(source, src.read_bytes(), [h.read_bytes() for h in headers], variant, arch)
+    return bpfbuild.object_name(source, src.read_bytes(), bpfbuild.included(src, registry.bpf_dirs()), variant, arch)
 
 
 def _places() -> list[tuple[str, str | None]]:
@@ -74,7 +69,6 @@ def object_path(source: str, variant: str = "ring") -> str:
     name = _name(source, variant)
     found = _found(name)
     if found:
-        _origins[found[1]] = found[0]
         return found[1]
     clang = find_clang()
     why = missing_tools(clang)
@@ -87,13 +81,7 @@ def object_path(source: str, variant: str = "ring") -> str:
                        variant, bpfbuild.arch(), out)
     except BuildError as e:
         raise ProfinferError(str(e)) from None
-    _origins[out] = "built"
     return out
-
-
-def origin(path: str) -> str | None:
-    """Where an object object_path returned came from: "prebuilt", "shipped" or "built"."""
-    return _origins.get(path)
 
 
 def _shipped_said() -> str:
