@@ -15,6 +15,7 @@ from profinfer.core.base.errors import OutputFailed, ProfinferError
 from profinfer.core.profile.model import Profile
 from profinfer.core.plugin.packs import KERNEL_LEVELS, LEVELS, MIN_DURATION_S, RUNTIME_LEVELS
 from profinfer.recording import how_it_ended, record_command, shell_status
+from profinfer.say import error as _error, note as _note, warn as _warn
 from profinfer.traces import compare_sides, load_trace, write_diff_html
 
 class FiniteRange(click.FloatRange):
@@ -45,18 +46,6 @@ def _counters(value: str | None) -> list[str]:
     except ProfinferError as e:
         raise click.BadParameter(str(e), param_hint="--counters") from None
     return names
-
-
-def _warn(msg: str) -> None:
-    click.echo(f"profinfer: warning: {msg}", err=True)
-
-
-def _note(msg: str) -> None:
-    click.echo(f"profinfer: {msg}", err=True)
-
-
-def _error(msg: str) -> None:
-    click.echo(f"profinfer: error: {msg}", err=True)
 
 
 def output_options(f):

@@ -9,17 +9,14 @@ import signal
 
 from profinfer.core.base.errors import ProfinferError
 from profinfer.core.profile.model import Profile
-
-
-def _quiet(msg: str) -> None:
-    pass
+from profinfer import say
 
 
 def record_command(command: list[str], levels: set[str], duration: float | None,
                    tensor_layout: str | None = None, env: dict[str, str] | None = None,
                    buffer: str = "auto", counters: list[str] | None = None,
                    packs: tuple[str, ...] = (), timeline: bool = True,
-                   warn=_quiet, note=_quiet) -> tuple[Profile, int]:
+                   warn=say.warn, note=say.note) -> tuple[Profile, int]:
     """Start `command` held before exec, follow it, then let it run. Returns (profile, exit
     code: negative for a signal, as subprocess gives it); warn and note take the session's
     lines for the user."""
