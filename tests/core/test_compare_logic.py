@@ -331,3 +331,34 @@ def test_a_slowdown_growing_through_the_run_is_flagged():
     assert s.floor > 0.5 and not s.significant, s
     # steady noise is no trend: 2,000 noisy runs, none taken for one
     assert not any(compare.trend(1000 * (1 + 0.1 * rng.standard_normal(n))) for _ in range(2000))
+
+
+def test_a_quantity_growing_with_its_place_in_both_runs_is_paired_place_by_place():
+    """One run a side of one command: attention's time grows with the KV cache's length, from
+    1000 to 1600 through the run, on both sides (±3% a unit). Its drift within each run is
+    ~35%, which as a floor (twice that, one run a side) hid any change of it. Paired place by
+    place the growth cancels: the same runs are no change, and the same growth 20% slower is
+    flagged, its interval covering the true change. Runs that do not line up (other lengths),
+    or where only one side grows, are judged as before."""
+    n = 256
+    growth = np.linspace(1000, 1600, n)
+    rng = np.random.default_rng(11)
+
+    def run(scale: float) -> np.ndarray:
+        return growth * scale * (1 + 0.03 * rng.standard_normal(n))
+
+    before = run(1.0)
+    assert compare.drift(before) > 0.3           # what the floor held before pairing
+    same = compare.judge(_series(before), _series(run(1.0)), 0.05, one_run=True)
+    assert not same.significant and same.floor < 0.1, same
+    slower = compare.judge(_series(before), _series(run(1.2)), 0.05, one_run=True)
+    true = 0.2
+    assert slower.verdict == compare.SLOWER and slower.low <= true <= slower.high, slower
+    # not of one command (as many units is the sign): the place cannot be paired
+    shorter = compare.judge(_series(before), _series(run(1.2)[: n - 10]), 0.05, one_run=True)
+    assert shorter.floor > 0.6 and not shorter.significant, shorter
+    # 150 pairs of runs of one command: no false alarm (a rate of 1 in 50 would show one
+    # with 95% probability)
+    alarms = sum(compare.judge(_series(run(1.0)), _series(run(1.0)), 0.05, one_run=True).significant
+                 for _ in range(150))
+    assert alarms == 0, alarms

@@ -24,7 +24,10 @@ several runs, the median run's). A quantity that moves that much between parts o
 is not called changed by less between two. Drift is modelled as noise or as a trend: where
 one run's eighths rise (or fall) one after another beyond the stated noise while the other
 run is steady within it (a slowdown growing through the run), that trend is the change, and
-the steady run's drift alone is the floor's.
+the steady run's drift alone is the floor's. Where both runs trend alike, one run a side of as many units
+(the runs of one command: a quantity that grows with the unit's place, as attention with the
+KV cache's length), the samples are paired place by place, and the drift of their ratios is
+the floor's: the place moves both alike, and a change of the quantity shows beyond it.
 
 Where both sides have several runs (pool), the run is the unit of run-to-run noise (a whole
 process can run 30% slower than another on a shared VM): the interval is widened to cover
@@ -145,21 +148,31 @@ def _stat(name: str, x: np.ndarray, axis=None):
 
 
 def block_resamples(samples: np.ndarray, rng: np.random.Generator, statistic: str,
-                    resamples: int = RESAMPLES) -> np.ndarray:
+                    resamples: int = RESAMPLES, idx: np.ndarray | None = None) -> np.ndarray:
     """The statistic of `resamples` moving-block bootstrap resamples of `samples` (over
-    MAX_POINTS of them: of an even sample of MAX_POINTS, rescaled to the whole's)."""
+    MAX_POINTS of them: of an even sample of MAX_POINTS, rescaled to the whole's); `idx`:
+    the resamples' places, drawn by block_places (two sides of as many samples resampled at
+    the same places: paired)."""
     whole = np.asarray(samples, np.float64)
     step = -(-len(whole) // MAX_POINTS)
     x = whole[::step]
     n = len(x)
-    block = max(1, min(n // 2 or 1, round(np.sqrt(n))))
-    blocks = -(-n // block)
-    starts = rng.integers(0, n - block + 1, size=(resamples, blocks))
-    idx = (starts[:, :, None] + np.arange(block)).reshape(resamples, -1)[:, :n]
+    if idx is None:
+        idx = block_places(len(whole), rng, resamples)
     stats = _stat(statistic, x[idx], axis=1)
     if step == 1:
         return stats
     return _stat(statistic, whole) + (stats - _stat(statistic, x)) * np.sqrt(n / len(whole))
+
+
+def block_places(samples: int, rng: np.random.Generator, resamples: int = RESAMPLES) -> np.ndarray:
+    """The places of `resamples` moving-block resamples of a series of `samples` (of its even
+    sample of MAX_POINTS where longer): blocks of about sqrt(n), one resample a row."""
+    n = len(range(0, samples, -(-samples // MAX_POINTS)))
+    block = max(1, min(n // 2 or 1, round(np.sqrt(n))))
+    blocks = -(-n // block)
+    starts = rng.integers(0, n - block + 1, size=(resamples, blocks))
+    return (starts[:, :, None] + np.arange(block)).reshape(resamples, -1)[:, :n]
 
 
 def _relative_range(values: list[float]) -> float:
@@ -279,7 +292,12 @@ def judge(before: Series | None, after: Series | None, noise: float, confidence:
     if min(len(before.samples), len(after.samples)) < MIN_SAMPLES:
         return Change(**shared, change=change, low=None, high=None, floor=None, verdict=FEW_SAMPLES)
     rng = np.random.default_rng(SEED)
-    b, a = block_resamples(before.samples, rng, statistic), block_resamples(after.samples, rng, statistic)
+    paired = paired_drift(before, after, statistic, noise) if one_run else None
+    if paired is not None:          # the runs of one command, place by place: resampled at the same places
+        places = block_places(len(before.samples), rng)
+        b, a = (block_resamples(s.samples, rng, statistic, idx=places) for s in (before, after))
+    else:
+        b, a = block_resamples(before.samples, rng, statistic), block_resamples(after.samples, rng, statistic)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = a / np.where(b > 0, b, np.nan) - 1
     ratios = ratios[np.isfinite(ratios)]
@@ -291,7 +309,7 @@ def judge(before: Series | None, after: Series | None, noise: float, confidence:
     if one_run and spread is not None:     # what one run a side cannot see, as measured here
         low, high = widen(change, low, high, spread.half_width(confidence))
         common = None
-    drift = _drift_of_both(before, after, statistic, noise)
+    drift = _drift_of_both(before, after, statistic, noise, paired)
     floor = max(noise, (2 if one_run else 1) * drift)
     verdict = _verdict(change, low, high, floor)
     if common is not None and verdict in SIGNIFICANT:
@@ -309,19 +327,41 @@ def judge(before: Series | None, after: Series | None, noise: float, confidence:
                   spread=spread.sd if one_run and spread is not None else None)
 
 
-def _drift_of_both(before: Series, after: Series, statistic: str, noise: float) -> float:
+def _drift_of_both(before: Series, after: Series, statistic: str, noise: float,
+                   paired: float | None = None) -> float:
     """The drift the floor holds: the larger of the sides' (a quantity that moves that much
-    within a run is not called changed by less between two), except where one side trends
-    beyond the noise floor (its parts' statistics rising part after part: a slowdown growing
-    through the run) while the other is steady within it: that trend is the change, not
-    noise, and the steady side's drift is the floor's. One run of a side only."""
+    within a run is not called changed by less between two), except, one run a side:
+    - where one side trends beyond the noise floor (its parts' statistics rising part after
+      part: a slowdown growing through the run) while the other is steady within it: that
+      trend is the change, not noise, and the steady side's drift is the floor's;
+    - where both trend alike (a quantity that grows with the unit's place in the run, as
+      attention with the KV cache's length), the drift of their ratio unit by unit
+      (paired_drift): the place moves both sides alike and cancels there, and what is left
+      is what moves one run against the other (their interval then resamples both sides at
+      the same places)."""
     b, a = _floor(before, statistic), _floor(after, statistic)
     if len(before.runs) == 1 and len(after.runs) == 1:
         if a > noise >= b and abs(trend(after.samples, statistic)) > noise:
             return b
         if b > noise >= a and abs(trend(before.samples, statistic)) > noise:
             return a
+        if paired is not None:
+            return min(max(b, a), paired)
     return max(b, a)
+
+
+def paired_drift(before: Series, after: Series, statistic: str, noise: float) -> float | None:
+    """One run a side with a sample per unit at the same places (as many units: the runs
+    of one command) whose runs both trend beyond the noise the same way: the drift of the
+    ratio of their samples, place by place. None otherwise (units that do not line up, or a
+    quantity that does not move with its place on both sides: nothing to cancel)."""
+    b, a = np.asarray(before.samples, np.float64), np.asarray(after.samples, np.float64)
+    if len(b) != len(a) or len(b) < TREND_PARTS * MIN_SAMPLES or np.any(b <= 0) or np.any(a <= 0):
+        return None
+    tb, ta = trend(b, statistic), trend(a, statistic)
+    if min(abs(tb), abs(ta)) <= noise or tb * ta <= 0:
+        return None
+    return drift(a / b, statistic)
 
 
 def _verdict(change: float, low: float, high: float, floor: float) -> str:
