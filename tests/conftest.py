@@ -392,8 +392,18 @@ class Target:
     """A llama.cpp process generating in the background, for attach tests."""
 
     def __init__(self, cmd: list[str], env):
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        time.sleep(1.0)  # past model load: generating
+        # its stdout (a file: nothing to drain) is its prompt echoed, then each token it
+        # generates: waited on until tokens follow the prompt, past model load: generating
+        echoed = len(cmd[cmd.index("-p") + 1].encode()) + 1        # the echo's leading space
+        self._out = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + 60
+        while os.fstat(self._out.fileno()).st_size <= echoed + 16:       # a few tokens
+            assert self.proc.poll() is None, f"exited ({self.proc.returncode}) before generating"
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError("not generating within 60 s")
+            time.sleep(0.02)
         assert self.proc.poll() is None
 
     def alive(self) -> bool:
@@ -411,6 +421,7 @@ class Target:
     def stop(self):
         self.proc.kill()
         self.proc.wait()
+        self._out.close()
 
 
 def start_profinfer(args: list[str], env=None) -> subprocess.Popen:
@@ -642,13 +653,15 @@ def process_states(pid: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def llama_server(build: Path, model: Path, env: dict, slots: int, ctx_per_slot: int = 1024, threads: int = 2):
-    """A llama-server with `slots` parallel slots, healthy: (its process, its URL)."""
+def llama_server(build: Path, model: Path, env: dict, slots: int, ctx_per_slot: int = 1024, threads: int = 2,
+                 extra: tuple[str, ...] = (), preexec_fn=None):
+    """A llama-server with `slots` parallel slots (and `extra` arguments), healthy: (its
+    process, its URL)."""
     port = free_port()
     proc = subprocess.Popen([str(workload.llama_bin("llama-server", build)), "-m", str(model),
-                             "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads),
+                             "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads), *extra,
                              "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, preexec_fn=preexec_fn)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(proc, f"{url}/health", "llama-server", 60)

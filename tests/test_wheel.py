@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
-from test_pod import _podman, _template
+from test_pod import _complete, _podman, _template
 
 REPO = Path(__file__).resolve().parents[1]
 CTR = "profinfer-wheel-test"
@@ -64,14 +64,6 @@ def _beside(lib: str) -> str:
     """Where the library goes in the container: its name, in its file's folder (/usr/lib/...,
     not through the /lib link)."""
     return os.path.join(os.path.dirname(os.path.realpath(lib)), os.path.basename(lib))
-
-
-def _complete(url: str, i: int) -> dict:
-    prompt = " ".join(["alpha", "beta", "gamma", "delta"][(i + j) % 4] for j in range(5 + 6 * i))
-    body = json.dumps({"prompt": prompt, "n_predict": N_PREDICT, "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.load(r)
 
 
 def test_wheel_without_a_compiler_attaches_and_counts_llama_server_tokens(image, llama_build, tiny_model):

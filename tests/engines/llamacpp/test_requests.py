@@ -14,8 +14,7 @@ import time
 
 import pytest
 
-from conftest import PROFINFER, free_port, start_profinfer, wait_healthy
-from profinfer.engines.llamacpp import workload
+from conftest import PROFINFER, llama_server, start_profinfer
 
 SLOTS = 4
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -31,20 +30,10 @@ def server(llama_build, tiny_model, llama_env):
     thread, real-time, ahead of other work on this shared machine: the server stamps a
     request's first token after the decode call that gave it, and a scheduler tick (4 ms)
     spent preempted between the two would part its clock from the calls'."""
-    port = free_port()
-    proc = subprocess.Popen([str(workload.llama_bin("llama-server", llama_build)), "-m", str(tiny_model),
-                             "-np", str(SLOTS), "-c", str(SLOTS * 512), "-t", "1",
-                             "--threads-http", str(len(CASES) + 4),
-                             "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=llama_env,
-                            preexec_fn=lambda: os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10)))
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, f"{url}/health", "llama-server", 60)
-        yield proc, url
-    finally:
-        proc.kill()
-        proc.wait()
+    with llama_server(llama_build, tiny_model, llama_env, SLOTS, ctx_per_slot=512, threads=1,
+                      extra=("--threads-http", str(len(CASES) + 4)),
+                      preexec_fn=lambda: os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))) as running:
+        yield running
 
 
 def _send(url: str, prompt: str, n_predict: int, cache: bool, **extra) -> dict:
