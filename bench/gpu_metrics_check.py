@@ -148,7 +148,8 @@ def compare(url: str, phase: str, samples: int, util_tol: float, checks: Checks,
                     proc_ok &= got is not None and abs(got - mib) <= 1
                     shown.append(f"PID {pid} on {uuid}: {'n/a' if got is None else f'{got:.1f}'}/{mib:g} MiB")
             proc_ok &= any(pid == load_pid for _, pid in apps)
-        time.sleep(1)
+        if k < samples - 1:                    # a second between samples, none after the last
+            time.sleep(1)
     print("\n".join(f"  {phase} (daemon/nvidia-smi): {s}" for s in shown), flush=True)
     checks.add(f"{phase}: the daemon's GPUs (index, uuid) are nvidia-smi's", ids_ok)
     if not ids_ok:
