@@ -120,3 +120,36 @@ def test_empty_profile():
     assert st.decode_calls == 0 and st.ops == [] and st.threads == []
     assert st.ttft_ns is None and st.tpot_ns is None and st.tokens_per_s is None
     assert st.phases["prefill"].tokens == 0 and st.op_total_ns == 0
+
+
+def _run(start: int, end: int, runs: tuple) -> TokenCall:
+    return TokenCall.of_batch(1, start, end, sum(n for _, _, n in runs), 0, runs)
+
+
+def test_a_slot_reused_with_a_cached_prefix_starts_a_new_sequence():
+    """A server's slot 0: a request cancelled after one prompt chunk (positions 0-63), then the
+    next request on the slot reusing 32 cached tokens (its prompt from position 32, at or
+    below the last position): two sequences, the second's TTFT its own (not from the first's
+    start, 3 s before). Then a context shift (a decoding run dropping below the last
+    position) continues the sequence it shifts."""
+    from profinfer.core.profile.sequences import SequenceTracker
+    t = SequenceTracker()
+    t.feed(_run(0, 10_000_000, ((0, 0, 64),)))                            # cancelled mid-prompt
+    t.feed(_run(3_000_000_000, 3_005_000_000, ((0, 32, 40),)))            # the next request, cached prefix
+    ttfts, _ = t.feed(_run(3_006_000_000, 3_007_000_000, ((0, 72, 1),)))  # its first decode
+    assert [s.start_ns for s in t.seqs] == [0, 3_000_000_000]
+    assert ttfts == [5_000_000]
+    t.feed(_run(3_008_000_000, 3_009_000_000, ((0, 73, 1),)))
+    t.feed(_run(3_010_000_000, 3_011_000_000, ((0, 40, 1),)))             # shifted down: the same one
+    assert len(t.seqs) == 2 and t.seqs[-1].decode_tokens == 3
+
+
+def test_a_sequence_that_never_decoded_gives_its_ttft_when_replaced():
+    """A request that generated one token (its prompt's call gave it: no decode call), then
+    the next request on the slot from position 0: the first's TTFT is said when the second
+    begins, not never."""
+    from profinfer.core.profile.sequences import SequenceTracker
+    t = SequenceTracker(keep=False)
+    assert t.feed(_run(0, 7_000_000, ((0, 0, 20),))) == ([], [])
+    ttfts, _ = t.feed(_run(50_000_000, 58_000_000, ((0, 0, 30),)))
+    assert ttfts == [7_000_000]

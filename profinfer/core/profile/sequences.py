@@ -3,10 +3,17 @@
 - tokens: each token of a batch is a prompt (prefill) or a decode token (model.split_batch:
   per sequence where the batch's sequences were read, else by the batch's size).
 - sequence: followed by its id where the batches' sequences were read, else the calls form one
-  stream. A prompt run of a sequence that has decoded, or starts at position 0 (where its id
-  is known), starts a new one; consecutive prompt runs are its prompt chain (chunked prompt).
-  Decode tokens before any prompt form a sequence without prefill (attached mid-generation).
-- TTFT = end of the call that completed the prompt chain - start of its first call.
+  stream. A prompt run of a sequence that has decoded, or starts at position 0, or at or below
+  the sequence's last position (its id and positions known: a server's slot reused with a
+  cached prefix, after a request cancelled mid-prompt or one that generated a single token),
+  starts a new one; consecutive prompt runs are its prompt chain (chunked prompt). Decode
+  tokens before any prompt form a sequence without prefill (attached mid-generation). A
+  decoding run below the last position is not taken for a new sequence: a context shift makes
+  those too (a server's cached re-sent prompt looks the same; its request marks tell them
+  apart: docs/requests.md).
+- TTFT = end of the call that completed the prompt chain - start of its first call; feed()
+  says it at the sequence's first decode, or, for one that never decoded (one token
+  generated, an immediate EOS, an embedding), when a new prompt replaces it.
 - TPOT = (end of the last decode call - end of the prefill chain) / decode tokens; for a
   sequence without prefill the start of its first decode call stands for the prefill end.
 
@@ -30,6 +37,7 @@ class SequenceStats:
     decode_calls: int = 0
     decode_tokens: int = 0
     end_ns: int | None = None     # end of the last decode call
+    last_pos: int | None = None   # the last position it ran at, where the batches' were read
 
     @property
     def ttft_ns(self) -> int | None:
@@ -81,12 +89,17 @@ class SequenceTracker:
                 cur.decode_calls += 1
                 cur.decode_tokens += n
                 cur.end_ns = t.end_ns
+                cur.last_pos = None if pos0 is None else pos0 + n - 1
                 continue
-            if cur is None or cur.decode_calls or (pos0 == 0 and cur.prefill_calls):
+            if cur is None or cur.decode_calls or (pos0 == 0 and cur.prefill_calls) or (
+                    pos0 is not None and cur.last_pos is not None and pos0 <= cur.last_pos):
+                if cur is not None and not cur.decode_calls and cur.ttft_ns is not None:
+                    ttfts.append(cur.ttft_ns)      # it never decoded: its first token was its prompt's
                 cur = self.current[key] = self._new(t.start_ns, key)   # a new prompt
             cur.prefill_calls += 1
             cur.prefill_tokens += n
             cur.prefill_end_ns = t.end_ns
+            cur.last_pos = None if pos0 is None else pos0 + n - 1
         return ttfts, tpots
 
     def _new(self, start_ns: int, key) -> SequenceStats:
