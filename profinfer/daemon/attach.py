@@ -255,6 +255,7 @@ class Attach:
         if group is not None:
             self.drain.group(group)
             self.drain.graph_totals(group)
+        self.node.metrics.ended(w.identity)      # its plug-ins' open counts (requests in flight)
         self._detach_op(w)
         if w.cuda and self.node.runtime is not None:
             self.drain.runtime()

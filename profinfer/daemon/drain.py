@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from profinfer.core.profile.model import TokenCall
+from profinfer.daemon.export.metrics import level_metrics
 from profinfer.daemon.node import Node
 from profinfer.daemon.shared import SharedProbes, SharedRuntime
 from profinfer.daemon.watch import Watch, step_call
@@ -42,6 +43,7 @@ class Drain:
             coll.poll(0)
             steps = "steps_by_process" in group.capabilities
             taken = coll.take_steps_by_process() if steps else coll.take_tokens_by_process()
+            handed: dict[int, list] = {}
             for tgid, calls in taken.items():
                 w = self.node.watches.get(tgid)
                 if w is None or (w.group is not group and tgid not in group.count_until):
@@ -50,6 +52,7 @@ class Drain:
                     calls = [t for t in calls if t.start_ns >= group.count_from[tgid]]
                 if tgid in group.count_until:     # moving away: what began since, the new object counts
                     calls = [t for t in calls if t.start_ns < group.count_until[tgid]]
+                handed[tgid] = calls
                 group.token_calls[tgid] = group.token_calls.get(tgid, 0) + len(calls)
                 w.callers.update(t.tid for t in calls)
                 for t in calls:
@@ -64,11 +67,31 @@ class Drain:
                         self.node.metrics.decode_call(w.identity, t, ttfts, tpots)
                         if self.node.recorder is not None:
                             self.node.recorder.observe(w.identity, t, ttfts, tpots)
+            if "records_by_process" in group.capabilities:
+                self._records(group, coll.take_records_by_process(), handed)
             self._shared_lost(group, coll.lost())
         except Exception as e:
             group.errors += 1
             if group.errors <= 3:
                 self.node.error(f"{group.key[0]} shared probes: {type(e).__name__}: {e}")
+
+    def _records(self, group: SharedProbes, records: dict[int, list], calls: dict[int, list]) -> None:
+        """The engine's own records (llama-server's request marks) and the decode calls, by
+        process, to the engine's daemon_metrics; every process the group serves each drain,
+        those with none too (what has been quiet ends)."""
+        engine = group.plugin
+        if engine not in level_metrics():
+            return
+        for pid in set(group.pids) | set(records):
+            w = self.node.watches.get(pid)
+            if w is None or (w.group is not group and pid not in group.count_until):
+                continue
+            mine = records.get(pid, [])
+            if pid in group.count_from:       # moving between objects: each counts its side (as calls)
+                mine = [r for r in mine if r.start_ns >= group.count_from[pid]]
+            if pid in group.count_until:
+                mine = [r for r in mine if r.start_ns < group.count_until[pid]]
+            self.node.metrics.level_records(w.identity, engine, [], mine + calls.get(pid, []))
 
     def _step_time(self, w: Watch, step: TokenCall) -> None:
         """A step's time, from its start to the next step's, where the engine went straight on:

@@ -8,9 +8,16 @@ from profinfer.core.plugin.packs import Pack
 
 def capabilities(pack: Pack) -> frozenset[str]:
     """What the daemon may ask the pack's collector for ("tokens_by_process",
-    "steps_by_process", "graph_totals", "op_totals"), as its plugin declares."""
+    "steps_by_process", "graph_totals", "op_totals", "records_by_process"), as its plugin
+    declares."""
     plugin = registry.plugin_of_pack(pack)
     return plugin.capabilities if plugin is not None else frozenset()
+
+
+def plugin_name(pack: Pack) -> str:
+    """The name of the plugin the pack belongs to ("" for none)."""
+    plugin = registry.plugin_of_pack(pack)
+    return plugin.name if plugin is not None else ""
 
 
 def process_caches() -> list:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from profinfer.core.target import process
 from profinfer.core.ebpf import libbpf
 from profinfer.core.plugin.packs import Pack
-from profinfer.daemon.plugins import capabilities
+from profinfer.daemon.plugins import capabilities, plugin_name
 
 # the token level's events of every process in the group share one ring (its graph level is
 # counted in BPF): 256 KiB, room for the decode calls between drains (bench/results.md)
@@ -109,6 +109,7 @@ class SharedProbes:
     lost_seen: int = 0
     errors: int = 0
     capabilities: frozenset[str] = frozenset()    # its engine plugin's
+    plugin: str = ""                              # that plugin's name
 
     @classmethod
     def open(cls, key: tuple, pack: Pack, pid: int, files: list[tuple[str, str]],
@@ -117,7 +118,7 @@ class SharedProbes:
         caps = capabilities(pack)
         extra = {"graph_totals": True} if "graph_totals" in caps else {}
         coll, fd = open_followed(pack, pid, files, levels, **extra)
-        group = cls(key, coll, fd, {pid}, capabilities=caps)
+        group = cls(key, coll, fd, {pid}, capabilities=caps, plugin=plugin_name(pack))
         group._note_maps(pid)
         return group
 

@@ -51,8 +51,9 @@ class Plugin:
     # An engine's module with trap_in_situ_ns(profile, barrier_handler_ns, cols): one probe
     # hit's trap as the engine paid it, read from a recording that does not hold it in meta.
     accounting: str | None = None
-    # A level's module whose METRICS (a plugin.processmetrics.ProcessMetrics) keeps what the
-    # daemon shows of the level per process: the daemon hands it the level's records.
+    # A plug-in's module whose METRICS (a plugin.processmetrics.ProcessMetrics) keeps what the
+    # daemon shows of it per process: the daemon hands it the plug-in's records (a level's;
+    # an engine's with "records_by_process", with each process's decode calls).
     daemon_metrics: str | None = None
 
     kind = "plugin"

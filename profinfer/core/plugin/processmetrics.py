@@ -1,6 +1,6 @@
-"""What a level adds to the daemon's metrics of each process it watches at that level (the
-level's `daemon_metrics` contribution): its counts, kept in one object per process, fed the
-level's records by the daemon, copied at each scrape into Prometheus families, and sampled by
+"""What a plug-in (a level, or an engine) adds to the daemon's metrics of each process it
+watches (the plug-in's `daemon_metrics` contribution): its counts, kept in one object per
+process, fed the plug-in's records by the daemon, copied at each scrape into Prometheus families, and sampled by
 the flight recorder. Only the level reads its record kinds: the daemon passes them on."""
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ class ProcessMetrics:
     def added(self) -> list[Added]:
         """What its counters gained at the last observe (asked only by an OTLP export)."""
         return []
+
+    def close(self) -> None:
+        """The process exited: what it still holds open is counted now (e.g. its requests in
+        flight)."""
 
     def copy(self) -> "ProcessMetrics":
         """A copy to expose at a scrape while the daemon goes on."""

@@ -91,8 +91,9 @@ class _Process:
 
 @lru_cache(maxsize=1)
 def level_metrics() -> dict[str, type[ProcessMetrics]]:
-    """Each level's per-process metrics (its daemon_metrics contribution), by level."""
-    return {lv.name: lv.part("daemon_metrics").METRICS for lv in registry.levels() if lv.daemon_metrics}
+    """Each plug-in's per-process metrics (its daemon_metrics contribution: a level's, an
+    engine's), by plug-in."""
+    return {pl.name: pl.part("daemon_metrics").METRICS for pl in registry.plugins() if pl.daemon_metrics}
 
 
 def _observe_call(p: _Process, t: TokenCall) -> None:
@@ -256,6 +257,14 @@ class Metrics:
             if self.otlp is not None and (added := m.added()):
                 self.otlp.added(ident, added)
             return m.samples()
+
+    def ended(self, ident: Identity) -> None:
+        """The process exited: each plug-in's metrics count what they still held open."""
+        with self.lock:
+            p = self.processes.get(ident.pid)
+            if p is not None and p.identity.start == ident.start:
+                for m in p.levels.values():
+                    m.close()
 
     def totals(self, ident: Identity) -> dict[str, dict[str, tuple[float, float]]] | None:
         """The process's cumulative counts as the flight recorder's baseline samples them:
