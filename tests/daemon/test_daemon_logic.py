@@ -108,7 +108,8 @@ def test_features_are_the_plugins_declared_ones(tmp_path):
     """Each engine's features as its plugin declares them; a --pack that names another
     plugin's collector (the ops pack names vLLM's) gets that plugin's; one whose collector
     no plugin holds gets none."""
-    assert capabilities(load_pack("llamacpp")) == {"tokens_by_process", "graph_totals", "op_totals"}
+    assert capabilities(load_pack("llamacpp")) == {"tokens_by_process", "graph_totals", "op_totals",
+                                                  "records_by_process"}
     assert capabilities(load_pack("vllm")) == {"steps_by_process", "op_totals", "ops_on_callers"}
     assert capabilities(load_pack("cuda")) == frozenset()
     assert capabilities(load_pack(os.path.join(TESTS, "levels", "cuda", "ops_pack.toml"))) == {"steps_by_process", "op_totals", "ops_on_callers"}

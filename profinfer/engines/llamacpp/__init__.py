@@ -7,6 +7,7 @@ from profinfer.core.base.registry import Engine
 
 PLUGIN = Engine("llamacpp", __name__, title="llama.cpp", bpf="llamacpp.bpf.c",
                 collector="collector:LlamaCppCollector",
-                capabilities=frozenset({"tokens_by_process", "graph_totals", "op_totals"}),
+                capabilities=frozenset({"tokens_by_process", "graph_totals", "op_totals",
+                                          "records_by_process"}),
                 timeline="views.timeline", report="views.report", commands="commands",
-                accounting="probes.barrier")
+                accounting="probes.barrier", daemon_metrics="metrics")

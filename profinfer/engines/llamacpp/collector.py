@@ -23,7 +23,6 @@ from profinfer.core.ebpf.transport import steps_begun
 from profinfer.engines.llamacpp.decode import backends, requests
 from profinfer.engines.llamacpp.probes.probeplan import (BARRIER_PROGRAM, GRAPHS_CHANGED_PROGRAMS,
                                                          THREAD_EXIT_PROGRAM, ProbePlan)
-from profinfer.engines.llamacpp.probes.requests import REQUEST_PROGRAMS
 from profinfer.engines.llamacpp.decode.records import LlamaRecords
 from profinfer.engines.llamacpp.decode.totals import GraphTotals, OpTotals
 from profinfer.levels.sched import probe as schedprobe
@@ -106,8 +105,6 @@ class LlamaCppCollector(core.Collector):
                                  f"and the executable does not define {self.pack.marker})")
         self.plan = ProbePlan(self.pack, self.elfs, self.levels, self.buffer, self.consts, self.warnings)
         self.plan.resolve(self.forced_layout, bool(self.counter_request), self.n_cpus)
-        if self.graph_totals:   # a daemon's, for days: it keeps no request marks (docs/requests.md)
-            self.plan.probes = [p for p in self.plan.probes if p.entry_fn not in REQUEST_PROGRAMS]
         if self.totals.ops and not self.plan.layout_trusted:
             # op types counted through an unchecked layout could be anything
             self.totals.ops = False
@@ -221,6 +218,15 @@ class LlamaCppCollector(core.Collector):
         out: dict[int, list[TokenCall]] = {}
         for tgid, t in self.records.take_token_rows() if self.records else []:
             out.setdefault(tgid, []).append(t)
+        return out
+
+    def take_records_by_process(self) -> dict[int, list]:
+        """llama-server's request marks since the last take, by process, handed over and
+        forgotten (the daemon's metrics.py follows them with bounded state)."""
+        marks, self.records.request_marks = (self.records.request_marks, []) if self.records else ([], [])
+        out: dict[int, list] = {}
+        for m in marks:
+            out.setdefault(m.pid, []).append(m)
         return out
 
     def take_graph_totals(self) -> dict[int, dict[str, tuple[int, int, int, list[int]]]]:
