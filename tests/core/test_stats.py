@@ -153,3 +153,20 @@ def test_a_sequence_that_never_decoded_gives_its_ttft_when_replaced():
     assert t.feed(_run(0, 7_000_000, ((0, 0, 20),))) == ([], [])
     ttfts, _ = t.feed(_run(50_000_000, 58_000_000, ((0, 0, 30),)))
     assert ttfts == [7_000_000]
+
+
+def test_a_refused_call_and_an_idle_return_below_the_last_position_give_no_sample():
+    """A prompt chunk the engine refused (KV cache full, return 1) and submitted again is one
+    chunk, not a new sequence with a TTFT of its own; a decoding run back below the sequence's
+    last position after an idle gap (a slot's fully cached re-sent prompt) gives no TPOT
+    sample the length of the gap."""
+    from profinfer.core.profile.sequences import SequenceTracker
+    t = SequenceTracker()
+    t.feed(_run(0, 10_000_000, ((0, 0, 32),)))
+    refused = TokenCall.of_batch(1, 11_000_000, 12_000_000, 32, 1, ((0, 32, 32),))
+    assert t.feed(refused) == ([], [])
+    t.feed(_run(13_000_000, 20_000_000, ((0, 32, 32),)))                 # the chunk again
+    ttfts, _ = t.feed(_run(21_000_000, 22_000_000, ((0, 64, 1),)))
+    assert len(t.seqs) == 1 and t.seqs[0].prefill_tokens == 64 and ttfts == [20_000_000]
+    _, tpots = t.feed(_run(5_022_000_000, 5_023_000_000, ((0, 63, 1),)))  # 5 s later, cached
+    assert tpots == [], tpots

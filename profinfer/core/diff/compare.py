@@ -356,7 +356,8 @@ def paired_drift(before: Series, after: Series, statistic: str, noise: float) ->
     ratio of their samples, place by place. None otherwise (units that do not line up, or a
     quantity that does not move with its place on both sides: nothing to cancel)."""
     b, a = np.asarray(before.samples, np.float64), np.asarray(after.samples, np.float64)
-    if len(b) != len(a) or len(b) < TREND_PARTS * MIN_SAMPLES or np.any(b <= 0) or np.any(a <= 0):
+    if len(before.runs) != 1 or len(after.runs) != 1 or len(b) != len(a) \
+            or len(b) < TREND_PARTS * MIN_SAMPLES or np.any(b <= 0) or np.any(a <= 0):
         return None
     tb, ta = trend(b, statistic), trend(a, statistic)
     if min(abs(tb), abs(ta)) <= noise or tb * ta <= 0:

@@ -248,7 +248,11 @@ def resolve(pack: Pack, elfs: list[ElfInfo], levels: set[str]) -> tuple[list[Res
                 hint = f" (stripped: {', '.join(stripped)})" if stripped else ""
                 raise ProfinferError(f"{pack.engine}: {what} not found, the {spec.level} level "
                                      f"cannot work with this build{hint}")
-            if spec.function and not spec.table.get("optional"):   # optional: absent quietly
+            home = spec.table.get("optional_with")
+            if spec.function and not (spec.table.get("optional") and not (home and any(
+                    fnmatch.fnmatch(os.path.basename(e.path), home) for e in elfs))):
+                # optional: absent quietly where its library (`optional_with`) is not mapped
+                # (llama-server's, in llama-completion); there without it: a renamed function
                 warnings.append(f"{spec.function} not found: {spec.level} level partly degraded")
             continue
         if spec.callers and not spec.ret:

@@ -11,6 +11,9 @@
   decoding run below the last position is not taken for a new sequence: a context shift makes
   those too (a server's cached re-sent prompt looks the same; its request marks tell them
   apart: docs/requests.md).
+- A call the engine refused (llama_decode's return not 0: the KV cache full) is no one's: its
+  tokens come again. Speculative decoding (a draft context's calls on the same sequence ids,
+  verify batches of several tokens) is not told apart: its sequences are wrong.
 - TTFT = end of the call that completed the prompt chain - start of its first call; feed()
   says it at the sequence's first decode, or, for one that never decoded (one token
   generated, an immediate EOS, an embedding), when a new prompt replaces it.
@@ -75,6 +78,8 @@ class SequenceTracker:
     def feed(self, t: TokenCall) -> tuple[list[int], list[tuple[float, int]]]:
         """(TTFTs in ns, (ns per output token, tokens) per continued sequence) of this call."""
         ttfts, tpots = [], []
+        if t.ret != 0:          # refused (the KV cache full): its tokens are submitted again
+            return ttfts, tpots
         for key, pos0, n, decoding in _token_runs(t):
             if n <= 0:          # an empty batch (llama_decode refuses it): no tokens
                 continue
@@ -84,8 +89,12 @@ class SequenceTracker:
                     cur = self.current[key] = self._new(t.start_ns, key)
                 if not cur.decode_calls and cur.ttft_ns is not None:
                     ttfts.append(cur.ttft_ns)
-                anchor = cur.end_ns or cur.prefill_end_ns or t.start_ns
-                tpots.append(((t.end_ns - anchor) / n, n))
+                if pos0 is not None and cur.last_pos is not None and pos0 <= cur.last_pos:
+                    pass    # back below its last position (a context shift, a slot's cached re-sent
+                            # prompt): the time since its last call may be idle, not a token's
+                else:
+                    anchor = cur.end_ns or cur.prefill_end_ns or t.start_ns
+                    tpots.append(((t.end_ns - anchor) / n, n))
                 cur.decode_calls += 1
                 cur.decode_tokens += n
                 cur.end_ns = t.end_ns

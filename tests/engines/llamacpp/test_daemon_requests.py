@@ -11,6 +11,7 @@ from daemon_helpers import Daemon, _get, series
 import test_requests
 from test_requests import CASES, WORDS, _read_all, _realtime, _send
 
+from profinfer.core.profile.model import TokenCall
 from profinfer.engines.llamacpp.decode.live import MAX_OPEN, MAX_PENDING, RequestBook
 from profinfer.engines.llamacpp.decode.requests import LAUNCHED, POSTED, RequestMark
 from profinfer.engines.llamacpp.metrics import RequestMetrics
@@ -87,7 +88,12 @@ def test_the_request_book_is_bounded():
     book.feed([_launch(4999, 12, 7100)], now_ns=7100)
     m._finished()
     assert m.hists[0].counts and sum(m.hists[0].counts) == 1
-    # quiet: every request in flight finished, none kept
+    # quiet mid-prompt (a prompt chunk may take longer than quiet): kept, bounded by the slots
+    slots = list(book.open)
+    book.expire(10**5)
+    assert list(book.open) == slots and book.finished == []
+    # quiet past its prompt: every request in flight finished, none kept
+    book.feed([TokenCall.of_batch(1, 7200, 7300, 4 * len(slots), 0, tuple((s, 0, 4) for s in slots))])
     book.expire(10**5)
     m._finished()
     assert book.open == {} and book.finished == []

@@ -4,8 +4,8 @@ made as the marks and decode calls come, with bounded state (docs/requests.md).
 Per process it keeps the posts not yet launched (task id -> arrival; at most MAX_PENDING,
 the oldest dropped first, and none older than PENDING_MAX_NS) and the requests in flight
 (one per slot: at most MAX_OPEN slots). A request is finished, handed over and forgotten as
-soon as it can be: at the next launch on its slot, once its slot has been quiet for QUIET_NS,
-or at the process's exit. What is dropped unfinished is counted by reason."""
+soon as it can be: at the next launch on its slot, once its slot has been quiet for QUIET_NS
+past its prompt, or at the process's exit. What is dropped unfinished is counted by reason."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -57,7 +57,11 @@ class RequestBook:
         return out
 
     def expire(self, now_ns: int) -> None:
-        for slot in [s for s, o in self.open.items() if now_ns - o.last_ns >= self.quiet_ns]:
+        # only past its prompt: a prompt chunk is one decode call, seen at its end, which on a
+        # big model can take longer than quiet_ns (a mid-prompt request ends at its slot's next
+        # launch, or the process's exit)
+        for slot in [s for s, o in self.open.items()
+                     if o.req.first_token_ns is not None and now_ns - o.last_ns >= self.quiet_ns]:
             self._finish(self.open.pop(slot))
         while self.pending and now_ns - next(iter(self.pending.values())) >= self.pending_max_ns:
             self.pending.popitem(last=False)
@@ -73,7 +77,7 @@ class RequestBook:
     def _mark(self, m: RequestMark) -> None:
         if m.what == POSTED:
             for task, kind in zip(m.tasks, m.types):
-                if kind in SLOT_TASKS:
+                if kind in SLOT_TASKS and task >= 0:
                     self.pending[task] = m.start_ns
                     self.pending.move_to_end(task)
             while len(self.pending) > self.max_pending:
@@ -96,6 +100,8 @@ class RequestBook:
 
     def _call(self, c) -> None:
         """One decode call: its runs on open slots, as decode/requests.py's _fill reads them."""
+        if c.ret != 0:                  # refused (the KV cache full): the server submits it again
+            return
         for seq, pos0, n in c.runs:
             o = self.open.get(seq)
             if o is None or n <= 0 or c.start_ns < o.req.start_ns:

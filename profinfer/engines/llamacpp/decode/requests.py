@@ -81,7 +81,8 @@ def join(marks: list[RequestMark], tokens: list, pid: int = 0) -> list[Request]:
     for m in marks:
         if m.what == POSTED:
             for t in m.tasks:
-                arrival.setdefault(t, m.start_ns)
+                if t >= 0:          # a cancel's task is given its id inside the post: -1 here
+                    arrival.setdefault(t, m.start_ns)
     launches = sorted((m for m in marks if m.what == LAUNCHED), key=lambda m: m.start_ns)
     calls = sorted(tokens, key=lambda t: (t.start_ns, t.tid))
     starts = [t.start_ns for t in calls]
@@ -95,7 +96,7 @@ def join(marks: list[RequestMark], tokens: list, pid: int = 0) -> list[Request]:
     for m, until in zip(launches, bounds):
         task = m.tasks[0] if m.tasks else -1
         r = Request(id=task, seq=m.slot, start_ns=m.start_ns,
-                    arrival_ns=arrival.get(task, arrival.get(m.parent)),
+                    arrival_ns=arrival.get(task, arrival.get(m.parent) if m.parent >= 0 else None),
                     kind=m.types[0] if m.types else "", pid=m.pid)
         hi = len(calls) if until is None else bisect_left(starts, until)
         _fill(r, calls[bisect_left(starts, m.start_ns):hi])
@@ -107,6 +108,8 @@ def _fill(r: Request, calls: list) -> None:
     """The request's tokens and times from its slot's runs in `calls` (its window)."""
     decoding = 0
     for c in calls:
+        if c.ret != 0:                  # refused (the KV cache full): the server submits it again
+            continue
         for seq, pos0, n in c.runs:
             if seq != r.seq or n <= 0:
                 continue
