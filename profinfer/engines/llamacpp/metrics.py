@@ -87,6 +87,7 @@ class RequestMetrics(ProcessMetrics):
         other = RequestMetrics(RequestBook())        # a scrape's copy: its counts, no requests
         other.hists = [h.copy() for h in self.hists]
         other.book.dropped = dict(self.book.dropped)
+        other.book.marked = self.book.marked
         return other
 
     @staticmethod
@@ -98,6 +99,8 @@ class RequestMetrics(ProcessMetrics):
                                       "in_flight_cap (requests in flight over its cap)",
                                       labels=labels + ["reason"])
         for values, m in processes:
+            if not m.book.marked:       # no server (llama-completion): no request series
+                continue
             for fam, h in zip(fams, m.hists):
                 fam.add_metric(values, h.buckets(), h.total)
             for reason in DROPS:

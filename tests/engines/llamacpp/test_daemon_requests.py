@@ -106,6 +106,9 @@ def test_the_request_book_is_bounded():
     assert c.book.open == {} and c.book.pending == {} and c.book.dropped == book.dropped
     fams = {f.name: f for f in RequestMetrics.families([(["llama.cpp", "1"], c)], ["engine", "pid"], True, str)}
     assert {s.value for s in fams["profinfer_requests_dropped"].samples} == {4900, 79, 12}
+    # a process that never posted a request (llama-completion) has no request series
+    quiet = RequestMetrics.families([(["llama.cpp", "2"], RequestMetrics())], ["engine", "pid"], True, str)
+    assert all(not f.samples for f in quiet)
 
 
 def test_the_request_book_stays_small_at_its_caps():

@@ -40,6 +40,7 @@ class RequestBook:
         self.open: dict[int, _Open] = {}                         # slot -> its request
         self.dropped = dict.fromkeys(DROPS, 0)
         self.finished: list[Request] = []                        # taken by take()
+        self.marked = False             # a request mark came: a server (its series are shown)
 
     def feed(self, items: list, now_ns: int | None = None) -> None:
         """Marks (RequestMark) and decode calls (TokenCall) since the last feed; then what
@@ -75,6 +76,7 @@ class RequestBook:
         self.pending.clear()
 
     def _mark(self, m: RequestMark) -> None:
+        self.marked = True
         if m.what == POSTED:
             for task, kind in zip(m.tasks, m.types):
                 if kind in SLOT_TASKS and task >= 0:
