@@ -1,6 +1,6 @@
 """The flight recorder against a real slowdown: a llama-server under steady concurrent load,
 watched by the daemon with a TPOT trigger; midway, CPU-bound competitors take its CPUs. One
-capture is made, its firing within the hold time plus 2 s of the competitors' start, with a
+capture is made, its firing within the hold time plus its window of the competitors' start, with a
 baseline from before them; the capture's sched view names them as what preempted the
 server's threads (five minutes of steady load: tests/soak); the capture's HTML page shows what
 fired, the trigger's series around the moment and the changes against the baseline, each
@@ -160,8 +160,10 @@ def test_a_real_slowdown_fires_one_capture_that_names_its_cause(tmp_path, llama_
     cap = caps[0]
     fired = cap["fired"]
     assert fired["reason"] == "tpot_p99" and cap["pid"] == server.pid
-    # within the hold time plus 2 s of the slowdown's start, on a p99 above the limit
-    assert started + HOLD_S <= fired["fired_monotonic_s"] <= started + HOLD_S + 2, (fired, started)
+    # after the hold, and within the hold plus the trigger's window of the slowdown's start (a
+    # window whose samples are all the slowdown's has its p99 above the limit; a 2 s bound in
+    # its place failed once in a clean CI run, at 2.14 s: bench/results.md)
+    assert started + HOLD_S <= fired["fired_monotonic_s"] <= started + HOLD_S + WINDOW_S, (fired, started)
     assert fired["value"] > fired["limit"] == FACTOR * fired["baseline"] and fired["unit"] == "s"
     # its baseline: samples from before the slowdown
     assert fired["baseline_until_monotonic_s"] <= started, (fired, started)
