@@ -15,7 +15,8 @@ from profinfer.daemon.governor import Governor
 from profinfer.daemon.discovery.identity import Identity, container_of, pod_uid_of
 from profinfer.daemon.plugins import capabilities
 from profinfer.daemon.watch import Watch
-from profinfer.daemon.export.metrics import Metrics, _Histogram
+from profinfer.core.plugin.processmetrics import Histogram
+from profinfer.daemon.export.metrics import Metrics
 from profinfer.daemon.http.server import parse_listen
 from profinfer.daemon.http.tokens import load_token
 from profinfer.core.base.errors import ProfinferError
@@ -136,7 +137,7 @@ def test_no_op_level_is_given_back_to_an_engine_without_one():
 
 
 def test_histogram_buckets_are_cumulative_and_inclusive():
-    h = _Histogram((0.001, 0.01, 0.1))
+    h = Histogram((0.001, 0.01, 0.1))
     for v in (0.001, 0.005, 0.01, 0.5):
         h.observe(v)
     assert h.buckets() == [("0.001", 1), ("0.01", 3), ("0.1", 3), ("+Inf", 4)]

@@ -4,7 +4,8 @@ process, fed the plug-in's records by the daemon, copied at each scrape into Pro
 the flight recorder. Only the level reads its record kinds: the daemon passes them on."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 
@@ -56,3 +57,31 @@ class ProcessMetrics:
         every family, with or without samples. `minimal`: no names a tenant chose; a name
         that is the tenant's goes through `printable`."""
         raise NotImplementedError
+
+
+@dataclass
+class Histogram:
+    """A Prometheus histogram's counts, kept cheaply: per bucket of `bounds` (the last: over
+    them all), and the sum; buckets() gives them cumulative, as the text format has them."""
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self):
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, v: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += n
+        self.total += v * n
+
+    def copy(self) -> "Histogram":
+        h = Histogram(self.bounds)
+        h.counts, h.total = list(self.counts), self.total
+        return h
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, acc = [], 0
+        for le, c in zip(list(self.bounds) + [float("inf")], self.counts):
+            acc += c
+            out.append(("+Inf" if le == float("inf") else repr(float(le)), acc))
+        return out

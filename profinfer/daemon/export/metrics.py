@@ -8,7 +8,6 @@ GPU metrics come from NVML (nvml.py).
 """
 from __future__ import annotations
 
-import bisect
 import resource
 import threading
 from functools import lru_cache
@@ -18,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from profinfer.core.base import registry
-from profinfer.core.plugin.processmetrics import ProcessMetrics
+from profinfer.core.plugin.processmetrics import Histogram, ProcessMetrics
 from profinfer.core.profile.model import TokenCall
 from profinfer.daemon.discovery.identity import Identity, printable
 from profinfer.daemon.export.nvml import GpuSampler, gpu_changes, gpu_families
@@ -36,39 +35,13 @@ CALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 
 @dataclass
-class _Histogram:
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-
-    def __post_init__(self):
-        self.counts = [0] * (len(self.bounds) + 1)
-
-    def observe(self, v: float, n: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.bounds, v)] += n
-        self.total += v * n
-
-    def copy(self) -> "_Histogram":
-        h = _Histogram(self.bounds)
-        h.counts, h.total = list(self.counts), self.total
-        return h
-
-    def buckets(self) -> list[tuple[str, int]]:
-        out, acc = [], 0
-        for le, c in zip(list(self.bounds) + [float("inf")], self.counts):
-            acc += c
-            out.append(("+Inf" if le == float("inf") else repr(float(le)), acc))
-        return out
-
-
-@dataclass
 class _Process:
     identity: Identity
     calls: dict[str, int] = field(default_factory=dict)     # phase -> decode calls
     tokens: dict[str, int] = field(default_factory=dict)    # prefill/decode -> tokens
-    ttft: _Histogram = field(default_factory=lambda: _Histogram(TTFT_BUCKETS))
-    tpot: _Histogram = field(default_factory=lambda: _Histogram(TPOT_BUCKETS))
-    call_time: dict[str, _Histogram] = field(default_factory=dict)
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
+    call_time: dict[str, Histogram] = field(default_factory=dict)
     lost: int = 0
     ops: dict[str, list[int]] = field(default_factory=dict)    # op type -> [ops, ns]
     level: int = 0
@@ -97,7 +70,7 @@ def level_metrics() -> dict[str, type[ProcessMetrics]]:
 
 
 def _observe_call(p: _Process, t: TokenCall) -> None:
-    p.call_time.setdefault(t.phase, _Histogram(CALL_BUCKETS)).observe(t.dur_ns / 1e9)
+    p.call_time.setdefault(t.phase, Histogram(CALL_BUCKETS)).observe(t.dur_ns / 1e9)
 
 
 class Metrics:

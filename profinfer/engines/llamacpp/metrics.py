@@ -4,12 +4,11 @@ output token and tokens, as each request is finished (decode/live.py: bounded); 
 dropped unfinished, counted. No token text: task ids, slots and token counts only."""
 from __future__ import annotations
 
-import bisect
 import time
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from profinfer.core.plugin.processmetrics import ProcessMetrics
+from profinfer.core.plugin.processmetrics import Histogram, ProcessMetrics
 from profinfer.engines.llamacpp.decode.live import DROPS, RequestBook
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -31,33 +30,10 @@ FAMILIES = (
 )
 
 
-class _Hist:
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: tuple[float, ...]):
-        self.bounds, self.counts, self.total = bounds, [0] * (len(bounds) + 1), 0.0
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, v)] += 1
-        self.total += v
-
-    def copy(self) -> "_Hist":
-        h = _Hist(self.bounds)
-        h.counts, h.total = list(self.counts), self.total
-        return h
-
-    def buckets(self) -> list[tuple[str, int]]:
-        out, acc = [], 0
-        for le, c in zip([*self.bounds, float("inf")], self.counts):
-            acc += c
-            out.append(("+Inf" if le == float("inf") else repr(float(le)), acc))
-        return out
-
-
 class RequestMetrics(ProcessMetrics):
     def __init__(self, book: RequestBook | None = None):
         self.book = book if book is not None else RequestBook()
-        self.hists = [_Hist(b) for _, _, b in FAMILIES]
+        self.hists = [Histogram(b) for _, _, b in FAMILIES]
 
     def observe(self, counted: list, sent: list) -> None:
         """sent: the process's request marks and decode calls since the last observe (maybe
